@@ -1,0 +1,25 @@
+# Quick start: `make train` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ARGS   ?=
+
+.PHONY: install train test bench clean
+
+install: $(STAMP)
+
+# Re-installs whenever pyproject.toml changes (or the venv is missing).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+	touch $(STAMP)
+
+train: install
+	$(VENV)/bin/megajax train $(ARGS)
+
+test: install
+	$(PY) -m pytest -q tests $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

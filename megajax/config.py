@@ -1,0 +1,444 @@
+"""Typed configuration tree.
+
+A run is described by one `Config`: sections model, mesh, parallel, train,
+optim, data, checkpoint, logging. It is built from YAML files (a file may
+`include:` others, which it then overrides) and `key.sub=value` overrides,
+in that order. Every key and value is checked against the dataclass types
+here; mistakes raise `ConfigError` naming the key, the value and what is
+accepted.
+
+This module does not import JAX: the CLI reads the config before JAX starts
+(e.g. to set a simulated CPU device count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from megajax.errors import ConfigError
+
+MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
+
+# Repository's configs/ directory (editable installs and source checkouts).
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# ----------------------------------------------------------------------------
+# Sections
+# ----------------------------------------------------------------------------
+
+FAMILY_DEFAULTS = {
+    # GPT-2 / Megatron GPT: learned positions, LayerNorm, GELU, biases, tied embeddings.
+    "gpt": dict(norm="layernorm", activation="gelu", position_embedding="learned",
+                use_bias=True, tie_embeddings=True),
+    # Llama 2/3: RoPE, RMSNorm, SwiGLU, no biases, untied output layer.
+    "llama": dict(norm="rmsnorm", activation="swiglu", position_embedding="rope",
+                  use_bias=False, tie_embeddings=False),
+}
+
+
+@dataclass
+class ModelConfig:
+    family: Literal["gpt", "llama"] = "llama"
+    num_layers: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int | None = None  # None: = num_heads (no grouped-query attention)
+    head_dim: int | None = None  # None: hidden_size // num_heads
+    ffn_hidden_size: int = 1024
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary
+    make_vocab_size_divisible_by: int = 128  # padded to a multiple of this x tensor size
+    max_position_embeddings: int | None = None  # None: train.seq_len
+    # None: the family's default (FAMILY_DEFAULTS).
+    norm: Literal["layernorm", "rmsnorm"] | None = None
+    activation: Literal["gelu", "swiglu"] | None = None
+    position_embedding: Literal["learned", "rope"] | None = None
+    use_bias: bool | None = None
+    tie_embeddings: bool | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_std: float = 0.02
+    attention_impl: Literal["xla"] = "xla"
+
+    def resolve(self, seq_len: int) -> None:
+        for key, value in FAMILY_DEFAULTS[self.family].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(
+                    f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads="
+                    f"{self.num_heads}; set model.head_dim explicitly or change one of them.")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = seq_len
+
+    def padded_vocab_size(self, tensor: int = 1) -> int:
+        """Vocabulary padded like Megatron: a multiple of make_vocab_size_divisible_by x tensor."""
+        multiple = self.make_vocab_size_divisible_by * tensor
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass
+class DcnConfig:
+    """Inter-node (data-centre network) factor of each mesh axis, for multi-host meshes."""
+    pipeline: int = 1
+    data: int = 1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+
+
+@dataclass
+class MeshConfig:
+    """Mesh axis sizes (per slice/node when `dcn` is set); one may be -1 to take the remaining devices."""
+    pipeline: int = 1
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    tensor: int = 1
+    dcn: DcnConfig = field(default_factory=DcnConfig)
+    # Number of simulated CPU devices to create when running on CPU (0: leave as is).
+    # Ignored when the caller already set --xla_force_host_platform_device_count.
+    cpu_devices: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over data axes
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 240
+    seed: int = 0
+    seq_len: int = 256
+    global_batch: int = 8
+    micro_batch: int | None = None  # per data-parallel rank; None: no accumulation
+    precision: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    run_dir: str = ""  # empty: runs/<date>-<time>
+    log_every: int = 10
+    skip_nonfinite: bool = False  # skip a step with non-finite loss/grads instead of stopping
+    # fp16 dynamic loss scaling (Megatron's defaults).
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    peak_tflops: float | None = None  # per device; None: from the device table
+    sample_tokens: int = 160  # greedy sample printed after training (0: none)
+    sample_prompt: str = "def "
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 20
+    decay_style: Literal["cosine", "linear", "constant"] = "cosine"
+    decay_steps: int | None = None  # None: train.steps
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # global-norm clipping (0: off)
+
+
+@dataclass
+class DataConfig:
+    # Megatron dataset prefix, or [weight, prefix, weight, prefix, ...]; empty: the
+    # embedded corpus (this Python's standard library sources).
+    path: Union[str, list] = ""
+    tokenizer: str = "byte"
+    corpus_max_mb: float = 8.0  # size cap of the embedded corpus
+
+
+@dataclass
+class CheckpointConfig:
+    pass
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: Literal["auto", "on", "off"] = "auto"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# ----------------------------------------------------------------------------
+# Typed construction from nested dicts
+# ----------------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(str(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+            list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+_NO_MATCH = object()
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Returns value converted to tp, or _NO_MATCH."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value if value in typing.get_args(tp) else _NO_MATCH
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            out = _coerce(value, arg)
+            if out is not _NO_MATCH:
+                return out
+        return _NO_MATCH
+    if tp is type(None):
+        return None if value is None else _NO_MATCH
+    if tp is bool:
+        return value if isinstance(value, bool) else _NO_MATCH
+    if tp is int:
+        if isinstance(value, bool):
+            return _NO_MATCH
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return _NO_MATCH
+    if tp is float:
+        if isinstance(value, bool):
+            return _NO_MATCH
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                return _NO_MATCH
+        return _NO_MATCH
+    if tp is str:
+        return value if isinstance(value, str) else _NO_MATCH
+    if tp is list or origin is list:
+        return list(value) if isinstance(value, (list, tuple)) else _NO_MATCH
+    return _NO_MATCH
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key {prefix or '<root>'} = {data!r}: expected a mapping of "
+                          f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            where = f"{prefix}." if prefix else ""
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            hint = f"; did you mean {where}{close[0]}?" if close else ""
+            raise ConfigError(f"config key {where}{key}: unknown key{hint} "
+                              f"Accepted keys{' in ' + prefix if prefix else ''}: {', '.join(names)}.")
+    kwargs = {}
+    for name in names:
+        if name not in data:
+            continue
+        tp = hints[name]
+        key = f"{prefix}.{name}" if prefix else name
+        value = data[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key)
+            continue
+        out = _coerce(value, tp)
+        if out is _NO_MATCH:
+            raise ConfigError(f"config key {key} = {value!r}: expected {_type_name(tp)}.")
+        kwargs[name] = out
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Files and overrides
+# ----------------------------------------------------------------------------
+
+def resolve_config_path(name: str, relative_to: Path | None = None) -> Path:
+    """A config file by path, or by name under configs/ (e.g. `model/llama3-8b`, `tiny`)."""
+    candidates = []
+    raw = Path(name)
+    for base in ([relative_to] if relative_to else []) + [Path.cwd(), CONFIG_DIR]:
+        candidates += [base / raw, base / f"{name}.yaml"]
+    candidates += sorted(CONFIG_DIR.glob(f"*/{name}.yaml")) + sorted(CONFIG_DIR.glob(f"*/{name}"))
+    for c in candidates:
+        if c.is_file():
+            return c
+    known = sorted(str(p.relative_to(CONFIG_DIR).with_suffix("")) for p in CONFIG_DIR.glob("*/*.yaml"))
+    raise ConfigError(f"config file {name!r} not found (looked relative to "
+                      f"{relative_to or Path.cwd()} and in {CONFIG_DIR}). Shipped configs: {', '.join(known)}.")
+
+
+def _deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
+    """Reads a config file, applying its `include:` list (included files first, this file on top)."""
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"config file {path} includes itself (include chain: "
+                          f"{' -> '.join(str(p) for p in _seen + (path,))}).")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}.")
+    includes = data.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    merged: dict = {}
+    for inc in includes:
+        merged = _deep_merge(merged, load_yaml(resolve_config_path(inc, path.parent), _seen + (path,)))
+    return _deep_merge(merged, data)
+
+
+def parse_override(text: str) -> dict:
+    """`train.steps=10` -> {'train': {'steps': 10}} (the value is read as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value (e.g. train.steps=100).")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: the key must be dotted names such as train.steps.")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict = value
+    for part in reversed(key.split(".")):
+        out = {part: out}
+    return out
+
+
+def load_config(files: list[str] | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Builds, resolves and validates a Config from files, then overrides (later wins)."""
+    merged: dict = dict(base or {})
+    for f in files or []:
+        merged = _deep_merge(merged, load_yaml(resolve_config_path(f)))
+    for o in overrides or []:
+        merged = _deep_merge(merged, parse_override(o))
+    cfg = _build(Config, merged, "")
+    finalize(cfg)
+    return cfg
+
+
+def finalize(cfg: Config) -> Config:
+    """Fills derived values and checks combinations that need no devices."""
+    cfg.model.resolve(cfg.train.seq_len)
+    validate(cfg)
+    return cfg
+
+
+def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"config key {key} = {value}: must be {'>= 0' if allow_zero else '> 0'}.")
+
+
+def validate(cfg: Config) -> None:
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                "ffn_hidden_size", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("steps", "seq_len", "global_batch", "micro_batch", "log_every", "loss_scale_window",
+                "hysteresis"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    _positive("optim.lr", o.lr)
+    _positive("optim.min_lr", o.min_lr, allow_zero=True)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    _positive("optim.clip_grad", o.clip_grad, allow_zero=True)
+    _positive("optim.weight_decay", o.weight_decay, allow_zero=True)
+    _positive("optim.decay_steps", o.decay_steps)
+    if o.min_lr > o.lr:
+        raise ConfigError(f"optim.min_lr={o.min_lr} is larger than optim.lr={o.lr}; min_lr must be <= lr.")
+    for key in ("hidden_dropout", "attention_dropout"):
+        p = getattr(m, key)
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"config key model.{key} = {p}: must be in [0, 1).")
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
+                          f"{m.num_kv_heads}; grouped-query attention needs whole groups.")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for rotary position embeddings.")
+    if m.position_embedding == "learned" and m.max_position_embeddings < t.seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
+                          f"{m.max_position_embeddings} of the learned position table; lower "
+                          f"train.seq_len or raise model.max_position_embeddings.")
+    if t.precision == "fp8":
+        raise ConfigError("train.precision = 'fp8' is not available yet (FP8 delayed scaling is a "
+                          "later feature); accepted now: fp32, bf16, fp16.")
+    for axis in MESH_AXES:
+        size = getattr(cfg.mesh, axis)
+        if size == 0 or size < -1:
+            raise ConfigError(f"config key mesh.{axis} = {size}: must be a positive size or -1 "
+                              f"(take the remaining devices).")
+        _positive(f"mesh.dcn.{axis}", getattr(cfg.mesh.dcn, axis))
+    if sum(getattr(cfg.mesh, a) == -1 for a in MESH_AXES) > 1:
+        raise ConfigError("at most one mesh axis may be -1; got "
+                          + ", ".join(f"mesh.{a}=-1" for a in MESH_AXES if getattr(cfg.mesh, a) == -1) + ".")
+    _positive("mesh.cpu_devices", cfg.mesh.cpu_devices, allow_zero=True)
+    if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
+        raise ConfigError(f"mesh.pipeline = {cfg.mesh.pipeline}: pipeline parallelism is not "
+                          "available yet; use mesh.pipeline=1.")
+    for axis in ("expert", "context"):
+        if getattr(cfg.mesh, axis) not in (1,) or getattr(cfg.mesh.dcn, axis) != 1:
+            raise ConfigError(f"mesh.{axis} = {getattr(cfg.mesh, axis)}: {axis} parallelism is not "
+                              f"available yet; use mesh.{axis}=1.")

@@ -1,0 +1,209 @@
+"""Device mesh from config, and the logical-axis -> mesh-axis rules tables.
+
+Mesh axes, outermost to innermost: pipeline, data, fsdp, expert, context,
+tensor. Model code only names logical axes (`embed`, `heads`, `mlp`, ...);
+the tables below decide where each goes. Parallel strategies are entries in
+these tables:
+
+- data parallel: activations' `batch` over `data` (and `fsdp`);
+- FSDP (ZeRO-3): parameters' `embed` over `fsdp`;
+- distributed optimizer (ZeRO-1): optimizer state's `embed` over `data`
+  (and `fsdp`), parameters left replicated over `data`;
+- tensor parallel: `heads`, `kv_heads`, `mlp`, `vocab` over `tensor`
+  (Megatron's column/row splits follow from the weight layouts);
+- sequence parallel: activations' `residual_length` (the sequence dim outside
+  tensor-parallel regions) over `tensor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.config import MESH_AXES, Config
+from megajax.errors import MeshError
+
+Rules = Mapping[str, tuple[str, ...]]
+
+
+# ----------------------------------------------------------------------------
+# Mesh
+# ----------------------------------------------------------------------------
+
+def axis_sizes(cfg: Config, num_devices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(per-node sizes, inter-node factors) of every axis, with -1 filled in."""
+    dcn = {a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES}
+    num_slices = math.prod(dcn.values())
+    if num_devices % num_slices:
+        raise MeshError(f"mesh.dcn asks for {num_slices} nodes ({_fmt(dcn)}) but {num_devices} devices "
+                        f"do not split evenly into {num_slices} nodes.")
+    per_slice = num_devices // num_slices
+    ici = {a: getattr(cfg.mesh, a) for a in MESH_AXES}
+    fixed = math.prod(v for v in ici.values() if v != -1)
+    fill = [a for a, v in ici.items() if v == -1]
+    if fill:
+        if per_slice % fixed:
+            raise MeshError(f"mesh {_fmt({a: v for a, v in ici.items() if v != -1})} uses {fixed} devices "
+                            f"per node, which does not divide the {per_slice} devices available per node; "
+                            f"mesh.{fill[0]}=-1 cannot be filled. Change the fixed sizes.")
+        ici[fill[0]] = per_slice // fixed
+    elif fixed != per_slice:
+        raise MeshError(f"mesh {_fmt(ici)} uses {fixed} devices per node but {per_slice} are available"
+                        f"{' per node' if num_slices > 1 else ''}; set one axis to -1 (e.g. mesh.data=-1) "
+                        f"or change the sizes so their product is {per_slice}.")
+    return ici, dcn
+
+
+def _fmt(sizes: Mapping[str, int]) -> str:
+    shown = [f"{a}={v}" for a, v in sizes.items() if v != 1] or ["all axes 1"]
+    return " x ".join(shown)
+
+
+def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
+    """Builds the 6-axis mesh (axis type Auto) for the devices; hybrid across nodes when mesh.dcn is set."""
+    devices = list(devices if devices is not None else jax.devices())
+    ici, dcn = axis_sizes(cfg, len(devices))
+    shape = tuple(ici[a] for a in MESH_AXES)
+    dcn_shape = tuple(dcn[a] for a in MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    if math.prod(dcn_shape) == 1:
+        try:
+            return jax.make_mesh(shape, MESH_AXES, axis_types=auto, devices=devices)
+        except Exception:  # e.g. a device subset make_mesh cannot lay out physically
+            return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
+    from jax.experimental import mesh_utils
+    granule_by_process = not hasattr(devices[0], "slice_index")
+    dev_array = mesh_utils.create_hybrid_device_mesh(
+        shape, dcn_shape, devices, process_is_granule=granule_by_process)
+    return Mesh(dev_array, MESH_AXES, axis_types=auto)
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    s = mesh_sizes(mesh)
+    return s["data"] * s["fsdp"]
+
+
+def validate_for_model(cfg: Config, mesh: Mesh) -> None:
+    """Checks that the model, batch and sequence split evenly over the mesh."""
+    s = mesh_sizes(mesh)
+    m, t = cfg.model, cfg.train
+    tp, dp = s["tensor"], s["data"] * s["fsdp"]
+    checks = [
+        (m.num_heads, "model.num_heads", tp, "mesh.tensor"),
+        (m.num_kv_heads, "model.num_kv_heads", tp, "mesh.tensor"),
+        (m.ffn_hidden_size, "model.ffn_hidden_size", tp, "mesh.tensor"),
+        (m.hidden_size, "model.hidden_size", s["fsdp"], "mesh.fsdp"),
+    ]
+    if cfg.parallel.distributed_optimizer:
+        checks.append((m.hidden_size, "model.hidden_size", dp,
+                       "mesh.data x mesh.fsdp (distributed optimizer)"))
+    if cfg.parallel.sequence_parallel:
+        checks.append((t.seq_len, "train.seq_len", tp, "mesh.tensor (sequence parallel)"))
+    for value, key, size, axis in checks:
+        if value % size:
+            raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
+                            f"(sizes that divide: {_divisors(value, size)}) or {key}.")
+    micro = t.micro_batch if t.micro_batch is not None else t.global_batch // dp
+    if micro < 1 or t.global_batch % (micro * dp):
+        raise MeshError(
+            f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={micro} x "
+            f"data-parallel size {dp} (mesh.data={s['data']} x mesh.fsdp={s['fsdp']}); the global "
+            f"batch is micro_batch x accumulation steps x data-parallel size. Change train.global_batch "
+            f"or train.micro_batch.")
+
+
+def _divisors(value: int, upto: int) -> str:
+    return ", ".join(str(d) for d in range(1, max(upto, 8) * 2 + 1) if value % d == 0)
+
+
+# ----------------------------------------------------------------------------
+# Rules tables
+# ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ShardingRules:
+    """Logical -> mesh axis tables for parameters, optimizer state and activations."""
+    params: Rules
+    opt_state: Rules
+    activations: Rules
+
+
+def make_rules(cfg: Config) -> ShardingRules:
+    tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
+                   "mlp": ("tensor",)}
+    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": ()}
+    opt_state = dict(params)
+    if cfg.parallel.distributed_optimizer:
+        opt_state["embed"] = ("data", "fsdp")
+    activations = {
+        **tensor_dims,
+        "batch": ("data", "fsdp"),
+        "length": (),  # sequence inside tensor-parallel regions
+        "residual_length": ("tensor",) if cfg.parallel.sequence_parallel else (),
+        "embed": (),
+        "head_dim": (),
+    }
+    return ShardingRules(params=params, opt_state=opt_state, activations=activations)
+
+
+def logical_to_spec(names: tuple[str | None, ...], rules: Rules) -> P:
+    """PartitionSpec for logical dim names; a mesh axis is used at most once (first dim wins)."""
+    used: set[str] = set()
+    out: list[Any] = []
+    for name in names:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise KeyError(f"logical axis {name!r} has no entry in the rules table {sorted(rules)}")
+        axes = tuple(a for a in rules[name] if a not in used)
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*out)
+
+
+def named_sharding(mesh: Mesh, names: tuple[str | None, ...], rules: Rules) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def tree_shardings(mesh: Mesh, axes_tree: Any, rules: Rules) -> Any:
+    """Maps a pytree of logical-axes tuples to NamedShardings."""
+    return jax.tree.map(lambda names: named_sharding(mesh, names, rules), axes_tree,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+# ----------------------------------------------------------------------------
+# Activation constraints (used by model code through logical names only)
+# ----------------------------------------------------------------------------
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("megajax_activation_rules", default=None)
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh | None, rules: Rules | None):
+    """Within this context (while tracing), `logical_constraint` pins activations to the mesh."""
+    token = _ACTIVE.set((mesh, rules) if mesh is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """with_sharding_constraint by logical dim names; the identity when no mesh is active."""
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, names, rules))

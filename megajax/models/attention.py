@@ -1,0 +1,99 @@
+"""Self-attention block, with the attention core (the kernel) injected.
+
+Layouts: q [batch, length, heads, head_dim], k/v [batch, length, kv_heads,
+head_dim]. Grouped-query attention is computed without repeating k/v: the
+query heads are viewed as [kv_heads, group].
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.config import ModelConfig
+from megajax.mesh import logical_constraint
+from megajax.models.layers import Dense, apply_rope, dropout
+
+
+class AttentionCore(Protocol):
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, *, segment_ids: jax.Array | None,
+                 causal: bool, dropout_rate: float, dropout_rng: jax.Array | None) -> jax.Array: ...
+
+
+def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=True,
+                  softmax_scale=None, dropout_rate=0.0, dropout_rng=None):
+    """Plain-jnp attention: softmax in fp32, causal and document (segment id) masking."""
+    b, l, h, d = q_BxLxHxK.shape
+    g = k_BxTxGxK.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    q = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    scores = jnp.einsum("blgrk,btgk->bgrlt", q, k_BxTxGxK,
+                        preferred_element_type=jnp.float32) * scale
+    t = k_BxTxGxK.shape[1]
+    mask = None
+    if causal:
+        mask = (jnp.arange(l)[:, None] >= jnp.arange(t)[None, :])[None, None, None]
+    if segment_ids is not None:
+        same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+        mask = same_doc if mask is None else mask & same_doc
+    if mask is not None:
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = dropout(probs, dropout_rate, dropout_rng).astype(v_BxTxGxK.dtype)
+    out = jnp.einsum("bgrlt,btgk->blgrk", probs, v_BxTxGxK)
+    return out.reshape(b, l, h, d)
+
+
+ATTENTION_IMPLS: dict[str, Callable] = {"xla": xla_attention}
+
+
+def make_attention_core(impl: str, recompute: str) -> Callable:
+    """The attention core chosen once from config; `selective` recompute wraps it in a checkpoint."""
+    core = ATTENTION_IMPLS[impl]
+    if recompute != "selective":
+        return core
+
+    # Megatron's selective recomputation: only QK^T, softmax, dropout and AV are
+    # recomputed in the backward pass; their inputs and output are kept.
+    def recomputed_core(q, k, v, *, segment_ids, causal, dropout_rate, dropout_rng):
+        def f(q, k, v, segment_ids, dropout_rng):
+            return core(q, k, v, segment_ids=segment_ids, causal=causal,
+                        dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+        return jax.checkpoint(f, prevent_cse=False)(q, k, v, segment_ids, dropout_rng)
+
+    return recomputed_core
+
+
+ACT_Q = ("batch", "length", "heads", "head_dim")
+ACT_KV = ("batch", "length", "kv_heads", "head_dim")
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, core: Callable, dtype, dot_general, rngs: nnx.Rngs):
+        h, nh, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        common = dict(use_bias=cfg.use_bias, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        self.q = Dense(h, (nh, hd), axes=("embed", "heads", "head_dim"), init_std=cfg.init_std, **common)
+        self.k = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), init_std=cfg.init_std, **common)
+        self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), init_std=cfg.init_std, **common)
+        # Output projection: Megatron's scaled init std / sqrt(2 * layers).
+        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"),
+                       init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
+        self.core = core
+        self.dropout_rate = cfg.attention_dropout
+
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
+        q = logical_constraint(self.q(x_BxLxD), ACT_Q)
+        k = logical_constraint(self.k(x_BxLxD), ACT_KV)
+        v = logical_constraint(self.v(x_BxLxD), ACT_KV)
+        if inv_freq is not None:
+            q = apply_rope(q, positions_BxL, inv_freq)
+            k = apply_rope(k, positions_BxL, inv_freq)
+        out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True,
+                        dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
+                        dropout_rng=dropout_rng)
+        out = logical_constraint(out, ACT_Q)
+        return self.o(out)

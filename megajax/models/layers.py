@@ -1,0 +1,164 @@
+"""Building blocks: Dense (injectable dot_general), embeddings, norms, rotary, dropout.
+
+Every parameter carries its logical axis names in the `axes` metadata; the
+mapping to mesh axes lives in megajax/mesh.py. Parameters are stored in
+`param_dtype` (fp32 master weights) and cast to the compute `dtype` on use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+DotGeneral = Callable[..., jax.Array]
+
+
+def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
+    return (x,) if isinstance(x, int) else tuple(x)
+
+
+def normal_init(key: jax.Array, shape: tuple[int, ...], std: float, dtype=jnp.float32) -> jax.Array:
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def padded_normal_init(key: jax.Array, shape: tuple[int, ...], std: float, axis: int,
+                       real_size: int, dtype=jnp.float32) -> jax.Array:
+    """Normal init of the first `real_size` entries along `axis`, zeros in the padding.
+
+    The real part does not depend on the padded size, so a model padded for
+    tensor=4 holds the same weights as one padded for tensor=1.
+    """
+    real_shape = list(shape)
+    real_shape[axis] = real_size
+    w = normal_init(key, tuple(real_shape), std, dtype)
+    pad = [(0, 0)] * len(shape)
+    pad[axis] = (0, shape[axis] - real_size)
+    return jnp.pad(w, pad)
+
+
+class Dense(nnx.Module):
+    """y[..., out] = x[..., in] . W[in, out] (+ b[out]); `in` and `out` may each be several dims.
+
+    `axes` names the logical axes of W (in dims then out dims). `dot_general`
+    is injected (e.g. an FP8 delayed-scaling dot_general).
+    """
+
+    def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
+                 axes: tuple[str, ...], use_bias: bool = False, init_std: float = 0.02,
+                 dtype=jnp.float32, param_dtype=jnp.float32,
+                 dot_general: DotGeneral = jax.lax.dot_general, rngs: nnx.Rngs):
+        self.in_features = _tuple(in_features)
+        self.out_features = _tuple(out_features)
+        assert len(axes) == len(self.in_features) + len(self.out_features), axes
+        shape = self.in_features + self.out_features
+        self.kernel = nnx.Param(normal_init(rngs.params(), shape, init_std, param_dtype), axes=axes)
+        self.bias = (nnx.Param(jnp.zeros(self.out_features, param_dtype),
+                               axes=axes[len(self.in_features):]) if use_bias else None)
+        self.dtype = dtype
+        self.dot_general = dot_general
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        n_in = len(self.in_features)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        y = self.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
+                             (contract, ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class Embed(nnx.Module):
+    """Token embedding table [vocab (padded), embed]; `attend` gives tied output logits."""
+
+    def __init__(self, vocab_size: int, padded_vocab_size: int, features: int, *,
+                 init_std: float, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        table = padded_normal_init(rngs.params(), (padded_vocab_size, features), init_std, 0,
+                                   vocab_size, param_dtype)
+        self.embedding = nnx.Param(table, axes=("vocab", "embed"))
+        self.dtype = dtype
+
+    def __call__(self, ids_BxL: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], ids_BxL, axis=0).astype(self.dtype)
+
+    def attend(self, x_BxLxD: jax.Array) -> jax.Array:
+        return jnp.einsum("bld,vd->blv", x_BxLxD.astype(self.dtype),
+                          self.embedding[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), axes=("embed",))
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), axes=("embed",))
+        self.bias = nnx.Param(jnp.zeros((features,), param_dtype), axes=("embed",))
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def make_norm(kind: str, features: int, *, eps: float, dtype, param_dtype=jnp.float32) -> nnx.Module:
+    cls = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}[kind]
+    return cls(features, eps=eps, dtype=dtype, param_dtype=param_dtype)
+
+
+# ----------------------------------------------------------------------------
+# Rotary position embedding ("rotate half" pairing: dim j with j + head_dim/2)
+# ----------------------------------------------------------------------------
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
+                  low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
+                  original_max_position: int = 8192) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with Llama-3's frequency scaling when asked."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling == "llama3":
+        wavelen = 2 * math.pi / inv_freq
+        low_freq_wavelen = original_max_position / low_freq_factor
+        high_freq_wavelen = original_max_position / high_freq_factor
+        # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept,
+        # and the band between interpolated smoothly.
+        smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        between = (wavelen <= low_freq_wavelen) & (wavelen >= high_freq_wavelen)
+        scaled = np.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+        inv_freq = scaled
+    elif scaling != "none":
+        raise ValueError(f"unknown rope scaling {scaling!r}")
+    return inv_freq.astype(np.float32)
+
+
+def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    angles = positions_BxL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [B, L, K/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_BxLxHxK.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when rate is 0 or no rng is given (evaluation)."""
+    if rate == 0.0 or rng is None:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))

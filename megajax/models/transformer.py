@@ -1,0 +1,136 @@
+"""Decoder-only transformer: one family configured into GPT-2/Megatron-GPT or Llama 2/3.
+
+    tokens [B, L] -> embed (+ learned positions) -> N x Block (scanned) -> norm -> logits [B, L, V]
+
+Blocks are pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). The N blocks'
+parameters are stacked on a leading `layers` dim and applied with
+`jax.lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.config import ModelConfig
+from megajax.mesh import logical_constraint
+from megajax.models.attention import Attention, make_attention_core
+from megajax.models.layers import Embed, dropout, make_norm, normal_init, padded_normal_init, rope_inv_freq
+from megajax.models.mlp import MLP
+
+RESIDUAL = ("batch", "residual_length", "embed")
+LOGITS = ("batch", "length", "vocab")
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, dot_general,
+                 rngs: nnx.Rngs):
+        self.attn_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        self.attn = Attention(cfg, core=attention_core, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
+        rngs = jax.random.split(dropout_rng, 3) if dropout_rng is not None else [None] * 3
+        h = self.attn(self.attn_norm(x_BxLxD), positions_BxL=positions_BxL,
+                      segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=rngs[0])
+        x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1]), RESIDUAL)
+        h = self.mlp(self.mlp_norm(x))
+        return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL)
+
+
+def _add_layers_axis(module: nnx.Module) -> None:
+    """Stacked parameters get a leading `layers` logical axis."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Variable):
+            node.set_metadata(axes=("layers",) + tuple(node.get_metadata()["axes"]))
+
+
+class Transformer(nnx.Module):
+    """Causal language model. `padded_vocab_size` is model.padded_vocab_size(tensor size)."""
+
+    def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
+                 recompute: str = "none", dot_general=jax.lax.dot_general, rngs: nnx.Rngs):
+        self.cfg = cfg
+        vocab = padded_vocab_size or cfg.padded_vocab_size()
+        self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
+        self.dtype = dtype
+        self.embed = Embed(cfg.vocab_size, vocab, cfg.hidden_size, init_std=cfg.init_std,
+                           dtype=dtype, rngs=rngs)
+        if cfg.position_embedding == "learned":
+            self.pos_embed = nnx.Param(
+                normal_init(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std),
+                axes=("position", "embed"))
+        core = make_attention_core(cfg.attention_impl, recompute)
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+        def make_blocks(rngs):
+            return Block(cfg, dtype=dtype, attention_core=core, dot_general=dot_general, rngs=rngs)
+
+        self.layers = make_blocks(rngs)
+        _add_layers_axis(self.layers)
+        self.recompute = recompute
+        self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        if not cfg.tie_embeddings:
+            self.output = nnx.Param(
+                padded_normal_init(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, 1, cfg.vocab_size),
+                axes=("embed", "vocab"))
+        if cfg.position_embedding == "rope":
+            self.inv_freq = tuple(float(f) for f in rope_inv_freq(
+                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position))
+        else:
+            self.inv_freq = None
+
+    def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
+                 segment_ids_BxL: jax.Array | None = None,
+                 dropout_rng: jax.Array | None = None) -> jax.Array:
+        """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min."""
+        cfg = self.cfg
+        b, l = tokens_BxL.shape
+        if positions_BxL is None:
+            positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
+        x = self.embed(tokens_BxL)
+        if cfg.position_embedding == "learned":
+            x = x + jnp.take(self.pos_embed[...], positions_BxL, axis=0).astype(self.dtype)
+        x = logical_constraint(dropout(x, cfg.hidden_dropout, rngs[0]), RESIDUAL)
+
+        inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
+        block_def, block_state = nnx.split(self.layers)
+
+        def body(x, layer):
+            params, index = layer
+            block = nnx.merge(block_def, params)
+            rng = None if rngs[1] is None else jax.random.fold_in(rngs[1], index)
+            return block(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                         inv_freq=inv_freq, dropout_rng=rng), None
+
+        if self.recompute == "full":
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)))
+
+        x = self.final_norm(x)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x)
+        else:
+            logits = jnp.einsum("bld,dv->blv", x, self.output[...].astype(self.dtype))
+        logits = logical_constraint(logits, LOGITS)
+        if self.padded_vocab_size != self.vocab_size:
+            real = jnp.arange(self.padded_vocab_size) < self.vocab_size
+            logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
+        return logits
+
+
+def param_axes(model: nnx.Module) -> dict:
+    """Nested dict (same structure as the pure parameter dict) of logical axis tuples."""
+    def walk(node):
+        if isinstance(node, nnx.Variable):
+            return tuple(node.get_metadata()["axes"])
+        return {k: walk(v) for k, v in node.items()}
+    return walk(nnx.state(model, nnx.Param))

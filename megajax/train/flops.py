@@ -1,0 +1,63 @@
+"""Analytic training FLOPs and MFU.
+
+Convention (model FLOPs, as in MFU): per token, training costs 3x the
+forward matmul FLOPs, i.e. 6 x (matmul parameters, output layer included,
+embedding lookups and norms excluded), plus attention 6 x layers x seq x
+(heads x head_dim) for QK^T and AV with causal masking counted over the
+lower triangle only (half of full attention). Recomputation is not counted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from megajax.config import ModelConfig
+
+# Dense peak TFLOP/s per device by precision (vendor datasheets; fp32 uses TF32 tensor cores).
+PEAK_TFLOPS = {
+    "H100": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "fp32": 163.4},
+}
+
+
+def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
+    h, nh, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_hidden_size
+    attn = h * nh * hd * 2 + h * kv * hd * 2  # q, o, k, v
+    mlp = h * f * (3 if cfg.activation == "swiglu" else 2)
+    return cfg.num_layers * (attn + mlp) + h * padded_vocab
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> float:
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    return 6.0 * matmul_params(cfg, padded_vocab) + attention
+
+
+def cpu_peak_tflops(precision: str) -> float:
+    """Rough whole-host CPU peak: cores x clock x FMA lanes (2 FMA units) x 2."""
+    try:
+        info = open("/proc/cpuinfo").read()
+        mhz = float(re.search(r"cpu MHz\s*:\s*([\d.]+)", info).group(1))
+        flags = re.search(r"flags\s*:(.*)", info).group(1).split()
+    except (OSError, AttributeError):
+        return float("nan")
+    lanes = 16 if "avx512f" in flags else 8 if "avx2" in flags else 4
+    if precision == "bf16" and "avx512_bf16" in flags:
+        lanes *= 2
+    return (os.cpu_count() or 1) * mhz * 1e6 * lanes * 2 * 2 / 1e12
+
+
+def peak_tflops_per_device(device_kind: str, platform: str, precision: str, num_local_devices: int,
+                           override: float | None = None) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the figure came from)."""
+    if override:
+        return override, "train.peak_tflops"
+    for name, table in PEAK_TFLOPS.items():
+        if name in device_kind.upper().replace(" ", ""):
+            return table.get(precision, table["bf16"]), f"{name} {precision} datasheet"
+    if platform == "cpu":
+        # Simulated CPU devices share the host's cores.
+        return cpu_peak_tflops(precision) / max(num_local_devices, 1), "CPU estimate from /proc/cpuinfo"
+    return float("nan"), f"unknown device kind {device_kind!r} (set train.peak_tflops)"

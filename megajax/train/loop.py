@@ -1,0 +1,218 @@
+"""The training loop behind `megajax train`.
+
+config -> mesh + rules -> model spec -> sharded train state -> compiled step
+-> loop (log lines, metrics.jsonl, TensorBoard) -> greedy sample.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from megajax.config import Config
+from megajax.data.corpus import stdlib_corpus_tokens
+from megajax.data.loader import Loader, TokenWindows
+from megajax.data.tokenizer import load_tokenizer
+from megajax.errors import ConfigError, TrainingError
+from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
+from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
+from megajax.train.metrics import MetricsLogger, device_memory_gib
+from megajax.train.optimizer import lr_schedule, make_optimizer
+from megajax.train.state import (TrainState, build_model_spec, loss_scaler, make_init_fn,
+                                 state_shardings)
+from megajax.train.step import batch_shardings, jit_train_step, make_train_step
+
+
+@dataclass
+class Trainer:
+    """Everything built from a config, ready to run steps."""
+    cfg: Config
+    mesh: Any
+    rules: Any
+    spec: Any
+    tokenizer: Any
+    state: TrainState
+    state_shardings: Any
+    step_fn: Any  # compiled
+    loader: Loader
+    accumulation: int
+    compile_seconds: float
+    flops_per_step: float
+    padded_vocab: int
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    tokens_per_sec: float = float("nan")
+    sample: str | None = None
+    state: Any = None
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def load_dataset(cfg: Config, tokenizer):
+    if cfg.data.path:
+        raise ConfigError(f"data.path = {cfg.data.path!r}: Megatron indexed datasets are not readable "
+                          f"yet; leave data.path empty to train on the embedded corpus.")
+    return TokenWindows(stdlib_corpus_tokens(tokenizer, cfg.data.corpus_max_mb), cfg.train.seq_len,
+                        cfg.train.seed)
+
+
+def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    elif cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+                          f"vocabulary ({tokenizer.vocab_size} ids, data.tokenizer={cfg.data.tokenizer!r}).")
+    mesh = make_mesh(cfg, devices)
+    validate_for_model(cfg, mesh)
+    rules = make_rules(cfg)
+    sizes = mesh_sizes(mesh)
+    dp = data_parallel_size(mesh)
+    micro = cfg.train.micro_batch or cfg.train.global_batch // dp
+    accumulation = cfg.train.global_batch // (micro * dp)
+    padded_vocab = cfg.model.padded_vocab_size(sizes["tensor"])
+
+    spec, init_params = build_model_spec(cfg, padded_vocab)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    scaler = loss_scaler(cfg)
+    init = make_init_fn(init_params, tx, scaler, cfg.train.seed)
+    abstract = jax.eval_shape(init)
+    st_sh = state_shardings(mesh, rules, spec, tx, abstract)
+    state = jax.jit(init, out_shardings=st_sh)()
+
+    keys = ("tokens", "labels", "loss_mask")
+    b_sh = batch_shardings(mesh, rules, keys)
+    loader = Loader(load_dataset(cfg, tokenizer), global_batch=cfg.train.global_batch,
+                    accumulation=accumulation, seq_len=cfg.train.seq_len, shardings=b_sh)
+    step = make_train_step(cfg, spec, tx, scaler, lr_schedule(cfg.optim, cfg.train.steps), mesh, rules)
+    jitted = jit_train_step(step, st_sh, b_sh, mesh)
+    t0 = time.perf_counter()
+    compiled = jitted.lower(state, loader.batch(0)).compile()
+    compile_seconds = time.perf_counter() - t0
+    flops = train_flops_per_token(cfg.model, cfg.train.seq_len, padded_vocab) * \
+        cfg.train.global_batch * cfg.train.seq_len
+    return Trainer(cfg=cfg, mesh=mesh, rules=rules, spec=spec, tokenizer=tokenizer, state=state,
+                   state_shardings=st_sh, step_fn=compiled, loader=loader, accumulation=accumulation,
+                   compile_seconds=compile_seconds, flops_per_step=flops, padded_vocab=padded_vocab)
+
+
+def count_params(abstract_params: dict) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+
+
+def _describe(tr: Trainer, peak_source: str) -> str:
+    cfg, sizes = tr.cfg, mesh_sizes(tr.mesh)
+    m = cfg.model
+    mesh_txt = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+    par = [k for k, on in (("sequence parallel", cfg.parallel.sequence_parallel),
+                           ("distributed optimizer", cfg.parallel.distributed_optimizer)) if on]
+    return (f"megajax: {m.family} model, {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters "
+            f"({m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} kv, "
+            f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} padded to {tr.padded_vocab}); "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {mesh_txt}"
+            f"{'; ' + ', '.join(par) if par else ''}; recompute {cfg.parallel.recompute}; "
+            f"precision {cfg.train.precision}; global batch {cfg.train.global_batch} = micro "
+            f"{cfg.train.global_batch // tr.accumulation // data_parallel_size(tr.mesh)} x accumulation "
+            f"{tr.accumulation} x data-parallel {data_parallel_size(tr.mesh)}; seq {cfg.train.seq_len}; "
+            f"compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul params + causal attention "
+            f"(lower triangle) per token, no recompute; peak from {peak_source}.")
+
+
+def train(cfg: Config, devices: list | None = None) -> RunResult:
+    if not cfg.train.run_dir:
+        cfg.train.run_dir = default_run_dir()
+    run_dir = Path(cfg.train.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    tr = build_trainer(cfg, devices)
+    if jax.process_index() == 0:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    dev = jax.devices()[0]
+    peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, cfg.train.precision,
+                                               jax.local_device_count(), cfg.train.peak_tflops)
+    total = cfg.train.steps
+    log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                        total_steps=total)
+    log.print(_describe(tr, peak_source))
+    result = RunResult(run_dir=run_dir, compile_seconds=tr.compile_seconds)
+    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+    state = tr.state
+    start = int(jax.device_get(state.step))
+    interval_start, interval_steps, skipped = time.perf_counter(), 0, 0
+    interval_rates: list[float] = []
+    pending: tuple[int, dict] | None = None
+
+    def check(step_index: int, m: dict) -> None:
+        nonlocal skipped
+        result.losses.append(float(m["loss"]))
+        if bool(m["skipped"]):
+            skipped += 1
+            if cfg.train.precision != "fp16" and not cfg.train.skip_nonfinite:
+                raise TrainingError(
+                    f"non-finite loss or gradients at step {step_index + 1}: loss={float(m['loss'])}, "
+                    f"grad_norm={float(m['grad_norm'])}; the update was not applied. Lower optim.lr, "
+                    f"check the data, or set train.skip_nonfinite=true to skip such steps.")
+
+    try:
+        for step_index in range(start, total):
+            batch = tr.loader.batch(step_index)
+            state, metrics = tr.step_fn(state, batch)
+            if pending is not None:  # one step behind, so the device stays busy
+                check(pending[0], jax.device_get(pending[1]))
+            pending = (step_index, metrics)
+            interval_steps += 1
+            log.advance()
+            last = step_index + 1 == total
+            if (step_index + 1) % cfg.train.log_every == 0 or last:
+                host = jax.device_get(metrics)
+                check(step_index, host)
+                pending = None
+                elapsed = time.perf_counter() - interval_start
+                step_time = elapsed / interval_steps
+                tps = tokens_per_step / step_time
+                tflops = tr.flops_per_step / step_time / jax.device_count() / 1e12
+                mem, mem_kind = device_memory_gib()
+                record = {
+                    "step": step_index + 1, "loss": float(host["loss"]), "lr": float(host["lr"]),
+                    "grad_norm": float(host["grad_norm"]), "tokens_per_sec": tps,
+                    "tflops_per_device": tflops, "mfu": tflops / peak if math.isfinite(peak) else None,
+                    "step_time": step_time, "memory_gib": mem, "memory_kind": mem_kind,
+                    "skipped_steps": skipped,
+                    "loss_scale": float(host["loss_scale"]) if cfg.train.precision == "fp16" else None,
+                }
+                result.records.append(record)
+                log.log(record)
+                interval_rates.append(tps)
+                interval_start, interval_steps = time.perf_counter(), 0
+    finally:
+        log.close()
+
+    steady = interval_rates[1:] or interval_rates
+    result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
+    result.state = state
+    log.print(f"megajax: done, {total - start} steps; compile {tr.compile_seconds:.1f}s; "
+              f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
+              f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
+    if cfg.train.sample_tokens > 0:
+        from megajax.inference.generate import greedy_generate
+        prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
+        ids = greedy_generate(tr.spec.apply, state.params, prompt, cfg.train.sample_tokens,
+                              cfg.train.seq_len, eod_id=getattr(tr.tokenizer, "eod_id", None))
+        result.sample = tr.tokenizer.decode(ids)
+        log.print("megajax: greedy sample from the trained model:\n" + result.sample)
+    return result

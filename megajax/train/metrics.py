@@ -1,0 +1,86 @@
+"""What the user sees: log lines, metrics.jsonl, TensorBoard events, progress bar."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import jax
+
+
+def device_memory_gib() -> tuple[float | None, str]:
+    """(GiB in use on the first local device, or host peak RSS on CPU; label)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:
+        stats = None
+    if stats and "bytes_in_use" in stats:
+        return stats["bytes_in_use"] / 2**30, "device"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "host peak RSS"
+
+
+def format_line(r: dict, total_steps: int) -> str:
+    parts = [f"step {r['step']:>{len(str(total_steps))}d}/{total_steps}",
+             f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}"]
+    if r.get("loss_scale") is not None:
+        parts.append(f"loss scale {r['loss_scale']:.0f}")
+    if r.get("skipped_steps"):
+        parts.append(f"skipped {r['skipped_steps']}")
+    parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
+              f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "MFU n/a", f"{1000 * r['step_time']:.1f} ms/step"]
+    if r.get("memory_gib") is not None:
+        parts.append(f"mem {r['memory_gib']:.2f} GiB")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    """Writes each record to metrics.jsonl (and TensorBoard); prints on process 0."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool, progress: str, total_steps: int,
+                 start_step: int = 0):
+        self.is_main = jax.process_index() == 0
+        self.total_steps = total_steps
+        self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.is_main else None
+        self.tb = None
+        if tensorboard and self.is_main:
+            from tensorboardX import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        show_bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+        self.bar = None
+        if show_bar and self.is_main:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def print(self, text: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def log(self, record: dict, console: bool = True) -> None:
+        if not self.is_main:
+            return
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v == v:
+                    self.tb.add_scalar(f"train/{k}", v, record["step"])
+        if console and "loss" in record:
+            self.print(format_line(record, self.total_steps))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()

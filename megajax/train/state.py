@@ -1,0 +1,96 @@
+"""Train state and its shardings.
+
+TrainState holds everything a step changes: step counter, fp32 parameters
+(a nested dict mirroring the model), optimizer state, the fp16 loss scale,
+and the RNG key data. Shardings of every leaf come from the rules tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.config import Config
+from megajax.mesh import ShardingRules, tree_shardings
+from megajax.models import Transformer, param_axes
+from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array  # i32 []
+    params: dict
+    opt_state: optax.OptState
+    loss_scale: LossScaleState | None
+    rng: jax.Array  # u32 [2] (raw key data)
+
+
+@dataclass
+class ModelSpec:
+    """Everything needed to run the model functionally: graphdef + parameter metadata."""
+    graphdef: Any
+    axes: dict  # logical axes per parameter (same tree as params)
+    abstract_params: dict  # ShapeDtypeStructs
+
+    def apply(self, params: dict, *args, **kwargs) -> jax.Array:
+        return nnx.merge(self.graphdef, params)(*args, **kwargs)
+
+
+def build_model_spec(cfg: Config, padded_vocab_size: int, *, seed: int | None = None) -> tuple[ModelSpec, Callable]:
+    """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
+    dtype = COMPUTE_DTYPES[cfg.train.precision]
+    seed = cfg.train.seed if seed is None else seed
+
+    def make():
+        return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
+                           recompute=cfg.parallel.recompute, rngs=nnx.Rngs(params=seed))
+
+    abstract = nnx.eval_shape(make)
+    graphdef, abstract_state = nnx.split(abstract)
+    spec = ModelSpec(graphdef=graphdef, axes=param_axes(abstract),
+                     abstract_params=nnx.to_pure_dict(abstract_state))
+
+    def init_params():
+        return nnx.to_pure_dict(nnx.state(make()))
+
+    return spec, init_params
+
+
+def loss_scaler(cfg: Config) -> DynamicLossScale | None:
+    t = cfg.train
+    if t.precision != "fp16":
+        return None
+    return DynamicLossScale(initial_scale=t.initial_loss_scale, min_scale=t.min_loss_scale,
+                            window=t.loss_scale_window, hysteresis=t.hysteresis)
+
+
+def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
+                 scaler: DynamicLossScale | None, seed: int) -> Callable[[], TrainState]:
+    def init() -> TrainState:
+        params = init_params()
+        return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+                          loss_scale=scaler.init() if scaler else None,
+                          rng=jax.random.key_data(jax.random.key(seed)))
+    return init
+
+
+def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax.GradientTransformation,
+                    abstract_state: TrainState) -> TrainState:
+    """NamedSharding for every leaf of the train state, from the rules tables."""
+    replicated = NamedSharding(mesh, P())
+    param_sh = tree_shardings(mesh, spec.axes, rules.params)
+    opt_param_sh = tree_shardings(mesh, spec.axes, rules.opt_state)
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, opt_param_sh,
+                                   transform_non_params=lambda _: replicated,
+                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
+                      loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale),
+                      rng=replicated)
