@@ -154,7 +154,7 @@ class TrainConfig:
 @dataclass
 class OptimConfig:
     lr: float = 2e-3
-    min_lr: float = 2e-4
+    min_lr: float | None = None  # None: lr / 10
     warmup_steps: int = 20
     decay_style: Literal["cosine", "linear", "constant"] = "cosine"
     decay_steps: int | None = None  # None: train.steps
@@ -182,7 +182,7 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     tensorboard: bool = True
-    progress: Literal["auto", "on", "off"] = "auto"
+    progress: bool | None = None  # progress bar with ETA; None: when stderr is a terminal
 
 
 @dataclass
@@ -381,6 +381,8 @@ def load_config(files: list[str] | None = None, overrides: list[str] | None = No
 def finalize(cfg: Config) -> Config:
     """Fills derived values and checks combinations that need no devices."""
     cfg.model.resolve(cfg.train.seq_len)
+    if cfg.optim.min_lr is None:
+        cfg.optim.min_lr = cfg.optim.lr / 10
     validate(cfg)
     return cfg
 

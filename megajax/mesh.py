@@ -80,9 +80,22 @@ def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
             return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=auto)
     from jax.experimental import mesh_utils
     granule_by_process = not hasattr(devices[0], "slice_index")
-    dev_array = mesh_utils.create_hybrid_device_mesh(
-        shape, dcn_shape, devices, process_is_granule=granule_by_process)
+    try:
+        dev_array = mesh_utils.create_hybrid_device_mesh(
+            shape, dcn_shape, devices, process_is_granule=granule_by_process)
+    except ValueError:
+        # The devices do not come in as many processes/slices as mesh.dcn asks for (e.g.
+        # simulated CPU devices in one process): treat contiguous device groups as nodes.
+        dev_array = emulated_hybrid_mesh(devices, shape, dcn_shape)
     return Mesh(dev_array, MESH_AXES, axis_types=auto)
+
+
+def emulated_hybrid_mesh(devices: list, ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...]) -> np.ndarray:
+    """Device array where axis i = dcn_shape[i] (outer, node groups) x ici_shape[i] (inner)."""
+    n = len(ici_shape)
+    grid = np.asarray(devices).reshape(dcn_shape + ici_shape)
+    grid = grid.transpose([j for i in range(n) for j in (i, n + i)])
+    return grid.reshape(tuple(d * i for d, i in zip(dcn_shape, ici_shape)))
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:

@@ -61,7 +61,7 @@ class Loader:
         def samples(index):
             key = (index[0].indices(self.shape[0]), index[1].indices(self.shape[1]))
             if key not in cache:
-                cache[key] = self._rows(step, index[0], index[1])
+                cache[key] = self._rows(step, rows=index[1], micro=index[0])
             return cache[key]
 
         def make(name, fn):

@@ -16,7 +16,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.layers import Dense, apply_rope, dropout
+from megajax.models.layers import Dense, LinearOps, apply_rope, dropout
 
 
 class AttentionCore(Protocol):
@@ -73,14 +73,15 @@ ACT_KV = ("batch", "length", "kv_heads", "head_dim")
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, core: Callable, dtype, dot_general, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, core: Callable, dtype, ops: LinearOps, rngs: nnx.Rngs):
         h, nh, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        common = dict(use_bias=cfg.use_bias, dtype=dtype, dot_general=dot_general, rngs=rngs)
-        self.q = Dense(h, (nh, hd), axes=("embed", "heads", "head_dim"), init_std=cfg.init_std, **common)
-        self.k = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), init_std=cfg.init_std, **common)
-        self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), init_std=cfg.init_std, **common)
-        # Output projection: Megatron's scaled init std / sqrt(2 * layers).
-        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"),
+        common = dict(use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
+        col = dict(common, dot_general=ops.column, init_std=cfg.init_std)
+        self.q = Dense(h, (nh, hd), axes=("embed", "heads", "head_dim"), **col)
+        self.k = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
+        self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
+        # Output projection (row-parallel): Megatron's scaled init std / sqrt(2 * layers).
+        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.row,
                        init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
         self.core = core
         self.dropout_rate = cfg.attention_dropout

@@ -7,6 +7,7 @@ mapping to mesh axes lives in megajax/mesh.py. Parameters are stored in
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -16,6 +17,24 @@ import numpy as np
 from flax import nnx
 
 DotGeneral = Callable[..., jax.Array]
+
+
+def take_rows(table_VxD: jax.Array, ids: jax.Array) -> jax.Array:
+    return jnp.take(table_VxD, ids, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearOps:
+    """The products a model injects into its layers (Megatron's parallel-linear kinds).
+
+    `column` serves projections whose output features are split over tensor
+    parallelism (q/k/v, fc1/gate/up, output layer), `row` those whose input
+    features are (o, fc2); `embed` looks rows up in the (vocab-split) table.
+    The defaults are plain; sequence parallelism and FP8 supply others.
+    """
+    column: DotGeneral = jax.lax.dot_general
+    row: DotGeneral = jax.lax.dot_general
+    embed: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
 
 
 def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -76,18 +95,21 @@ class Embed(nnx.Module):
     """Token embedding table [vocab (padded), embed]; `attend` gives tied output logits."""
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, features: int, *,
-                 init_std: float, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+                 init_std: float, dtype=jnp.float32, param_dtype=jnp.float32,
+                 ops: LinearOps = LinearOps(), rngs: nnx.Rngs):
         table = padded_normal_init(rngs.params(), (padded_vocab_size, features), init_std, 0,
                                    vocab_size, param_dtype)
         self.embedding = nnx.Param(table, axes=("vocab", "embed"))
         self.dtype = dtype
+        self.ops = ops
 
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], ids_BxL, axis=0).astype(self.dtype)
+        return self.ops.embed(self.embedding[...], ids_BxL).astype(self.dtype)
 
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
-        return jnp.einsum("bld,vd->blv", x_BxLxD.astype(self.dtype),
-                          self.embedding[...].astype(self.dtype))
+        """Tied output layer: logits[B, L, V] = x . E^T (column-parallel over the vocab)."""
+        return self.ops.column(x_BxLxD.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                               (((2,), (1,)), ((), ())))
 
 
 class RMSNorm(nnx.Module):

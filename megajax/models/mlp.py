@@ -13,22 +13,23 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.layers import Dense
+from megajax.models.layers import Dense, LinearOps
 
 ACT_MLP = ("batch", "length", "mlp")
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, dot_general, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, ops: LinearOps, rngs: nnx.Rngs):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        common = dict(use_bias=cfg.use_bias, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        common = dict(use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
+        col = dict(common, dot_general=ops.column, init_std=cfg.init_std)
         self.swiglu = cfg.activation == "swiglu"
         if self.swiglu:
-            self.gate = Dense(h, f, axes=("embed", "mlp"), init_std=cfg.init_std, **common)
-            self.up = Dense(h, f, axes=("embed", "mlp"), init_std=cfg.init_std, **common)
+            self.gate = Dense(h, f, axes=("embed", "mlp"), **col)
+            self.up = Dense(h, f, axes=("embed", "mlp"), **col)
         else:
-            self.fc1 = Dense(h, f, axes=("embed", "mlp"), init_std=cfg.init_std, **common)
-        self.fc2 = Dense(f, h, axes=("mlp", "embed"),
+            self.fc1 = Dense(h, f, axes=("embed", "mlp"), **col)
+        self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.row,
                          init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:

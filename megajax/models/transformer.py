@@ -18,7 +18,8 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.attention import Attention, make_attention_core
-from megajax.models.layers import Embed, dropout, make_norm, normal_init, padded_normal_init, rope_inv_freq
+from megajax.models.layers import (Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
+                                   rope_inv_freq)
 from megajax.models.mlp import MLP
 
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -26,12 +27,12 @@ LOGITS = ("batch", "length", "vocab")
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, dot_general,
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps,
                  rngs: nnx.Rngs):
         self.attn_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, core=attention_core, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, dot_general=dot_general, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
         self.hidden_dropout = cfg.hidden_dropout
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
@@ -51,16 +52,20 @@ def _add_layers_axis(module: nnx.Module) -> None:
 
 
 class Transformer(nnx.Module):
-    """Causal language model. `padded_vocab_size` is model.padded_vocab_size(tensor size)."""
+    """Causal language model.
+
+    `padded_vocab_size` is model.padded_vocab_size(tensor size); `ops` are the
+    injected products (see LinearOps); `recompute` is none | selective | full.
+    """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
-                 recompute: str = "none", dot_general=jax.lax.dot_general, rngs: nnx.Rngs):
+                 recompute: str = "none", ops: LinearOps = LinearOps(), rngs: nnx.Rngs):
         self.cfg = cfg
         vocab = padded_vocab_size or cfg.padded_vocab_size()
         self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
         self.dtype = dtype
         self.embed = Embed(cfg.vocab_size, vocab, cfg.hidden_size, init_std=cfg.init_std,
-                           dtype=dtype, rngs=rngs)
+                           dtype=dtype, ops=ops, rngs=rngs)
         if cfg.position_embedding == "learned":
             self.pos_embed = nnx.Param(
                 normal_init(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std),
@@ -70,12 +75,13 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
         def make_blocks(rngs):
-            return Block(cfg, dtype=dtype, attention_core=core, dot_general=dot_general, rngs=rngs)
+            return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs)
 
         self.layers = make_blocks(rngs)
         _add_layers_axis(self.layers)
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        self.ops = ops
         if not cfg.tie_embeddings:
             self.output = nnx.Param(
                 padded_normal_init(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, 1, cfg.vocab_size),
@@ -119,7 +125,7 @@ class Transformer(nnx.Module):
         if cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = jnp.einsum("bld,dv->blv", x, self.output[...].astype(self.dtype))
+            logits = self.ops.column(x, self.output[...].astype(self.dtype), (((2,), (0,)), ((), ())))
         logits = logical_constraint(logits, LOGITS)
         if self.padded_vocab_size != self.vocab_size:
             real = jnp.arange(self.padded_vocab_size) < self.vocab_size

@@ -87,7 +87,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     accumulation = cfg.train.global_batch // (micro * dp)
     padded_vocab = cfg.model.padded_vocab_size(sizes["tensor"])
 
-    spec, init_params = build_model_spec(cfg, padded_vocab)
+    spec, init_params = build_model_spec(cfg, padded_vocab, mesh=mesh, rules=rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed)

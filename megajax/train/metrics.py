@@ -38,7 +38,7 @@ def format_line(r: dict, total_steps: int) -> str:
 class MetricsLogger:
     """Writes each record to metrics.jsonl (and TensorBoard); prints on process 0."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool, progress: str, total_steps: int,
+    def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool | None, total_steps: int,
                  start_step: int = 0):
         self.is_main = jax.process_index() == 0
         self.total_steps = total_steps
@@ -47,7 +47,7 @@ class MetricsLogger:
         if tensorboard and self.is_main:
             from tensorboardX import SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-        show_bar = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+        show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = None
         if show_bar and self.is_main:
             from tqdm import tqdm

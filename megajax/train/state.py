@@ -19,6 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, tree_shardings
 from megajax.models import Transformer, param_axes
+from megajax.models.layers import LinearOps
+from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -44,14 +46,24 @@ class ModelSpec:
         return nnx.merge(self.graphdef, params)(*args, **kwargs)
 
 
-def build_model_spec(cfg: Config, padded_vocab_size: int, *, seed: int | None = None) -> tuple[ModelSpec, Callable]:
+def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
+    """The model's injected products for this layout (sequence parallel or plain)."""
+    if (mesh is not None and cfg.parallel.sequence_parallel
+            and dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"] > 1):
+        return sequence_parallel_ops(mesh, rules.activations)
+    return LinearOps()
+
+
+def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
+                     rules: ShardingRules | None = None, seed: int | None = None) -> tuple[ModelSpec, Callable]:
     """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
     dtype = COMPUTE_DTYPES[cfg.train.precision]
     seed = cfg.train.seed if seed is None else seed
+    ops = linear_ops(cfg, mesh, rules)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
-                           recompute=cfg.parallel.recompute, rngs=nnx.Rngs(params=seed))
+                           recompute=cfg.parallel.recompute, ops=ops, rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)

@@ -85,7 +85,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = loss_sum / num_tokens
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         if clip > 0:
             coeff = jnp.minimum(1.0, clip / (grad_norm + 1e-6))

@@ -1,0 +1,34 @@
+"""Tests run on 8 simulated CPU devices unless the caller already chose a device count."""
+
+import os
+
+_FLAG = "--xla_force_host_platform_device_count"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import pytest  # noqa: E402
+
+from megajax.config import load_config  # noqa: E402
+
+# A small model that still exercises GQA (8 query heads, 4 kv heads) and divides tensor=4.
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.num_kv_heads=4",
+    "model.ffn_hidden_size=128", "train.seq_len=32", "train.global_batch=8",
+    "train.log_every=1", "train.sample_tokens=0", "logging.tensorboard=false",
+    "logging.progress=false", "data.corpus_max_mb=0.5", "optim.warmup_steps=1", "optim.lr=3e-3",
+]
+
+
+@pytest.fixture
+def small_config(tmp_path):
+    """Builds a small config; extra overrides win."""
+    def make(*overrides, steps=3):
+        return load_config(overrides=SMALL + [f"train.steps={steps}", f"train.run_dir={tmp_path / 'run'}",
+                                              *overrides])
+    return make
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, {jax.device_count()} {jax.devices()[0].platform} devices"

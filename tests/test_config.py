@@ -1,0 +1,104 @@
+"""Config loading: shipped files, overrides, includes, and one clear message per mistake."""
+
+from pathlib import Path
+
+import jax
+import pytest
+
+from megajax.config import CONFIG_DIR, load_config, parse_override
+from megajax.errors import ConfigError, MeshError
+from megajax.mesh import make_mesh, mesh_sizes, validate_for_model
+
+SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
+
+
+def test_configs_are_shipped():
+    names = {str(p.relative_to(CONFIG_DIR)) for p in SHIPPED}
+    for want in ["model/tiny.yaml", "model/gpt2-125m.yaml", "model/megatron-gpt-1.3b.yaml",
+                 "model/llama3-8b.yaml", "model/llama3-70b.yaml", "mesh/cpu-8.yaml", "mesh/gpu-1.yaml",
+                 "mesh/gpu-8.yaml", "mesh/4x8-gpu.yaml", "mesh/mi300x-8.yaml"]:
+        assert want in names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
+def test_every_shipped_config_loads(path):
+    cfg = load_config([str(path)])
+    assert cfg.model.head_dim and cfg.model.num_kv_heads  # resolved
+
+
+def test_presets_have_published_shapes():
+    llama = load_config(["model/llama3-8b"]).model
+    assert (llama.num_layers, llama.hidden_size, llama.num_heads, llama.num_kv_heads, llama.head_dim,
+            llama.ffn_hidden_size, llama.vocab_size) == (32, 4096, 32, 8, 128, 14336, 128256)
+    assert (llama.norm, llama.activation, llama.position_embedding, llama.tie_embeddings) == \
+        ("rmsnorm", "swiglu", "rope", False)
+    gpt = load_config(["model/gpt2-125m"]).model
+    assert (gpt.norm, gpt.activation, gpt.position_embedding, gpt.use_bias, gpt.tie_embeddings) == \
+        ("layernorm", "gelu", "learned", True, True)
+
+
+def test_overrides_and_includes(tmp_path):
+    base = tmp_path / "base.yaml"
+    base.write_text("model:\n  num_layers: 3\ntrain:\n  steps: 7\n")
+    top = tmp_path / "top.yaml"
+    top.write_text("include: base.yaml\ntrain:\n  steps: 9\n")
+    cfg = load_config([str(top)], ["optim.lr=1e-4", "mesh.dcn.data=2"])
+    assert (cfg.model.num_layers, cfg.train.steps, cfg.optim.lr, cfg.mesh.dcn.data) == (3, 9, 1e-4, 2)
+    assert parse_override("data.path=[0.3, a, 0.7, b]") == {"data": {"path": [0.3, "a", 0.7, "b"]}}
+
+
+@pytest.mark.parametrize("override, words", [
+    ("model.num_hedas=4", ["model.num_hedas", "did you mean model.num_heads"]),
+    ("trian.steps=4", ["trian", "did you mean train"]),
+    ("train.steps=abc", ["train.steps", "'abc'", "integer"]),
+    ("train.precision=fp64", ["train.precision", "'fp64'", "fp32, bf16, fp16, fp8"]),
+    ("train.precision=fp8", ["fp8", "not available yet", "fp32, bf16, fp16"]),
+    ("model.num_kv_heads=3", ["model.num_heads=4", "model.num_kv_heads=3"]),
+    ("optim.min_lr=1.0", ["optim.min_lr=1.0", "optim.lr=0.002"]),
+    ("mesh.pipeline=2", ["mesh.pipeline", "not available yet"]),
+    ("mesh.tensor=0", ["mesh.tensor", "positive"]),
+    ("train.steps", ["train.steps", "key.sub=value"]),
+])
+def test_bad_config_names_key_value_and_accepted(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_include_cycle_and_missing_file(tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("include: a.yaml\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        load_config([str(a)])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["no/such/config.yaml"])
+
+
+def test_mesh_fill_and_hybrid():
+    cfg = load_config(overrides=["mesh.tensor=4", "mesh.data=-1"])
+    assert mesh_sizes(make_mesh(cfg))["data"] == 2
+    # 2 "nodes" x (tensor 4): data comes from the inter-node factor.
+    cfg = load_config(overrides=["mesh.tensor=4", "mesh.data=-1", "mesh.dcn.data=2"])
+    mesh = make_mesh(cfg)
+    assert mesh_sizes(mesh)["data"] == 2 and mesh_sizes(mesh)["tensor"] == 4
+    # tensor groups stay inside a node: devices 0-3 and 4-7
+    groups = [sorted(d.id for d in row) for row in mesh.devices.reshape(2, 4)]
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["mesh.data=3"], ["3 devices", "8 are available", "-1"]),
+    (["mesh.tensor=8", "model.num_heads=8", "model.num_kv_heads=4"], ["model.num_kv_heads=4", "mesh.tensor=8"]),
+    (["mesh.tensor=3", "mesh.data=1"], ["3 devices"]),
+    (["mesh.data=8", "train.global_batch=4"], ["train.global_batch=4", "data-parallel size 8"]),
+    (["mesh.tensor=2", "mesh.data=4", "parallel.sequence_parallel=true", "train.seq_len=33"],
+     ["train.seq_len=33", "mesh.tensor"]),
+    (["mesh.fsdp=8", "mesh.data=1", "model.hidden_size=100", "model.num_heads=2"], ["model.hidden_size=100", "mesh.fsdp=8"]),
+])
+def test_mesh_mismatch_says_which_size_to_change(overrides, words):
+    with pytest.raises(MeshError) as e:
+        cfg = load_config(overrides=overrides)
+        validate_for_model(cfg, make_mesh(cfg))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
