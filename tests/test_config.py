@@ -1,8 +1,6 @@
 """Config loading: shipped files, overrides, includes, and one clear message per mistake."""
 
-from pathlib import Path
 
-import jax
 import pytest
 
 from megajax.config import CONFIG_DIR, load_config, parse_override

@@ -8,6 +8,7 @@ mapping to mesh axes lives in megajax/mesh.py. Parameters are stored in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -17,6 +18,74 @@ import numpy as np
 from flax import nnx
 
 DotGeneral = Callable[..., jax.Array]
+
+
+def flat_dot_general(dot_general: DotGeneral = jax.lax.dot_general) -> DotGeneral:
+    """A projection `dot_general` whose backward is two plain 2-D matrix products.
+
+    For y[N, M] = x[N, K] . W[K, M] (x's trailing dims contracted, any kernel
+    layout), the backward computes dx = dy . W^T and dW = x^T . dy with the
+    activation as the left operand. Left to JAX's generic transpose rule,
+    XLA:CPU materialises a transposed copy of the (large) cotangent fused with
+    its producer (softmax/SiLU backward), which costs more than the products
+    themselves; this form halves the step time of small models on CPU.
+    """
+    def split(x, w, dimension_numbers):
+        (lc, rc), (lb, rb) = dimension_numbers
+        n_in = len(lc)
+        assert not lb and not rb and tuple(lc) == tuple(range(x.ndim - n_in, x.ndim)), dimension_numbers
+        free = tuple(d for d in range(w.ndim) if d not in rc)
+        w2 = jnp.transpose(w, tuple(rc) + free)  # [K..., M...]
+        return n_in, w2
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def product(x, w, dimension_numbers):
+        n_in, w2 = split(x, w, dimension_numbers)
+        contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+        return dot_general(x, w2, (contract, ((), ())))
+
+    def forward(x, w, dimension_numbers):
+        return product(x, w, dimension_numbers), (x, w)
+
+    def backward(dimension_numbers, residuals, g):
+        x, w = residuals
+        n_in, w2 = split(x, w, dimension_numbers)
+        k = math.prod(x.shape[x.ndim - n_in:])
+        x2 = x.reshape(-1, k)
+        w2_2d = w2.reshape(k, -1)
+        g2 = g.reshape(x2.shape[0], -1)
+        dx = dot_general(g2, w2_2d, (((1,), (1,)), ((), ()))).reshape(x.shape)
+        dw2 = dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w2.shape)
+        (_, rc), _ = dimension_numbers
+        free = tuple(d for d in range(w.ndim) if d not in rc)
+        dw = jnp.transpose(dw2, tuple(int(i) for i in np_argsort(tuple(rc) + free)))
+        return _sum_to_vma(dx.astype(x.dtype), x), _sum_to_vma(dw.astype(w.dtype), w)
+
+    product.defvjp(forward, backward)
+
+    def wrapped(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+        assert precision is None and preferred_element_type is None
+        return product(x, w, dimension_numbers)
+
+    return wrapped
+
+
+def _sum_to_vma(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Inside shard_map: sums a cotangent over the mesh axes it varies on but its primal does not
+    (what JAX's own transpose rules do for an operand replicated over, e.g., data-parallel axes)."""
+    extra = _varying_axes(ct) - _varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def np_argsort(order: tuple[int, ...]) -> tuple[int, ...]:
+    """Inverse permutation."""
+    return tuple(sorted(range(len(order)), key=lambda i: order[i]))
 
 
 def take_rows(table_VxD: jax.Array, ids: jax.Array) -> jax.Array:

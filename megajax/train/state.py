@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, tree_shardings
 from megajax.models import Transformer, param_axes
-from megajax.models.layers import LinearOps
+from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
 
@@ -47,11 +47,13 @@ class ModelSpec:
 
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
-    """The model's injected products for this layout (sequence parallel or plain)."""
+    """The model's injected products for this layout (sequence parallel or plain) and back end."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
     if (mesh is not None and cfg.parallel.sequence_parallel
             and dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"] > 1):
-        return sequence_parallel_ops(mesh, rules.activations)
-    return LinearOps()
+        return sequence_parallel_ops(mesh, rules.activations, dot)
+    return LinearOps(column=dot, row=dot)
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,

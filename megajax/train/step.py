@@ -8,7 +8,7 @@ accumulating A microbatches of b gives the same update as one batch of A*b.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
