@@ -188,7 +188,9 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
                 tflops = tr.flops_per_step / step_time / jax.device_count() / 1e12
                 mem, mem_kind = device_memory_gib()
                 record = {
-                    "step": step_index + 1, "loss": float(host["loss"]), "lr": float(host["lr"]),
+                    # Like Megatron's log line: the mean loss over the steps since the last log.
+                    "step": step_index + 1, "loss": float(np.mean(result.losses[-interval_steps:])),
+                    "lr": float(host["lr"]),
                     "grad_norm": float(host["grad_norm"]), "tokens_per_sec": tps,
                     "tflops_per_device": tflops, "mfu": tflops / peak if math.isfinite(peak) else None,
                     "step_time": step_time, "memory_gib": mem, "memory_kind": mem_kind,
