@@ -131,7 +131,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 240
+    steps: int = 200
     seed: int = 0
     seq_len: int = 256
     global_batch: int = 8
