@@ -13,14 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from array import array
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-from megajax.data.gpt_dataset import SPLIT_NAMES, build_gpt_datasets
+from megajax.data.gpt_dataset import SPLIT_NAMES, build_gpt_datasets, load_cached, save_cached
 from megajax.data.indexed import IndexedDataset
 from megajax.errors import ConfigError, DataError
 
@@ -148,23 +146,13 @@ class BlendedDataset:
     def _indices(self, cache_dir):
         if cache_dir is None or self.description is None:
             return blending_indices(self.weights, self.size)
-        digest = hashlib.md5(self.description.encode()).hexdigest()
-        base = Path(cache_dir) / f"{digest}-BlendedDataset"
-        paths = [base.with_name(f"{base.name}-{n}.npy") for n in ("dataset_index", "dataset_sample_index")]
-        described = base.with_name(f"{base.name}-description.txt")
-        if described.is_file() and all(p.is_file() for p in paths):
+        names = ("dataset_index", "dataset_sample_index")
+        stem = f"{hashlib.md5(self.description.encode()).hexdigest()}-BlendedDataset"
+        if (cached := load_cached(cache_dir, stem, names)) is not None:
             self.from_cache = True
-            return tuple(np.load(p, mmap_mode="r") for p in paths)
+            return cached
         arrays = blending_indices(self.weights, self.size)
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        for path, a in zip(paths, arrays):
-            tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-            with open(tmp, "wb") as f:
-                np.save(f, a)
-            os.replace(tmp, path)
-        tmp = described.with_name(f"{described.name}.tmp-{os.getpid()}")
-        tmp.write_text(self.description)
-        os.replace(tmp, described)
+        save_cached(cache_dir, stem, dict(zip(names, arrays)), self.description)
         return arrays
 
     def __len__(self) -> int:

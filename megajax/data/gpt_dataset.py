@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import socket
 from pathlib import Path
 from typing import Sequence
 
@@ -146,11 +147,31 @@ def build_indices(lengths: np.ndarray, documents: np.ndarray, seq_len: int, num_
 
 # --- the dataset ------------------------------------------------------------------------------
 
-def _save(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        np.save(f, array)
-    os.replace(tmp, path)
+def _cache_paths(cache_dir, stem: str, names: Sequence[str]) -> tuple[list[Path], Path]:
+    base = Path(cache_dir)
+    return [base / f"{stem}-{n}.npy" for n in names], base / f"{stem}-description.txt"
+
+
+def load_cached(cache_dir, stem: str, names: Sequence[str]) -> tuple[np.ndarray, ...] | None:
+    """The arrays `{stem}-{name}.npy`, memory-mapped, if a complete cache entry exists."""
+    paths, described = _cache_paths(cache_dir, stem, names)
+    if described.is_file() and all(p.is_file() for p in paths):
+        return tuple(np.load(p, mmap_mode="r") for p in paths)
+    return None
+
+
+def save_cached(cache_dir, stem: str, arrays: dict[str, np.ndarray], description: str) -> None:
+    """Writes `{stem}-{name}.npy` per array, then `{stem}-description.txt` (the entry is complete once
+    it exists); every file goes to a temporary name first, so concurrent builders never see half a file."""
+    paths, described = _cache_paths(cache_dir, stem, list(arrays))
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    tag = f".tmp-{socket.gethostname()}-{os.getpid()}"
+    for path, array in zip(paths, arrays.values()):
+        with open(path.with_name(path.name + tag), "wb") as f:
+            np.save(f, array)
+        os.replace(path.with_name(path.name + tag), path)
+    described.with_name(described.name + tag).write_text(description)
+    os.replace(described.with_name(described.name + tag), described)
 
 
 class GPTDataset:
@@ -198,7 +219,8 @@ class GPTDataset:
                             f"this split a larger share.")
         self.description = json.dumps({
             "class": "GPTDataset", "path": os.path.abspath(indexed.prefix),
-            "num_sequences": indexed.num_sequences, "documents": [begin, end], "split": split_name,
+            "num_sequences": indexed.num_sequences, "documents": [begin, end], "tokens": tokens,
+            "split": split_name,
             "num_samples": num_samples, "seq_len": seq_len, "seed": seed,
         }, indent=1)
         self.description_hash = hashlib.md5(self.description.encode()).hexdigest()
@@ -208,22 +230,14 @@ class GPTDataset:
 
     def _indices(self, cache_dir):
         names = ("document_index", "sample_index", "shuffle_index")
-        if cache_dir is not None:
-            base = Path(cache_dir) / f"{self.description_hash}-GPTDataset-{self.split_name}"
-            paths = [base.with_name(f"{base.name}-{n}.npy") for n in names]
-            described = base.with_name(f"{base.name}-description.txt")
-            if described.is_file() and all(p.is_file() for p in paths):
-                self.from_cache = True
-                return tuple(np.load(p, mmap_mode="r") for p in paths)
+        stem = f"{self.description_hash}-GPTDataset-{self.split_name}"
+        if cache_dir is not None and (cached := load_cached(cache_dir, stem, names)) is not None:
+            self.from_cache = True
+            return cached
         arrays = build_indices(self.indexed.sequence_lengths, np.arange(*self.documents, dtype=np.int32),
                                self.seq_len, self.num_samples, self.seed)
         if cache_dir is not None:
-            Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            for path, array in zip(paths, arrays):
-                _save(path, array)
-            tmp = described.with_name(f"{described.name}.tmp-{os.getpid()}")
-            tmp.write_text(self.description)
-            os.replace(tmp, described)  # written last: its presence marks a complete cache entry
+            save_cached(cache_dir, stem, dict(zip(names, arrays)), self.description)
         return arrays
 
     def __len__(self) -> int:

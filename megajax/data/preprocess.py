@@ -26,12 +26,11 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, NamedTuple
 
 import numpy as np
 
-from megajax.data.indexed import IndexedDataset, IndexedDatasetWriter, optimal_dtype
+from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
 from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
 
@@ -113,12 +112,13 @@ def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tok
     _WORKER.update(tokenizer=tok, keys=keys, eod=tok.eod_id if append_eod else None)
 
 
-def _texts(chunk: Chunk, key: str) -> list[str]:
+def _texts(chunk: Chunk, keys: list[str]) -> dict[str, list[str]]:
+    """Each key's documents in one chunk (jsonl: blank lines skipped)."""
     if chunk.fmt == "files":
-        return [b.decode("utf-8", errors="replace") for b in chunk.items]
+        return {keys[0]: [b.decode("utf-8", errors="replace") for b in chunk.items]}
     if chunk.fmt == "lines":
-        return [b.rstrip(b"\r\n").decode("utf-8", errors="replace") for b in chunk.items]
-    texts = []
+        return {keys[0]: [b.rstrip(b"\r\n").decode("utf-8", errors="replace") for b in chunk.items]}
+    texts: dict[str, list[str]] = {k: [] for k in keys}
     for n, line in enumerate(chunk.items, chunk.first_line):
         if not line.strip():
             continue
@@ -128,13 +128,15 @@ def _texts(chunk: Chunk, key: str) -> list[str]:
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}); jsonl input needs one JSON object per "
                             f"line (use --input-format lines for plain text).") from None
-        if not isinstance(obj, dict) or key not in obj:
-            found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise DataError(f"{where}: no key {key!r} in this record (found {found}); choose the "
-                            f"text fields with --json-keys.")
-        if not isinstance(obj[key], str):
-            raise DataError(f"{where}: key {key!r} holds a {type(obj[key]).__name__}, expected a string.")
-        texts.append(obj[key])
+        for key in keys:
+            if not isinstance(obj, dict) or key not in obj:
+                found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(f"{where}: no key {key!r} in this record (found {found}); choose the "
+                                f"text fields with --json-keys.")
+            if not isinstance(obj[key], str):
+                raise DataError(f"{where}: key {key!r} holds a {type(obj[key]).__name__}, expected a "
+                                f"string.")
+            texts[key].append(obj[key])
     return texts
 
 
@@ -142,8 +144,8 @@ def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndar
     """(input bytes, {key: (ids [T] int32, document lengths [N])}) for one chunk."""
     tok, eod = _WORKER["tokenizer"], _WORKER["eod"]
     out = {}
-    for key in _WORKER["keys"]:
-        ids_T, lengths_N = tok.encode_packed(_texts(chunk, key))
+    for key, texts in _texts(chunk, _WORKER["keys"]).items():
+        ids_T, lengths_N = tok.encode_packed(texts)
         if eod is not None:  # an end-of-document id after every non-empty document
             nonempty = lengths_N > 0
             ids_T = np.insert(ids_T, np.cumsum(lengths_N)[nonempty], eod)
@@ -222,7 +224,3 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
     summary.tokens = {k: w.num_tokens for k, w in writers.items()}
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-def open_outputs(summary: Summary) -> dict[str, IndexedDataset]:
-    return {k: IndexedDataset(p) for k, p in summary.prefixes.items()}
