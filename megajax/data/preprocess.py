@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
@@ -155,20 +156,27 @@ def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndar
 
 
 def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
-    """encode_chunk over the chunks, results in input order, at most 2 x workers chunks in flight."""
+    """encode_chunk over the chunks, results in input order, at most 2 x workers chunks in flight.
+
+    Workers are spawned (never forked from a process that may hold threads); as
+    with any spawning pool, a calling script needs an `if __name__ == "__main__":`
+    guard. A worker that dies raises BrokenProcessPool instead of hanging.
+    """
     if workers <= 1:
         _init_worker(*initargs)
         yield from map(encode_chunk, chunks)
         return
-    ctx = multiprocessing.get_context("spawn")  # no fork of a process that may hold threads
-    with ctx.Pool(workers, _init_worker, initargs) as pool:
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, initargs)
+    try:
         pending: deque = deque()
         for chunk in chunks:
-            pending.append(pool.apply_async(encode_chunk, (chunk,)))
+            pending.append(pool.submit(encode_chunk, chunk))
             if len(pending) >= 2 * workers:
-                yield pending.popleft().get()
+                yield pending.popleft().result()
         while pending:
-            yield pending.popleft().get()
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bool = False,
