@@ -1,6 +1,8 @@
 """The `megajax` command.
 
     megajax train [--config FILE ...] [key.sub=value ...]
+    megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
+    megajax preprocess --merge P1 P2 [...] --output-prefix P
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -42,12 +44,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    if bool(args.input) == bool(args.merge):
+        raise UserError("megajax preprocess needs either --input FILE [FILE ...] (tokenize text) or "
+                        "--merge P1 P2 [...] (concatenate datasets), not both and not neither.")
+    if args.merge:
+        from megajax.data.indexed import merge
+        out = merge(args.merge, args.output_prefix)
+        print(f"wrote {args.output_prefix}.{{bin,idx}}: {out.num_documents} documents, "
+              f"{out.num_tokens} tokens ({out.dtype.name}) from {len(args.merge)} datasets", file=sys.stderr)
+        return 0
+    if not args.tokenizer:
+        raise UserError("megajax preprocess --input needs --tokenizer: 'byte', a Hugging Face "
+                        "tokenizer.json, or a directory containing one.")
+    from megajax.data.preprocess import preprocess
+    s = preprocess(args.input, args.json_keys, args.tokenizer, args.output_prefix,
+                   append_eod=args.append_eod, workers=args.workers, input_format=args.input_format)
+    mb = s.input_bytes / 1e6
+    for key, prefix in s.prefixes.items():
+        print(f"wrote {prefix}.{{bin,idx}}: {s.documents} documents, {s.tokens[key]} tokens ({s.dtype})",
+              file=sys.stderr)
+    print(f"{mb:.1f} MB in {s.seconds:.1f} s ({mb / max(s.seconds, 1e-9):.1f} MB/s, "
+          f"{s.documents / max(s.seconds, 1e-9):,.0f} docs/s)", file=sys.stderr)
+    return 0
+
+
+def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", nargs="+", default=[], metavar="FILE",
+                   help="jsonl or plain-text files (optionally .gz), concatenated in order")
+    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                   help="JSON fields to tokenize, one dataset each (default: text)")
+    p.add_argument("--tokenizer", metavar="TOK",
+                   help="'byte', a Hugging Face tokenizer.json, or a directory containing one")
+    p.add_argument("--output-prefix", required=True, metavar="P",
+                   help="writes P_KEY_document.{bin,idx} (with --merge: P.{bin,idx})")
+    p.add_argument("--append-eod", action="store_true",
+                   help="end every document with the tokenizer's end-of-document id")
+    p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
+    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "lines", "files"),
+                   help="jsonl; lines: one document per line; files: one document per file; "
+                        "auto: jsonl for *.jsonl/*.json, else lines")
+    p.add_argument("--merge", nargs="+", default=[], metavar="P",
+                   help="instead of tokenizing, concatenate these dataset prefixes into --output-prefix")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="train a model (no arguments: a small model on an embedded corpus)")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("preprocess", help="tokenize text into a Megatron dataset (.bin/.idx), or merge datasets")
+    _add_preprocess_args(p)
+    p.set_defaults(func=cmd_preprocess)
     return parser
 
 

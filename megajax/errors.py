@@ -20,3 +20,7 @@ class MeshError(UserError):
 
 class TrainingError(UserError):
     """Training cannot continue (non-finite loss, ...)."""
+
+
+class DataError(UserError):
+    """A dataset or input file that is missing, corrupt, or does not fit the request."""

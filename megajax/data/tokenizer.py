@@ -1,8 +1,23 @@
-"""Tokenizers: the built-in byte-level tokenizer (no files, no downloads)."""
+"""Tokenizers: the built-in byte-level tokenizer (no files, no downloads) and Hugging Face `tokenizer.json`.
+
+Every tokenizer exposes `vocab_size`, `eod_id` (end-of-document id, or None),
+`encode(text) -> list[int]`, `decode(ids) -> str`, and
+`encode_packed(texts) -> (ids [T] int32, lengths [N] int64)` for bulk
+preprocessing (all texts' ids concatenated, and each text's length).
+"""
 
 from __future__ import annotations
 
+import json
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+
 from megajax.errors import ConfigError
+
+# End-of-document candidates, most common first, when the tokenizer's config names no eos token.
+EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|eod|>")
 
 
 class ByteTokenizer:
@@ -15,13 +30,78 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        data = [t.encode("utf-8") for t in texts]
+        lengths = np.fromiter(map(len, data), np.int64, len(data))
+        return np.frombuffer(b"".join(data), np.uint8).astype(np.int32), lengths
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-def load_tokenizer(spec: str):
-    """`byte` for the built-in tokenizer."""
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer loaded from a tokenizer.json file.
+
+    Text is encoded without the tokenizer's post-processor specials (no BOS/EOS
+    per call); documents are separated by `eod_id`, taken from the eos token of
+    a `tokenizer_config.json` beside the file, else the first of EOD_CANDIDATES
+    in the vocabulary, else None.
+    """
+
+    def __init__(self, file: Path, key: str = "data.tokenizer"):
+        from tokenizers import Tokenizer
+        self.name = str(file)
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the library raises a bare Exception for unreadable files
+            raise ConfigError(f"{key} = {str(file)!r}: not a readable Hugging Face tokenizer.json "
+                              f"({e}).") from None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1 if vocab else 0
+        self.eod_id = self._find_eod(file.parent / "tokenizer_config.json")
+
+    def _find_eod(self, config: Path) -> int | None:
+        names = list(EOD_CANDIDATES)
+        if config.is_file():
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except (OSError, ValueError, AttributeError):
+                eos = None
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                names.insert(0, eos)
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_packed(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
+        ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+        lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+        return np.fromiter(chain.from_iterable(ids), np.int32, int(lengths.sum())), lengths
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str, key: str = "data.tokenizer"):
+    """`byte` for the built-in tokenizer, or a Hugging Face tokenizer.json file / a directory holding one.
+
+    `key` names the setting in error messages (a config key or a command-line flag).
+    """
     if spec == "byte":
         return ByteTokenizer()
-    raise ConfigError(f"data.tokenizer = {spec!r}: accepted values are 'byte' (the built-in byte-level "
-                      f"tokenizer).")
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if path.is_file():
+        return HFTokenizer(path, key)
+    raise ConfigError(f"{key} = {spec!r}: no such tokenizer (looked for {str(path)!r}); accepted values "
+                      f"are 'byte' (the built-in byte-level tokenizer), a Hugging Face tokenizer.json "
+                      f"file, or a directory containing one.")

@@ -1,0 +1,234 @@
+"""Text -> Megatron indexed datasets (`megajax preprocess`).
+
+Each JSON key of the input becomes one dataset `{output_prefix}_{key}_document`
+.{bin,idx}, one sequence per document, documents in input order (Megatron's
+naming and format). Inputs:
+
+    jsonl   one JSON object per line; each key's string value is a document
+    lines   plain text, one document per line
+    files   plain text, one document per file
+
+`auto` picks jsonl for *.jsonl / *.json (optionally .gz), lines otherwise.
+
+Memory stays flat however large the input: lines are read in ~1 MiB chunks,
+at most 2 x workers chunks are in flight, tokens stream to the writer, and
+the writer spills its index entries to disk. With workers > 1 the chunks are
+tokenized in worker processes and written back in input order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Iterator, NamedTuple
+
+import numpy as np
+
+from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
+from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
+from megajax.errors import ConfigError, DataError
+
+INPUT_FORMATS = ("auto", "jsonl", "lines", "files")
+CHUNK_BYTES = 1 << 20
+CHUNK_DOCS = 8192
+
+
+class Chunk(NamedTuple):
+    """Raw documents of one input file: `items` start at line `first_line` (1-based; files: 0)."""
+    path: str
+    fmt: str
+    first_line: int
+    items: list[bytes]
+
+
+@dataclass
+class Summary:
+    prefixes: dict[str, str]                      # json key -> dataset prefix
+    documents: int = 0
+    tokens: dict[str, int] = field(default_factory=dict)
+    input_bytes: int = 0
+    seconds: float = 0.0
+    dtype: str = ""
+
+
+def output_prefix(prefix, key: str) -> str:
+    return f"{prefix}_{key}_document"
+
+
+def detect_format(path: str, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    name = path[:-3] if path.endswith(".gz") else path
+    return "jsonl" if name.endswith((".jsonl", ".json")) else "lines"
+
+
+def _open(path: str):
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def read_chunks(paths: list[str], fmt: str) -> Iterator[Chunk]:
+    """Chunks of raw documents (lines, or whole files), ~CHUNK_BYTES each, in input order."""
+    files: list[bytes] = []
+    files_bytes = 0
+    for path in paths:
+        kind = detect_format(path, fmt)
+        if kind == "files":
+            with _open(path) as f:
+                files.append(f.read())
+            files_bytes += len(files[-1])
+            if files_bytes >= CHUNK_BYTES or len(files) >= CHUNK_DOCS:
+                yield Chunk(path, kind, 0, files)
+                files, files_bytes = [], 0
+            continue
+        items, size, first = [], 0, 1
+        with _open(path) as f:
+            for line_no, line in enumerate(f, 1):
+                items.append(line)
+                size += len(line)
+                if size >= CHUNK_BYTES or len(items) >= CHUNK_DOCS:
+                    yield Chunk(path, kind, first, items)
+                    items, size, first = [], 0, line_no + 1
+        if items:
+            yield Chunk(path, kind, first, items)
+    if files:
+        yield Chunk(paths[-1], "files", 0, files)
+
+
+# --- worker side: module globals set once per process by _init_worker ------------------------
+
+_WORKER: dict = {}
+
+
+def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool) -> None:
+    if not parallel_tokenizer:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tok = load_tokenizer(tokenizer, key="--tokenizer")
+    _WORKER.update(tokenizer=tok, keys=keys, eod=tok.eod_id if append_eod else None)
+
+
+def _texts(chunk: Chunk, keys: list[str]) -> dict[str, list[str]]:
+    """Each key's documents in one chunk (jsonl: blank lines skipped)."""
+    if chunk.fmt == "files":
+        return {keys[0]: [b.decode("utf-8", errors="replace") for b in chunk.items]}
+    if chunk.fmt == "lines":
+        return {keys[0]: [b.rstrip(b"\r\n").decode("utf-8", errors="replace") for b in chunk.items]}
+    texts: dict[str, list[str]] = {k: [] for k in keys}
+    for n, line in enumerate(chunk.items, chunk.first_line):
+        if not line.strip():
+            continue
+        where = f"{chunk.path}, line {n}"
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{where}: not valid JSON ({e}); jsonl input needs one JSON object per "
+                            f"line (use --input-format lines for plain text).") from None
+        for key in keys:
+            if not isinstance(obj, dict) or key not in obj:
+                found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                raise DataError(f"{where}: no key {key!r} in this record (found {found}); choose the "
+                                f"text fields with --json-keys.")
+            if not isinstance(obj[key], str):
+                raise DataError(f"{where}: key {key!r} holds a {type(obj[key]).__name__}, expected a "
+                                f"string.")
+            texts[key].append(obj[key])
+    return texts
+
+
+def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """(input bytes, {key: (ids [T] int32, document lengths [N])}) for one chunk."""
+    tok, eod = _WORKER["tokenizer"], _WORKER["eod"]
+    out = {}
+    for key, texts in _texts(chunk, _WORKER["keys"]).items():
+        ids_T, lengths_N = tok.encode_packed(texts)
+        if eod is not None:  # an end-of-document id after every non-empty document
+            nonempty = lengths_N > 0
+            ids_T = np.insert(ids_T, np.cumsum(lengths_N)[nonempty], eod)
+            lengths_N = lengths_N + nonempty
+        out[key] = (ids_T, lengths_N)
+    return sum(map(len, chunk.items)), out
+
+
+def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
+    """encode_chunk over the chunks, results in input order, at most 2 x workers chunks in flight.
+
+    Workers are spawned (never forked from a process that may hold threads); as
+    with any spawning pool, a calling script needs an `if __name__ == "__main__":`
+    guard. A worker that dies raises BrokenProcessPool instead of hanging.
+    """
+    if workers <= 1:
+        _init_worker(*initargs)
+        yield from map(encode_chunk, chunks)
+        return
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, initargs)
+    try:
+        pending: deque = deque()
+        for chunk in chunks:
+            pending.append(pool.submit(encode_chunk, chunk))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bool = False,
+               workers: int = 1, input_format: str = "auto", progress: bool = True) -> Summary:
+    """Tokenizes `inputs` into one dataset per JSON key; returns what was written."""
+    inputs = [str(p) for p in inputs]
+    json_keys = list(json_keys)
+    missing = [p for p in inputs if not os.path.isfile(p)]
+    if not inputs or missing:
+        raise DataError(f"--input: {'no input files given' if not inputs else f'no such file(s) {missing}'}; "
+                        f"give one or more jsonl or text files.")
+    if input_format not in INPUT_FORMATS:
+        raise ConfigError(f"--input-format = {input_format!r}: accepted values are {', '.join(INPUT_FORMATS)}.")
+    if not json_keys or len(set(json_keys)) != len(json_keys):
+        raise ConfigError(f"--json-keys = {json_keys}: give one or more distinct keys.")
+    plain = [p for p in inputs if detect_format(p, input_format) != "jsonl"]
+    if plain and len(json_keys) > 1:
+        raise ConfigError(f"--json-keys = {json_keys}: plain-text inputs ({plain[0]}) hold one field; "
+                          f"give a single key (it names the output, e.g. text).")
+    if workers < 1:
+        raise ConfigError(f"--workers = {workers}: must be at least 1.")
+    tok = load_tokenizer(tokenizer, key="--tokenizer")
+    if append_eod and tok.eod_id is None:
+        raise ConfigError(f"--append-eod: tokenizer {tokenizer!r} has no end-of-document token (looked "
+                          f"for its eos_token and {', '.join(EOD_CANDIDATES)}); drop --append-eod or use a "
+                          f"tokenizer that has one.")
+    dtype = optimal_dtype(tok.vocab_size)
+    summary = Summary({k: output_prefix(output, k) for k in json_keys}, dtype=dtype.name)
+    total = None if any(p.endswith(".gz") for p in inputs) else sum(os.path.getsize(p) for p in inputs)
+    writers = {k: IndexedDatasetWriter(p, dtype) for k, p in summary.prefixes.items()}
+    from tqdm import tqdm
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
+               disable=None if progress else True, dynamic_ncols=True)  # None: only on a terminal
+    start = time.perf_counter()
+    try:
+        initargs = (tokenizer, json_keys, append_eod, workers <= 1)
+        for nbytes, out in _ordered_map(read_chunks(inputs, input_format), workers, initargs):
+            for key, (ids_T, lengths_N) in out.items():
+                writers[key].add_documents(ids_T, lengths_N)
+            summary.documents += len(next(iter(out.values()))[1])
+            summary.input_bytes += nbytes
+            bar.update(nbytes)
+            rate = summary.documents / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"{summary.documents} docs, {rate:,.0f} docs/s", refresh=False)
+        for writer in writers.values():
+            writer.finalize()
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+    summary.tokens = {k: w.num_tokens for k, w in writers.items()}
+    summary.seconds = time.perf_counter() - start
+    return summary
