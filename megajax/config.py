@@ -145,6 +145,8 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    eval_every: int = 100  # validation pass every N steps (0: never)
+    eval_steps: int = 5  # global batches per validation pass
     peak_tflops: float | None = None  # per device; None: from the device table
     sample_tokens: int = 160  # greedy sample printed after training (0: none)
     sample_prompt: str = "def "
@@ -169,7 +171,14 @@ class DataConfig:
     # Megatron dataset prefix, or [weight, prefix, weight, prefix, ...]; empty: the
     # embedded corpus (this Python's standard library sources).
     path: Union[str, list] = ""
-    tokenizer: str = "byte"
+    split: str = "969,30,1"  # train, validation, test shares of the documents
+    tokenizer: str = "byte"  # 'byte' or a Hugging Face tokenizer.json (file or directory)
+    cache_dir: str = ""  # sample-index cache; empty: <dataset dir>/cache/GPTDataset_indices
+    # Document-aware batches (Megatron's flags of the same names).
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False  # attention does not cross end-of-document tokens
+    eod_mask_loss: bool = False  # no loss on predictions made from an end-of-document token
+    prefetch: int = 2  # batches prepared ahead in a background thread
     corpus_max_mb: float = 8.0  # size cap of the embedded corpus
 
 
@@ -402,6 +411,14 @@ def validate(cfg: Config) -> None:
                 "hysteresis"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.eval_steps", t.eval_steps)
+    _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
+    from megajax.data.gpt_dataset import parse_split
+    try:
+        parse_split(cfg.data.split)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("data split", "config key data.split", 1)) from None
     _positive("optim.lr", o.lr)
     _positive("optim.min_lr", o.min_lr, allow_zero=True)
     _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)

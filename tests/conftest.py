@@ -6,6 +6,10 @@ _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Keep the embedded corpus cache of test runs out of the user's ~/.cache.
+if "MEGAJAX_CACHE" not in os.environ:
+    import tempfile
+    os.environ["MEGAJAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-test-cache-")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402

@@ -26,6 +26,7 @@ def test_default_train_runs_end_to_end(tmp_path):
     assert p.returncode == 0, p.stderr
     assert "step 6/6" in p.stdout and "tok/s" in p.stdout and "MFU" in p.stdout
     assert "greedy sample" in p.stdout
+    assert "data: embedded corpus" in p.stdout and "_text_document" in p.stdout  # the indexed-dataset path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 6]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time"):

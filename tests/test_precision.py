@@ -30,7 +30,7 @@ def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(small_co
     state = tr.state
     scales, updates, params = [], [], []
     for step in range(4):
-        batch = tr.loader.batch(step)
+        batch = tr.loader.batch(step * cfg.train.global_batch)
         if step == 2:  # inject an overflow: one infinite loss weight makes every gradient non-finite
             mask = np.asarray(batch["loss_mask"]).copy()
             mask[0, 0, 0] = np.inf

@@ -3,14 +3,24 @@
 Present on every machine with Python, so `megajax train` needs no download.
 Each .py file is one document; files are taken in sorted path order until
 the size cap is reached, so the corpus is deterministic for a given Python.
+It is preprocessed once, like any user corpus, into a Megatron indexed
+dataset in the cache directory (`$MEGAJAX_CACHE`, default ~/.cache/megajax),
+and trained on through the same dataset and loader code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 import sysconfig
 from pathlib import Path
 
-import numpy as np
+from megajax.data.indexed import exists
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MEGAJAX_CACHE") or Path.home() / ".cache" / "megajax")
 
 
 def stdlib_files(max_bytes: int) -> list[Path]:
@@ -31,10 +41,17 @@ def stdlib_files(max_bytes: int) -> list[Path]:
     return out
 
 
-def stdlib_corpus_tokens(tokenizer, max_mb: float) -> np.ndarray:
-    """All documents' tokens, each followed by the end-of-document id, as one uint16 array."""
-    pieces = []
-    for path in stdlib_files(int(max_mb * 2**20)):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        pieces.append(np.asarray(tokenizer.encode(text) + [tokenizer.eod_id], np.uint16))
-    return np.concatenate(pieces)
+def stdlib_corpus(tokenizer: str, max_mb: float) -> str:
+    """Prefix of the embedded corpus as an indexed dataset, built on first use."""
+    files = stdlib_files(int(max_mb * 2**20))
+    tok_id = tokenizer if tokenizer == "byte" else hashlib.md5(Path(tokenizer).read_bytes()).hexdigest()
+    identity = (sys.version, [str(f) for f in files], [f.stat().st_size for f in files], tok_id)
+    key = hashlib.md5(repr(identity).encode()).hexdigest()[:16]
+    base = cache_dir() / "corpus" / f"stdlib-{key}"
+    prefix = f"{base}_text_document"
+    if not exists(prefix):
+        from megajax.data.preprocess import preprocess
+        base.parent.mkdir(parents=True, exist_ok=True)
+        preprocess(files, ["text"], tokenizer, str(base), append_eod=True, workers=1,
+                   input_format="files", progress=False)
+    return prefix

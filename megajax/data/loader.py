@@ -1,74 +1,132 @@
-"""Host batches -> global jax.Arrays laid out for the train step.
+"""Datasets for a run, and host batches -> global jax.Arrays laid out for the train step.
 
-A dataset maps a sample index to seq_len + 1 token ids. The loader turns
-global batch `step` into arrays [accumulation, micro_batch x dp, seq] placed
-with the batch sharding; each process only materialises the rows its own
-devices hold (make_array_from_callback asks for exactly those).
+A dataset maps a sample index to a dict of [seq_len + 1] arrays (`tokens`,
+and with document-aware batches `segment_ids`, `positions`, `loss_mask`).
+The loader turns the global batch that starts at sample `start` into arrays
+[accumulation, micro_batch x dp, seq] placed with the batch sharding. Each
+process materialises only the rows its own devices hold
+(make_array_from_callback asks for exactly those), and the next batches are
+prepared in a background thread while the current step runs.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import collections
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
 import jax
+import numpy as np
+
+from megajax.config import Config
+from megajax.data.blend import BlendedDataset, build_datasets, parse_data_path
+from megajax.data.corpus import stdlib_corpus
 
 
-class TokenWindows:
-    """Non-overlapping windows of seq_len + 1 tokens over a token array, in a seeded order per epoch."""
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    keys = ("tokens", "labels", "loss_mask")
+    if cfg.data.reset_position_ids:
+        keys += ("positions",)
+    if cfg.data.reset_attention_mask:
+        keys += ("segment_ids",)
+    return keys
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
-        self.tokens, self.seq_len, self.seed = tokens, seq_len, seed
-        self.num_windows = (len(tokens) - 1) // seq_len
-        if self.num_windows < 1:
-            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one sample of {seq_len + 1}")
-        self._orders: dict[int, np.ndarray] = {}
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)}
-        return self._orders[epoch]
+def document_aware(cfg: Config) -> bool:
+    d = cfg.data
+    return d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
 
-    def __len__(self) -> int:
-        return self.num_windows
 
-    def __getitem__(self, index: int) -> np.ndarray:
-        epoch, pos = divmod(int(index), self.num_windows)
-        start = int(self._order(epoch)[pos]) * self.seq_len
-        return self.tokens[start:start + self.seq_len + 1]
+def split_sample_counts(cfg: Config) -> list[int]:
+    """Samples needed per split (train, valid, test), as Megatron sizes them."""
+    t = cfg.train
+    evals = t.steps // t.eval_every + 1 if t.eval_every else 0
+    return [t.steps * t.global_batch, evals * t.eval_steps * t.global_batch or 1,
+            t.eval_steps * t.global_batch]
+
+
+def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
+    """(train, valid or None, report lines) for data.path, or the embedded corpus when it is empty."""
+    path = cfg.data.path or stdlib_corpus(cfg.data.tokenizer, cfg.data.corpus_max_mb)
+    prefixes, _ = parse_data_path(path)
+    cache = cfg.data.cache_dir or str(Path(prefixes[0]).parent / "cache" / "GPTDataset_indices")
+    train, valid, _ = build_datasets(
+        path, split=cfg.data.split, num_samples=split_sample_counts(cfg), seq_len=cfg.train.seq_len,
+        seed=cfg.train.seed, cache_dir=cache, document_aware=document_aware(cfg),
+        eod_id=getattr(tokenizer, "eod_id", None))
+    report = [f"data: {'embedded corpus ' if not cfg.data.path else ''}{path}, split {cfg.data.split}: "
+              f"{len(train):,} train samples" + (f", {len(valid):,} validation" if valid else "")]
+    if isinstance(train, BlendedDataset):
+        report.append(train.report())
+    return train, valid, report
 
 
 class Loader:
-    """Global batch `step` of a dataset as sharded arrays {tokens, labels, loss_mask}."""
+    """Global batches of a dataset as sharded arrays; `batch(start)` covers samples [start, start + G)."""
 
-    def __init__(self, dataset, *, global_batch: int, accumulation: int, seq_len: int, shardings: dict):
+    def __init__(self, dataset, *, global_batch: int, accumulation: int, seq_len: int, shardings: dict,
+                 eod_mask_loss: bool = False, prefetch: int = 2):
         self.dataset, self.global_batch, self.accumulation = dataset, global_batch, accumulation
+        self.eod_mask_loss = eod_mask_loss
         self.seq_len, self.shardings = seq_len, shardings
         self.shape = (accumulation, global_batch // accumulation, seq_len)
+        self.prefetch = prefetch
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-loader") if prefetch else None
+        self._ahead: collections.OrderedDict = collections.OrderedDict()
 
-    def _rows(self, step: int, rows: slice, micro: slice) -> np.ndarray:
-        """Samples [micro, rows, seq + 1] of global batch `step`."""
+    def _rows(self, start: int, micro: slice, rows: slice) -> dict[str, np.ndarray]:
+        """Samples [micro, rows, seq + 1] of the batch at `start`, one array per field."""
         b = self.shape[1]
-        base = step * self.global_batch
-        out = np.empty((len(range(*micro.indices(self.accumulation))),
-                        len(range(*rows.indices(b))), self.seq_len + 1), np.int32)
-        for i, a in enumerate(range(*micro.indices(self.accumulation))):
-            for j, r in enumerate(range(*rows.indices(b))):
-                out[i, j] = self.dataset[base + a * b + r]
+        micros, rows_ = range(*micro.indices(self.accumulation)), range(*rows.indices(b))
+        out: dict[str, np.ndarray] = {}
+        for i, a in enumerate(micros):
+            for j, r in enumerate(rows_):
+                sample = self.dataset[start + a * b + r]
+                if not isinstance(sample, dict):
+                    sample = {"tokens": sample}
+                for k, v in sample.items():
+                    if k not in out:
+                        out[k] = np.empty((len(micros), len(rows_), self.seq_len + 1), np.int32
+                                          if k != "loss_mask" else np.float32)
+                    out[k][i, j] = v
         return out
 
-    def batch(self, step: int) -> dict:
+    def _make(self, start: int) -> dict:
         cache: dict = {}
 
         def samples(index):
             key = (index[0].indices(self.shape[0]), index[1].indices(self.shape[1]))
             if key not in cache:
-                cache[key] = self._rows(step, rows=index[1], micro=index[0])
+                cache[key] = self._rows(start, index[0], index[1])
             return cache[key]
 
-        def make(name, fn):
-            return jax.make_array_from_callback(self.shape, self.shardings[name], lambda idx: fn(samples(idx))[..., idx[2]])
-
-        return {
-            "tokens": make("tokens", lambda s: s[..., :-1]),
-            "labels": make("labels", lambda s: s[..., 1:]),
-            "loss_mask": make("loss_mask", lambda s: np.ones(s[..., 1:].shape, np.float32)),
+        fields = {
+            "tokens": lambda s: s["tokens"][..., :-1],
+            "labels": lambda s: s["tokens"][..., 1:],
+            "loss_mask": lambda s: (s["loss_mask"][..., :-1] if self.eod_mask_loss
+                                    else np.ones(s["tokens"][..., 1:].shape, np.float32)),
+            "positions": lambda s: s["positions"][..., :-1],
+            "segment_ids": lambda s: s["segment_ids"][..., :-1],
         }
+        return {k: jax.make_array_from_callback(self.shape, sh, lambda idx, f=fields[k]: f(samples(idx))[..., idx[2]])
+                for k, sh in self.shardings.items()}
+
+    def batch(self, start: int) -> dict:
+        """The batch at sample `start`; queues the following ones in the background."""
+        if self._pool is None:
+            return self._make(start)
+        for s in list(self._ahead):
+            if s < start:
+                self._ahead.pop(s).cancel()
+        for k in range(self.prefetch + 1):
+            s = start + k * self.global_batch
+            if s not in self._ahead:
+                self._ahead[s] = self._pool.submit(self._make, s)
+        return self._ahead.pop(start).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for f in self._ahead.values():
+                f.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from megajax.config import Config
-from megajax.data.corpus import stdlib_corpus_tokens
-from megajax.data.loader import Loader, TokenWindows
+from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, TrainingError
 from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
@@ -27,7 +26,7 @@ from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.state import (TrainState, build_model_spec, loss_scaler, make_init_fn,
                                  state_shardings)
-from megajax.train.step import batch_shardings, jit_train_step, make_train_step
+from megajax.train.step import batch_shardings, jit_train_step, make_eval_step, make_train_step
 
 
 @dataclass
@@ -43,6 +42,9 @@ class Trainer:
     step_fn: Any  # compiled
     loader: Loader
     accumulation: int
+    valid_loader: Loader | None
+    eval_fn: Any  # jitted (params, batch) -> (loss sum, tokens)
+    data_report: list
     compile_seconds: float
     flops_per_step: float
     padded_vocab: int
@@ -53,6 +55,7 @@ class RunResult:
     run_dir: Path
     losses: list[float] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
     compile_seconds: float = 0.0
     tokens_per_sec: float = float("nan")
     sample: str | None = None
@@ -63,16 +66,8 @@ def default_run_dir() -> str:
     return str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-def load_dataset(cfg: Config, tokenizer):
-    if cfg.data.path:
-        raise ConfigError(f"data.path = {cfg.data.path!r}: Megatron indexed datasets are not readable "
-                          f"yet; leave data.path empty to train on the embedded corpus.")
-    return TokenWindows(stdlib_corpus_tokens(tokenizer, cfg.data.corpus_max_mb), cfg.train.seq_len,
-                        cfg.train.seed)
-
-
 def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer.vocab_size
     elif cfg.model.vocab_size < tokenizer.vocab_size:
@@ -95,19 +90,23 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     st_sh = state_shardings(mesh, rules, spec, tx, abstract)
     state = jax.jit(init, out_shardings=st_sh)()
 
-    keys = ("tokens", "labels", "loss_mask")
-    b_sh = batch_shardings(mesh, rules, keys)
-    loader = Loader(load_dataset(cfg, tokenizer), global_batch=cfg.train.global_batch,
-                    accumulation=accumulation, seq_len=cfg.train.seq_len, shardings=b_sh)
+    b_sh = batch_shardings(mesh, rules, batch_keys(cfg))
+    train_ds, valid_ds, report = build_run_datasets(cfg, tokenizer)
+    common = dict(global_batch=cfg.train.global_batch, accumulation=accumulation, seq_len=cfg.train.seq_len,
+                  shardings=b_sh, eod_mask_loss=cfg.data.eod_mask_loss)
+    loader = Loader(train_ds, prefetch=cfg.data.prefetch, **common)
+    valid_loader = Loader(valid_ds, prefetch=0, **common) if valid_ds is not None and cfg.train.eval_every else None
     step = make_train_step(cfg, spec, tx, scaler, lr_schedule(cfg.optim, cfg.train.steps), mesh, rules)
     jitted = jit_train_step(step, st_sh, b_sh, mesh)
     t0 = time.perf_counter()
     compiled = jitted.lower(state, loader.batch(0)).compile()
     compile_seconds = time.perf_counter() - t0
+    eval_fn = jax.jit(make_eval_step(spec, mesh, rules), in_shardings=(st_sh.params, b_sh))
     flops = train_flops_per_token(cfg.model, cfg.train.seq_len, padded_vocab) * \
         cfg.train.global_batch * cfg.train.seq_len
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, spec=spec, tokenizer=tokenizer, state=state,
                    state_shardings=st_sh, step_fn=compiled, loader=loader, accumulation=accumulation,
+                   valid_loader=valid_loader, eval_fn=eval_fn, data_report=report,
                    compile_seconds=compile_seconds, flops_per_step=flops, padded_vocab=padded_vocab)
 
 
@@ -149,7 +148,25 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                         total_steps=total)
     log.print(_describe(tr, peak_source))
+    for line in tr.data_report:
+        log.print(line)
     result = RunResult(run_dir=run_dir, compile_seconds=tr.compile_seconds)
+    evaluations = 0
+
+    def evaluate(step: int) -> None:
+        nonlocal evaluations
+        loss_sum, count = 0.0, 0.0
+        for k in range(cfg.train.eval_steps):
+            start_sample = (evaluations * cfg.train.eval_steps + k) * cfg.train.global_batch
+            l, c = jax.device_get(tr.eval_fn(state.params, tr.valid_loader.batch(start_sample)))
+            loss_sum, count = loss_sum + float(l), count + float(c)
+        evaluations += 1
+        val = loss_sum / max(count, 1.0)
+        ppl = math.exp(min(val, 80.0))
+        result.val_losses.append((step, val))
+        log.log({"step": step, "val_loss": val, "val_ppl": ppl}, console=False)
+        log.print(f"validation at step {step} | loss {val:.4f} | ppl {ppl:.3f} | "
+                  f"{int(count):,} tokens")
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     state = tr.state
     start = int(jax.device_get(state.step))
@@ -170,7 +187,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
 
     try:
         for step_index in range(start, total):
-            batch = tr.loader.batch(step_index)
+            batch = tr.loader.batch(step_index * cfg.train.global_batch)
             state, metrics = tr.step_fn(state, batch)
             if pending is not None:  # one step behind, so the device stays busy
                 check(pending[0], jax.device_get(pending[1]))
@@ -201,8 +218,12 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
                 log.log(record)
                 interval_rates.append(tps)
                 interval_start, interval_steps = time.perf_counter(), 0
+            if tr.valid_loader is not None and ((step_index + 1) % cfg.train.eval_every == 0 or last):
+                evaluate(step_index + 1)
+                interval_start = time.perf_counter()  # keep evaluation out of the throughput figures
     finally:
         log.close()
+        tr.loader.close()
 
     steady = interval_rates[1:] or interval_rates
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")

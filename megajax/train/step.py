@@ -111,6 +111,24 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     return step
 
 
+def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
+    """Returns eval(params, batch) -> (sum of token losses, number of tokens), not yet jitted."""
+    act_rules = rules.activations if rules is not None else None
+
+    def evaluate(params: dict, batch: dict):
+        with activation_sharding(mesh, act_rules):
+            def micro(carry, i):
+                m = jax.tree.map(lambda x: x[i], batch)
+                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"))
+                loss = jnp.sum(cross_entropy(logits, m["labels"]) * m["loss_mask"])
+                return (carry[0] + loss, carry[1] + jnp.sum(m["loss_mask"])), None
+            (loss, count), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0)),
+                                            jnp.arange(batch["tokens"].shape[0]))
+            return loss, count
+
+    return evaluate
+
+
 def jit_train_step(step: Callable, state_sh: TrainState, batch_sh: dict, mesh: Mesh) -> Callable:
     replicated = NamedSharding(mesh, P())
     metric_sh = {k: replicated for k in ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")}
