@@ -1,6 +1,11 @@
 """Batches: layout, document-aware fields, determinism (exact resume), prefetch, per-host reads."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -104,3 +109,34 @@ def test_blend_trains_and_reports(small_config, corpus, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "blend of 2 datasets" in out and "weight 0.3000" in out
     assert len(res.losses) == 2
+
+
+def test_two_processes_read_disjoint_rows_and_form_the_one_process_batch(corpus, tmp_path):
+    """2 processes x 4 CPU devices: each reads only its rows; together they hold the 8-device batch."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "multiprocess_loader_worker.py"), str(i),
+                               str(port), corpus, str(tmp_path / f"p{i}.json")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    assert all(r["devices"] == 8 and r["local"] == 4 for r in results)
+    reads = [set(r["reads"]) for r in results]
+    assert not reads[0] & reads[1] and reads[0] | reads[1] == set(range(16, 24))
+    assert all(r["num_reads"] == len(r["reads"]) for r in results)  # no sample read twice
+
+    ds = GPTDataset(IndexedDataset(corpus), seq_len=16, seed=1)
+    want = make_loader(ds, accumulation=1, keys=("tokens", "labels")).batch(16)
+    for key in ("tokens", "labels"):
+        got = np.zeros(want[key].shape, np.int64)
+        for r in results:
+            for (a, b), data in r["shards"][key]:
+                data = np.asarray(data)
+                got[a:a + data.shape[0], b:b + data.shape[1]] = data
+        np.testing.assert_array_equal(got, np.asarray(want[key]))

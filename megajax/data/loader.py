@@ -21,6 +21,8 @@ import numpy as np
 from megajax.config import Config
 from megajax.data.blend import BlendedDataset, build_datasets, parse_data_path
 from megajax.data.corpus import stdlib_corpus
+from megajax.data.indexed import IndexedDataset
+from megajax.errors import DataError
 
 
 def batch_keys(cfg: Config) -> tuple[str, ...]:
@@ -49,16 +51,43 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
     """(train, valid or None, report lines) for data.path, or the embedded corpus when it is empty."""
     path = cfg.data.path or stdlib_corpus(cfg.data.tokenizer, cfg.data.corpus_max_mb)
     prefixes, _ = parse_data_path(path)
+    for prefix in prefixes:
+        check_vocabulary(IndexedDataset(prefix), cfg.model.vocab_size, cfg.data.tokenizer)
     cache = cfg.data.cache_dir or str(Path(prefixes[0]).parent / "cache" / "GPTDataset_indices")
     train, valid, _ = build_datasets(
         path, split=cfg.data.split, num_samples=split_sample_counts(cfg), seq_len=cfg.train.seq_len,
         seed=cfg.train.seed, cache_dir=cache, document_aware=document_aware(cfg),
         eod_id=getattr(tokenizer, "eod_id", None))
+    if train is None:
+        raise DataError(f"data.split = {cfg.data.split!r} leaves no documents for training in {path}; "
+                        f"give the train split a positive share.")
+    if valid is None and cfg.train.eval_every:
+        raise DataError(f"data.split = {cfg.data.split!r} leaves no validation documents in {path} but "
+                        f"train.eval_every = {cfg.train.eval_every}; give the validation split a share "
+                        f"(e.g. 969,30,1) or set train.eval_every=0.")
     report = [f"data: {'embedded corpus ' if not cfg.data.path else ''}{path}, split {cfg.data.split}: "
               f"{len(train):,} train samples" + (f", {len(valid):,} validation" if valid else "")]
     if isinstance(train, BlendedDataset):
         report.append(train.report())
     return train, valid, report
+
+
+def check_vocabulary(ds: IndexedDataset, vocab_size: int, tokenizer: str, scan_tokens: int = 1 << 24) -> None:
+    """Token ids in the data (the first `scan_tokens` of the .bin, so it stays instant) fit the model."""
+    n = min(ds.num_tokens, scan_tokens)
+    if n == 0:
+        return
+    top = int(np.max(_head(ds, n)))
+    if top >= vocab_size:
+        raise DataError(
+            f"indexed dataset {ds.prefix!r} ({ds.dtype.name}) holds token id {top} but model.vocab_size="
+            f"{vocab_size} (data.tokenizer={tokenizer!r}); the data was tokenized with another tokenizer. "
+            f"Set data.tokenizer to the tokenizer used by preprocess, or model.vocab_size > {top}.")
+
+
+def _head(ds: IndexedDataset, n: int) -> np.ndarray:
+    """The first n tokens of the dataset (a view of the memory map)."""
+    return np.frombuffer(ds._bin_map, ds.dtype, n)
 
 
 class Loader:

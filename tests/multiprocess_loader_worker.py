@@ -1,0 +1,40 @@
+"""One process of the two-process loader test (run by tests/test_loader.py, not by pytest)."""
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+process_id, port, prefix, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id,
+                           initialization_timeout=60)
+
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from megajax.data.gpt_dataset import GPTDataset  # noqa: E402
+from megajax.data.indexed import IndexedDataset  # noqa: E402
+from megajax.data.loader import Loader  # noqa: E402
+
+reads = []
+
+
+class Recording:
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __getitem__(self, i):
+        reads.append(int(i))
+        return self.ds[i]
+
+
+mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+sh = NamedSharding(mesh, P(None, "data", None))
+loader = Loader(Recording(GPTDataset(IndexedDataset(prefix), seq_len=16, seed=1)), global_batch=8,
+                accumulation=1, seq_len=16, shardings={"tokens": sh, "labels": sh}, prefetch=0)
+batch = loader.batch(16)
+shards = {k: [[[s.start or 0 for s in shard.index[:2]], np.asarray(shard.data).tolist()]
+              for shard in batch[k].addressable_shards] for k in batch}
+json.dump({"reads": sorted(set(reads)), "num_reads": len(reads), "shards": shards,
+           "devices": jax.device_count(), "local": jax.local_device_count()}, open(out, "w"))
+jax.distributed.shutdown()
