@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -82,7 +81,6 @@ def main() -> None:
         prefix = f"{out}_text_document"
 
     sys.path.insert(0, str(ROOT))
-    import numpy as np
     from megajax.data.gpt_dataset import GPTDataset
     from megajax.data.indexed import IndexedDataset
     from megajax.data.loader import Loader

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megajax.config import load_config
 from megajax.data.gpt_dataset import GPTDataset
 from megajax.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megajax.data.loader import Loader
