@@ -40,8 +40,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax.train.loop import train
-    train(cfg)
-    return 0
+    result = train(cfg)
+    return 130 if result.stopped_by == "SIGINT" else 0
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:

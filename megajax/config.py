@@ -184,7 +184,11 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    pass
+    """Checkpoints live in <train.run_dir>/checkpoints; a run restarted there resumes from the latest."""
+    every: int = 0  # save every N steps (0: only at the end and on SIGTERM/SIGINT)
+    keep: int = 3  # most recent checkpoints kept
+    async_save: bool = True  # write in the background while training continues
+    load: str = ""  # start from these parameters (a run/checkpoint directory), optimizer state fresh
 
 
 @dataclass
@@ -412,6 +416,8 @@ def validate(cfg: Config) -> None:
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
     _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("train.eval_steps", t.eval_steps)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
     from megajax.data.gpt_dataset import parse_split

@@ -24,3 +24,7 @@ class TrainingError(UserError):
 
 class DataError(UserError):
     """A dataset or input file that is missing, corrupt, or does not fit the request."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint that is missing, incomplete, or does not match the model."""

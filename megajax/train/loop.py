@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import datetime
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from megajax.checkpoint.manager import (Checkpointer, find_step_dir, read_meta, require_step_dir,
+                                        restore_params, restore_state)
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.data.tokenizer import load_tokenizer
@@ -45,6 +49,8 @@ class Trainer:
     valid_loader: Loader | None
     eval_fn: Any  # jitted (params, batch) -> (loss sum, tokens)
     data_report: list
+    consumed_samples: int  # data position of `state`
+    origin: str  # where the state came from
     compile_seconds: float
     flops_per_step: float
     padded_vocab: int
@@ -60,10 +66,28 @@ class RunResult:
     tokens_per_sec: float = float("nan")
     sample: str | None = None
     state: Any = None
+    stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed and stopped early
 
 
 def default_run_dir() -> str:
     return str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def initial_state(cfg: Config, init, abstract: TrainState, shardings: TrainState) -> tuple[TrainState, int, str]:
+    """(state, consumed samples, description): the run directory's latest checkpoint if it has one
+    (resume), else a fresh state, with checkpoint.load's parameters if given (fine-tuning)."""
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints") if cfg.train.run_dir else None
+    if resume is not None:
+        meta = read_meta(resume)
+        state = restore_state(resume, target)
+        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})"
+    state = jax.jit(init, out_shardings=shardings)()
+    if cfg.checkpoint.load:
+        source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
+        state = state.replace(params=restore_params(source, target.params))
+        return state, 0, f"parameters from {source}, optimizer state fresh"
+    return state, 0, "fresh initialisation"
 
 
 def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
@@ -88,7 +112,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed)
     abstract = jax.eval_shape(init)
     st_sh = state_shardings(mesh, rules, spec, tx, abstract)
-    state = jax.jit(init, out_shardings=st_sh)()
+    state, consumed, origin = initial_state(cfg, init, abstract, st_sh)
 
     b_sh = batch_shardings(mesh, rules, batch_keys(cfg))
     train_ds, valid_ds, report = build_run_datasets(cfg, tokenizer)
@@ -99,7 +123,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     step = make_train_step(cfg, spec, tx, scaler, lr_schedule(cfg.optim, cfg.train.steps), mesh, rules)
     jitted = jit_train_step(step, st_sh, b_sh, mesh)
     t0 = time.perf_counter()
-    compiled = jitted.lower(state, loader.batch(0)).compile()
+    compiled = jitted.lower(state, loader.batch(consumed)).compile()
     compile_seconds = time.perf_counter() - t0
     eval_fn = jax.jit(make_eval_step(spec, mesh, rules), in_shardings=(st_sh.params, b_sh))
     flops = train_flops_per_token(cfg.model, cfg.train.seq_len, padded_vocab) * \
@@ -107,6 +131,7 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     return Trainer(cfg=cfg, mesh=mesh, rules=rules, spec=spec, tokenizer=tokenizer, state=state,
                    state_shardings=st_sh, step_fn=compiled, loader=loader, accumulation=accumulation,
                    valid_loader=valid_loader, eval_fn=eval_fn, data_report=report,
+                   consumed_samples=consumed, origin=origin,
                    compile_seconds=compile_seconds, flops_per_step=flops, padded_vocab=padded_vocab)
 
 
@@ -132,6 +157,29 @@ def _describe(tr: Trainer, peak_source: str) -> str:
             f"(lower triangle) per token, no recompute; peak from {peak_source}.")
 
 
+class _StopSignals:
+    """Records SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C) so the loop can checkpoint and stop."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def train(cfg: Config, devices: list | None = None) -> RunResult:
     if not cfg.train.run_dir:
         cfg.train.run_dir = default_run_dir()
@@ -144,35 +192,44 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     dev = jax.devices()[0]
     peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, cfg.train.precision,
                                                jax.local_device_count(), cfg.train.peak_tflops)
-    total = cfg.train.steps
+    total, G = cfg.train.steps, cfg.train.global_batch
+    state, consumed = tr.state, tr.consumed_samples
+    start = int(jax.device_get(state.step))
     log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                        total_steps=total)
+                        total_steps=total, start_step=start)
     log.print(_describe(tr, peak_source))
-    for line in tr.data_report:
+    for line in tr.data_report + [f"state: {tr.origin}"]:
         log.print(line)
     result = RunResult(run_dir=run_dir, compile_seconds=tr.compile_seconds)
-    evaluations = 0
+    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                async_save=cfg.checkpoint.async_save)
+    saved_step = start if tr.origin.startswith("resumed") else None
+    evaluations = start // cfg.train.eval_every if cfg.train.eval_every else 0
+
+    def save(step: int, wait: bool) -> None:
+        nonlocal saved_step
+        if saved_step == step:
+            return
+        meta = {"step": step, "consumed_samples": consumed, "config": cfg.to_dict(),
+                "mesh": mesh_sizes(tr.mesh), "padded_vocab_size": tr.padded_vocab}
+        checkpointer.save(step, state, meta, wait=wait)
+        saved_step = step
 
     def evaluate(step: int) -> None:
         nonlocal evaluations
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
-            start_sample = (evaluations * cfg.train.eval_steps + k) * cfg.train.global_batch
-            l, c = jax.device_get(tr.eval_fn(state.params, tr.valid_loader.batch(start_sample)))
+            batch = tr.valid_loader.batch((evaluations * cfg.train.eval_steps + k) * G)
+            l, c = jax.device_get(tr.eval_fn(state.params, batch))
             loss_sum, count = loss_sum + float(l), count + float(c)
         evaluations += 1
         val = loss_sum / max(count, 1.0)
         ppl = math.exp(min(val, 80.0))
         result.val_losses.append((step, val))
         log.log({"step": step, "val_loss": val, "val_ppl": ppl}, console=False)
-        log.print(f"validation at step {step} | loss {val:.4f} | ppl {ppl:.3f} | "
-                  f"{int(count):,} tokens")
-    tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
-    state = tr.state
-    start = int(jax.device_get(state.step))
-    interval_start, interval_steps, skipped = time.perf_counter(), 0, 0
-    interval_rates: list[float] = []
-    pending: tuple[int, dict] | None = None
+        log.print(f"validation at step {step} | loss {val:.4f} | ppl {ppl:.3f} | {int(count):,} tokens")
+
+    skipped = 0
 
     def check(step_index: int, m: dict) -> None:
         nonlocal skipped
@@ -185,53 +242,66 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
                     f"grad_norm={float(m['grad_norm'])}; the update was not applied. Lower optim.lr, "
                     f"check the data, or set train.skip_nonfinite=true to skip such steps.")
 
+    interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+    interval_rates: list[float] = []
+    pending: tuple[int, dict] | None = None
     try:
-        for step_index in range(start, total):
-            batch = tr.loader.batch(step_index * cfg.train.global_batch)
-            state, metrics = tr.step_fn(state, batch)
-            if pending is not None:  # one step behind, so the device stays busy
-                check(pending[0], jax.device_get(pending[1]))
-            pending = (step_index, metrics)
-            interval_steps += 1
-            log.advance()
-            last = step_index + 1 == total
-            if (step_index + 1) % cfg.train.log_every == 0 or last:
-                host = jax.device_get(metrics)
-                check(step_index, host)
-                pending = None
-                elapsed = time.perf_counter() - interval_start
-                step_time = elapsed / interval_steps
-                tps = tokens_per_step / step_time
-                tflops = tr.flops_per_step / step_time / jax.device_count() / 1e12
-                mem, mem_kind = device_memory_gib()
-                record = {
-                    # Like Megatron's log line: the mean loss over the steps since the last log.
-                    "step": step_index + 1, "loss": float(np.mean(result.losses[-interval_steps:])),
-                    "lr": float(host["lr"]),
-                    "grad_norm": float(host["grad_norm"]), "tokens_per_sec": tps,
-                    "tflops_per_device": tflops, "mfu": tflops / peak if math.isfinite(peak) else None,
-                    "step_time": step_time, "memory_gib": mem, "memory_kind": mem_kind,
-                    "skipped_steps": skipped,
-                    "loss_scale": float(host["loss_scale"]) if cfg.train.precision == "fp16" else None,
-                }
-                result.records.append(record)
-                log.log(record)
-                interval_rates.append(tps)
-                interval_start, interval_steps = time.perf_counter(), 0
-            if tr.valid_loader is not None and ((step_index + 1) % cfg.train.eval_every == 0 or last):
-                evaluate(step_index + 1)
-                interval_start = time.perf_counter()  # keep evaluation out of the throughput figures
+        with _StopSignals() as stop:
+            for step_index in range(start, total):
+                state, metrics = tr.step_fn(state, tr.loader.batch(consumed))
+                consumed += G
+                if pending is not None:  # one step behind, so the device stays busy
+                    check(pending[0], jax.device_get(pending[1]))
+                pending = (step_index, metrics)
+                interval_steps += 1
+                log.advance()
+                step, last = step_index + 1, step_index + 1 == total
+                if step % cfg.train.log_every == 0 or last or stop.received:
+                    host = jax.device_get(metrics)
+                    check(step_index, host)
+                    pending = None
+                    step_time = (time.perf_counter() - interval_start - paused) / interval_steps
+                    tflops = tr.flops_per_step / step_time / jax.device_count() / 1e12
+                    mem, mem_kind = device_memory_gib()
+                    record = {
+                        # Like Megatron's log line: the mean loss over the steps since the last log.
+                        "step": step, "loss": float(np.mean(result.losses[-interval_steps:])),
+                        "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
+                        "tokens_per_sec": G * cfg.train.seq_len / step_time, "tflops_per_device": tflops,
+                        "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
+                        "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": skipped,
+                        "loss_scale": float(host["loss_scale"]) if cfg.train.precision == "fp16" else None,
+                    }
+                    result.records.append(record)
+                    log.log(record)
+                    interval_rates.append(record["tokens_per_sec"])
+                    interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+                t0 = time.perf_counter()  # evaluation and saving are kept out of the throughput figures
+                if tr.valid_loader is not None and (step % cfg.train.eval_every == 0 or last):
+                    evaluate(step)
+                if stop.received or last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    save(step, wait=bool(stop.received or last))
+                paused += time.perf_counter() - t0
+                if stop.received:
+                    result.stopped_by = signal.Signals(stop.received).name
+                    log.print(f"megajax: {result.stopped_by} received: saved a checkpoint at step {step} "
+                              f"in {checkpointer.directory}; rerun with train.run_dir={run_dir} to resume.")
+                    break
     finally:
         log.close()
         tr.loader.close()
+        checkpointer.close()
 
+    result.state = state
+    if not result.losses:
+        log.print(f"megajax: nothing to do; {tr.origin} is already at train.steps={total}.")
+        return result
     steady = interval_rates[1:] or interval_rates
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
-    result.state = state
-    log.print(f"megajax: done, {total - start} steps; compile {tr.compile_seconds:.1f}s; "
+    log.print(f"megajax: done, {len(result.losses)} steps; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
-    if cfg.train.sample_tokens > 0:
+    if cfg.train.sample_tokens > 0 and result.stopped_by is None:
         from megajax.inference.generate import greedy_generate
         prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
         ids = greedy_generate(tr.spec.apply, state.params, prompt, cfg.train.sample_tokens,
