@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from megajax.checkpoint.manager import find_step_dir, read_meta
-from megajax.config import load_config
 from megajax.errors import CheckpointError
 from megajax.train.loop import build_trainer, train
 from megajax.train.optimizer import update_count
