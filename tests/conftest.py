@@ -12,6 +12,13 @@ if "MEGAJAX_CACHE" not in os.environ:
     os.environ["MEGAJAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-test-cache-")
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+
+# Many tests compile the same small programs: share compilations within the session.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile as _tempfile
+    jax.config.update("jax_compilation_cache_dir", _tempfile.mkdtemp(prefix="megajax-test-jit-"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import pytest  # noqa: E402
 
 from megajax.config import load_config  # noqa: E402
@@ -27,9 +34,11 @@ SMALL = [
 
 @pytest.fixture
 def small_config(tmp_path):
-    """Builds a small config; extra overrides win."""
+    """Builds a small config with a fresh run directory per call; extra overrides win."""
+    calls = iter(range(10**6))
+
     def make(*overrides, steps=3):
-        return load_config(overrides=SMALL + [f"train.steps={steps}", f"train.run_dir={tmp_path / 'run'}",
+        return load_config(overrides=SMALL + [f"train.steps={steps}", f"train.run_dir={tmp_path / f'run{next(calls)}'}",
                                               *overrides])
     return make
 

@@ -22,23 +22,26 @@ def test_default_train_runs_end_to_end(tmp_path):
     """`megajax train` with the default config, shortened: logs, metrics.jsonl, TensorBoard, sample."""
     run = tmp_path / "run"
     p = megajax("train", "train.steps=6", "train.log_every=3", "train.seq_len=64", "model.num_layers=2",
-                "data.corpus_max_mb=0.3", "train.sample_tokens=12", f"train.run_dir={run}")
+                "data.corpus_max_mb=0.3", "train.eval_every=3", "data.split=90,10,0", "train.sample_tokens=12",
+                f"train.run_dir={run}")
     assert p.returncode == 0, p.stderr
     assert "step 6/6" in p.stdout and "tok/s" in p.stdout and "MFU" in p.stdout
     assert "greedy sample" in p.stdout
     assert "data: embedded corpus" in p.stdout and "_text_document" in p.stdout  # the indexed-dataset path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [3, 6]
+    assert [r["step"] for r in records if "loss" in r] == [3, 6]
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time"):
-        assert all(key in r for r in records), key
-    assert records[-1]["loss"] < 5.6  # below the uniform byte-level loss ln(257) = 5.55 + noise
+        assert all(key in r for r in records if "val_loss" not in r), key
+    assert (run / "checkpoints" / "6" / "state").is_dir()
+    assert [r for r in records if "loss" in r][-1]["loss"] < 5.6  # below the uniform byte-level loss ln(257) = 5.55 + noise
     assert (run / "config.yaml").read_text().startswith("model:")
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def test_cpu_mesh_preset_simulates_devices(tmp_path):
     p = megajax("train", "--config", "mesh/cpu-8", "train.steps=2", "train.seq_len=32", "model.num_layers=1",
-                "data.corpus_max_mb=0.2", "train.sample_tokens=0", f"train.run_dir={tmp_path}",
+                "data.corpus_max_mb=0.2", "train.sample_tokens=0", "train.eval_every=0", f"train.run_dir={tmp_path}",
                 devices=None)
     assert p.returncode == 0, p.stderr
     assert "8 cpu devices, mesh data=2 x tensor=4" in p.stdout
