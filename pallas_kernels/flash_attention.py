@@ -43,14 +43,19 @@ _LOG2E = math.log2(math.e)
 # while a row has seen only masked logits (which are -inf).
 _M_INIT = -1e30
 
-# Per head_dim: (block_q, block_k, block_q_bwd, block_k_bwd, warps_fwd, warps_bwd, stages).
-# Sized for 16-bit inputs on Hopper/Ampere-class shared memory; fp32 halves the
-# sequence blocks (twice the bytes per element).
+# Per head_dim, for 16-bit inputs: forward tile (block_q, block_k), dq tile (q rows
+# held, kv rows streamed), dk/dv tile (q rows streamed, kv rows held), Triton warps
+# and pipeline stages. Chosen so that no kernel spills registers on sm_90 (ptxas) and
+# shared memory stays under 164 KiB (A100); fp32 halves the streamed blocks.
 _BLOCK_TABLE = {
-    64: (128, 64, 64, 64, 4, 4, 3),
-    128: (128, 64, 64, 64, 8, 8, 2),
-    256: (64, 32, 32, 32, 8, 8, 2),
+    64: dict(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=32,
+             block_k_dkv=64, num_warps=4, num_warps_bwd=4, num_stages=3),
+    128: dict(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=32,
+              block_k_dkv=64, num_warps=8, num_warps_bwd=8, num_stages=2),
+    256: dict(block_q=64, block_k=32, block_q_dq=32, block_k_dq=32, block_q_dkv=16,
+              block_k_dkv=32, num_warps=8, num_warps_bwd=8, num_stages=2),
 }
+_BLOCK_ARGS = ("block_q", "block_k", "block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv")
 _MIN_BLOCK = 16  # Triton's dot needs every matmul dimension >= 16.
 
 
@@ -63,10 +68,12 @@ class _Config:
     scale: float            # softmax scale in natural units
     q_len: int              # unpadded lengths
     kv_len: int
-    block_q: int
+    block_q: int            # forward tile
     block_k: int
-    block_q_bwd: int
-    block_k_bwd: int
+    block_q_dq: int         # dq kernel tile
+    block_k_dq: int
+    block_q_dkv: int        # dk/dv kernel tile
+    block_k_dkv: int
     num_warps: int
     num_warps_bwd: int
     num_stages: int
@@ -75,6 +82,11 @@ class _Config:
     @property
     def log2_scale(self) -> float:
         return self.scale * _LOG2E
+
+    @property
+    def kv_padded(self) -> bool:
+        """Whether flash_attention padded the keys (to a multiple of every kv block)."""
+        return self.kv_len % max(self.block_k, self.block_k_dq, self.block_k_dkv) != 0
 
     @property
     def masks_positions(self) -> bool:
@@ -176,8 +188,7 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
 
 def _run_blocks(rng: BlockRange, body, carry, cfg: _Config):
     """Runs body(j, carry, masked) over [lo, hi): masked at the edges, unmasked in between."""
-    kv_padded = cfg.kv_len % max(cfg.block_k, cfg.block_k_bwd) != 0   # see flash_attention's padding
-    if not cfg.masks_positions and not kv_padded:
+    if not cfg.masks_positions and not cfg.kv_padded:
         return lax.fori_loop(rng.lo, rng.hi, functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(rng.lo, rng.full_lo, functools.partial(body, masked=True), carry)
     carry = lax.fori_loop(rng.full_lo, rng.full_hi, functools.partial(body, masked=False), carry)
@@ -271,7 +282,7 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cfg: _Config):
 def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dq_ref,) = (
         _split_refs(refs, has_segments, 6))
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
     i = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]                                  # [bq, d]
     lse, delta = lse_ref[...], delta_ref[...]                        # [bq]
@@ -304,7 +315,7 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
 def _dkv_kernel(*refs, cfg: _Config, has_segments: bool, group: int):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dk_ref, dv_ref) = (
         _split_refs(refs, has_segments, 6))
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     t = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]                                    # [bk, d]
     k_pos = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)     # [1, bk]
@@ -355,13 +366,13 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
     group = h // g
-    bq, bk = cfg.block_q_bwd, cfg.block_k_bwd
     has_segments = q_seg is not None
     # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij, the softmax-gradient row term.
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
     params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages)
 
     # dq: one program per (batch, head, q block), kv head by index map.
+    bq, bk = cfg.block_q_dq, cfg.block_k_dq
     q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
     kv_all = pl.BlockSpec((None, sk, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
     row_blk = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
@@ -384,6 +395,7 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
 
     # dk/dv: one program per (batch, kv head, kv block); it reads all `group` query
     # heads of its kv head (a head block of size `group`) and sums over them.
+    bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     q_group = pl.BlockSpec((None, sq, group, d), lambda bi, gi, ki: (bi, 0, gi, 0))
     kv_blk = pl.BlockSpec((None, bk, None, d), lambda bi, gi, ki: (bi, ki, gi, 0))
     row_group = pl.BlockSpec((None, group, sq), lambda bi, gi, ki: (bi, gi, 0))
@@ -445,14 +457,12 @@ def _pad_to(x, axis: int, size: int):
 
 def default_block_sizes(head_dim: int, dtype) -> dict:
     """Block sizes and Triton launch parameters from the table, for one head_dim and dtype."""
-    row = next((_BLOCK_TABLE[k] for k in sorted(_BLOCK_TABLE) if head_dim <= k),
-               _BLOCK_TABLE[max(_BLOCK_TABLE)])
-    bq, bk, bq_bwd, bk_bwd, warps, warps_bwd, stages = row
+    row = dict(next((_BLOCK_TABLE[k] for k in sorted(_BLOCK_TABLE) if head_dim <= k),
+                    _BLOCK_TABLE[max(_BLOCK_TABLE)]))
     if jnp.dtype(dtype).itemsize >= 4:
-        bq, bk = max(bq // 2, _MIN_BLOCK), max(bk // 2, _MIN_BLOCK)
-        bq_bwd, bk_bwd = max(bq_bwd // 2, _MIN_BLOCK), max(bk_bwd // 2, _MIN_BLOCK)
-    return dict(block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd,
-                num_warps=warps, num_warps_bwd=warps_bwd, num_stages=stages)
+        for name in ("block_k", "block_k_dq", "block_q_dkv"):    # the streamed blocks
+            row[name] = max(row[name] // 2, _MIN_BLOCK)
+    return row
 
 
 def _normalize_segment_ids(segment_ids, b: int, sq: int, sk: int):
@@ -484,7 +494,8 @@ def _fit_block(block: int, seq: int, name: str) -> int:
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
                     softmax_scale: float | None = None, sliding_window: int | None = None,
                     block_q: int | None = None, block_k: int | None = None,
-                    block_q_bwd: int | None = None, block_k_bwd: int | None = None,
+                    block_q_dq: int | None = None, block_k_dq: int | None = None,
+                    block_q_dkv: int | None = None, block_k_dkv: int | None = None,
                     num_warps: int | None = None, num_warps_bwd: int | None = None,
                     num_stages: int | None = None, interpret: bool | None = None):
     """Memory-efficient exact attention; differentiable (Pallas backward kernels).
@@ -497,9 +508,11 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
         kv_ids [batch, seq_kv]) pair: attention stays within equal ids (packed documents).
       softmax_scale: defaults to 1/sqrt(head_dim).
       sliding_window: with causal, query i sees keys i - sliding_window < j <= i.
-      block_q, block_k: forward tile sizes; block_q_bwd, block_k_bwd: backward tile
-        sizes; num_warps(_bwd), num_stages: Triton launch parameters. Defaults come
-        from a table per head_dim and dtype (`default_block_sizes`).
+      block_q, block_k: forward tile (query rows, key rows); block_q_dq, block_k_dq:
+        dq kernel tile; block_q_dkv, block_k_dkv: dk/dv kernel tile. Powers of two
+        >= 16, shrunk to the sequence when larger. num_warps (forward),
+        num_warps_bwd, num_stages: Triton launch parameters. Defaults come from a
+        table per head_dim and dtype (`default_block_sizes`).
       interpret: run the kernels in Pallas interpret mode; None picks True exactly
         when the default backend is CPU.
 
@@ -529,24 +542,25 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
 
     defaults = default_block_sizes(d, q.dtype)
     pick = lambda given, key: defaults[key] if given is None else int(given)
-    bq = _fit_block(pick(block_q, "block_q"), sq, "block_q")
-    bk = _fit_block(pick(block_k, "block_k"), sk, "block_k")
-    bq_bwd = _fit_block(pick(block_q_bwd, "block_q_bwd"), sq, "block_q_bwd")
-    bk_bwd = _fit_block(pick(block_k_bwd, "block_k_bwd"), sk, "block_k_bwd")
+    given = dict(block_q=block_q, block_k=block_k, block_q_dq=block_q_dq, block_k_dq=block_k_dq,
+                 block_q_dkv=block_q_dkv, block_k_dkv=block_k_dkv)
+    blocks = {name: _fit_block(pick(given[name], name), sq if "_q" in name else sk, name)
+              for name in _BLOCK_ARGS}
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = _Config(
         causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
-        q_len=sq, kv_len=sk, block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd,
+        q_len=sq, kv_len=sk, **blocks,
         num_warps=pick(num_warps, "num_warps"), num_warps_bwd=pick(num_warps_bwd, "num_warps_bwd"),
         num_stages=pick(num_stages, "num_stages"), interpret=bool(interpret))
 
     # Pad: sequences to a multiple of every block (all powers of two), head_dim to a
     # power of two >= 16 (Triton tiles). Zero rows/columns change no real result:
     # padded keys are masked by position, padded queries and features are sliced off.
-    sq_pad = -(-sq // max(bq, bq_bwd)) * max(bq, bq_bwd)
-    sk_pad = -(-sk // max(bk, bk_bwd)) * max(bk, bk_bwd)
+    q_mult = max(blocks["block_q"], blocks["block_q_dq"], blocks["block_q_dkv"])
+    k_mult = max(blocks["block_k"], blocks["block_k_dq"], blocks["block_k_dkv"])
+    sq_pad, sk_pad = -(-sq // q_mult) * q_mult, -(-sk // k_mult) * k_mult
     d_pad = max(_MIN_BLOCK, pl.next_power_of_2(d))
     qp = _pad_to(_pad_to(q, 1, sq_pad), 3, d_pad)
     kp = _pad_to(_pad_to(k, 1, sk_pad), 3, d_pad)

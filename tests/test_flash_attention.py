@@ -88,18 +88,23 @@ def test_reference_agrees_with_model_xla_attention():
 
 # --------------------------------------------------------------------------- kernel vs reference
 
+def _blocks(q, k, q_dq, k_dq, q_dkv, k_dkv):
+    return dict(block_q=q, block_k=k, block_q_dq=q_dq, block_k_dq=k_dq, block_q_dkv=q_dkv,
+                block_k_dkv=k_dkv)
+
+
 # (name, b, sq, sk, h, g, d, dtype, causal, segments, window, kernel kwargs)
 CASES = [
     ("gqa_causal_ragged", 1, 80, 80, 4, 2, 64, jnp.float32, True, None, None,
-     dict(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32)),
+     _blocks(32, 32, 32, 32, 32, 32)),
     ("mqa_noncausal_pair_segments_ragged", 2, 48, 80, 4, 1, 64, jnp.float32, False,
-     "pair", None, dict(block_q=16, block_k=32, block_q_bwd=32, block_k_bwd=16)),
+     "pair", None, _blocks(16, 32, 32, 16, 16, 32)),
     ("gqa_segments_window_hd128", 1, 80, 80, 4, 2, 128, jnp.float32, True, "shared", 24,
-     dict(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)),
+     _blocks(32, 16, 16, 32, 32, 16)),
     ("mha_hd256_causal_window", 1, 48, 48, 2, 2, 256, jnp.float32, True, None, 20,
-     dict(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)),
+     _blocks(16, 16, 16, 16, 16, 16)),
     ("bf16_gqa_causal_hd128", 1, 64, 64, 4, 2, 128, jnp.bfloat16, True, "shared", None,
-     dict(block_q=32, block_k=32, block_q_bwd=32, block_k_bwd=32)),
+     _blocks(32, 16, 32, 16, 16, 32)),
     ("fp16_mha_noncausal_ragged_default_blocks", 1, 40, 40, 2, 2, 64, jnp.float16, False, None,
      None, {}),
 ]
@@ -153,8 +158,8 @@ def test_kernel_rows_without_keys_give_zero_output_and_gradients():
     q_seg = jnp.concatenate([jnp.zeros((1, 16), jnp.int32), jnp.full((1, 16), 5, jnp.int32)], 1)
     kv_seg = jnp.zeros((1, 32), jnp.int32)
     sem = dict(causal=False, segment_ids=(q_seg, kv_seg))
-    got = _out_and_grads(lambda q, k, v: flash_attention(
-        q, k, v, **sem, block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16), q, k, v, do)
+    got = _out_and_grads(lambda q, k, v: flash_attention(q, k, v, **sem, **_blocks(*[16] * 6)),
+                         q, k, v, do)
     want = _out_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **sem), q, k, v, do)
     out, dq, _, _ = got
     assert all(np.all(np.isfinite(x)) for x in got)
@@ -245,8 +250,8 @@ def test_default_block_table_covers_head_dims_and_dtypes():
             sizes = default_block_sizes(d, dtype)
             assert all(v >= 16 and v & (v - 1) == 0 for k_, v in sizes.items()
                        if k_.startswith("block"))
-    assert default_block_sizes(128, jnp.float32)["block_q"] < default_block_sizes(
-        128, jnp.bfloat16)["block_q"]
+    assert default_block_sizes(128, jnp.float32)["block_k"] < default_block_sizes(
+        128, jnp.bfloat16)["block_k"]
 
 
 @pytest.mark.parametrize("kwargs,shapes,message", [
