@@ -181,9 +181,11 @@ def _seg_only(q_seg, kv_seg):
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
-    """2-D matmul with fp32 accumulation (inputs keep their dtype)."""
+    """2-D matmul with fp32 accumulation (inputs keep their dtype). fp32 inputs ask for
+    HIGHEST precision: Pallas' Triton lowering would otherwise pick TF32 on GPU."""
     dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
-    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _run_blocks(rng: BlockRange, body, carry, cfg: _Config):
@@ -447,6 +449,10 @@ def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _pad_to(x, axis: int, size: int):
     if x.shape[axis] == size:
         return x
@@ -484,11 +490,18 @@ def _normalize_segment_ids(segment_ids, b: int, sq: int, sk: int):
     return q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32)
 
 
+def _on_rocm() -> bool:
+    try:
+        return "rocm" in jax.devices()[0].client.platform_version.lower()
+    except Exception:  # no device, or a client without the attribute: not ROCm
+        return False
+
+
 def _fit_block(block: int, seq: int, name: str) -> int:
     if not _is_pow2(block) or block < _MIN_BLOCK:
         raise ValueError(f"{name}={block} must be a power of two >= {_MIN_BLOCK}")
     # Never larger than the (padded) sequence needs.
-    return min(block, max(_MIN_BLOCK, pl.next_power_of_2(seq)))
+    return min(block, max(_MIN_BLOCK, _next_pow2(seq)))
 
 
 def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
@@ -548,6 +561,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
               for name in _BLOCK_ARGS}
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    if num_stages is None and not interpret and _on_rocm():
+        num_stages = 1  # AMD's 64 KiB LDS: no multi-buffering (Pallas' own ROCm default)
     cfg = _Config(
         causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
@@ -561,7 +576,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     q_mult = max(blocks["block_q"], blocks["block_q_dq"], blocks["block_q_dkv"])
     k_mult = max(blocks["block_k"], blocks["block_k_dq"], blocks["block_k_dkv"])
     sq_pad, sk_pad = -(-sq // q_mult) * q_mult, -(-sk // k_mult) * k_mult
-    d_pad = max(_MIN_BLOCK, pl.next_power_of_2(d))
+    d_pad = max(_MIN_BLOCK, _next_pow2(d))
     qp = _pad_to(_pad_to(q, 1, sq_pad), 3, d_pad)
     kp = _pad_to(_pad_to(k, 1, sk_pad), 3, d_pad)
     vp = _pad_to(_pad_to(v, 1, sk_pad), 3, d_pad)
