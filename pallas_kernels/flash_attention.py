@@ -66,8 +66,7 @@ class _Config:
     causal: bool
     window: int | None
     scale: float            # softmax scale in natural units
-    q_len: int              # unpadded lengths
-    kv_len: int
+    kv_len: int             # unpadded key length
     block_q: int            # forward tile
     block_k: int
     block_q_dq: int         # dq kernel tile
@@ -154,7 +153,7 @@ def q_block_range(kv_block, *, block_q: int, block_k: int, num_q_blocks: int, kv
     hi, full_hi = num_q_blocks, num_q_blocks
     if window is not None:
         hi = jnp.minimum(hi, _div(k_last + window - 1, block_q) + 1)  # queries i < k_last + window
-        full_hi = _div(k_start + window, block_q)                     # last query < k_start + window
+        full_hi = _div(k_start + window, block_q)                   # last query < k_start + window
     # A block holding padded keys has no full query block. (min/max, not jnp.where:
     # Pallas' Triton lowering mistypes a select between two literals.)
     real = jnp.clip(kv_len // block_k - kv_block, 0, 1)             # 1 if no padded key
@@ -165,7 +164,8 @@ def q_block_range(kv_block, *, block_q: int, block_k: int, num_q_blocks: int, kv
 
 
 def _visible(q_pos, k_pos, cfg: _Config, q_seg=None, kv_seg=None):
-    """Boolean mask [len(q_pos), len(k_pos)] of visible pairs; None if all are visible."""
+    """Visible pairs: q_pos [bq, 1] and k_pos [1, bk] -> bool [bq, bk] (or a broadcastable
+    [1, bk] when only the kv length applies)."""
     mask = k_pos < cfg.kv_len
     if cfg.causal:
         mask = mask & (k_pos <= q_pos)
@@ -541,7 +541,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
         raise ValueError(f"q and k/v disagree on batch or head_dim: {q.shape=} {k.shape=}")
     if h % g:
         raise ValueError(f"heads={h} is not a multiple of kv_heads={g}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k, v must share one of float32/bfloat16/float16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     if causal and sq != sk:
@@ -557,7 +557,8 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     pick = lambda given, key: defaults[key] if given is None else int(given)
     given = dict(block_q=block_q, block_k=block_k, block_q_dq=block_q_dq, block_k_dq=block_k_dq,
                  block_q_dkv=block_q_dkv, block_k_dkv=block_k_dkv)
-    blocks = {name: _fit_block(pick(given[name], name), sq if "_q" in name else sk, name)
+    blocks = {name: _fit_block(pick(given[name], name), sq if name.startswith("block_q") else sk,
+                              name)
               for name in _BLOCK_ARGS}
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -566,7 +567,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     cfg = _Config(
         causal=bool(causal), window=None if sliding_window is None else int(sliding_window),
         scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
-        q_len=sq, kv_len=sk, **blocks,
+        kv_len=sk, **blocks,
         num_warps=pick(num_warps, "num_warps"), num_warps_bwd=pick(num_warps_bwd, "num_warps_bwd"),
         num_stages=pick(num_stages, "num_stages"), interpret=bool(interpret))
 
