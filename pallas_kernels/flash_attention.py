@@ -164,20 +164,20 @@ def q_block_range(kv_block, *, block_q: int, block_k: int, num_q_blocks: int, kv
 
 
 def _visible(q_pos, k_pos, cfg: _Config, q_seg=None, kv_seg=None):
-    """Visible pairs: q_pos [bq, 1] and k_pos [1, bk] -> bool [bq, bk] (or a broadcastable
-    [1, bk] when only the kv length applies)."""
+    """Mask of visible pairs, by broadcasting: q_pos/q_seg [bq, 1] against k_pos/kv_seg
+    [1, bk] gives [bq, bk]; the dk/dv kernel passes them the other way round."""
     mask = k_pos < cfg.kv_len
     if cfg.causal:
         mask = mask & (k_pos <= q_pos)
     if cfg.window is not None:
         mask = mask & (q_pos - k_pos < cfg.window)
     if q_seg is not None:
-        mask = mask & (q_seg[:, None] == kv_seg[None, :])
+        mask = mask & (q_seg == kv_seg)
     return mask
 
 
 def _seg_only(q_seg, kv_seg):
-    return None if q_seg is None else q_seg[:, None] == kv_seg[None, :]
+    return None if q_seg is None else q_seg == kv_seg
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -214,14 +214,14 @@ def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
     i = pl.program_id(2)
     q = q_ref[...]                                                   # [bq, d]
     q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)     # [bq, 1]
-    q_seg = None if qs_ref is None else qs_ref[...]                  # [bq]
+    q_seg = None if qs_ref is None else qs_ref[...][:, None]         # [bq, 1]
 
     def body(j, carry, masked):
         acc, m, l = carry                                            # [bq, d], [bq], [bq]
         k = k_ref[pl.ds(j * bk, bk), :]                              # [bk, d]
         v = v_ref[pl.ds(j * bk, bk), :]
         s = _dot(q, k, trans_b=True) * cfg.log2_scale                # [bq, bk]
-        kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)]
+        kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)][None, :]
         if masked:
             k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
@@ -289,13 +289,13 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
     q, do = q_ref[...], do_ref[...]                                  # [bq, d]
     lse, delta = lse_ref[...], delta_ref[...]                        # [bq]
     q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    q_seg = None if qs_ref is None else qs_ref[...]
+    q_seg = None if qs_ref is None else qs_ref[...][:, None]         # [bq, 1]
 
     def body(j, dq, masked):
         k = k_ref[pl.ds(j * bk, bk), :]                              # [bk, d]
         v = v_ref[pl.ds(j * bk, bk), :]
         s = _dot(q, k, trans_b=True) * cfg.log2_scale                # [bq, bk]
-        kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)]
+        kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)][None, :]
         if masked:
             k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
@@ -319,30 +319,32 @@ def _dkv_kernel(*refs, cfg: _Config, has_segments: bool, group: int):
         _split_refs(refs, has_segments, 6))
     bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
     t = pl.program_id(2)
+    # Works on transposed scores [bk, bq], so that every matmul's left operand is
+    # untransposed (Hopper's wgmma takes it from registers only in that layout).
     k, v = k_ref[...], v_ref[...]                                    # [bk, d]
-    k_pos = t * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)     # [1, bk]
-    kv_seg = None if ks_ref is None else ks_ref[...]                 # [bk]
+    k_pos = t * bk + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)     # [bk, 1]
+    kv_seg = None if ks_ref is None else ks_ref[...][:, None]        # [bk, 1]
 
     def body(r, i, carry, masked):
         dk, dv = carry                                               # [bk, d] each
         q = q_ref[pl.ds(i * bq, bq), r, :]                           # [bq, d] of group head r
         do = do_ref[pl.ds(i * bq, bq), r, :]
-        lse = lse_ref[r, pl.ds(i * bq, bq)]                          # [bq]
-        delta = delta_ref[r, pl.ds(i * bq, bq)]
-        s = _dot(q, k, trans_b=True) * cfg.log2_scale                # [bq, bk]
-        q_seg = None if qs_ref is None else qs_ref[pl.ds(i * bq, bq)]
+        lse = lse_ref[r, pl.ds(i * bq, bq)][None, :]                 # [1, bq]
+        delta = delta_ref[r, pl.ds(i * bq, bq)][None, :]
+        s_t = _dot(k, q, trans_b=True) * cfg.log2_scale              # [bk, bq]
+        q_seg = None if qs_ref is None else qs_ref[pl.ds(i * bq, bq)][None, :]
         if masked:
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
             mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
         else:
             mask = _seg_only(q_seg, kv_seg)
         if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
-        p = jnp.exp2(s - lse[:, None])
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        dp = _dot(do, v, trans_b=True)
-        ds = p * (dp - delta[:, None])
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            s_t = jnp.where(mask, s_t, -jnp.inf)
+        p_t = jnp.exp2(s_t - lse)                                    # softmax probabilities^T
+        dv = dv + _dot(p_t.astype(do.dtype), do)
+        dp_t = _dot(v, do, trans_b=True)                             # [bk, bq]
+        ds_t = p_t * (dp_t - delta)
+        dk = dk + _dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
     rng = q_block_range(t, block_q=bq, block_k=bk, num_q_blocks=q_ref.shape[0] // bq,
