@@ -45,8 +45,8 @@ _M_INIT = -1e30
 
 # Per head_dim, for 16-bit inputs: forward tile (block_q, block_k), dq tile (q rows
 # held, kv rows streamed), dk/dv tile (q rows streamed, kv rows held), Triton warps
-# and pipeline stages. Chosen so that no kernel spills registers on sm_90 (ptxas) and
-# shared memory stays under 164 KiB (A100); fp32 halves the streamed blocks.
+# and pipeline stages. Chosen so that no 16-bit kernel spills registers on sm_90 (ptxas) and
+# shared memory stays under 164 KiB (A100); fp32 has its own rule (default_block_sizes).
 _BLOCK_TABLE = {
     64: dict(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=32,
              block_k_dkv=64, num_warps=4, num_warps_bwd=4, num_stages=3),
@@ -197,6 +197,13 @@ def _run_blocks(rng: BlockRange, body, carry, cfg: _Config):
     return lax.fori_loop(rng.full_hi, rng.hi, functools.partial(body, masked=True), carry)
 
 
+def _q_block_id():
+    """Query block of this program in the forward and dq kernels. Grid axis 2 walks the
+    query blocks last to first: Triton launches it outermost, so under a causal mask the
+    longest programs start first and the short ones fill the tail."""
+    return pl.num_programs(2) - 1 - pl.program_id(2)
+
+
 def _split_refs(refs, has_segments: bool, n_in: int):
     """(inputs, q_seg_ref, kv_seg_ref, outputs) from a kernel's flat ref list."""
     ins, rest = list(refs[:n_in]), refs[n_in:]
@@ -211,7 +218,7 @@ def _split_refs(refs, has_segments: bool, n_in: int):
 def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
     (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3)
     bq, bk = cfg.block_q, cfg.block_k
-    i = pl.program_id(2)
+    i = _q_block_id()
     q = q_ref[...]                                                   # [bq, d]
     q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)     # [bq, 1]
     q_seg = None if qs_ref is None else qs_ref[...][:, None]         # [bq, 1]
@@ -252,23 +259,21 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cfg: _Config):
     sk, g = k.shape[1], k.shape[2]
     group = h // g
     bq = cfg.block_q
+    nq = sq // bq
     has_segments = q_seg is not None
-    in_specs = [
-        pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),
-        pl.BlockSpec((None, sk, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0)),
-    ]
+    q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, hi, p: (bi, nq - 1 - p, hi, 0))
+    kv_all = pl.BlockSpec((None, sk, None, d), lambda bi, hi, p: (bi, 0, hi // group, 0))
+    in_specs = [q_blk, kv_all, kv_all]
     args = [q, k, v]
     if has_segments:
-        in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-                     pl.BlockSpec((None, sk), lambda bi, hi, qi: (bi, 0))]
+        in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, p: (bi, nq - 1 - p)),
+                     pl.BlockSpec((None, sk), lambda bi, hi, p: (bi, 0))]
         args += [q_seg, kv_seg]
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments),
-        grid=(b, h, sq // bq),
+        grid=(b, h, nq),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-                   pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))],
+        out_specs=[q_blk, pl.BlockSpec((None, None, bq), lambda bi, hi, p: (bi, hi, nq - 1 - p))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -285,7 +290,7 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), qs_ref, ks_ref, (dq_ref,) = (
         _split_refs(refs, has_segments, 6))
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    i = pl.program_id(2)
+    i = _q_block_id()
     q, do = q_ref[...], do_ref[...]                                  # [bq, d]
     lse, delta = lse_ref[...], delta_ref[...]                        # [bq]
     q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
@@ -377,18 +382,19 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
 
     # dq: one program per (batch, head, q block), kv head by index map.
     bq, bk = cfg.block_q_dq, cfg.block_k_dq
-    q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0))
-    kv_all = pl.BlockSpec((None, sk, None, d), lambda bi, hi, qi: (bi, 0, hi // group, 0))
-    row_blk = pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi))
+    nq = sq // bq
+    q_blk = pl.BlockSpec((None, bq, None, d), lambda bi, hi, p: (bi, nq - 1 - p, hi, 0))
+    kv_all = pl.BlockSpec((None, sk, None, d), lambda bi, hi, p: (bi, 0, hi // group, 0))
+    row_blk = pl.BlockSpec((None, None, bq), lambda bi, hi, p: (bi, hi, nq - 1 - p))
     in_specs = [q_blk, kv_all, kv_all, q_blk, row_blk, row_blk]
     args = [q, k, v, do, lse, delta]
     if has_segments:
-        in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-                     pl.BlockSpec((None, sk), lambda bi, hi, qi: (bi, 0))]
+        in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, p: (bi, nq - 1 - p)),
+                     pl.BlockSpec((None, sk), lambda bi, hi, p: (bi, 0))]
         args += [q_seg, kv_seg]
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, has_segments=has_segments),
-        grid=(b, h, sq // bq),
+        grid=(b, h, nq),
         in_specs=in_specs,
         out_specs=q_blk,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -468,8 +474,11 @@ def default_block_sizes(head_dim: int, dtype) -> dict:
     row = dict(next((_BLOCK_TABLE[k] for k in sorted(_BLOCK_TABLE) if head_dim <= k),
                     _BLOCK_TABLE[max(_BLOCK_TABLE)]))
     if jnp.dtype(dtype).itemsize >= 4:
-        for name in ("block_k", "block_k_dq", "block_q_dkv"):    # the streamed blocks
+        # fp32 matmuls run on FMA units (HIGHEST precision), which need more registers:
+        # smaller forward and streamed tiles, 8 warps.
+        for name in ("block_q", "block_k", "block_k_dq", "block_q_dkv"):
             row[name] = max(row[name] // 2, _MIN_BLOCK)
+        row.update(num_warps=8, num_warps_bwd=8)
     return row
 
 
