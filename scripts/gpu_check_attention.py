@@ -19,7 +19,7 @@ Exit status 1 when a correctness check fails or errors.
 from __future__ import annotations
 
 import argparse
-import math
+import functools
 import sys
 import time
 import traceback
@@ -29,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import flash_attention, flash_attention_reference
+
+print = functools.partial(print, flush=True)  # progress shows up even if the run is cut short
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Max |kernel - reference| over max |reference|, per dtype of the inputs.
@@ -219,6 +221,7 @@ def main(argv=None) -> int:
         print("no GPU: use --cpu-smoke to run the interpret-mode smoke test on CPU")
         return 2
 
+    start = time.perf_counter()
     ok = True
     if not args.skip_check:
         print("\nCorrectness (compiled kernel vs reference, max|diff| / max|ref|):")
@@ -234,6 +237,7 @@ def main(argv=None) -> int:
         else:
             benchmark(tokens=32 * 1024, seqs=[int(s) for s in args.seqs.split(",")], heads=32,
                       kv_heads=8, head_dim=128, dtype=BF16, iters=args.iters, interpret=False)
+    print(f"\n{'PASS' if ok else 'FAIL'}: total {time.perf_counter() - start:.0f}s")
     return 0 if ok else 1
 
 
