@@ -371,13 +371,17 @@ def _dkv_kernel(*refs, cfg: _Config, has_segments: bool, group: int):
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config):
+def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config, dlse=None):
     b, sq, h, d = q.shape
     sk, g = k.shape[1], k.shape[2]
     group = h // g
     has_segments = q_seg is not None
     # delta_i = sum_d out_id * dout_id = sum_j p_ij dp_ij, the softmax-gradient row term.
     delta = jnp.einsum("bqhd,bqhd->bhq", out.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        # A cotangent of the (natural) log-sum-exp adds p_ij * dlse_i to d loss / d logit_ij,
+        # i.e. ds = p * (dp - (delta - dlse)).
+        delta = delta - dlse
     params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages)
 
     # dq: one program per (batch, head, q block), kv head by index map.
@@ -448,6 +452,29 @@ def _flash_bwd(cfg, res, do):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash_lse(q, k, v, q_seg, kv_seg, cfg):
+    """(out, lse) with lse base 2 as the kernel keeps it (+inf for rows that see no key)."""
+    return _fwd_call(q, k, v, q_seg, kv_seg, cfg)
+
+
+def _flash_lse_fwd(q, k, v, q_seg, kv_seg, cfg):
+    out, lse = _fwd_call(q, k, v, q_seg, kv_seg, cfg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_lse_bwd(cfg, res, cts):
+    q, k, v, q_seg, kv_seg, out, lse = res
+    do, dlse2 = cts
+    # lse2 = lse_natural * log2(e), so d loss / d lse_natural = dlse2 * log2(e).
+    dlse = jnp.where(jnp.isfinite(lse), dlse2 * _LOG2E, 0.0)
+    dq, dk, dv = _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg, dlse=dlse)
+    return dq, dk, dv, None, None
+
+
+_flash_lse.defvjp(_flash_lse_fwd, _flash_lse_bwd)
 
 
 # --------------------------------------------------------------------------- public API
@@ -543,6 +570,45 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     Returns:
       [batch, seq_q, heads, head_dim] in q's dtype.
     """
+    args, cfg, (sq, d) = _prepare(q, k, v, causal=causal, segment_ids=segment_ids,
+                                  softmax_scale=softmax_scale, sliding_window=sliding_window,
+                                  blocks=dict(block_q=block_q, block_k=block_k, block_q_dq=block_q_dq,
+                                              block_k_dq=block_k_dq, block_q_dkv=block_q_dkv,
+                                              block_k_dkv=block_k_dkv),
+                                  num_warps=num_warps, num_warps_bwd=num_warps_bwd, num_stages=num_stages,
+                                  interpret=interpret)
+    return _flash(*args, cfg)[:, :sq, :, :d]
+
+
+def flash_attention_with_lse(q, k, v, *, causal: bool = True, segment_ids=None,
+                             softmax_scale: float | None = None, sliding_window: int | None = None,
+                             interpret: bool | None = None, **blocks):
+    """flash_attention that also returns the log-sum-exp of each query row's logits.
+
+    Returns (out [batch, seq_q, heads, head_dim], lse [batch, heads, seq_q] fp32, natural
+    log, -inf for a row that sees no key). Differentiable in both outputs, so partial
+    results over key blocks can be merged (ring attention) and trained through.
+    """
+    names = ("num_warps", "num_warps_bwd", "num_stages")
+    launch = {n: blocks.pop(n, None) for n in names}
+    args, cfg, (sq, d) = _prepare(q, k, v, causal=causal, segment_ids=segment_ids,
+                                  softmax_scale=softmax_scale, sliding_window=sliding_window,
+                                  blocks={n: blocks.pop(n, None) for n in _BLOCK_ARGS},
+                                  interpret=interpret, **launch)
+    if blocks:
+        raise TypeError(f"unknown arguments {sorted(blocks)}")
+    out, lse2 = _flash_lse(*args, cfg)
+    lse = jnp.where(jnp.isinf(lse2), -jnp.inf, lse2 / _LOG2E)
+    return out[:, :sq, :, :d], lse[:, :, :sq]
+
+
+def _prepare(q, k, v, *, causal, segment_ids, softmax_scale, sliding_window, blocks: dict,
+             num_warps, num_warps_bwd, num_stages, interpret):
+    """Checks, block sizes and padding shared by the public entry points:
+    ((q, k, v, q_seg, kv_seg) padded, _Config, (seq_q, head_dim) to slice the output back)."""
+    block_q, block_k = blocks["block_q"], blocks["block_k"]
+    block_q_dq, block_k_dq = blocks["block_q_dq"], blocks["block_k_dq"]
+    block_q_dkv, block_k_dkv = blocks["block_q_dkv"], blocks["block_k_dkv"]
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
         raise ValueError(f"expected q [b, s, h, d] and k, v [b, s, kv_h, d] alike; "
                          f"got {q.shape=} {k.shape=} {v.shape=}")
@@ -594,8 +660,7 @@ def flash_attention(q, k, v, *, causal: bool = True, segment_ids=None,
     vp = _pad_to(_pad_to(v, 1, sk_pad), 3, d_pad)
     if q_seg is not None:
         q_seg, kv_seg = _pad_to(q_seg, 1, sq_pad), _pad_to(kv_seg, 1, sk_pad)
-    out = _flash(qp, kp, vp, q_seg, kv_seg, cfg)
-    return out[:, :sq, :, :d]
+    return (qp, kp, vp, q_seg, kv_seg), cfg, (sq, d)
 
 
 # --------------------------------------------------------------------------- reference
