@@ -24,3 +24,7 @@ class TrainingError(UserError):
 
 class DataError(UserError):
     """A dataset or input file that is missing, corrupt, or does not fit the request."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint (ours, Hugging Face or Megatron) that is missing, malformed, or not representable."""
