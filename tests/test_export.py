@@ -5,10 +5,14 @@ loads our Megatron exports; both must compute megajax's logits. Importers must
 give back the exact parameters.
 """
 
+import argparse
 import functools
 import json
 import os
+import socket
 import struct
+import subprocess
+import sys
 import weakref
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -20,6 +24,7 @@ import pytest  # noqa: E402
 
 from megajax.checkpoint.common import model_overrides  # noqa: E402
 from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from megajax.checkpoint.megatron import export_megatron, import_megatron  # noqa: E402
 from megajax.checkpoint.source import DictSource, flatten, unflatten  # noqa: E402
 from megajax.config import load_config  # noqa: E402
 from megajax.data.tokenizer import ByteTokenizer  # noqa: E402
@@ -234,3 +239,111 @@ def test_hf_import_errors(tmp_path):
     expect({"intermediate_size": 96}, r"model.layers.0.mlp.gate_proj.weight .* has shape \[128, 64\].*\[96, 64\]")
     expect({"num_hidden_layers": 3}, "has no tensor model.layers.2.input_layernorm.weight")
     expect({"num_hidden_layers": 1}, "tensors megajax does not know: model.layers.1")
+
+
+# ----------------------------------------------------------------------------
+# Megatron-Core
+# ----------------------------------------------------------------------------
+
+WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def megatron_core_logits(step_dir, toks, tensor_parallel, tmp_path):
+    """Logits of megatron-core's GPTModel loading the checkpoint, one gloo process per tensor rank."""
+    np.save(tmp_path / "tokens.npy", toks)
+    out, port = tmp_path / "logits.npy", free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(step_dir), str(tmp_path / "tokens.npy"), str(out),
+                               str(rank), str(tensor_parallel), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(tensor_parallel)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return np.load(out)
+
+
+MEGATRON_CASES = {
+    # llama: swiglu, rmsnorm, rope, GQA (8 heads, 4 groups), untied output layer
+    "llama-tp1": ("llama", [], 1, 1),
+    "llama3-tp2-pp2": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0"], 2, 2),
+    # gpt: learned positions, layernorm, exact gelu, biases, tied embeddings (copied to the last stage)
+    "gpt-tp2-pp2": ("gpt", [], 2, 2),
+}
+
+
+@pytest.mark.parametrize("case", MEGATRON_CASES)
+def test_megatron_export_matches_megatron_core(case, tmp_path):
+    pytest.importorskip("megatron.core")
+    family, overrides, tp, pp = MEGATRON_CASES[case]
+    cfg, spec, params = make_model(family, *overrides)
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=tp,
+                          pipeline_parallel=pp, dtype="fp32", iteration=7)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
+    step = out / "iter_0000007"
+    want_dirs = {f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
+    assert {p.name for p in step.iterdir()} == want_dirs
+    toks = tokens()
+    logits = megatron_core_logits(step, toks, tp, tmp_path)
+    assert logits.shape == (2, SEQ, cfg.model.padded_vocab_size(tp))
+    np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
+
+    # import merges the shards back into exactly the same parameters
+    overrides_back, params_back = import_megatron(out)
+    assert overrides_back == model_overrides(cfg.model)
+    assert_same_params(params_back, params)
+
+
+def test_megatron_bf16_export_and_release(tmp_path):
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    cfg, _, params = make_model("llama")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc")  # bf16, release
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    saved = torch.load(out / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert saved["checkpoint_version"] == 3.0 and saved["args"].bf16
+    assert saved["model"]["decoder.layers.0.mlp.linear_fc1.weight"].dtype == torch.bfloat16
+    assert saved["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"] is None
+    _, params_back = import_megatron(out)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    assert_same_params(params_back, rounded)
+
+
+def test_megatron_errors(tmp_path):
+    torch = pytest.importorskip("torch")
+    cfg, _, params = make_model("llama")
+    source = DictSource(params, cfg.model)
+    with pytest.raises(CheckpointError, match="model.num_kv_heads=4 is not divisible by tensor_parallel=8"):
+        export_megatron(source, tmp_path / "a", tensor_parallel=8)
+    with pytest.raises(CheckpointError, match="model.num_layers=2 is not divisible by pipeline_parallel=3"):
+        export_megatron(source, tmp_path / "a", pipeline_parallel=3)
+    with pytest.raises(CheckpointError, match="iteration=0: Megatron's loader needs an iteration >= 1"):
+        export_megatron(source, tmp_path / "a", iteration=0)
+    with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
+        import_megatron(tmp_path)
+
+    out = export_megatron(source, tmp_path / "mc", tensor_parallel=2, dtype="fp32", iteration=3)
+    rank0 = out / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(rank0, weights_only=False)
+
+    def expect(change, match):
+        args = argparse.Namespace(**dict(vars(saved["args"]), **change))
+        torch.save(dict(saved, args=args), rank0)
+        with pytest.raises(CheckpointError, match=match):
+            import_megatron(out)
+
+    expect({"openai_gelu": True}, "openai_gelu=True cannot be represented")
+    expect({"position_embedding_type": "yarn"}, "position_embedding_type='yarn' cannot be represented")
+    expect({"ffn_hidden_size": 96}, r"linear_fc1.weight \(gate\) has shape \[128, 64\].*imply \[96, 64\]")
+    expect({"tensor_model_parallel_size": 4}, r"tensor_model_parallel_size=4.*rank files present are "
+                                              r"\['mp_rank_00', 'mp_rank_01'\]")
+    torch.save(saved, rank0)
+    (out / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").unlink()
+    with pytest.raises(CheckpointError, match="rank files present are \\['mp_rank_00'\\]"):
+        import_megatron(out)
