@@ -6,6 +6,7 @@ give back the exact parameters.
 """
 
 import argparse
+import datetime
 import functools
 import json
 import os
@@ -81,6 +82,16 @@ def assert_same_params(got, want):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
+def assert_round_trip(imported, cfg, spec, params, toks):
+    """An import gives back the architecture, exactly the parameters, and so exactly the logits."""
+    overrides_back, params_back = imported
+    assert overrides_back == model_overrides(cfg.model)
+    assert_same_params(params_back, params)
+    cfg_back = load_config(base={"model": overrides_back}, overrides=["train.seq_len=32"])
+    spec_back, _ = build_model_spec(cfg_back, cfg_back.model.padded_vocab_size())
+    np.testing.assert_array_equal(megajax_logits(spec_back, params_back, toks), megajax_logits(spec, params, toks))
+
+
 def safetensors_header(path):
     with open(path, "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
@@ -118,13 +129,7 @@ def test_hf_export_matches_transformers(case, tmp_path):
     toks = tokens()
     np.testing.assert_allclose(hf_logits(out, toks), megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
 
-    # import gives back the same parameters and logits
-    overrides_back, params_back = import_hf(out)
-    assert overrides_back == model_overrides(cfg.model)
-    assert_same_params(params_back, params)
-    cfg_back = load_config(base={"model": overrides_back}, overrides=["train.seq_len=32"])
-    spec_back, _ = build_model_spec(cfg_back, cfg_back.model.padded_vocab_size())
-    np.testing.assert_array_equal(megajax_logits(spec_back, params_back, toks), megajax_logits(spec, params, toks))
+    assert_round_trip(import_hf(out), cfg, spec, params, toks)
 
 
 def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
@@ -294,10 +299,7 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
     assert logits.shape == (2, SEQ, cfg.model.padded_vocab_size(tp))
     np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
 
-    # import merges the shards back into exactly the same parameters
-    overrides_back, params_back = import_megatron(out)
-    assert overrides_back == model_overrides(cfg.model)
-    assert_same_params(params_back, params)
+    assert_round_trip(import_megatron(out), cfg, spec, params, toks)  # shards merged back exactly
 
 
 def test_megatron_bf16_export_and_release(tmp_path):
@@ -343,6 +345,13 @@ def test_megatron_errors(tmp_path):
     expect({"ffn_hidden_size": 96}, r"linear_fc1.weight \(gate\) has shape \[128, 64\].*imply \[96, 64\]")
     expect({"tensor_model_parallel_size": 4}, r"tensor_model_parallel_size=4.*rank files present are "
                                               r"\['mp_rank_00', 'mp_rank_01'\]")
+    torch.save(dict(saved, when=datetime.date(2024, 1, 1)), rank0)
+    with pytest.raises(CheckpointError, match=r"object the weights-only loader does not allow \(datetime.date\)"):
+        import_megatron(out)
+    import_megatron(out, allow_pickle=True)
+    rank0.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="is not a readable torch checkpoint file"):
+        import_megatron(out)
     torch.save(saved, rank0)
     (out / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointError, match="rank files present are \\['mp_rank_00'\\]"):

@@ -32,7 +32,10 @@ is that each source tensor is read TP times.
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
+import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +97,17 @@ def _qkv_ungroup(w: np.ndarray, m: ModelConfig) -> tuple[np.ndarray, np.ndarray,
 def _rows(x: np.ndarray, rank: int, size: int) -> np.ndarray:
     n = x.shape[0] // size
     return x[rank * n:(rank + 1) * n]
+
+
+def _vocab_shard(x_VxD: np.ndarray, padded: int, rank: int, size: int) -> np.ndarray:
+    """Rows [rank * n, (rank + 1) * n) of x padded with zero rows to `padded` (n = padded / size),
+    without materialising the whole padded table."""
+    n = padded // size
+    lo, hi = rank * n, min((rank + 1) * n, x_VxD.shape[0])
+    out = np.zeros((n,) + x_VxD.shape[1:], np.float32)
+    if hi > lo:
+        out[:hi - lo] = x_VxD[lo:hi]
+    return out
 
 
 def _cols(x: np.ndarray, rank: int, size: int) -> np.ndarray:
@@ -164,8 +178,8 @@ def _rank_state_dict(source, m: ModelConfig, tp: int, pp: int, t: int, s: int, p
     def put(key, x):  # a fresh tensor: never a view holding the whole source tensor
         sd[key] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
 
-    def vocab_rows():  # [Vp_tp, D] shard of the word embeddings, padded for this TP
-        return _rows(padded_zeros(source.get("embed/embedding")[:m.vocab_size], padded, 0), t, tp)
+    def vocab_rows():  # [Vp / TP, D] shard of the word embeddings, padded for this TP
+        return _vocab_shard(source.get("embed/embedding")[:m.vocab_size], padded, t, tp)
 
     if first:
         put("embedding.word_embeddings.weight", vocab_rows())
@@ -211,9 +225,7 @@ def _rank_state_dict(source, m: ModelConfig, tp: int, pp: int, t: int, s: int, p
         if m.norm == "layernorm":
             put("decoder.final_layernorm.bias", source.get("final_norm/bias"))
         if not m.tie_embeddings:
-            out = padded_zeros(source.get("output")[:, :m.vocab_size].T, padded, 0)
-            put("output_layer.weight", _rows(out, t, tp))
-            del out
+            put("output_layer.weight", _vocab_shard(source.get("output")[:, :m.vocab_size].T, padded, t, tp))
         elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
             put("output_layer.weight", vocab_rows())
         sd["output_layer._extra_state"] = None
@@ -287,23 +299,49 @@ def _step_dir(d: Path) -> Path:
     return step
 
 
+def _safe_globals(with_megatron: bool) -> list:
+    """Classes a Megatron checkpoint may pickle besides tensors: its args Namespace, numpy RNG states
+    and (when megatron-core is installed) the enums and configs megatron-core itself allows."""
+    import numpy.core.multiarray as multiarray
+    out = [argparse.Namespace, np.ndarray, np.dtype, multiarray._reconstruct, type(np.dtype(np.uint32))]
+    if with_megatron:
+        try:
+            with warnings.catch_warnings():  # megatron-core warns at import about optional back ends
+                warnings.simplefilter("ignore")
+                from megatron.core.safe_globals import SAFE_GLOBALS
+            out += list(SAFE_GLOBALS)
+        except Exception:  # noqa: BLE001 - optional; without it fewer classes are allowed
+            pass
+    return out
+
+
 def _load(path: Path, allow_pickle: bool) -> dict:
+    """torch.load of a rank file (memory-mapped when it is a zip archive), weights-only unless allowed."""
     torch = _torch()
-    safe = [argparse.Namespace]
-    try:  # megatron-core lists the classes its checkpoints hold (enums, numpy RNG states)
-        from megatron.core.safe_globals import SAFE_GLOBALS
-        safe += list(SAFE_GLOBALS)
-    except Exception:  # noqa: BLE001 - optional, and any import failure just means fewer allowed classes
-        pass
+    kwargs = dict(map_location="cpu", mmap=zipfile.is_zipfile(path))
     try:
         if allow_pickle:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        with torch.serialization.safe_globals(safe):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return torch.load(path, weights_only=False, **kwargs)
+        error = None
+        for with_megatron in (False, True):  # megatron-core's list only when needed: importing it is slow
+            try:
+                with torch.serialization.safe_globals(_safe_globals(with_megatron)):
+                    return torch.load(path, weights_only=True, **kwargs)
+            except pickle.UnpicklingError as e:
+                error = e
+        raise error
+    except pickle.UnpicklingError as e:
+        blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
+        if blocked is None:
+            detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
+            raise CheckpointError(f"{str(path)!r} is not a readable torch checkpoint file"
+                                  f"{f' ({detail.group(1).strip()})' if detail else ''}.") from None
+        raise CheckpointError(f"Megatron checkpoint file {str(path)!r} holds a Python object the weights-only "
+                              f"loader does not allow ({blocked.group(1)}); if you trust the file, import it "
+                              f"with allow_pickle=True.") from None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
-        hint = (" If you trust this file, import it with allow_pickle=True." if "weights_only" in str(e) else "")
         raise CheckpointError(f"cannot read Megatron checkpoint file {str(path)!r}: "
-                              f"{str(e).splitlines()[0]}.{hint}") from None
+                              f"{str(e).strip().splitlines()[0]}") from None
 
 
 def _arg(args, name: str, default=None):
