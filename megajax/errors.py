@@ -27,4 +27,4 @@ class DataError(UserError):
 
 
 class CheckpointError(UserError):
-    """A checkpoint that is missing, incomplete, or does not match the model."""
+    """A checkpoint (ours, Hugging Face or Megatron) that is missing, malformed, or not representable."""

@@ -1,0 +1,92 @@
+"""One tensor-parallel rank of Megatron-Core's own GPTModel, run on CPU over gloo (used by test_export.py).
+
+    python megatron_worker.py STEP_DIR TOKENS.npy OUT.npy RANK WORLD PORT
+
+Builds GPTModel with the local (non Transformer Engine) layer spec from the
+checkpoint's saved `args`, one model per pipeline stage, loads this rank's
+files with load_state_dict(strict=True), runs the stages one after another
+(a pipeline done by hand, handing each stage's hidden states to the next) and,
+on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab].
+
+Megatron-Core assumes CUDA in two places that a CPU run must work around:
+- the RNG tracker: `initialize_rng_tracker(inference_rng_tracker=True)` installs
+  megatron's own no-op tracker (its `fork()` is a null context), so no CUDA RNG
+  state is created or forked;
+- RoPE: RotaryEmbedding.get_emb moves `inv_freq` to `torch.cuda.current_device()`
+  on first use; pointing that function at "cpu" keeps it on the CPU.
+"""
+
+import glob
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+def main(step_dir, tokens_file, out_file, rank, world, port):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def rank_file(stage):
+        name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+        return os.path.join(step_dir, name, "model_optim_rng.pt")
+
+    first = sorted(glob.glob(os.path.join(step_dir, "mp_rank_00*", "model_optim_rng.pt")))[0]
+    args = torch.load(first, weights_only=False)["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    assert tp == world, (tp, world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.cuda.current_device = lambda: "cpu"
+
+    config = TransformerConfig(
+        num_layers=args.num_layers // pp, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False)
+    stages = []
+    for s in range(pp):
+        model = GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
+        state = torch.load(rank_file(s), weights_only=False)["model"]
+        state = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        model.load_state_dict(state, strict=True)
+        stages.append(model.eval())
+
+    tokens = torch.from_numpy(np.load(tokens_file)).long()
+    b, l = tokens.shape
+    positions = torch.arange(l)[None].expand(b, l)
+    mask = torch.triu(torch.ones(l, l, dtype=torch.bool), 1)[None, None]  # True: masked out
+    with torch.no_grad():
+        hidden = None
+        for s, model in enumerate(stages):
+            if s > 0:
+                model.set_input_tensor(hidden)
+            hidden = model(tokens, positions, mask)
+    if rank == 0:
+        np.save(out_file, hidden.float().numpy())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    step, toks, out, rank, world, port = sys.argv[1:]
+    main(step, toks, out, int(rank), int(world), int(port))

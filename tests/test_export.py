@@ -1,0 +1,358 @@
+"""Export to / import from Hugging Face and Megatron-Core checkpoints, judged by the real libraries.
+
+transformers loads our Hugging Face exports and megatron-core's own GPTModel
+loads our Megatron exports; both must compute megajax's logits. Importers must
+give back the exact parameters.
+"""
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import weakref
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from megajax.checkpoint.common import model_overrides  # noqa: E402
+from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from megajax.checkpoint.megatron import export_megatron, import_megatron  # noqa: E402
+from megajax.checkpoint.source import DictSource, flatten, unflatten  # noqa: E402
+from megajax.config import load_config  # noqa: E402
+from megajax.data.tokenizer import ByteTokenizer  # noqa: E402
+from megajax.errors import CheckpointError  # noqa: E402
+from megajax.train.state import build_model_spec  # noqa: E402
+
+VOCAB = 257  # the byte tokenizer's
+SEQ = 16
+
+
+@functools.lru_cache(maxsize=None)
+def make_model(family="llama", *overrides, seed=0):
+    """(config, spec, params): a tiny model with the real parameter tree, every entry random (norm scales
+    near 1, biases nonzero) and the vocabulary padding zero as training keeps it. Cached: do not mutate."""
+    heads = ["model.num_kv_heads=4"] if family == "llama" else []
+    cfg = load_config(overrides=[f"model.family={family}", "model.num_layers=2", "model.hidden_size=64",
+                                 "model.num_heads=8", *heads, "model.ffn_hidden_size=128",
+                                 f"model.vocab_size={VOCAB}", "train.seq_len=32", *overrides])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    rng = np.random.default_rng(seed)
+    flat = {}
+    for name, x in flatten(spec.abstract_params):
+        w = rng.normal(0.0, 0.05, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
+        if name == "embed/embedding":
+            w[VOCAB:] = 0
+        if name == "output":
+            w[:, VOCAB:] = 0
+        flat[name] = w
+    return cfg, spec, unflatten(flat)
+
+
+def tokens(batch=2, seed=1):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, SEQ)).astype(np.int32)
+
+
+def megajax_logits(spec, params, toks):
+    return np.asarray(spec.apply(params, toks))[..., :VOCAB]
+
+
+def hf_logits(path, toks):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(toks).long()).logits.numpy()
+
+
+def assert_same_params(got, want):
+    got, want = dict(flatten(got)), dict(flatten(want))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == np.float32, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def assert_round_trip(imported, cfg, spec, params, toks):
+    """An import gives back the architecture, exactly the parameters, and so exactly the logits."""
+    overrides_back, params_back = imported
+    assert overrides_back == model_overrides(cfg.model)
+    assert_same_params(params_back, params)
+    cfg_back = load_config(base={"model": overrides_back}, overrides=["train.seq_len=32"])
+    spec_back, _ = build_model_spec(cfg_back, cfg_back.model.padded_vocab_size())
+    np.testing.assert_array_equal(megajax_logits(spec_back, params_back, toks), megajax_logits(spec, params, toks))
+
+
+def safetensors_header(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return json.loads(f.read(n))
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face
+# ----------------------------------------------------------------------------
+
+HF_CASES = {
+    "llama-gqa": ("llama", []),
+    "llama3-rope-tied-bias": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0",
+                                        "model.tie_embeddings=true", "model.use_bias=true"]),
+    "gpt2": ("gpt", []),
+}
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_hf_export_matches_transformers(case, tmp_path):
+    pytest.importorskip("transformers")
+    family, overrides = HF_CASES[case]
+    cfg, spec, params = make_model(family, *overrides)
+    sharded = case == "llama-gqa"
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32",
+                    **({"max_shard_bytes": 60_000} if sharded else {}))
+    files = sorted(p.name for p in out.iterdir())
+    if sharded:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        shards = sorted(set(index["weight_map"].values()))
+        assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+        assert set(shards) <= set(files) and "model.safetensors" not in files
+    else:
+        assert "model.safetensors" in files and "model.safetensors.index.json" not in files
+    toks = tokens()
+    np.testing.assert_allclose(hf_logits(out, toks), megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
+
+    assert_round_trip(import_hf(out), cfg, spec, params, toks)
+
+
+def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg, _, params = make_model("gpt")
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="bf16")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    text = "Hello, world!  ça va? 日本語 .\n\tdef f(x): return x ** 2  # 🙂"
+    ids = tok(text)["input_ids"]
+    assert ids == ByteTokenizer().encode(text)
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id == ByteTokenizer.eod_id == 256
+    assert tok.decode(ids + [256]) == text + "<|endoftext|>"
+    # bf16 export: the stored dtype is bf16 and the config says so
+    header = safetensors_header(out / "model.safetensors")
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["vocab_size"] == VOCAB
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+
+
+def test_hf_export_copies_a_tokenizer_json(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from megajax.checkpoint.hf import byte_tokenizer_json
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    (tok_dir / "tokenizer.json").write_text(byte_tokenizer_json())
+    cfg, _, params = make_model("llama")
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec=str(tok_dir))
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("abc")["input_ids"] == [97, 98, 99] and tok.eos_token == "<|endoftext|>"
+
+
+class CountingSource(DictSource):
+    """A DictSource that records how many tensors it handed out are still alive at each read."""
+
+    def __init__(self, params, model):
+        super().__init__(params, model)
+        self.alive: list[weakref.ref] = []
+        self.most_alive = 0
+
+    def get(self, name, layer=None):
+        self.alive = [r for r in self.alive if r() is not None]
+        self.most_alive = max(self.most_alive, len(self.alive))
+        x = np.array(super().get(name, layer))  # a fresh array the caller owns
+        self.alive.append(weakref.ref(x))
+        return x
+
+
+def test_hf_export_streams_one_tensor_at_a_time(tmp_path):
+    import tracemalloc
+    # ~11 MB of fp32 parameters in 4 layers; the largest single tensor is ~1 MB.
+    cfg, _, params = make_model("gpt", "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+                                "model.ffn_hidden_size=1024")
+    source = CountingSource(params, cfg.model)
+    largest = max(x.nbytes // (x.shape[0] if name.startswith("layers/") else 1)
+                  for name, x in flatten(params))
+    total = sum(x.nbytes for _, x in flatten(params))
+    tracemalloc.start()
+    export_hf(source, tmp_path / "hf", tokenizer_spec="byte", dtype="bf16", max_shard_bytes=2_000_000)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    # c_attn concatenates q, k and v of one layer: at most two earlier reads alive during the third.
+    assert source.most_alive <= 2, source.most_alive
+    assert peak < 5 * largest < total / 2, (peak, largest, total)
+
+
+def test_hf_export_errors(tmp_path):
+    cfg, _, params = make_model("gpt", "model.num_kv_heads=4", "model.norm=rmsnorm")
+    with pytest.raises(CheckpointError, match=r"GPT2LMHeadModel.*norm=rmsnorm \(needs layernorm\).*"
+                                              r"num_kv_heads=4 \(needs num_kv_heads = num_heads = 8"):
+        export_hf(DictSource(params, cfg.model), tmp_path / "a", tokenizer_spec="byte")
+    cfg, _, params = make_model("llama")
+    flat = dict(flatten(params))
+    del flat["layers/mlp/up/kernel"]
+    with pytest.raises(CheckpointError, match="missing tensors layers/mlp/up/kernel"):
+        export_hf(DictSource(unflatten(flat), cfg.model), tmp_path / "b", tokenizer_spec="byte")
+    flat = dict(flatten(params))
+    flat["layers/attn/q/kernel"] = flat["layers/attn/q/kernel"][:, :32]
+    with pytest.raises(CheckpointError, match=r"layers/attn/q/kernel has shape \[2, 32, 8, 8\].*\[2, 64, 8, 8\]"):
+        export_hf(DictSource(unflatten(flat), cfg.model), tmp_path / "c", tokenizer_spec="byte")
+    assert not any(p.name != "tok" for p in tmp_path.iterdir())  # nothing half-written
+    small = load_config(overrides=["model.vocab_size=100", "train.seq_len=32", "model.num_layers=2",
+                                   "model.hidden_size=64", "model.num_heads=8", "model.ffn_hidden_size=128"])
+    spec, _ = build_model_spec(small, small.model.padded_vocab_size())
+    zeros = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), spec.abstract_params)
+    with pytest.raises(CheckpointError, match="tokenizer 'byte' has 257 ids, more than the model's vocab_size=100"):
+        export_hf(DictSource(zeros, small.model), tmp_path / "d", tokenizer_spec="byte")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "x").write_text("")
+    with pytest.raises(CheckpointError, match="already exists and is not empty"):
+        export_hf(DictSource(params, cfg.model), tmp_path / "e", tokenizer_spec="byte")
+
+
+def test_hf_import_errors(tmp_path):
+    with pytest.raises(CheckpointError, match="not a Hugging Face model directory"):
+        import_hf(tmp_path)
+    cfg, _, params = make_model("llama")
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+
+    def expect(change, match):
+        (out / "config.json").write_text(json.dumps(dict(config, **change)))
+        with pytest.raises(CheckpointError, match=match):
+            import_hf(out)
+
+    expect({"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+           "architecture 'MistralForCausalLM'.*not supported")
+    expect({"hidden_act": "gelu"}, "hidden_act='gelu'.*accepted: silu")
+    expect({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+           "rope type 'yarn' is not supported")
+    expect({"intermediate_size": 96}, r"model.layers.0.mlp.gate_proj.weight .* has shape \[128, 64\].*\[96, 64\]")
+    expect({"num_hidden_layers": 3}, "has no tensor model.layers.2.input_layernorm.weight")
+    expect({"num_hidden_layers": 1}, "tensors megajax does not know: model.layers.1")
+
+
+# ----------------------------------------------------------------------------
+# Megatron-Core
+# ----------------------------------------------------------------------------
+
+WORKER = os.path.join(os.path.dirname(__file__), "megatron_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def megatron_core_logits(step_dir, toks, tensor_parallel, tmp_path):
+    """Logits of megatron-core's GPTModel loading the checkpoint, one gloo process per tensor rank."""
+    np.save(tmp_path / "tokens.npy", toks)
+    out, port = tmp_path / "logits.npy", free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, WORKER, str(step_dir), str(tmp_path / "tokens.npy"), str(out),
+                               str(rank), str(tensor_parallel), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(tensor_parallel)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    return np.load(out)
+
+
+MEGATRON_CASES = {
+    # llama: swiglu, rmsnorm, rope, GQA (8 heads, 4 groups), untied output layer
+    "llama-tp1": ("llama", [], 1, 1),
+    "llama3-tp2-pp2": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0"], 2, 2),
+    # gpt: learned positions, layernorm, exact gelu, biases, tied embeddings (copied to the last stage)
+    "gpt-tp2-pp2": ("gpt", [], 2, 2),
+}
+
+
+@pytest.mark.parametrize("case", MEGATRON_CASES)
+def test_megatron_export_matches_megatron_core(case, tmp_path):
+    pytest.importorskip("megatron.core")
+    family, overrides, tp, pp = MEGATRON_CASES[case]
+    cfg, spec, params = make_model(family, *overrides)
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=tp,
+                          pipeline_parallel=pp, dtype="fp32", iteration=7)
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "7"
+    step = out / "iter_0000007"
+    want_dirs = {f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else "") for t in range(tp) for s in range(pp)}
+    assert {p.name for p in step.iterdir()} == want_dirs
+    toks = tokens()
+    logits = megatron_core_logits(step, toks, tp, tmp_path)
+    assert logits.shape == (2, SEQ, cfg.model.padded_vocab_size(tp))
+    np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
+
+    assert_round_trip(import_megatron(out), cfg, spec, params, toks)  # shards merged back exactly
+
+
+def test_megatron_bf16_export_and_release(tmp_path):
+    torch = pytest.importorskip("torch")
+    import ml_dtypes
+    cfg, _, params = make_model("llama")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc")  # bf16, release
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    saved = torch.load(out / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert saved["checkpoint_version"] == 3.0 and saved["args"].bf16
+    assert saved["model"]["decoder.layers.0.mlp.linear_fc1.weight"].dtype == torch.bfloat16
+    assert saved["model"]["decoder.layers.0.mlp.linear_fc1._extra_state"] is None
+    _, params_back = import_megatron(out)
+    rounded = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    assert_same_params(params_back, rounded)
+
+
+def test_megatron_errors(tmp_path):
+    torch = pytest.importorskip("torch")
+    cfg, _, params = make_model("llama")
+    source = DictSource(params, cfg.model)
+    with pytest.raises(CheckpointError, match="model.num_kv_heads=4 is not divisible by tensor_parallel=8"):
+        export_megatron(source, tmp_path / "a", tensor_parallel=8)
+    with pytest.raises(CheckpointError, match="model.num_layers=2 is not divisible by pipeline_parallel=3"):
+        export_megatron(source, tmp_path / "a", pipeline_parallel=3)
+    with pytest.raises(CheckpointError, match="iteration=0: Megatron's loader needs an iteration >= 1"):
+        export_megatron(source, tmp_path / "a", iteration=0)
+    with pytest.raises(CheckpointError, match="not a Megatron checkpoint"):
+        import_megatron(tmp_path)
+
+    out = export_megatron(source, tmp_path / "mc", tensor_parallel=2, dtype="fp32", iteration=3)
+    rank0 = out / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(rank0, weights_only=False)
+
+    def expect(change, match):
+        args = argparse.Namespace(**dict(vars(saved["args"]), **change))
+        torch.save(dict(saved, args=args), rank0)
+        with pytest.raises(CheckpointError, match=match):
+            import_megatron(out)
+
+    expect({"openai_gelu": True}, "openai_gelu=True cannot be represented")
+    expect({"position_embedding_type": "yarn"}, "position_embedding_type='yarn' cannot be represented")
+    expect({"ffn_hidden_size": 96}, r"linear_fc1.weight \(gate\) has shape \[128, 64\].*imply \[96, 64\]")
+    expect({"tensor_model_parallel_size": 4}, r"tensor_model_parallel_size=4.*rank files present are "
+                                              r"\['mp_rank_00', 'mp_rank_01'\]")
+    torch.save(dict(saved, when=datetime.date(2024, 1, 1)), rank0)
+    with pytest.raises(CheckpointError, match=r"object the weights-only loader does not allow \(datetime.date\)"):
+        import_megatron(out)
+    import_megatron(out, allow_pickle=True)
+    rank0.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="is not a readable torch checkpoint file"):
+        import_megatron(out)
+    torch.save(saved, rank0)
+    (out / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").unlink()
+    with pytest.raises(CheckpointError, match="rank files present are \\['mp_rank_00'\\]"):
+        import_megatron(out)
