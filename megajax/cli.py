@@ -88,6 +88,47 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="instead of tokenizing, concatenate these dataset prefixes into --output-prefix")
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from megajax.checkpoint.manager import CheckpointSource, read_meta
+    source = CheckpointSource(args.checkpoint)
+    meta = read_meta(source.step_dir)
+    if args.format == "hf":
+        from megajax.checkpoint.hf import export_hf
+        tokenizer = meta["config"].get("data", {}).get("tokenizer", "byte")
+        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+    else:
+        from megajax.checkpoint.megatron import export_megatron
+        step = int(meta.get("step", 0))
+        out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
+                              pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
+                              iteration=step if step >= 1 else None)
+    print(f"megajax export: {source.step_dir} -> {out} ({args.format}, {args.dtype})")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.config import load_config
+    if args.format == "hf":
+        from megajax.checkpoint.hf import import_hf
+        overrides, params = import_hf(args.input)
+        tokenizer = str(Path(args.input).absolute()) if (Path(args.input) / "tokenizer.json").is_file() else "byte"
+    else:
+        from megajax.checkpoint.megatron import import_megatron
+        overrides, params = import_megatron(args.input)
+        tokenizer = "byte"
+    base = {"model": overrides, "data": {"tokenizer": tokenizer}}
+    if overrides.get("max_position_embeddings"):
+        base["train"] = {"seq_len": min(overrides["max_position_embeddings"], 2048)}
+    cfg = load_config(base=base)
+    step_dir = write_params_checkpoint(params, cfg, args.output)
+    print(f"megajax import: {args.input} -> {step_dir}; fine-tune with "
+          f"checkpoint.load={args.output} and the same model.* settings (saved in its meta).")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -97,6 +138,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("preprocess", help="tokenize text into a Megatron dataset (.bin/.idx), or merge datasets")
     _add_preprocess_args(p)
     p.set_defaults(func=cmd_preprocess)
+    p = sub.add_parser("export", help="write a checkpoint as Hugging Face or Megatron-Core files")
+    p.add_argument("--format", choices=("hf", "megatron"), required=True)
+    p.add_argument("--checkpoint", required=True, metavar="DIR",
+                   help="a run directory (its latest checkpoint) or one step's directory")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
+    p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.set_defaults(func=cmd_export)
+    p = sub.add_parser("import", help="turn Hugging Face or Megatron-Core weights into a megajax checkpoint")
+    p.add_argument("--format", choices=("hf", "megatron"), required=True)
+    p.add_argument("--input", required=True, metavar="DIR")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_import)
     return parser
 
 

@@ -236,3 +236,21 @@ class CheckpointSource:
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
         index = (layer,) if layer is not None else ()
         return np.asarray(self._stored.read("params." + name.replace("/", "."), index), np.float32)
+
+
+def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
+    """An Orbax checkpoint holding only parameters (e.g. imported from Hugging Face or Megatron),
+    for `checkpoint.load`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
+    out_dir = Path(out_dir)
+    if find_step_dir(out_dir) is not None:
+        raise CheckpointError(f"--output {out_dir} already holds a megajax checkpoint; choose an empty "
+                              f"directory.")
+    device = jax.local_devices()[0]
+    arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x, np.float32), device), params)
+    ckpt = Checkpointer(out_dir / "checkpoints", keep=1, async_save=False)
+    try:
+        ckpt.save(step, {"params": arrays}, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
+                                              "imported": True}, wait=True)
+    finally:
+        ckpt.close()
+    return out_dir / "checkpoints" / str(step)
