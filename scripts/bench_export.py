@@ -3,6 +3,7 @@
 
     python scripts/bench_export.py [--layers 12] [--hidden 1024] [--ffn 4096] [--vocab 32000]
                                    [--format hf megatron] [--dtype bf16] [--tensor-parallel 2]
+                                   [--from-checkpoint]
 
 Builds a Llama-style model with random float32 parameters in a DictSource
 (no JAX), then runs each export in a fresh child process that first builds
@@ -50,6 +51,19 @@ def child(a: argparse.Namespace) -> None:
     model_bytes = sum(x.nbytes for x in params.values())
     largest = max(x.nbytes // (x.shape[0] if n.startswith("layers/") else 1) for n, x in params.items())
     source = DictSource(unflatten(params), m)
+    if a.from_checkpoint:
+        # Stream from an Orbax checkpoint on disk instead: the model is never in memory.
+        from megajax.checkpoint.manager import CheckpointSource, write_params_checkpoint
+        from megajax.config import Config, finalize
+        cfg = Config(model=m)
+        cfg.train.seq_len = 2048
+        finalize(cfg)
+        ckpt = Path(a.out + "-orbax")
+        write_params_checkpoint(unflatten(params), cfg, ckpt)
+        del params, source
+        import gc
+        gc.collect()
+        source = CheckpointSource(ckpt)
     # Import the libraries first: their code and data pages are not the export's doing.
     import tokenizers  # noqa: F401
     if a.child == "megatron":
@@ -82,6 +96,8 @@ def main() -> None:
     p.add_argument("--format", nargs="+", default=["hf", "megatron"])
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--tensor-parallel", type=int, default=2)
+    p.add_argument("--from-checkpoint", action="store_true",
+                   help="export from an Orbax checkpoint on disk (CheckpointSource) instead of memory")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -91,7 +107,7 @@ def main() -> None:
         for fmt in a.format:
             cmd = [sys.executable, __file__, "--child", fmt, "--out", f"{tmp}/{fmt}", "--layers", str(a.layers),
                    "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--vocab", str(a.vocab), "--dtype", a.dtype,
-                   "--tensor-parallel", str(a.tensor_parallel)]
+                   "--tensor-parallel", str(a.tensor_parallel)] + (["--from-checkpoint"] if a.from_checkpoint else [])
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 sys.exit(r.stderr)

@@ -28,6 +28,7 @@ from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
 
 STATE, META = "state", "meta"
+CHUNK_BYTES = 16 * 2**20
 
 
 def _key_name(entry) -> str:
@@ -59,8 +60,12 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict, *, wait: bool = False) -> None:
         ocp = self._ocp
-        self._manager.save(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(state),
-                                                              META: ocp.args.JsonSave(meta)}), force=True)
+        # Chunks of at most CHUNK_BYTES, so that exporters and restores read a layer (a piece of a
+        # stacked tensor) without loading the whole tensor.
+        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
+        self._manager.save(step, args=ocp.args.Composite(**{
+            STATE: ocp.args.StandardSave(state, save_args=save_args), META: ocp.args.JsonSave(meta)}),
+            force=True)
         if wait:
             self._manager.wait_until_finished()
 
