@@ -36,17 +36,23 @@ def test_resume_is_bitwise_identical(small_config, tmp_path):
     np.testing.assert_array_equal(again.losses, full.losses[2:])
 
 
-@pytest.mark.parametrize("target", [["mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1"], ["mesh.data=1"]],
-                         ids=["tensor4_fsdp2", "one_device"])
-def test_restore_onto_another_mesh(small_config, tmp_path, target):
+TENSOR2_DATA4 = ["mesh.tensor=2", "mesh.data=4"]
+
+
+@pytest.mark.parametrize("source, target", [
+    (TENSOR2_DATA4, ["mesh.tensor=4", "mesh.fsdp=2", "mesh.data=1"]),
+    (TENSOR2_DATA4, ["mesh.data=1"]),
+    (["mesh.fsdp=8", "mesh.data=1", "parallel.distributed_optimizer=false"],
+     ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true"]),
+], ids=["tensor2_data4->tensor4_fsdp2", "tensor2_data4->one_device", "fsdp8->data2_tensor4_sp_zero1"])
+def test_restore_onto_another_mesh(small_config, tmp_path, source, target):
     src = tmp_path / "src"
-    train(small_config("mesh.tensor=2", "mesh.data=4", f"train.run_dir={src}", *FIXED_SCHEDULE, steps=2))
+    train(small_config(*source, f"train.run_dir={src}", *FIXED_SCHEDULE, steps=2))
     ref_dir, new_dir = tmp_path / "ref", tmp_path / "new"
     shutil.copytree(src, ref_dir)
     shutil.copytree(src, new_dir)
     devices = jax.devices()[:1] if target == ["mesh.data=1"] else None
-    before = build_trainer(small_config("mesh.tensor=2", "mesh.data=4", f"train.run_dir={ref_dir}",
-                                        *FIXED_SCHEDULE, steps=3))
+    before = build_trainer(small_config(*source, f"train.run_dir={ref_dir}", *FIXED_SCHEDULE, steps=3))
     after = build_trainer(small_config(*target, f"train.run_dir={new_dir}", *FIXED_SCHEDULE, steps=3), devices)
     vocab = before.cfg.model.vocab_size
     for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(before.state.params)[0],
