@@ -73,7 +73,7 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
-    attention_impl: Literal["xla"] = "xla"
+    attention_impl: Literal["xla", "flash", "cudnn"] = "xla"  # plain jnp | Pallas kernel | cuDNN (GPU)
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -127,6 +127,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over data axes
     recompute: Literal["none", "selective", "full"] = "none"
+    context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
 
 
 @dataclass
@@ -462,7 +463,19 @@ def validate(cfg: Config) -> None:
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         raise ConfigError(f"mesh.pipeline = {cfg.mesh.pipeline}: pipeline parallelism is not "
                           "available yet; use mesh.pipeline=1.")
-    for axis in ("expert", "context"):
+    for axis in ("expert",):
         if getattr(cfg.mesh, axis) not in (1,) or getattr(cfg.mesh.dcn, axis) != 1:
             raise ConfigError(f"mesh.{axis} = {getattr(cfg.mesh, axis)}: {axis} parallelism is not "
                               f"available yet; use mesh.{axis}=1.")
+    if m.attention_impl != "xla" and m.attention_dropout:
+        raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
+                          f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
+    context = cfg.mesh.context * cfg.mesh.dcn.context
+    if context != 1:
+        if m.attention_dropout:
+            raise ConfigError(f"model.attention_dropout = {m.attention_dropout} with mesh.context = "
+                              f"{cfg.mesh.context}: context-parallel attention has no dropout; set it to 0.")
+        if m.attention_impl == "cudnn":
+            raise ConfigError("model.attention_impl = 'cudnn' with mesh.context > 1: context parallelism "
+                              "merges per-block log-sum-exps, which cuDNN's attention does not return; "
+                              "use model.attention_impl=flash (or xla).")

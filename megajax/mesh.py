@@ -12,7 +12,9 @@ these tables:
 - tensor parallel: `heads`, `kv_heads`, `mlp`, `vocab` over `tensor`
   (Megatron's column/row splits follow from the weight layouts);
 - sequence parallel: activations' `residual_length` (the sequence dim outside
-  tensor-parallel regions) over `tensor`.
+  tensor-parallel regions) over `tensor`;
+- context parallel: the sequence (`length`, `residual_length`) over `context`
+  (attention itself is in megajax/parallel/context.py).
 """
 
 from __future__ import annotations
@@ -122,7 +124,10 @@ def validate_for_model(cfg: Config, mesh: Mesh) -> None:
         checks.append((m.hidden_size, "model.hidden_size", dp,
                        "mesh.data x mesh.fsdp (distributed optimizer)"))
     if cfg.parallel.sequence_parallel:
-        checks.append((t.seq_len, "train.seq_len", tp, "mesh.tensor (sequence parallel)"))
+        checks.append((t.seq_len, "train.seq_len", tp * s["context"], "mesh.tensor x mesh.context (sequence parallel)"))
+    if s["context"] > 1:
+        checks.append((t.seq_len, "train.seq_len", 2 * s["context"],
+                       "2 x mesh.context (context parallelism splits the sequence into 2 chunks per device)"))
     for value, key, size, axis in checks:
         if value % size:
             raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
@@ -162,8 +167,8 @@ def make_rules(cfg: Config) -> ShardingRules:
     activations = {
         **tensor_dims,
         "batch": ("data", "fsdp"),
-        "length": (),  # sequence inside tensor-parallel regions
-        "residual_length": ("tensor",) if cfg.parallel.sequence_parallel else (),
+        "length": ("context",),  # sequence inside tensor-parallel regions
+        "residual_length": ("context", "tensor") if cfg.parallel.sequence_parallel else ("context",),
         "embed": (),
         "head_dim": (),
     }

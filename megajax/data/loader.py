@@ -25,9 +25,9 @@ from megajax.data.indexed import IndexedDataset
 from megajax.errors import DataError
 
 
-def batch_keys(cfg: Config) -> tuple[str, ...]:
+def batch_keys(cfg: Config, context: int = 1) -> tuple[str, ...]:
     keys = ("tokens", "labels", "loss_mask")
-    if cfg.data.reset_position_ids:
+    if cfg.data.reset_position_ids or context > 1:  # reordered sequences carry their positions
         keys += ("positions",)
     if cfg.data.reset_attention_mask:
         keys += ("segment_ids",)
@@ -94,9 +94,11 @@ class Loader:
     """Global batches of a dataset as sharded arrays; `batch(start)` covers samples [start, start + G)."""
 
     def __init__(self, dataset, *, global_batch: int, accumulation: int, seq_len: int, shardings: dict,
-                 eod_mask_loss: bool = False, prefetch: int = 2):
+                 eod_mask_loss: bool = False, prefetch: int = 2, order=None):
         self.dataset, self.global_batch, self.accumulation = dataset, global_batch, accumulation
         self.eod_mask_loss = eod_mask_loss
+        # Token order along the sequence (context parallelism's load-balanced chunks), or None.
+        self.order = None if order is None else np.asarray(order)
         self.seq_len, self.shardings = seq_len, shardings
         self.shape = (accumulation, global_batch // accumulation, seq_len)
         self.prefetch = prefetch
@@ -134,10 +136,17 @@ class Loader:
             "labels": lambda s: s["tokens"][..., 1:],
             "loss_mask": lambda s: (s["loss_mask"][..., :-1] if self.eod_mask_loss
                                     else np.ones(s["tokens"][..., 1:].shape, np.float32)),
-            "positions": lambda s: s["positions"][..., :-1],
+            "positions": lambda s: (s["positions"][..., :-1] if "positions" in s else
+                                    np.broadcast_to(np.arange(self.seq_len, dtype=np.int32),
+                                                    s["tokens"][..., 1:].shape)),
             "segment_ids": lambda s: s["segment_ids"][..., :-1],
         }
-        return {k: jax.make_array_from_callback(self.shape, sh, lambda idx, f=fields[k]: f(samples(idx))[..., idx[2]])
+        order = self.order if self.order is not None else slice(None)
+
+        def piece(idx, field):
+            return field(samples(idx))[..., order][..., idx[2]]
+
+        return {k: jax.make_array_from_callback(self.shape, sh, lambda idx, f=fields[k]: piece(idx, f))
                 for k, sh in self.shardings.items()}
 
     def batch(self, start: int) -> dict:

@@ -48,14 +48,68 @@ def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=T
     return out.reshape(b, l, h, d)
 
 
-ATTENTION_IMPLS: dict[str, Callable] = {"xla": xla_attention}
+def xla_attention_with_lse(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, q_segment_ids=None, kv_segment_ids=None,
+                           causal=True, softmax_scale=None):
+    """Plain-jnp attention that also returns the log-sum-exp of each query row's logits.
+
+    Returns (out [B, L, H, K] in q's dtype, lse [B, H, L] fp32; -inf and a zero output for a
+    row that sees no key). Differentiable in both outputs (for merging partial results).
+    """
+    b, l, h, d = q_BxLxHxK.shape
+    t, g = k_BxTxGxK.shape[1], k_BxTxGxK.shape[2]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    q = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    scores = jnp.einsum("blgrk,btgk->bgrlt", q, k_BxTxGxK, preferred_element_type=jnp.float32) * scale
+    mask = jnp.ones((1, 1, 1, l, t), bool)
+    if causal:
+        mask = mask & (jnp.arange(l)[:, None] >= jnp.arange(t)[None, :])
+    if q_segment_ids is not None:
+        mask = mask & (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None, None]
+    m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, scores, -jnp.inf), axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(scores - m), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    empty = total == 0.0
+    probs = e / jnp.where(empty, 1.0, total)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))[..., 0]
+    out = jnp.einsum("bgrlt,btgk->blgrk", probs.astype(v_BxTxGxK.dtype), v_BxTxGxK)
+    return out.reshape(b, l, h, d), lse.reshape(b, h, l)
+
+
+def flash_attention_core(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
+    """The Pallas flash-attention kernel (interpret mode on CPU)."""
+    from pallas_kernels import flash_attention
+    assert dropout_rate == 0.0, "flash attention has no dropout (checked when the config is loaded)"
+    return flash_attention(q, k, v, causal=causal, segment_ids=segment_ids)
+
+
+def flash_attention_block(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, causal=True):
+    from pallas_kernels import flash_attention_with_lse
+    seg = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
+    return flash_attention_with_lse(q, k, v, causal=causal, segment_ids=seg)
+
+
+def cudnn_attention_core(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
+    """cuDNN's fused attention through jax.nn.dot_product_attention (GPU only)."""
+    assert dropout_rate == 0.0, "cudnn attention has no dropout here (checked when the config is loaded)"
+    mask = None
+    if segment_ids is not None:
+        mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
+
+
+# The attention core per model.attention_impl, and the per-block kernel (with log-sum-exp)
+# that context parallelism merges over key blocks.
+ATTENTION_IMPLS: dict[str, Callable] = {"xla": xla_attention, "flash": flash_attention_core,
+                                        "cudnn": cudnn_attention_core}
+BLOCK_ATTENTION: dict[str, Callable] = {"xla": xla_attention_with_lse, "flash": flash_attention_block}
 
 
 def make_attention_core(impl: str, recompute: str) -> Callable:
     """The attention core chosen once from config; `selective` recompute wraps it in a checkpoint."""
     core = ATTENTION_IMPLS[impl]
-    if recompute != "selective":
-        return core
+    if recompute != "selective" or impl != "xla":
+        return core  # fused kernels already keep only their inputs and the log-sum-exp
 
     # Megatron's selective recomputation: only QK^T, softmax, dropout and AV are
     # recomputed in the backward pass; their inputs and output are kept.

@@ -21,9 +21,9 @@ DotGeneral = Callable[..., jax.Array]
 
 
 def flat_dot_general(dot_general: DotGeneral = jax.lax.dot_general) -> DotGeneral:
-    """A projection `dot_general` whose backward is two plain 2-D matrix products.
+    """A projection `dot_general` whose backward is two plain matrix products.
 
-    For y[N, M] = x[N, K] . W[K, M] (x's trailing dims contracted, any kernel
+    For y[..., M] = x[..., K] . W[K, M] (x's trailing dims contracted, any kernel
     layout), the backward computes dx = dy . W^T and dW = x^T . dy with the
     activation as the left operand. Left to JAX's generic transpose rule,
     XLA:CPU materialises a transposed copy of the (large) cotangent fused with
@@ -50,12 +50,12 @@ def flat_dot_general(dot_general: DotGeneral = jax.lax.dot_general) -> DotGenera
     def backward(dimension_numbers, residuals, g):
         x, w = residuals
         n_in, w2 = split(x, w, dimension_numbers)
-        k = math.prod(x.shape[x.ndim - n_in:])
-        x2 = x.reshape(-1, k)
-        w2_2d = w2.reshape(k, -1)
-        g2 = g.reshape(x2.shape[0], -1)
-        dx = dot_general(g2, w2_2d, (((1,), (1,)), ((), ()))).reshape(x.shape)
-        dw2 = dot_general(x2, g2, (((0,), (0,)), ((), ()))).reshape(w2.shape)
+        lead = x.ndim - n_in  # token dims (batch, sequence), kept unmerged: they may be sharded
+        n_out = w2.ndim - n_in
+        # dx[..., K] = g[..., M] . W[K, M]^T ; dW[K, M] = x[..., K]^T . g[..., M] (x on the left)
+        dx = dot_general(g, w2, ((tuple(range(lead, g.ndim)), tuple(range(n_in, w2.ndim))), ((), ())))
+        dw2 = dot_general(x, g, ((tuple(range(lead)), tuple(range(lead))), ((), ())))
+        assert dx.shape == x.shape and dw2.ndim == n_in + n_out
         (_, rc), _ = dimension_numbers
         free = tuple(d for d in range(w.ndim) if d not in rc)
         dw = jnp.transpose(dw2, tuple(int(i) for i in np_argsort(tuple(rc) + free)))

@@ -55,11 +55,13 @@ class Transformer(nnx.Module):
     """Causal language model.
 
     `padded_vocab_size` is model.padded_vocab_size(tensor size); `ops` are the
-    injected products (see LinearOps); `recompute` is none | selective | full.
+    injected products (see LinearOps); `attention_core` the injected attention
+    (default: model.attention_impl on one device); `recompute` is none | selective | full.
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
-                 recompute: str = "none", ops: LinearOps = LinearOps(), rngs: nnx.Rngs):
+                 recompute: str = "none", ops: LinearOps = LinearOps(), attention_core: Callable | None = None,
+                 rngs: nnx.Rngs):
         self.cfg = cfg
         vocab = padded_vocab_size or cfg.padded_vocab_size()
         self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
@@ -70,7 +72,7 @@ class Transformer(nnx.Module):
             self.pos_embed = nnx.Param(
                 normal_init(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std),
                 axes=("position", "embed"))
-        core = make_attention_core(cfg.attention_impl, recompute)
+        core = attention_core or make_attention_core(cfg.attention_impl, recompute)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)

@@ -32,14 +32,20 @@ from megajax.models.layers import LinearOps
 TENSOR = "tensor"
 
 
-def _batch_entry(rules: Rules):
-    axes = tuple(rules["batch"])
+def _entry(axes):
+    axes = tuple(axes)
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general) -> LinearOps:
-    """LinearOps whose projections and embedding carry Megatron's SP all-gather / reduce-scatter."""
-    bt = _batch_entry(rules)
+    """LinearOps whose projections and embedding carry Megatron's SP all-gather / reduce-scatter.
+
+    The sequence may also be split over `context`: inside tensor-parallel regions it is
+    sharded as rules['length'] (context), outside as rules['residual_length'] (context, tensor).
+    """
+    bt = _entry(rules["batch"])
+    inner = _entry(rules["length"])  # sequence inside tensor-parallel regions
+    outer = _entry(rules["residual_length"])  # and outside (includes tensor)
 
     def column(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
@@ -47,20 +53,20 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
         k_free = [d for d in range(k.ndim) if d not in rc]
         k_spec = [None] * k.ndim
         k_spec[k_free[0]] = TENSOR
-        out_spec = [bt, None] + [None] * len(k_free)
+        out_spec = [bt, inner] + [None] * len(k_free)
         out_spec[2] = TENSOR
 
         def local(x, k):
             x = jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
             return dot_general(x, k, dimension_numbers, **kw)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(bt, TENSOR), P(*k_spec)),
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(bt, outer), P(*k_spec)),
                              out_specs=P(*out_spec))(x, k)
 
     def row(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
         assert tuple(lc) == tuple(range(2, x.ndim)), "row projection expects x[B, S, contracting...]"
-        x_spec = [bt, None] + [None] * (x.ndim - 2)
+        x_spec = [bt, inner] + [None] * (x.ndim - 2)
         x_spec[lc[0]] = TENSOR
         k_spec = [None] * k.ndim
         k_spec[rc[0]] = TENSOR
@@ -70,7 +76,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
 
         return jax.shard_map(local, mesh=mesh, in_specs=(P(*x_spec), P(*k_spec)),
-                             out_specs=P(bt, TENSOR))(x, k)
+                             out_specs=P(bt, outer))(x, k)
 
     def embed(table, ids):
         def local(table, ids):
@@ -81,7 +87,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
             return jax.lax.psum_scatter(out, TENSOR, scatter_dimension=1, tiled=True)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(TENSOR, None), P(bt, None)),
-                             out_specs=P(bt, TENSOR, None))(table, ids)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(TENSOR, None), P(bt, inner)),
+                             out_specs=P(bt, outer, None))(table, ids)
 
     return LinearOps(column=column, row=row, embed=embed)

@@ -25,6 +25,7 @@ from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, TrainingError
 from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
+from megajax.parallel.context import load_balanced_order
 from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.optimizer import lr_schedule, make_optimizer
@@ -114,10 +115,11 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     st_sh = state_shardings(mesh, rules, spec, tx, abstract)
     state, consumed, origin = initial_state(cfg, init, abstract, st_sh)
 
-    b_sh = batch_shardings(mesh, rules, batch_keys(cfg))
+    b_sh = batch_shardings(mesh, rules, batch_keys(cfg, sizes["context"]))
     train_ds, valid_ds, report = build_run_datasets(cfg, tokenizer)
+    order = load_balanced_order(cfg.train.seq_len, sizes["context"]) if sizes["context"] > 1 else None
     common = dict(global_batch=cfg.train.global_batch, accumulation=accumulation, seq_len=cfg.train.seq_len,
-                  shardings=b_sh, eod_mask_loss=cfg.data.eod_mask_loss)
+                  shardings=b_sh, eod_mask_loss=cfg.data.eod_mask_loss, order=order)
     loader = Loader(train_ds, prefetch=cfg.data.prefetch, **common)
     valid_loader = Loader(valid_ds, prefetch=0, **common) if valid_ds is not None and cfg.train.eval_every else None
     step = make_train_step(cfg, spec, tx, scaler, lr_schedule(cfg.optim, cfg.train.steps), mesh, rules)
@@ -304,7 +306,8 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     if cfg.train.sample_tokens > 0 and result.stopped_by is None:
         from megajax.inference.generate import greedy_generate
         prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
-        ids = greedy_generate(tr.spec.apply, state.params, prompt, cfg.train.sample_tokens,
+        plain, _ = build_model_spec(cfg, tr.padded_vocab)  # no mesh-specific collectives: any batch size
+        ids = greedy_generate(plain.apply, state.params, prompt, cfg.train.sample_tokens,
                               cfg.train.seq_len, eod_id=getattr(tr.tokenizer, "eod_id", None))
         result.sample = tr.tokenizer.decode(ids)
         log.print("megajax: greedy sample from the trained model:\n" + result.sample)

@@ -19,7 +19,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, tree_shardings
 from megajax.models import Transformer, param_axes
+from megajax.errors import ConfigError
+from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
+from megajax.parallel.context import context_parallel_attention, sharded_attention
 from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
 
@@ -56,16 +59,35 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     return LinearOps(column=dot, row=dot)
 
 
+def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable:
+    """The attention for this layout: the configured kernel, per shard under a mesh, or context-parallel."""
+    impl = cfg.model.attention_impl
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    if impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention_impl = 'cudnn' needs an NVIDIA GPU; this run's devices are "
+                          f"{platform}. Use model.attention_impl=flash or xla.")
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
+    if sizes.get("context", 1) > 1:
+        return context_parallel_attention(BLOCK_ATTENTION[impl], mesh, rules.activations,
+                                          cfg.parallel.context_impl)
+    core = make_attention_core(impl, cfg.parallel.recompute)
+    if impl != "xla" and mesh is not None and mesh.devices.size > 1:
+        core = sharded_attention(core, mesh, rules.activations)
+    return core
+
+
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
                      rules: ShardingRules | None = None, seed: int | None = None) -> tuple[ModelSpec, Callable]:
     """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
     dtype = COMPUTE_DTYPES[cfg.train.precision]
     seed = cfg.train.seed if seed is None else seed
     ops = linear_ops(cfg, mesh, rules)
+    core = attention_core(cfg, mesh, rules)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
-                           recompute=cfg.parallel.recompute, ops=ops, rngs=nnx.Rngs(params=seed))
+                           recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
+                           rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_state = nnx.split(abstract)

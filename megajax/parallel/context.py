@@ -1,0 +1,283 @@
+"""Attention over a mesh: kernels under shard_map, and context parallelism (ring / all-gather).
+
+A fused kernel (Pallas flash, cuDNN) cannot be partitioned by XLA, so under a
+mesh it runs per shard inside shard_map: q[B_dp, S, H_tensor, D] and
+k/v[B_dp, S, G_tensor, D], each device attending its own heads.
+
+Context parallelism splits the sequence over the `context` axis. With C
+devices the sequence is cut into 2C chunks and device r holds chunks r and
+2C-1-r (the loader lays tokens out that way), so that under causal masking
+every device does the same work. Two schemes (`parallel.context_impl`):
+
+- ring: k/v chunks travel around the ring with ppermute; each device merges
+  the partial attention of its queries over every visiting k/v chunk with an
+  online softmax (log-sum-exp merge). The backward pass sends k/v around the
+  ring again, together with their gradient accumulators, which arrive back at
+  the owner after C hops; no device ever holds more than its own chunks plus
+  one visiting pair.
+- allgather: k/v of all chunks are all-gathered once; each device attends its
+  queries to the chunks at or before them. The backward reduce-scatters dk/dv.
+
+Both call a per-block kernel that returns (out, lse) (megajax.models.attention
+.BLOCK_ATTENTION: plain jnp or the Pallas flash kernel) on pairs (query chunk,
+key chunk): causal on the diagonal, full below it, skipped above it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from megajax.mesh import Rules, logical_to_spec
+
+CONTEXT = "context"
+Q_AXES = ("batch", "length", "heads", "head_dim")
+KV_AXES = ("batch", "length", "kv_heads", "head_dim")
+SEG_AXES = ("batch", "length")
+
+
+def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:
+    """Runs an attention core per shard (batch over data axes, heads over tensor)."""
+    q_spec, kv_spec, seg_spec = (logical_to_spec(a, rules) for a in (Q_AXES, KV_AXES, SEG_AXES))
+
+    def attend(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
+        def local(q, k, v, seg):
+            return core(q, k, v, segment_ids=seg, causal=causal, dropout_rate=dropout_rate, dropout_rng=None)
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec if segment_ids is not None else None),
+                             out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
+
+    return attend
+
+
+# ----------------------------------------------------------------------------
+# Partial results and their merge
+# ----------------------------------------------------------------------------
+
+def _empty(q):
+    """A partial result that saw no key: out 0, lse -inf; out [B, L, H, D] fp32, lse [B, H, L]."""
+    b, l, h, _ = q.shape
+    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, l), -jnp.inf, jnp.float32)
+
+
+def _merge(acc, part):
+    """Online-softmax merge of two partial attention results over disjoint key sets."""
+    (o1, l1), (o2, l2) = acc, part
+    lse = jnp.logaddexp(l1, l2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1 = jnp.where(jnp.isfinite(l1), jnp.exp(l1 - safe), 0.0)
+    w2 = jnp.where(jnp.isfinite(l2), jnp.exp(l2 - safe), 0.0)
+    t = lambda w: jnp.transpose(w, (0, 2, 1))[..., None]  # [B, H, L] -> [B, L, H, 1]
+    return o1 * t(w1) + o2.astype(jnp.float32) * t(w2), lse
+
+
+def _cat(a, b):
+    return jnp.concatenate([a[0], b[0]], axis=1), jnp.concatenate([a[1], b[1]], axis=2)
+
+
+def _halves(x, axis=1):
+    c = x.shape[axis] // 2
+    return jax.lax.slice_in_dim(x, 0, c, axis=axis), jax.lax.slice_in_dim(x, c, 2 * c, axis=axis)
+
+
+class _Blocks:
+    """Per-block attention on (query part, key part) pairs, with optional segment ids."""
+
+    def __init__(self, block: Callable):
+        self.block = block
+
+    def __call__(self, q, k, v, qs, ks, causal):
+        o, lse = self.block(q, k, v, q_segment_ids=qs, kv_segment_ids=ks, causal=causal)
+        return o.astype(jnp.float32), lse
+
+
+def _seg_halves(seg):
+    return (None, None) if seg is None else _halves(seg)
+
+
+# ----------------------------------------------------------------------------
+# Ring attention
+# ----------------------------------------------------------------------------
+
+def _step_parts(q, qs, k, v, ks, step, size, blocks):
+    """Partial results (lo, hi) of this device's two query chunks against the visiting k/v."""
+    r = jax.lax.axis_index(CONTEXT)
+    q_lo, q_hi = _halves(q)
+    qs_lo, qs_hi = _seg_halves(qs)
+    k_lo, k_hi = _halves(k)
+    v_lo, v_hi = _halves(v)
+    ks_lo, ks_hi = _seg_halves(ks)
+    if step == 0:
+        lo = blocks(q_lo, k_lo, v_lo, qs_lo, ks_lo, True)
+        hi = _merge(blocks(q_hi, k_hi, v_hi, qs_hi, ks_hi, True), blocks(q_hi, k_lo, v_lo, qs_hi, ks_lo, False))
+        return lo, hi
+    src = (r - step) % size
+
+    def earlier():  # src < r: both query chunks see key chunk src in full
+        return _halves_of(blocks(q, k_lo, v_lo, qs, ks_lo, False))
+
+    def later():  # src > r: query chunk 2C-1-r sees both key chunks of src in full
+        return _empty(q_lo), blocks(q_hi, k, v, qs_hi, ks, False)
+
+    return jax.lax.cond(src < r, earlier, later)
+
+
+def _halves_of(part):
+    o, lse = part
+    o_lo, o_hi = _halves(o, 1)
+    l_lo, l_hi = _halves(lse, 2)
+    return (o_lo, l_lo), (o_hi, l_hi)
+
+
+def _shift(tree, size):
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), tree)
+
+
+def _ring_forward(q, k, v, q_seg, kv_seg, blocks, size):
+    acc_lo, acc_hi = _empty(_halves(q)[0]), _empty(_halves(q)[1])
+    visiting = (k, v, kv_seg)
+    for step in range(size):
+        if step:
+            visiting = _shift(visiting, size)
+        lo, hi = _step_parts(q, q_seg, *visiting, step, size, blocks)
+        acc_lo, acc_hi = _merge(acc_lo, lo), _merge(acc_hi, hi)
+    out, lse = _cat(acc_lo, acc_hi)
+    return out.astype(q.dtype), lse
+
+
+def _make_ring(blocks: _Blocks, size: int):
+    @jax.custom_vjp
+    def ring(q, k, v, q_seg, kv_seg):
+        return _ring_forward(q, k, v, q_seg, kv_seg, blocks, size)[0]
+
+    def forward(q, k, v, q_seg, kv_seg):
+        out, lse = _ring_forward(q, k, v, q_seg, kv_seg, blocks, size)
+        return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+    def backward(res, d_out):
+        q, k, v, q_seg, kv_seg, out, lse = res
+        out32, d_out32 = out.astype(jnp.float32), d_out.astype(jnp.float32)
+
+        def part_grads(q_part, qs_part, rows, k_part, v_part, ks_part, causal):
+            """Gradients of one block's contribution, given the final out/lse of its query rows."""
+            def f(qq, kk, vv):
+                return blocks(qq, kk, vv, qs_part, ks_part, causal)
+            (o_b, l_b), vjp = jax.vjp(f, q_part, k_part, v_part)
+            o_f, l_f, do = out32[:, rows], lse[:, :, rows], d_out32[:, rows]
+            a = jnp.where(jnp.isfinite(l_b), jnp.exp(l_b - jnp.where(jnp.isfinite(l_f), l_f, 0.0)), 0.0)
+            a_t = jnp.transpose(a, (0, 2, 1))[..., None]
+            d_o_b = do * a_t
+            d_l_b = a * jnp.transpose(jnp.sum(do * (o_b - o_f), axis=-1), (0, 2, 1))
+            return vjp((d_o_b, d_l_b))
+
+        c = q.shape[1] // 2
+        lo, hi, whole = slice(0, c), slice(c, 2 * c), slice(0, 2 * c)
+        q_lo, q_hi = _halves(q)
+        qs_lo, qs_hi = _seg_halves(q_seg)
+        r = jax.lax.axis_index(CONTEXT)
+        dq = jnp.zeros(q.shape, jnp.float32)
+        travelling = (k, v, kv_seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        for step in range(size):
+            if step:
+                travelling = _shift(travelling, size)
+            kk, vv, ks, dk, dv = travelling
+            k_lo, k_hi = _halves(kk)
+            v_lo, v_hi = _halves(vv)
+            ks_lo, ks_hi = _seg_halves(ks)
+            if step == 0:
+                pairs = [(q_lo, qs_lo, lo, k_lo, v_lo, ks_lo, True, lo),
+                         (q_hi, qs_hi, hi, k_hi, v_hi, ks_hi, True, hi),
+                         (q_hi, qs_hi, hi, k_lo, v_lo, ks_lo, False, lo)]
+                for q_part, qs_part, rows, k_part, v_part, ks_part, causal, kv_rows in pairs:
+                    gq, gk, gv = part_grads(q_part, qs_part, rows, k_part, v_part, ks_part, causal)
+                    dq = dq.at[:, rows].add(gq)
+                    dk = dk.at[:, kv_rows].add(gk)
+                    dv = dv.at[:, kv_rows].add(gv)
+            else:
+                src = (r - step) % size
+
+                def earlier(dq, dk, dv):
+                    gq, gk, gv = part_grads(q, q_seg, whole, k_lo, v_lo, ks_lo, False)
+                    return dq + gq, dk.at[:, lo].add(gk), dv.at[:, lo].add(gv)
+
+                def later(dq, dk, dv):
+                    gq, gk, gv = part_grads(q_hi, qs_hi, hi, kk, vv, ks, False)
+                    return dq.at[:, hi].add(gq), dk + gk, dv + gv
+
+                dq, dk, dv = jax.lax.cond(src < r, earlier, later, dq, dk, dv)
+            travelling = (kk, vv, ks, dk, dv)
+        # One more hop brings every device's k/v gradients home (size hops in all).
+        _, _, _, dk, dv = _shift(travelling, size)
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
+
+    ring.defvjp(forward, backward)
+    return ring
+
+
+# ----------------------------------------------------------------------------
+# All-gather k/v
+# ----------------------------------------------------------------------------
+
+def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int):
+    """Queries of chunks (r, 2C-1-r) against the all-gathered k/v of every chunk."""
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    k_all, v_all, ks_all = gather(k), gather(v), gather(kv_seg)
+    c = q.shape[1] // 2
+    r = jax.lax.axis_index(CONTEXT)
+    q_lo, q_hi = _halves(q)
+    qs_lo, qs_hi = _seg_halves(q_seg)
+    results = []
+    for q_part, qs_part, q_chunk in ((q_lo, qs_lo, r), (q_hi, qs_hi, 2 * size - 1 - r)):
+        acc = _empty(q_part)
+        for j in range(size):  # gathered device j holds chunks j and 2C-1-j
+            for half, k_chunk in ((0, j), (1, 2 * size - 1 - j)):
+                sl = slice((2 * j + half) * c, (2 * j + half + 1) * c)
+                kb, vb = k_all[:, sl], v_all[:, sl]
+                ksb = None if ks_all is None else ks_all[:, sl]
+                kind = jnp.where(k_chunk < q_chunk, 2, jnp.where(k_chunk == q_chunk, 1, 0))
+                part = jax.lax.switch(kind, [
+                    lambda: _empty(q_part),
+                    lambda: blocks(q_part, kb, vb, qs_part, ksb, True),
+                    lambda: blocks(q_part, kb, vb, qs_part, ksb, False)])
+                acc = _merge(acc, part)
+        results.append(acc)
+    out, _ = _cat(*results)
+    return out.astype(q.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------
+
+def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: str = "ring") -> Callable:
+    """An attention core for sequences sharded over `context` (load-balanced chunk layout)."""
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))[CONTEXT]
+    blocks = _Blocks(block)
+    q_spec, kv_spec, seg_spec = (logical_to_spec(a, rules) for a in (Q_AXES, KV_AXES, SEG_AXES))
+    ring = _make_ring(blocks, size)
+
+    def attend(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
+        if not causal:
+            raise NotImplementedError("context parallelism is implemented for causal attention")
+
+        def local(q, k, v, seg):
+            if impl == "ring":
+                return ring(q, k, v, seg, seg)
+            return _allgather_attention(q, k, v, seg, seg, blocks, size)
+
+        seg_in = seg_spec if segment_ids is not None else None
+        return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_in),
+                             out_specs=q_spec, check_vma=False)(q, k, v, segment_ids)
+
+    return attend
+
+
+def load_balanced_order(seq_len: int, size: int):
+    """Token order along the sequence for `size` context devices: device r holds chunks r, 2C-1-r."""
+    import numpy as np
+    chunks = np.arange(seq_len).reshape(2 * size, seq_len // (2 * size))
+    order = [i for r in range(size) for i in (r, 2 * size - 1 - r)]
+    return chunks[order].reshape(-1)
