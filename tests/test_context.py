@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from megajax.config import load_config
 from megajax.data.indexed import IndexedDatasetWriter
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import make_mesh, validate_for_model
