@@ -31,7 +31,9 @@ _reference: dict = {}
 
 
 def losses(small_config, corpus, *overrides, devices=None):
-    cfg = small_config(f"data.path={corpus}", *DOCS, *overrides, steps=3)
+    """Per-step losses on `corpus` with document-aware batches ('' : the embedded corpus, plain)."""
+    data = [f"data.path={corpus}", *DOCS] if corpus else ["train.eval_every=0"]
+    cfg = small_config(*data, *overrides, steps=3)
     return np.asarray(train(cfg, devices=devices).losses)
 
 
@@ -41,24 +43,34 @@ def reference(small_config, corpus):
     return _reference[corpus]
 
 
-LAYOUTS = {
-    "ring_context2_data4": ["mesh.context=2", "mesh.data=4"],
-    "ring_context4_data2": ["mesh.context=4", "mesh.data=2"],
-    "allgather_context2_data4": ["mesh.context=2", "mesh.data=4", "parallel.context_impl=allgather"],
-    "ring_context2_tensor2_data2_sp": ["mesh.context=2", "mesh.tensor=2", "mesh.data=2",
-                                       "parallel.sequence_parallel=true"],
+CONTEXT_LAYOUTS = {
+    "context2_data4": ["mesh.context=2", "mesh.data=4"],
+    "context4_data2": ["mesh.context=4", "mesh.data=2"],
+    "context2_tensor2_data2_sp": ["mesh.context=2", "mesh.tensor=2", "mesh.data=2",
+                                  "parallel.sequence_parallel=true"],
+}
+FLASH_LAYOUTS = {
     "flash_tensor4_data2": ["mesh.tensor=4", "mesh.data=2", "model.attention_impl=flash"],
     "flash_ring_context2_tensor2_data2": ["mesh.context=2", "mesh.tensor=2", "mesh.data=2",
                                           "model.attention_impl=flash"],
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_device_with_packed_documents(small_config, short_docs, layout):
-    ref = reference(small_config, short_docs)
-    got = losses(small_config, short_docs, *LAYOUTS[layout])
+@pytest.mark.parametrize("documents", [True, False], ids=["segment_ids", "no_segment_ids"])
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+@pytest.mark.parametrize("layout", list(CONTEXT_LAYOUTS))
+def test_context_parallel_matches_one_device(small_config, short_docs, layout, impl, documents):
+    data = short_docs if documents else ""
+    ref = reference(small_config, data)
+    got = losses(small_config, data, *CONTEXT_LAYOUTS[layout], f"parallel.context_impl={impl}")
     assert ref[-1] < ref[0]
     np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", list(FLASH_LAYOUTS))
+def test_flash_kernel_in_the_model_matches_one_device(small_config, short_docs, layout):
+    np.testing.assert_allclose(losses(small_config, short_docs, *FLASH_LAYOUTS[layout]),
+                               reference(small_config, short_docs), rtol=1e-5)
 
 
 def test_documents_change_the_loss(small_config, short_docs):
