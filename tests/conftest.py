@@ -29,6 +29,7 @@ SMALL = [
     "model.ffn_hidden_size=128", "train.seq_len=32", "train.global_batch=8",
     "train.log_every=1", "train.sample_tokens=0", "logging.tensorboard=false",
     "logging.progress=false", "data.corpus_max_mb=0.5", "optim.warmup_steps=1", "optim.lr=3e-3",
+    "train.eval_every=0",
 ]
 
 
