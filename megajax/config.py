@@ -1,7 +1,7 @@
 """Typed configuration tree.
 
 A run is described by one `Config`: sections model, mesh, parallel, train,
-optim, data, checkpoint, logging. It is built from YAML files (a file may
+optim, data, checkpoint, logging, distributed, ops. It is built from YAML files (a file may
 `include:` others, which it then overrides) and `key.sub=value` overrides,
 in that order. Every key and value is checked against the dataclass types
 here; mistakes raise `ConfigError` naming the key, the value and what is
@@ -199,6 +199,35 @@ class LoggingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Several processes (one per node, or one per GPU) forming one JAX runtime; see megajax/distributed.py.
+
+    Empty values come from the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID, JAX_LOCAL_DEVICE_IDS) or are detected from the scheduler (SLURM, Open MPI,
+    Kubernetes indexed Jobs). With none of these a run is a single process."""
+    coordinator_address: str = ""  # host:port of process 0's coordinator service
+    coordinator_port: int | None = None  # port used with a detected coordinator host (None: scheduler default)
+    num_processes: int | None = None
+    process_id: int | None = None
+    local_device_ids: list | None = None  # accelerators this process drives; None: all on its node
+    cluster: Literal["auto", "slurm", "ompi", "k8s", "none"] = "auto"  # scheduler to detect ("none": no detection)
+    initialization_timeout: int = 300  # seconds for all processes to join
+    heartbeat_timeout: int = 100  # seconds without heartbeats after which a process counts as dead
+
+
+@dataclass
+class OpsConfig:
+    """Operations: hang watchdog, Prometheus metrics, profiler traces (megajax/train/ops.py)."""
+    # A step is a hang when it runs longer than max(hang_factor x median step time, hang_timeout)
+    # (a 0 drops its term; both 0: no watchdog); the process then writes every thread's stack to
+    # <run_dir>/logs/hang_process_<i>.txt and exits with status 3.
+    hang_factor: float = 20.0
+    hang_timeout: float = 600.0  # seconds
+    prometheus_port: int = 0  # serve metrics at http://<process 0>:port/metrics (0: off)
+    profile_steps: list | None = None  # [first, last]: a JAX profiler trace of these steps in <run_dir>/profile
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
@@ -208,6 +237,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    ops: OpsConfig = field(default_factory=OpsConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -470,6 +501,7 @@ def validate(cfg: Config) -> None:
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
+    validate_distributed_and_ops(cfg)
     context = cfg.mesh.context * cfg.mesh.dcn.context
     if context != 1:
         if m.attention_dropout:
@@ -479,3 +511,31 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.attention_impl = 'cudnn' with mesh.context > 1: context parallelism "
                               "merges per-block log-sum-exps, which cuDNN's attention does not return; "
                               "use model.attention_impl=flash (or xla).")
+
+
+def validate_distributed_and_ops(cfg: Config) -> None:
+    d, o = cfg.distributed, cfg.ops
+    _positive("distributed.num_processes", d.num_processes)
+    _positive("distributed.process_id", d.process_id, allow_zero=True)
+    _positive("distributed.initialization_timeout", d.initialization_timeout)
+    _positive("distributed.heartbeat_timeout", d.heartbeat_timeout)
+    if d.coordinator_port is not None and not 0 < d.coordinator_port < 65536:
+        raise ConfigError(f"config key distributed.coordinator_port = {d.coordinator_port}: must be a TCP "
+                          f"port, 1..65535.")
+    if d.num_processes is not None and d.process_id is not None and d.process_id >= d.num_processes:
+        raise ConfigError(f"distributed.process_id={d.process_id} must be below distributed.num_processes="
+                          f"{d.num_processes} (ids run 0..{d.num_processes - 1}).")
+    if d.local_device_ids is not None and not all(isinstance(i, int) and i >= 0 for i in d.local_device_ids):
+        raise ConfigError(f"config key distributed.local_device_ids = {d.local_device_ids}: expected a list "
+                          f"of device ordinals such as [0, 1, 2, 3].")
+    _positive("ops.hang_factor", o.hang_factor, allow_zero=True)
+    _positive("ops.hang_timeout", o.hang_timeout, allow_zero=True)
+    if not 0 <= o.prometheus_port < 65536:
+        raise ConfigError(f"config key ops.prometheus_port = {o.prometheus_port}: must be a TCP port "
+                          f"(1..65535), or 0 for no endpoint.")
+    if o.profile_steps is not None:
+        steps = o.profile_steps
+        if (len(steps) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)
+                or not 1 <= steps[0] <= steps[1]):
+            raise ConfigError(f"config key ops.profile_steps = {steps}: expected [first, last] with "
+                              f"1 <= first <= last, e.g. [10, 12].")

@@ -28,3 +28,7 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint (ours, Hugging Face or Megatron) that is missing, malformed, or not representable."""
+
+
+class DistributedError(UserError):
+    """A multi-process run that cannot start or continue (coordinator unreachable, a process died)."""

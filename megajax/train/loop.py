@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import signal
 import threading
 import time
@@ -28,6 +29,7 @@ from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, 
 from megajax.parallel.context import load_balanced_order
 from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
 from megajax.train.metrics import MetricsLogger, device_memory_gib
+from megajax.train.ops import RunOps
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.state import (TrainState, build_model_spec, loss_scaler, make_init_fn,
                                  state_shardings)
@@ -160,22 +162,39 @@ def _describe(tr: Trainer, peak_source: str) -> str:
 
 
 class _StopSignals:
-    """Records SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C) so the loop can checkpoint and stop."""
+    """Records SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C) so the loop can checkpoint and stop.
+
+    With several processes, SIGTERM is left to the distributed runtime, which relays it to every
+    process; `should_stop(step)` is then true on all of them at the same step (SIGINT is turned
+    into a SIGTERM to this process to take the same path)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.received: int | None = None
         self._previous: dict = {}
+        self.multiprocess = jax.process_count() > 1
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
+            for sig in (signal.SIGINT,) if self.multiprocess else self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum, frame):
         self.received = signum
+        if self.multiprocess and signum == signal.SIGINT:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def should_stop(self, step: int) -> bool:
+        """Called once per step by every process."""
+        if not self.multiprocess:
+            return self.received is not None
+        from megajax.distributed import preemption_sync_point
+        if preemption_sync_point(step):
+            self.received = self.received or signal.SIGTERM
+            return True
+        return False
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
@@ -206,6 +225,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
                                 async_save=cfg.checkpoint.async_save)
     saved_step = start if tr.origin.startswith("resumed") else None
+    ops = RunOps(cfg, run_dir)
     evaluations = start // cfg.train.eval_every if cfg.train.eval_every else 0
 
     def save(step: int, wait: bool) -> None:
@@ -250,7 +270,9 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     try:
         with _StopSignals() as stop:
             for step_index in range(start, total):
+                ops.step_begin(step_index + 1)
                 state, metrics = tr.step_fn(state, tr.loader.batch(consumed))
+                stopping = stop.should_stop(step_index + 1)
                 consumed += G
                 if pending is not None:  # one step behind, so the device stays busy
                     check(pending[0], jax.device_get(pending[1]))
@@ -258,7 +280,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
                 interval_steps += 1
                 log.advance()
                 step, last = step_index + 1, step_index + 1 == total
-                if step % cfg.train.log_every == 0 or last or stop.received:
+                if step % cfg.train.log_every == 0 or last or stopping:
                     host = jax.device_get(metrics)
                     check(step_index, host)
                     pending = None
@@ -276,20 +298,23 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
                     }
                     result.records.append(record)
                     log.log(record)
+                    ops.publish(record)
                     interval_rates.append(record["tokens_per_sec"])
                     interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+                ops.step_end(step, state)
                 t0 = time.perf_counter()  # evaluation and saving are kept out of the throughput figures
                 if tr.valid_loader is not None and (step % cfg.train.eval_every == 0 or last):
                     evaluate(step)
-                if stop.received or last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    save(step, wait=bool(stop.received or last))
+                if stopping or last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                    save(step, wait=bool(stopping or last))
                 paused += time.perf_counter() - t0
-                if stop.received:
+                if stopping:
                     result.stopped_by = signal.Signals(stop.received).name
                     log.print(f"megajax: {result.stopped_by} received: saved a checkpoint at step {step} "
                               f"in {checkpointer.directory}; rerun with train.run_dir={run_dir} to resume.")
                     break
     finally:
+        ops.close()
         log.close()
         tr.loader.close()
         checkpointer.close()
@@ -303,7 +328,7 @@ def train(cfg: Config, devices: list | None = None) -> RunResult:
     log.print(f"megajax: done, {len(result.losses)} steps; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
-    if cfg.train.sample_tokens > 0 and result.stopped_by is None:
+    if cfg.train.sample_tokens > 0 and result.stopped_by is None and jax.process_count() == 1:
         from megajax.inference.generate import greedy_generate
         prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
         plain, _ = build_model_spec(cfg, tr.padded_vocab)  # no mesh-specific collectives: any batch size
