@@ -39,6 +39,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megajax.config import load_config
     cfg = load_config(args.config, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    from megajax import distributed
+    plan = distributed.plan_processes(cfg.distributed)
+    if plan is not None and not os.environ.get(distributed.SUPERVISED_ENV):
+        if not cfg.train.run_dir:
+            distributed.initialize(cfg)  # raises the error naming train.run_dir
+        return distributed.supervise(args.argv, plan, cfg.distributed, cfg.train.run_dir)
+    distributed.initialize(cfg)  # a multi-process run joins the runtime before JAX touches a device
     from megajax.train.loop import train
     result = train(cfg)
     return 130 if result.stopped_by == "SIGINT" else 0
@@ -157,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except UserError as e:

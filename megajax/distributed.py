@@ -35,9 +35,13 @@ evenly among them in local-rank order (one GPU each when counts match).
 
 from __future__ import annotations
 
+import faulthandler
+import logging
 import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -295,26 +299,70 @@ def initialize(cfg: Config) -> ProcessPlan | None:
 _LOG = None  # this process's log file in a multi-process run
 
 
+# ----------------------------------------------------------------------------
+# Supervision: a clear error when the runtime aborts a process
+# ----------------------------------------------------------------------------
+
+SUPERVISED_ENV = "MEGAJAX_SUPERVISED"  # set in the child that does the work
+PEER_FAILURE_EXIT_STATUS = 4
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel kills it when the supervising process dies."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def supervise(argv: list[str], plan: ProcessPlan, cfg: DistributedConfig, run_dir: str) -> int:
+    """Runs `megajax <argv>` in a child process and returns its exit status.
+
+    When a process of the job dies, JAX's runtime aborts every other process once it has had no
+    heartbeat from it for `heartbeat_timeout` seconds (SIGABRT and a C++ stack trace). The
+    supervisor, which never touches JAX, turns that into one clear message and exit status 4.
+    SIGTERM, SIGINT and SIGHUP sent to the supervisor are passed on to the child (which is in its
+    own session, so a signal sent to the whole process group arrives once)."""
+    child = subprocess.Popen([sys.executable, "-m", "megajax.cli", *argv], env={**os.environ, SUPERVISED_ENV: "1"},
+                             start_new_session=True, preexec_fn=_die_with_parent)
+
+    def forward(signum, frame):
+        if child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    status = child.wait()
+    if status >= 0:
+        return status
+    if status == -signal.SIGABRT:
+        print(f"megajax train: error: process {plan.process_id} of {plan.num_processes} was aborted by the "
+              f"distributed runtime, most likely because another process died or stopped sending "
+              f"heartbeats for distributed.heartbeat_timeout={cfg.heartbeat_timeout} s (the runtime's "
+              f"reason is above; Python stacks are in {run_dir}/logs/process_{plan.process_id}.log). "
+              f"Restart the job with the same train.run_dir to resume from the last checkpoint.",
+              file=sys.stderr, flush=True)
+        return PEER_FAILURE_EXIT_STATUS
+    return 128 - status  # killed by a signal: the shell's convention
+
+
 def _process_logs(run_dir: Path, process_id: int) -> None:
-    """Per-process log file; Python's logging of processes other than 0 goes there, and every
-    process's Python stacks are written there if it is aborted (e.g. by the runtime's heartbeat check)."""
+    """This process's log file `<run_dir>/logs/process_<i>.log`: every process's Python stacks are
+    written there if it is aborted (e.g. by the runtime's heartbeat check); processes other than 0
+    also send their standard output and Python logging there, so the console shows process 0."""
     global _LOG
-    import faulthandler
-    import logging
     path = run_dir / "logs" / f"process_{process_id}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     _LOG = open(path, "a", buffering=1)
     faulthandler.enable(file=_LOG, all_threads=True)
     if process_id != 0:
+        sys.stdout.flush()
+        os.dup2(_LOG.fileno(), sys.stdout.fileno())  # also catches output of the runtime's C++ side
         root = logging.getLogger()
         for handler in list(root.handlers):
             root.removeHandler(handler)
         root.addHandler(logging.StreamHandler(_LOG))
-
-
-def process_log():
-    """This process's log file (multi-process runs), else None."""
-    return _LOG
 
 
 def preemption_sync_point(step: int) -> bool:
@@ -323,13 +371,3 @@ def preemption_sync_point(step: int) -> bool:
     Must be called once per step by every process, from the same starting step."""
     from jax.experimental import multihost_utils
     return multihost_utils.reached_preemption_sync_point(step)
-
-
-def runtime_failure(error: Exception, run_dir: str) -> DistributedError:
-    """A clear error for a failed collective in a multi-process run (usually another process died)."""
-    import jax
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return DistributedError(f"process {jax.process_index()} of {jax.process_count()}: the runtime failed "
-                            f"({first[:300]}); another process has most likely died (see its log in "
-                            f"{run_dir}/logs). Restart the job with the same train.run_dir to resume from the "
-                            f"last checkpoint.")
