@@ -123,6 +123,7 @@ def exit_on_hang(run_dir: Path, cfg: Config) -> Callable[[int, float, float], No
             dump_stacks(path, message)
         finally:
             print(message, file=sys.stderr, flush=True)
+            sys.stdout.flush()
             os._exit(HANG_EXIT_STATUS)
     return fire
 
