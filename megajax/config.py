@@ -149,6 +149,7 @@ class TrainConfig:
     eval_every: int = 100  # validation pass every N steps (0: never)
     eval_steps: int = 5  # global batches per validation pass
     peak_tflops: float | None = None  # per device; None: from the device table
+    device_memory_gib: float | None = None  # per-device capacity for the fit check; None: from the device
     sample_tokens: int = 160  # greedy sample printed after training (0: none)
     sample_prompt: str = "def "
 
