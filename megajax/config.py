@@ -74,6 +74,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     attention_impl: Literal["xla", "flash", "cudnn"] = "xla"  # plain jnp | Pallas kernel | cuDNN (GPU)
+    # Layers run as one scanned body (compile time independent of depth) or unrolled (no loop
+    # bookkeeping: faster steps for shallow models, compile time grows with depth).
+    scan_layers: bool = True
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
