@@ -3,6 +3,10 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
+    megajax export --format hf|megatron --checkpoint DIR --output DIR
+    megajax import --format hf|megatron --input DIR --output DIR
+    megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
+                  [--sweep key=v1,v2,...] [--topology 8xH100]
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -14,6 +18,7 @@ import argparse
 import os
 import re
 import sys
+from pathlib import Path
 
 from megajax.errors import UserError
 
@@ -136,6 +141,41 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from megajax.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    if args.topology:
+        from megajax.perf.bench import format_topology, topology_estimate, write_json
+        report = topology_estimate(cfg, args.topology)
+        print(format_topology(report))
+        if args.json:
+            write_json(report, args.json)
+        return 0
+    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    from megajax.perf import bench
+    kw = dict(steps=args.steps, warmup=args.warmup, baseline=args.baseline)
+    if args.sweep:
+        key, values = bench.parse_sweep(args.sweep)
+        points = bench.sweep(args.config, args.overrides, key, values, **kw)
+        for p in points:
+            print(f"--- {key}={p['sweep']['value']}")
+            print(bench.format_report(p))
+        print()
+        print(bench.format_sweep(points))
+        plot = Path(args.plot) if args.plot else Path(args.json or "bench.json").with_suffix(".png")
+        written = bench.plot_sweep(points, plot)
+        print(f"plot: {written}" if written else "plot: skipped (matplotlib is not installed; "
+              "pip install 'megajax[bench]')")
+        report = {"sweep": {"key": key, "values": values}, "points": points}
+    else:
+        report = bench.bench_one(cfg, **kw)
+        print(bench.format_report(report))
+    if args.json:
+        bench.write_json(report, args.json)
+        print(f"json: {args.json}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -159,6 +199,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="DIR")
     p.add_argument("--output", required=True, metavar="DIR")
     p.set_defaults(func=cmd_import)
+    p = sub.add_parser("bench", help="time, memory and communication of a config's train step")
+    _add_config_args(p)
+    p.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+    p.add_argument("--steps", type=int, default=10, help="timed steps after warm-up (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    p.add_argument("--baseline", choices=("torch", "megatron"),
+                   help="time the same model as a PyTorch training step (Hugging Face transformers, or "
+                        "Megatron-Core's GPTModel on a GPU), interleaved with megajax's")
+    p.add_argument("--sweep", metavar="key=v1,v2,...", help="repeat over the values of one config key "
+                                                           "and plot time and memory against it")
+    p.add_argument("--plot", metavar="FILE.png", help="where the sweep's plot goes (default: beside --json)")
+    p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
+                                                       "(e.g. 8xH100) and say whether the config fits")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

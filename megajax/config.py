@@ -74,6 +74,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     attention_impl: Literal["xla", "flash", "cudnn"] = "xla"  # plain jnp | Pallas kernel | cuDNN (GPU)
+    # Layers run as one scanned body (compile time independent of depth) or unrolled (no loop
+    # bookkeeping: faster steps for shallow models, compile time grows with depth).
+    scan_layers: bool = True
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -149,6 +152,7 @@ class TrainConfig:
     eval_every: int = 100  # validation pass every N steps (0: never)
     eval_steps: int = 5  # global batches per validation pass
     peak_tflops: float | None = None  # per device; None: from the device table
+    device_memory_gib: float | None = None  # per-device capacity for the fit check; None: from the device
     sample_tokens: int = 160  # greedy sample printed after training (0: none)
     sample_prompt: str = "def "
 

@@ -87,6 +87,19 @@ def test_layers_are_scanned_so_program_size_does_not_grow_with_depth():
     assert num_dots(2) == num_dots(8)
 
 
+def test_unrolled_layers_equal_scanned_layers():
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 100)
+
+    def run(scan):
+        model = Transformer(tiny("llama", f"model.scan_layers={str(scan).lower()}"), rngs=nnx.Rngs(0))
+        return nnx.value_and_grad(lambda m: jnp.mean(m(tokens)[..., :100] ** 2))(model)
+
+    (a, ga), (b, gb) = run(True), run(False)
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
+
+
 def test_dropout_changes_training_forward_only():
     cfg = tiny("gpt", "model.hidden_dropout=0.5", "model.attention_dropout=0.5")
     model = Transformer(cfg, rngs=nnx.Rngs(0))

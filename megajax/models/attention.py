@@ -140,10 +140,28 @@ class Attention(nnx.Module):
         self.core = core
         self.dropout_rate = cfg.attention_dropout
 
+    def qkv(self, x_BxLxD):
+        """q, k, v from one product with the three kernels side by side per kv group:
+        W[D, G, group + 2, K] (q heads of group g, then k and v of g), split over G by tensor
+        parallelism like the separate kernels, and one input all-gather under sequence parallelism."""
+        d, h, k_dim = self.q.kernel.shape
+        g = self.k.kernel.shape[1]
+        r = h // g
+        w = jnp.concatenate([self.q.kernel[...].reshape(d, g, r, k_dim), self.k.kernel[...][:, :, None],
+                             self.v.kernel[...][:, :, None]], axis=2).astype(self.q.dtype)
+        out = self.q.dot_general(x_BxLxD.astype(self.q.dtype), w, (((2,), (0,)), ((), ())))
+        if self.q.bias is not None:
+            bias = jnp.concatenate([self.q.bias[...].reshape(g, r, k_dim), self.k.bias[...][:, None],
+                                    self.v.bias[...][:, None]], axis=1)
+            out = out + bias.astype(out.dtype)
+        b, l = out.shape[:2]
+        return out[:, :, :, :r].reshape(b, l, h, k_dim), out[:, :, :, r], out[:, :, :, r + 1]
+
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
-        q = logical_constraint(self.q(x_BxLxD), ACT_Q)
-        k = logical_constraint(self.k(x_BxLxD), ACT_KV)
-        v = logical_constraint(self.v(x_BxLxD), ACT_KV)
+        q, k, v = self.qkv(x_BxLxD)
+        q = logical_constraint(q, ACT_Q)
+        k = logical_constraint(k, ACT_KV)
+        v = logical_constraint(v, ACT_KV)
         if inv_freq is not None:
             q = apply_rope(q, positions_BxL, inv_freq)
             k = apply_rope(k, positions_BxL, inv_freq)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from megajax.config import ModelConfig
@@ -32,9 +33,19 @@ class MLP(nnx.Module):
         self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.row,
                          init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
 
+    def gate_up(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Both SwiGLU input projections as one product with W[D, F, 2] (F split by tensor
+        parallelism; one input all-gather under sequence parallelism)."""
+        w = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=-1).astype(self.gate.dtype)
+        out = self.gate.dot_general(x_BxLxD.astype(self.gate.dtype), w, (((2,), (0,)), ((), ())))
+        if self.gate.bias is not None:
+            out = out + jnp.stack([self.gate.bias[...], self.up.bias[...]], axis=-1).astype(out.dtype)
+        return out[..., 0], out[..., 1]
+
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         if self.swiglu:
-            hidden = jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD)
+            gate, up = self.gate_up(x_BxLxD)
+            hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(self.fc1(x_BxLxD), approximate=False)
         hidden = logical_constraint(hidden, ACT_MLP)

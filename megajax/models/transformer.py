@@ -121,7 +121,8 @@ class Transformer(nnx.Module):
 
         if self.recompute == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)))
+        x, _ = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)),
+                            unroll=1 if cfg.scan_layers else True)
 
         x = self.final_norm(x)
         if cfg.tie_embeddings:

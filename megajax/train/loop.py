@@ -27,6 +27,8 @@ from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, TrainingError
 from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
 from megajax.parallel.context import load_balanced_order
+from megajax.perf.analytic import state_bytes
+from megajax.perf.fit import advice, check_fit, compiled_bytes, device_capacity_bytes
 from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
@@ -93,7 +95,18 @@ def initial_state(cfg: Config, init, abstract: TrainState, shardings: TrainState
     return state, 0, "fresh initialisation"
 
 
-def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
+def fit_check(cfg: Config, compiled, mesh, rules, spec, micro_batch: int) -> None:
+    """Stops before the first step when the compiled step cannot fit in device memory."""
+    memory = compiled_bytes(compiled)
+    capacity, source = device_capacity_bytes(mesh.devices.flat[0], cfg.train.device_memory_gib)
+    if memory is None or capacity is None or memory["total"] <= capacity:
+        return
+    sizes = mesh_sizes(mesh)
+    state = state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
+    check_fit(memory["total"], capacity, source, advice(cfg, sizes, micro_batch, state))
+
+
+def build_trainer(cfg: Config, devices: list | None = None, check_memory: bool = True) -> Trainer:
     tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = tokenizer.vocab_size
@@ -129,6 +142,8 @@ def build_trainer(cfg: Config, devices: list | None = None) -> Trainer:
     t0 = time.perf_counter()
     compiled = jitted.lower(state, loader.batch(consumed)).compile()
     compile_seconds = time.perf_counter() - t0
+    if check_memory:
+        fit_check(cfg, compiled, mesh, rules, spec, micro)
     eval_fn = jax.jit(make_eval_step(spec, mesh, rules), in_shardings=(st_sh.params, b_sh))
     flops = train_flops_per_token(cfg.model, cfg.train.seq_len, padded_vocab) * \
         cfg.train.global_batch * cfg.train.seq_len

@@ -1,0 +1,1 @@
+"""Performance accounting: compiled communication, memory (compiled and analytic), benchmarks."""

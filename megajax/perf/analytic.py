@@ -1,0 +1,141 @@
+"""Analytic memory and communication for a layout, to read the compiled figures against.
+
+Memory per device: parameters (fp32 master), gradients (fp32), optimizer
+state (Adam's two moments, fp32) for the shardings the rules tables give;
+activations per layer from Korthikanti et al. ("Reducing Activation
+Recomputation in Large Transformer Models"), which count 16-bit activations:
+
+    no recompute:       s*b*h * (34 + 5*a*s/h)                   (tensor t = 1)
+    tensor t:           s*b*h * (10 + 24/t + 5*a*s/(h*t))
+    tensor t + SP:      s*b*h/t * (34 + 5*a*s/h)
+    selective:          drops the 5*a*s/h term (attention scores, softmax, dropout)
+    full:               2*s*b*h (/t with SP), the layer input only
+
+scaled by (activation bytes / 2) for other precisions; b is the micro batch
+per data-parallel rank.
+
+Communication per step, Megatron's minimum for the layout (elements x bytes
+of the compute dtype): tensor parallelism all-reduces b*s*h twice per layer
+forward (after the attention output and MLP output projections) and twice
+backward (gradients of the q/k/v and MLP inputs), plus once for the
+vocabulary-parallel embedding (forward) and once for the output layer's
+input (backward); sequence parallelism replaces each by an all-gather and a
+reduce-scatter of the same b*s*h. Vocabulary-parallel cross-entropy
+all-reduces three fp32 [b, s] rows. Data parallelism all-reduces each
+device's gradient shard once; FSDP all-gathers the parameters and
+reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp
+shard over `data`); the distributed optimizer reduce-scatters the gradients
+and all-gathers the updated parameters over `data`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+
+from megajax.checkpoint.source import flatten
+from megajax.config import Config
+from megajax.mesh import Rules, logical_to_spec
+
+ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
+def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
+    """Number of pieces a tensor with these logical dims is split into by the rules."""
+    n = 1
+    for entry in logical_to_spec(names, rules):
+        for axis in (entry if isinstance(entry, tuple) else (entry,)):
+            if axis is not None:
+                n *= sizes[axis]
+    return n
+
+
+def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_opt: Rules,
+                sizes: dict[str, int]) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients and Adam state (all fp32)."""
+    shapes = dict(flatten(abstract_params))
+    params = opt = 0
+    for name, names in flatten(axes):
+        numel = math.prod(shapes[name].shape)
+        itemsize = jax.numpy.dtype(shapes[name].dtype).itemsize
+        params += numel // shard_factor(names, rules_params, sizes) * itemsize
+        opt += 2 * numel // shard_factor(names, rules_opt, sizes) * itemsize
+    return {"params": params, "grads": params, "optimizer": opt}
+
+
+def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
+    """Korthikanti's per-device activation memory for all layers of one microbatch."""
+    m, t = cfg.model, sizes["tensor"]
+    s, b, h, a = cfg.train.seq_len / sizes["context"], micro_batch, m.hidden_size, m.num_heads
+    sp = cfg.parallel.sequence_parallel and t > 1
+    attn = 5 * a * s / h
+    policy = cfg.parallel.recompute
+    if policy == "full":
+        per_layer = 2 * s * b * h / (t if sp else 1)
+    elif sp:
+        per_layer = s * b * h / t * (34 + (0 if policy == "selective" else attn))
+    else:
+        per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
+    scale = ACT_BYTES[cfg.train.precision] / 2
+    return int(per_layer * m.num_layers * scale)
+
+
+def logits_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int, padded_vocab: int) -> int:
+    """fp32 logits of one microbatch and their gradient, vocabulary-parallel over tensor."""
+    tokens = micro_batch * cfg.train.seq_len / sizes["context"]
+    return int(2 * tokens * padded_vocab / sizes["tensor"] * 4)
+
+
+@dataclass
+class Layout:
+    micro_batch: int  # per data-parallel rank
+    accumulation: int
+    sizes: dict[str, int]
+
+
+def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> dict[str, int]:
+    """Megatron's minimum bytes per device per step, by collective kind."""
+    m, sizes = cfg.model, layout.sizes
+    t = sizes["tensor"]
+    act = ACT_BYTES[cfg.train.precision]
+    tokens = layout.micro_batch * cfg.train.seq_len / sizes["context"]
+    bsh = tokens * m.hidden_size * act
+    out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+    a = layout.accumulation
+    if t > 1:
+        per_step = 4 * m.num_layers + 2
+        if cfg.parallel.recompute == "full":
+            per_step += 2 * m.num_layers  # forward collectives run again in the backward pass
+        if cfg.parallel.sequence_parallel:
+            out["all-gather"] += a * per_step * bsh
+            out["reduce-scatter"] += a * per_step * bsh
+        else:
+            out["all-reduce"] += a * per_step * bsh
+        out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+    fsdp, data = sizes["fsdp"], sizes["data"]
+    shard = local_param_bytes
+    if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
+        out["all-gather"] += shard
+        out["reduce-scatter"] += shard
+        shard = shard / fsdp
+    if data > 1:
+        if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
+            out["reduce-scatter"] += shard
+            out["all-gather"] += shard
+        else:
+            out["all-reduce"] += shard
+    return {k: int(v) for k, v in out.items()}
+
+
+def local_param_bytes_before_data_split(axes: dict, abstract_params: dict, rules_params: Rules,
+                                        sizes: dict[str, int]) -> int:
+    """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard."""
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    shapes = dict(flatten(abstract_params))
+    total = 0
+    for name, names in flatten(axes):
+        numel = math.prod(shapes[name].shape)
+        total += numel // shard_factor(names, rules_params, no_data) * jax.numpy.dtype(shapes[name].dtype).itemsize
+    return total

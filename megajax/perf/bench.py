@@ -1,0 +1,400 @@
+"""`megajax bench`: what one train step of a config costs, and why.
+
+For one config (or a sweep over one key) this builds the same jitted train
+step `megajax train` runs and reports:
+
+- compile time; step time (median and spread over N timed steps after
+  warm-up); tokens/s (total and per device); model TFLOP/s per device and
+  MFU against the device's peak (megajax/train/flops.py's convention);
+- per-device memory from the compiled executable (arguments, outputs,
+  temporaries) beside the analytic estimate (parameters, gradients, Adam
+  state for the shardings in use; Korthikanti's activations for the
+  recompute policy and tensor/sequence parallel sizes), and whether it fits
+  the device;
+- collectives per step read from the compiled HLO (count and bytes per
+  kind) beside Megatron's analytic minimum for the layout, with the ratio;
+- optionally a peer baseline (Hugging Face transformers on PyTorch, or
+  Megatron-Core) timed in the same run, interleaved with megajax's steps so
+  that both see the same machine load, and the throughput ratio.
+
+`--topology 8xH100` estimates the per-device memory of the config on a
+device kind the machine does not have (analytic: XLA cannot compile for a
+GPU without its plugin and a device) and says whether it fits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from megajax.config import Config, load_config
+from megajax.errors import ConfigError
+from megajax.perf import analytic, hlo
+from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
+
+KINDS = hlo.KINDS
+
+
+def _spread(times: list[float]) -> dict[str, Any]:
+    qs = sorted(times)
+
+    def pct(p: float) -> float:
+        return qs[min(len(qs) - 1, int(round(p * (len(qs) - 1))))]
+
+    return {"median": statistics.median(qs), "min": qs[0], "max": qs[-1], "p10": pct(0.1), "p90": pct(0.9),
+            "n": len(qs), "all": times}
+
+
+def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, accumulation: int,
+                        spec, rules) -> dict[str, dict[str, Any]]:
+    """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
+    measured = hlo.parse(compiled.as_text())
+    local = analytic.local_param_bytes_before_data_split(spec.axes, spec.abstract_params, rules.params, sizes)
+    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local)
+    out = {}
+    for kind in KINDS:
+        count, nbytes = measured.total(kind)
+        ref = expected[kind]
+        out[kind] = {"count": count, "bytes": nbytes, "analytic_bytes": ref,
+                     "ratio": (nbytes / ref) if ref else (None if nbytes == 0 else math.inf)}
+    count = sum(r["count"] for r in out.values())
+    nbytes = sum(r["bytes"] for r in out.values())
+    ref = sum(r["analytic_bytes"] for r in out.values())
+    out["total"] = {"count": count, "bytes": nbytes, "analytic_bytes": ref,
+                    "ratio": (nbytes / ref) if ref else (None if nbytes == 0 else math.inf)}
+    return out
+
+
+def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, spec, rules,
+                 device) -> dict[str, Any]:
+    state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
+    act = analytic.activation_bytes(cfg, sizes, micro_batch)
+    logits = analytic.logits_bytes(cfg, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
+    est = {**state, "activations": act, "logits": logits}
+    est["total"] = sum(est.values())
+    comp = compiled_bytes(compiled)
+    capacity, source = device_capacity_bytes(device, cfg.train.device_memory_gib)
+    needed = comp["total"] if comp else est["total"]
+    out = {"compiled": comp, "analytic": est, "capacity": capacity, "capacity_source": source,
+           "fits": None if capacity is None else needed <= capacity}
+    if out["fits"] is False:
+        out["advice"] = advice(cfg, sizes, micro_batch, state)
+    return out
+
+
+def _timed(step, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | None = None,
+              rounds: int = 3) -> dict[str, Any]:
+    """Builds the train step for `cfg`, times it and accounts for its memory and communication."""
+    from megajax.mesh import data_parallel_size, mesh_sizes
+    from megajax.train.flops import peak_tflops_per_device
+    from megajax.train.loop import build_trainer, count_params
+
+    cfg = copy.deepcopy(cfg)
+    cfg.train.eval_every = 0
+    tr = build_trainer(cfg, check_memory=False)
+    sizes = mesh_sizes(tr.mesh)
+    dp = data_parallel_size(tr.mesh)
+    micro = cfg.train.global_batch // tr.accumulation // dp
+    n_dev = tr.mesh.devices.size
+    device = tr.mesh.devices.flat[0]
+    holder = {"state": tr.state, "consumed": tr.consumed_samples}
+    batch = tr.loader.batch(tr.consumed_samples)
+
+    def megajax_step() -> None:
+        holder["state"], metrics = tr.step_fn(holder["state"], batch)
+        jax.block_until_ready(metrics)
+
+    _timed(megajax_step, warmup)
+    base = None
+    if baseline:
+        from megajax.perf.baseline import BASELINES
+        if baseline not in BASELINES:
+            raise ConfigError(f"--baseline {baseline!r}: accepted values are {', '.join(BASELINES)}.")
+        base_step, base_desc = BASELINES[baseline](cfg)
+        _timed(base_step, warmup)
+        ours, theirs = [], []
+        per = max(1, steps // rounds)
+        for _ in range(rounds):  # interleaved, so both see the same load on a shared machine
+            ours += _timed(megajax_step, per)
+            theirs += _timed(base_step, per)
+        base = {"name": baseline, "description": base_desc, "step_seconds": _spread(theirs)}
+    else:
+        ours = _timed(megajax_step, steps)
+    tr.loader.close()
+
+    timing = _spread(ours)
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    tps = tokens / timing["median"]
+    peak, peak_source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
+                                               cfg.train.precision, jax.local_device_count(),
+                                               cfg.train.peak_tflops)
+    tflops = tr.flops_per_step / timing["median"] / n_dev / 1e12
+    report = {
+        "model": {"family": cfg.model.family, "parameters": count_params(tr.spec.abstract_params),
+                  "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size, "heads": cfg.model.num_heads,
+                  "kv_heads": cfg.model.num_kv_heads, "ffn": cfg.model.ffn_hidden_size,
+                  "vocab": tr.padded_vocab},
+        "layout": {"devices": n_dev, "platform": device.platform, "device_kind": getattr(device, "device_kind", ""),
+                   "mesh": {a: s for a, s in sizes.items()}, "sequence_parallel": cfg.parallel.sequence_parallel,
+                   "distributed_optimizer": cfg.parallel.distributed_optimizer,
+                   "recompute": cfg.parallel.recompute, "precision": cfg.train.precision,
+                   "global_batch": cfg.train.global_batch, "micro_batch": micro,
+                   "accumulation": tr.accumulation, "seq_len": cfg.train.seq_len},
+        "compile_seconds": tr.compile_seconds,
+        "step_seconds": timing,
+        "tokens_per_sec": tps,
+        "tokens_per_sec_per_device": tps / n_dev,
+        "tflops_per_device": tflops,
+        "peak_tflops": peak, "peak_source": peak_source,
+        "mfu": tflops / peak if peak and not math.isnan(peak) else None,
+        "memory": memory_table(cfg, tr.step_fn, sizes, micro, tr.spec, tr.rules, device),
+        "communication": communication_table(cfg, tr.step_fn, sizes, micro, tr.accumulation, tr.spec, tr.rules),
+    }
+    if base is not None:
+        base["tokens_per_sec"] = tokens / base["step_seconds"]["median"]
+        base["megajax_over_baseline"] = tps / base["tokens_per_sec"]
+        report["baseline"] = base
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+# Ahead of time: a device kind this machine does not have.
+
+_TOPOLOGY = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
+
+
+def parse_topology(text: str) -> tuple[int, str, float]:
+    m = _TOPOLOGY.match(text.strip())
+    kinds = ", ".join(CAPACITY_GIB)
+    if not m:
+        raise ConfigError(f"--topology {text!r}: expected COUNTxKIND such as 8xH100 (kinds: {kinds}).")
+    count, kind = int(m.group(1)), m.group(2).upper()
+    if kind not in CAPACITY_GIB or count < 1:
+        raise ConfigError(f"--topology {text!r}: unknown device kind {m.group(2)!r}; known kinds: {kinds}.")
+    return count, kind, CAPACITY_GIB[kind]
+
+
+def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
+    """Analytic per-device memory of `cfg` on COUNT devices of KIND, and whether it fits."""
+    from megajax.mesh import MESH_AXES, axis_sizes, make_rules
+    from megajax.train.state import build_model_spec
+    count, kind, gib = parse_topology(topology)
+    ici, dcn = axis_sizes(cfg, count)
+    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    padded = cfg.model.padded_vocab_size(sizes["tensor"])
+    spec, _ = build_model_spec(cfg, padded)
+    rules = make_rules(cfg)
+    dp = sizes["data"] * sizes["fsdp"]
+    if cfg.train.global_batch % dp:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} does not split over the {dp} "
+                          f"data-parallel ranks of {topology}.")
+    micro = cfg.train.micro_batch or cfg.train.global_batch // dp
+    state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
+    act = analytic.activation_bytes(cfg, sizes, micro)
+    est = {**state, "activations": act, "logits": analytic.logits_bytes(cfg, sizes, micro, padded)}
+    est["total"] = sum(est.values())
+    cap = int(gib * GIB)
+    out = {"topology": topology, "device_kind": kind, "capacity": cap, "mesh": sizes, "micro_batch": micro,
+           "analytic": est, "fits": est["total"] <= cap,
+           "method": "analytic (parameters, gradients, Adam state for the shardings; Korthikanti activations); "
+                     "no compile: XLA compiles for a GPU only with its plugin and a device present"}
+    if not out["fits"]:
+        out["advice"] = advice(cfg, sizes, micro, state)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reports
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x / GIB:.3f}"
+
+
+def _mib(x) -> str:
+    return "-" if x is None else f"{x / 2**20:.2f}"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lay, mod, t = r["layout"], r["model"], r["step_seconds"]
+    mesh = " x ".join(f"{a}={n}" for a, n in lay["mesh"].items() if n > 1) or "1 device"
+    lines = [
+        f"model      {mod['family']} {mod['parameters'] / 1e6:.2f}M params, {mod['layers']} layers, hidden "
+        f"{mod['hidden']}, heads {mod['heads']}/{mod['kv_heads']}, ffn {mod['ffn']}, vocab {mod['vocab']}",
+        f"layout     {lay['devices']} {lay['platform']} devices, mesh {mesh}"
+        f"{', sequence parallel' if lay['sequence_parallel'] else ''}"
+        f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; recompute {lay['recompute']}; "
+        f"{lay['precision']}; batch {lay['global_batch']} = micro {lay['micro_batch']} x accum "
+        f"{lay['accumulation']} x dp; seq {lay['seq_len']}",
+        f"compile    {r['compile_seconds']:.2f} s",
+        f"step       median {t['median'] * 1e3:.1f} ms (min {t['min'] * 1e3:.1f}, p90 {t['p90'] * 1e3:.1f}, "
+        f"max {t['max'] * 1e3:.1f}; {t['n']} steps)",
+        f"throughput {r['tokens_per_sec']:,.0f} tokens/s, {r['tokens_per_sec_per_device']:,.0f} per device; "
+        f"{r['tflops_per_device']:.3f} TFLOP/s per device"
+        + (f"; MFU {100 * r['mfu']:.1f}% of {r['peak_tflops']:.4g} ({r['peak_source']})" if r["mfu"] else ""),
+        "",
+        "memory per device (GiB)       compiled   analytic",
+    ]
+    mem = r["memory"]
+    c, a = mem["compiled"] or {}, mem["analytic"]
+    rows = [("parameters", None, a["params"]), ("gradients", None, a["grads"]),
+            ("optimizer state", None, a["optimizer"]), ("activations (layers)", None, a["activations"]),
+            ("logits + gradient", None, a["logits"]),
+            ("arguments", c.get("arguments"), None), ("outputs", c.get("outputs"), None),
+            ("temporaries", c.get("temporaries"), None), ("aliased (donated)", c.get("aliased"), None),
+            ("total", c.get("total"), a["total"])]
+    for name, comp, ana in rows:
+        lines.append(f"  {name:<28}{_gib(comp):>9}  {_gib(ana):>9}")
+    if mem["capacity"] is not None:
+        lines.append(f"  capacity {_gib(mem['capacity'])} GiB ({mem['capacity_source']}): "
+                     f"{'fits' if mem['fits'] else 'does NOT fit'}")
+        if mem.get("advice"):
+            lines.append("  try " + " or ".join(mem["advice"]))
+    lines += ["", "communication per step, per device   count    MiB measured   MiB analytic   ratio"]
+    for kind, row in r["communication"].items():
+        ratio = row["ratio"]
+        txt = "-" if ratio is None else ("inf" if math.isinf(ratio) else f"{ratio:.2f}")
+        lines.append(f"  {kind:<34}{row['count']:>6}  {_mib(row['bytes']):>13}  {_mib(row['analytic_bytes']):>13}"
+                     f"  {txt:>6}")
+    verdict = communication_verdict(r["communication"])
+    lines.append(f"  {verdict}")
+    if "baseline" in r:
+        b = r["baseline"]
+        bt = b["step_seconds"]
+        lines += ["", f"baseline   {b['description']}",
+                  f"           median {bt['median'] * 1e3:.1f} ms/step (min {bt['min'] * 1e3:.1f}, max "
+                  f"{bt['max'] * 1e3:.1f}), {b['tokens_per_sec']:,.0f} tokens/s; megajax / {b['name']} = "
+                  f"{b['megajax_over_baseline']:.2f}x (interleaved in this run)"]
+    return "\n".join(lines)
+
+
+def communication_verdict(comm: dict[str, dict[str, Any]], low: float = 0.9, high: float = 1.25) -> str:
+    """One line: whether every kind is within [low, high] of the analytic minimum."""
+    if all(row["bytes"] == 0 and row["analytic_bytes"] == 0 for row in comm.values()):
+        return "no collectives (and none expected)"
+    off = []
+    for kind, row in comm.items():
+        if kind == "total":
+            continue
+        if row["analytic_bytes"] == 0 and row["bytes"] == 0:
+            continue
+        r = row["ratio"]
+        if r is None or not low <= r <= high:
+            off.append(f"{kind} {'inf' if r is not None and math.isinf(r) else f'{r:.2f}'}")
+    if not off:
+        return f"every kind within [{low}, {high}] of the analytic minimum"
+    return f"outside [{low}, {high}] of the analytic minimum: " + ", ".join(off)
+
+
+def format_topology(r: dict[str, Any]) -> str:
+    a = r["analytic"]
+    mesh = " x ".join(f"{k}={n}" for k, n in r["mesh"].items() if n > 1) or "1 device"
+    lines = [f"topology   {r['topology']} (mesh {mesh}, micro batch {r['micro_batch']}); {r['method']}",
+             f"per device params {_gib(a['params'])} + grads {_gib(a['grads'])} + optimizer {_gib(a['optimizer'])} "
+             f"+ activations {_gib(a['activations'])} + logits {_gib(a['logits'])} = {_gib(a['total'])} GiB of {_gib(r['capacity'])}: "
+             f"{'fits' if r['fits'] else 'does NOT fit'}"]
+    if r.get("advice"):
+        lines.append("try " + " or ".join(r["advice"]))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sweeps
+
+def parse_sweep(text: str) -> tuple[str, list[str]]:
+    key, sep, values = text.partition("=")
+    vals = [v for v in values.split(",") if v != ""]
+    if not sep or not key or not vals:
+        raise ConfigError(f"--sweep {text!r}: expected key=v1,v2,... such as train.seq_len=128,256,512.")
+    return key, vals
+
+
+def sweep(files: list[str], overrides: list[str], key: str, values: list[str], **kw) -> list[dict[str, Any]]:
+    """bench_one for each value of `key` (the override comes last, so it wins)."""
+    points = []
+    for v in values:
+        r = bench_one(load_config(files, [*overrides, f"{key}={v}"]), **kw)
+        r["sweep"] = {"key": key, "value": v}
+        points.append(r)
+    return points
+
+
+def plot_sweep(points: list[dict[str, Any]], path: Path) -> Path | None:
+    """PNG of step time, tokens/s and per-device memory against the swept value; None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    key = points[0]["sweep"]["key"]
+    labels = [p["sweep"]["value"] for p in points]
+    x = list(range(len(points)))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].plot(x, [p["step_seconds"]["median"] * 1e3 for p in points], "o-")
+    axes[0].set_ylabel("step time, median (ms)")
+    axes[1].plot(x, [p["tokens_per_sec"] for p in points], "o-")
+    axes[1].set_ylabel("tokens/s")
+    comp = [(p["memory"]["compiled"] or {}).get("total") for p in points]
+    if all(c is not None for c in comp):
+        axes[2].plot(x, [c / GIB for c in comp], "o-", label="compiled")
+    axes[2].plot(x, [p["memory"]["analytic"]["total"] / GIB for p in points], "s--", label="analytic")
+    axes[2].set_ylabel("memory per device (GiB)")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xticks(x, labels)
+        ax.set_xlabel(key)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"megajax bench: sweep over {key}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_sweep(points: list[dict[str, Any]]) -> str:
+    key = points[0]["sweep"]["key"]
+    lines = [f"{key:>24}  compile s  step ms  tokens/s  TFLOP/s/dev  mem GiB (compiled / analytic)"]
+    for p in points:
+        comp = (p["memory"]["compiled"] or {}).get("total")
+        lines.append(f"{p['sweep']['value']:>24}  {p['compile_seconds']:9.2f}  {p['step_seconds']['median'] * 1e3:7.1f}"
+                     f"  {p['tokens_per_sec']:8,.0f}  {p['tflops_per_device']:11.4f}  {_gib(comp)} / "
+                     f"{_gib(p['memory']['analytic']['total'])}")
+    return "\n".join(lines)
+
+
+def write_json(obj: Any, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    text = json.dumps(_finite(obj), indent=2, default=str)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
+def _finite(o: Any) -> Any:
+    if isinstance(o, float):
+        return None if (math.isinf(o) or math.isnan(o)) else o
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
