@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 train: install
 	$(VENV)/bin/megajax train $(ARGS)
 
+bench: install
+	$(VENV)/bin/megajax bench $(ARGS)
+
 test: install
 	$(PY) -m pytest -q tests $(ARGS)
 
