@@ -17,7 +17,10 @@ per data-parallel rank.
 Communication per step, Megatron's minimum for the layout (elements x bytes
 of the compute dtype): tensor parallelism all-reduces b*s*h twice per layer
 forward (after the attention output and MLP output projections) and twice
-backward (gradients of the q/k/v and MLP inputs), plus once for the
+backward (gradients of the q/k/v and MLP inputs), plus, with full
+recomputation, the forward ones the backward needs again (the attention
+output's all-reduce; with SP both all-gathers and the attention
+reduce-scatter), plus once for the
 vocabulary-parallel embedding (forward) and once for the output layer's
 input (backward); sequence parallelism replaces each by an all-gather and a
 reduce-scatter of the same b*s*h. Vocabulary-parallel cross-entropy
@@ -106,13 +109,14 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> 
     a = layout.accumulation
     if t > 1:
         per_step = 4 * m.num_layers + 2
-        if cfg.parallel.recompute == "full":
-            per_step += 2 * m.num_layers  # forward collectives run again in the backward pass
+        full = cfg.parallel.recompute == "full"
+        # Full recompute re-runs a layer's forward for its backward, but only the collectives whose
+        # results the backward needs: all but the one after the MLP (the layer's output).
         if cfg.parallel.sequence_parallel:
-            out["all-gather"] += a * per_step * bsh
-            out["reduce-scatter"] += a * per_step * bsh
+            out["all-gather"] += a * (per_step + (2 * m.num_layers if full else 0)) * bsh
+            out["reduce-scatter"] += a * (per_step + (m.num_layers if full else 0)) * bsh
         else:
-            out["all-reduce"] += a * per_step * bsh
+            out["all-reduce"] += a * (per_step + (m.num_layers if full else 0)) * bsh
         out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     fsdp, data = sizes["fsdp"], sizes["data"]
     shard = local_param_bytes
