@@ -54,7 +54,14 @@ def flat_dot_general(dot_general: DotGeneral = jax.lax.dot_general) -> DotGenera
         n_out = w2.ndim - n_in
         # dx[..., K] = g[..., M] . W[K, M]^T ; dW[K, M] = x[..., K]^T . g[..., M] (x on the left)
         dx = dot_general(g, w2, ((tuple(range(lead, g.ndim)), tuple(range(n_in, w2.ndim))), ((), ())))
-        dw2 = dot_general(x, g, ((tuple(range(lead)), tuple(range(lead))), ((), ())))
+        tokens = (tuple(range(lead)), tuple(range(lead)))
+        if math.prod(x.shape[lead:]) > math.prod(g.shape[lead:]):
+            # The product's left operand gets a transposed copy (token dims contracted): copy the
+            # smaller one, g, and transpose the (small) result instead; 2-3x faster for fc2 on CPU.
+            dw2t = dot_general(g, x, (tokens, ((), ())))  # [M..., K...]
+            dw2 = jnp.transpose(dw2t, tuple(range(n_out, n_out + n_in)) + tuple(range(n_out)))
+        else:
+            dw2 = dot_general(x, g, (tokens, ((), ())))
         assert dx.shape == x.shape and dw2.ndim == n_in + n_out
         (_, rc), _ = dimension_numbers
         free = tuple(d for d in range(w.ndim) if d not in rc)
