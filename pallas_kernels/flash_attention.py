@@ -180,6 +180,13 @@ def _seg_only(q_seg, kv_seg):
     return None if q_seg is None else q_seg == kv_seg
 
 
+def _mask_scores(s, masked: bool, positions, cfg: _Config, q_seg, kv_seg):
+    """Scores with invisible pairs at -inf: the whole mask on blocks that need it (`masked`;
+    `positions()` gives their (q_pos, k_pos)), only segments on fully visible blocks."""
+    mask = _visible(*positions(), cfg, q_seg, kv_seg) if masked else _seg_only(q_seg, kv_seg)
+    return s if mask is None else jnp.where(mask, s, -jnp.inf)
+
+
 def _dot(a, b, *, trans_a=False, trans_b=False):
     """2-D matmul with fp32 accumulation (inputs keep their dtype). fp32 inputs ask for
     HIGHEST precision: Pallas' Triton lowering would otherwise pick TF32 on GPU."""
@@ -227,15 +234,10 @@ def _fwd_kernel(*refs, cfg: _Config, has_segments: bool):
         acc, m, l = carry                                            # [bq, d], [bq], [bq]
         k = k_ref[pl.ds(j * bk, bk), :]                              # [bk, d]
         v = v_ref[pl.ds(j * bk, bk), :]
-        s = _dot(q, k, trans_b=True) * cfg.log2_scale                # [bq, bk]
         kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)][None, :]
-        if masked:
-            k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
-        else:
-            mask = _seg_only(q_seg, kv_seg)
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
+        s = _mask_scores(_dot(q, k, trans_b=True) * cfg.log2_scale, masked,          # [bq, bk]
+                         lambda: (q_pos, j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)),
+                         cfg, q_seg, kv_seg)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
@@ -299,15 +301,10 @@ def _dq_kernel(*refs, cfg: _Config, has_segments: bool):
     def body(j, dq, masked):
         k = k_ref[pl.ds(j * bk, bk), :]                              # [bk, d]
         v = v_ref[pl.ds(j * bk, bk), :]
-        s = _dot(q, k, trans_b=True) * cfg.log2_scale                # [bq, bk]
         kv_seg = None if ks_ref is None else ks_ref[pl.ds(j * bk, bk)][None, :]
-        if masked:
-            k_pos = j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
-        else:
-            mask = _seg_only(q_seg, kv_seg)
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
+        s = _mask_scores(_dot(q, k, trans_b=True) * cfg.log2_scale, masked,          # [bq, bk]
+                         lambda: (q_pos, j * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)),
+                         cfg, q_seg, kv_seg)
         p = jnp.exp2(s - lse[:, None])                               # softmax probabilities
         dp = _dot(do, v, trans_b=True)                               # [bq, bk]
         ds = p * (dp - delta[:, None])                               # d loss / d logits
@@ -336,15 +333,10 @@ def _dkv_kernel(*refs, cfg: _Config, has_segments: bool, group: int):
         do = do_ref[pl.ds(i * bq, bq), r, :]
         lse = lse_ref[r, pl.ds(i * bq, bq)][None, :]                 # [1, bq]
         delta = delta_ref[r, pl.ds(i * bq, bq)][None, :]
-        s_t = _dot(k, q, trans_b=True) * cfg.log2_scale              # [bk, bq]
         q_seg = None if qs_ref is None else qs_ref[pl.ds(i * bq, bq)][None, :]
-        if masked:
-            q_pos = i * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
-            mask = _visible(q_pos, k_pos, cfg, q_seg, kv_seg)
-        else:
-            mask = _seg_only(q_seg, kv_seg)
-        if mask is not None:
-            s_t = jnp.where(mask, s_t, -jnp.inf)
+        s_t = _mask_scores(_dot(k, q, trans_b=True) * cfg.log2_scale, masked,        # [bk, bq]
+                           lambda: (i * bq + lax.broadcasted_iota(jnp.int32, (1, bq), 1), k_pos),
+                           cfg, q_seg, kv_seg)
         p_t = jnp.exp2(s_t - lse)                                    # softmax probabilities^T
         dv = dv + _dot(p_t.astype(do.dtype), do)
         dp_t = _dot(v, do, trans_b=True)                             # [bk, bq]

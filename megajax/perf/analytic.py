@@ -133,13 +133,18 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> 
     return {k: int(v) for k, v in out.items()}
 
 
-def local_param_bytes_before_data_split(axes: dict, abstract_params: dict, rules_params: Rules,
-                                        sizes: dict[str, int]) -> int:
+def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                             sizes: dict[str, int]) -> int:
     """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard."""
     no_data = {**sizes, "data": 1, "fsdp": 1}
-    shapes = dict(flatten(abstract_params))
-    total = 0
-    for name, names in flatten(axes):
-        numel = math.prod(shapes[name].shape)
-        total += numel // shard_factor(names, rules_params, no_data) * jax.numpy.dtype(shapes[name].dtype).itemsize
-    return total
+    return state_bytes(axes, abstract_params, rules_params, rules_params, no_data)["params"]
+
+
+def memory_estimate(cfg: Config, spec, rules, sizes: dict[str, int], micro_batch: int,
+                    padded_vocab: int) -> dict[str, int]:
+    """Per-device bytes: parameters, gradients, Adam state, layer activations, logits, total."""
+    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes),
+           "activations": activation_bytes(cfg, sizes, micro_batch),
+           "logits": logits_bytes(cfg, sizes, micro_batch, padded_vocab)}
+    est["total"] = sum(est.values())
+    return est

@@ -7,7 +7,6 @@ batches; the device is the one megajax runs on (CPU here, CUDA on a GPU).
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from megajax.config import Config
@@ -151,12 +150,3 @@ def megatron_train_step(cfg: Config) -> tuple[Callable[[], None], str]:
 
 
 BASELINES = {"torch": torch_train_step, "megatron": megatron_train_step}
-
-
-def time_steps(step: Callable[[], None], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        step()
-        out.append(time.perf_counter() - t)
-    return out

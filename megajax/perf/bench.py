@@ -57,7 +57,7 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
                         spec, rules) -> dict[str, dict[str, Any]]:
     """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
     measured = hlo.parse(compiled.as_text())
-    local = analytic.local_param_bytes_before_data_split(spec.axes, spec.abstract_params, rules.params, sizes)
+    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local)
     out = {}
     for kind in KINDS:
@@ -75,18 +75,14 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
 
 def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, spec, rules,
                  device) -> dict[str, Any]:
-    state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
-    act = analytic.activation_bytes(cfg, sizes, micro_batch)
-    logits = analytic.logits_bytes(cfg, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
-    est = {**state, "activations": act, "logits": logits}
-    est["total"] = sum(est.values())
+    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
     comp = compiled_bytes(compiled)
     capacity, source = device_capacity_bytes(device, cfg.train.device_memory_gib)
     needed = comp["total"] if comp else est["total"]
     out = {"compiled": comp, "analytic": est, "capacity": capacity, "capacity_source": source,
            "fits": None if capacity is None else needed <= capacity}
     if out["fits"] is False:
-        out["advice"] = advice(cfg, sizes, micro_batch, state)
+        out["advice"] = advice(cfg, sizes, micro_batch, est)
     return out
 
 
@@ -206,17 +202,14 @@ def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} does not split over the {dp} "
                           f"data-parallel ranks of {topology}.")
     micro = cfg.train.micro_batch or cfg.train.global_batch // dp
-    state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
-    act = analytic.activation_bytes(cfg, sizes, micro)
-    est = {**state, "activations": act, "logits": analytic.logits_bytes(cfg, sizes, micro, padded)}
-    est["total"] = sum(est.values())
+    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro, padded)
     cap = int(gib * GIB)
     out = {"topology": topology, "device_kind": kind, "capacity": cap, "mesh": sizes, "micro_batch": micro,
            "analytic": est, "fits": est["total"] <= cap,
            "method": "analytic (parameters, gradients, Adam state for the shardings; Korthikanti activations); "
                      "no compile: XLA compiles for a GPU only with its plugin and a device present"}
     if not out["fits"]:
-        out["advice"] = advice(cfg, sizes, micro, state)
+        out["advice"] = advice(cfg, sizes, micro, est)
     return out
 
 

@@ -51,9 +51,6 @@ class CommReport:
         ops = [o for o in self.ops if o.kind == kind]
         return sum(o.count for o in ops), sum(o.count * o.bytes for o in ops)
 
-    def summary(self) -> dict[str, dict[str, int]]:
-        return {k: dict(zip(("count", "bytes"), self.total(k))) for k in KINDS}
-
 
 def _shape_bytes(text: str) -> int:
     total = 0
@@ -68,7 +65,7 @@ def _shape_bytes(text: str) -> int:
     return total
 
 
-def _group_size(line: str, mesh_sizes: list[int] | None = None) -> int:
+def _group_size(line: str) -> int:
     m = _GROUPS_IOTA.search(line)
     if m:
         return int(m.group(2))

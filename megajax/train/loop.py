@@ -27,7 +27,7 @@ from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, TrainingError
 from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
 from megajax.parallel.context import load_balanced_order
-from megajax.perf.analytic import state_bytes
+from megajax.perf.analytic import memory_estimate
 from megajax.perf.fit import advice, check_fit, compiled_bytes, device_capacity_bytes
 from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
 from megajax.train.metrics import MetricsLogger, device_memory_gib
@@ -102,8 +102,8 @@ def fit_check(cfg: Config, compiled, mesh, rules, spec, micro_batch: int) -> Non
     if memory is None or capacity is None or memory["total"] <= capacity:
         return
     sizes = mesh_sizes(mesh)
-    state = state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
-    check_fit(memory["total"], capacity, source, advice(cfg, sizes, micro_batch, state))
+    estimate = memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
+    check_fit(memory["total"], capacity, source, advice(cfg, sizes, micro_batch, estimate))
 
 
 def build_trainer(cfg: Config, devices: list | None = None, check_memory: bool = True) -> Trainer:
