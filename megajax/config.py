@@ -55,7 +55,7 @@ class ModelConfig:
     head_dim: int | None = None  # None: hidden_size // num_heads
     ffn_hidden_size: int = 1024
     vocab_size: int | None = None  # None: the tokenizer's vocabulary
-    make_vocab_size_divisible_by: int = 128  # padded to a multiple of this x tensor size
+    make_vocab_size_divisible_by: int = 128  # padded to a multiple of this (mesh.tensor must divide it)
     max_position_embeddings: int | None = None  # None: train.seq_len
     # None: the family's default (FAMILY_DEFAULTS).
     norm: Literal["layernorm", "rmsnorm"] | None = None
@@ -93,8 +93,18 @@ class ModelConfig:
         if self.max_position_embeddings is None:
             self.max_position_embeddings = seq_len
 
-    def padded_vocab_size(self, tensor: int = 1) -> int:
-        """Vocabulary padded like Megatron: a multiple of make_vocab_size_divisible_by x tensor."""
+    def padded_vocab_size(self) -> int:
+        """The vocabulary padded to a multiple of make_vocab_size_divisible_by (128).
+
+        Independent of the mesh, so a checkpoint's shapes depend on the model alone: every
+        tensor size that divides the multiple (1, 2, 4, ..., 128 for the default) divides it,
+        and restoring onto another tensor size is a plain read. (Megatron pads to a multiple of
+        128 x tensor size; its exports get that padding, megatron_padded_vocab_size.)"""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+    def megatron_padded_vocab_size(self, tensor: int) -> int:
+        """Megatron-LM's padding: a multiple of make_vocab_size_divisible_by x tensor size."""
         multiple = self.make_vocab_size_divisible_by * tensor
         return -(-self.vocab_size // multiple) * multiple
 

@@ -128,6 +128,12 @@ def validate_for_model(cfg: Config, mesh: Mesh) -> None:
     if s["context"] > 1:
         checks.append((t.seq_len, "train.seq_len", 2 * s["context"],
                        "2 x mesh.context (context parallelism splits the sequence into 2 chunks per device)"))
+    if m.vocab_size is not None and m.padded_vocab_size() % tp:
+        raise MeshError(f"mesh.tensor={tp} does not divide the padded vocabulary {m.padded_vocab_size()} "
+                        f"(model.vocab_size={m.vocab_size} rounded up to a multiple of "
+                        f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}); set "
+                        f"model.make_vocab_size_divisible_by to a multiple of {tp}, e.g. "
+                        f"{math.lcm(m.make_vocab_size_divisible_by, tp)}.")
     for value, key, size, axis in checks:
         if value % size:
             raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "

@@ -296,7 +296,7 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
     assert {p.name for p in step.iterdir()} == want_dirs
     toks = tokens()
     logits = megatron_core_logits(step, toks, tp, tmp_path)
-    assert logits.shape == (2, SEQ, cfg.model.padded_vocab_size(tp))
+    assert logits.shape == (2, SEQ, cfg.model.megatron_padded_vocab_size(tp))
     np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
 
     assert_round_trip(import_megatron(out), cfg, spec, params, toks)  # shards merged back exactly

@@ -31,7 +31,7 @@ def test_export_import_round_trip_through_the_cli(small_config, tmp_path, capsys
     with torch.no_grad():
         theirs = model(torch.tensor(tokens)).logits.numpy()
     cfg = small_config("model.num_kv_heads=2", "model.vocab_size=257")
-    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size(2))
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
     ours = np.asarray(spec.apply(jax.device_get(run.state.params), tokens))[..., :257]
     np.testing.assert_allclose(theirs, ours, atol=2e-4)
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")

@@ -153,7 +153,7 @@ def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
     cfg = load_config(overrides=SMALL + ["model.vocab_size=300", *layout])
     mesh, rules = make_mesh(cfg), make_rules(cfg)
     sizes = mesh_sizes(mesh)
-    spec, init_params = build_model_spec(cfg, cfg.model.padded_vocab_size(sizes["tensor"]), mesh=mesh, rules=rules)
+    spec, init_params = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     init = make_init_fn(init_params, tx, None, 0)
     state = jax.jit(init, out_shardings=state_shardings(mesh, rules, spec, tx, jax.eval_shape(init)))()

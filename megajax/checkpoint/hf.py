@@ -533,7 +533,7 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
                               f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-    padded = m.padded_vocab_size(1)
+    padded = m.padded_vocab_size()
     flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
     weights = _Weights(d)
     fill(weights, m, padded, flat)

@@ -252,7 +252,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, tensor_parallel, pipeline_parallel)
     check_source(source)
-    padded = m.padded_vocab_size(tensor_parallel)
+    padded = m.megatron_padded_vocab_size(tensor_parallel)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                          padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0)
@@ -542,7 +542,7 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
     overrides = _overrides_from_args(args)
     m = resolved_model(overrides)
     vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
-    padded = m.padded_vocab_size(1)
+    padded = m.padded_vocab_size()
     flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
     offset = 0
     for s in range(pp):

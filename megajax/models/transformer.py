@@ -54,7 +54,7 @@ def _add_layers_axis(module: nnx.Module) -> None:
 class Transformer(nnx.Module):
     """Causal language model.
 
-    `padded_vocab_size` is model.padded_vocab_size(tensor size); `ops` are the
+    `padded_vocab_size` is model.padded_vocab_size(); `ops` are the
     injected products (see LinearOps); `attention_core` the injected attention
     (default: model.attention_impl on one device); `recompute` is none | selective | full.
     """

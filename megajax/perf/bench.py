@@ -75,7 +75,7 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
 
 def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, spec, rules,
                  device) -> dict[str, Any]:
-    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
+    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size())
     comp = compiled_bytes(compiled)
     capacity, source = device_capacity_bytes(device, cfg.train.device_memory_gib)
     needed = comp["total"] if comp else est["total"]
@@ -194,7 +194,7 @@ def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
     count, kind, gib = parse_topology(topology)
     ici, dcn = axis_sizes(cfg, count)
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    padded = cfg.model.padded_vocab_size(sizes["tensor"])
+    padded = cfg.model.padded_vocab_size()
     spec, _ = build_model_spec(cfg, padded)
     rules = make_rules(cfg)
     dp = sizes["data"] * sizes["fsdp"]

@@ -102,7 +102,7 @@ def fit_check(cfg: Config, compiled, mesh, rules, spec, micro_batch: int) -> Non
     if memory is None or capacity is None or memory["total"] <= capacity:
         return
     sizes = mesh_sizes(mesh)
-    estimate = memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size(sizes["tensor"]))
+    estimate = memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size())
     check_fit(memory["total"], capacity, source, advice(cfg, sizes, micro_batch, estimate))
 
 
@@ -120,7 +120,7 @@ def build_trainer(cfg: Config, devices: list | None = None, check_memory: bool =
     dp = data_parallel_size(mesh)
     micro = cfg.train.micro_batch or cfg.train.global_batch // dp
     accumulation = cfg.train.global_batch // (micro * dp)
-    padded_vocab = cfg.model.padded_vocab_size(sizes["tensor"])
+    padded_vocab = cfg.model.padded_vocab_size()
 
     spec, init_params = build_model_spec(cfg, padded_vocab, mesh=mesh, rules=rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
