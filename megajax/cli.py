@@ -179,6 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(subparsers=sub.choices)
     p = sub.add_parser("train", help="train a model (no arguments: a small model on an embedded corpus)")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
@@ -216,9 +217,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Options and key=value overrides in any order, in every subcommand
+    (`megajax train train.steps=1 --config model/tiny train.seq_len=64`)."""
+    parser = build_parser()
+    commands = parser.get_default("subparsers")
+    if argv and argv[0] in commands:
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.command = argv[0]
+        return args
+    return parser.parse_args(argv)  # no or unknown command: argparse's usage and error
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    args.argv = argv
     try:
         return args.func(args)
     except UserError as e:

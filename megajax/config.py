@@ -154,6 +154,7 @@ class TrainConfig:
     run_dir: str = ""  # empty: runs/<date>-<time>
     log_every: int = 10
     skip_nonfinite: bool = False  # skip a step with non-finite loss/grads instead of stopping
+    max_skipped_steps: int = 10  # stop after more consecutive skipped steps than this (divergence)
     # fp16 dynamic loss scaling (Megatron's defaults).
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0
@@ -458,7 +459,7 @@ def validate(cfg: Config) -> None:
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         _positive(f"model.{key}", getattr(m, key))
     for key in ("steps", "seq_len", "global_batch", "micro_batch", "log_every", "loss_scale_window",
-                "hysteresis"):
+                "hysteresis", "max_skipped_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
     _positive("train.eval_every", t.eval_every, allow_zero=True)

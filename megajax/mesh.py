@@ -59,7 +59,7 @@ def axis_sizes(cfg: Config, num_devices: int) -> tuple[dict[str, int], dict[str,
     elif fixed != per_slice:
         raise MeshError(f"mesh {_fmt(ici)} uses {fixed} devices per node but {per_slice} are available"
                         f"{' per node' if num_slices > 1 else ''}; set one axis to -1 (e.g. mesh.data=-1) "
-                        f"or change the sizes so their product is {per_slice}.")
+                        f"or change the sizes so their product is {per_slice}.{_cpu_hint(fixed * num_slices)}")
     return ici, dcn
 
 
@@ -68,10 +68,27 @@ def _fmt(sizes: Mapping[str, int]) -> str:
     return " x ".join(shown)
 
 
+def _cpu_hint(wanted: int) -> str:
+    """On a CPU-only machine: how to get more (simulated) devices."""
+    try:
+        cpu = jax.devices()[0].platform == "cpu"
+    except RuntimeError:
+        cpu = False
+    if not cpu:
+        return ""
+    return (f" On a CPU, simulate devices with mesh.cpu_devices={wanted} (or "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={wanted} before starting).")
+
+
 def make_mesh(cfg: Config, devices: list | None = None) -> Mesh:
-    """Builds the 6-axis mesh (axis type Auto) for the devices; hybrid across nodes when mesh.dcn is set."""
+    """The 6-axis mesh of `cfg` over `devices` (default: all)."""
     devices = list(devices if devices is not None else jax.devices())
-    ici, dcn = axis_sizes(cfg, len(devices))
+    return mesh_from_sizes(*axis_sizes(cfg, len(devices)), devices)
+
+
+def mesh_from_sizes(ici: Mapping[str, int], dcn: Mapping[str, int], devices: list) -> Mesh:
+    """Builds the mesh (axis type Auto) for per-node sizes `ici` and inter-node factors `dcn`;
+    hybrid across nodes when some factor is > 1."""
     shape = tuple(ici[a] for a in MESH_AXES)
     dcn_shape = tuple(dcn[a] for a in MESH_AXES)
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
@@ -104,16 +121,16 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    s = mesh_sizes(mesh)
-    return s["data"] * s["fsdp"]
+def data_parallel_size(sizes: Mapping[str, int]) -> int:
+    """Ranks that split the batch (each holds a different part of the global batch)."""
+    return sizes["data"] * sizes["fsdp"]
 
 
-def validate_for_model(cfg: Config, mesh: Mesh) -> None:
-    """Checks that the model, batch and sequence split evenly over the mesh."""
-    s = mesh_sizes(mesh)
+def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """Checks that the model and the sequence split evenly over mesh axis sizes `sizes`."""
+    s = sizes
     m, t = cfg.model, cfg.train
-    tp, dp = s["tensor"], s["data"] * s["fsdp"]
+    tp, dp = s["tensor"], data_parallel_size(s)
     checks = [
         (m.num_heads, "model.num_heads", tp, "mesh.tensor"),
         (m.num_kv_heads, "model.num_kv_heads", tp, "mesh.tensor"),
@@ -123,31 +140,30 @@ def validate_for_model(cfg: Config, mesh: Mesh) -> None:
     if cfg.parallel.distributed_optimizer:
         checks.append((m.hidden_size, "model.hidden_size", dp,
                        "mesh.data x mesh.fsdp (distributed optimizer)"))
-    if cfg.parallel.sequence_parallel:
-        checks.append((t.seq_len, "train.seq_len", tp * s["context"], "mesh.tensor x mesh.context (sequence parallel)"))
-    if s["context"] > 1:
-        checks.append((t.seq_len, "train.seq_len", 2 * s["context"],
-                       "2 x mesh.context (context parallelism splits the sequence into 2 chunks per device)"))
+    for value, key, size, axis in checks:
+        if value % size:
+            raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
+                            f"(sizes that divide it: {_divisors(value, size)}) or {key}.")
+    c = s["context"]
+    if c > 1 and t.seq_len % (2 * c):
+        ok = [k for k in range(1, t.seq_len // 2 + 1) if t.seq_len % (2 * k) == 0][:12]
+        raise MeshError(f"train.seq_len={t.seq_len} does not split over mesh.context={c}: context parallelism "
+                        f"cuts the sequence into 2 x context chunks, so seq_len must be a multiple of "
+                        f"{2 * c}. Context sizes that work for this seq_len: {', '.join(map(str, ok))}; or "
+                        f"change train.seq_len.")
+    if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
+        raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
+                        f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
     if m.vocab_size is not None and m.padded_vocab_size() % tp:
         raise MeshError(f"mesh.tensor={tp} does not divide the padded vocabulary {m.padded_vocab_size()} "
                         f"(model.vocab_size={m.vocab_size} rounded up to a multiple of "
                         f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}); set "
                         f"model.make_vocab_size_divisible_by to a multiple of {tp}, e.g. "
                         f"{math.lcm(m.make_vocab_size_divisible_by, tp)}.")
-    for value, key, size, axis in checks:
-        if value % size:
-            raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
-                            f"(sizes that divide: {_divisors(value, size)}) or {key}.")
-    micro = t.micro_batch if t.micro_batch is not None else t.global_batch // dp
-    if micro < 1 or t.global_batch % (micro * dp):
-        raise MeshError(
-            f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch={micro} x "
-            f"data-parallel size {dp} (mesh.data={s['data']} x mesh.fsdp={s['fsdp']}); the global "
-            f"batch is micro_batch x accumulation steps x data-parallel size. Change train.global_batch "
-            f"or train.micro_batch.")
 
 
 def _divisors(value: int, upto: int) -> str:
+    """Mesh sizes (up to about 2 x the asked one) that divide `value`."""
     return ", ".join(str(d) for d in range(1, max(upto, 8) * 2 + 1) if value % d == 0)
 
 

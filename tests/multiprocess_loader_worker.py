@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from megajax.data.gpt_dataset import GPTDataset  # noqa: E402
 from megajax.data.indexed import IndexedDataset  # noqa: E402
 from megajax.data.loader import Loader  # noqa: E402
+from megajax.train.plan import BatchLayout  # noqa: E402
 
 reads = []
 
@@ -30,8 +31,9 @@ class Recording:
 
 mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 sh = NamedSharding(mesh, P(None, "data", None))
-loader = Loader(Recording(GPTDataset(IndexedDataset(prefix), seq_len=16, seed=1)), global_batch=8,
-                accumulation=1, seq_len=16, shardings={"tokens": sh, "labels": sh}, prefetch=0)
+layout = BatchLayout(global_batch=8, micro_batch=2, data_parallel=4, accumulation=1, seq_len=16)
+loader = Loader(Recording(GPTDataset(IndexedDataset(prefix), seq_len=16, seed=1)), layout=layout,
+                shardings={"tokens": sh, "labels": sh}, prefetch=0)
 batch = loader.batch(16)
 shards = {k: [[[s.start or 0 for s in shard.index[:2]], np.asarray(shard.data).tolist()]
               for shard in batch[k].addressable_shards] for k in batch}

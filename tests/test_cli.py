@@ -51,11 +51,32 @@ def test_cpu_mesh_preset_simulates_devices(tmp_path):
     (["model.num_hedas=4"], ["did you mean model.num_heads"]),
     (["mesh.tensor=3", "mesh.data=1"], ["mesh tensor=3", "devices"]),
     (["--config", "nope.yaml"], ["'nope.yaml' not found"]),
+    # README's own example on a one-device CPU: the message says how to get 8 devices.
+    (["mesh.data=2", "mesh.tensor=4"], ["uses 8 devices", "1 are available", "mesh.cpu_devices=8"]),
+    (["mesh.data=2", "train.global_batch=3"], ["train.global_batch=3 does not split over the data-parallel size 2"]),
 ])
 def test_user_errors_are_one_paragraph_without_traceback(args, words):
-    p = megajax("train", *args)
+    p = megajax("train", *args, devices=1 if "mesh.tensor=4" in args else 2)
     assert p.returncode == 2
     assert "Traceback" not in p.stderr
     assert p.stderr.startswith("megajax train: error:") and p.stderr.count("\n") == 1
     for w in words:
         assert w in p.stderr, p.stderr
+
+
+def test_options_and_overrides_in_any_order_and_start_up_progress(tmp_path):
+    """An override before --config, options between overrides, relative paths from another directory."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    p = subprocess.run([sys.executable, "-m", "megajax.cli", "train", "train.steps=1", "--config", "model/tiny",
+                        "train.seq_len=32", "model.num_layers=1", "--config", "mesh/gpu-1", "data.corpus_max_mb=0.2",
+                        "train.sample_tokens=0", "train.eval_every=0", "logging.tensorboard=false",
+                        "train.run_dir=runs/a"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert out.index("preparing data") < out.index("compiling the train step") < out.index("step 1/1")
+    assert (tmp_path / "runs" / "a" / "checkpoints" / "1").is_dir()
+    from megajax.cli import parse_args
+    args = parse_args(["bench", "mesh.data=2", "--steps", "3", "train.seq_len=64", "--sweep", "train.x=1,2",
+                       "--json", "b.json", "--config", "model/tiny"])
+    assert (args.overrides, args.steps, args.sweep, args.json, args.config) == (
+        ["mesh.data=2", "train.seq_len=64"], 3, "train.x=1,2", "b.json", ["model/tiny"])

@@ -5,7 +5,8 @@ import pytest
 
 from megajax.config import CONFIG_DIR, load_config, parse_override
 from megajax.errors import ConfigError, MeshError
-from megajax.mesh import make_mesh, mesh_sizes, validate_for_model
+from megajax.mesh import make_mesh, mesh_sizes
+from megajax.train.plan import make_plan
 
 SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
 
@@ -97,6 +98,6 @@ def test_mesh_fill_and_hybrid():
 def test_mesh_mismatch_says_which_size_to_change(overrides, words):
     with pytest.raises(MeshError) as e:
         cfg = load_config(overrides=overrides)
-        validate_for_model(cfg, make_mesh(cfg))
+        make_plan(cfg, 8)
     for w in words:
         assert w in str(e.value), (w, str(e.value))

@@ -9,7 +9,7 @@ import pytest
 
 from megajax.data.indexed import IndexedDatasetWriter
 from megajax.errors import ConfigError, MeshError
-from megajax.mesh import make_mesh, validate_for_model
+from megajax.train.plan import make_plan
 from megajax.train.loop import build_trainer, train
 
 DOCS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true",
@@ -101,9 +101,9 @@ def test_kernel_and_context_errors(small_config):
         small_config("model.attention_impl=flash", "model.attention_dropout=0.1")
     with pytest.raises(ConfigError, match="cuDNN's attention does not return"):
         small_config("model.attention_impl=cudnn", "mesh.context=2")
-    with pytest.raises(MeshError, match=r"train.seq_len=36 is not divisible by 2 x mesh.context"):
-        cfg = small_config("mesh.context=4", "mesh.data=2", "train.seq_len=36")
-        validate_for_model(cfg, make_mesh(cfg))
+    with pytest.raises(MeshError, match=r"train.seq_len=36 does not split over mesh.context=4.*must be a "
+                                        r"multiple of 8. Context sizes that work for this seq_len: 1, 2, 3, 6, 9, 18;"):
+        make_plan(small_config("mesh.context=4", "mesh.data=2", "train.seq_len=36"), 8)
 
 
 def test_flash_with_lse_matches_reference_including_lse_gradients():

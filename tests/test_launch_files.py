@@ -9,6 +9,7 @@ from pathlib import Path
 
 import yaml
 
+from megajax.cli import parse_args
 from megajax.config import DistributedConfig, load_config
 from megajax.distributed import plan_processes
 
@@ -17,9 +18,11 @@ SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
 K8S = ROOT / "scripts" / "k8s"
 
 
-def _config_from_args(args: list[str]):
-    files = [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    return load_config(files, [a for a in args if not a.startswith("--")])
+def _config_from_args(argv: list[str]):
+    """The config `megajax <argv>` would train with, parsed by megajax's own command line."""
+    args = parse_args(argv)
+    assert args.command == "train", argv
+    return load_config(args.config, args.overrides)
 
 
 def test_sbatch_is_valid_bash_with_one_task_per_node():
@@ -44,7 +47,7 @@ def test_sbatch_launches_megajax_under_srun(tmp_path):
     command = args[args.index(f"{tmp_path}/.venv/bin/megajax"):]
     assert command[1] == "train" and command[-3:] == ["--config", "mesh/4x8-gpu", "train.steps=10"]
     assert f"train.run_dir={tmp_path}/runs/llama" in command and (tmp_path / "runs" / "llama").is_dir()
-    cfg = load_config(["mesh/4x8-gpu"], [a for a in command[2:] if "=" in a and not a.startswith("--")])
+    cfg = _config_from_args(command[1:])  # exactly the argv srun runs, options after overrides included
     assert cfg.distributed.cluster == "slurm" and cfg.mesh.dcn.data == 4 and cfg.mesh.tensor == 8
 
     # What one of those tasks then finds in its environment.
@@ -78,7 +81,7 @@ def test_kubernetes_manifests_fit_together():
     assert int(port) in [p["containerPort"] for p in container["ports"]]
     assert int(env["JAX_NUM_PROCESSES"]) == spec["completions"]
 
-    cfg = _config_from_args(container["args"])
+    cfg = _config_from_args(container["command"][1:] + container["args"])
     assert cfg.mesh.dcn.data == spec["completions"]  # one node per process across data
     assert cfg.train.run_dir.startswith(next(m["mountPath"] for m in container["volumeMounts"]
                                              if m["name"] == "runs"))

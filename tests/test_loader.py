@@ -16,6 +16,7 @@ from megajax.data.gpt_dataset import GPTDataset
 from megajax.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megajax.data.loader import Loader
 from megajax.train.loop import train
+from megajax.train.plan import BatchLayout
 
 EOD = 256  # the byte tokenizer's end-of-document id
 
@@ -44,8 +45,10 @@ def make_loader(ds, accumulation=2, prefetch=0, spec=P(None, "data", None), keys
                 eod_mask_loss=False):
     mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     sh = NamedSharding(mesh, spec)
-    return Loader(ds, global_batch=8, accumulation=accumulation, seq_len=16, shardings={k: sh for k in keys},
-                  eod_mask_loss=eod_mask_loss, prefetch=prefetch)
+    layout = BatchLayout(global_batch=8, micro_batch=2 // accumulation, data_parallel=4,
+                         accumulation=accumulation, seq_len=16)
+    return Loader(ds, layout=layout, shardings={k: sh for k in keys}, eod_mask_loss=eod_mask_loss,
+                  prefetch=prefetch)
 
 
 def test_batch_layout_and_each_sample_read_once(corpus):

@@ -15,7 +15,6 @@ from conftest import SMALL
 from megajax.cli import main
 from megajax.config import load_config
 from megajax.errors import MeshError
-from megajax.mesh import data_parallel_size, mesh_sizes
 from megajax.perf import analytic, hlo
 from megajax.perf.bench import communication_table, communication_verdict
 from megajax.perf.fit import check_fit
@@ -110,9 +109,7 @@ def _trainer(tmp_path, *overrides):
     cfg = load_config(overrides=SMALL + ["train.steps=2", f"train.run_dir={tmp_path / 'run'}", *overrides])
     tr = build_trainer(cfg, check_memory=False)
     tr.loader.close()
-    sizes = mesh_sizes(tr.mesh)
-    micro = cfg.train.global_batch // tr.accumulation // data_parallel_size(tr.mesh)
-    return cfg, tr, sizes, micro
+    return tr.cfg, tr, tr.plan.sizes, tr.plan.batch.micro_batch
 
 
 @pytest.mark.parametrize("sp,recompute", [(False, "none"), (True, "none"), (True, "full")],
@@ -147,16 +144,12 @@ def test_tensor_parallel_communication_matches_analytic(tmp_path, sp, recompute)
                          ids=["fsdp8", "tp4-dp2-distopt", "dp2-fsdp2-tp2-distopt"])
 def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
     # The train state exactly as `megajax train` places it (no need to compile the step).
-    from megajax.mesh import make_mesh, make_rules
-    from megajax.train.optimizer import make_optimizer
-    from megajax.train.state import build_model_spec, make_init_fn, state_shardings
+    from megajax.train.plan import make_plan
+    from megajax.train.setup import build_setup
     cfg = load_config(overrides=SMALL + ["model.vocab_size=300", *layout])
-    mesh, rules = make_mesh(cfg), make_rules(cfg)
-    sizes = mesh_sizes(mesh)
-    spec, init_params = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    init = make_init_fn(init_params, tx, None, 0)
-    state = jax.jit(init, out_shardings=state_shardings(mesh, rules, spec, tx, jax.eval_shape(init)))()
+    setup = build_setup(make_plan(cfg, 8))
+    mesh, rules, spec, sizes = setup.mesh, setup.rules, setup.spec, setup.plan.sizes
+    state = setup.fresh_state()
     est = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
 
     def per_device(tree):

@@ -27,7 +27,7 @@ def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(small_co
     cfg = small_config("mesh.data=2", "mesh.tensor=4", "train.precision=fp16", "train.hysteresis=1",
                        "train.initial_loss_scale=1024", "optim.warmup_steps=0")
     tr = build_trainer(cfg)
-    state = tr.state
+    state, ok = tr.state, tr.setup.ok_flag()
     scales, updates, params = [], [], []
     for step in range(4):
         batch = tr.loader.batch(step * cfg.train.global_batch)
@@ -36,7 +36,7 @@ def test_injected_overflow_skips_exactly_that_step_and_halves_the_scale(small_co
             mask[0, 0, 0] = np.inf
             batch["loss_mask"] = jax.device_put(mask, batch["loss_mask"].sharding)
         before = jax.device_get(state.params)
-        state, m = tr.step_fn(state, batch)
+        state, m, ok = tr.step_fn(state, batch, ok)
         m = jax.device_get(m)
         scales.append(float(state.loss_scale.scale))
         updates.append(int(update_count(state.opt_state)))

@@ -93,14 +93,16 @@ def _head(ds: IndexedDataset, n: int) -> np.ndarray:
 class Loader:
     """Global batches of a dataset as sharded arrays; `batch(start)` covers samples [start, start + G)."""
 
-    def __init__(self, dataset, *, global_batch: int, accumulation: int, seq_len: int, shardings: dict,
-                 eod_mask_loss: bool = False, prefetch: int = 2, order=None):
-        self.dataset, self.global_batch, self.accumulation = dataset, global_batch, accumulation
+    def __init__(self, dataset, *, layout, shardings: dict, eod_mask_loss: bool = False, prefetch: int = 2,
+                 order=None):
+        """`layout` is the run's megajax.train.plan.BatchLayout: arrays are its `shape`,
+        [accumulation, micro_batch x data-parallel size, seq_len]."""
+        self.dataset, self.global_batch, self.accumulation = dataset, layout.global_batch, layout.accumulation
         self.eod_mask_loss = eod_mask_loss
         # Token order along the sequence (context parallelism's load-balanced chunks), or None.
         self.order = None if order is None else np.asarray(order)
-        self.seq_len, self.shardings = seq_len, shardings
-        self.shape = (accumulation, global_batch // accumulation, seq_len)
+        self.seq_len, self.shardings = layout.seq_len, shardings
+        self.shape = layout.shape
         self.prefetch = prefetch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-loader") if prefetch else None
         self._ahead: collections.OrderedDict = collections.OrderedDict()

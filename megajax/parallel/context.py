@@ -25,6 +25,7 @@ key chunk): causal on the diagonal, full below it, skipped above it.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -32,16 +33,25 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from megajax.mesh import Rules, logical_to_spec
+from megajax.models.attention import ACT_KV, ACT_Q
 
-CONTEXT = "context"
-Q_AXES = ("batch", "length", "heads", "head_dim")
-KV_AXES = ("batch", "length", "kv_heads", "head_dim")
 SEG_AXES = ("batch", "length")
+
+
+def _specs(rules: Rules):
+    """Partition specs of q, k/v and segment ids: the model's logical layouts through the rules table."""
+    return tuple(logical_to_spec(a, rules) for a in (ACT_Q, ACT_KV, SEG_AXES))
+
+
+def context_axes(rules: Rules):
+    """The mesh axes the sequence is split over inside attention (rules['length']): a name or a tuple."""
+    axes = tuple(rules["length"])
+    return axes[0] if len(axes) == 1 else axes
 
 
 def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:
     """Runs an attention core per shard (batch over data axes, heads over tensor)."""
-    q_spec, kv_spec, seg_spec = (logical_to_spec(a, rules) for a in (Q_AXES, KV_AXES, SEG_AXES))
+    q_spec, kv_spec, seg_spec = _specs(rules)
 
     def attend(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
         def local(q, k, v, seg):
@@ -101,9 +111,9 @@ def _seg_halves(seg):
 # Ring attention
 # ----------------------------------------------------------------------------
 
-def _step_parts(q, qs, k, v, ks, step, size, blocks):
+def _step_parts(q, qs, k, v, ks, step, size, blocks, axis):
     """Partial results (lo, hi) of this device's two query chunks against the visiting k/v."""
-    r = jax.lax.axis_index(CONTEXT)
+    r = jax.lax.axis_index(axis)
     q_lo, q_hi = _halves(q)
     qs_lo, qs_hi = _seg_halves(qs)
     k_lo, k_hi = _halves(k)
@@ -131,30 +141,30 @@ def _halves_of(part):
     return (o_lo, l_lo), (o_hi, l_hi)
 
 
-def _shift(tree, size):
+def _shift(tree, size, axis):
     perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, CONTEXT, perm), tree)
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis, perm), tree)
 
 
-def _ring_forward(q, k, v, q_seg, kv_seg, blocks, size):
+def _ring_forward(q, k, v, q_seg, kv_seg, blocks, size, axis):
     acc_lo, acc_hi = _empty(_halves(q)[0]), _empty(_halves(q)[1])
     visiting = (k, v, kv_seg)
     for step in range(size):
         if step:
-            visiting = _shift(visiting, size)
-        lo, hi = _step_parts(q, q_seg, *visiting, step, size, blocks)
+            visiting = _shift(visiting, size, axis)
+        lo, hi = _step_parts(q, q_seg, *visiting, step, size, blocks, axis)
         acc_lo, acc_hi = _merge(acc_lo, lo), _merge(acc_hi, hi)
     out, lse = _cat(acc_lo, acc_hi)
     return out.astype(q.dtype), lse
 
 
-def _make_ring(blocks: _Blocks, size: int):
+def _make_ring(blocks: _Blocks, size: int, axis):
     @jax.custom_vjp
     def ring(q, k, v, q_seg, kv_seg):
-        return _ring_forward(q, k, v, q_seg, kv_seg, blocks, size)[0]
+        return _ring_forward(q, k, v, q_seg, kv_seg, blocks, size, axis)[0]
 
     def forward(q, k, v, q_seg, kv_seg):
-        out, lse = _ring_forward(q, k, v, q_seg, kv_seg, blocks, size)
+        out, lse = _ring_forward(q, k, v, q_seg, kv_seg, blocks, size, axis)
         return out, (q, k, v, q_seg, kv_seg, out, lse)
 
     def backward(res, d_out):
@@ -177,12 +187,12 @@ def _make_ring(blocks: _Blocks, size: int):
         lo, hi, whole = slice(0, c), slice(c, 2 * c), slice(0, 2 * c)
         q_lo, q_hi = _halves(q)
         qs_lo, qs_hi = _seg_halves(q_seg)
-        r = jax.lax.axis_index(CONTEXT)
+        r = jax.lax.axis_index(axis)
         dq = jnp.zeros(q.shape, jnp.float32)
         travelling = (k, v, kv_seg, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
         for step in range(size):
             if step:
-                travelling = _shift(travelling, size)
+                travelling = _shift(travelling, size, axis)
             kk, vv, ks, dk, dv = travelling
             k_lo, k_hi = _halves(kk)
             v_lo, v_hi = _halves(vv)
@@ -210,7 +220,7 @@ def _make_ring(blocks: _Blocks, size: int):
                 dq, dk, dv = jax.lax.cond(src < r, earlier, later, dq, dk, dv)
             travelling = (kk, vv, ks, dk, dv)
         # One more hop brings every device's k/v gradients home (size hops in all).
-        _, _, _, dk, dv = _shift(travelling, size)
+        _, _, _, dk, dv = _shift(travelling, size, axis)
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None)
 
     ring.defvjp(forward, backward)
@@ -221,12 +231,12 @@ def _make_ring(blocks: _Blocks, size: int):
 # All-gather k/v
 # ----------------------------------------------------------------------------
 
-def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int):
+def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int, axis):
     """Queries of chunks (r, 2C-1-r) against the all-gathered k/v of every chunk."""
-    gather = lambda x: None if x is None else jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True)
+    gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
     k_all, v_all, ks_all = gather(k), gather(v), gather(kv_seg)
     c = q.shape[1] // 2
-    r = jax.lax.axis_index(CONTEXT)
+    r = jax.lax.axis_index(axis)
     q_lo, q_hi = _halves(q)
     qs_lo, qs_hi = _seg_halves(q_seg)
     results = []
@@ -254,10 +264,12 @@ def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int):
 
 def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: str = "ring") -> Callable:
     """An attention core for sequences sharded over `context` (load-balanced chunk layout)."""
-    size = dict(zip(mesh.axis_names, mesh.devices.shape))[CONTEXT]
+    axis = context_axes(rules)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    size = math.prod(sizes[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
     blocks = _Blocks(block)
-    q_spec, kv_spec, seg_spec = (logical_to_spec(a, rules) for a in (Q_AXES, KV_AXES, SEG_AXES))
-    ring = _make_ring(blocks, size)
+    q_spec, kv_spec, seg_spec = _specs(rules)
+    ring = _make_ring(blocks, size, axis)
 
     def attend(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
         if not causal:
@@ -266,7 +278,7 @@ def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: 
         def local(q, k, v, seg):
             if impl == "ring":
                 return ring(q, k, v, seg, seg)
-            return _allgather_attention(q, k, v, seg, seg, blocks, size)
+            return _allgather_attention(q, k, v, seg, seg, blocks, size, axis)
 
         seg_in = seg_spec if segment_ids is not None else None
         return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_in),

@@ -26,10 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules
+from megajax.mesh import Rules, logical_to_spec
 from megajax.models.layers import LinearOps
-
-TENSOR = "tensor"
+from megajax.models.transformer import RESIDUAL
 
 
 def _entry(axes):
@@ -40,54 +39,59 @@ def _entry(axes):
 def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general) -> LinearOps:
     """LinearOps whose projections and embedding carry Megatron's SP all-gather / reduce-scatter.
 
-    The sequence may also be split over `context`: inside tensor-parallel regions it is
-    sharded as rules['length'] (context), outside as rules['residual_length'] (context, tensor).
-    """
-    bt = _entry(rules["batch"])
-    inner = _entry(rules["length"])  # sequence inside tensor-parallel regions
-    outer = _entry(rules["residual_length"])  # and outside (includes tensor)
+    Every mesh axis comes from the activation rules table: the tensor-parallel axes are those of
+    `heads` (which `mlp` and `vocab` share), the sequence is split as `length` inside tensor-parallel
+    regions and as `residual_length` outside, and sequence parallelism gathers / scatters over the
+    axes `residual_length` adds to `length` (the tensor axes, possibly after `context`)."""
+    tp = _entry(rules["heads"])
+    sp = _entry(a for a in rules["residual_length"] if a not in rules["length"])
+    outer = logical_to_spec(RESIDUAL, rules)  # x[B, S, D] outside tensor-parallel regions
+    bt, inner = tuple(logical_to_spec(("batch", "length"), rules))  # batch and sequence inside them
+    if sp is None or sp != tp:
+        raise ValueError(f"sequence parallelism needs residual_length = length + the tensor-parallel axes "
+                         f"{tp}; the rules give {rules['residual_length']} and {rules['length']}")
 
     def column(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
         assert tuple(lc) == tuple(range(2, x.ndim)), "column projection expects x[B, S, contracting...]"
         k_free = [d for d in range(k.ndim) if d not in rc]
         k_spec = [None] * k.ndim
-        k_spec[k_free[0]] = TENSOR
+        k_spec[k_free[0]] = tp
         out_spec = [bt, inner] + [None] * len(k_free)
-        out_spec[2] = TENSOR
+        out_spec[2] = tp
 
         def local(x, k):
-            x = jax.lax.all_gather(x, TENSOR, axis=1, tiled=True)
+            x = jax.lax.all_gather(x, tp, axis=1, tiled=True)
             return dot_general(x, k, dimension_numbers, **kw)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(bt, outer), P(*k_spec)),
+        return jax.shard_map(local, mesh=mesh, in_specs=(outer, P(*k_spec)),
                              out_specs=P(*out_spec))(x, k)
 
     def row(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
         assert tuple(lc) == tuple(range(2, x.ndim)), "row projection expects x[B, S, contracting...]"
         x_spec = [bt, inner] + [None] * (x.ndim - 2)
-        x_spec[lc[0]] = TENSOR
+        x_spec[lc[0]] = tp
         k_spec = [None] * k.ndim
-        k_spec[rc[0]] = TENSOR
+        k_spec[rc[0]] = tp
 
         def local(x, k):
             y = dot_general(x, k, dimension_numbers, **kw)
-            return jax.lax.psum_scatter(y, TENSOR, scatter_dimension=1, tiled=True)
+            return jax.lax.psum_scatter(y, tp, scatter_dimension=1, tiled=True)
 
         return jax.shard_map(local, mesh=mesh, in_specs=(P(*x_spec), P(*k_spec)),
-                             out_specs=P(bt, outer))(x, k)
+                             out_specs=outer)(x, k)
 
     def embed(table, ids):
         def local(table, ids):
             rows = table.shape[0]
-            local_ids = ids - jax.lax.axis_index(TENSOR) * rows
+            local_ids = ids - jax.lax.axis_index(tp) * rows
             valid = (local_ids >= 0) & (local_ids < rows)
             out = jnp.take(table, jnp.where(valid, local_ids, 0), axis=0)
             out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
-            return jax.lax.psum_scatter(out, TENSOR, scatter_dimension=1, tiled=True)
+            return jax.lax.psum_scatter(out, tp, scatter_dimension=1, tiled=True)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(TENSOR, None), P(bt, inner)),
-                             out_specs=P(bt, outer, None))(table, ids)
+        return jax.shard_map(local, mesh=mesh, in_specs=(logical_to_spec(("vocab", "embed"), rules), P(bt, inner)),
+                             out_specs=outer)(table, ids)
 
     return LinearOps(column=column, row=row, embed=embed)

@@ -98,23 +98,29 @@ def _timed(step, n: int) -> list[float]:
 def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | None = None,
               rounds: int = 3) -> dict[str, Any]:
     """Builds the train step for `cfg`, times it and accounts for its memory and communication."""
-    from megajax.mesh import data_parallel_size, mesh_sizes
+    from megajax.data.loader import build_run_datasets
     from megajax.train.flops import peak_tflops_per_device
-    from megajax.train.loop import build_trainer, count_params
+    from megajax.train.loop import count_params
+    from megajax.train.plan import make_plan
+    from megajax.train.setup import build_setup
 
     cfg = copy.deepcopy(cfg)
     cfg.train.eval_every = 0
-    tr = build_trainer(cfg, check_memory=False)
-    sizes = mesh_sizes(tr.mesh)
-    dp = data_parallel_size(tr.mesh)
-    micro = cfg.train.global_batch // tr.accumulation // dp
-    n_dev = tr.mesh.devices.size
-    device = tr.mesh.devices.flat[0]
-    holder = {"state": tr.state, "consumed": tr.consumed_samples}
-    batch = tr.loader.batch(tr.consumed_samples)
+    plan = make_plan(cfg, jax.device_count())
+    setup = build_setup(plan)
+    cfg, sizes, layout = plan.cfg, plan.sizes, plan.batch
+    n_dev = setup.mesh.devices.size
+    device = setup.mesh.devices.flat[0]
+    train_ds, _, _ = build_run_datasets(cfg, plan.tokenizer)
+    loader = setup.loader(train_ds, prefetch=0)
+    batch = loader.batch(0)
+    holder = {"state": setup.fresh_state(), "ok": setup.ok_flag()}
+    t0 = time.perf_counter()
+    step_fn = setup.train_step().lower(holder["state"], batch, holder["ok"]).compile()
+    compile_seconds = time.perf_counter() - t0
 
     def megajax_step() -> None:
-        holder["state"], metrics = tr.step_fn(holder["state"], batch)
+        holder["state"], metrics, holder["ok"] = step_fn(holder["state"], batch, holder["ok"])
         jax.block_until_ready(metrics)
 
     _timed(megajax_step, warmup)
@@ -133,35 +139,36 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
         base = {"name": baseline, "description": base_desc, "step_seconds": _spread(theirs)}
     else:
         ours = _timed(megajax_step, steps)
-    tr.loader.close()
+    loader.close()
 
     timing = _spread(ours)
-    tokens = cfg.train.global_batch * cfg.train.seq_len
+    tokens = layout.tokens
     tps = tokens / timing["median"]
     peak, peak_source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
                                                cfg.train.precision, jax.local_device_count(),
                                                cfg.train.peak_tflops)
-    tflops = tr.flops_per_step / timing["median"] / n_dev / 1e12
+    tflops = setup.flops_per_step / timing["median"] / n_dev / 1e12
     report = {
-        "model": {"family": cfg.model.family, "parameters": count_params(tr.spec.abstract_params),
+        "model": {"family": cfg.model.family, "parameters": count_params(setup.spec.abstract_params),
                   "layers": cfg.model.num_layers, "hidden": cfg.model.hidden_size, "heads": cfg.model.num_heads,
                   "kv_heads": cfg.model.num_kv_heads, "ffn": cfg.model.ffn_hidden_size,
-                  "vocab": tr.padded_vocab},
+                  "vocab": plan.padded_vocab},
         "layout": {"devices": n_dev, "platform": device.platform, "device_kind": getattr(device, "device_kind", ""),
-                   "mesh": {a: s for a, s in sizes.items()}, "sequence_parallel": cfg.parallel.sequence_parallel,
+                   "mesh": dict(sizes), "sequence_parallel": cfg.parallel.sequence_parallel,
                    "distributed_optimizer": cfg.parallel.distributed_optimizer,
                    "recompute": cfg.parallel.recompute, "precision": cfg.train.precision,
-                   "global_batch": cfg.train.global_batch, "micro_batch": micro,
-                   "accumulation": tr.accumulation, "seq_len": cfg.train.seq_len},
-        "compile_seconds": tr.compile_seconds,
+                   "global_batch": layout.global_batch, "micro_batch": layout.micro_batch,
+                   "accumulation": layout.accumulation, "seq_len": layout.seq_len},
+        "compile_seconds": compile_seconds,
         "step_seconds": timing,
         "tokens_per_sec": tps,
         "tokens_per_sec_per_device": tps / n_dev,
         "tflops_per_device": tflops,
         "peak_tflops": peak, "peak_source": peak_source,
         "mfu": tflops / peak if peak and not math.isnan(peak) else None,
-        "memory": memory_table(cfg, tr.step_fn, sizes, micro, tr.spec, tr.rules, device),
-        "communication": communication_table(cfg, tr.step_fn, sizes, micro, tr.accumulation, tr.spec, tr.rules),
+        "memory": memory_table(cfg, step_fn, sizes, layout.micro_batch, setup.spec, plan.rules, device),
+        "communication": communication_table(cfg, step_fn, sizes, layout.micro_batch, layout.accumulation,
+                                             setup.spec, plan.rules),
     }
     if base is not None:
         base["tokens_per_sec"] = tokens / base["step_seconds"]["median"]
@@ -189,19 +196,13 @@ def parse_topology(text: str) -> tuple[int, str, float]:
 
 def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
     """Analytic per-device memory of `cfg` on COUNT devices of KIND, and whether it fits."""
-    from megajax.mesh import MESH_AXES, axis_sizes, make_rules
+    from megajax.train.plan import make_plan
     from megajax.train.state import build_model_spec
     count, kind, gib = parse_topology(topology)
-    ici, dcn = axis_sizes(cfg, count)
-    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    padded = cfg.model.padded_vocab_size()
+    plan = make_plan(cfg, count)
+    cfg, sizes, rules, padded = plan.cfg, plan.sizes, plan.rules, plan.padded_vocab
+    micro = plan.batch.micro_batch
     spec, _ = build_model_spec(cfg, padded)
-    rules = make_rules(cfg)
-    dp = sizes["data"] * sizes["fsdp"]
-    if cfg.train.global_batch % dp:
-        raise ConfigError(f"train.global_batch={cfg.train.global_batch} does not split over the {dp} "
-                          f"data-parallel ranks of {topology}.")
-    micro = cfg.train.micro_batch or cfg.train.global_batch // dp
     est = analytic.memory_estimate(cfg, spec, rules, sizes, micro, padded)
     cap = int(gib * GIB)
     out = {"topology": topology, "device_kind": kind, "capacity": cap, "mesh": sizes, "micro_batch": micro,

@@ -1,14 +1,20 @@
-"""The training loop behind `megajax train`.
+"""The training loop behind `megajax train`: it loops and calls hooks.
 
-config -> mesh + rules -> model spec -> sharded train state -> compiled step
--> loop (log lines, metrics.jsonl, TensorBoard) -> greedy sample.
+    plan (megajax/train/plan.py) -> Trainer (megajax/train/setup.py) -> for each step:
+        step -> health check -> log record -> ops -> validation -> checkpoint
+
+Metrics are read one step late, so the device is never idle while the host
+logs. Hooks: `MetricsLogger` (log lines, metrics.jsonl, TensorBoard),
+`Health` (non-finite steps, skips, a loss that does not move), `Validation`,
+`Saves` (checkpoints, including the last finite state when a run stops on a
+non-finite step), `RunOps` (watchdog, Prometheus, profiler).
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -19,159 +25,49 @@ from typing import Any
 import jax
 import numpy as np
 
-from megajax.checkpoint.manager import (Checkpointer, find_step_dir, read_meta, require_step_dir,
-                                        restore_params, restore_state)
+from megajax.checkpoint.manager import Checkpointer
 from megajax.config import Config
-from megajax.data.loader import Loader, batch_keys, build_run_datasets
-from megajax.data.tokenizer import load_tokenizer
-from megajax.errors import ConfigError, TrainingError
-from megajax.mesh import data_parallel_size, make_mesh, make_rules, mesh_sizes, validate_for_model
-from megajax.parallel.context import load_balanced_order
-from megajax.perf.analytic import memory_estimate
-from megajax.perf.fit import advice, check_fit, compiled_bytes, device_capacity_bytes
-from megajax.train.flops import peak_tflops_per_device, train_flops_per_token
+from megajax.errors import TrainingError
+from megajax.mesh import mesh_sizes
+from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
-from megajax.train.optimizer import lr_schedule, make_optimizer
-from megajax.train.state import (TrainState, build_model_spec, loss_scaler, make_init_fn,
-                                 state_shardings)
-from megajax.train.step import batch_shardings, jit_train_step, make_eval_step, make_train_step
-
-
-@dataclass
-class Trainer:
-    """Everything built from a config, ready to run steps."""
-    cfg: Config
-    mesh: Any
-    rules: Any
-    spec: Any
-    tokenizer: Any
-    state: TrainState
-    state_shardings: Any
-    step_fn: Any  # compiled
-    loader: Loader
-    accumulation: int
-    valid_loader: Loader | None
-    eval_fn: Any  # jitted (params, batch) -> (loss sum, tokens)
-    data_report: list
-    consumed_samples: int  # data position of `state`
-    origin: str  # where the state came from
-    compile_seconds: float
-    flops_per_step: float
-    padded_vocab: int
+from megajax.train.plan import RunPlan, make_plan
+from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
+from megajax.train.state import build_model_spec
 
 
 @dataclass
 class RunResult:
     run_dir: Path
-    losses: list[float] = field(default_factory=list)
-    records: list[dict] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # every step's loss (NaN for a non-finite one)
+    grad_norms: list[float] = field(default_factory=list)  # every step's pre-clip gradient norm
+    records: list[dict] = field(default_factory=list)  # the logged records (metrics.jsonl)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     compile_seconds: float = 0.0
     tokens_per_sec: float = float("nan")
+    skipped_steps: int = 0
     sample: str | None = None
     state: Any = None
-    stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed and stopped early
-
-
-def default_run_dir() -> str:
-    return str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-
-
-def initial_state(cfg: Config, init, abstract: TrainState, shardings: TrainState) -> tuple[TrainState, int, str]:
-    """(state, consumed samples, description): the run directory's latest checkpoint if it has one
-    (resume), else a fresh state, with checkpoint.load's parameters if given (fine-tuning)."""
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints") if cfg.train.run_dir else None
-    if resume is not None:
-        meta = read_meta(resume)
-        state = restore_state(resume, target)
-        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})"
-    state = jax.jit(init, out_shardings=shardings)()
-    if cfg.checkpoint.load:
-        source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
-        state = state.replace(params=restore_params(source, target.params))
-        return state, 0, f"parameters from {source}, optimizer state fresh"
-    return state, 0, "fresh initialisation"
-
-
-def fit_check(cfg: Config, compiled, mesh, rules, spec, micro_batch: int) -> None:
-    """Stops before the first step when the compiled step cannot fit in device memory."""
-    memory = compiled_bytes(compiled)
-    capacity, source = device_capacity_bytes(mesh.devices.flat[0], cfg.train.device_memory_gib)
-    if memory is None or capacity is None or memory["total"] <= capacity:
-        return
-    sizes = mesh_sizes(mesh)
-    estimate = memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size())
-    check_fit(memory["total"], capacity, source, advice(cfg, sizes, micro_batch, estimate))
-
-
-def build_trainer(cfg: Config, devices: list | None = None, check_memory: bool = True) -> Trainer:
-    tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = tokenizer.vocab_size
-    elif cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-                          f"vocabulary ({tokenizer.vocab_size} ids, data.tokenizer={cfg.data.tokenizer!r}).")
-    mesh = make_mesh(cfg, devices)
-    validate_for_model(cfg, mesh)
-    rules = make_rules(cfg)
-    sizes = mesh_sizes(mesh)
-    dp = data_parallel_size(mesh)
-    micro = cfg.train.micro_batch or cfg.train.global_batch // dp
-    accumulation = cfg.train.global_batch // (micro * dp)
-    padded_vocab = cfg.model.padded_vocab_size()
-
-    spec, init_params = build_model_spec(cfg, padded_vocab, mesh=mesh, rules=rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    scaler = loss_scaler(cfg)
-    init = make_init_fn(init_params, tx, scaler, cfg.train.seed)
-    abstract = jax.eval_shape(init)
-    st_sh = state_shardings(mesh, rules, spec, tx, abstract)
-    state, consumed, origin = initial_state(cfg, init, abstract, st_sh)
-
-    b_sh = batch_shardings(mesh, rules, batch_keys(cfg, sizes["context"]))
-    train_ds, valid_ds, report = build_run_datasets(cfg, tokenizer)
-    order = load_balanced_order(cfg.train.seq_len, sizes["context"]) if sizes["context"] > 1 else None
-    common = dict(global_batch=cfg.train.global_batch, accumulation=accumulation, seq_len=cfg.train.seq_len,
-                  shardings=b_sh, eod_mask_loss=cfg.data.eod_mask_loss, order=order)
-    loader = Loader(train_ds, prefetch=cfg.data.prefetch, **common)
-    valid_loader = Loader(valid_ds, prefetch=0, **common) if valid_ds is not None and cfg.train.eval_every else None
-    step = make_train_step(cfg, spec, tx, scaler, lr_schedule(cfg.optim, cfg.train.steps), mesh, rules)
-    jitted = jit_train_step(step, st_sh, b_sh, mesh)
-    t0 = time.perf_counter()
-    compiled = jitted.lower(state, loader.batch(consumed)).compile()
-    compile_seconds = time.perf_counter() - t0
-    if check_memory:
-        fit_check(cfg, compiled, mesh, rules, spec, micro)
-    eval_fn = jax.jit(make_eval_step(spec, mesh, rules), in_shardings=(st_sh.params, b_sh))
-    flops = train_flops_per_token(cfg.model, cfg.train.seq_len, padded_vocab) * \
-        cfg.train.global_batch * cfg.train.seq_len
-    return Trainer(cfg=cfg, mesh=mesh, rules=rules, spec=spec, tokenizer=tokenizer, state=state,
-                   state_shardings=st_sh, step_fn=compiled, loader=loader, accumulation=accumulation,
-                   valid_loader=valid_loader, eval_fn=eval_fn, data_report=report,
-                   consumed_samples=consumed, origin=origin,
-                   compile_seconds=compile_seconds, flops_per_step=flops, padded_vocab=padded_vocab)
+    stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed (or had not started) and stopped
 
 
 def count_params(abstract_params: dict) -> int:
     return sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
 
 
-def _describe(tr: Trainer, peak_source: str) -> str:
-    cfg, sizes = tr.cfg, mesh_sizes(tr.mesh)
-    m = cfg.model
-    mesh_txt = " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+def describe(tr: Trainer, peak_source: str) -> str:
+    plan, cfg = tr.plan, tr.cfg
+    m, b = plan.model, plan.batch
     par = [k for k, on in (("sequence parallel", cfg.parallel.sequence_parallel),
                            ("distributed optimizer", cfg.parallel.distributed_optimizer)) if on]
     return (f"megajax: {m.family} model, {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters "
             f"({m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} kv, "
-            f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} padded to {tr.padded_vocab}); "
-            f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {mesh_txt}"
+            f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} padded to {plan.padded_vocab}); "
+            f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {plan.mesh_text()}"
             f"{'; ' + ', '.join(par) if par else ''}; recompute {cfg.parallel.recompute}; "
-            f"precision {cfg.train.precision}; global batch {cfg.train.global_batch} = micro "
-            f"{cfg.train.global_batch // tr.accumulation // data_parallel_size(tr.mesh)} x accumulation "
-            f"{tr.accumulation} x data-parallel {data_parallel_size(tr.mesh)}; seq {cfg.train.seq_len}; "
+            f"precision {cfg.train.precision}; global batch {b.global_batch} = micro {b.micro_batch} x "
+            f"accumulation {b.accumulation} x data-parallel {b.data_parallel}; seq {b.seq_len}; "
             f"compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul params + causal attention "
             f"(lower triangle) per token, no recompute; peak from {peak_source}.")
 
@@ -179,7 +75,8 @@ def _describe(tr: Trainer, peak_source: str) -> str:
 class _StopSignals:
     """Records SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C) so the loop can checkpoint and stop.
 
-    With several processes, SIGTERM is left to the distributed runtime, which relays it to every
+    Installed before start-up, so a SIGTERM while the run compiles stops it cleanly too. With
+    several processes, SIGTERM is left to the distributed runtime, which relays it to every
     process; `should_stop(step)` is then true on all of them at the same step (SIGINT is turned
     into a SIGTERM to this process to take the same path)."""
 
@@ -216,139 +113,291 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def train(cfg: Config, devices: list | None = None) -> RunResult:
-    if not cfg.train.run_dir:
-        cfg.train.run_dir = default_run_dir()
-    run_dir = Path(cfg.train.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+# ----------------------------------------------------------------------------
+# Hooks
+# ----------------------------------------------------------------------------
 
-    tr = build_trainer(cfg, devices)
+class Health:
+    """Watches each step's metrics: non-finite steps, runs of skipped steps, a loss that does not move.
+
+    A non-finite step stops the run (after the last finite state is saved) unless steps may be
+    skipped (train.skip_nonfinite, or fp16, where a skip lowers the loss scale); then more than
+    train.max_skipped_steps consecutive skips stop it (with fp16 only those at the minimum loss
+    scale count: before that, skipping is the scale settling)."""
+
+    def __init__(self, cfg: Config, say):
+        self.cfg, self.say = cfg, say
+        self.fp16 = cfg.train.precision == "fp16"
+        self.may_skip = cfg.train.skip_nonfinite or self.fp16
+        self.skipped = 0  # in this process's part of the run
+        self.consecutive = 0
+        self.first_loss: float | None = None
+        self.finite_steps = 0
+        self.warned = False
+        self.check_at = max(cfg.optim.warmup_steps, 10)
+
+    def settling(self) -> bool:
+        """fp16: no step has been applied yet while the loss scale falls from its initial value."""
+        return self.fp16 and self.finite_steps == 0 and self.skipped > 0
+
+    def check(self, step: int, m: dict) -> str | None:
+        """Returns why the run must stop now (None: go on)."""
+        loss, norm = float(m["loss"]), float(m["grad_norm"])
+        if bool(m["skipped"]):
+            self.skipped += 1
+            if not self.may_skip:
+                return (f"non-finite loss or gradients at step {step}: loss={loss}, grad_norm={norm}; the "
+                        f"update was not applied. Lower optim.lr, check the data, or set "
+                        f"train.skip_nonfinite=true to skip such steps.")
+            at_floor = not self.fp16 or float(m["loss_scale"]) <= self.cfg.train.min_loss_scale
+            self.consecutive = self.consecutive + 1 if at_floor else 0
+            if self.consecutive > self.cfg.train.max_skipped_steps:
+                return (f"{self.consecutive} consecutive steps up to step {step} had non-finite loss or "
+                        f"gradients (train.max_skipped_steps={self.cfg.train.max_skipped_steps}"
+                        f"{', at the minimum loss scale' if self.fp16 else ''}); the run is diverging. Lower "
+                        f"optim.lr or check the data; raise train.max_skipped_steps to tolerate longer runs "
+                        f"of skips.")
+            return None
+        self.consecutive = 0
+        self.finite_steps += 1
+        if self.first_loss is None:
+            self.first_loss = loss
+        if not self.warned and (self.finite_steps == self.check_at or norm == 0.0):
+            self._check_moving(step, loss, norm)
+        return None
+
+    def _check_moving(self, step: int, loss: float, norm: float) -> None:
+        self.warned = True
+        if norm == 0.0 or abs(loss - self.first_loss) <= 1e-3 * max(abs(self.first_loss), 1.0):
+            self.say(f"megajax: warning: after {step} steps the loss ({loss:.4f}) has not moved from its "
+                     f"first value ({self.first_loss:.4f}) and the gradient norm is {norm:.3g}: the model is "
+                     f"not learning. Check model.init_std (={self.cfg.model.init_std:g}), optim.lr "
+                     f"(={self.cfg.optim.lr:g}) and the data.")
+
+
+class Validation:
+    """A validation pass every train.eval_every steps and at the end."""
+
+    def __init__(self, tr: Trainer, log: MetricsLogger, result: RunResult, start: int):
+        self.tr, self.log, self.result = tr, log, result
+        every = tr.cfg.train.eval_every
+        self.every = every
+        self.count = start // every if every else 0
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.tr.valid_loader is not None and (step % self.every == 0 or last)
+
+    def run(self, step: int, params) -> None:
+        cfg, tr = self.tr.cfg, self.tr
+        loss_sum, count = 0.0, 0.0
+        for k in range(cfg.train.eval_steps):
+            batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
+            l, c = jax.device_get(tr.eval_fn(params, batch))
+            loss_sum, count = loss_sum + float(l), count + float(c)
+        self.count += 1
+        val = loss_sum / max(count, 1.0)
+        ppl = math.exp(min(val, 80.0))
+        self.result.val_losses.append((step, val))
+        self.log.log({"step": step, "val_loss": val, "val_ppl": ppl}, console=False)
+        self.log.print(f"validation at step {step} | loss {val:.4f} | ppl {ppl:.3f} | {int(count):,} tokens")
+
+
+class Saves:
+    """Checkpoints: every checkpoint.every steps, at the end, on a stop signal, and the last finite state."""
+
+    def __init__(self, tr: Trainer, run_dir: Path):
+        cfg = tr.cfg
+        self.tr, self.cfg = tr, cfg
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
+                                         async_save=cfg.checkpoint.async_save)
+        self.saved_step = tr.resumed_step
+
+    @property
+    def directory(self) -> Path:
+        return self.checkpointer.directory
+
+    def due(self, step: int, last: bool, stopping: bool) -> bool:
+        every = self.cfg.checkpoint.every
+        return stopping or last or bool(every and step % every == 0)
+
+    def save(self, step: int, state, consumed: int, wait: bool) -> None:
+        if self.saved_step == step:
+            return
+        meta = {"step": step, "consumed_samples": consumed, "config": self.cfg.to_dict(),
+                "mesh": mesh_sizes(self.tr.mesh), "padded_vocab_size": self.tr.plan.padded_vocab}
+        self.checkpointer.save(step, state, meta, wait=wait)
+        self.saved_step = step
+
+    def close(self) -> None:
+        self.checkpointer.close()
+
+
+# ----------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------
+
+def _say(text: str) -> None:
     if jax.process_index() == 0:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        print(text, flush=True)
+
+
+def train(cfg: Config | RunPlan, devices: list | None = None) -> RunResult:
+    """Trains as configured; resumes from train.run_dir's latest checkpoint when it has one."""
+    devices = list(devices if devices is not None else jax.devices())
+    with _StopSignals() as stop:
+        plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
+        run_dir = Path(plan.cfg.train.run_dir)
+        tr = build_trainer(plan, devices, say=_say)
+        if stop.received is not None and not stop.multiprocess:
+            name = signal.Signals(stop.received).name
+            _say(f"megajax: {name} received during start-up, before the first step: nothing to save; stopping.")
+            tr.loader.close()
+            return RunResult(run_dir=run_dir, stopped_by=name, state=tr.state)
+        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start-up leaves nothing behind
+        if jax.process_index() == 0:
+            (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+        return _loop(tr, run_dir, stop)
+
+
+def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
+    cfg, plan = tr.cfg, tr.plan
     dev = jax.devices()[0]
     peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, cfg.train.precision,
                                                jax.local_device_count(), cfg.train.peak_tflops)
-    total, G = cfg.train.steps, cfg.train.global_batch
+    total, G = cfg.train.steps, plan.batch.global_batch
     state, consumed = tr.state, tr.consumed_samples
     start = int(jax.device_get(state.step))
     log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                        total_steps=total, start_step=start)
-    log.print(_describe(tr, peak_source))
-    for line in tr.data_report + [f"state: {tr.origin}"]:
+                        total_steps=total, start_step=start, resumed=tr.resumed_step is not None)
+    log.print(describe(tr, peak_source))
+    for line in list(plan.notes) + tr.data_report + [f"state: {tr.origin}"]:
         log.print(line)
     result = RunResult(run_dir=run_dir, compile_seconds=tr.compile_seconds)
-    checkpointer = Checkpointer(run_dir / "checkpoints", keep=cfg.checkpoint.keep,
-                                async_save=cfg.checkpoint.async_save)
-    saved_step = start if tr.origin.startswith("resumed") else None
+    saves = Saves(tr, run_dir)
     ops = RunOps(cfg, run_dir)
-    evaluations = start // cfg.train.eval_every if cfg.train.eval_every else 0
+    health = Health(cfg, log.print)
+    validation = Validation(tr, log, result, start)
+    flops_per_step = tr.setup.flops_per_step
+    ok = tr.setup.ok_flag()
 
-    def save(step: int, wait: bool) -> None:
-        nonlocal saved_step
-        if saved_step == step:
+    pending: tuple[int, dict, int] | None = None  # (step, device metrics, consumed samples before it)
+    last_good = (start, consumed)  # step and data position of the last finite step
+    dispatched = start  # the step `state` is the result of
+
+    halt: str | None = None  # why the run must stop, once a settled step says so
+
+    def settle() -> dict | None:
+        """Reads the pending step's metrics (None if nothing is pending)."""
+        nonlocal pending, last_good, halt
+        if pending is None:
+            return None
+        step, metrics, before = pending
+        pending = None
+        host = jax.device_get(metrics)
+        result.losses.append(float(host["loss"]))
+        result.grad_norms.append(float(host["grad_norm"]))
+        why = health.check(step, host)
+        if not bool(host["skipped"]):
+            last_good = (step, before + G)
+        halt = halt or why
+        return host
+
+    def stop_if_unhealthy() -> None:
+        """Saves the last good state and stops the run when a settled step said so."""
+        if halt is None:
             return
-        meta = {"step": step, "consumed_samples": consumed, "config": cfg.to_dict(),
-                "mesh": mesh_sizes(tr.mesh), "padded_vocab_size": tr.padded_vocab}
-        checkpointer.save(step, state, meta, wait=wait)
-        saved_step = step
-
-    def evaluate(step: int) -> None:
-        nonlocal evaluations
-        loss_sum, count = 0.0, 0.0
-        for k in range(cfg.train.eval_steps):
-            batch = tr.valid_loader.batch((evaluations * cfg.train.eval_steps + k) * G)
-            l, c = jax.device_get(tr.eval_fn(state.params, batch))
-            loss_sum, count = loss_sum + float(l), count + float(c)
-        evaluations += 1
-        val = loss_sum / max(count, 1.0)
-        ppl = math.exp(min(val, 80.0))
-        result.val_losses.append((step, val))
-        log.log({"step": step, "val_loss": val, "val_ppl": ppl}, console=False)
-        log.print(f"validation at step {step} | loss {val:.4f} | ppl {ppl:.3f} | {int(count):,} tokens")
-
-    skipped = 0
-
-    def check(step_index: int, m: dict) -> None:
-        nonlocal skipped
-        result.losses.append(float(m["loss"]))
-        if bool(m["skipped"]):
-            skipped += 1
-            if cfg.train.precision != "fp16" and not cfg.train.skip_nonfinite:
-                raise TrainingError(
-                    f"non-finite loss or gradients at step {step_index + 1}: loss={float(m['loss'])}, "
-                    f"grad_norm={float(m['grad_norm'])}; the update was not applied. Lower optim.lr, "
-                    f"check the data, or set train.skip_nonfinite=true to skip such steps.")
+        # Skipping steps: `state` carries every dispatched step (the skipped ones changed nothing).
+        # Otherwise `ok` went down at the bad step, so `state` is still the last finite one (see
+        # Setup.train_step) although a later step may have been dispatched.
+        good_step, good_consumed = (dispatched, consumed) if health.may_skip else last_good
+        saves.save(good_step, state, good_consumed, wait=True)
+        raise TrainingError(f"{halt} The last good state (step {good_step}) is saved in "
+                            f"{saves.directory / str(good_step)}; rerun with train.run_dir={run_dir} "
+                            f"to resume from it.")
 
     interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
     interval_rates: list[float] = []
-    pending: tuple[int, dict] | None = None
     try:
-        with _StopSignals() as stop:
-            for step_index in range(start, total):
-                ops.step_begin(step_index + 1)
-                state, metrics = tr.step_fn(state, tr.loader.batch(consumed))
-                stopping = stop.should_stop(step_index + 1)
-                consumed += G
-                if pending is not None:  # one step behind, so the device stays busy
-                    check(pending[0], jax.device_get(pending[1]))
-                pending = (step_index, metrics)
-                interval_steps += 1
-                log.advance()
-                step, last = step_index + 1, step_index + 1 == total
-                if step % cfg.train.log_every == 0 or last or stopping:
-                    host = jax.device_get(metrics)
-                    check(step_index, host)
-                    pending = None
-                    step_time = (time.perf_counter() - interval_start - paused) / interval_steps
-                    tflops = tr.flops_per_step / step_time / jax.device_count() / 1e12
-                    mem, mem_kind = device_memory_gib()
-                    record = {
-                        # Like Megatron's log line: the mean loss over the steps since the last log.
-                        "step": step, "loss": float(np.mean(result.losses[-interval_steps:])),
-                        "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
-                        "tokens_per_sec": G * cfg.train.seq_len / step_time, "tflops_per_device": tflops,
-                        "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
-                        "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": skipped,
-                        "loss_scale": float(host["loss_scale"]) if cfg.train.precision == "fp16" else None,
-                    }
-                    result.records.append(record)
-                    log.log(record)
-                    ops.publish(record)
-                    interval_rates.append(record["tokens_per_sec"])
-                    interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
-                ops.step_end(step, state)
-                t0 = time.perf_counter()  # evaluation and saving are kept out of the throughput figures
-                if tr.valid_loader is not None and (step % cfg.train.eval_every == 0 or last):
-                    evaluate(step)
-                if stopping or last or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                    save(step, wait=bool(stopping or last))
-                paused += time.perf_counter() - t0
-                if stopping:
-                    result.stopped_by = signal.Signals(stop.received).name
-                    log.print(f"megajax: {result.stopped_by} received: saved a checkpoint at step {step} "
-                              f"in {checkpointer.directory}; rerun with train.run_dir={run_dir} to resume.")
-                    break
+        for step_index in range(start, total):
+            step, last = step_index + 1, step_index + 1 == total
+            ops.step_begin(step)
+            before = consumed
+            state, metrics, ok = tr.step_fn(state, tr.loader.batch(consumed), ok)
+            consumed, dispatched = consumed + G, step
+            stopping = stop.should_stop(step)
+            settle()  # the previous step's metrics, while this step runs
+            stop_if_unhealthy()
+            pending = (step, metrics, before)
+            interval_steps += 1
+            log.advance()
+            if step % cfg.train.log_every == 0 or last or stopping:
+                host = settle()
+                step_time = (time.perf_counter() - interval_start - paused) / interval_steps
+                tflops = flops_per_step / step_time / jax.device_count() / 1e12
+                mem, mem_kind = device_memory_gib()
+                record = {
+                    # Like Megatron's log line: the mean loss over the steps since the last log.
+                    "step": step, "loss": float(np.mean(result.losses[-interval_steps:])),
+                    "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
+                    "tokens_per_sec": G * plan.batch.seq_len / step_time, "tflops_per_device": tflops,
+                    "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
+                    "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
+                    "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
+                }
+                if health.settling():
+                    record["note"] = "loss scale settling"
+                result.records.append(record)
+                log.log(record)
+                ops.publish(record)
+                interval_rates.append(record["tokens_per_sec"])
+                interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+                stop_if_unhealthy()
+            ops.step_end(step, state)
+            t0 = time.perf_counter()  # evaluation and saving are kept out of the throughput figures
+            if validation.due(step, last):
+                settle()
+                stop_if_unhealthy()
+                validation.run(step, state.params)
+            if saves.due(step, last, stopping):
+                settle()
+                stop_if_unhealthy()
+                saves.save(step, state, consumed, wait=bool(stopping or last))
+            paused += time.perf_counter() - t0
+            if stopping:
+                result.stopped_by = signal.Signals(stop.received).name
+                log.print(f"megajax: {result.stopped_by} received: saved a checkpoint at step {step} "
+                          f"in {saves.directory}; rerun with train.run_dir={run_dir} to resume.")
+                break
+        settle()
+        stop_if_unhealthy()
     finally:
         ops.close()
         log.close()
         tr.loader.close()
-        checkpointer.close()
+        saves.close()
 
     result.state = state
+    result.skipped_steps = health.skipped
     if not result.losses:
         log.print(f"megajax: nothing to do; {tr.origin} is already at train.steps={total}.")
         return result
     steady = interval_rates[1:] or interval_rates
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
-    log.print(f"megajax: done, {len(result.losses)} steps; compile {tr.compile_seconds:.1f}s; "
+    skipped = f" ({health.skipped} skipped)" if health.skipped else ""
+    log.print(f"megajax: done, {len(result.losses)} steps{skipped}; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
     if cfg.train.sample_tokens > 0 and result.stopped_by is None and jax.process_count() == 1:
-        from megajax.inference.generate import greedy_generate
-        prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
-        plain, _ = build_model_spec(cfg, tr.padded_vocab)  # no mesh-specific collectives: any batch size
-        ids = greedy_generate(plain.apply, state.params, prompt, cfg.train.sample_tokens,
-                              cfg.train.seq_len, eod_id=getattr(tr.tokenizer, "eod_id", None))
-        result.sample = tr.tokenizer.decode(ids)
+        result.sample = greedy_sample(tr, state.params)
         log.print("megajax: greedy sample from the trained model:\n" + result.sample)
     return result
+
+
+def greedy_sample(tr: Trainer, params) -> str:
+    from megajax.inference.generate import greedy_generate
+    cfg = tr.cfg
+    prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
+    plain, _ = build_model_spec(cfg, tr.plan.padded_vocab)  # no mesh-specific collectives: any batch size
+    ids = greedy_generate(plain.apply, params, prompt, cfg.train.sample_tokens, cfg.train.seq_len,
+                          eod_id=getattr(tr.tokenizer, "eod_id", None))
+    return tr.tokenizer.decode(ids)

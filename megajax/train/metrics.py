@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -27,7 +29,7 @@ def format_line(r: dict, total_steps: int) -> str:
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:.0f}")
     if r.get("skipped_steps"):
-        parts.append(f"skipped {r['skipped_steps']}")
+        parts.append(f"skipped {r['skipped_steps']}" + (f" ({r['note']})" if r.get("note") else ""))
     parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
               f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "MFU n/a", f"{1000 * r['step_time']:.1f} ms/step"]
     if r.get("memory_gib") is not None:
@@ -35,14 +37,44 @@ def format_line(r: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def json_safe(record: dict) -> dict:
+    """Non-finite floats as null: JSON has no NaN or Infinity, and strict parsers reject them."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+
+
+def truncate_records(path: Path, last_step: int) -> None:
+    """Drops the records of steps after `last_step` from a metrics.jsonl (atomically)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except ValueError:
+            step = None  # a line cut short by a crash
+        if isinstance(step, int) and step <= last_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+
+
 class MetricsLogger:
     """Writes each record to metrics.jsonl (and TensorBoard); prints on process 0."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool, progress: bool | None, total_steps: int,
-                 start_step: int = 0):
+                 start_step: int = 0, resumed: bool = False):
+        """`resumed`: the run continues from a checkpoint at `start_step`; records of later steps (written
+        before a crash, and about to be written again) are dropped from metrics.jsonl."""
         self.is_main = jax.process_index() == 0
         self.total_steps = total_steps
-        self.jsonl = open(run_dir / "metrics.jsonl", "a") if self.is_main else None
+        path = run_dir / "metrics.jsonl"
+        if self.is_main and resumed:
+            truncate_records(path, start_step)
+        self.jsonl = open(path, "a") if self.is_main else None
         self.tb = None
         if tensorboard and self.is_main:
             from tensorboardX import SummaryWriter
@@ -68,7 +100,7 @@ class MetricsLogger:
     def log(self, record: dict, console: bool = True) -> None:
         if not self.is_main:
             return
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for k, v in record.items():

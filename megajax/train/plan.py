@@ -1,0 +1,156 @@
+"""The run plan: everything a run decides before touching a device, resolved once and then frozen.
+
+    config + device count -> RunPlan(cfg, tokenizer, mesh sizes, rules, batch layout, notes)
+
+The plan owns a private, resolved copy of the config: the vocabulary comes
+from the tokenizer when the config leaves it open, user paths (data, tokenizer,
+run directory, checkpoint.load) are made absolute so the saved config works
+from any directory, and the batch arithmetic lives in `BatchLayout` only.
+`megajax train`, `megajax bench` (also for device kinds this machine does not
+have: `--topology`) and the tests build the same plan.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig
+from megajax.data.tokenizer import load_tokenizer
+from megajax.errors import ConfigError, MeshError
+from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, validate_for_model
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How a global batch splits: global = micro x accumulation x data-parallel size (Megatron's terms).
+
+    `micro_batch` is per data-parallel rank; a step runs `accumulation` microbatches. The
+    loader's arrays are [accumulation, micro_batch x data_parallel, seq_len]."""
+    global_batch: int
+    micro_batch: int
+    data_parallel: int
+    accumulation: int
+    seq_len: int
+
+    @classmethod
+    def resolve(cls, train: TrainConfig, data_parallel: int, sizes_text: str = "") -> "BatchLayout":
+        """From train.global_batch / train.micro_batch and the data-parallel size; MeshError if they do not fit."""
+        g, dp = train.global_batch, data_parallel
+        where = f" ({sizes_text})" if sizes_text else ""
+        if train.micro_batch is None:
+            if g % dp:
+                raise MeshError(
+                    f"train.global_batch={g} does not split over the data-parallel size {dp}{where}; "
+                    f"use a multiple of {dp} (e.g. {dp * max(1, round(g / dp))}) or change the mesh.")
+            micro = g // dp
+        else:
+            micro = train.micro_batch
+            if g % (micro * dp):
+                raise MeshError(
+                    f"train.global_batch={g} is not a multiple of train.micro_batch={micro} x data-parallel "
+                    f"size {dp}{where} = {micro * dp}; the global batch is micro_batch x accumulation steps "
+                    f"x data-parallel size. Change train.global_batch or train.micro_batch.")
+        return cls(global_batch=g, micro_batch=micro, data_parallel=dp, accumulation=g // (micro * dp),
+                   seq_len=train.seq_len)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.accumulation, self.micro_batch * self.data_parallel, self.seq_len)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per step."""
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A resolved, immutable description of a run (nothing here holds a device)."""
+    cfg: Config  # private resolved copy: do not mutate
+    tokenizer: Any
+    ici: dict[str, int]  # per-node axis sizes
+    dcn: dict[str, int]  # inter-node factors
+    rules: ShardingRules
+    batch: BatchLayout
+    notes: tuple[str, ...] = ()
+
+    @property
+    def model(self) -> ModelConfig:
+        return self.cfg.model
+
+    @property
+    def padded_vocab(self) -> int:
+        return self.cfg.model.padded_vocab_size()
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Total size of every mesh axis."""
+        return {a: self.ici[a] * self.dcn[a] for a in MESH_AXES}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    def mesh_text(self) -> str:
+        return " x ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "1 device"
+
+
+def default_run_dir() -> str:
+    return str(Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().absolute()) if path else path
+
+
+def resolve_paths(cfg: Config) -> None:
+    """User paths made absolute (relative to the current directory), so the saved config works anywhere."""
+    d = cfg.data
+    if d.tokenizer != "byte":
+        d.tokenizer = _absolute(d.tokenizer)
+    if isinstance(d.path, str):
+        d.path = _absolute(d.path)
+    else:  # [weight, prefix, weight, prefix, ...]
+        d.path = [p if i % 2 == 0 else _absolute(str(p)) for i, p in enumerate(d.path)]
+    if d.cache_dir:
+        d.cache_dir = _absolute(d.cache_dir)
+    cfg.train.run_dir = _absolute(cfg.train.run_dir or default_run_dir())
+    cfg.checkpoint.load = _absolute(cfg.checkpoint.load)
+
+
+def resolve_vocabulary(cfg: Config, tokenizer) -> list[str]:
+    """model.vocab_size from the tokenizer when unset; notes for the user when they differ."""
+    m, t = cfg.model, tokenizer
+    if m.vocab_size is None:
+        m.vocab_size = t.vocab_size
+        return []
+    if m.vocab_size < t.vocab_size:
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({t.vocab_size} ids, data.tokenizer={cfg.data.tokenizer!r}); remove model.vocab_size "
+                          f"to take the tokenizer's, or use the tokenizer the model was built for.")
+    if m.vocab_size > t.vocab_size:
+        return [f"note: model.vocab_size={m.vocab_size:,} (from the config) but the tokenizer "
+                f"(data.tokenizer={cfg.data.tokenizer!r}) has {t.vocab_size:,} ids; the {m.vocab_size - t.vocab_size:,} "
+                f"extra embedding rows are never used. Leave model.vocab_size unset (null) to take the "
+                f"tokenizer's vocabulary."]
+    return []
+
+
+def make_plan(cfg: Config, num_devices: int) -> RunPlan:
+    """The plan of `cfg` on `num_devices` devices (ConfigError / MeshError naming keys and values)."""
+    cfg = copy.deepcopy(cfg)
+    resolve_paths(cfg)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
+    notes = resolve_vocabulary(cfg, tokenizer)
+    ici, dcn = axis_sizes(cfg, num_devices)
+    sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
+    validate_for_model(cfg, sizes)
+    dp = data_parallel_size(sizes)
+    batch = BatchLayout.resolve(cfg.train, dp, f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']}")
+    return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=make_rules(cfg), batch=batch,
+                   notes=tuple(notes))

@@ -1,0 +1,235 @@
+"""From a plan to things that run: mesh, model spec, state and its shardings, compiled steps.
+
+    RunPlan --build_setup--> Setup (mesh, spec, optimizer, abstract state + shardings, jitted steps)
+    Setup + data + checkpoints --build_trainer--> Trainer (initial state, loaders, compiled step)
+
+`Setup` is what every command that needs the model builds (train, bench,
+export/import where a model is needed, generation); `Trainer` is a training
+run's starting point, what the loop in megajax/train/loop.py iterates.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.checkpoint.manager import find_step_dir, read_meta, require_step_dir, restore_params, restore_state
+from megajax.config import Config
+from megajax.data.loader import Loader, batch_keys, build_run_datasets
+from megajax.mesh import ShardingRules, mesh_from_sizes, mesh_sizes
+from megajax.parallel.context import load_balanced_order
+from megajax.perf.analytic import memory_estimate
+from megajax.perf.fit import advice, check_fit, compiled_bytes, device_capacity_bytes
+from megajax.precision.loss_scale import DynamicLossScale
+from megajax.train.flops import train_flops_per_token
+from megajax.train.optimizer import lr_schedule, make_optimizer
+from megajax.train.plan import BatchLayout, RunPlan, make_plan
+from megajax.train.state import (ModelSpec, TrainState, build_model_spec, loss_scaler, make_init_fn,
+                                 state_shardings)
+from megajax.train.step import batch_shardings, make_eval_step, make_train_step
+
+METRIC_KEYS = ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")
+
+
+@dataclass
+class Setup:
+    """The static part of a run on a mesh: no parameters are materialised by building it."""
+    plan: RunPlan
+    mesh: Mesh
+    spec: ModelSpec
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    scaler: DynamicLossScale | None
+    init: Callable[[], TrainState]
+    abstract_state: TrainState
+    state_shardings: TrainState
+    batch_shardings: dict[str, NamedSharding]
+
+    @property
+    def cfg(self) -> Config:
+        return self.plan.cfg
+
+    @property
+    def rules(self) -> ShardingRules:
+        return self.plan.rules
+
+    @property
+    def batch(self) -> BatchLayout:
+        return self.plan.batch
+
+    @property
+    def flops_per_step(self) -> float:
+        """Model FLOPs of one step (megajax/train/flops.py's convention)."""
+        return train_flops_per_token(self.plan.model, self.batch.seq_len, self.plan.padded_vocab) * self.batch.tokens
+
+    def target(self) -> TrainState:
+        """The state as ShapeDtypeStructs carrying their shardings (what restores read into)."""
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            self.abstract_state, self.state_shardings)
+
+    def fresh_state(self) -> TrainState:
+        return jax.jit(self.init, out_shardings=self.state_shardings)()
+
+    def train_step(self) -> Callable:
+        """jit of (state, batch, ok) -> (state, metrics, ok); state and ok donated.
+
+        `ok` is a device flag: once a step is non-finite and the run does not skip such steps
+        (train.skip_nonfinite false, not fp16), that step and every later one leave the state
+        as it was, so the loop, which checks metrics a step late to keep the device busy, still
+        holds the last finite state when it notices."""
+        cfg = self.cfg
+        step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules)
+        halt = not (cfg.train.skip_nonfinite or cfg.train.precision == "fp16")
+
+        def guarded(state, batch, ok):
+            new, metrics = step(state, batch)
+            accept = ok & ~metrics["skipped"] if halt else ok
+            new = jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, state)
+            return new, metrics, accept
+
+        replicated = NamedSharding(self.mesh, P())
+        metric_sh = {k: replicated for k in METRIC_KEYS}
+        return jax.jit(guarded, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
+                       out_shardings=(self.state_shardings, metric_sh, replicated), donate_argnums=(0, 2))
+
+    def ok_flag(self) -> jax.Array:
+        return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
+
+    def eval_step(self) -> Callable:
+        """jit of (params, batch) -> (sum of token losses, tokens)."""
+        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
+                       in_shardings=(self.state_shardings.params, self.batch_shardings))
+
+    def loader(self, dataset, prefetch: int) -> Loader:
+        context = self.plan.sizes["context"]
+        order = load_balanced_order(self.batch.seq_len, context) if context > 1 else None
+        return Loader(dataset, layout=self.batch, shardings=self.batch_shardings,
+                      eod_mask_loss=self.cfg.data.eod_mask_loss, prefetch=prefetch, order=order)
+
+
+def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
+    devices = list(devices if devices is not None else jax.devices())
+    mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
+    cfg = plan.cfg
+    spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    scaler = loss_scaler(cfg)
+    init = make_init_fn(init_params, tx, scaler, cfg.train.seed)
+    abstract = jax.eval_shape(init)
+    return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
+                 scaler=scaler, init=init, abstract_state=abstract,
+                 state_shardings=state_shardings(mesh, plan.rules, spec, tx, abstract),
+                 batch_shardings=batch_shardings(mesh, plan.rules, batch_keys(cfg, plan.sizes["context"])))
+
+
+# ----------------------------------------------------------------------------
+# A training run's starting point
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Trainer:
+    """Everything a training run starts from, ready to run steps."""
+    setup: Setup
+    state: TrainState
+    step_fn: jax.stages.Compiled  # (state, batch, ok) -> (state, metrics, ok)
+    loader: Loader
+    valid_loader: Loader | None
+    eval_fn: Callable  # jitted (params, batch) -> (loss sum, tokens)
+    consumed_samples: int  # data position of `state`
+    origin: str  # where the state came from
+    resumed_step: int | None  # the checkpoint step a resumed run starts from
+    compile_seconds: float
+    data_report: list[str] = field(default_factory=list)
+
+    @property
+    def plan(self) -> RunPlan:
+        return self.setup.plan
+
+    @property
+    def cfg(self) -> Config:
+        return self.setup.plan.cfg
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.setup.mesh
+
+    @property
+    def rules(self) -> ShardingRules:
+        return self.setup.plan.rules
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.setup.spec
+
+    @property
+    def tokenizer(self):
+        return self.setup.plan.tokenizer
+
+    @property
+    def accumulation(self) -> int:
+        return self.setup.batch.accumulation
+
+
+def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
+    """(state, consumed samples, description, resumed step): the run directory's latest checkpoint if
+    it has one (resume), else a fresh state, with checkpoint.load's parameters if given (fine-tuning)."""
+    cfg = setup.cfg
+    target = setup.target()
+    resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints")
+    if resume is not None:
+        meta = read_meta(resume)
+        state = restore_state(resume, target)
+        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})", int(meta["step"])
+    if cfg.checkpoint.load:
+        source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
+        params = restore_params(source, target.params)
+        state = setup.fresh_state().replace(params=params)
+        return state, 0, f"parameters from {source}, optimizer state fresh", None
+    return setup.fresh_state(), 0, "fresh initialisation", None
+
+
+def fit_check(setup: Setup, compiled) -> None:
+    """Stops before the first step when the compiled step cannot fit in device memory."""
+    cfg, plan = setup.cfg, setup.plan
+    memory = compiled_bytes(compiled)
+    capacity, source = device_capacity_bytes(setup.mesh.devices.flat[0], cfg.train.device_memory_gib)
+    if memory is None or capacity is None or memory["total"] <= capacity:
+        return
+    sizes = mesh_sizes(setup.mesh)
+    estimate = memory_estimate(cfg, setup.spec, plan.rules, sizes, plan.batch.micro_batch, plan.padded_vocab)
+    check_fit(memory["total"], capacity, source, advice(cfg, sizes, plan.batch.micro_batch, estimate))
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def build_trainer(cfg: Config | RunPlan, devices: list | None = None, check_memory: bool = True,
+                  say: Callable[[str], None] = _quiet) -> Trainer:
+    """Plan (when given a config), setup, initial state, data and the compiled step of a run.
+
+    `say` receives one line per slow stage (data, compile), so a user sees what is happening."""
+    devices = list(devices if devices is not None else jax.devices())
+    plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
+    setup = build_setup(plan, devices)
+    say("megajax: preparing data (a first run indexes the dataset) ...")
+    train_ds, valid_ds, report = build_run_datasets(plan.cfg, plan.tokenizer)
+    state, consumed, origin, resumed = initial_state(setup)
+    loader = setup.loader(train_ds, plan.cfg.data.prefetch)
+    valid_loader = (setup.loader(valid_ds, 0) if valid_ds is not None and plan.cfg.train.eval_every else None)
+    say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
+    t0 = time.perf_counter()
+    compiled = setup.train_step().lower(state, loader.batch(consumed), setup.ok_flag()).compile()
+    compile_seconds = time.perf_counter() - t0
+    if check_memory:
+        fit_check(setup, compiled)
+    return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
+                   eval_fn=setup.eval_step(), consumed_samples=consumed, origin=origin, resumed_step=resumed,
+                   compile_seconds=compile_seconds, data_report=report)
