@@ -1,6 +1,7 @@
 """Stand-alone Pallas kernels, each beside a plain-jnp reference and a custom_vjp."""
 
-from pallas_kernels.flash_attention import flash_attention, flash_attention_reference, flash_attention_with_lse
+from pallas_kernels.flash_attention import (
+    flash_attention, flash_attention_reference, flash_attention_with_lse)
 from pallas_kernels.fp8_linear import Fp8Scales, fp8_linear, fp8_linear_amax
 from pallas_kernels.fp8_matmul import (
     HYBRID, HYBRID_FNUZ, Fp8Formats, compute_scale, default_formats, fp8_matmul,

@@ -1,4 +1,4 @@
-"""FP8 matrix multiplication in Pallas (Triton on NVIDIA sm_89+ and AMD MI300, interpret mode on CPU).
+"""FP8 matrix multiplication in Pallas: Triton on NVIDIA sm_89+ and AMD MI300, interpret on CPU.
 
     fp8_matmul(a, b, a_scale, b_scale, *, out_dtype) = (a * a_scale) @ (b * b_scale)
 
@@ -96,8 +96,9 @@ def compute_scale(amax, fp8_max_value: float, margin: int = 0, fallback=1.0):
 # --------------------------------------------------------------------------- block sizes
 
 # Tile shapes by problem class, for operands of one float8 type on sm_90 (H100/H200:
-# 228 KiB shared memory per SM). Each pipeline stage buffers (block_m + block_n) * block_k
-# bytes of float8: 48 KiB for "large" (3 stages: 144 KiB), 32 KiB for the others.
+# 227 KiB shared memory per block). Each pipeline stage buffers (block_m + block_n) *
+# block_k bytes of float8: 48 KiB for "large" (3 stages: 144 KiB), 32 KiB for "medium"
+# (4 stages: 128 KiB), 24 KiB for "small_m". Smaller shared memories get fewer stages.
 _BLOCK_TABLE = {
     # M <= 64 (decode, tiny batches): short tiles, more of them along N.
     "small_m": dict(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4),
@@ -111,6 +112,7 @@ _MIXED_BLOCK_K = 64     # mixed float8 types: tiles widened to float16 in regist
 _MIN_BLOCK = 16         # Triton's dot: every dimension >= 16 ...
 _MIN_BLOCK_K = 32       # ... and K >= 32 for 8-bit operands
 _GROUP_M = 8
+_SHARED_MEMORY_USE = 0.9  # of the per-block shared memory, for the operand pipeline
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -121,12 +123,15 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3) -> dict:
+def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3,
+                        shared_memory: int | None = None) -> dict:
     """Block sizes and Triton launch parameters for an [M, K] x [K, N] product.
 
     The class comes from the table (small_m, medium, large); then every block shrinks to
     the next power of two of its dimension (>= 16, K >= 32), so a small or ragged
-    problem gets no tile much larger than itself; the edges are masked."""
+    problem gets no tile much larger than itself (the edges are masked), and the number
+    of pipeline stages shrinks until the float8 tiles fit 90% of `shared_memory` (bytes
+    per block, e.g. 99 KiB on sm_89; None: the table's sm_90 values)."""
     if m <= 64:
         row = dict(_BLOCK_TABLE["small_m"])
     elif _cdiv(m, 128) * _cdiv(n, 256) >= _LARGE_MIN_TILES:
@@ -138,8 +143,25 @@ def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3) -> d
     row["block_m"] = min(row["block_m"], max(_MIN_BLOCK, _next_pow2(m)))
     row["block_n"] = min(row["block_n"], max(_MIN_BLOCK, _next_pow2(n)))
     row["block_k"] = min(row["block_k"], max(_MIN_BLOCK_K, _next_pow2(k)))
+    if shared_memory is not None:
+        stage = (row["block_m"] + row["block_n"]) * row["block_k"]   # bytes of float8
+        fit = int(_SHARED_MEMORY_USE * shared_memory) // stage
+        row["num_stages"] = max(1, min(row["num_stages"], fit))
     row["group_m"] = _GROUP_M
     return row
+
+
+def _shared_memory_per_block() -> int | None:
+    """Shared memory a Triton kernel may use on the default NVIDIA GPU (bytes), from its
+    compute capability: 227 KiB on sm_90+, 99 KiB on sm_89/sm_86, 163 KiB on sm_80;
+    None when unknown (no GPU: lowering assumes sm_90)."""
+    try:
+        major, minor = (int(v) for v in str(jax.devices()[0].compute_capability).split("."))
+    except Exception:  # CPU, ROCm, or a device without the attribute
+        return None
+    if major >= 9:
+        return 227 * 1024
+    return 163 * 1024 if (major, minor) == (8, 0) else 99 * 1024
 
 
 # --------------------------------------------------------------------------- kernel
@@ -315,11 +337,11 @@ def _check(a, b, a_scale, b_scale, out_dtype, transpose_a, transpose_b):
     return m, n, ka
 
 
-def _widening(a_dtype, b_dtype, fnuz_bits: bool = True):
+def _widening(a_dtype, b_dtype):
     """How each operand is widened for the dot: None when both share one float8 type."""
     if jnp.dtype(a_dtype) == jnp.dtype(b_dtype):
         return None, None
-    how = lambda t: "bits" if jnp.dtype(t) == jnp.dtype(E4M3_FNUZ) and fnuz_bits else "cast"
+    how = lambda t: "bits" if jnp.dtype(t) == jnp.dtype(E4M3_FNUZ) else "cast"
     return how(a_dtype), how(b_dtype)
 
 
@@ -339,7 +361,8 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, return_amax: bool = False,
       return_amax: also return max |out| (fp32 scalar, of the values as stored).
       block_m, block_n, block_k: tile (powers of two; block_k >= 32); group_m: tile rows
         per program group; num_warps, num_stages: Triton launch parameters. Defaults:
-        `default_block_sizes` (num_stages 1 on ROCm, whose 64 KiB LDS holds one stage).
+        `default_block_sizes` for this GPU's shared memory (num_stages 1 on ROCm, as
+        Pallas' own ROCm default).
       interpret: Pallas interpret mode; None picks True exactly when the default backend
         is CPU.
 
@@ -347,7 +370,10 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, return_amax: bool = False,
       out [M, N] in out_dtype, or (out, amax) with return_amax.
     """
     m, n, k = _check(a, b, a_scale, b_scale, out_dtype, transpose_a, transpose_b)
-    defaults = default_block_sizes(m, n, k, a.dtype, b.dtype)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    defaults = default_block_sizes(m, n, k, a.dtype, b.dtype,
+                                   shared_memory=None if interpret else _shared_memory_per_block())
     given = dict(block_m=block_m, block_n=block_n, block_k=block_k, group_m=group_m,
                  num_warps=num_warps, num_stages=num_stages)
     for name in ("block_m", "block_n", "block_k"):
@@ -355,8 +381,6 @@ def fp8_matmul(a, b, a_scale, b_scale, *, out_dtype, return_amax: bool = False,
         floor = _MIN_BLOCK_K if name == "block_k" else _MIN_BLOCK
         if v is not None and (v < floor or v & (v - 1)):
             raise ValueError(f"{name}={v} must be a power of two >= {floor}")
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     if num_stages is None and not interpret and _on_rocm():
         given["num_stages"] = 1
     p = {key: defaults[key] if v is None else int(v) for key, v in given.items()
@@ -411,7 +435,8 @@ def fp8_matmul_reference(a, b, a_scale, b_scale, *, out_dtype=None, return_amax:
     b64 = np.asarray(jnp.asarray(b).astype(jnp.float32), np.float64)
     a64 = a64.T if transpose_a else a64
     b64 = b64.T if transpose_b else b64
-    out = (a64 * float(np.asarray(a_scale).reshape(()))) @ (b64 * float(np.asarray(b_scale).reshape(())))
+    sa, sb = (float(np.asarray(s).reshape(())) for s in (a_scale, b_scale))
+    out = (a64 * sa) @ (b64 * sb)
     if out_dtype is not None:
         out = out.astype(jnp.dtype(out_dtype))
     if return_amax:

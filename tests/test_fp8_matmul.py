@@ -102,6 +102,9 @@ def test_default_block_sizes_follow_the_table_and_fit_the_problem():
     small = default_block_sizes(16, 4096, 4096)
     assert (small["block_m"], small["block_n"]) == (16, 128)
     assert default_block_sizes(8192, 8192, 8192, E5M2, E4M3)["block_k"] == 64
+    # sm_89's 99 KiB: one stage of 48 KiB tiles, two of 32 KiB.
+    assert default_block_sizes(8192, 8192, 8192, shared_memory=99 * 1024)["num_stages"] == 1
+    assert default_block_sizes(1024, 1024, 4096, shared_memory=99 * 1024)["num_stages"] == 2
     tiny = default_block_sizes(3, 20, 5)
     assert (tiny["block_m"], tiny["block_n"], tiny["block_k"]) == (16, 32, 32)
     for m, n, k in [(1, 1, 1), (77, 300, 1000), (4096, 28672, 4096), (8192, 4096, 14336)]:
@@ -127,7 +130,8 @@ def test_kernel_rejects_bad_arguments(kwargs, match):
 # --------------------------------------------------------------------------- quantize, scales
 
 
-@pytest.mark.parametrize("dtype", [E4M3, E5M2, E4M3_FNUZ, E5M2_FNUZ], ids=lambda t: jnp.dtype(t).name)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E4M3_FNUZ, E5M2_FNUZ],
+                         ids=lambda t: jnp.dtype(t).name)
 def test_quantize_saturates_instead_of_overflowing(dtype):
     top = fp8_max(dtype)
     assert top == {E4M3: 448.0, E5M2: 57344.0, E4M3_FNUZ: 240.0, E5M2_FNUZ: 57344.0}[dtype]
@@ -249,13 +253,14 @@ def test_fp8_linear_gradients_within_derived_quantization_bound(impl, delayed):
     sums = {"y": np.abs(x2) @ np.abs(w64), "dx": np.abs(g2) @ np.abs(w64.T),
             "dw": np.abs(x2.T) @ np.abs(g2)}
     u_out = {"y": 2.0 ** -8, "dx": 2.0 ** -8, "dw": U32}
-    got = {"y": np.asarray(y, np.float64).reshape(-1, n), "dx": np.asarray(dx, np.float64).reshape(-1, k),
-           "dw": np.asarray(dw, np.float64)}
+    got = {"y": np.asarray(y, np.float64).reshape(-1, n),
+           "dx": np.asarray(dx, np.float64).reshape(-1, k), "dw": np.asarray(dw, np.float64)}
 
     # bf16 autodiff of the same layer (w cast to bf16 like a bf16 model's compute copy).
     bf16 = _value_and_grads(lambda x, w, sc: x @ w.astype(jnp.bfloat16), x, w, scales, ct)
     auto = {"y": np.asarray(bf16[0], np.float64).reshape(-1, n),
-            "dx": np.asarray(bf16[1], np.float64).reshape(-1, k), "dw": np.asarray(bf16[2], np.float64)}
+            "dx": np.asarray(bf16[1], np.float64).reshape(-1, k),
+            "dw": np.asarray(bf16[2], np.float64)}
     contraction = {"y": k, "dx": n, "dw": x2.shape[0]}
     for name in ("y", "dx", "dw"):
         s_hat = sums[name] + quant[name]
