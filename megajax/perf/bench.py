@@ -82,7 +82,7 @@ def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int,
     out = {"compiled": comp, "analytic": est, "capacity": capacity, "capacity_source": source,
            "fits": None if capacity is None else needed <= capacity}
     if out["fits"] is False:
-        out["advice"] = advice(cfg, sizes, micro_batch, est)
+        out["advice"] = advice(cfg, sizes, micro_batch, spec=spec).phrases(needed, capacity)
     return out
 
 
@@ -209,7 +209,7 @@ def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
            "method": "analytic (parameters, gradients, Adam state for the shardings; Korthikanti activations); "
                      "no compile: XLA compiles for a GPU only with its plugin and a device present"}
     if not out["fits"]:
-        out["advice"] = advice(cfg, sizes, micro, est)
+        out["advice"] = advice(cfg, sizes, micro, spec=spec).phrases(est["total"], cap)
     return out
 
 
