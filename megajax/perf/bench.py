@@ -102,6 +102,9 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     from megajax.train.flops import peak_tflops_per_device
     from megajax.train.loop import build_trainer, count_params
 
+    if baseline:  # before anything is built: a baseline that cannot run here fails at once
+        from megajax.perf.baseline import check_baseline
+        check_baseline(baseline)
     cfg = copy.deepcopy(cfg)
     cfg.train.eval_every = 0
     tr = build_trainer(cfg, check_memory=False)
@@ -121,8 +124,6 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     base = None
     if baseline:
         from megajax.perf.baseline import BASELINES
-        if baseline not in BASELINES:
-            raise ConfigError(f"--baseline {baseline!r}: accepted values are {', '.join(BASELINES)}.")
         base_step, base_desc = BASELINES[baseline](cfg)
         _timed(base_step, warmup)
         ours, theirs = [], []
