@@ -72,8 +72,10 @@ def device_capacity_bytes(device, override_gib: float | None = None) -> tuple[in
 @dataclass(frozen=True)
 class Option:
     """One change: config overrides, the group it belongs to (one option per group in a
-    combination), and a rough throughput cost used to order the advice (lower first)."""
+    combination), its kind (the advice offers one option per kind), and a rough throughput cost
+    used to order the advice (lower first)."""
     group: str  # recompute | micro_batch | layout
+    kind: str  # recompute | micro_batch | distributed_optimizer | fsdp | tensor
     overrides: tuple[str, ...]
     cost: float
 
@@ -100,21 +102,23 @@ def _layout_options(cfg: Config, ici: dict[str, int], dcn: dict[str, int]) -> li
     and FSDP or tensor parallelism taken from the data axis (then fsdp) of a node."""
     out: list[tuple[Option, dict]] = []
     if not cfg.parallel.distributed_optimizer and ici["data"] * dcn["data"] > 1:
-        out.append((Option("layout", ("parallel.distributed_optimizer=true",), 1.0), dict(ici)))
+        out.append((Option("layout", "distributed_optimizer", ("parallel.distributed_optimizer=true",), 1.0),
+                    dict(ici)))
 
-    def keys(new: dict) -> tuple[str, ...]:
-        # Every changed axis explicitly, except data when it is the axis that fills the rest.
-        return tuple(f"mesh.{a}={new[a]}" for a in MESH_AXES
-                     if new[a] != ici[a] and not (a == "data" and cfg.mesh.data == -1))
+    def keys(grown: str, donor: str, new: dict) -> tuple[str, ...]:
+        # The axis that grows, then the one it takes from, unless that is the axis filling the rest.
+        shown = [grown] + ([] if getattr(cfg.mesh, donor) == -1 else [donor])
+        return tuple(f"mesh.{a}={new[a]}" for a in shown)
 
     for f in _divisors(ici["data"]):
         new = {**ici, "data": ici["data"] // f, "fsdp": ici["fsdp"] * f}
-        out.append((Option("layout", keys(new), 1.5 + 0.1 * math.log2(f)), new))
+        out.append((Option("layout", "fsdp", keys("fsdp", "data", new), 1.5 + 0.1 * math.log2(f)), new))
     for donor in ("data", "fsdp"):
         for k in _divisors(ici[donor]):
             new = {**ici, donor: ici[donor] // k, "tensor": ici["tensor"] * k}
             sp = () if cfg.parallel.sequence_parallel else ("parallel.sequence_parallel=true",)
-            out.append((Option("layout", keys(new) + sp, 3.0 + 0.5 * math.log2(k)), new))
+            out.append((Option("layout", "tensor", keys("tensor", donor, new) + sp, 3.0 + 0.5 * math.log2(k)),
+                        new))
     return out
 
 
@@ -162,9 +166,8 @@ class Advice:
         if fitting_singles:
             chosen, kinds = [], set()
             for v in sorted(fitting_singles, key=lambda v: (v.cost, needed + v.delta)):
-                kind = (v.options[0].group, v.options[0].overrides[0].split("=")[0])
-                if kind not in kinds:
-                    kinds.add(kind)
+                if v.options[0].kind not in kinds:
+                    kinds.add(v.options[0].kind)
                     chosen.append(v)
             return [self._phrase(v, needed) for v in chosen[:limit]]
         if fits:
@@ -211,10 +214,10 @@ def advice(cfg: Config, sizes: dict[str, int], micro_batch: int, estimate: dict[
     now = total(cfg, ici, micro_batch)
     order = ("none", "selective", "full")
     groups: list[list[tuple[Option, dict | None]]] = [
-        [(Option("recompute", (f"parallel.recompute={p}",), {"selective": 2.0, "full": 4.0}[p]), None)
+        [(Option("recompute", "recompute", (f"parallel.recompute={p}",), {"selective": 2.0, "full": 4.0}[p]), None)
          for p in order[order.index(cfg.parallel.recompute) + 1:]],
-        [(Option("micro_batch", (f"train.micro_batch={d}",), 2.0 + 0.2 * math.log2(micro_batch / d)), None)
-         for d in sorted((d for d in range(1, micro_batch) if micro_batch % d == 0), reverse=True)],
+        [(Option("micro_batch", "micro_batch", (f"train.micro_batch={d}",), 2.0 + 0.2 * math.log2(micro_batch / d)),
+          None) for d in sorted((d for d in range(1, micro_batch) if micro_batch % d == 0), reverse=True)],
         _layout_options(cfg, ici, dcn),
     ]
     variants = []
