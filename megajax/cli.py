@@ -71,7 +71,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
                         "tokenizer.json, or a directory containing one.")
     from megajax.data.preprocess import preprocess
     s = preprocess(args.input, args.json_keys, args.tokenizer, args.output_prefix,
-                   append_eod=args.append_eod, workers=args.workers, input_format=args.input_format)
+                   append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
+                   errors=args.errors)
     mb = s.input_bytes / 1e6
     for key, prefix in s.prefixes.items():
         print(f"wrote {prefix}.{{bin,idx}}: {s.documents} documents, {s.tokens[key]} tokens ({s.dtype})",
@@ -96,6 +97,9 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "lines", "files"),
                    help="jsonl; lines: one document per line; files: one document per file; "
                         "auto: jsonl for *.jsonl/*.json, else lines")
+    p.add_argument("--errors", default="strict", choices=("strict", "replace"),
+                   help="bytes that are not UTF-8: strict (stop, naming the file and line; default) or "
+                        "replace (substitute U+FFFD)")
     p.add_argument("--merge", nargs="+", default=[], metavar="P",
                    help="instead of tokenizing, concatenate these dataset prefixes into --output-prefix")
 

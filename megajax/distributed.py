@@ -43,10 +43,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import BinaryIO, Mapping
 
 from megajax.config import Config, DistributedConfig
 from megajax.errors import ConfigError, DistributedError
@@ -323,9 +324,17 @@ def supervise(argv: list[str], plan: ProcessPlan, cfg: DistributedConfig, run_di
     heartbeat from it for `heartbeat_timeout` seconds (SIGABRT and a C++ stack trace). The
     supervisor, which never touches JAX, turns that into one clear message and exit status 4.
     SIGTERM, SIGINT and SIGHUP sent to the supervisor are passed on to the child (which is in its
-    own session, so a signal sent to the whole process group arrives once)."""
-    child = subprocess.Popen([sys.executable, "-m", "megajax.cli", *argv], env={**os.environ, SUPERVISED_ENV: "1"},
-                             start_new_session=True, preexec_fn=_die_with_parent)
+    own session, so a signal sent to the whole process group arrives once).
+
+    The child's standard output passes through `forward_output`, which keeps the collectives
+    library's connection lines off the console."""
+    child = subprocess.Popen([sys.executable, "-m", "megajax.cli", *argv],
+                             env={**os.environ, SUPERVISED_ENV: "1", "PYTHONUNBUFFERED": "1"},
+                             stdout=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+    log = Path(run_dir) / "logs" / f"process_{plan.process_id}.log"
+    pump = threading.Thread(target=forward_output, args=(child.stdout, sys.stdout.buffer, log),
+                            name="megajax-output", daemon=True)
+    pump.start()
 
     def forward(signum, frame):
         if child.poll() is None:
@@ -334,6 +343,7 @@ def supervise(argv: list[str], plan: ProcessPlan, cfg: DistributedConfig, run_di
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     status = child.wait()
+    pump.join(timeout=10)
     if status >= 0:
         return status
     if status == -signal.SIGABRT:
@@ -345,6 +355,30 @@ def supervise(argv: list[str], plan: ProcessPlan, cfg: DistributedConfig, run_di
               file=sys.stderr, flush=True)
         return PEER_FAILURE_EXIT_STATUS
     return 128 - status  # killed by a signal: the shell's convention
+
+
+GLOO_PREFIX = b"[Gloo] "
+
+
+def forward_output(stream: BinaryIO, out: BinaryIO, log_path: Path) -> None:
+    """Copies `stream` to `out` line by line, except the lines the gloo library prints on CPU
+    collectives ('[Gloo] Rank 0 is connected to 3 peer ranks ...', once per communicator, from
+    its C++ side to standard output), which go to the process's log file `log_path` instead."""
+    log = None
+    try:
+        for line in iter(stream.readline, b""):
+            if line.startswith(GLOO_PREFIX):
+                if log is None:
+                    log_path.parent.mkdir(parents=True, exist_ok=True)
+                    log = open(log_path, "ab")
+                log.write(line)
+                log.flush()
+            else:
+                out.write(line)
+                out.flush()
+    finally:
+        if log is not None:
+            log.close()
 
 
 def _process_logs(run_dir: Path, process_id: int) -> None:

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """GPU check for pallas_kernels.flash_attention: compiled correctness, then timing.
 
 1. Correctness: forward and dq/dk/dv of the compiled kernel (interpret=False) against
@@ -10,31 +10,66 @@
    cuDNN (jax.nn.dot_product_attention(implementation='cudnn')) and the XLA
    reference; a program whose XLA buffers would not fit in device memory is skipped.
 
-  python scripts/gpu_check_attention.py               # one GPU, a few minutes
-  python scripts/gpu_check_attention.py --cpu-smoke   # CPU, interpret mode, tiny shapes
+FLOPs (FlashAttention's convention, the same for every implementation so that TFLOP/s compare
+times at equal work): forward = 4*b*s*s*h*d / 2 for causal attention (QK^T and PV over the lower
+triangle); backward = 2.5 x forward (dV, dP, dQ, dK plus recomputing QK^T); forward+backward =
+3.5 x forward. The Pallas backward, split into a dq and a dk/dv kernel that each recompute QK^T
+and dP, executes 3.5 x forward by itself (4.5 x in all), so its hardware FLOP/s are higher than shown.
 
-Exit status 1 when a correctness check fails or errors.
+  python3 scripts/gpu_check_attention.py               # one GPU, a few minutes
+  python3 scripts/gpu_check_attention.py --cpu-smoke   # CPU, interpret mode, tiny shapes
+  python3 scripts/gpu_check_attention.py --json out.json   # also the tables as JSON, rewritten as they grow
+
+Runs from any directory without PYTHONPATH. Exit status 1 when a correctness check fails or errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository's pallas_kernels, without PYTHONPATH or an install
 
-from pallas_kernels import flash_attention, flash_attention_reference
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import flash_attention, flash_attention_reference  # noqa: E402
 
 print = functools.partial(print, flush=True)  # progress shows up even if the run is cut short
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Max |kernel - reference| over max |reference|, per dtype of the inputs.
 TOLERANCE = {F32: 1e-4, BF16: 3e-2, F16: 1e-2}
+# Forward+backward FLOPs over forward FLOPs (FlashAttention's count: backward = 2.5 x forward).
+FWD_BWD_FACTOR = 3.5
+
+
+class Results:
+    """The tables as they grow; rewritten to --json after every row, so a run cut short leaves them."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.data = {"jax": jax.__version__, "backend": jax.default_backend(),
+                     "device": jax.devices()[0].device_kind, "flops_convention":
+                     "forward = 4*b*s*s*h*d/2 (causal); forward+backward = 3.5 x forward",
+                     "correctness": [], "timing": [], "comparisons": []}
+
+    def add(self, table: str, row: dict) -> None:
+        self.data[table].append(row)
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+            tmp.replace(self.path)
 
 # (name, batch, seq_q, seq_kv, heads, kv_heads, head_dim, dtype, causal, segments, window, blocks)
 CASES = [
@@ -49,6 +84,9 @@ CASES = [
     ("explicit blocks window ragged bf16 d64", 1, 333, 333, 4, 2, 64, BF16, True, None, 100,
      dict(block_q=32, block_k=64, block_q_dq=64, block_k_dq=32, block_q_dkv=16, block_k_dkv=32)),
 ]
+# The CPU smoke test runs two cases that between them take every branch (separate q/kv segment
+# ids, ragged lengths, GQA, sliding window): interpret mode compiles slowly.
+SMOKE_CASES = ("mqa non-causal q/kv segments ragged f16 d64", "gqa segments + window bf16 d128")
 
 
 def _segments(rng, b, s, n_docs):
@@ -74,7 +112,7 @@ def _out_and_grads(f):
     return jax.jit(run)
 
 
-def check_case(case, *, interpret: bool, shrink: int) -> bool:
+def check_case(case, *, interpret: bool, shrink: int, results: Results) -> bool:
     name, b, sq, sk, h, g, d, dtype, causal, seg_kind, window, blocks = case
     if shrink > 1:  # CPU smoke: same structure, tiny lengths
         sq, sk = max(16, sq // shrink), max(16, sk // shrink)
@@ -98,9 +136,10 @@ def check_case(case, *, interpret: bool, shrink: int) -> bool:
         with jax.default_matmul_precision("highest"):
             want = _out_and_grads(lambda q, k, v: flash_attention_reference(q, k, v, **sem))(
                 q, k, v, do)
-    except Exception:
+    except Exception as e:
         print(f"  ERROR {name}")
         traceback.print_exc()
+        results.add("correctness", {"name": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]})
         return False
     errs = {n: _rel_err(a, w) for n, a, w in zip(("out", "dq", "dk", "dv"), got, want)}
     ok = all(e <= TOLERANCE[dtype] for e in errs.values())
@@ -108,6 +147,9 @@ def check_case(case, *, interpret: bool, shrink: int) -> bool:
     print(f"  {'ok  ' if ok else 'FAIL'} {name:45s} {shape:34s} " +
           " ".join(f"{n}={e:.1e}" for n, e in errs.items()) +
           f"  (tol {TOLERANCE[dtype]:.0e}, {time.perf_counter() - t0:.1f}s)")
+    results.add("correctness", {"name": name, "shape": shape, "dtype": jnp.dtype(dtype).name, "ok": ok,
+                                "errors": errs, "tolerance": TOLERANCE[dtype],
+                                "seconds": time.perf_counter() - t0})
     return ok
 
 
@@ -160,7 +202,7 @@ def _cell(ms, flops) -> str:
 
 
 def benchmark(*, tokens: int, seqs, heads: int, kv_heads: int, head_dim: int, dtype,
-              iters: int, interpret: bool):
+              iters: int, interpret: bool, results: Results):
     impls = {
         "pallas flash": lambda q, k, v: flash_attention(q, k, v, causal=True, interpret=interpret),
         "cudnn": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -170,7 +212,7 @@ def benchmark(*, tokens: int, seqs, heads: int, kv_heads: int, head_dim: int, dt
     print(f"\nTiming: {tokens} tokens per call, heads={heads} kv_heads={kv_heads} "
           f"head_dim={head_dim} {jnp.dtype(dtype).name} causal, {iters} timed calls after one "
           "warm-up.\nFLOPs: forward = 0.5 * 4*b*s*s*h*d (causal half of QK^T and PV); "
-          "forward+backward = 2.5 * forward.")
+          f"forward+backward = {FWD_BWD_FACTOR} * forward (backward = 2.5 * forward, recompute included).")
     header = (f"{'seq':>6} {'batch':>5}  {'impl':14s} {'fwd ms':>9} {'TFLOP/s':>8}   "
               f"{'fwd+bwd':>9} {'TFLOP/s':>8}  note")
     print(header + "\n" + "-" * len(header))
@@ -190,13 +232,19 @@ def benchmark(*, tokens: int, seqs, heads: int, kv_heads: int, head_dim: int, dt
             notes = [x for x in (fwd_out, both_out) if isinstance(x, str)]
             if fwd_ms is not None:
                 outputs[name] = fwd_out
+            note = "; ".join(dict.fromkeys(notes))
             print(f"{s:6d} {b:5d}  {name:14s} {_cell(fwd_ms, fwd_flops)}   "
-                  f"{_cell(both_ms, 2.5 * fwd_flops)}  {'; '.join(dict.fromkeys(notes))}")
+                  f"{_cell(both_ms, FWD_BWD_FACTOR * fwd_flops)}  {note}")
+            results.add("timing", {
+                "seq": s, "batch": b, "impl": name, "fwd_ms": fwd_ms, "fwd_bwd_ms": both_ms, "note": note,
+                "fwd_tflops": None if fwd_ms is None else fwd_flops / fwd_ms / 1e9,
+                "fwd_bwd_tflops": None if both_ms is None else FWD_BWD_FACTOR * fwd_flops / both_ms / 1e9})
         if "pallas flash" in outputs:
             for other in ("cudnn", "xla reference"):
                 if other in outputs:
                     err = _rel_err(outputs["pallas flash"], outputs[other])
                     print(f"{'':14s}pallas flash vs {other} output: max rel diff {err:.1e}")
+                    results.add("comparisons", {"seq": s, "against": other, "max_rel_diff": err})
                     break
 
 
@@ -209,6 +257,7 @@ def main(argv=None) -> int:
                         help="comma-separated sequence lengths to time")
     parser.add_argument("--skip-check", action="store_true", help="timing only")
     parser.add_argument("--skip-bench", action="store_true", help="correctness only")
+    parser.add_argument("--json", metavar="FILE", help="also write the tables as JSON (rewritten as they grow)")
     args = parser.parse_args(argv)
 
     if args.cpu_smoke:
@@ -222,21 +271,26 @@ def main(argv=None) -> int:
         return 2
 
     start = time.perf_counter()
+    results = Results(args.json)
     ok = True
     if not args.skip_check:
         print("\nCorrectness (compiled kernel vs reference, max|diff| / max|ref|):")
         t0 = time.perf_counter()
-        results = [check_case(c, interpret=interpret, shrink=16 if args.cpu_smoke else 1)
-                   for c in CASES]
-        ok = all(results)
-        print(f"  {sum(results)}/{len(results)} cases passed in {time.perf_counter() - t0:.0f}s")
+        cases = [c for c in CASES if c[0] in SMOKE_CASES] if args.cpu_smoke else CASES
+        passed = [check_case(c, interpret=interpret, shrink=16 if args.cpu_smoke else 1, results=results)
+                  for c in cases]
+        ok = all(passed)
+        print(f"  {sum(passed)}/{len(passed)} cases passed in {time.perf_counter() - t0:.0f}s")
     if not args.skip_bench:
         if args.cpu_smoke:
-            benchmark(tokens=256, seqs=(64, 128), heads=4, kv_heads=2, head_dim=64, dtype=F32,
-                      iters=1, interpret=True)
+            benchmark(tokens=64, seqs=(32,), heads=4, kv_heads=2, head_dim=32, dtype=F32,
+                      iters=1, interpret=True, results=results)
         else:
             benchmark(tokens=32 * 1024, seqs=[int(s) for s in args.seqs.split(",")], heads=32,
-                      kv_heads=8, head_dim=128, dtype=BF16, iters=args.iters, interpret=False)
+                      kv_heads=8, head_dim=128, dtype=BF16, iters=args.iters, interpret=False,
+                      results=results)
+    results.data.update(ok=ok, seconds=time.perf_counter() - start)
+    results.save()
     print(f"\n{'PASS' if ok else 'FAIL'}: total {time.perf_counter() - start:.0f}s")
     return 0 if ok else 1
 

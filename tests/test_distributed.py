@@ -30,6 +30,17 @@ ROOT = Path(__file__).resolve().parent.parent
 # Planning (pure)
 # ----------------------------------------------------------------------------
 
+def test_gloo_connection_lines_go_to_the_log_not_the_console(tmp_path):
+    import io
+    from megajax.distributed import forward_output
+    child = io.BytesIO(b"[Gloo] Rank 0 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3\n"
+                       b"step 1/2 | loss 5.5\n[Gloo] Rank 1 is connected to 1 peer ranks.\npartial line")
+    console = io.BytesIO()
+    forward_output(child, console, tmp_path / "logs" / "process_0.log")
+    assert console.getvalue() == b"step 1/2 | loss 5.5\npartial line"
+    assert (tmp_path / "logs" / "process_0.log").read_bytes().count(b"[Gloo] Rank") == 2
+
+
 def test_single_process_without_any_settings():
     assert plan_processes(DistributedConfig(), env={}) is None
     assert plan_processes(DistributedConfig(num_processes=1), env={}) is None
@@ -185,6 +196,7 @@ def test_two_processes_match_one_process(tmp_path, small_config, reap, compile_c
         assert p.wait(timeout=240) == 0, _output(tmp_path, i)
     out0 = _output(tmp_path, 0)
     assert "8 cpu devices, mesh data=2 x tensor=4" in out0 and "step 3/3" in out0
+    assert "[Gloo]" not in out0 and "[Gloo] Rank 0 is connected" in (run / "logs" / "process_0.log").read_text()
     assert "step 3/3" not in _output(tmp_path, 1)  # process 1 prints nothing of the run ...
     log1 = (run / "logs" / "process_1.log").read_text()
     assert "joined the distributed runtime as process 1 of 2" in log1  # ... it logs to its own file

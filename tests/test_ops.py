@@ -111,6 +111,7 @@ def test_prometheus_endpoint_and_profile_during_a_run(tmp_path):
     assert metrics['megajax_memory_bytes{kind="host_peak_rss"}'] > 2**20  # CPU: the process's peak RSS
     traces = list((run / "profile" / "process_0").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 1000
+    assert f"megajax: profiler trace of steps 2 to 3 written to {traces[0]}; open it with" in out
 
 
 STALL = """

@@ -1,10 +1,12 @@
 """`megajax preprocess`: jsonl/text -> Megatron datasets, byte and Hugging Face tokenizers, flat memory."""
 
 import json
+import os
 import random
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -178,3 +180,61 @@ def test_memory_stays_flat(tmp_path):
         assert IndexedDataset(tmp_path / f"o{mb}_text_document").num_tokens > 0.9 * size
     assert growth[50] < 0.5 * 50e6, growth
     assert growth[50] - growth[5] < 8 * 2**20, growth
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _megajax(*args, cwd):
+    """`python -m megajax.cli ...` as a user runs it, from `cwd`."""
+    return subprocess.run([sys.executable, "-m", "megajax.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("empty.jsonl", b"", ["no documents found", "read as JSON lines", "empty or holds only blank lines"]),
+    ("blank.jsonl", b"\n\n  \n", ["no documents found"]),
+    ("empty.txt", b"", ["no documents found", "read as lines"]),
+    ("blank_lines.txt", b"\n\n", ["all 2 documents are empty", "0 tokens"]),
+])
+def test_empty_input_is_an_error_at_preprocess_time(tmp_path, name, content, words):
+    (tmp_path / name).write_bytes(content)
+    p = _megajax("preprocess", "--input", name, "--json-keys", "text", "--tokenizer", "byte",
+                 "--output-prefix", "data/out", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.startswith(f"megajax preprocess: error: --input {name}: ") and "Traceback" not in p.stderr
+    for w in words:
+        assert w in p.stderr, p.stderr
+    assert not list(tmp_path.glob("data/out*"))  # nothing written
+
+
+LATIN1 = "ok line\nsecond line\ncaf\u00e9 au lait\n".encode("latin-1")
+
+
+@pytest.mark.parametrize("fmt", ["lines", "files"])
+def test_bytes_that_are_not_utf8_stop_with_file_and_line(tmp_path, fmt):
+    (tmp_path / "latin1.txt").write_bytes(LATIN1)
+    p = _megajax("preprocess", "--input", "latin1.txt", "--input-format", fmt, "--json-keys", "text",
+                 "--tokenizer", "byte", "--output-prefix", "out", cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert ("megajax preprocess: error: latin1.txt, line 3: byte 0xe9 at column 4 is not UTF-8" in p.stderr
+            and "--errors replace" in p.stderr), p.stderr
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_bytes_that_are_not_utf8_in_jsonl_and_in_a_later_chunk(tmp_path, monkeypatch):
+    import megajax.data.preprocess as pp
+    monkeypatch.setattr(pp, "CHUNK_DOCS", 2)  # the bad line is in the second chunk
+    (tmp_path / "in.jsonl").write_bytes(b'{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"in.jsonl, line 4: byte 0xff at column 11 is not UTF-8"):
+        preprocess([tmp_path / "in.jsonl"], ["text"], "byte", str(tmp_path / "o"), progress=False)
+
+
+def test_errors_replace_substitutes_u_fffd(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes(LATIN1)
+    p = _megajax("preprocess", "--input", "latin1.txt", "--input-format", "lines", "--json-keys", "text",
+                 "--tokenizer", "byte", "--output-prefix", "out", "--errors", "replace", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    tok = ByteTokenizer()
+    assert [tok.decode(d) for d in _documents(tmp_path / "out_text_document")] == [
+        "ok line", "second line", "caf\ufffd au lait"]

@@ -9,6 +9,9 @@ naming and format). Inputs:
     files   plain text, one document per file
 
 `auto` picks jsonl for *.jsonl / *.json (optionally .gz), lines otherwise.
+Input is UTF-8: bytes that are not stop with the file and line, unless
+errors="replace" substitutes U+FFFD for them. An input with no documents, or
+only empty ones, is an error (a dataset without tokens cannot be trained on).
 
 Memory stays flat however large the input: lines are read in ~1 MiB chunks,
 at most 2 x workers chunks are in flight, tokens stream to the writer, and
@@ -36,6 +39,7 @@ from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
 
 INPUT_FORMATS = ("auto", "jsonl", "lines", "files")
+DECODE_ERRORS = ("strict", "replace")
 CHUNK_BYTES = 1 << 20
 CHUNK_DOCS = 8192
 
@@ -106,24 +110,42 @@ def read_chunks(paths: list[str], fmt: str) -> Iterator[Chunk]:
 _WORKER: dict = {}
 
 
-def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool) -> None:
+def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool,
+                 errors: str = "strict") -> None:
     if not parallel_tokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(tokenizer, key="--tokenizer")
-    _WORKER.update(tokenizer=tok, keys=keys, eod=tok.eod_id if append_eod else None)
+    _WORKER.update(tokenizer=tok, keys=keys, eod=tok.eod_id if append_eod else None, errors=errors)
 
 
-def _texts(chunk: Chunk, keys: list[str]) -> dict[str, list[str]]:
+def _decode(raw: bytes, chunk: Chunk, index: int, errors: str) -> str:
+    """UTF-8 text of one item (a line, or a whole file); strict: a DataError naming file and line."""
+    try:
+        return raw.decode("utf-8", errors=errors)
+    except UnicodeDecodeError as e:
+        if chunk.fmt == "files":
+            line, start = raw.count(b"\n", 0, e.start) + 1, raw.rfind(b"\n", 0, e.start) + 1
+        else:
+            line, start = chunk.first_line + index, 0
+        raise DataError(f"{chunk.path}, line {line}: byte 0x{raw[e.start]:02x} at column {e.start - start + 1} "
+                        f"is not UTF-8 ({e.reason}); preprocess reads UTF-8 text. Convert the file (e.g. "
+                        f"iconv -f latin1 -t utf-8), or pass --errors replace to substitute U+FFFD for "
+                        f"bytes that are not UTF-8.") from None
+
+
+def _texts(chunk: Chunk, keys: list[str], errors: str = "strict") -> dict[str, list[str]]:
     """Each key's documents in one chunk (jsonl: blank lines skipped)."""
     if chunk.fmt == "files":
-        return {keys[0]: [b.decode("utf-8", errors="replace") for b in chunk.items]}
+        return {keys[0]: [_decode(b, chunk, i, errors) for i, b in enumerate(chunk.items)]}
     if chunk.fmt == "lines":
-        return {keys[0]: [b.rstrip(b"\r\n").decode("utf-8", errors="replace") for b in chunk.items]}
+        return {keys[0]: [_decode(b.rstrip(b"\r\n"), chunk, i, errors) for i, b in enumerate(chunk.items)]}
     texts: dict[str, list[str]] = {k: [] for k in keys}
-    for n, line in enumerate(chunk.items, chunk.first_line):
-        if not line.strip():
+    for i, raw in enumerate(chunk.items):
+        if not raw.strip():
             continue
+        n = chunk.first_line + i
         where = f"{chunk.path}, line {n}"
+        line = _decode(raw, chunk, i, errors)
         try:
             obj = json.loads(line)
         except ValueError as e:
@@ -145,7 +167,7 @@ def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndar
     """(input bytes, {key: (ids [T] int32, document lengths [N])}) for one chunk."""
     tok, eod = _WORKER["tokenizer"], _WORKER["eod"]
     out = {}
-    for key, texts in _texts(chunk, _WORKER["keys"]).items():
+    for key, texts in _texts(chunk, _WORKER["keys"], _WORKER["errors"]).items():
         ids_T, lengths_N = tok.encode_packed(texts)
         if eod is not None:  # an end-of-document id after every non-empty document
             nonempty = lengths_N > 0
@@ -179,9 +201,29 @@ def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _check_not_empty(inputs: list[str], input_format: str, documents: int, tokens: dict[str, int]) -> None:
+    """An input without documents, or whose documents are all empty, makes a dataset nothing can be
+    trained on: say so here rather than at training time."""
+    names = ", ".join(inputs)
+    if documents == 0:
+        kinds = sorted({detect_format(p, input_format) for p in inputs})
+        what = {"jsonl": "JSON lines", "lines": "lines", "files": "files"}
+        raise DataError(f"--input {names}: no documents found (read as {' and '.join(what[k] for k in kinds)}; "
+                        f"the input is empty{' or holds only blank lines' if 'jsonl' in kinds else ''}). "
+                        f"Check the path and --input-format.")
+    empty = [k for k, n in tokens.items() if n == 0]
+    if empty:
+        raise DataError(f"--input {names}: all {documents} documents are empty for --json-keys "
+                        f"{' '.join(empty)} (0 tokens); a dataset needs text to train on.")
+
+
 def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bool = False,
-               workers: int = 1, input_format: str = "auto", progress: bool = True) -> Summary:
-    """Tokenizes `inputs` into one dataset per JSON key; returns what was written."""
+               workers: int = 1, input_format: str = "auto", progress: bool = True,
+               errors: str = "strict") -> Summary:
+    """Tokenizes `inputs` into one dataset per JSON key; returns what was written.
+
+    `errors`: what to do with bytes that are not UTF-8: 'strict' (a DataError naming the file
+    and line) or 'replace' (U+FFFD)."""
     inputs = [str(p) for p in inputs]
     json_keys = list(json_keys)
     missing = [p for p in inputs if not os.path.isfile(p)]
@@ -198,6 +240,8 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
                           f"give a single key (it names the output, e.g. text).")
     if workers < 1:
         raise ConfigError(f"--workers = {workers}: must be at least 1.")
+    if errors not in DECODE_ERRORS:
+        raise ConfigError(f"--errors = {errors!r}: accepted values are {', '.join(DECODE_ERRORS)}.")
     tok = load_tokenizer(tokenizer, key="--tokenizer")
     if append_eod and tok.eod_id is None:
         raise ConfigError(f"--append-eod: tokenizer {tokenizer!r} has no end-of-document token (looked "
@@ -212,7 +256,7 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
                disable=None if progress else True, dynamic_ncols=True)  # None: only on a terminal
     start = time.perf_counter()
     try:
-        initargs = (tokenizer, json_keys, append_eod, workers <= 1)
+        initargs = (tokenizer, json_keys, append_eod, workers <= 1, errors)
         for nbytes, out in _ordered_map(read_chunks(inputs, input_format), workers, initargs):
             for key, (ids_T, lengths_N) in out.items():
                 writers[key].add_documents(ids_T, lengths_N)
@@ -221,6 +265,7 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
             bar.update(nbytes)
             rate = summary.documents / max(time.perf_counter() - start, 1e-9)
             bar.set_postfix_str(f"{summary.documents} docs, {rate:,.0f} docs/s", refresh=False)
+        _check_not_empty(inputs, input_format, summary.documents, {k: w.num_tokens for k, w in writers.items()})
         for writer in writers.values():
             writer.finalize()
     except BaseException:

@@ -7,10 +7,77 @@ batches; the device is the one megajax runs on (CPU here, CUDA on a GPU).
 
 from __future__ import annotations
 
-from typing import Callable
+import importlib.util
+import os
+import sys
+from typing import Callable, MutableMapping
 
 from megajax.config import Config
 from megajax.errors import ConfigError
+
+# Environment variables with which the user already chose how JAX takes GPU memory.
+JAX_GPU_MEMORY_ENV = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def _nvidia_gpus(environ: MutableMapping[str, str]) -> int:
+    """NVIDIA GPUs this process can see, without initialising CUDA (the driver's /proc entries)."""
+    from megajax.distributed import visible_accelerators
+    if not os.path.isdir("/proc/driver/nvidia/gpus"):
+        return 0
+    return visible_accelerators(environ) or 0
+
+
+def share_gpu_with_torch(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Keeps JAX from preallocating 75% of GPU memory, which a PyTorch baseline in the same process
+    then lacks: sets XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX allocates as it needs) unless the
+    user chose a JAX memory setting. Effective only before JAX initialises its GPU backend.
+    Returns whether it changed the environment."""
+    environ = os.environ if environ is None else environ
+    if any(k in environ for k in JAX_GPU_MEMORY_ENV):
+        return False
+    environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    try:
+        from jax._src import xla_bridge
+        late = xla_bridge.backends_are_initialized()
+    except (ImportError, AttributeError):
+        late = False
+    if late:
+        print("megajax bench: JAX's backend is already initialised, so XLA_PYTHON_CLIENT_PREALLOCATE=false "
+              "does not apply in this process; set it in the environment when a baseline shares the GPU.",
+              file=sys.stderr)
+    return True
+
+
+def check_baseline(name: str, environ: MutableMapping[str, str] | None = None) -> None:
+    """Fails before megajax builds or times anything when the baseline cannot run here, and leaves
+    GPU memory for it. Imports nothing heavy (importing torch first could load its CUDA libraries
+    before JAX's)."""
+    environ = os.environ if environ is None else environ
+    if name not in BASELINES:
+        raise ConfigError(f"--baseline {name!r}: accepted values are {', '.join(BASELINES)}.")
+    gpus = _nvidia_gpus(environ)
+    if name == "torch":
+        missing = [m for m in ("torch", "transformers") if not _installed(m)]
+        if missing:
+            raise ConfigError(f"--baseline torch needs {' and '.join(missing)} (pip install 'megajax[torch]').")
+    else:
+        missing = [m for m in ("torch", "megatron.core") if not _installed(m)]
+        if missing:
+            raise ConfigError(f"--baseline megatron needs {' and '.join(missing)} (pip install megatron-core "
+                              f"torch); without them use --baseline torch.")
+        if not gpus:
+            raise ConfigError("--baseline megatron runs Megatron-Core on an NVIDIA GPU with CUDA; this machine "
+                              "shows none (no /proc/driver/nvidia/gpus, or CUDA_VISIBLE_DEVICES hides them). "
+                              "Use --baseline torch, which runs on the CPU too.")
+    if gpus:
+        share_gpu_with_torch(environ)
 
 
 def _torch():

@@ -82,7 +82,7 @@ def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int,
     out = {"compiled": comp, "analytic": est, "capacity": capacity, "capacity_source": source,
            "fits": None if capacity is None else needed <= capacity}
     if out["fits"] is False:
-        out["advice"] = advice(cfg, sizes, micro_batch, est)
+        out["advice"] = advice(cfg, sizes, micro_batch, spec=spec).phrases(needed, capacity)
     return out
 
 
@@ -104,6 +104,9 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     from megajax.train.plan import make_plan
     from megajax.train.setup import build_setup
 
+    if baseline:  # before anything is built: a baseline that cannot run here fails at once
+        from megajax.perf.baseline import check_baseline
+        check_baseline(baseline)
     cfg = copy.deepcopy(cfg)
     cfg.train.eval_every = 0
     plan = make_plan(cfg, jax.device_count())
@@ -127,8 +130,6 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     base = None
     if baseline:
         from megajax.perf.baseline import BASELINES
-        if baseline not in BASELINES:
-            raise ConfigError(f"--baseline {baseline!r}: accepted values are {', '.join(BASELINES)}.")
         base_step, base_desc = BASELINES[baseline](cfg)
         _timed(base_step, warmup)
         ours, theirs = [], []
@@ -210,7 +211,7 @@ def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
            "method": "analytic (parameters, gradients, Adam state for the shardings; Korthikanti activations); "
                      "no compile: XLA compiles for a GPU only with its plugin and a device present"}
     if not out["fits"]:
-        out["advice"] = advice(cfg, sizes, micro, est)
+        out["advice"] = advice(cfg, sizes, micro, spec=spec).phrases(est["total"], cap)
     return out
 
 

@@ -2,17 +2,33 @@
 
 Before the first step the train loop compares the compiled step's memory
 (arguments + outputs + temporaries - donated aliases, from XLA's memory
-analysis) with the device's capacity and stops with the figures and the
-changes most likely to help, each with an analytic estimate of what it saves.
+analysis) with the device's capacity and stops with the figures and changes
+that would make it fit.
+
+Advice only names changes the same devices can run and that fit by the
+analytic estimate (megajax/perf/analytic.py): each candidate (a stronger
+recompute policy, a smaller micro batch, the distributed optimizer, FSDP or
+more tensor parallelism taken from the data axes of a node) is applied to a
+copy of the config, its memory estimated, and the difference from the current
+estimate applied to the measured figure. Single changes that fit are offered
+first, cheapest first; when none fits alone, the smallest combination that
+does; when nothing fits, the message says so, with the most any combination
+saves.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
 
-from megajax.config import Config
-from megajax.errors import MeshError
-from megajax.perf.analytic import activation_bytes
+import numpy as np
+
+from megajax.config import MESH_AXES, Config
+from megajax.errors import MeshError, UserError
+from megajax.perf import analytic
 
 GIB = 2**30
 # Per-device HBM by device kind, used when the runtime does not report a limit.
@@ -50,37 +66,195 @@ def device_capacity_bytes(device, override_gib: float | None = None) -> tuple[in
     return None, "unknown"
 
 
-def advice(cfg: Config, sizes: dict[str, int], micro_batch: int, state: dict[str, int]) -> list[str]:
-    """Changes that reduce per-device memory, with estimated savings (GiB), largest first."""
-    tips: list[tuple[float, str]] = []
-    act_now = activation_bytes(cfg, sizes, micro_batch)
-    for policy in ("selective", "full"):
-        if cfg.parallel.recompute != policy and not (cfg.parallel.recompute == "full"):
-            alt = copy.deepcopy(cfg)
-            alt.parallel.recompute = policy
-            saved = act_now - activation_bytes(alt, sizes, micro_batch)
-            if saved > 0:
-                tips.append((saved, f"parallel.recompute={policy}"))
-    if micro_batch > 1:
-        saved = act_now - activation_bytes(cfg, sizes, micro_batch // 2)
-        tips.append((saved, f"train.micro_batch={micro_batch // 2} (more accumulation steps)"))
-    if sizes["tensor"] == 1 and cfg.model.num_heads % 2 == 0 and cfg.model.num_kv_heads % 2 == 0:
-        saved = (state["params"] + state["grads"] + state["optimizer"]) / 2 + act_now / 2
-        tips.append((saved, "mesh.tensor=2 (with parallel.sequence_parallel=true)"))
-    if sizes["data"] > 1 and sizes["fsdp"] == 1:
-        saved = (state["params"] + state["grads"] + state["optimizer"]) * (1 - 1 / sizes["data"])
-        tips.append((saved, f"mesh.fsdp={sizes['data']} mesh.data=1 (shard parameters and optimizer state)"))
-    if not cfg.parallel.distributed_optimizer and sizes["data"] * sizes["fsdp"] > 1 and sizes["fsdp"] == 1:
-        saved = state["optimizer"] * (1 - 1 / sizes["data"])
-        tips.append((saved, "parallel.distributed_optimizer=true"))
-    tips.sort(key=lambda x: -x[0])
-    return [f"{what} (-{saved / GIB:.1f} GiB est.)" for saved, what in tips[:3]]
+# ----------------------------------------------------------------------------------------------
+# Candidate changes
+
+@dataclass(frozen=True)
+class Option:
+    """One change: config overrides, the group it belongs to (one option per group in a
+    combination), its kind (the advice offers one option per kind), and a rough throughput cost
+    used to order the advice (lower first)."""
+    group: str  # recompute | micro_batch | layout
+    kind: str  # recompute | micro_batch | distributed_optimizer | fsdp | tensor
+    overrides: tuple[str, ...]
+    cost: float
 
 
-def check_fit(needed: int, capacity: int | None, source: str, tips: list[str]) -> None:
-    """Raises MeshError when `needed` bytes per device exceed `capacity`."""
+@dataclass(frozen=True)
+class Variant:
+    options: tuple[Option, ...]
+    delta: int  # analytic bytes per device after the change minus before (negative: saves)
+
+    @property
+    def cost(self) -> float:
+        return sum(o.cost for o in self.options)
+
+    def describe(self) -> str:
+        return " + ".join(" ".join(o.overrides) for o in self.options)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(2, n + 1) if n % d == 0]
+
+
+def _layout_options(cfg: Config, ici: dict[str, int], dcn: dict[str, int]) -> list[tuple[Option, dict]]:
+    """(option, new per-node sizes) for layouts over the same devices: the distributed optimizer,
+    and FSDP or tensor parallelism taken from the data axis (then fsdp) of a node."""
+    out: list[tuple[Option, dict]] = []
+    if not cfg.parallel.distributed_optimizer and ici["data"] * dcn["data"] > 1:
+        out.append((Option("layout", "distributed_optimizer", ("parallel.distributed_optimizer=true",), 1.0),
+                    dict(ici)))
+
+    def keys(grown: str, donor: str, new: dict) -> tuple[str, ...]:
+        # The axis that grows, then the one it takes from, unless that is the axis filling the rest.
+        shown = [grown] + ([] if getattr(cfg.mesh, donor) == -1 else [donor])
+        return tuple(f"mesh.{a}={new[a]}" for a in shown)
+
+    for f in _divisors(ici["data"]):
+        new = {**ici, "data": ici["data"] // f, "fsdp": ici["fsdp"] * f}
+        out.append((Option("layout", "fsdp", keys("fsdp", "data", new), 1.5 + 0.1 * math.log2(f)), new))
+    for donor in ("data", "fsdp"):
+        for k in _divisors(ici[donor]):
+            new = {**ici, donor: ici[donor] // k, "tensor": ici["tensor"] * k}
+            sp = () if cfg.parallel.sequence_parallel else ("parallel.sequence_parallel=true",)
+            out.append((Option("layout", "tensor", keys("tensor", donor, new) + sp, 3.0 + 0.5 * math.log2(k)),
+                        new))
+    return out
+
+
+def _apply(cfg: Config, option: Option) -> None:
+    """Applies an option's overrides to `cfg` in place (mesh sizes are applied separately)."""
+    for item in option.overrides:
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        if section == "mesh":
+            continue
+        current = getattr(getattr(cfg, section), name)
+        setattr(getattr(cfg, section), name, value == "true" if isinstance(current, bool) else
+                (int(value) if name == "micro_batch" else value))
+
+
+def _formable(cfg: Config, sizes: dict[str, int]) -> bool:
+    """Whether validate_for_model accepts the layout (heads, vocabulary, batch divide, ...)."""
+    from megajax.mesh import validate_for_model
+    shim = SimpleNamespace(axis_names=MESH_AXES,
+                           devices=np.empty(tuple(sizes[a] for a in MESH_AXES), dtype=np.int8))
+    try:
+        validate_for_model(cfg, shim)
+    except UserError:
+        return False
+    return True
+
+
+class Advice:
+    """Every change (alone and combined) the same devices could run, with its analytic effect;
+    `phrases(needed, capacity)` picks what to tell the user."""
+
+    def __init__(self, variants: list[Variant], devices: int):
+        self.variants, self.devices = variants, devices
+
+    def phrases(self, needed: int, capacity: int | None, limit: int = 3) -> list[str]:
+        """What to try, each phrase complete after 'try ': the single changes that fit (cheapest
+        first, the least drastic option of each kind), else the smallest combination that fits,
+        else a statement that nothing does."""
+        singles = [v for v in self.variants if len(v.options) == 1]
+        if capacity is None:  # nothing to compare with: the largest savings
+            best = sorted((v for v in singles if v.delta < 0), key=lambda v: v.delta)
+            return [self._phrase(v, needed) for v in best[:limit]]
+        fits = [v for v in self.variants if needed + v.delta <= capacity]
+        fitting_singles = [v for v in fits if len(v.options) == 1]
+        if fitting_singles:
+            chosen, kinds = [], set()
+            for v in sorted(fitting_singles, key=lambda v: (v.cost, needed + v.delta)):
+                if v.options[0].kind not in kinds:
+                    kinds.add(v.options[0].kind)
+                    chosen.append(v)
+            return [self._phrase(v, needed) for v in chosen[:limit]]
+        if fits:
+            smallest = min(len(v.options) for v in fits)
+            best = min((v for v in fits if len(v.options) == smallest),
+                       key=lambda v: (v.cost, needed + v.delta))
+            return [self._phrase(best, needed)]
+        most = min(self.variants, key=lambda v: v.delta, default=None)
+        tried = "recompute or micro batch" + (" or layout" if self.devices > 1 else "")
+        where = "this 1 device" if self.devices == 1 else f"these {self.devices} devices"
+        text = (f"more devices or a smaller model, batch or sequence: no change of {tried} on {where} "
+                f"fits by the analytic estimate")
+        if most is not None and most.delta < 0:
+            text += (f"; the most that helps, {most.describe()} ({most.delta / GIB:+.2f} GiB est.), still "
+                     f"needs {(needed + most.delta) / GIB:.2f} GiB")
+        return [text]
+
+    @staticmethod
+    def _phrase(v: Variant, needed: int) -> str:
+        return f"{v.describe()} ({v.delta / GIB:+.2f} GiB est., {(needed + v.delta) / GIB:.2f} GiB)"
+
+
+def advice(cfg: Config, sizes: dict[str, int], micro_batch: int, estimate: dict[str, int] | None = None,
+           spec=None) -> Advice:
+    """The changes that reduce per-device memory for `cfg` laid out as `sizes` (whole-mesh axis
+    sizes, inter-node factors included) with `micro_batch` per data-parallel rank.
+
+    `estimate` is unused (kept for callers that pass the current analytic estimate); `spec` is the
+    model spec (built from the config when not given)."""
+    del estimate
+    if spec is None:
+        from megajax.train.state import build_model_spec
+        spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    from megajax.mesh import make_rules
+    padded = cfg.model.padded_vocab_size()
+    dcn = {a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES}
+    ici = {a: sizes[a] // dcn[a] for a in MESH_AXES}
+    devices = math.prod(sizes.values())
+
+    def total(c: Config, per_node: dict[str, int], micro: int) -> int:
+        s = {a: per_node[a] * dcn[a] for a in MESH_AXES}
+        return analytic.memory_estimate(c, spec, make_rules(c), s, micro, padded)["total"]
+
+    now = total(cfg, ici, micro_batch)
+    order = ("none", "selective", "full")
+    groups: list[list[tuple[Option, dict | None]]] = [
+        [(Option("recompute", "recompute", (f"parallel.recompute={p}",), {"selective": 2.0, "full": 4.0}[p]), None)
+         for p in order[order.index(cfg.parallel.recompute) + 1:]],
+        [(Option("micro_batch", "micro_batch", (f"train.micro_batch={d}",), 2.0 + 0.2 * math.log2(micro_batch / d)),
+          None) for d in sorted((d for d in range(1, micro_batch) if micro_batch % d == 0), reverse=True)],
+        _layout_options(cfg, ici, dcn),
+    ]
+    variants = []
+    for picks in itertools.product(*[[None, *g] for g in groups]):
+        chosen = [p for p in picks if p is not None]
+        if not chosen:
+            continue
+        alt, per_node = copy.deepcopy(cfg), dict(ici)
+        for option, new_sizes in chosen:
+            _apply(alt, option)
+            if new_sizes is not None:
+                per_node = new_sizes
+        s = {a: per_node[a] * dcn[a] for a in MESH_AXES}
+        dp = s["data"] * s["fsdp"]
+        micro = alt.train.micro_batch if alt.train.micro_batch is not None else alt.train.global_batch // dp
+        if micro < 1 or not _formable(alt, s):
+            continue
+        variants.append(Variant(tuple(o for o, _ in chosen), total(alt, per_node, micro) - now))
+    return Advice(variants, devices)
+
+
+def check_fit(needed: int, capacity: int | None, source: str, tips: Advice | list[str]) -> None:
+    """Raises MeshError when `needed` bytes per device exceed `capacity`, with what to try."""
     if capacity is None or needed <= capacity:
         return
+    if isinstance(tips, Advice):
+        tips = tips.phrases(needed, capacity)
     tip = ("; try " + " or ".join(tips)) if tips else ""
     raise MeshError(f"the compiled train step needs {needed / GIB:.2f} GiB per device of {capacity / GIB:.2f} "
                     f"({source}){tip}.")
+
+
+def fit_check(cfg: Config, compiled, mesh, spec, micro_batch: int) -> None:
+    """Stops before the first step when the compiled step cannot fit in device memory."""
+    from megajax.mesh import mesh_sizes
+    memory = compiled_bytes(compiled)
+    capacity, source = device_capacity_bytes(mesh.devices.flat[0], cfg.train.device_memory_gib)
+    if memory is None or capacity is None or memory["total"] <= capacity:
+        return
+    check_fit(memory["total"], capacity, source, advice(cfg, mesh_sizes(mesh), micro_batch, spec=spec))

@@ -62,6 +62,17 @@ def truncate_records(path: Path, last_step: int) -> None:
         os.replace(tmp, path)
 
 
+def summary_writer(logdir: Path, say) -> object | None:
+    """tensorboardX's SummaryWriter, or None (after one line through `say`) when it is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        say("megajax: note: TensorBoard event files need tensorboardX (pip install tensorboardX); this run "
+            "logs to metrics.jsonl only. Set logging.tensorboard=false to silence this note.")
+        return None
+    return SummaryWriter(str(logdir))
+
+
 class MetricsLogger:
     """Writes each record to metrics.jsonl (and TensorBoard); prints on process 0."""
 
@@ -75,15 +86,14 @@ class MetricsLogger:
         if self.is_main and resumed:
             truncate_records(path, start_step)
         self.jsonl = open(path, "a") if self.is_main else None
-        self.tb = None
-        if tensorboard and self.is_main:
-            from tensorboardX import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
         show_bar = sys.stderr.isatty() if progress is None else progress
         self.bar = None
         if show_bar and self.is_main:
             from tqdm import tqdm
             self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self.tb = None
+        if tensorboard and self.is_main:
+            self.tb = summary_writer(run_dir / "tensorboard", self.print)
 
     def print(self, text: str) -> None:
         if not self.is_main:
@@ -106,6 +116,7 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)) and v == v:
                     self.tb.add_scalar(f"train/{k}", v, record["step"])
+            self.tb.flush()
         if console and "loss" in record:
             self.print(format_line(record, self.total_steps))
 

@@ -11,7 +11,7 @@ watched time), `publish(record)` for each logged record, and `close()` at the en
   runtime's heartbeat check), so a stuck collective becomes a restartable failure.
 - `PrometheusExporter`: process 0 serves /metrics on ops.prometheus_port.
 - `ProfileWindow`: a JAX profiler trace of steps [a, b] in `<run_dir>/profile/process_<i>`
-  (open with TensorBoard's profile plugin or XProf).
+  (open with TensorBoard's profile plugin or XProf); the file written is printed when it stops.
 """
 
 from __future__ import annotations
@@ -195,6 +195,16 @@ class ProfileWindow:
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
+            print(self.describe(), flush=True)
+
+    def describe(self) -> str:
+        """Where the trace went: the newest .xplane.pb under the directory (the profiler adds
+        plugins/profile/<timestamp>/), and how to open it."""
+        traces = sorted(self.directory.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
+        where = traces[-1] if traces else self.directory
+        root = self.directory.parent
+        return (f"megajax: profiler trace of steps {self.first} to {self.last} written to {where}; open it with "
+                f"`tensorboard --logdir {root}` (profile plugin) or `xprof --logdir {root}`.")
 
 
 class RunOps:
