@@ -16,7 +16,7 @@ limit: its output is printed and saved as $OUT/<name>.txt line by line, and it w
 $OUT/<name>.json (when it cannot, the suite writes one with its status). A section that fails,
 times out or cannot run here (skipped) does not stop the others. $OUT/summary.json, rewritten after
 each section, and the closing table give each section's status, wall time and headline. The suite's
-total time is capped (SUITE_BUDGET_S, default 470 s on a GPU and 175 s for CPU_SMOKE); a section gets
+total time is capped (SUITE_BUDGET_S, default 480 s on a GPU and 240 s for CPU_SMOKE); a section gets
 what is left when that is less than its own limit.
 
 To add a check, append a Section to SECTIONS: a name, a time limit on the GPU, the command for the
@@ -132,6 +132,8 @@ SECTIONS = [
     Section("attention", 150, lambda ctx: [ctx.python, "scripts/gpu_check_attention.py", "--json",
                                            ctx.json("attention"), *(["--cpu-smoke"] if ctx.smoke else [])],
             headline=_attention_headline),
+    Section("fp8", 150, lambda ctx: [ctx.python, "scripts/gpu_check_fp8.py", "--out", str(ctx.out / "fp8"),
+                                     *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60),
     Section("bench_llama1b_cudnn", 130, _bench("bench_llama1b_cudnn", "cudnn"), headline=_bench_headline),
     Section("bench_llama1b_flash", 130, _bench("bench_llama1b_flash", "flash"), headline=_bench_headline),
     # JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.
@@ -238,7 +240,7 @@ def main() -> int:
               file=sys.stderr)
         return 2
     sections = [s for s in SECTIONS if not wanted or s.name in wanted]
-    budget = float(os.environ.get("SUITE_BUDGET_S") or (175 if smoke else 470))
+    budget = float(os.environ.get("SUITE_BUDGET_S") or (240 if smoke else 480))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "PYTHONUNBUFFERED": "1"}
     if smoke:

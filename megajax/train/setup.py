@@ -23,10 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.checkpoint.manager import find_step_dir, read_meta, require_step_dir, restore_params, restore_state
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
-from megajax.mesh import ShardingRules, mesh_from_sizes, mesh_sizes
+from megajax.mesh import ShardingRules, mesh_from_sizes
 from megajax.parallel.context import load_balanced_order
-from megajax.perf.analytic import memory_estimate
-from megajax.perf.fit import advice, check_fit, compiled_bytes, device_capacity_bytes
+from megajax.perf.fit import fit_check
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
@@ -195,18 +194,6 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
-def fit_check(setup: Setup, compiled) -> None:
-    """Stops before the first step when the compiled step cannot fit in device memory."""
-    cfg, plan = setup.cfg, setup.plan
-    memory = compiled_bytes(compiled)
-    capacity, source = device_capacity_bytes(setup.mesh.devices.flat[0], cfg.train.device_memory_gib)
-    if memory is None or capacity is None or memory["total"] <= capacity:
-        return
-    sizes = mesh_sizes(setup.mesh)
-    estimate = memory_estimate(cfg, setup.spec, plan.rules, sizes, plan.batch.micro_batch, plan.padded_vocab)
-    check_fit(memory["total"], capacity, source, advice(cfg, sizes, plan.batch.micro_batch, estimate))
-
-
 def _quiet(_: str) -> None:
     pass
 
@@ -229,7 +216,7 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None, check_memo
     compiled = setup.train_step().lower(state, loader.batch(consumed), setup.ok_flag()).compile()
     compile_seconds = time.perf_counter() - t0
     if check_memory:
-        fit_check(setup, compiled)
+        fit_check(plan.cfg, compiled, setup.mesh, setup.spec, plan.batch.micro_batch)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
                    eval_fn=setup.eval_step(), consumed_samples=consumed, origin=origin, resumed_step=resumed,
                    compile_seconds=compile_seconds, data_report=report)
