@@ -148,7 +148,7 @@ def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
     from megajax.train.setup import build_setup
     cfg = load_config(overrides=SMALL + ["model.vocab_size=300", *layout])
     setup = build_setup(make_plan(cfg, 8))
-    mesh, rules, spec, sizes = setup.mesh, setup.rules, setup.spec, setup.plan.sizes
+    rules, spec, sizes = setup.rules, setup.spec, setup.plan.sizes
     state = setup.fresh_state()
     est = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes)
 

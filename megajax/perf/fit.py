@@ -22,9 +22,7 @@ import copy
 import itertools
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
-import numpy as np
 
 from megajax.config import MESH_AXES, Config
 from megajax.errors import MeshError, UserError
@@ -135,12 +133,12 @@ def _apply(cfg: Config, option: Option) -> None:
 
 
 def _formable(cfg: Config, sizes: dict[str, int]) -> bool:
-    """Whether validate_for_model accepts the layout (heads, vocabulary, batch divide, ...)."""
-    from megajax.mesh import validate_for_model
-    shim = SimpleNamespace(axis_names=MESH_AXES,
-                           devices=np.empty(tuple(sizes[a] for a in MESH_AXES), dtype=np.int8))
+    """Whether the layout is one a run accepts (heads, vocabulary, sequence and batch divide, ...)."""
+    from megajax.mesh import data_parallel_size, validate_for_model
+    from megajax.train.plan import BatchLayout
     try:
-        validate_for_model(cfg, shim)
+        validate_for_model(cfg, sizes)
+        BatchLayout.resolve(cfg.train, data_parallel_size(sizes))
     except UserError:
         return False
     return True

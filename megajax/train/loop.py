@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import signal
 import threading
 import time
