@@ -153,7 +153,7 @@ def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
 
 def test_hf_export_copies_a_tokenizer_json(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megajax.checkpoint.hf import byte_tokenizer_json
+    from megajax.data.tokenizer import byte_tokenizer_json
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_text(byte_tokenizer_json())

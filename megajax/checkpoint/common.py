@@ -1,18 +1,6 @@
-"""What the exporters and importers share: the parameter layout a ModelConfig implies,
-the architecture as config overrides, output dtypes, and crash-safe output directories.
-
-Layout of a megajax parameter tree (names are '/'-joined paths; stacked layer
-tensors carry the layer as dim 0; kernels are [in..., out...]):
-
-    embed/embedding          [Vp, D]      Vp >= vocab_size; rows >= vocab_size are zero
-    pos_embed                [P, D]       learned positions only
-    layers/attn_norm/scale   [L, D]       (+ bias for LayerNorm); mlp_norm the same
-    layers/attn/q/kernel     [L, D, H, hd]    k, v: [L, D, KV, hd]    o: [L, H, hd, D]
-    layers/attn/q/bias       [L, H, hd]       k, v: [L, KV, hd]       o: [L, D]
-    layers/mlp/gate|up/kernel [L, D, F]  (swiglu)   fc1/kernel [L, D, F] (gelu)
-    layers/mlp/fc2/kernel    [L, F, D]    biases: gate|up|fc1 [L, F], fc2 [L, D]
-    final_norm/scale         [D]          (+ bias)
-    output                   [D, Vp]      untied embeddings only
+"""What the exporters and importers share: the checks of a source against its model's layout
+(megajax/models/layout.py), the architecture as config overrides, output dtypes, the
+tokenizer an export carries, and crash-safe output directories.
 """
 
 from __future__ import annotations
@@ -27,7 +15,8 @@ from typing import Iterator
 import numpy as np
 
 from megajax.config import ModelConfig
-from megajax.errors import CheckpointError
+from megajax.errors import CheckpointError, ConfigError
+from megajax.models.layout import param_shapes
 
 DTYPES = ("bf16", "fp32")
 
@@ -49,37 +38,6 @@ def numpy_dtype(dtype: str):
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     raise CheckpointError(f"export dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}.")
-
-
-def param_shapes(m: ModelConfig, padded_vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of a model with resolved config `m`."""
-    d, n, h, kv, hd, f = (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                          m.ffn_hidden_size)
-    shapes = {"embed/embedding": (padded_vocab_size, d)}
-    if m.position_embedding == "learned":
-        shapes["pos_embed"] = (m.max_position_embeddings, d)
-    for norm in ("layers/attn_norm", "layers/mlp_norm", "final_norm"):
-        lead = (n,) if norm.startswith("layers/") else ()
-        shapes[f"{norm}/scale"] = lead + (d,)
-        if m.norm == "layernorm":
-            shapes[f"{norm}/bias"] = lead + (d,)
-    a = "layers/attn"
-    shapes.update({f"{a}/q/kernel": (n, d, h, hd), f"{a}/k/kernel": (n, d, kv, hd),
-                   f"{a}/v/kernel": (n, d, kv, hd), f"{a}/o/kernel": (n, h, hd, d)})
-    if m.use_bias:
-        shapes.update({f"{a}/q/bias": (n, h, hd), f"{a}/k/bias": (n, kv, hd),
-                       f"{a}/v/bias": (n, kv, hd), f"{a}/o/bias": (n, d)})
-    columns = ("gate", "up") if m.activation == "swiglu" else ("fc1",)
-    for c in columns:
-        shapes[f"layers/mlp/{c}/kernel"] = (n, d, f)
-        if m.use_bias:
-            shapes[f"layers/mlp/{c}/bias"] = (n, f)
-    shapes["layers/mlp/fc2/kernel"] = (n, f, d)
-    if m.use_bias:
-        shapes["layers/mlp/fc2/bias"] = (n, d)
-    if not m.tie_embeddings:
-        shapes["output"] = (d, padded_vocab_size)
-    return shapes
 
 
 def check_source(source) -> int:
@@ -137,13 +95,17 @@ def resolved_model(overrides: dict) -> ModelConfig:
     return m
 
 
-def padded_zeros(x: np.ndarray, size: int, axis: int) -> np.ndarray:
-    """`x` padded with zeros along `axis` to `size` (or cut to it)."""
-    if x.shape[axis] >= size:
-        return x[(slice(None),) * axis + (slice(0, size),)]
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return np.pad(x, pad)
+def check_tokenizer(spec: str, m: ModelConfig):
+    """The tokenizer `spec` names, loaded; CheckpointError if it is missing or has more ids than the model."""
+    from megajax.data.tokenizer import load_tokenizer
+    try:
+        tok = load_tokenizer(spec, key="tokenizer")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if tok.vocab_size > m.vocab_size:
+        raise CheckpointError(f"tokenizer {spec!r} has {tok.vocab_size} ids, more than the model's "
+                              f"vocab_size={m.vocab_size}; export with the tokenizer the model was trained with.")
+    return tok
 
 
 @contextlib.contextmanager

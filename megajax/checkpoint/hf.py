@@ -5,40 +5,82 @@
         tokenizer.json, tokenizer_config.json, special_tokens_map.json
     import_hf(in_dir)  ->  (model overrides, parameter tree of float32 numpy arrays)
 
-The llama family maps to `LlamaForCausalLM`, the gpt family to `GPT2LMHeadModel`.
-Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are [in, out]
-and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v, head-major).
+The llama family maps to `LlamaForCausalLM`, the gpt family to `GPT2LMHeadModel`;
+LLAMA_ROWS and GPT2_ROWS (megajax/checkpoint/mapping.py) name each tensor both
+ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
+[in, out] and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v).
 
 The export reads one tensor (one layer of a stacked tensor) at a time from a
 TensorSource, converts it and appends it to the current safetensors shard, so
 peak host memory stays near the largest single tensor. It writes into a
-temporary directory renamed at the end.
+temporary directory renamed at the end. The import reads with the
+`safetensors` library.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import shutil
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, model_overrides, numpy_dtype,
-                                       padded_zeros, param_shapes, resolved_model)
-from megajax.checkpoint.safetensors_io import ShardWriter, read_header, read_tensor
+from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       numpy_dtype, resolved_model)
+from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, linear, linear_rows,
+                                        norm_rows, rows_for, same, to_external, to_ours)
+from megajax.checkpoint.safetensors_io import ShardWriter
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import param_shapes
 
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
-EOD_TOKEN = "<|endoftext|>"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
-# (Hugging Face name, shape, producer of the float32 array in that layout)
-Entry = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+
+# ----------------------------------------------------------------------------
+# The tables
+# ----------------------------------------------------------------------------
+
+_L, _H = "model.layers.{i}", "transformer.h.{i}"
+
+LLAMA_ROWS = (
+    Row("model.embed_tokens.weight", same("embed/embedding"), vocab=True),
+    *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm"),
+    *linear_rows(f"{_L}.self_attn.q_proj", "layers/attn/q"),
+    *linear_rows(f"{_L}.self_attn.k_proj", "layers/attn/k"),
+    *linear_rows(f"{_L}.self_attn.v_proj", "layers/attn/v"),
+    *linear_rows(f"{_L}.self_attn.o_proj", "layers/attn/o", n_in=2),
+    *norm_rows(f"{_L}.post_attention_layernorm", "layers/mlp_norm"),
+    *linear_rows(f"{_L}.mlp.gate_proj", "layers/mlp/gate"),
+    *linear_rows(f"{_L}.mlp.up_proj", "layers/mlp/up"),
+    *linear_rows(f"{_L}.mlp.down_proj", "layers/mlp/fc2"),
+    *norm_rows("model.norm", "final_norm"),
+    Row("lm_head.weight", linear("output"), vocab=True),
+)
+
+GPT2_ROWS = (
+    Row("transformer.wte.weight", same("embed/embedding"), vocab=True),
+    Row("transformer.wpe.weight", same("pos_embed")),
+    *norm_rows(f"{_H}.ln_1", "layers/attn_norm"),
+    Row(f"{_H}.attn.c_attn.weight", *(conv1d(f"layers/attn/{x}/kernel") for x in "qkv"), axis=1),
+    Row(f"{_H}.attn.c_attn.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv")),
+    *linear_rows(f"{_H}.attn.c_proj", "layers/attn/o", n_in=2, kind=conv1d),
+    *norm_rows(f"{_H}.ln_2", "layers/mlp_norm"),
+    *linear_rows(f"{_H}.mlp.c_fc", "layers/mlp/fc1", kind=conv1d),
+    *linear_rows(f"{_H}.mlp.c_proj", "layers/mlp/fc2", kind=conv1d),
+    *norm_rows("transformer.ln_f", "final_norm"),
+)  # lm_head is tied to wte
+
+TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS}
+
+
+def _ignored(name: str) -> bool:
+    """Tensors a Hugging Face checkpoint may carry that are not parameters (or are tied copies)."""
+    return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
+            or name == "lm_head.weight")
 
 
 # ----------------------------------------------------------------------------
@@ -69,122 +111,6 @@ def architecture(m: ModelConfig) -> str:
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
                               f"train it with the family's traits.")
     return arch
-
-
-# ----------------------------------------------------------------------------
-# Tensors in Hugging Face layout, produced one at a time
-# ----------------------------------------------------------------------------
-
-def _layer(source, name: str, i: int) -> np.ndarray:
-    return source.get(name, layer=i)
-
-
-def _llama_entries(source, m: ModelConfig) -> list[Entry]:
-    d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                          m.vocab_size)
-    get = functools.partial(_layer, source)
-
-    def linear(name, i, out_dims):  # kernel [in..., out...] -> weight [out, in]
-        def produce():
-            x = get(name, i)
-            return x.reshape(-1, int(np.prod(x.shape[-out_dims:]))).T
-        return produce
-
-    def in_major(name, i, in_dims):  # kernel [in..., out] -> weight [out, in...flattened]
-        def produce():
-            x = get(name, i)
-            return x.reshape(int(np.prod(x.shape[:in_dims])), -1).T
-        return produce
-
-    def flat(name, i):
-        return lambda: get(name, i).reshape(-1)
-
-    out: list[Entry] = [("model.embed_tokens.weight", (v, d), lambda: source.get("embed/embedding")[:v])]
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}"
-        out.append((f"{p}.input_layernorm.weight", (d,), flat("layers/attn_norm/scale", i)))
-        for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-            out.append((f"{p}.self_attn.{proj}_proj.weight", (heads * hd, d),
-                        linear(f"layers/attn/{proj}/kernel", i, 2)))
-            if m.use_bias:
-                out.append((f"{p}.self_attn.{proj}_proj.bias", (heads * hd,), flat(f"layers/attn/{proj}/bias", i)))
-        out.append((f"{p}.self_attn.o_proj.weight", (d, h * hd), in_major("layers/attn/o/kernel", i, 2)))
-        if m.use_bias:
-            out.append((f"{p}.self_attn.o_proj.bias", (d,), flat("layers/attn/o/bias", i)))
-        out.append((f"{p}.post_attention_layernorm.weight", (d,), flat("layers/mlp_norm/scale", i)))
-        for hf, ours, shape in (("gate_proj", "gate", (f, d)), ("up_proj", "up", (f, d)),
-                                ("down_proj", "fc2", (d, f))):
-            out.append((f"{p}.mlp.{hf}.weight", shape, linear(f"layers/mlp/{ours}/kernel", i, 1)))
-            if m.use_bias:
-                out.append((f"{p}.mlp.{hf}.bias", shape[:1], flat(f"layers/mlp/{ours}/bias", i)))
-    out.append(("model.norm.weight", (d,), lambda: source.get("final_norm/scale")))
-    if not m.tie_embeddings:
-        out.append(("lm_head.weight", (v, d), lambda: source.get("output")[:, :v].T))
-    return out
-
-
-def _gpt2_entries(source, m: ModelConfig) -> list[Entry]:
-    d, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
-    get = functools.partial(_layer, source)
-
-    def c_attn_weight(i):  # Conv1D [D, 3D]: columns q | k | v, each head-major
-        return lambda: np.concatenate([get(f"layers/attn/{x}/kernel", i).reshape(d, -1) for x in "qkv"], 1)
-
-    def c_attn_bias(i):
-        return lambda: np.concatenate([get(f"layers/attn/{x}/bias", i).reshape(-1) for x in "qkv"])
-
-    def as_is(name, i, shape):
-        return lambda: get(name, i).reshape(shape)
-
-    out: list[Entry] = [("transformer.wte.weight", (v, d), lambda: source.get("embed/embedding")[:v]),
-                        ("transformer.wpe.weight", (m.max_position_embeddings, d),
-                         lambda: source.get("pos_embed"))]
-    for i in range(m.num_layers):
-        p = f"transformer.h.{i}"
-        out += [
-            (f"{p}.ln_1.weight", (d,), as_is("layers/attn_norm/scale", i, (d,))),
-            (f"{p}.ln_1.bias", (d,), as_is("layers/attn_norm/bias", i, (d,))),
-            (f"{p}.attn.c_attn.weight", (d, 3 * d), c_attn_weight(i)),
-            (f"{p}.attn.c_attn.bias", (3 * d,), c_attn_bias(i)),
-            (f"{p}.attn.c_proj.weight", (d, d), as_is("layers/attn/o/kernel", i, (d, d))),
-            (f"{p}.attn.c_proj.bias", (d,), as_is("layers/attn/o/bias", i, (d,))),
-            (f"{p}.ln_2.weight", (d,), as_is("layers/mlp_norm/scale", i, (d,))),
-            (f"{p}.ln_2.bias", (d,), as_is("layers/mlp_norm/bias", i, (d,))),
-            (f"{p}.mlp.c_fc.weight", (d, f), as_is("layers/mlp/fc1/kernel", i, (d, f))),
-            (f"{p}.mlp.c_fc.bias", (f,), as_is("layers/mlp/fc1/bias", i, (f,))),
-            (f"{p}.mlp.c_proj.weight", (f, d), as_is("layers/mlp/fc2/kernel", i, (f, d))),
-            (f"{p}.mlp.c_proj.bias", (d,), as_is("layers/mlp/fc2/bias", i, (d,))),
-        ]
-    out += [("transformer.ln_f.weight", (d,), lambda: source.get("final_norm/scale")),
-            ("transformer.ln_f.bias", (d,), lambda: source.get("final_norm/bias"))]
-    return out  # lm_head is tied to wte
-
-
-def _write_shards(out: Path, entries: list[Entry], dtype: np.dtype, max_shard_bytes: int) -> list[str]:
-    """Writes the tensors in order into as few shards of at most max_shard_bytes as possible."""
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        nbytes = int(np.prod(e[1], dtype=np.int64)) * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += nbytes
-    n = len(shards)
-    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    weight_map, total = {}, 0
-    for file, shard in zip(files, shards):
-        writer = ShardWriter(out / file, [(name, shape) for name, shape, _ in shard], dtype)
-        for name, shape, produce in shard:
-            writer.write(name, produce())  # the only live tensor: this one
-            weight_map[name] = file
-        writer.close()
-        total += writer.nbytes
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
 
 
 # ----------------------------------------------------------------------------
@@ -230,99 +156,62 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------
-
-def _byte_to_char() -> dict[int, str]:
-    """The byte-level alphabet: each byte as one printable character (printable bytes as themselves,
-    the others shifted above U+0100), so that any byte string is a string of vocabulary symbols."""
-    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(0x100 + shifted)
-            shifted += 1
-    return out
-
-
-def byte_tokenizer_json() -> str:
-    """A `tokenizers` tokenizer with megajax's ByteTokenizer ids: 0..255 the UTF-8 bytes, 256 end-of-document."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    chars = _byte_to_char()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
-    assert tok.token_to_id(EOD_TOKEN) == 256
-    return tok.to_str()
-
-
-def write_tokenizer(out: Path, spec: str, m: ModelConfig) -> tuple[int | None, int | None]:
-    """Writes the tokenizer files for `spec` ('byte' or a tokenizer.json / its directory); (bos, eos) ids."""
-    from megajax.data.tokenizer import load_tokenizer
-    tok = load_tokenizer(spec, key="tokenizer")
-    if tok.vocab_size > m.vocab_size:
-        raise CheckpointError(f"tokenizer {spec!r} has {tok.vocab_size} ids, more than the model's "
-                              f"vocab_size={m.vocab_size}; export with the tokenizer the model was trained with.")
-    max_length = m.max_position_embeddings
-    if spec == "byte":
-        (out / "tokenizer.json").write_text(byte_tokenizer_json())
-        specials = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}
-        _write_json(out / "tokenizer_config.json", dict(
-            specials, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
-            clean_up_tokenization_spaces=False, add_prefix_space=False))
-        _write_json(out / "special_tokens_map.json", specials)
-        return tok.eod_id, tok.eod_id
-    from tokenizers import Tokenizer
-    src = Path(tok.name)
-    shutil.copyfile(src, out / "tokenizer.json")
-    vocab = Tokenizer.from_file(str(src))
-    bos = None
-    if (src.parent / "tokenizer_config.json").is_file():
-        shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
-        bos_name = json.loads((src.parent / "tokenizer_config.json").read_text()).get("bos_token")
-        if isinstance(bos_name, dict):
-            bos_name = bos_name.get("content")
-        if isinstance(bos_name, str):
-            bos = vocab.token_to_id(bos_name)
-    else:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-                  "clean_up_tokenization_spaces": False}
-        if tok.eod_id is not None:
-            config["eos_token"] = vocab.id_to_token(tok.eod_id)
-        _write_json(out / "tokenizer_config.json", config)
-    if (src.parent / "special_tokens_map.json").is_file():
-        shutil.copyfile(src.parent / "special_tokens_map.json", out / "special_tokens_map.json")
-    return bos, tok.eod_id
-
-
-# ----------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------
+
+def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConfig, dtype: np.dtype,
+                  max_shard_bytes: int) -> None:
+    """Writes the tensors in table order into as few shards of at most max_shard_bytes as possible,
+    producing each one (from one layer of each of its parts) just before it is written."""
+    shards: list[list] = [[]]
+    size = 0
+    for row, i in in_layer_order(rows, m.num_layers):
+        shape = external_shape(row, shapes, m)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((row, i, row.names(i)[0], shape))
+        size += nbytes
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    weight_map, total = {}, 0
+    for file, shard in zip(files, shards):
+        writer = ShardWriter(out / file, [(name, shape) for _, _, name, shape in shard], dtype)
+        for row, i, name, _ in shard:
+            writer.write(name, to_external(row, lambda path: source.get(path, layer=i), m))  # the only live tensor
+            weight_map[name] = file
+        writer.close()
+        total += writer.nbytes
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
 
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
 
-    `dtype` ('bf16' or 'fp32') is the stored weight dtype. Raises CheckpointError
-    for a model the architecture cannot express or a source that does not match
-    its config; the directory appears only when complete.
+    `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory); `dtype`
+    ('bf16' or 'fp32') the stored weight dtype. Raises CheckpointError for a
+    model the architecture cannot express or a source that does not match its
+    config; the directory appears only when complete.
     """
+    from megajax.data.tokenizer import save_hf_tokenizer
     m = source.model
     np_dtype = numpy_dtype(dtype)
     arch = architecture(m)
-    check_source(source)
+    shapes = param_shapes(m, check_source(source))
+    rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
-    entries = (_llama_entries if arch == LLAMA else _gpt2_entries)(source, m)
+    tok = check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
-        bos, eos = write_tokenizer(tmp, tokenizer_spec, m)
+        bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
         _write_json(tmp / "config.json", _hf_config(m, arch, dtype, bos, eos))
         generation = {"bos_token_id": bos, "eos_token_id": eos}
         _write_json(tmp / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-        _write_shards(tmp, entries, np_dtype, max_shard_bytes)
+        _write_shards(tmp, source, rows, shapes, m, np_dtype, max_shard_bytes)
     return Path(out_dir)
 
 
@@ -331,49 +220,64 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
 # ----------------------------------------------------------------------------
 
 class _Weights:
-    """The tensors of a Hugging Face directory (single or sharded safetensors), read on demand."""
+    """The tensors of a Hugging Face directory (single or sharded safetensors), read on demand
+    through the safetensors library (memory-mapped)."""
 
-    def __init__(self, d: Path):
+    def __init__(self, d: Path, files: ExitStack):
+        try:
+            from safetensors import SafetensorError, safe_open
+        except ImportError:
+            raise CheckpointError("reading Hugging Face weights needs the safetensors library: "
+                                  "pip install 'megajax[torch]'.") from None
         index, single = d / "model.safetensors.index.json", d / "model.safetensors"
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
-            files = sorted(set(weight_map.values()))
+            names = sorted(set(weight_map.values()))
         elif single.is_file():
-            files = [single.name]
+            names = [single.name]
         else:
             other = [p.name for p in d.glob("pytorch_model*.bin")]
             hint = (f" It holds {', '.join(other)}: only safetensors weights are read; re-save the model "
                     f"with save_pretrained(..., safe_serialization=True).") if other else ""
             raise CheckpointError(f"{str(d)!r} holds no model.safetensors or model.safetensors.index.json."
                                   f"{hint}")
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
-        for file in files:
-            path = d / file
+        self.files: dict[str, object] = {}
+        for name in names:
+            path = d / name
             if not path.is_file():
-                raise CheckpointError(f"{str(d)!r}: shard {file} named by the index is missing.")
-            header, start = read_header(path)
-            for name, entry in header.items():
-                self.entries[name] = (path, entry, start)
+                raise CheckpointError(f"{str(d)!r}: shard {name} named by the index is missing.")
+            try:
+                f = files.enter_context(safe_open(str(path), framework="numpy"))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{str(path)!r} is not a readable safetensors file ({e}).") from None
+            for key in f.keys():
+                self.files[key] = (path, f)
         self.used: set[str] = set()
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
+    def find(self, names: tuple[str, ...]) -> str | None:
+        """The first of `names` present (GPT2Model saves its tensors without the `transformer.` prefix)."""
+        for name in names + tuple(n.removeprefix("transformer.") for n in names):
+            if name in self.files:
+                return name
+        return None
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.entries:
-            raise CheckpointError(f"the Hugging Face checkpoint has no tensor {name}.")
-        path, entry, start = self.entries[name]
-        if tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(f"tensor {name} in {path.name} has shape {entry['shape']}, but config.json "
+        path, f = self.files[name]
+        stored = tuple(f.get_slice(name).get_shape())
+        if stored != tuple(shape):
+            raise CheckpointError(f"tensor {name} in {path.name} has shape {list(stored)}, but config.json "
                                   f"implies {list(shape)}.")
         self.used.add(name)
-        return read_tensor(path, entry, start)
+        try:
+            return np.asarray(f.get_tensor(name), dtype=np.float32)
+        except (TypeError, ValueError) as e:  # a dtype numpy cannot hold
+            raise CheckpointError(f"{str(path)!r}: tensor {name} cannot be read as float32 ({e}).") from None
 
-    def check_all_used(self, ignore: Callable[[str], bool]) -> None:
-        left = sorted(n for n in set(self.entries) - self.used if not ignore(n))
+    def check_all_used(self) -> None:
+        left = sorted(n for n in set(self.files) - self.used if not _ignored(n))
         if left:
             raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
                                   f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
@@ -447,70 +351,12 @@ def _gpt2_overrides(c: dict) -> dict:
                 init_std=float(_field(c, "initializer_range", 0.02)))
 
 
-def _llama_params(w: _Weights, m: ModelConfig, padded: int, out: dict) -> None:
-    d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                          m.vocab_size)
-    out["embed/embedding"][:] = padded_zeros(w.get("model.embed_tokens.weight", (v, d)), padded, 0)
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}"
-        out["layers/attn_norm/scale"][i] = w.get(f"{p}.input_layernorm.weight", (d,))
-        out["layers/mlp_norm/scale"][i] = w.get(f"{p}.post_attention_layernorm.weight", (d,))
-        for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-            out[f"layers/attn/{proj}/kernel"][i] = (
-                w.get(f"{p}.self_attn.{proj}_proj.weight", (heads * hd, d)).T.reshape(d, heads, hd))
-            if m.use_bias:
-                out[f"layers/attn/{proj}/bias"][i] = (
-                    w.get(f"{p}.self_attn.{proj}_proj.bias", (heads * hd,)).reshape(heads, hd))
-        out["layers/attn/o/kernel"][i] = w.get(f"{p}.self_attn.o_proj.weight", (d, h * hd)).T.reshape(h, hd, d)
-        if m.use_bias:
-            out["layers/attn/o/bias"][i] = w.get(f"{p}.self_attn.o_proj.bias", (d,))
-        for hf, ours, shape in (("gate_proj", "gate", (f, d)), ("up_proj", "up", (f, d)),
-                                ("down_proj", "fc2", (d, f))):
-            out[f"layers/mlp/{ours}/kernel"][i] = w.get(f"{p}.mlp.{hf}.weight", shape).T
-            if m.use_bias:
-                out[f"layers/mlp/{ours}/bias"][i] = w.get(f"{p}.mlp.{hf}.bias", shape[:1])
-    out["final_norm/scale"][:] = w.get("model.norm.weight", (d,))
-    if not m.tie_embeddings:
-        out["output"][:] = padded_zeros(w.get("lm_head.weight", (v, d)), padded, 0).T
-
-
-def _gpt2_params(w: _Weights, m: ModelConfig, padded: int, out: dict) -> None:
-    d, h, hd, f, v = m.hidden_size, m.num_heads, m.head_dim, m.ffn_hidden_size, m.vocab_size
-    t = "transformer." if "transformer.wte.weight" in w else ""  # GPT2Model saves without the prefix
-    out["embed/embedding"][:] = padded_zeros(w.get(f"{t}wte.weight", (v, d)), padded, 0)
-    out["pos_embed"][:] = w.get(f"{t}wpe.weight", (m.max_position_embeddings, d))
-    for i in range(m.num_layers):
-        p = f"{t}h.{i}"
-        for ln, ours in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
-            out[f"layers/{ours}/scale"][i] = w.get(f"{p}.{ln}.weight", (d,))
-            out[f"layers/{ours}/bias"][i] = w.get(f"{p}.{ln}.bias", (d,))
-        qkv = w.get(f"{p}.attn.c_attn.weight", (d, 3 * d))
-        qkv_bias = w.get(f"{p}.attn.c_attn.bias", (3 * d,))
-        for k, x in enumerate("qkv"):
-            out[f"layers/attn/{x}/kernel"][i] = qkv[:, k * d:(k + 1) * d].reshape(d, h, hd)
-            out[f"layers/attn/{x}/bias"][i] = qkv_bias[k * d:(k + 1) * d].reshape(h, hd)
-        out["layers/attn/o/kernel"][i] = w.get(f"{p}.attn.c_proj.weight", (d, d)).reshape(h, hd, d)
-        out["layers/attn/o/bias"][i] = w.get(f"{p}.attn.c_proj.bias", (d,))
-        out["layers/mlp/fc1/kernel"][i] = w.get(f"{p}.mlp.c_fc.weight", (d, f))
-        out["layers/mlp/fc1/bias"][i] = w.get(f"{p}.mlp.c_fc.bias", (f,))
-        out["layers/mlp/fc2/kernel"][i] = w.get(f"{p}.mlp.c_proj.weight", (f, d))
-        out["layers/mlp/fc2/bias"][i] = w.get(f"{p}.mlp.c_proj.bias", (d,))
-    out["final_norm/scale"][:] = w.get(f"{t}ln_f.weight", (d,))
-    out["final_norm/bias"][:] = w.get(f"{t}ln_f.bias", (d,))
-
-
-def _ignored(name: str) -> bool:
-    """Tensors a Hugging Face checkpoint may carry that are not parameters (or are tied copies)."""
-    return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
-            or name == "lm_head.weight")
-
-
 def import_hf(in_dir) -> tuple[dict, dict]:
     """Reads a Hugging Face LlamaForCausalLM or GPT2LMHeadModel directory.
 
     Returns (model overrides, params): the ModelConfig field values of the
     architecture, and the parameter tree as float32 numpy arrays with the
-    vocabulary padded to a multiple of 128 (tensor size 1) with zero rows.
+    vocabulary padded to model.padded_vocab_size() with zero rows.
     """
     d = Path(in_dir).expanduser()
     config_file = d / "config.json"
@@ -523,9 +369,9 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     arch = (c.get("architectures") or [None])[0]
     model_type = c.get("model_type")
     if arch == LLAMA or (arch is None and model_type == "llama"):
-        overrides, fill = _llama_overrides(c), _llama_params
+        arch, overrides = LLAMA, _llama_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
-        overrides, fill = _gpt2_overrides(c), _gpt2_params
+        arch, overrides = GPT2, _gpt2_overrides(c)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
                               f"megajax imports {LLAMA} and {GPT2}.")
@@ -533,9 +379,20 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
                               f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-    padded = m.padded_vocab_size()
-    flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
-    weights = _Weights(d)
-    fill(weights, m, padded, flat)
-    weights.check_all_used(_ignored)
-    return model_overrides(m), unflatten(dict(sorted(flat.items())))
+    shapes = param_shapes(m)
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+
+    def mismatch(name, got, want):
+        return CheckpointError(f"tensor {name} has shape {list(got)}, but config.json implies {list(want)}.")
+
+    with ExitStack() as files:
+        weights = _Weights(d, files)
+        for row, i in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m.num_layers):
+            name = weights.find(row.names(i))
+            if name is None:
+                raise CheckpointError(f"the Hugging Face checkpoint has no tensor {row.names(i)[0]}.")
+            y = weights.get(name, external_shape(row, shapes, m))
+            for path, x in to_ours(row, name, y, shapes, m, mismatch=mismatch).items():
+                flat_params[path][... if i is None else i] = x
+        weights.check_all_used()
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))

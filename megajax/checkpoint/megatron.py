@@ -3,20 +3,21 @@
     <dir>/latest_checkpointed_iteration.txt            the iteration, or `release`
     <dir>/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
          (or <dir>/release/... when no iteration is given)
+    <dir>/tokenizer/                                   the tokenizer, named by args.tokenizer_model
 
 Each `.pt` file is a torch.save'd dict {model, checkpoint_version 3.0, iteration,
 args} where `model` is the state dict of Megatron-Core's GPTModel with the local
 (non Transformer Engine) layer spec for that tensor/pipeline rank, and `args`
-an argparse.Namespace with the hyper-parameters Megatron reads back.
+an argparse.Namespace with the hyper-parameters Megatron reads back
+(`tokenizer_type=HuggingFaceTokenizer`, `tokenizer_model` the tokenizer folder).
 
-Layouts (PyTorch linear weights are [out, in]):
+MEGATRON_ROWS names every tensor both ways (megajax/checkpoint/mapping.py):
 - `linear_qkv` rows are grouped per query group g: [q of g's heads | k of g | v of g];
-  its tensor-parallel shards are contiguous blocks of groups.
-- Column-parallel (split on dim 0): word embeddings, output layer, linear_qkv,
-  linear_fc1; row-parallel (dim 1): linear_proj, linear_fc2. Norms and
-  row-parallel biases are replicated. The vocabulary is padded to a multiple of
-  make_vocab_size_divisible_by x TP.
-- SwiGLU's linear_fc1 is, on each TP rank, [gate shard; up shard].
+- SwiGLU's linear_fc1 is, on each TP rank, [gate shard; up shard];
+- column-parallel rows split dim 0 over tensor ranks (word embeddings, output
+  layer, linear_qkv, linear_fc1), row-parallel ones dim 1 (linear_proj,
+  linear_fc2); norms and row-parallel biases are replicated. The vocabulary is
+  padded to a multiple of make_vocab_size_divisible_by x TP.
 - Pipeline stages hold consecutive layers numbered from 0 within the stage; the
   first stage holds the embeddings, the last the final norm and output layer
   (with tied embeddings and PP > 1, a copy of the word embeddings as
@@ -40,15 +41,18 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, model_overrides, padded_zeros,
-                                       param_shapes, resolved_model)
+from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       resolved_model)
+from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+TOKENIZER_DIR = "tokenizer"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 
 
@@ -68,51 +72,66 @@ def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
 # Layouts: megajax layer tensors <-> Megatron's global [out, in] weights
 # ----------------------------------------------------------------------------
 
-def _qkv_groups(q, k, v, groups: int) -> np.ndarray:
-    """q [D, H, hd], k/v [D, G, hd] -> [G, (H/G + 2) * hd, D]: each group's q rows, then its k, then its v.
-    Also serves biases: q [H, hd], k/v [G, hd] -> [G, (H/G + 2) * hd]."""
-    if q.ndim == 3:
-        d = q.shape[0]
-        q, k, v = (x.reshape(d, -1).T for x in (q, k, v))  # [heads * hd, D]
-    else:
-        q, k, v = (x.reshape(-1) for x in (q, k, v))
-    rest = q.shape[1:]
-    return np.concatenate([x.reshape((groups, -1) + rest) for x in (q, k, v)], axis=1)
+# ----------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------
+
+_L = "decoder.layers.{i}"
+
+MEGATRON_ROWS = (
+    Row("embedding.word_embeddings.weight", same("embed/embedding"), vocab=True, split="column"),
+    Row("embedding.position_embeddings.weight", same("pos_embed")),
+    *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm",  # aliases: Transformer Engine's fused norm
+               aliases=(f"{_L}.self_attention.linear_qkv.layer_norm_weight",
+                        f"{_L}.self_attention.linear_qkv.layer_norm_bias")),
+    Row(f"{_L}.self_attention.linear_qkv.weight", *(linear(f"layers/attn/{x}/kernel") for x in "qkv"),
+        groups="kv_heads", split="column"),
+    Row(f"{_L}.self_attention.linear_qkv.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv"),
+        groups="kv_heads", split="column"),
+    *linear_rows(f"{_L}.self_attention.linear_proj", "layers/attn/o", n_in=2, split="row"),
+    *norm_rows(f"{_L}.pre_mlp_layernorm", "layers/mlp_norm",
+               aliases=(f"{_L}.mlp.linear_fc1.layer_norm_weight", f"{_L}.mlp.linear_fc1.layer_norm_bias")),
+    Row(f"{_L}.mlp.linear_fc1.weight", linear("layers/mlp/gate/kernel"), linear("layers/mlp/up/kernel"),
+        groups="tensor", split="column"),  # SwiGLU; else the GELU row below
+    Row(f"{_L}.mlp.linear_fc1.bias", flat("layers/mlp/gate/bias"), flat("layers/mlp/up/bias"),
+        groups="tensor", split="column"),
+    *linear_rows(f"{_L}.mlp.linear_fc1", "layers/mlp/fc1", split="column"),
+    *linear_rows(f"{_L}.mlp.linear_fc2", "layers/mlp/fc2", split="row"),
+    *norm_rows("decoder.final_layernorm", "final_norm",
+               aliases=("decoder.final_norm.weight", "decoder.final_norm.bias")),
+    Row("output_layer.weight", linear("output"), vocab=True, split="column"),
+    Row("output_layer.weight", same("embed/embedding"), vocab=True, split="column", copy=True),  # tied
+)
+
+# Linear modules whose (empty, local-spec) `_extra_state` entries a rank file carries.
+_EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+_LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
-def _qkv_ungroup(w: np.ndarray, m: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of _qkv_groups on the merged linear_qkv weight [G * (r + 2) * hd, D] (or bias)."""
-    g, hd = m.num_kv_heads, m.head_dim
-    r = m.num_heads // g
-    rest = w.shape[1:]
-    w = w.reshape((g, (r + 2) * hd) + rest)
-    q, k, v = w[:, :r * hd], w[:, r * hd:(r + 1) * hd], w[:, (r + 1) * hd:]
-    if rest:  # weights: [G, n * hd, D] -> [D, heads, hd]
-        d = rest[0]
-        return (q.reshape(-1, d).T.reshape(d, m.num_heads, hd), k.reshape(-1, d).T.reshape(d, g, hd),
-                v.reshape(-1, d).T.reshape(d, g, hd))
-    return q.reshape(m.num_heads, hd), k.reshape(g, hd), v.reshape(g, hd)
+def _first_stage(row: Row) -> bool:
+    """Whether a row that is not per layer lives on the first pipeline stage (else the last)."""
+    return row.name.startswith("embedding.")
 
 
-def _rows(x: np.ndarray, rank: int, size: int) -> np.ndarray:
-    n = x.shape[0] // size
-    return x[rank * n:(rank + 1) * n]
+def _shard(x: np.ndarray, split: str, rank: int, size: int, rows: int | None = None) -> np.ndarray:
+    """Tensor rank `rank`'s piece of x; `rows`: pad dim 0 with zero rows to this size first (the
+    vocabulary), without materialising the padded tensor."""
+    if split == "replicated":
+        return x
+    axis = 0 if split == "column" else 1
+    n = (rows or x.shape[axis]) // size
+    lo, hi = rank * n, min((rank + 1) * n, x.shape[axis])
+    piece = np.take(x, np.arange(lo, max(lo, hi)), axis=axis)
+    if piece.shape[axis] < n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n - piece.shape[axis])
+        piece = np.pad(piece, pad)
+    return piece
 
 
-def _vocab_shard(x_VxD: np.ndarray, padded: int, rank: int, size: int) -> np.ndarray:
-    """Rows [rank * n, (rank + 1) * n) of x padded with zero rows to `padded` (n = padded / size),
-    without materialising the whole padded table."""
-    n = padded // size
-    lo, hi = rank * n, min((rank + 1) * n, x_VxD.shape[0])
-    out = np.zeros((n,) + x_VxD.shape[1:], np.float32)
-    if hi > lo:
-        out[:hi - lo] = x_VxD[lo:hi]
-    return out
-
-
-def _cols(x: np.ndarray, rank: int, size: int) -> np.ndarray:
-    n = x.shape[1] // size
-    return x[:, rank * n:(rank + 1) * n]
+def _merge(shards: list[np.ndarray], split: str) -> np.ndarray:
+    return shards[0] if split == "replicated" else np.concatenate(shards, 0 if split == "column" else 1)
 
 
 # ----------------------------------------------------------------------------
@@ -137,8 +156,11 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
-                  dtype: str, iteration: int) -> argparse.Namespace:
-    """The `args` Namespace Megatron-LM saves with a checkpoint (the fields its loader and converters read)."""
+                  dtype: str, iteration: int, tokenizer_model: str | None = None) -> argparse.Namespace:
+    """The `args` Namespace Megatron-LM saves with a checkpoint (the fields its loader and converters read).
+
+    `tokenizer_model` is a Hugging Face tokenizer folder (recorded as Megatron's HuggingFaceTokenizer),
+    or None when the export carries no tokenizer."""
     torch = _torch()
     rope = m.position_embedding == "rope"
     return argparse.Namespace(
@@ -164,82 +186,52 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
         bf16=dtype == "bf16", fp16=False, params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
+        vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
+        trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
     )
 
 
-def _rank_state_dict(source, m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int, dtype) -> dict:
+
+
+def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
+                     dtype) -> dict:
     """The state dict of tensor rank t, pipeline stage s, reading the source one layer tensor at a time."""
     torch = _torch()
-    use_bias, swiglu, g = m.use_bias, m.activation == "swiglu", m.num_kv_heads
     per_stage = m.num_layers // pp
     first, last = s == 0, s == pp - 1
     sd: dict = {}
 
-    def put(key, x):  # a fresh tensor: never a view holding the whole source tensor
+    def put(row: Row, key: str, layer: int | None):
+        x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp)
+        x = _shard(x, row.split, t, tp, padded if row.vocab else None)
+        # a fresh tensor: never a view holding the whole source tensor
         sd[key] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
 
-    def vocab_rows():  # [Vp / TP, D] shard of the word embeddings, padded for this TP
-        return _vocab_shard(source.get("embed/embedding")[:m.vocab_size], padded, t, tp)
-
-    if first:
-        put("embedding.word_embeddings.weight", vocab_rows())
-        if m.position_embedding == "learned":
-            put("embedding.position_embeddings.weight", source.get("pos_embed"))
+    for row in rows:
+        if row.per_layer:
+            for local in range(per_stage):
+                put(row, row.names(local)[0], s * per_stage + local)
+        elif (first if _first_stage(row) else last) and not (row.copy and first):
+            put(row, row.name, None)
     for local in range(per_stage):
-        i = s * per_stage + local
-        p = f"decoder.layers.{local}"
-
-        def get(name, i=i):
-            return source.get(name, layer=i)
-
-        for norm, ours in (("input_layernorm", "attn_norm"), ("pre_mlp_layernorm", "mlp_norm")):
-            put(f"{p}.{norm}.weight", get(f"layers/{ours}/scale"))
-            if m.norm == "layernorm":
-                put(f"{p}.{norm}.bias", get(f"layers/{ours}/bias"))
-        a = "layers/attn"
-        qkv = _qkv_groups(get(f"{a}/q/kernel"), get(f"{a}/k/kernel"), get(f"{a}/v/kernel"), g)
-        put(f"{p}.self_attention.linear_qkv.weight", _rows(qkv, t, tp).reshape(-1, m.hidden_size))
-        del qkv
-        if use_bias:
-            qkv_bias = _qkv_groups(get(f"{a}/q/bias"), get(f"{a}/k/bias"), get(f"{a}/v/bias"), g)
-            put(f"{p}.self_attention.linear_qkv.bias", _rows(qkv_bias, t, tp).reshape(-1))
-        sd[f"{p}.self_attention.linear_qkv._extra_state"] = None
-        o = get(f"{a}/o/kernel")
-        put(f"{p}.self_attention.linear_proj.weight", _cols(o.reshape(-1, m.hidden_size).T, t, tp))
-        del o
-        if use_bias:
-            put(f"{p}.self_attention.linear_proj.bias", get(f"{a}/o/bias"))
-        sd[f"{p}.self_attention.linear_proj._extra_state"] = None
-        fc1 = ("gate", "up") if swiglu else ("fc1",)
-        put(f"{p}.mlp.linear_fc1.weight",
-            np.concatenate([_rows(get(f"layers/mlp/{c}/kernel").T, t, tp) for c in fc1]))
-        if use_bias:
-            put(f"{p}.mlp.linear_fc1.bias", np.concatenate([_rows(get(f"layers/mlp/{c}/bias"), t, tp) for c in fc1]))
-        sd[f"{p}.mlp.linear_fc1._extra_state"] = None
-        put(f"{p}.mlp.linear_fc2.weight", _cols(get("layers/mlp/fc2/kernel").T, t, tp))
-        if use_bias:
-            put(f"{p}.mlp.linear_fc2.bias", get("layers/mlp/fc2/bias"))
-        sd[f"{p}.mlp.linear_fc2._extra_state"] = None
+        sd.update({key.replace("{i}", str(local)): None for key in _EXTRA_STATE})
     if last:
-        put("decoder.final_layernorm.weight", source.get("final_norm/scale"))
-        if m.norm == "layernorm":
-            put("decoder.final_layernorm.bias", source.get("final_norm/bias"))
-        if not m.tie_embeddings:
-            put("output_layer.weight", _vocab_shard(source.get("output")[:, :m.vocab_size].T, padded, t, tp))
-        elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
-            put("output_layer.weight", vocab_rows())
-        sd["output_layer._extra_state"] = None
+        sd[_LAST_EXTRA_STATE] = None
     return sd
 
 
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                    dtype: str = "bf16", iteration: int | None = None) -> Path:
+                    dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
-    loader rejects 0). `dtype` is 'bf16' or 'fp32'. Returns the directory.
+    loader rejects 0). `dtype` is 'bf16' or 'fp32'. `tokenizer_spec` ('byte' or a
+    tokenizer.json / its directory) is written as a Hugging Face tokenizer in
+    `<out_dir>/tokenizer/` and named in args. Returns the directory.
     """
+    from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
     m = source.model
     if dtype not in ("bf16", "fp32"):
@@ -251,16 +243,23 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, tensor_parallel, pipeline_parallel)
-    check_source(source)
+    shapes = param_shapes(m, check_source(source))
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                         padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0)
+                         padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
+                         tokenizer_model=tokenizer_model)
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
+        if tok is not None:
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         for s in range(pipeline_parallel):
             for t in range(tensor_parallel):
-                sd = _rank_state_dict(source, m, tensor_parallel, pipeline_parallel, t, s, padded, torch_dtype)
+                sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
+                                      torch_dtype)
                 path = tmp / step_dir / rank_dir(t, s, pipeline_parallel) / CHECKPOINT_FILE
                 path.parent.mkdir(parents=True)
                 torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
@@ -401,6 +400,8 @@ def _overrides_from_args(args) -> dict:
     return out
 
 
+
+
 class _Stage:
     """The TP shards of one pipeline stage's state dicts, consumed key by key."""
 
@@ -408,103 +409,54 @@ class _Stage:
         self.dicts, self.where = dicts, where
         self.used: set[str] = set()
 
-    def keys(self) -> set[str]:
-        return {k for k in self.dicts[0] if not k.endswith("_extra_state")}
+    def find(self, names: tuple[str, ...]) -> str | None:
+        """The first of `names` present (local spec name, then Transformer Engine aliases)."""
+        return next((k for k in names if k in self.dicts[0]), None)
 
-    def shards(self, key: str) -> list[np.ndarray]:
-        if key not in self.dicts[0]:
-            raise CheckpointError(f"Megatron checkpoint {self.where} has no {key}.")
+    def merged(self, key: str, split: str) -> np.ndarray:
+        """The tensor `key` with its TP shards merged (replicated: rank 0's)."""
         self.used.add(key)
-        out = []
+        shards = []
         for t, d in enumerate(self.dicts):
-            if key not in d or d[key] is None:
+            if d.get(key) is None:
                 raise CheckpointError(f"Megatron checkpoint {self.where}: tensor rank {t} has no {key}.")
-            out.append(d[key].float().numpy())
-        return out
+            shards.append(d[key].float().numpy())
+            if split == "replicated":
+                break
+        return _merge(shards, split)
 
-    def cat(self, key: str, axis: int, shape: tuple[int, ...]) -> np.ndarray:
-        x = np.concatenate(self.shards(key), axis)
-        return _expect(x, shape, key, self.where)
-
-    def one(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        return _expect(self.shards(key)[0], shape, key, self.where)
-
-    def first_of(self, *keys: str) -> str:
-        """The first of several alternative key names present (local vs Transformer Engine spec)."""
-        for k in keys:
-            if k in self.dicts[0]:
-                return k
-        return keys[0]
+    def check_all_used(self) -> None:
+        left = sorted(k for k in self.dicts[0] if not k.endswith("_extra_state") and k not in self.used)
+        if left:
+            raise CheckpointError(f"Megatron checkpoint {self.where} holds tensors megajax does not know: "
+                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
 
 
-def _expect(x: np.ndarray, shape: tuple[int, ...], key: str, where: str) -> np.ndarray:
-    if x.shape != tuple(shape):
-        raise CheckpointError(f"Megatron checkpoint {where}: {key} has shape {list(x.shape)} (tensor shards "
-                              f"merged), but its args imply {list(shape)}.")
-    return x
+def _fill_stage(st: _Stage, rows: list[Row], shapes: dict, m: ModelConfig, first: bool, last: bool,
+                layers: list[int], offset: int, tp: int, vocab_padded: int, out: dict) -> None:
+    def mismatch(name, got, want):
+        return CheckpointError(f"Megatron checkpoint {st.where}: {name} has shape {list(got)} (tensor shards "
+                               f"merged), but its args imply {list(want)}.")
 
+    def fill(row: Row, names: tuple[str, ...], layer: int | None):
+        key = st.find(names)
+        if key is None:
+            raise CheckpointError(f"Megatron checkpoint {st.where} has no {names[0]}.")
+        if row.copy:  # the last stage's copy of the tied word embeddings
+            st.used.add(key)
+            return
+        y = st.merged(key, row.split)
+        for path, x in to_ours(row, key, y, shapes, m, tensor=tp, vocab_rows=vocab_padded,
+                               mismatch=mismatch).items():
+            out[path][... if layer is None else layer] = x
 
-def _fill_stage(st: _Stage, m: ModelConfig, first: bool, last: bool, layers: list[int], offset: int,
-                vocab_padded: int, padded: int, out: dict) -> None:
-    d, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
-    qkv_rows = (m.num_heads + 2 * m.num_kv_heads) * hd
-    v = m.vocab_size
-    if first:
-        emb = st.cat("embedding.word_embeddings.weight", 0, (vocab_padded, d))
-        out["embed/embedding"][:] = padded_zeros(emb[:v], padded, 0)
-        if m.position_embedding == "learned":
-            out["pos_embed"][:] = st.one("embedding.position_embeddings.weight", (m.max_position_embeddings, d))
-    for local in layers:
-        i, p = offset + local, f"decoder.layers.{local}"
-        norms = (("attn_norm", (f"{p}.input_layernorm", f"{p}.self_attention.linear_qkv.layer_norm_")),
-                 ("mlp_norm", (f"{p}.pre_mlp_layernorm", f"{p}.mlp.linear_fc1.layer_norm_")))
-        for ours, (local_name, te_prefix) in norms:
-            for param, suffix in (("scale", "weight"), ("bias", "bias")):
-                if param == "bias" and m.norm != "layernorm":
-                    continue
-                key = st.first_of(f"{local_name}.{suffix}", f"{te_prefix}{suffix}")
-                out[f"layers/{ours}/{param}"][i] = st.one(key, (d,))
-        a = "layers/attn"
-        q, k, vv = _qkv_ungroup(st.cat(f"{p}.self_attention.linear_qkv.weight", 0, (qkv_rows, d)), m)
-        out[f"{a}/q/kernel"][i], out[f"{a}/k/kernel"][i], out[f"{a}/v/kernel"][i] = q, k, vv
-        proj = st.cat(f"{p}.self_attention.linear_proj.weight", 1, (d, m.num_heads * hd))
-        out[f"{a}/o/kernel"][i] = proj.T.reshape(m.num_heads, hd, d)
-        fc1 = st.shards(f"{p}.mlp.linear_fc1.weight")
-        if m.activation == "swiglu":  # each shard is [gate shard; up shard]
-            gate = np.concatenate([x[:x.shape[0] // 2] for x in fc1])
-            up = np.concatenate([x[x.shape[0] // 2:] for x in fc1])
-            out["layers/mlp/gate/kernel"][i] = _expect(gate, (f, d), f"{p}.mlp.linear_fc1.weight (gate)", st.where).T
-            out["layers/mlp/up/kernel"][i] = _expect(up, (f, d), f"{p}.mlp.linear_fc1.weight (up)", st.where).T
-        else:
-            out["layers/mlp/fc1/kernel"][i] = _expect(np.concatenate(fc1), (f, d), f"{p}.mlp.linear_fc1.weight",
-                                                      st.where).T
-        out["layers/mlp/fc2/kernel"][i] = st.cat(f"{p}.mlp.linear_fc2.weight", 1, (d, f)).T
-        if m.use_bias:
-            q, k, vv = _qkv_ungroup(st.cat(f"{p}.self_attention.linear_qkv.bias", 0, (qkv_rows,)), m)
-            out[f"{a}/q/bias"][i], out[f"{a}/k/bias"][i], out[f"{a}/v/bias"][i] = q, k, vv
-            out[f"{a}/o/bias"][i] = st.one(f"{p}.self_attention.linear_proj.bias", (d,))
-            fc1_bias = st.shards(f"{p}.mlp.linear_fc1.bias")
-            if m.activation == "swiglu":
-                out["layers/mlp/gate/bias"][i] = np.concatenate([x[:x.shape[0] // 2] for x in fc1_bias])
-                out["layers/mlp/up/bias"][i] = np.concatenate([x[x.shape[0] // 2:] for x in fc1_bias])
-            else:
-                out["layers/mlp/fc1/bias"][i] = _expect(np.concatenate(fc1_bias), (f,), f"{p}.mlp.linear_fc1.bias",
-                                                        st.where)
-            out["layers/mlp/fc2/bias"][i] = st.one(f"{p}.mlp.linear_fc2.bias", (d,))
-    if last:
-        key = st.first_of("decoder.final_layernorm.weight", "decoder.final_norm.weight")
-        out["final_norm/scale"][:] = st.one(key, (d,))
-        if m.norm == "layernorm":
-            out["final_norm/bias"][:] = st.one(key[:-len("weight")] + "bias", (d,))
-        if not m.tie_embeddings:
-            w = st.cat("output_layer.weight", 0, (vocab_padded, d))
-            out["output"][:] = padded_zeros(w[:v], padded, 0).T
-        elif "output_layer.weight" in st.dicts[0]:
-            st.used.add("output_layer.weight")  # the last stage's copy of the tied embeddings
-    left = sorted(st.keys() - st.used)
-    if left:
-        raise CheckpointError(f"Megatron checkpoint {st.where} holds tensors megajax does not know: "
-                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
+    for row in rows:
+        if row.per_layer:
+            for local in layers:
+                fill(row, row.names(local), offset + local)
+        elif (first if _first_stage(row) else last) and not (row.copy and first):
+            fill(row, row.names(), None)
+    st.check_all_used()
 
 
 def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
@@ -512,10 +464,44 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
 
     `in_dir` is the save directory (with latest_checkpointed_iteration.txt) or
     one iteration's directory. Returns (model overrides, params) like
-    import_hf: the architecture from `args`, the vocabulary padded to a
-    multiple of 128 (tensor size 1). Files are read with torch's weights-only
+    import_hf: the architecture from `args`, the vocabulary padded to
+    model.padded_vocab_size(). Files are read with torch's weights-only
     unpickler; `allow_pickle=True` lifts that for checkpoints you trust.
     """
+    step, ranks, first = _open(in_dir, allow_pickle)
+    args = first["args"]
+    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
+    want = {(t, s) for t in range(tp) for s in range(pp)}
+    if set(ranks) != want or not all(f.is_file() for f in ranks.values()):
+        have = sorted(p.parent.name for p in ranks.values() if p.is_file())
+        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
+                              f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
+    m = resolved_model(_overrides_from_args(args))
+    vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
+    shapes = param_shapes(m)
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    offset = 0
+    for s in range(pp):
+        dicts = [first["model"] if (t, s) == (0, 0) else _load(ranks[(t, s)], allow_pickle)["model"]
+                 for t in range(tp)]
+        layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
+        if layers != list(range(len(layers))):
+            raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
+        if offset + len(layers) > m.num_layers:
+            raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
+        where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
+        _fill_stage(_Stage(dicts, where), rows, shapes, m, s == 0, s == pp - 1, layers, offset, tp, vocab_padded,
+                    flat_params)
+        offset += len(layers)
+        del dicts
+    if offset != m.num_layers:
+        raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path], dict]:
+    """(step directory, rank files by (tp, pp), rank 0's loaded file) of a Megatron checkpoint."""
     d = Path(in_dir).expanduser()
     if not d.is_dir():
         raise CheckpointError(f"{str(d)!r} is not a directory (expected a Megatron checkpoint directory).")
@@ -532,31 +518,4 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
         what = "no mp_rank_00 file" if first is None else f"no {'args' if 'args' not in first else 'model'} entry"
         raise CheckpointError(f"{str(step)!r} is not a Megatron checkpoint megajax can read ({what}; the "
                               f"architecture is read from the saved args).")
-    args = first["args"]
-    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
-    want = {(t, s) for t in range(tp) for s in range(pp)}
-    if set(ranks) != want or not all(f.is_file() for f in ranks.values()):
-        have = sorted(p.parent.name for p in ranks.values() if p.is_file())
-        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
-                              f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
-    overrides = _overrides_from_args(args)
-    m = resolved_model(overrides)
-    vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
-    padded = m.padded_vocab_size()
-    flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
-    offset = 0
-    for s in range(pp):
-        dicts = [first["model"] if (t, s) == (0, 0) else _load(ranks[(t, s)], allow_pickle)["model"]
-                 for t in range(tp)]
-        layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
-        if layers != list(range(len(layers))):
-            raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
-        if offset + len(layers) > m.num_layers:
-            raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
-        where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
-        _fill_stage(_Stage(dicts, where), m, s == 0, s == pp - 1, layers, offset, vocab_padded, padded, flat)
-        offset += len(layers)
-        del dicts
-    if offset != m.num_layers:
-        raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
-    return model_overrides(m), unflatten(dict(sorted(flat.items())))
+    return step, ranks, first

@@ -1,11 +1,12 @@
-"""Streaming safetensors files, written and read without holding more than one tensor.
+"""A safetensors file written one tensor at a time (reading is the `safetensors` library's job).
 
 A safetensors file is: an 8-byte little-endian header length N, N bytes of
 JSON (`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`,
 offsets relative to the end of the header), then the tensors' raw
-little-endian bytes. The `safetensors` library writes a whole dict at once;
-`ShardWriter` instead writes the header from the shapes known up front and
-then appends one tensor at a time.
+little-endian bytes. The library's writers (`save_file`, `serialize_file`)
+take every tensor's buffer in one call, so the whole shard would be in memory
+at once; `ShardWriter` writes the header from the shapes known up front and
+then appends one tensor at a time, keeping an export's peak near one tensor.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.errors import CheckpointError
 
 _ALIGN = 8  # header padded with spaces so that the data starts 8-byte aligned
 
@@ -74,35 +74,3 @@ class ShardWriter:
     def close(self) -> None:
         assert not self._pending, f"tensors declared but not written: {[n for n, _ in self._pending]}"
         self._file.close()
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """(tensor entries, byte offset of the data) of a safetensors file."""
-    try:
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            if n > 100 * 2 ** 20:
-                raise ValueError(f"header length {n} is implausible")
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, struct.error) as e:
-        raise CheckpointError(f"{str(path)!r} is not a readable safetensors file ({e}).") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-def read_tensor(path: Path, entry: dict, data_start: int) -> np.ndarray:
-    """One tensor of a safetensors file as float32 (memory-mapped read of just its bytes)."""
-    table = _dtype_table()
-    if entry["dtype"] not in table:
-        raise CheckpointError(f"{str(path)!r}: tensor dtype {entry['dtype']} is not supported "
-                              f"(accepted: {', '.join(table)}).")
-    dtype = table[entry["dtype"]]
-    begin, end = entry["data_offsets"]
-    shape = tuple(entry["shape"])
-    if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise CheckpointError(f"{str(path)!r}: a tensor's data_offsets {begin}..{end} do not fit its "
-                              f"shape {list(shape)} and dtype {entry['dtype']}.")
-    if end == begin:
-        return np.zeros(shape, np.float32)
-    mm = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start + begin, shape=(end - begin,))
-    return mm.view(dtype).reshape(shape).astype(np.float32)

@@ -4,11 +4,16 @@ Every tokenizer exposes `vocab_size`, `eod_id` (end-of-document id, or None),
 `encode(text) -> list[int]`, `decode(ids) -> str`, and
 `encode_packed(texts) -> (ids [T] int32, lengths [N] int64)` for bulk
 preprocessing (all texts' ids concatenated, and each text's length).
+
+`save_hf_tokenizer` writes either as a Hugging Face tokenizer directory
+(`AutoTokenizer.from_pretrained` loads it with the same ids); checkpoint
+exports put one beside the weights.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from itertools import chain
 from pathlib import Path
 
@@ -105,3 +110,87 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer"):
     raise ConfigError(f"{key} = {spec!r}: no such tokenizer (looked for {str(path)!r}); accepted values "
                       f"are 'byte' (the built-in byte-level tokenizer), a Hugging Face tokenizer.json "
                       f"file, or a directory containing one.")
+
+
+# ----------------------------------------------------------------------------
+# As a Hugging Face tokenizer directory
+# ----------------------------------------------------------------------------
+
+EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end-of-document token in its Hugging Face form
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The byte-level alphabet: each byte as one printable character (printable bytes as themselves,
+    the others shifted above U+0100), so that any byte string is a string of vocabulary symbols."""
+    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(0x100 + shifted)
+            shifted += 1
+    return out
+
+
+def byte_tokenizer_json() -> str:
+    """A `tokenizers` tokenizer with ByteTokenizer's ids: 0..255 the UTF-8 bytes, 256 end-of-document."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    chars = _byte_to_char()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
+    assert tok.token_to_id(EOD_TOKEN) == 256
+    return tok.to_str()
+
+
+def is_byte_tokenizer_file(path: Path) -> bool:
+    """Whether a tokenizer.json is byte_tokenizer_json() (an exported byte tokenizer, read back as 'byte')."""
+    try:
+        return json.loads(Path(path).read_text()) == json.loads(byte_tokenizer_json())
+    except (OSError, ValueError):
+        return False
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, int | None]:
+    """Writes `tok` (a loaded tokenizer) into directory `out` as tokenizer.json, tokenizer_config.json
+    and special_tokens_map.json; returns its (bos, eos) ids.
+
+    A tokenizer.json is copied with the tokenizer_config.json and special_tokens_map.json
+    beside it (a config naming its eos token is written when there is none); the byte
+    tokenizer becomes byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(tok, ByteTokenizer):
+        (out / "tokenizer.json").write_text(byte_tokenizer_json())
+        specials = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}
+        _write_json(out / "tokenizer_config.json", dict(
+            specials, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
+            clean_up_tokenization_spaces=False, add_prefix_space=False))
+        _write_json(out / "special_tokens_map.json", specials)
+        return tok.eod_id, tok.eod_id
+    src = Path(tok.name)
+    shutil.copyfile(src, out / "tokenizer.json")
+    bos = None
+    config = src.parent / "tokenizer_config.json"
+    if config.is_file():
+        shutil.copyfile(config, out / "tokenizer_config.json")
+        bos_name = json.loads(config.read_text()).get("bos_token")
+        if isinstance(bos_name, dict):
+            bos_name = bos_name.get("content")
+        if isinstance(bos_name, str):
+            bos = tok._tok.token_to_id(bos_name)
+    else:
+        written = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+                   "clean_up_tokenization_spaces": False}
+        if tok.eod_id is not None:
+            written["eos_token"] = tok._tok.id_to_token(tok.eod_id)
+        _write_json(out / "tokenizer_config.json", written)
+    if (src.parent / "special_tokens_map.json").is_file():
+        shutil.copyfile(src.parent / "special_tokens_map.json", out / "special_tokens_map.json")
+    return bos, tok.eod_id
