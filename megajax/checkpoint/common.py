@@ -108,6 +108,36 @@ def check_tokenizer(spec: str, m: ModelConfig):
     return tok
 
 
+def tokenizer_dir_spec(d: Path) -> str | None:
+    """The data.tokenizer value for a Hugging Face tokenizer folder (or tokenizer.json) `d`: 'byte' for
+    an exported byte tokenizer, else its absolute path; None if it holds no tokenizer.json."""
+    from megajax.data.tokenizer import is_byte_tokenizer_file
+    d = Path(d).expanduser()
+    file = d / "tokenizer.json" if d.is_dir() else d
+    if not file.is_file():
+        return None
+    return "byte" if is_byte_tokenizer_file(file) else str(d.absolute())
+
+
+def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:
+    """(data.tokenizer to record for an imported model, a warning for the user or None).
+
+    `found` is the tokenizer the import located, `known` what the source says
+    about it. Without one, a 257-id vocabulary is the byte tokenizer's; any
+    other is recorded as unknown (an export of it then asks for --tokenizer)
+    rather than mislabelled.
+    """
+    from megajax.data.tokenizer import ByteTokenizer
+    if found is not None:
+        return found, None
+    if vocab_size == ByteTokenizer.vocab_size:
+        return "byte", None
+    return f"unknown ({known})", (
+        f"the imported model names no tokenizer megajax can read ({known}) and its vocabulary has "
+        f"{vocab_size} ids, so it is not the byte tokenizer's; pass data.tokenizer=PATH (the tokenizer.json "
+        f"it was trained with, or its directory) when fine-tuning, and --tokenizer PATH when exporting it.")
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: str | os.PathLike) -> Iterator[Path]:
     """Yields a temporary directory beside `out_dir` that becomes `out_dir` only on success.

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       numpy_dtype, resolved_model)
+                                       numpy_dtype, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, linear, linear_rows,
                                         norm_rows, rows_for, same, to_external, to_ours)
 from megajax.checkpoint.safetensors_io import ShardWriter
@@ -396,3 +396,9 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                 flat_params[path][... if i is None else i] = x
         weights.check_all_used()
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def hf_tokenizer(in_dir) -> tuple[str | None, str]:
+    """(data.tokenizer for a Hugging Face directory's tokenizer, or None; what the directory says of it)."""
+    d = Path(in_dir).expanduser()
+    return tokenizer_dir_spec(d), f"no tokenizer.json in {str(d)!r}"

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       resolved_model)
+                                       resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
@@ -519,3 +519,20 @@ def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path]
         raise CheckpointError(f"{str(step)!r} is not a Megatron checkpoint megajax can read ({what}; the "
                               f"architecture is read from the saved args).")
     return step, ranks, first
+
+
+def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | None, str]:
+    """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it).
+
+    Found when args name a HuggingFaceTokenizer whose folder is `tokenizer/` beside the
+    iterations (as export_megatron writes it) or at args.tokenizer_model.
+    """
+    step, _, first = _open(in_dir, allow_pickle)
+    args = first["args"]
+    said = {k: _arg(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    known = ", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type"
+    candidates = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
+    if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
+        candidates.append(Path(str(said["tokenizer_model"])))
+    found = next((spec for spec in map(tokenizer_dir_spec, candidates) if spec is not None), None)
+    return found, f"Megatron args {known}"
