@@ -215,11 +215,43 @@ def _unjoin(y: np.ndarray, sizes: list[int], axis: int, groups: int) -> list[np.
     return [np.moveaxis(p.reshape((-1,) + p.shape[2:]), 0, axis) for p in np.split(y, cuts, axis=1)]
 
 
-def to_external(row: Row, read: Callable[[str], np.ndarray], m: ModelConfig, *, tensor: int = 1) -> np.ndarray:
-    """The external tensor of `row` (vocabulary cut to vocab_size rows) from `read(path)`, which returns
-    one megajax tensor (one layer of a stacked one). `tensor`: the rank count, for `groups="tensor"`."""
-    x = _join([p.to_external(read(p.path)) for p in row.parts], row.axis, _groups(row, m, tensor))
-    return x[:m.vocab_size] if row.vocab else x
+def shard(x: np.ndarray, split: str, rank: int, size: int, rows: int | None = None) -> np.ndarray:
+    """Tensor rank `rank`'s piece of x (of `size` ranks) for a `split` layout, as a view where it can be;
+    `rows`: dim 0 counts as padded with zero rows to this size (a vocabulary), never materialised."""
+    if split == "replicated":
+        return x
+    axis = 0 if split == "column" else 1
+    n = (rows or x.shape[axis]) // size
+    lo, hi = rank * n, min((rank + 1) * n, x.shape[axis])
+    piece = x[(slice(None),) * axis + (slice(lo, max(lo, hi)),)]
+    if piece.shape[axis] < n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, n - piece.shape[axis])
+        piece = np.pad(piece, pad)
+    return piece
+
+
+def to_external(row: Row, read: Callable[[str], np.ndarray], m: ModelConfig, *, tensor: int = 1,
+                rank: int | None = None, vocab_rows: int | None = None) -> np.ndarray:
+    """The external tensor of `row` from `read(path)`, which returns one megajax tensor (one layer of a
+    stacked one); a vocabulary is cut to vocab_size rows.
+
+    With `rank`, only that tensor rank's piece (of `tensor` ranks) for the row's split, a vocabulary
+    counting as padded to `vocab_rows`: the parts of a joined row are split before they are joined,
+    so the whole joined tensor never exists.
+    """
+    parts = [p.to_external(read(p.path)) for p in row.parts]
+    groups = _groups(row, m, tensor)
+    if rank is None or row.split == "replicated":
+        x = _join(parts, row.axis, groups)
+        return x[:m.vocab_size] if row.vocab else x
+    if len(parts) == 1:
+        x = parts[0][:m.vocab_size] if row.vocab else parts[0]
+        return shard(x, row.split, rank, tensor, vocab_rows if row.vocab else None)
+    if row.axis != (0 if row.split == "column" else 1) or groups % tensor:
+        raise ValueError(f"row {row.name}: parts joined along the split dim need groups divisible by the "
+                         f"tensor size ({groups=}, {tensor=})")
+    return _join([shard(x, row.split, rank, tensor) for x in parts], row.axis, groups // tensor)
 
 
 def to_ours(row: Row, name: str, y: np.ndarray, shapes: dict, m: ModelConfig, *, tensor: int = 1,

@@ -114,22 +114,6 @@ def _first_stage(row: Row) -> bool:
     return row.name.startswith("embedding.")
 
 
-def _shard(x: np.ndarray, split: str, rank: int, size: int, rows: int | None = None) -> np.ndarray:
-    """Tensor rank `rank`'s piece of x; `rows`: pad dim 0 with zero rows to this size first (the
-    vocabulary), without materialising the padded tensor."""
-    if split == "replicated":
-        return x
-    axis = 0 if split == "column" else 1
-    n = (rows or x.shape[axis]) // size
-    lo, hi = rank * n, min((rank + 1) * n, x.shape[axis])
-    piece = np.take(x, np.arange(lo, max(lo, hi)), axis=axis)
-    if piece.shape[axis] < n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, n - piece.shape[axis])
-        piece = np.pad(piece, pad)
-    return piece
-
-
 def _merge(shards: list[np.ndarray], split: str) -> np.ndarray:
     return shards[0] if split == "replicated" else np.concatenate(shards, 0 if split == "column" else 1)
 
@@ -203,8 +187,7 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     sd: dict = {}
 
     def put(row: Row, key: str, layer: int | None):
-        x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp)
-        x = _shard(x, row.split, t, tp, padded if row.vocab else None)
+        x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
         sd[key] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
 
