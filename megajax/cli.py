@@ -104,13 +104,12 @@ def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> s
     """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here."""
     from megajax.data.tokenizer import load_tokenizer
     from megajax.errors import CheckpointError, ConfigError
-    if args.tokenizer:
-        load_tokenizer(args.tokenizer, key="--tokenizer")
-        return args.tokenizer
-    spec = meta["config"].get("data", {}).get("tokenizer", "byte")
+    spec = args.tokenizer or meta["config"].get("data", {}).get("tokenizer", "byte")
     try:
-        load_tokenizer(spec)
+        load_tokenizer(spec, key="--tokenizer")
     except ConfigError:
+        if args.tokenizer:
+            raise
         raise CheckpointError(f"checkpoint {step_dir} was trained with data.tokenizer = {spec!r}, which is not "
                               f"found from {os.getcwd()}; pass --tokenizer TOK naming that tokenizer ('byte', a "
                               f"Hugging Face tokenizer.json, or a directory containing one).") from None

@@ -30,6 +30,23 @@ ARCH_FIELDS = (
 )
 
 
+REQUIRED = object()  # a config field an importer cannot do without
+
+
+def read_fields(get, table: tuple, where: str) -> dict:
+    """ModelConfig fields from an external config: for each (key, field, default) of `table`, `get(key)`
+    (None: absent, the default applies; REQUIRED: an error naming `where`); a bool or float default
+    gives the value its type."""
+    out = {}
+    for key, field, default in table:
+        value = get(key)
+        if value is None and default is REQUIRED:
+            raise CheckpointError(f"{where} has no {key!r}.")
+        value = default if value is None else value
+        out[field] = type(default)(value) if isinstance(default, (bool, float)) else value
+    return out
+
+
 def numpy_dtype(dtype: str):
     """The numpy dtype of an export dtype name ('bf16' is ml_dtypes' bfloat16, which JAX ships)."""
     if dtype == "fp32":
@@ -55,14 +72,9 @@ def check_source(source) -> int:
         raise CheckpointError(f"embed/embedding has {padded} rows, fewer than model.vocab_size="
                               f"{m.vocab_size}.")
     want = param_shapes(m, padded)
-    missing = sorted(set(want) - names)
-    unknown = sorted(names - set(want))
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {', '.join(missing)}")
-        if unknown:
-            parts.append(f"tensors the exporter does not know {', '.join(unknown)}")
+    parts = [f"{what} {', '.join(sorted(x))}" for what, x in (("missing tensors", set(want) - names),
+                                                             ("tensors the exporter does not know", names - set(want))) if x]
+    if parts:
         raise CheckpointError(f"the checkpoint does not match its model config (family={m.family}, "
                               f"norm={m.norm}, activation={m.activation}, position_embedding="
                               f"{m.position_embedding}, use_bias={m.use_bias}, tie_embeddings="
@@ -120,18 +132,12 @@ def tokenizer_dir_spec(d: Path) -> str | None:
 
 
 def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:
-    """(data.tokenizer to record for an imported model, a warning for the user or None).
-
-    `found` is the tokenizer the import located, `known` what the source says
-    about it. Without one, a 257-id vocabulary is the byte tokenizer's; any
-    other is recorded as unknown (an export of it then asks for --tokenizer)
-    rather than mislabelled.
-    """
+    """(data.tokenizer to record for an imported model, a warning or None), from the tokenizer the import
+    `found` and what its source says (`known`). Without one, only a 257-id vocabulary is called 'byte';
+    any other is recorded as unknown (its export then asks for --tokenizer)."""
     from megajax.data.tokenizer import ByteTokenizer
-    if found is not None:
-        return found, None
-    if vocab_size == ByteTokenizer.vocab_size:
-        return "byte", None
+    if found is not None or vocab_size == ByteTokenizer.vocab_size:
+        return found or "byte", None
     return f"unknown ({known})", (
         f"the imported model names no tokenizer megajax can read ({known}) and its vocabulary has "
         f"{vocab_size} ids, so it is not the byte tokenizer's; pass data.tokenizer=PATH (the tokenizer.json "

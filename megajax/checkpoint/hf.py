@@ -12,7 +12,7 @@ ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
 
 The export reads one tensor (one layer of a stacked tensor) at a time from a
 TensorSource, converts it and appends it to the current safetensors shard, so
-peak host memory stays near the largest single tensor. It writes into a
+peak host memory stays near the largest single tensor; it writes into a
 temporary directory renamed at the end. The import reads with the
 `safetensors` library.
 """
@@ -20,16 +20,18 @@ temporary directory renamed at the end. The import reads with the
 from __future__ import annotations
 
 import json
+import math
+import struct
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       numpy_dtype, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, linear, linear_rows,
                                         norm_rows, rows_for, same, to_external, to_ours)
-from megajax.checkpoint.safetensors_io import ShardWriter
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
@@ -38,6 +40,7 @@ from megajax.models.layout import param_shapes
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
 
 
 # ----------------------------------------------------------------------------
@@ -114,8 +117,24 @@ def architecture(m: ModelConfig) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Configs
+# Configs: config.json key, ModelConfig field, default on import (REQUIRED: must be there)
 # ----------------------------------------------------------------------------
+
+_CONFIG_FIELDS = {
+    LLAMA: (("num_hidden_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
+            ("num_attention_heads", "num_heads", REQUIRED), ("num_key_value_heads", "num_kv_heads", None),
+            ("head_dim", "head_dim", None), ("intermediate_size", "ffn_hidden_size", REQUIRED),
+            ("vocab_size", "vocab_size", REQUIRED), ("max_position_embeddings", "max_position_embeddings", 2048),
+            ("rms_norm_eps", "norm_eps", 1e-6), ("attention_bias", "use_bias", False),
+            ("tie_word_embeddings", "tie_embeddings", False), ("attention_dropout", "attention_dropout", 0.0),
+            ("initializer_range", "init_std", 0.02)),
+    GPT2: (("n_layer", "num_layers", REQUIRED), ("n_embd", "hidden_size", REQUIRED), ("n_head", "num_heads", REQUIRED),
+           ("n_inner", "ffn_hidden_size", None), ("vocab_size", "vocab_size", REQUIRED),
+           ("n_positions", "max_position_embeddings", REQUIRED), ("layer_norm_epsilon", "norm_eps", 1e-5),
+           ("resid_pdrop", "hidden_dropout", 0.0), ("attn_pdrop", "attention_dropout", 0.0),
+           ("initializer_range", "init_std", 0.02), ("tie_word_embeddings", "tie_embeddings", True)),
+}
+
 
 def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
     """(legacy `rope_scaling`, `rope_parameters`) of a Llama config.json."""
@@ -128,27 +147,16 @@ def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
 
 
 def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int | None) -> dict:
-    common = {"architectures": [arch], "vocab_size": m.vocab_size, "initializer_range": m.init_std,
-              "tie_word_embeddings": m.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
-              "use_cache": True, "torch_dtype": TORCH_DTYPE[dtype], "dtype": TORCH_DTYPE[dtype]}
+    config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[arch]}
+    config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
+                  torch_dtype=TORCH_DTYPE[dtype], dtype=TORCH_DTYPE[dtype])
     if arch == GPT2:
-        return dict(common, model_type="gpt2", n_embd=m.hidden_size, n_layer=m.num_layers,
-                    n_head=m.num_heads, n_inner=m.ffn_hidden_size, n_positions=m.max_position_embeddings,
-                    activation_function="gelu", layer_norm_epsilon=m.norm_eps,
-                    resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
-                    attn_pdrop=m.attention_dropout, scale_attn_weights=True,
-                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+        return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
+                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
     scaling, parameters = _rope(m)
-    config = dict(common, model_type="llama", hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                  num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, hidden_act="silu",
-                  max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_eps,
-                  rope_theta=m.rope_theta, rope_parameters=parameters,
-                  attention_bias=m.use_bias, mlp_bias=m.use_bias,
-                  attention_dropout=m.attention_dropout, pretraining_tp=1)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
+    config.update(model_type="llama", hidden_act="silu", mlp_bias=m.use_bias, rope_theta=m.rope_theta,
+                  rope_parameters=parameters, pretraining_tp=1)
+    return dict(config, rope_scaling=scaling) if scaling else config
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -159,6 +167,33 @@ def _write_json(path: Path, obj: dict) -> None:
 # Export
 # ----------------------------------------------------------------------------
 
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
+                       dtype: np.dtype) -> int:
+    """Writes one safetensors file from (name, shape, producer) entries, calling each producer just
+    before its bytes are written; returns the data size.
+
+    The format: an 8-byte little-endian header length, the JSON header ({name: {dtype, shape,
+    data_offsets}}, padded to 8 bytes), the raw tensors. The safetensors library's writers take
+    every tensor's buffer in one call (the whole shard in memory); this needs one tensor at a time.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in tensors:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, produce in tensors:
+            x = np.ascontiguousarray(produce(), dtype=dtype)  # the only live tensor
+            assert x.shape == tuple(shape), (name, x.shape, shape)
+            f.write(x.reshape(-1).view(np.uint8).data)
+            del x
+    return offset
+
+
 def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConfig, dtype: np.dtype,
                   max_shard_bytes: int) -> None:
     """Writes the tensors in table order into as few shards of at most max_shard_bytes as possible,
@@ -167,25 +202,19 @@ def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConf
     size = 0
     for row, i in in_layer_order(rows, m.num_layers):
         shape = external_shape(row, shapes, m)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        if shards[-1] and size + math.prod(shape) * dtype.itemsize > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((row, i, row.names(i)[0], shape))
-        size += nbytes
+        shards[-1].append((row.names(i)[0], shape, lambda row=row, i=i: to_external(
+            row, lambda path: source.get(path, layer=i), m)))
+        size += math.prod(shape) * dtype.itemsize
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    weight_map, total = {}, 0
-    for file, shard in zip(files, shards):
-        writer = ShardWriter(out / file, [(name, shape) for _, _, name, shape in shard], dtype)
-        for row, i, name, _ in shard:
-            writer.write(name, to_external(row, lambda path: source.get(path, layer=i), m))  # the only live tensor
-            weight_map[name] = file
-        writer.close()
-        total += writer.nbytes
+    total = sum(_write_safetensors(out / file, shard, dtype) for file, shard in zip(files, shards))
     if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
@@ -219,86 +248,14 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
 # Import
 # ----------------------------------------------------------------------------
 
-class _Weights:
-    """The tensors of a Hugging Face directory (single or sharded safetensors), read on demand
-    through the safetensors library (memory-mapped)."""
-
-    def __init__(self, d: Path, files: ExitStack):
-        try:
-            from safetensors import SafetensorError, safe_open
-        except ImportError:
-            raise CheckpointError("reading Hugging Face weights needs the safetensors library: "
-                                  "pip install 'megajax[torch]'.") from None
-        index, single = d / "model.safetensors.index.json", d / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
-            names = sorted(set(weight_map.values()))
-        elif single.is_file():
-            names = [single.name]
-        else:
-            other = [p.name for p in d.glob("pytorch_model*.bin")]
-            hint = (f" It holds {', '.join(other)}: only safetensors weights are read; re-save the model "
-                    f"with save_pretrained(..., safe_serialization=True).") if other else ""
-            raise CheckpointError(f"{str(d)!r} holds no model.safetensors or model.safetensors.index.json."
-                                  f"{hint}")
-        self.files: dict[str, object] = {}
-        for name in names:
-            path = d / name
-            if not path.is_file():
-                raise CheckpointError(f"{str(d)!r}: shard {name} named by the index is missing.")
-            try:
-                f = files.enter_context(safe_open(str(path), framework="numpy"))
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{str(path)!r} is not a readable safetensors file ({e}).") from None
-            for key in f.keys():
-                self.files[key] = (path, f)
-        self.used: set[str] = set()
-
-    def find(self, names: tuple[str, ...]) -> str | None:
-        """The first of `names` present (GPT2Model saves its tensors without the `transformer.` prefix)."""
-        for name in names + tuple(n.removeprefix("transformer.") for n in names):
-            if name in self.files:
-                return name
-        return None
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        path, f = self.files[name]
-        stored = tuple(f.get_slice(name).get_shape())
-        if stored != tuple(shape):
-            raise CheckpointError(f"tensor {name} in {path.name} has shape {list(stored)}, but config.json "
-                                  f"implies {list(shape)}.")
-        self.used.add(name)
-        try:
-            return np.asarray(f.get_tensor(name), dtype=np.float32)
-        except (TypeError, ValueError) as e:  # a dtype numpy cannot hold
-            raise CheckpointError(f"{str(path)!r}: tensor {name} cannot be read as float32 ({e}).") from None
-
-    def check_all_used(self) -> None:
-        left = sorted(n for n in set(self.files) - self.used if not _ignored(n))
-        if left:
-            raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
-                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-
-
-def _field(config: dict, key: str, default=None, *, required: bool = False):
-    if key not in config or config[key] is None:
-        if required:
-            raise CheckpointError(f"config.json has no {key!r}.")
-        return default
-    return config[key]
-
-
 def _llama_overrides(c: dict) -> dict:
-    if _field(c, "hidden_act", "silu") != "silu":
+    if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={c['hidden_act']!r}: megajax's gated MLP uses silu "
                               f"(SwiGLU); accepted: silu.")
-    if _field(c, "attention_bias", False) != _field(c, "mlp_bias", False):
+    if bool(c.get("attention_bias")) != bool(c.get("mlp_bias")):
         raise CheckpointError(f"config.json attention_bias={c.get('attention_bias')} and mlp_bias="
                               f"{c.get('mlp_bias')} differ; megajax has one model.use_bias for both.")
-    rope = dict(_field(c, "rope_parameters") or _field(c, "rope_scaling") or {})
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; accepted: default, llama3.")
@@ -306,20 +263,8 @@ def _llama_overrides(c: dict) -> dict:
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"config.json partial_rotary_factor={partial}: megajax rotates the whole head; "
                               f"accepted: 1.0.")
-    hidden, heads = _field(c, "hidden_size", required=True), _field(c, "num_attention_heads", required=True)
-    out = dict(family="llama", num_layers=_field(c, "num_hidden_layers", required=True), hidden_size=hidden,
-               num_heads=heads, num_kv_heads=_field(c, "num_key_value_heads", heads),
-               head_dim=_field(c, "head_dim", hidden // heads),
-               ffn_hidden_size=_field(c, "intermediate_size", required=True),
-               vocab_size=_field(c, "vocab_size", required=True),
-               max_position_embeddings=_field(c, "max_position_embeddings", 2048),
-               norm="rmsnorm", activation="swiglu", position_embedding="rope",
-               use_bias=bool(_field(c, "attention_bias", False)),
-               tie_embeddings=bool(_field(c, "tie_word_embeddings", False)),
-               norm_eps=float(_field(c, "rms_norm_eps", 1e-6)),
-               rope_theta=float(rope.get("rope_theta", _field(c, "rope_theta", 10000.0))),
-               attention_dropout=float(_field(c, "attention_dropout", 0.0)),
-               init_std=float(_field(c, "initializer_range", 0.02)))
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[LLAMA], "config.json"), family="llama",
+               rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)))
     if rope_type == "llama3":
         out.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
                    rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
@@ -329,26 +274,50 @@ def _llama_overrides(c: dict) -> dict:
 
 
 def _gpt2_overrides(c: dict) -> dict:
-    act = _field(c, "activation_function", "gelu_new")
+    act = c.get("activation_function", "gelu_new")
     if act != "gelu":
         raise CheckpointError(f"config.json activation_function={act!r}: megajax's GELU is the exact (erf) "
                               f"one; accepted: gelu.")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
-        if _field(c, key, want) != want:
+        if c.get(key, want) != want:
             raise CheckpointError(f"config.json {key}={c[key]}: megajax's GPT-2 needs {key}={want}.")
-    hidden, heads = _field(c, "n_embd", required=True), _field(c, "n_head", required=True)
-    if hidden % heads:
-        raise CheckpointError(f"config.json n_embd={hidden} is not divisible by n_head={heads}.")
-    return dict(family="gpt", num_layers=_field(c, "n_layer", required=True), hidden_size=hidden,
-                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-                ffn_hidden_size=_field(c, "n_inner", 4 * hidden), vocab_size=_field(c, "vocab_size", required=True),
-                max_position_embeddings=_field(c, "n_positions", required=True),
-                norm="layernorm", activation="gelu", position_embedding="learned", use_bias=True,
-                tie_embeddings=True, norm_eps=float(_field(c, "layer_norm_epsilon", 1e-5)),
-                hidden_dropout=float(_field(c, "resid_pdrop", 0.0)),
-                attention_dropout=float(_field(c, "attn_pdrop", 0.0)),
-                init_std=float(_field(c, "initializer_range", 0.02)))
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[GPT2], "config.json"), family="gpt")
+    if out["hidden_size"] % out["num_heads"]:
+        raise CheckpointError(f"config.json n_embd={out['hidden_size']} is not divisible by n_head={out['num_heads']}.")
+    return dict(out, ffn_hidden_size=out["ffn_hidden_size"] or 4 * out["hidden_size"])
+
+
+def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
+    """Tensor name -> (file, open safetensors handle) of a directory's single or sharded weights."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise CheckpointError("reading Hugging Face weights needs the safetensors library: "
+                              "pip install 'megajax[torch]'.") from None
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
+    elif (d / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        other = [p.name for p in d.glob("pytorch_model*.bin")]
+        hint = (f" It holds {', '.join(other)}: only safetensors weights are read; re-save the model "
+                f"with save_pretrained(..., safe_serialization=True).") if other else ""
+        raise CheckpointError(f"{str(d)!r} holds no model.safetensors or model.safetensors.index.json.{hint}")
+    out = {}
+    for name in names:
+        if not (d / name).is_file():
+            raise CheckpointError(f"{str(d)!r}: shard {name} named by the index is missing.")
+        try:
+            f = files.enter_context(safe_open(str(d / name), framework="numpy"))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{str(d / name)!r} is not a readable safetensors file ({e}).") from None
+        out.update({key: (d / name, f) for key in f.keys()})
+    return out
 
 
 def import_hf(in_dir) -> tuple[dict, dict]:
@@ -381,20 +350,27 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                               f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
     shapes = param_shapes(m)
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
-
-    def mismatch(name, got, want):
-        return CheckpointError(f"tensor {name} has shape {list(got)}, but config.json implies {list(want)}.")
-
     with ExitStack() as files:
-        weights = _Weights(d, files)
+        weights, used = _weight_files(d, files), set()
         for row, i in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m.num_layers):
-            name = weights.find(row.names(i))
+            names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
+            name = next((n for n in names if n in weights), None)
             if name is None:
-                raise CheckpointError(f"the Hugging Face checkpoint has no tensor {row.names(i)[0]}.")
-            y = weights.get(name, external_shape(row, shapes, m))
-            for path, x in to_ours(row, name, y, shapes, m, mismatch=mismatch).items():
-                flat_params[path][... if i is None else i] = x
-        weights.check_all_used()
+                raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
+            path, f = weights[name]
+            used.add(name)
+
+            def mismatch(what, got, want):
+                return CheckpointError(f"tensor {what} in {path.name} has shape {list(got)}, but config.json "
+                                       f"implies {list(want)}.")
+
+            for ours, x in to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), shapes, m,
+                                   mismatch=mismatch).items():
+                flat_params[ours][... if i is None else i] = x
+    left = sorted(n for n in set(weights) - used if not _ignored(n))
+    if left:
+        raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
+                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 

@@ -11,17 +11,12 @@ args} where `model` is the state dict of Megatron-Core's GPTModel with the local
 an argparse.Namespace with the hyper-parameters Megatron reads back
 (`tokenizer_type=HuggingFaceTokenizer`, `tokenizer_model` the tokenizer folder).
 
-MEGATRON_ROWS names every tensor both ways (megajax/checkpoint/mapping.py):
-- `linear_qkv` rows are grouped per query group g: [q of g's heads | k of g | v of g];
-- SwiGLU's linear_fc1 is, on each TP rank, [gate shard; up shard];
-- column-parallel rows split dim 0 over tensor ranks (word embeddings, output
-  layer, linear_qkv, linear_fc1), row-parallel ones dim 1 (linear_proj,
-  linear_fc2); norms and row-parallel biases are replicated. The vocabulary is
-  padded to a multiple of make_vocab_size_divisible_by x TP.
-- Pipeline stages hold consecutive layers numbered from 0 within the stage; the
-  first stage holds the embeddings, the last the final norm and output layer
-  (with tied embeddings and PP > 1, a copy of the word embeddings as
-  `output_layer.weight`, as Megatron keeps one there).
+MEGATRON_ROWS names every tensor both ways: `linear_qkv` grouped per query
+group, SwiGLU's `linear_fc1` as [gate; up] per tensor rank, column/row/replicated
+tensor-parallel splits, the vocabulary padded to make_vocab_size_divisible_by x TP.
+Pipeline stages hold consecutive layers numbered from 0 within the stage; the
+first holds the embeddings, the last the final norm and the output layer (with
+tied embeddings and PP > 1 a copy of the word embeddings, as Megatron keeps).
 
 Memory: torch.save needs a rank file's whole state dict, so the export builds
 one rank file at a time, reading the source one layer tensor at a time and
@@ -41,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
@@ -67,10 +62,6 @@ def _torch():
 def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
     return f"mp_rank_{tp_rank:02d}" if pipeline_parallel == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
 
-
-# ----------------------------------------------------------------------------
-# Layouts: megajax layer tensors <-> Megatron's global [out, in] weights
-# ----------------------------------------------------------------------------
 
 # ----------------------------------------------------------------------------
 # The table
@@ -103,19 +94,28 @@ MEGATRON_ROWS = (
     Row("output_layer.weight", same("embed/embedding"), vocab=True, split="column", copy=True),  # tied
 )
 
+# Megatron args <-> ModelConfig fields, and the default on import (REQUIRED: must be there).
+_ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
+         ("num_attention_heads", "num_heads", REQUIRED), ("ffn_hidden_size", "ffn_hidden_size", None),
+         ("kv_channels", "head_dim", None), ("max_position_embeddings", "max_position_embeddings", None),
+         ("vocab_size", "vocab_size", None), ("norm_epsilon", "norm_eps", 1e-5),
+         ("hidden_dropout", "hidden_dropout", 0.0), ("attention_dropout", "attention_dropout", 0.0),
+         ("init_method_std", "init_std", 0.02), ("add_bias_linear", "use_bias", True))
+
 # Linear modules whose (empty, local-spec) `_extra_state` entries a rank file carries.
 _EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
     "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
 _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
-def _first_stage(row: Row) -> bool:
-    """Whether a row that is not per layer lives on the first pipeline stage (else the last)."""
-    return row.name.startswith("embedding.")
-
-
-def _merge(shards: list[np.ndarray], split: str) -> np.ndarray:
-    return shards[0] if split == "replicated" else np.concatenate(shards, 0 if split == "column" else 1)
+def _on_stage(rows: list[Row], first: bool, last: bool, layers, offset: int):
+    """(row, its names on this pipeline stage, model layer or None) for every tensor the stage holds: its
+    layers (numbered from 0 within the stage), the embeddings on the first, the rest on the last."""
+    for row in rows:
+        if row.per_layer:
+            yield from ((row, row.names(k), offset + k) for k in layers)
+        elif (first if row.name.startswith("embedding.") else last) and not (row.copy and first):
+            yield row, row.names(), None
 
 
 # ----------------------------------------------------------------------------
@@ -148,13 +148,11 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
     torch = _torch()
     rope = m.position_embedding == "rope"
     return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_heads, num_query_groups=m.num_kv_heads,
-        group_query_attention=m.num_kv_heads != m.num_heads, kv_channels=m.head_dim,
-        max_position_embeddings=m.max_position_embeddings, seq_length=m.max_position_embeddings,
-        vocab_size=m.vocab_size, padded_vocab_size=padded_vocab_size,
+        **{arg: getattr(m, field) for arg, field, _ in _ARGS},
+        num_query_groups=m.num_kv_heads, group_query_attention=m.num_kv_heads != m.num_heads,
+        seq_length=m.max_position_embeddings, padded_vocab_size=padded_vocab_size,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm], norm_epsilon=m.norm_eps,
+        normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm],
         apply_layernorm_1p=False, swiglu=m.activation == "swiglu", openai_gelu=False, squared_relu=False,
         position_embedding_type="rope" if rope else "learned_absolute",
         add_position_embedding=not rope, use_rotary_position_embeddings=rope,
@@ -162,9 +160,8 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
-        add_bias_linear=m.use_bias, add_qkv_bias=m.use_bias, qk_layernorm=False,
+        add_qkv_bias=m.use_bias, qk_layernorm=False,
         apply_residual_connection_post_layernorm=False, num_experts=None,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout, init_method_std=m.init_std,
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
@@ -176,30 +173,18 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
     )
 
 
-
-
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
                      dtype) -> dict:
     """The state dict of tensor rank t, pipeline stage s, reading the source one layer tensor at a time."""
     torch = _torch()
     per_stage = m.num_layers // pp
-    first, last = s == 0, s == pp - 1
     sd: dict = {}
-
-    def put(row: Row, key: str, layer: int | None):
+    for row, names, layer in _on_stage(rows, s == 0, s == pp - 1, range(per_stage), s * per_stage):
         x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
-        sd[key] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
-
-    for row in rows:
-        if row.per_layer:
-            for local in range(per_stage):
-                put(row, row.names(local)[0], s * per_stage + local)
-        elif (first if _first_stage(row) else last) and not (row.copy and first):
-            put(row, row.name, None)
-    for local in range(per_stage):
-        sd.update({key.replace("{i}", str(local)): None for key in _EXTRA_STATE})
-    if last:
+        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
+    sd.update({key.replace("{i}", str(k)): None for key in _EXTRA_STATE for k in range(per_stage)})
+    if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
     return sd
 
@@ -217,8 +202,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
     m = source.model
-    if dtype not in ("bf16", "fp32"):
-        raise CheckpointError(f"export dtype={dtype!r} is not supported; accepted: bf16, fp32.")
+    numpy_dtype(dtype)  # checks the name
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise CheckpointError(f"tensor_parallel={tensor_parallel} and pipeline_parallel={pipeline_parallel} "
                               f"must be >= 1.")
@@ -354,26 +338,21 @@ def _overrides_from_args(args) -> dict:
     normalization = _arg(args, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
-    bias = bool(_arg(args, "add_bias_linear", True))
-    if _arg(args, "add_qkv_bias", False) and not bias:
+    out = read_fields(lambda key: getattr(args, key, None), _ARGS, "Megatron args")
+    if out["use_bias"] is False and _arg(args, "add_qkv_bias", False):
         reject("add_qkv_bias", True, "add_qkv_bias only together with add_bias_linear (one model.use_bias)")
-    hidden, heads = args.hidden_size, args.num_attention_heads
-    groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
-    swiglu = bool(_arg(args, "swiglu", False))
-    out = dict(family="llama" if position == "rope" else "gpt", num_layers=args.num_layers, hidden_size=hidden,
-               num_heads=heads, num_kv_heads=groups, head_dim=_arg(args, "kv_channels", hidden // heads),
-               ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * hidden),
-               vocab_size=_arg(args, "vocab_size", _arg(args, "padded_vocab_size")),
-               max_position_embeddings=_arg(args, "max_position_embeddings", _arg(args, "seq_length")),
+    hidden, heads = out["hidden_size"], out["num_heads"]
+    out.update(family="llama" if position == "rope" else "gpt",
+               num_kv_heads=_arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads,
+               ffn_hidden_size=out["ffn_hidden_size"] or 4 * hidden,
+               vocab_size=out["vocab_size"] or _arg(args, "padded_vocab_size"),
+               max_position_embeddings=out["max_position_embeddings"] or _arg(args, "seq_length"),
                norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",
-               activation="swiglu" if swiglu else "gelu",
-               position_embedding="rope" if position == "rope" else "learned", use_bias=bias,
+               activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+               position_embedding="rope" if position == "rope" else "learned",
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-               rope_theta=float(_arg(args, "rotary_base", 10000)),
-               hidden_dropout=float(_arg(args, "hidden_dropout", 0.0)),
-               attention_dropout=float(_arg(args, "attention_dropout", 0.0)),
-               init_std=float(_arg(args, "init_method_std", 0.02)))
+               rope_theta=float(_arg(args, "rotary_base", 10000)))
     if position == "rope" and _arg(args, "use_rope_scaling", False):
         out.update(rope_scaling="llama3", rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
@@ -383,63 +362,32 @@ def _overrides_from_args(args) -> dict:
     return out
 
 
-
-
-class _Stage:
-    """The TP shards of one pipeline stage's state dicts, consumed key by key."""
-
-    def __init__(self, dicts: list[dict], where: str):
-        self.dicts, self.where = dicts, where
-        self.used: set[str] = set()
-
-    def find(self, names: tuple[str, ...]) -> str | None:
-        """The first of `names` present (local spec name, then Transformer Engine aliases)."""
-        return next((k for k in names if k in self.dicts[0]), None)
-
-    def merged(self, key: str, split: str) -> np.ndarray:
-        """The tensor `key` with its TP shards merged (replicated: rank 0's)."""
-        self.used.add(key)
-        shards = []
-        for t, d in enumerate(self.dicts):
-            if d.get(key) is None:
-                raise CheckpointError(f"Megatron checkpoint {self.where}: tensor rank {t} has no {key}.")
-            shards.append(d[key].float().numpy())
-            if split == "replicated":
-                break
-        return _merge(shards, split)
-
-    def check_all_used(self) -> None:
-        left = sorted(k for k in self.dicts[0] if not k.endswith("_extra_state") and k not in self.used)
-        if left:
-            raise CheckpointError(f"Megatron checkpoint {self.where} holds tensors megajax does not know: "
-                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-
-
-def _fill_stage(st: _Stage, rows: list[Row], shapes: dict, m: ModelConfig, first: bool, last: bool,
-                layers: list[int], offset: int, tp: int, vocab_padded: int, out: dict) -> None:
+def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m: ModelConfig, first: bool,
+                last: bool, layers: list[int], offset: int, vocab_padded: int, out: dict) -> None:
+    """Fills `out` from one pipeline stage's state dicts (one per tensor rank), merging the shards."""
     def mismatch(name, got, want):
-        return CheckpointError(f"Megatron checkpoint {st.where}: {name} has shape {list(got)} (tensor shards "
+        return CheckpointError(f"Megatron checkpoint {where}: {name} has shape {list(got)} (tensor shards "
                                f"merged), but its args imply {list(want)}.")
 
-    def fill(row: Row, names: tuple[str, ...], layer: int | None):
-        key = st.find(names)
+    used = set()
+    for row, names, layer in _on_stage(rows, first, last, layers, offset):
+        key = next((k for k in names if k in dicts[0]), None)  # local spec name, or an alias
         if key is None:
-            raise CheckpointError(f"Megatron checkpoint {st.where} has no {names[0]}.")
+            raise CheckpointError(f"Megatron checkpoint {where} has no {names[0]}.")
+        used.add(key)
         if row.copy:  # the last stage's copy of the tied word embeddings
-            st.used.add(key)
-            return
-        y = st.merged(key, row.split)
-        for path, x in to_ours(row, key, y, shapes, m, tensor=tp, vocab_rows=vocab_padded,
+            continue
+        shards = [d.get(key) for d in (dicts[:1] if row.split == "replicated" else dicts)]
+        if any(x is None for x in shards):
+            raise CheckpointError(f"Megatron checkpoint {where}: tensor rank {shards.index(None)} has no {key}.")
+        y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
+        for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
                                mismatch=mismatch).items():
             out[path][... if layer is None else layer] = x
-
-    for row in rows:
-        if row.per_layer:
-            for local in layers:
-                fill(row, row.names(local), offset + local)
-        elif (first if _first_stage(row) else last) and not (row.copy and first):
-            fill(row, row.names(), None)
-    st.check_all_used()
+    left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
+    if left:
+        raise CheckpointError(f"Megatron checkpoint {where} holds tensors megajax does not know: "
+                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
 
 
 def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
@@ -474,8 +422,7 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
         if offset + len(layers) > m.num_layers:
             raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
         where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
-        _fill_stage(_Stage(dicts, where), rows, shapes, m, s == 0, s == pp - 1, layers, offset, tp, vocab_padded,
-                    flat_params)
+        _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params)
         offset += len(layers)
         del dicts
     if offset != m.num_layers:

@@ -63,21 +63,19 @@ class HFTokenizer:
                               f"({e}).") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self.eod_id = self._find_eod(file.parent / "tokenizer_config.json")
+        try:
+            config = json.loads((file.parent / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        config = config if isinstance(config, dict) else {}
+        self.eod_id = self._first_id([config.get("eos_token"), *EOD_CANDIDATES])
+        self.bos_id = self._first_id([config.get("bos_token")])  # only as the config names it
 
-    def _find_eod(self, config: Path) -> int | None:
-        names = list(EOD_CANDIDATES)
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (OSError, ValueError, AttributeError):
-                eos = None
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.insert(0, eos)
+    def _first_id(self, names: list) -> int | None:
+        """The id of the first of `names` (strings, or {"content": ...} entries) in the vocabulary."""
         for name in names:
-            token_id = self._tok.token_to_id(name)
+            name = name.get("content") if isinstance(name, dict) else name
+            token_id = self._tok.token_to_id(name) if isinstance(name, str) else None
             if token_id is not None:
                 return token_id
         return None
@@ -162,8 +160,8 @@ def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, i
     and special_tokens_map.json; returns its (bos, eos) ids.
 
     A tokenizer.json is copied with the tokenizer_config.json and special_tokens_map.json
-    beside it (a config naming its eos token is written when there is none); the byte
-    tokenizer becomes byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
+    beside it (without a config, one naming its eos token); the byte tokenizer becomes
+    byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
     """
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(tok, ByteTokenizer):
@@ -174,23 +172,13 @@ def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, i
             clean_up_tokenization_spaces=False, add_prefix_space=False))
         _write_json(out / "special_tokens_map.json", specials)
         return tok.eod_id, tok.eod_id
-    src = Path(tok.name)
-    shutil.copyfile(src, out / "tokenizer.json")
-    bos = None
-    config = src.parent / "tokenizer_config.json"
-    if config.is_file():
-        shutil.copyfile(config, out / "tokenizer_config.json")
-        bos_name = json.loads(config.read_text()).get("bos_token")
-        if isinstance(bos_name, dict):
-            bos_name = bos_name.get("content")
-        if isinstance(bos_name, str):
-            bos = tok._tok.token_to_id(bos_name)
-    else:
-        written = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-                   "clean_up_tokenization_spaces": False}
-        if tok.eod_id is not None:
-            written["eos_token"] = tok._tok.id_to_token(tok.eod_id)
-        _write_json(out / "tokenizer_config.json", written)
-    if (src.parent / "special_tokens_map.json").is_file():
-        shutil.copyfile(src.parent / "special_tokens_map.json", out / "special_tokens_map.json")
-    return bos, tok.eod_id
+    src = Path(tok.name).parent
+    shutil.copyfile(tok.name, out / "tokenizer.json")
+    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (src / extra).is_file():
+            shutil.copyfile(src / extra, out / extra)
+    if not (src / "tokenizer_config.json").is_file():
+        eos = {} if tok.eod_id is None else {"eos_token": tok._tok.id_to_token(tok.eod_id)}
+        _write_json(out / "tokenizer_config.json", dict(eos, tokenizer_class="PreTrainedTokenizerFast",
+                                                        model_max_length=max_length, clean_up_tokenization_spaces=False))
+    return tok.bos_id, tok.eod_id

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from flax import nnx
+from flax import nnx, traverse_util
 
 from megajax.config import ModelConfig
 
@@ -35,13 +35,7 @@ def _shapes(fields: tuple, padded_vocab_size: int) -> tuple[tuple[str, tuple[int
     m = ModelConfig(*fields)
     abstract = nnx.eval_shape(lambda: Transformer(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
-    return tuple(sorted(_flatten(params)))
-
-
-def _flatten(tree: dict, prefix: str = ""):
-    for key, value in tree.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        yield from _flatten(value, name) if isinstance(value, dict) else [(name, tuple(value.shape))]
+    return tuple(sorted((name, tuple(x.shape)) for name, x in traverse_util.flatten_dict(params, sep="/").items()))
 
 
 def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
