@@ -408,3 +408,18 @@ def test_import_without_a_tokenizer_is_not_called_byte(tmp_path):
     spec, warning = imported_tokenizer(found, 2000, known)
     assert spec != "byte" and "no tokenizer_type" in spec
     assert "2000 ids" in warning and "data.tokenizer=PATH" in warning and "--tokenizer PATH" in warning
+
+
+def test_format_tables_refuse_a_parameter_they_have_no_row_for():
+    """A parameter the model gains (here a MoE router) without a row in a format is named, not dropped."""
+    from megajax.checkpoint.hf import GPT2_ROWS, LLAMA_ROWS
+    from megajax.checkpoint.mapping import rows_for
+    from megajax.checkpoint.megatron import MEGATRON_ROWS
+    from megajax.models.layout import param_shapes
+    for family, tables in (("llama", (LLAMA_ROWS, MEGATRON_ROWS)), ("gpt", (GPT2_ROWS, MEGATRON_ROWS))):
+        shapes = param_shapes(make_model(family)[0].model)
+        assert shapes == {name: x.shape for name, x in flatten(make_model(family)[1].abstract_params)}
+        for table in tables:
+            assert {p.path for row in rows_for(table, shapes, "x") for p in row.parts} == set(shapes)
+            with pytest.raises(CheckpointError, match="no place for the parameters layers/mlp/router/kernel"):
+                rows_for(table, dict(shapes, **{"layers/mlp/router/kernel": (2, 64, 4)}), "x")

@@ -452,17 +452,12 @@ def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path]
 
 
 def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | None, str]:
-    """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it).
-
-    Found when args name a HuggingFaceTokenizer whose folder is `tokenizer/` beside the
-    iterations (as export_megatron writes it) or at args.tokenizer_model.
-    """
+    """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it): the
+    HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model."""
     step, _, first = _open(in_dir, allow_pickle)
-    args = first["args"]
-    said = {k: _arg(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
-    known = ", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type"
-    candidates = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
+    said = {k: _arg(first["args"], k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    places = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
     if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
-        candidates.append(Path(str(said["tokenizer_model"])))
-    found = next((spec for spec in map(tokenizer_dir_spec, candidates) if spec is not None), None)
-    return found, f"Megatron args {known}"
+        places.append(Path(str(said["tokenizer_model"])))
+    found = next((spec for spec in map(tokenizer_dir_spec, places) if spec is not None), None)
+    return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")

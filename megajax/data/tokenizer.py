@@ -120,15 +120,9 @@ EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end-of-document token in its
 def _byte_to_char() -> dict[int, str]:
     """The byte-level alphabet: each byte as one printable character (printable bytes as themselves,
     the others shifted above U+0100), so that any byte string is a string of vocabulary symbols."""
-    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(0x100 + shifted)
-            shifted += 1
-    return out
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(0x100 + k) for k, b in enumerate(others)}}
 
 
 def byte_tokenizer_json() -> str:
