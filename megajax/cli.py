@@ -3,7 +3,7 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR
+    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK]
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
@@ -104,44 +104,62 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="instead of tokenizing, concatenate these dataset prefixes into --output-prefix")
 
 
+def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> str:
+    """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here."""
+    from megajax.data.tokenizer import load_tokenizer
+    from megajax.errors import CheckpointError, ConfigError
+    spec = args.tokenizer or meta["config"].get("data", {}).get("tokenizer", "byte")
+    try:
+        load_tokenizer(spec, key="--tokenizer")
+    except ConfigError:
+        if args.tokenizer:
+            raise
+        raise CheckpointError(f"checkpoint {step_dir} was trained with data.tokenizer = {spec!r}, which is not "
+                              f"found from {os.getcwd()}; pass --tokenizer TOK naming that tokenizer ('byte', a "
+                              f"Hugging Face tokenizer.json, or a directory containing one).") from None
+    return spec
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     source = CheckpointSource(args.checkpoint)
     meta = read_meta(source.step_dir)
+    tokenizer = _export_tokenizer(args, meta, source.step_dir)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf
-        tokenizer = meta["config"].get("data", {}).get("tokenizer", "byte")
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
     else:
         from megajax.checkpoint.megatron import export_megatron
         step = int(meta.get("step", 0))
         out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                               pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
-                              iteration=step if step >= 1 else None)
-    print(f"megajax export: {source.step_dir} -> {out} ({args.format}, {args.dtype})")
+                              iteration=step if step >= 1 else None, tokenizer_spec=tokenizer)
+    print(f"megajax export: {source.step_dir} -> {out} ({args.format}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from megajax.checkpoint.common import imported_tokenizer
     from megajax.checkpoint.manager import write_params_checkpoint
     from megajax.config import load_config
     if args.format == "hf":
-        from megajax.checkpoint.hf import import_hf
+        from megajax.checkpoint.hf import hf_tokenizer, import_hf
         overrides, params = import_hf(args.input)
-        tokenizer = str(Path(args.input).absolute()) if (Path(args.input) / "tokenizer.json").is_file() else "byte"
+        found, known = hf_tokenizer(args.input)
     else:
-        from megajax.checkpoint.megatron import import_megatron
+        from megajax.checkpoint.megatron import import_megatron, megatron_tokenizer
         overrides, params = import_megatron(args.input)
-        tokenizer = "byte"
+        found, known = megatron_tokenizer(args.input)
+    tokenizer, warning = imported_tokenizer(found, overrides["vocab_size"], known)
     base = {"model": overrides, "data": {"tokenizer": tokenizer}}
     if overrides.get("max_position_embeddings"):
         base["train"] = {"seq_len": min(overrides["max_position_embeddings"], 2048)}
     cfg = load_config(base=base)
     step_dir = write_params_checkpoint(params, cfg, args.output)
-    print(f"megajax import: {args.input} -> {step_dir}; fine-tune with "
+    print(f"megajax import: {args.input} -> {step_dir} (tokenizer {tokenizer}); fine-tune with "
           f"checkpoint.load={args.output} and the same model.* settings (saved in its meta).")
+    if warning:
+        print(f"megajax import: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -198,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
+                                                     "tokenizer.json or its directory); default: the checkpoint's")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="turn Hugging Face or Megatron-Core weights into a megajax checkpoint")
     p.add_argument("--format", choices=("hf", "megatron"), required=True)

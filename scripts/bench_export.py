@@ -5,9 +5,9 @@
                                    [--format hf megatron] [--dtype bf16] [--tensor-parallel 2]
                                    [--from-checkpoint]
 
-Builds a Llama-style model with random float32 parameters in a DictSource
-(no JAX), then runs each export in a fresh child process that first builds
-the same parameters, resets the kernel's peak-RSS counter (`echo 5 >
+Builds a Llama-style model with random float32 parameters (shapes from
+megajax/models/layout.py) in a DictSource, then runs each export in a fresh
+child process that first builds the same parameters, resets the kernel's peak-RSS counter (`echo 5 >
 /proc/self/clear_refs` resets VmHWM) and reports VmHWM - VmRSS measured just
 before the export: the memory the export itself added on top of the model it
 reads (libraries the export imports are imported before the measurement).
@@ -38,16 +38,16 @@ def child(a: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import numpy as np
 
-    from megajax.checkpoint.common import param_shapes
     from megajax.checkpoint.source import DictSource, unflatten
     from megajax.config import ModelConfig
+    from megajax.models.layout import param_shapes
 
     m = ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.hidden // 64,
                     num_kv_heads=a.hidden // 64 // 4 or 1, ffn_hidden_size=a.ffn, vocab_size=a.vocab,
                     max_position_embeddings=2048)
     m.resolve(2048)
     rng = np.random.default_rng(0)
-    params = {n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in param_shapes(m, m.padded_vocab_size()).items()}
+    params = {n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in param_shapes(m).items()}
     model_bytes = sum(x.nbytes for x in params.values())
     largest = max(x.nbytes // (x.shape[0] if n.startswith("layers/") else 1) for n, x in params.items())
     source = DictSource(unflatten(params), m)

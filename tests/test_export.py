@@ -153,7 +153,7 @@ def test_hf_tokenizer_matches_byte_tokenizer(tmp_path):
 
 def test_hf_export_copies_a_tokenizer_json(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from megajax.checkpoint.hf import byte_tokenizer_json
+    from megajax.data.tokenizer import byte_tokenizer_json
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     (tok_dir / "tokenizer.json").write_text(byte_tokenizer_json())
@@ -356,3 +356,70 @@ def test_megatron_errors(tmp_path):
     (out / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointError, match="rank files present are \\['mp_rank_00'\\]"):
         import_megatron(out)
+
+
+def word_tokenizer_dir(path, size=200):
+    """A Hugging Face tokenizer.json (word level, `size` ids, the last `<|endoftext|>`) in directory `path`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {f"w{k}": k for k in range(size - 2)} | {"[UNK]": size - 2, "<|endoftext|>": size - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path.mkdir()
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_megatron_export_records_the_tokenizer_megatron_loads(tmp_path):
+    """args name a HuggingFaceTokenizer in `tokenizer/` beside the checkpoint; megatron-core's own
+    build_tokenizer loads it with megajax's ids, and the importer finds it again after a move."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("megatron.core")
+    from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
+
+    from megajax.checkpoint.megatron import megatron_tokenizer
+    from megajax.data.tokenizer import load_tokenizer
+    cfg, _, params = make_model("llama")
+    tok_dir = word_tokenizer_dir(tmp_path / "tok")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tokenizer_spec=str(tok_dir))
+    args = torch.load(out / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"]
+    assert args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model == str(out / "tokenizer")
+    theirs = build_tokenizer(args)
+    ours = load_tokenizer(str(tok_dir))
+    text = "w3 w17 w150 nope w0"
+    assert theirs.tokenize(text) == ours.encode(text) == [3, 17, 150, 198, 0]
+    assert theirs.vocab_size == 200 and theirs.eod == ours.eod_id == 199
+
+    moved = out.rename(tmp_path / "moved")
+    assert megatron_tokenizer(moved)[0] == str(moved / "tokenizer")
+    byte = export_megatron(DictSource(params, cfg.model), tmp_path / "mc-byte", tokenizer_spec="byte")
+    assert build_tokenizer(torch.load(byte / "release" / "mp_rank_00" / "model_optim_rng.pt",
+                                      weights_only=False)["args"]).tokenize("héllo") == list("héllo".encode())
+    assert megatron_tokenizer(byte)[0] == "byte"
+
+
+def test_import_without_a_tokenizer_is_not_called_byte(tmp_path):
+    from megajax.checkpoint.common import imported_tokenizer
+    from megajax.checkpoint.megatron import megatron_tokenizer
+    cfg, _, params = make_model("llama")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc")  # no tokenizer recorded
+    found, known = megatron_tokenizer(out)
+    assert found is None and "no tokenizer_type" in known
+    assert imported_tokenizer(found, 257, known) == ("byte", None)  # the byte tokenizer's vocabulary
+    spec, warning = imported_tokenizer(found, 2000, known)
+    assert spec != "byte" and "no tokenizer_type" in spec
+    assert "2000 ids" in warning and "data.tokenizer=PATH" in warning and "--tokenizer PATH" in warning
+
+
+def test_format_tables_refuse_a_parameter_they_have_no_row_for():
+    """A parameter the model gains (here a MoE router) without a row in a format is named, not dropped."""
+    from megajax.checkpoint.hf import GPT2_ROWS, LLAMA_ROWS
+    from megajax.checkpoint.mapping import rows_for
+    from megajax.checkpoint.megatron import MEGATRON_ROWS
+    from megajax.models.layout import param_shapes
+    for family, tables in (("llama", (LLAMA_ROWS, MEGATRON_ROWS)), ("gpt", (GPT2_ROWS, MEGATRON_ROWS))):
+        shapes = param_shapes(make_model(family)[0].model)
+        assert shapes == {name: x.shape for name, x in flatten(make_model(family)[1].abstract_params)}
+        for table in tables:
+            assert {p.path for row in rows_for(table, shapes, "x") for p in row.parts} == set(shapes)
+            with pytest.raises(CheckpointError, match="no place for the parameters layers/mlp/router/kernel"):
+                rows_for(table, dict(shapes, **{"layers/mlp/router/kernel": (2, 64, 4)}), "x")

@@ -56,3 +56,35 @@ def test_export_errors_are_one_paragraph(tmp_path, capsys):
     assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "no megajax checkpoint there" in err and err.count("\n") == 1
+
+
+def test_megatron_import_without_a_tokenizer_then_export_with_tokenizer(tmp_path, capsys):
+    """A Megatron checkpoint that names no tokenizer, with a 300-id vocabulary: the import says what to
+    pass instead of calling it byte, and exporting it needs --tokenizer."""
+    pytest.importorskip("torch")
+    from megajax.checkpoint.manager import read_meta
+    from megajax.checkpoint.megatron import export_megatron
+    from megajax.checkpoint.source import DictSource, flatten, unflatten
+    from megajax.config import load_config
+    from test_export import word_tokenizer_dir
+    cfg = load_config(overrides=["model.num_layers=1", "model.hidden_size=64", "model.num_heads=4",
+                                 "model.ffn_hidden_size=128", "model.vocab_size=300", "train.seq_len=32"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    params = unflatten({n: np.full(x.shape, 0.01, np.float32) for n, x in flatten(spec.abstract_params)})
+    export_megatron(DictSource(params, cfg.model), tmp_path / "mg")
+    capsys.readouterr()
+
+    assert main(["import", "--format", "megatron", "--input", str(tmp_path / "mg"),
+                 "--output", str(tmp_path / "imported")]) == 0
+    err = capsys.readouterr().err
+    assert "300 ids" in err and "data.tokenizer=PATH" in err
+    source = CheckpointSource(tmp_path / "imported")
+    assert read_meta(source.step_dir)["config"]["data"]["tokenizer"] != "byte"
+
+    hf = ["export", "--format", "hf", "--checkpoint", str(tmp_path / "imported"), "--output", str(tmp_path / "hf")]
+    assert main(hf) == 2
+    err = capsys.readouterr().err
+    assert "pass --tokenizer TOK" in err and err.count("\n") == 1
+    tok = word_tokenizer_dir(tmp_path / "tok", size=300)
+    assert main(hf + ["--tokenizer", str(tok)]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == (tok / "tokenizer.json").read_text()

@@ -1,18 +1,6 @@
-"""What the exporters and importers share: the parameter layout a ModelConfig implies,
-the architecture as config overrides, output dtypes, and crash-safe output directories.
-
-Layout of a megajax parameter tree (names are '/'-joined paths; stacked layer
-tensors carry the layer as dim 0; kernels are [in..., out...]):
-
-    embed/embedding          [Vp, D]      Vp >= vocab_size; rows >= vocab_size are zero
-    pos_embed                [P, D]       learned positions only
-    layers/attn_norm/scale   [L, D]       (+ bias for LayerNorm); mlp_norm the same
-    layers/attn/q/kernel     [L, D, H, hd]    k, v: [L, D, KV, hd]    o: [L, H, hd, D]
-    layers/attn/q/bias       [L, H, hd]       k, v: [L, KV, hd]       o: [L, D]
-    layers/mlp/gate|up/kernel [L, D, F]  (swiglu)   fc1/kernel [L, D, F] (gelu)
-    layers/mlp/fc2/kernel    [L, F, D]    biases: gate|up|fc1 [L, F], fc2 [L, D]
-    final_norm/scale         [D]          (+ bias)
-    output                   [D, Vp]      untied embeddings only
+"""What the exporters and importers share: the checks of a source against its model's layout
+(megajax/models/layout.py), the architecture as config overrides, output dtypes, the
+tokenizer an export carries, and crash-safe output directories.
 """
 
 from __future__ import annotations
@@ -27,7 +15,8 @@ from typing import Iterator
 import numpy as np
 
 from megajax.config import ModelConfig
-from megajax.errors import CheckpointError
+from megajax.errors import CheckpointError, ConfigError
+from megajax.models.layout import param_shapes
 
 DTYPES = ("bf16", "fp32")
 
@@ -41,6 +30,23 @@ ARCH_FIELDS = (
 )
 
 
+REQUIRED = object()  # a config field an importer cannot do without
+
+
+def read_fields(get, table: tuple, where: str) -> dict:
+    """ModelConfig fields from an external config: for each (key, field, default) of `table`, `get(key)`
+    (None: absent, the default applies; REQUIRED: an error naming `where`); a bool or float default
+    gives the value its type."""
+    out = {}
+    for key, field, default in table:
+        value = get(key)
+        if value is None and default is REQUIRED:
+            raise CheckpointError(f"{where} has no {key!r}.")
+        value = default if value is None else value
+        out[field] = type(default)(value) if isinstance(default, (bool, float)) else value
+    return out
+
+
 def numpy_dtype(dtype: str):
     """The numpy dtype of an export dtype name ('bf16' is ml_dtypes' bfloat16, which JAX ships)."""
     if dtype == "fp32":
@@ -49,37 +55,6 @@ def numpy_dtype(dtype: str):
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     raise CheckpointError(f"export dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}.")
-
-
-def param_shapes(m: ModelConfig, padded_vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter of a model with resolved config `m`."""
-    d, n, h, kv, hd, f = (m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                          m.ffn_hidden_size)
-    shapes = {"embed/embedding": (padded_vocab_size, d)}
-    if m.position_embedding == "learned":
-        shapes["pos_embed"] = (m.max_position_embeddings, d)
-    for norm in ("layers/attn_norm", "layers/mlp_norm", "final_norm"):
-        lead = (n,) if norm.startswith("layers/") else ()
-        shapes[f"{norm}/scale"] = lead + (d,)
-        if m.norm == "layernorm":
-            shapes[f"{norm}/bias"] = lead + (d,)
-    a = "layers/attn"
-    shapes.update({f"{a}/q/kernel": (n, d, h, hd), f"{a}/k/kernel": (n, d, kv, hd),
-                   f"{a}/v/kernel": (n, d, kv, hd), f"{a}/o/kernel": (n, h, hd, d)})
-    if m.use_bias:
-        shapes.update({f"{a}/q/bias": (n, h, hd), f"{a}/k/bias": (n, kv, hd),
-                       f"{a}/v/bias": (n, kv, hd), f"{a}/o/bias": (n, d)})
-    columns = ("gate", "up") if m.activation == "swiglu" else ("fc1",)
-    for c in columns:
-        shapes[f"layers/mlp/{c}/kernel"] = (n, d, f)
-        if m.use_bias:
-            shapes[f"layers/mlp/{c}/bias"] = (n, f)
-    shapes["layers/mlp/fc2/kernel"] = (n, f, d)
-    if m.use_bias:
-        shapes["layers/mlp/fc2/bias"] = (n, d)
-    if not m.tie_embeddings:
-        shapes["output"] = (d, padded_vocab_size)
-    return shapes
 
 
 def check_source(source) -> int:
@@ -97,14 +72,9 @@ def check_source(source) -> int:
         raise CheckpointError(f"embed/embedding has {padded} rows, fewer than model.vocab_size="
                               f"{m.vocab_size}.")
     want = param_shapes(m, padded)
-    missing = sorted(set(want) - names)
-    unknown = sorted(names - set(want))
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors {', '.join(missing)}")
-        if unknown:
-            parts.append(f"tensors the exporter does not know {', '.join(unknown)}")
+    parts = [f"{what} {', '.join(sorted(x))}" for what, x in (("missing tensors", set(want) - names),
+                                                             ("tensors the exporter does not know", names - set(want))) if x]
+    if parts:
         raise CheckpointError(f"the checkpoint does not match its model config (family={m.family}, "
                               f"norm={m.norm}, activation={m.activation}, position_embedding="
                               f"{m.position_embedding}, use_bias={m.use_bias}, tie_embeddings="
@@ -137,13 +107,41 @@ def resolved_model(overrides: dict) -> ModelConfig:
     return m
 
 
-def padded_zeros(x: np.ndarray, size: int, axis: int) -> np.ndarray:
-    """`x` padded with zeros along `axis` to `size` (or cut to it)."""
-    if x.shape[axis] >= size:
-        return x[(slice(None),) * axis + (slice(0, size),)]
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return np.pad(x, pad)
+def check_tokenizer(spec: str, m: ModelConfig):
+    """The tokenizer `spec` names, loaded; CheckpointError if it is missing or has more ids than the model."""
+    from megajax.data.tokenizer import load_tokenizer
+    try:
+        tok = load_tokenizer(spec, key="tokenizer")
+    except ConfigError as e:
+        raise CheckpointError(str(e)) from None
+    if tok.vocab_size > m.vocab_size:
+        raise CheckpointError(f"tokenizer {spec!r} has {tok.vocab_size} ids, more than the model's "
+                              f"vocab_size={m.vocab_size}; export with the tokenizer the model was trained with.")
+    return tok
+
+
+def tokenizer_dir_spec(d: Path) -> str | None:
+    """The data.tokenizer value for a Hugging Face tokenizer folder (or tokenizer.json) `d`: 'byte' for
+    an exported byte tokenizer, else its absolute path; None if it holds no tokenizer.json."""
+    from megajax.data.tokenizer import is_byte_tokenizer_file
+    d = Path(d).expanduser()
+    file = d / "tokenizer.json" if d.is_dir() else d
+    if not file.is_file():
+        return None
+    return "byte" if is_byte_tokenizer_file(file) else str(d.absolute())
+
+
+def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:
+    """(data.tokenizer to record for an imported model, a warning or None), from the tokenizer the import
+    `found` and what its source says (`known`). Without one, only a 257-id vocabulary is called 'byte';
+    any other is recorded as unknown (its export then asks for --tokenizer)."""
+    from megajax.data.tokenizer import ByteTokenizer
+    if found is not None or vocab_size == ByteTokenizer.vocab_size:
+        return found or "byte", None
+    return f"unknown ({known})", (
+        f"the imported model names no tokenizer megajax can read ({known}) and its vocabulary has "
+        f"{vocab_size} ids, so it is not the byte tokenizer's; pass data.tokenizer=PATH (the tokenizer.json "
+        f"it was trained with, or its directory) when fine-tuning, and --tokenizer PATH when exporting it.")
 
 
 @contextlib.contextmanager

@@ -5,40 +5,85 @@
         tokenizer.json, tokenizer_config.json, special_tokens_map.json
     import_hf(in_dir)  ->  (model overrides, parameter tree of float32 numpy arrays)
 
-The llama family maps to `LlamaForCausalLM`, the gpt family to `GPT2LMHeadModel`.
-Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are [in, out]
-and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v, head-major).
+The llama family maps to `LlamaForCausalLM`, the gpt family to `GPT2LMHeadModel`;
+LLAMA_ROWS and GPT2_ROWS (megajax/checkpoint/mapping.py) name each tensor both
+ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
+[in, out] and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v).
 
 The export reads one tensor (one layer of a stacked tensor) at a time from a
 TensorSource, converts it and appends it to the current safetensors shard, so
-peak host memory stays near the largest single tensor. It writes into a
-temporary directory renamed at the end.
+peak host memory stays near the largest single tensor; it writes into a
+temporary directory renamed at the end. The import reads with the
+`safetensors` library.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import shutil
+import math
+import struct
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, model_overrides, numpy_dtype,
-                                       padded_zeros, param_shapes, resolved_model)
-from megajax.checkpoint.safetensors_io import ShardWriter, read_header, read_tensor
+from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, linear, linear_rows,
+                                        norm_rows, rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import param_shapes
 
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
-EOD_TOKEN = "<|endoftext|>"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
 
-# (Hugging Face name, shape, producer of the float32 array in that layout)
-Entry = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
+
+# ----------------------------------------------------------------------------
+# The tables
+# ----------------------------------------------------------------------------
+
+_L, _H = "model.layers.{i}", "transformer.h.{i}"
+
+LLAMA_ROWS = (
+    Row("model.embed_tokens.weight", same("embed/embedding"), vocab=True),
+    *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm"),
+    *linear_rows(f"{_L}.self_attn.q_proj", "layers/attn/q"),
+    *linear_rows(f"{_L}.self_attn.k_proj", "layers/attn/k"),
+    *linear_rows(f"{_L}.self_attn.v_proj", "layers/attn/v"),
+    *linear_rows(f"{_L}.self_attn.o_proj", "layers/attn/o", n_in=2),
+    *norm_rows(f"{_L}.post_attention_layernorm", "layers/mlp_norm"),
+    *linear_rows(f"{_L}.mlp.gate_proj", "layers/mlp/gate"),
+    *linear_rows(f"{_L}.mlp.up_proj", "layers/mlp/up"),
+    *linear_rows(f"{_L}.mlp.down_proj", "layers/mlp/fc2"),
+    *norm_rows("model.norm", "final_norm"),
+    Row("lm_head.weight", linear("output"), vocab=True),
+)
+
+GPT2_ROWS = (
+    Row("transformer.wte.weight", same("embed/embedding"), vocab=True),
+    Row("transformer.wpe.weight", same("pos_embed")),
+    *norm_rows(f"{_H}.ln_1", "layers/attn_norm"),
+    Row(f"{_H}.attn.c_attn.weight", *(conv1d(f"layers/attn/{x}/kernel") for x in "qkv"), axis=1),
+    Row(f"{_H}.attn.c_attn.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv")),
+    *linear_rows(f"{_H}.attn.c_proj", "layers/attn/o", n_in=2, kind=conv1d),
+    *norm_rows(f"{_H}.ln_2", "layers/mlp_norm"),
+    *linear_rows(f"{_H}.mlp.c_fc", "layers/mlp/fc1", kind=conv1d),
+    *linear_rows(f"{_H}.mlp.c_proj", "layers/mlp/fc2", kind=conv1d),
+    *norm_rows("transformer.ln_f", "final_norm"),
+)  # lm_head is tied to wte
+
+TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS}
+
+
+def _ignored(name: str) -> bool:
+    """Tensors a Hugging Face checkpoint may carry that are not parameters (or are tied copies)."""
+    return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
+            or name == "lm_head.weight")
 
 
 # ----------------------------------------------------------------------------
@@ -72,124 +117,24 @@ def architecture(m: ModelConfig) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Tensors in Hugging Face layout, produced one at a time
+# Configs: config.json key, ModelConfig field, default on import (REQUIRED: must be there)
 # ----------------------------------------------------------------------------
 
-def _layer(source, name: str, i: int) -> np.ndarray:
-    return source.get(name, layer=i)
+_CONFIG_FIELDS = {
+    LLAMA: (("num_hidden_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
+            ("num_attention_heads", "num_heads", REQUIRED), ("num_key_value_heads", "num_kv_heads", None),
+            ("head_dim", "head_dim", None), ("intermediate_size", "ffn_hidden_size", REQUIRED),
+            ("vocab_size", "vocab_size", REQUIRED), ("max_position_embeddings", "max_position_embeddings", 2048),
+            ("rms_norm_eps", "norm_eps", 1e-6), ("attention_bias", "use_bias", False),
+            ("tie_word_embeddings", "tie_embeddings", False), ("attention_dropout", "attention_dropout", 0.0),
+            ("initializer_range", "init_std", 0.02)),
+    GPT2: (("n_layer", "num_layers", REQUIRED), ("n_embd", "hidden_size", REQUIRED), ("n_head", "num_heads", REQUIRED),
+           ("n_inner", "ffn_hidden_size", None), ("vocab_size", "vocab_size", REQUIRED),
+           ("n_positions", "max_position_embeddings", REQUIRED), ("layer_norm_epsilon", "norm_eps", 1e-5),
+           ("resid_pdrop", "hidden_dropout", 0.0), ("attn_pdrop", "attention_dropout", 0.0),
+           ("initializer_range", "init_std", 0.02), ("tie_word_embeddings", "tie_embeddings", True)),
+}
 
-
-def _llama_entries(source, m: ModelConfig) -> list[Entry]:
-    d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                          m.vocab_size)
-    get = functools.partial(_layer, source)
-
-    def linear(name, i, out_dims):  # kernel [in..., out...] -> weight [out, in]
-        def produce():
-            x = get(name, i)
-            return x.reshape(-1, int(np.prod(x.shape[-out_dims:]))).T
-        return produce
-
-    def in_major(name, i, in_dims):  # kernel [in..., out] -> weight [out, in...flattened]
-        def produce():
-            x = get(name, i)
-            return x.reshape(int(np.prod(x.shape[:in_dims])), -1).T
-        return produce
-
-    def flat(name, i):
-        return lambda: get(name, i).reshape(-1)
-
-    out: list[Entry] = [("model.embed_tokens.weight", (v, d), lambda: source.get("embed/embedding")[:v])]
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}"
-        out.append((f"{p}.input_layernorm.weight", (d,), flat("layers/attn_norm/scale", i)))
-        for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-            out.append((f"{p}.self_attn.{proj}_proj.weight", (heads * hd, d),
-                        linear(f"layers/attn/{proj}/kernel", i, 2)))
-            if m.use_bias:
-                out.append((f"{p}.self_attn.{proj}_proj.bias", (heads * hd,), flat(f"layers/attn/{proj}/bias", i)))
-        out.append((f"{p}.self_attn.o_proj.weight", (d, h * hd), in_major("layers/attn/o/kernel", i, 2)))
-        if m.use_bias:
-            out.append((f"{p}.self_attn.o_proj.bias", (d,), flat("layers/attn/o/bias", i)))
-        out.append((f"{p}.post_attention_layernorm.weight", (d,), flat("layers/mlp_norm/scale", i)))
-        for hf, ours, shape in (("gate_proj", "gate", (f, d)), ("up_proj", "up", (f, d)),
-                                ("down_proj", "fc2", (d, f))):
-            out.append((f"{p}.mlp.{hf}.weight", shape, linear(f"layers/mlp/{ours}/kernel", i, 1)))
-            if m.use_bias:
-                out.append((f"{p}.mlp.{hf}.bias", shape[:1], flat(f"layers/mlp/{ours}/bias", i)))
-    out.append(("model.norm.weight", (d,), lambda: source.get("final_norm/scale")))
-    if not m.tie_embeddings:
-        out.append(("lm_head.weight", (v, d), lambda: source.get("output")[:, :v].T))
-    return out
-
-
-def _gpt2_entries(source, m: ModelConfig) -> list[Entry]:
-    d, f, v = m.hidden_size, m.ffn_hidden_size, m.vocab_size
-    get = functools.partial(_layer, source)
-
-    def c_attn_weight(i):  # Conv1D [D, 3D]: columns q | k | v, each head-major
-        return lambda: np.concatenate([get(f"layers/attn/{x}/kernel", i).reshape(d, -1) for x in "qkv"], 1)
-
-    def c_attn_bias(i):
-        return lambda: np.concatenate([get(f"layers/attn/{x}/bias", i).reshape(-1) for x in "qkv"])
-
-    def as_is(name, i, shape):
-        return lambda: get(name, i).reshape(shape)
-
-    out: list[Entry] = [("transformer.wte.weight", (v, d), lambda: source.get("embed/embedding")[:v]),
-                        ("transformer.wpe.weight", (m.max_position_embeddings, d),
-                         lambda: source.get("pos_embed"))]
-    for i in range(m.num_layers):
-        p = f"transformer.h.{i}"
-        out += [
-            (f"{p}.ln_1.weight", (d,), as_is("layers/attn_norm/scale", i, (d,))),
-            (f"{p}.ln_1.bias", (d,), as_is("layers/attn_norm/bias", i, (d,))),
-            (f"{p}.attn.c_attn.weight", (d, 3 * d), c_attn_weight(i)),
-            (f"{p}.attn.c_attn.bias", (3 * d,), c_attn_bias(i)),
-            (f"{p}.attn.c_proj.weight", (d, d), as_is("layers/attn/o/kernel", i, (d, d))),
-            (f"{p}.attn.c_proj.bias", (d,), as_is("layers/attn/o/bias", i, (d,))),
-            (f"{p}.ln_2.weight", (d,), as_is("layers/mlp_norm/scale", i, (d,))),
-            (f"{p}.ln_2.bias", (d,), as_is("layers/mlp_norm/bias", i, (d,))),
-            (f"{p}.mlp.c_fc.weight", (d, f), as_is("layers/mlp/fc1/kernel", i, (d, f))),
-            (f"{p}.mlp.c_fc.bias", (f,), as_is("layers/mlp/fc1/bias", i, (f,))),
-            (f"{p}.mlp.c_proj.weight", (f, d), as_is("layers/mlp/fc2/kernel", i, (f, d))),
-            (f"{p}.mlp.c_proj.bias", (d,), as_is("layers/mlp/fc2/bias", i, (d,))),
-        ]
-    out += [("transformer.ln_f.weight", (d,), lambda: source.get("final_norm/scale")),
-            ("transformer.ln_f.bias", (d,), lambda: source.get("final_norm/bias"))]
-    return out  # lm_head is tied to wte
-
-
-def _write_shards(out: Path, entries: list[Entry], dtype: np.dtype, max_shard_bytes: int) -> list[str]:
-    """Writes the tensors in order into as few shards of at most max_shard_bytes as possible."""
-    shards: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        nbytes = int(np.prod(e[1], dtype=np.int64)) * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(e)
-        size += nbytes
-    n = len(shards)
-    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-    weight_map, total = {}, 0
-    for file, shard in zip(files, shards):
-        writer = ShardWriter(out / file, [(name, shape) for name, shape, _ in shard], dtype)
-        for name, shape, produce in shard:
-            writer.write(name, produce())  # the only live tensor: this one
-            weight_map[name] = file
-        writer.close()
-        total += writer.nbytes
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
-
-
-# ----------------------------------------------------------------------------
-# Configs
-# ----------------------------------------------------------------------------
 
 def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
     """(legacy `rope_scaling`, `rope_parameters`) of a Llama config.json."""
@@ -202,27 +147,16 @@ def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
 
 
 def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int | None) -> dict:
-    common = {"architectures": [arch], "vocab_size": m.vocab_size, "initializer_range": m.init_std,
-              "tie_word_embeddings": m.tie_embeddings, "bos_token_id": bos, "eos_token_id": eos,
-              "use_cache": True, "torch_dtype": TORCH_DTYPE[dtype], "dtype": TORCH_DTYPE[dtype]}
+    config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[arch]}
+    config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
+                  torch_dtype=TORCH_DTYPE[dtype], dtype=TORCH_DTYPE[dtype])
     if arch == GPT2:
-        return dict(common, model_type="gpt2", n_embd=m.hidden_size, n_layer=m.num_layers,
-                    n_head=m.num_heads, n_inner=m.ffn_hidden_size, n_positions=m.max_position_embeddings,
-                    activation_function="gelu", layer_norm_epsilon=m.norm_eps,
-                    resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout,
-                    attn_pdrop=m.attention_dropout, scale_attn_weights=True,
-                    scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+        return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
+                    scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
     scaling, parameters = _rope(m)
-    config = dict(common, model_type="llama", hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-                  num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                  num_key_value_heads=m.num_kv_heads, head_dim=m.head_dim, hidden_act="silu",
-                  max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_eps,
-                  rope_theta=m.rope_theta, rope_parameters=parameters,
-                  attention_bias=m.use_bias, mlp_bias=m.use_bias,
-                  attention_dropout=m.attention_dropout, pretraining_tp=1)
-    if scaling is not None:
-        config["rope_scaling"] = scaling
-    return config
+    config.update(model_type="llama", hidden_act="silu", mlp_bias=m.use_bias, rope_theta=m.rope_theta,
+                  rope_parameters=parameters, pretraining_tp=1)
+    return dict(config, rope_scaling=scaling) if scaling else config
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -230,99 +164,83 @@ def _write_json(path: Path, obj: dict) -> None:
 
 
 # ----------------------------------------------------------------------------
-# Tokenizer
-# ----------------------------------------------------------------------------
-
-def _byte_to_char() -> dict[int, str]:
-    """The byte-level alphabet: each byte as one printable character (printable bytes as themselves,
-    the others shifted above U+0100), so that any byte string is a string of vocabulary symbols."""
-    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    out, shifted = {}, 0
-    for b in range(256):
-        if b in printable:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(0x100 + shifted)
-            shifted += 1
-    return out
-
-
-def byte_tokenizer_json() -> str:
-    """A `tokenizers` tokenizer with megajax's ByteTokenizer ids: 0..255 the UTF-8 bytes, 256 end-of-document."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    chars = _byte_to_char()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
-    assert tok.token_to_id(EOD_TOKEN) == 256
-    return tok.to_str()
-
-
-def write_tokenizer(out: Path, spec: str, m: ModelConfig) -> tuple[int | None, int | None]:
-    """Writes the tokenizer files for `spec` ('byte' or a tokenizer.json / its directory); (bos, eos) ids."""
-    from megajax.data.tokenizer import load_tokenizer
-    tok = load_tokenizer(spec, key="tokenizer")
-    if tok.vocab_size > m.vocab_size:
-        raise CheckpointError(f"tokenizer {spec!r} has {tok.vocab_size} ids, more than the model's "
-                              f"vocab_size={m.vocab_size}; export with the tokenizer the model was trained with.")
-    max_length = m.max_position_embeddings
-    if spec == "byte":
-        (out / "tokenizer.json").write_text(byte_tokenizer_json())
-        specials = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}
-        _write_json(out / "tokenizer_config.json", dict(
-            specials, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
-            clean_up_tokenization_spaces=False, add_prefix_space=False))
-        _write_json(out / "special_tokens_map.json", specials)
-        return tok.eod_id, tok.eod_id
-    from tokenizers import Tokenizer
-    src = Path(tok.name)
-    shutil.copyfile(src, out / "tokenizer.json")
-    vocab = Tokenizer.from_file(str(src))
-    bos = None
-    if (src.parent / "tokenizer_config.json").is_file():
-        shutil.copyfile(src.parent / "tokenizer_config.json", out / "tokenizer_config.json")
-        bos_name = json.loads((src.parent / "tokenizer_config.json").read_text()).get("bos_token")
-        if isinstance(bos_name, dict):
-            bos_name = bos_name.get("content")
-        if isinstance(bos_name, str):
-            bos = vocab.token_to_id(bos_name)
-    else:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
-                  "clean_up_tokenization_spaces": False}
-        if tok.eod_id is not None:
-            config["eos_token"] = vocab.id_to_token(tok.eod_id)
-        _write_json(out / "tokenizer_config.json", config)
-    if (src.parent / "special_tokens_map.json").is_file():
-        shutil.copyfile(src.parent / "special_tokens_map.json", out / "special_tokens_map.json")
-    return bos, tok.eod_id
-
-
-# ----------------------------------------------------------------------------
 # Export
 # ----------------------------------------------------------------------------
+
+def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
+                       dtype: np.dtype) -> int:
+    """Writes one safetensors file from (name, shape, producer) entries, calling each producer just
+    before its bytes are written; returns the data size.
+
+    The format: an 8-byte little-endian header length, the JSON header ({name: {dtype, shape,
+    data_offsets}}, padded to 8 bytes), the raw tensors. The safetensors library's writers take
+    every tensor's buffer in one call (the whole shard in memory); this needs one tensor at a time.
+    """
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, _ in tensors:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name, shape, produce in tensors:
+            x = np.ascontiguousarray(produce(), dtype=dtype)  # the only live tensor
+            assert x.shape == tuple(shape), (name, x.shape, shape)
+            f.write(x.reshape(-1).view(np.uint8).data)
+            del x
+    return offset
+
+
+def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConfig, dtype: np.dtype,
+                  max_shard_bytes: int) -> None:
+    """Writes the tensors in table order into as few shards of at most max_shard_bytes as possible,
+    producing each one (from one layer of each of its parts) just before it is written."""
+    shards: list[list] = [[]]
+    size = 0
+    for row, i in in_layer_order(rows, m.num_layers):
+        shape = external_shape(row, shapes, m)
+        if shards[-1] and size + math.prod(shape) * dtype.itemsize > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((row.names(i)[0], shape, lambda row=row, i=i: to_external(
+            row, lambda path: source.get(path, layer=i), m)))
+        size += math.prod(shape) * dtype.itemsize
+    n = len(shards)
+    files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    total = sum(_write_safetensors(out / file, shard, dtype) for file, shard in zip(files, shards))
+    if n > 1:
+        weight_map = {name: file for file, shard in zip(files, shards) for name, _, _ in shard}
+        _write_json(out / "model.safetensors.index.json",
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+
 
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
 
-    `dtype` ('bf16' or 'fp32') is the stored weight dtype. Raises CheckpointError
-    for a model the architecture cannot express or a source that does not match
-    its config; the directory appears only when complete.
+    `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory); `dtype`
+    ('bf16' or 'fp32') the stored weight dtype. Raises CheckpointError for a
+    model the architecture cannot express or a source that does not match its
+    config; the directory appears only when complete.
     """
+    from megajax.data.tokenizer import save_hf_tokenizer
     m = source.model
     np_dtype = numpy_dtype(dtype)
     arch = architecture(m)
-    check_source(source)
+    shapes = param_shapes(m, check_source(source))
+    rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
-    entries = (_llama_entries if arch == LLAMA else _gpt2_entries)(source, m)
+    tok = check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
-        bos, eos = write_tokenizer(tmp, tokenizer_spec, m)
+        bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
         _write_json(tmp / "config.json", _hf_config(m, arch, dtype, bos, eos))
         generation = {"bos_token_id": bos, "eos_token_id": eos}
         _write_json(tmp / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-        _write_shards(tmp, entries, np_dtype, max_shard_bytes)
+        _write_shards(tmp, source, rows, shapes, m, np_dtype, max_shard_bytes)
     return Path(out_dir)
 
 
@@ -330,71 +248,14 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
 # Import
 # ----------------------------------------------------------------------------
 
-class _Weights:
-    """The tensors of a Hugging Face directory (single or sharded safetensors), read on demand."""
-
-    def __init__(self, d: Path):
-        index, single = d / "model.safetensors.index.json", d / "model.safetensors"
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
-            files = sorted(set(weight_map.values()))
-        elif single.is_file():
-            files = [single.name]
-        else:
-            other = [p.name for p in d.glob("pytorch_model*.bin")]
-            hint = (f" It holds {', '.join(other)}: only safetensors weights are read; re-save the model "
-                    f"with save_pretrained(..., safe_serialization=True).") if other else ""
-            raise CheckpointError(f"{str(d)!r} holds no model.safetensors or model.safetensors.index.json."
-                                  f"{hint}")
-        self.entries: dict[str, tuple[Path, dict, int]] = {}
-        for file in files:
-            path = d / file
-            if not path.is_file():
-                raise CheckpointError(f"{str(d)!r}: shard {file} named by the index is missing.")
-            header, start = read_header(path)
-            for name, entry in header.items():
-                self.entries[name] = (path, entry, start)
-        self.used: set[str] = set()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.entries:
-            raise CheckpointError(f"the Hugging Face checkpoint has no tensor {name}.")
-        path, entry, start = self.entries[name]
-        if tuple(entry["shape"]) != tuple(shape):
-            raise CheckpointError(f"tensor {name} in {path.name} has shape {entry['shape']}, but config.json "
-                                  f"implies {list(shape)}.")
-        self.used.add(name)
-        return read_tensor(path, entry, start)
-
-    def check_all_used(self, ignore: Callable[[str], bool]) -> None:
-        left = sorted(n for n in set(self.entries) - self.used if not ignore(n))
-        if left:
-            raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
-                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-
-
-def _field(config: dict, key: str, default=None, *, required: bool = False):
-    if key not in config or config[key] is None:
-        if required:
-            raise CheckpointError(f"config.json has no {key!r}.")
-        return default
-    return config[key]
-
-
 def _llama_overrides(c: dict) -> dict:
-    if _field(c, "hidden_act", "silu") != "silu":
+    if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={c['hidden_act']!r}: megajax's gated MLP uses silu "
                               f"(SwiGLU); accepted: silu.")
-    if _field(c, "attention_bias", False) != _field(c, "mlp_bias", False):
+    if bool(c.get("attention_bias")) != bool(c.get("mlp_bias")):
         raise CheckpointError(f"config.json attention_bias={c.get('attention_bias')} and mlp_bias="
                               f"{c.get('mlp_bias')} differ; megajax has one model.use_bias for both.")
-    rope = dict(_field(c, "rope_parameters") or _field(c, "rope_scaling") or {})
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"config.json rope type {rope_type!r} is not supported; accepted: default, llama3.")
@@ -402,20 +263,8 @@ def _llama_overrides(c: dict) -> dict:
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"config.json partial_rotary_factor={partial}: megajax rotates the whole head; "
                               f"accepted: 1.0.")
-    hidden, heads = _field(c, "hidden_size", required=True), _field(c, "num_attention_heads", required=True)
-    out = dict(family="llama", num_layers=_field(c, "num_hidden_layers", required=True), hidden_size=hidden,
-               num_heads=heads, num_kv_heads=_field(c, "num_key_value_heads", heads),
-               head_dim=_field(c, "head_dim", hidden // heads),
-               ffn_hidden_size=_field(c, "intermediate_size", required=True),
-               vocab_size=_field(c, "vocab_size", required=True),
-               max_position_embeddings=_field(c, "max_position_embeddings", 2048),
-               norm="rmsnorm", activation="swiglu", position_embedding="rope",
-               use_bias=bool(_field(c, "attention_bias", False)),
-               tie_embeddings=bool(_field(c, "tie_word_embeddings", False)),
-               norm_eps=float(_field(c, "rms_norm_eps", 1e-6)),
-               rope_theta=float(rope.get("rope_theta", _field(c, "rope_theta", 10000.0))),
-               attention_dropout=float(_field(c, "attention_dropout", 0.0)),
-               init_std=float(_field(c, "initializer_range", 0.02)))
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[LLAMA], "config.json"), family="llama",
+               rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)))
     if rope_type == "llama3":
         out.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
                    rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
@@ -425,84 +274,50 @@ def _llama_overrides(c: dict) -> dict:
 
 
 def _gpt2_overrides(c: dict) -> dict:
-    act = _field(c, "activation_function", "gelu_new")
+    act = c.get("activation_function", "gelu_new")
     if act != "gelu":
         raise CheckpointError(f"config.json activation_function={act!r}: megajax's GELU is the exact (erf) "
                               f"one; accepted: gelu.")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
-        if _field(c, key, want) != want:
+        if c.get(key, want) != want:
             raise CheckpointError(f"config.json {key}={c[key]}: megajax's GPT-2 needs {key}={want}.")
-    hidden, heads = _field(c, "n_embd", required=True), _field(c, "n_head", required=True)
-    if hidden % heads:
-        raise CheckpointError(f"config.json n_embd={hidden} is not divisible by n_head={heads}.")
-    return dict(family="gpt", num_layers=_field(c, "n_layer", required=True), hidden_size=hidden,
-                num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
-                ffn_hidden_size=_field(c, "n_inner", 4 * hidden), vocab_size=_field(c, "vocab_size", required=True),
-                max_position_embeddings=_field(c, "n_positions", required=True),
-                norm="layernorm", activation="gelu", position_embedding="learned", use_bias=True,
-                tie_embeddings=True, norm_eps=float(_field(c, "layer_norm_epsilon", 1e-5)),
-                hidden_dropout=float(_field(c, "resid_pdrop", 0.0)),
-                attention_dropout=float(_field(c, "attn_pdrop", 0.0)),
-                init_std=float(_field(c, "initializer_range", 0.02)))
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[GPT2], "config.json"), family="gpt")
+    if out["hidden_size"] % out["num_heads"]:
+        raise CheckpointError(f"config.json n_embd={out['hidden_size']} is not divisible by n_head={out['num_heads']}.")
+    return dict(out, ffn_hidden_size=out["ffn_hidden_size"] or 4 * out["hidden_size"])
 
 
-def _llama_params(w: _Weights, m: ModelConfig, padded: int, out: dict) -> None:
-    d, h, kv, hd, f, v = (m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_hidden_size,
-                          m.vocab_size)
-    out["embed/embedding"][:] = padded_zeros(w.get("model.embed_tokens.weight", (v, d)), padded, 0)
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}"
-        out["layers/attn_norm/scale"][i] = w.get(f"{p}.input_layernorm.weight", (d,))
-        out["layers/mlp_norm/scale"][i] = w.get(f"{p}.post_attention_layernorm.weight", (d,))
-        for proj, heads in (("q", h), ("k", kv), ("v", kv)):
-            out[f"layers/attn/{proj}/kernel"][i] = (
-                w.get(f"{p}.self_attn.{proj}_proj.weight", (heads * hd, d)).T.reshape(d, heads, hd))
-            if m.use_bias:
-                out[f"layers/attn/{proj}/bias"][i] = (
-                    w.get(f"{p}.self_attn.{proj}_proj.bias", (heads * hd,)).reshape(heads, hd))
-        out["layers/attn/o/kernel"][i] = w.get(f"{p}.self_attn.o_proj.weight", (d, h * hd)).T.reshape(h, hd, d)
-        if m.use_bias:
-            out["layers/attn/o/bias"][i] = w.get(f"{p}.self_attn.o_proj.bias", (d,))
-        for hf, ours, shape in (("gate_proj", "gate", (f, d)), ("up_proj", "up", (f, d)),
-                                ("down_proj", "fc2", (d, f))):
-            out[f"layers/mlp/{ours}/kernel"][i] = w.get(f"{p}.mlp.{hf}.weight", shape).T
-            if m.use_bias:
-                out[f"layers/mlp/{ours}/bias"][i] = w.get(f"{p}.mlp.{hf}.bias", shape[:1])
-    out["final_norm/scale"][:] = w.get("model.norm.weight", (d,))
-    if not m.tie_embeddings:
-        out["output"][:] = padded_zeros(w.get("lm_head.weight", (v, d)), padded, 0).T
-
-
-def _gpt2_params(w: _Weights, m: ModelConfig, padded: int, out: dict) -> None:
-    d, h, hd, f, v = m.hidden_size, m.num_heads, m.head_dim, m.ffn_hidden_size, m.vocab_size
-    t = "transformer." if "transformer.wte.weight" in w else ""  # GPT2Model saves without the prefix
-    out["embed/embedding"][:] = padded_zeros(w.get(f"{t}wte.weight", (v, d)), padded, 0)
-    out["pos_embed"][:] = w.get(f"{t}wpe.weight", (m.max_position_embeddings, d))
-    for i in range(m.num_layers):
-        p = f"{t}h.{i}"
-        for ln, ours in (("ln_1", "attn_norm"), ("ln_2", "mlp_norm")):
-            out[f"layers/{ours}/scale"][i] = w.get(f"{p}.{ln}.weight", (d,))
-            out[f"layers/{ours}/bias"][i] = w.get(f"{p}.{ln}.bias", (d,))
-        qkv = w.get(f"{p}.attn.c_attn.weight", (d, 3 * d))
-        qkv_bias = w.get(f"{p}.attn.c_attn.bias", (3 * d,))
-        for k, x in enumerate("qkv"):
-            out[f"layers/attn/{x}/kernel"][i] = qkv[:, k * d:(k + 1) * d].reshape(d, h, hd)
-            out[f"layers/attn/{x}/bias"][i] = qkv_bias[k * d:(k + 1) * d].reshape(h, hd)
-        out["layers/attn/o/kernel"][i] = w.get(f"{p}.attn.c_proj.weight", (d, d)).reshape(h, hd, d)
-        out["layers/attn/o/bias"][i] = w.get(f"{p}.attn.c_proj.bias", (d,))
-        out["layers/mlp/fc1/kernel"][i] = w.get(f"{p}.mlp.c_fc.weight", (d, f))
-        out["layers/mlp/fc1/bias"][i] = w.get(f"{p}.mlp.c_fc.bias", (f,))
-        out["layers/mlp/fc2/kernel"][i] = w.get(f"{p}.mlp.c_proj.weight", (f, d))
-        out["layers/mlp/fc2/bias"][i] = w.get(f"{p}.mlp.c_proj.bias", (d,))
-    out["final_norm/scale"][:] = w.get(f"{t}ln_f.weight", (d,))
-    out["final_norm/bias"][:] = w.get(f"{t}ln_f.bias", (d,))
-
-
-def _ignored(name: str) -> bool:
-    """Tensors a Hugging Face checkpoint may carry that are not parameters (or are tied copies)."""
-    return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
-            or name == "lm_head.weight")
+def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
+    """Tensor name -> (file, open safetensors handle) of a directory's single or sharded weights."""
+    try:
+        from safetensors import SafetensorError, safe_open
+    except ImportError:
+        raise CheckpointError("reading Hugging Face weights needs the safetensors library: "
+                              "pip install 'megajax[torch]'.") from None
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
+    elif (d / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        other = [p.name for p in d.glob("pytorch_model*.bin")]
+        hint = (f" It holds {', '.join(other)}: only safetensors weights are read; re-save the model "
+                f"with save_pretrained(..., safe_serialization=True).") if other else ""
+        raise CheckpointError(f"{str(d)!r} holds no model.safetensors or model.safetensors.index.json.{hint}")
+    out = {}
+    for name in names:
+        if not (d / name).is_file():
+            raise CheckpointError(f"{str(d)!r}: shard {name} named by the index is missing.")
+        try:
+            f = files.enter_context(safe_open(str(d / name), framework="numpy"))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{str(d / name)!r} is not a readable safetensors file ({e}).") from None
+        out.update({key: (d / name, f) for key in f.keys()})
+    return out
 
 
 def import_hf(in_dir) -> tuple[dict, dict]:
@@ -510,7 +325,7 @@ def import_hf(in_dir) -> tuple[dict, dict]:
 
     Returns (model overrides, params): the ModelConfig field values of the
     architecture, and the parameter tree as float32 numpy arrays with the
-    vocabulary padded to a multiple of 128 (tensor size 1) with zero rows.
+    vocabulary padded to model.padded_vocab_size() with zero rows.
     """
     d = Path(in_dir).expanduser()
     config_file = d / "config.json"
@@ -523,9 +338,9 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     arch = (c.get("architectures") or [None])[0]
     model_type = c.get("model_type")
     if arch == LLAMA or (arch is None and model_type == "llama"):
-        overrides, fill = _llama_overrides(c), _llama_params
+        arch, overrides = LLAMA, _llama_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
-        overrides, fill = _gpt2_overrides(c), _gpt2_params
+        arch, overrides = GPT2, _gpt2_overrides(c)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
                               f"megajax imports {LLAMA} and {GPT2}.")
@@ -533,9 +348,33 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
                               f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-    padded = m.padded_vocab_size()
-    flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
-    weights = _Weights(d)
-    fill(weights, m, padded, flat)
-    weights.check_all_used(_ignored)
-    return model_overrides(m), unflatten(dict(sorted(flat.items())))
+    shapes = param_shapes(m)
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    with ExitStack() as files:
+        weights, used = _weight_files(d, files), set()
+        for row, i in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m.num_layers):
+            names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
+            name = next((n for n in names if n in weights), None)
+            if name is None:
+                raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
+            path, f = weights[name]
+            used.add(name)
+
+            def mismatch(what, got, want):
+                return CheckpointError(f"tensor {what} in {path.name} has shape {list(got)}, but config.json "
+                                       f"implies {list(want)}.")
+
+            for ours, x in to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), shapes, m,
+                                   mismatch=mismatch).items():
+                flat_params[ours][... if i is None else i] = x
+    left = sorted(n for n in set(weights) - used if not _ignored(n))
+    if left:
+        raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
+                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def hf_tokenizer(in_dir) -> tuple[str | None, str]:
+    """(data.tokenizer for a Hugging Face directory's tokenizer, or None; what the directory says of it)."""
+    d = Path(in_dir).expanduser()
+    return tokenizer_dir_spec(d), f"no tokenizer.json in {str(d)!r}"

@@ -3,24 +3,20 @@
     <dir>/latest_checkpointed_iteration.txt            the iteration, or `release`
     <dir>/iter_{iteration:07d}/mp_rank_{tp:02d}[_{pp:03d}]/model_optim_rng.pt
          (or <dir>/release/... when no iteration is given)
+    <dir>/tokenizer/                                   the tokenizer, named by args.tokenizer_model
 
 Each `.pt` file is a torch.save'd dict {model, checkpoint_version 3.0, iteration,
 args} where `model` is the state dict of Megatron-Core's GPTModel with the local
 (non Transformer Engine) layer spec for that tensor/pipeline rank, and `args`
-an argparse.Namespace with the hyper-parameters Megatron reads back.
+an argparse.Namespace with the hyper-parameters Megatron reads back
+(`tokenizer_type=HuggingFaceTokenizer`, `tokenizer_model` the tokenizer folder).
 
-Layouts (PyTorch linear weights are [out, in]):
-- `linear_qkv` rows are grouped per query group g: [q of g's heads | k of g | v of g];
-  its tensor-parallel shards are contiguous blocks of groups.
-- Column-parallel (split on dim 0): word embeddings, output layer, linear_qkv,
-  linear_fc1; row-parallel (dim 1): linear_proj, linear_fc2. Norms and
-  row-parallel biases are replicated. The vocabulary is padded to a multiple of
-  make_vocab_size_divisible_by x TP.
-- SwiGLU's linear_fc1 is, on each TP rank, [gate shard; up shard].
-- Pipeline stages hold consecutive layers numbered from 0 within the stage; the
-  first stage holds the embeddings, the last the final norm and output layer
-  (with tied embeddings and PP > 1, a copy of the word embeddings as
-  `output_layer.weight`, as Megatron keeps one there).
+MEGATRON_ROWS names every tensor both ways: `linear_qkv` grouped per query
+group, SwiGLU's `linear_fc1` as [gate; up] per tensor rank, column/row/replicated
+tensor-parallel splits, the vocabulary padded to make_vocab_size_divisible_by x TP.
+Pipeline stages hold consecutive layers numbered from 0 within the stage; the
+first holds the embeddings, the last the final norm and the output layer (with
+tied embeddings and PP > 1 a copy of the word embeddings, as Megatron keeps).
 
 Memory: torch.save needs a rank file's whole state dict, so the export builds
 one rank file at a time, reading the source one layer tensor at a time and
@@ -40,15 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.checkpoint.common import (atomic_output_dir, check_source, model_overrides, padded_zeros,
-                                       param_shapes, resolved_model)
+from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
+                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import param_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
+TOKENIZER_DIR = "tokenizer"
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 
 
@@ -65,54 +64,58 @@ def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
 
 
 # ----------------------------------------------------------------------------
-# Layouts: megajax layer tensors <-> Megatron's global [out, in] weights
+# The table
 # ----------------------------------------------------------------------------
 
-def _qkv_groups(q, k, v, groups: int) -> np.ndarray:
-    """q [D, H, hd], k/v [D, G, hd] -> [G, (H/G + 2) * hd, D]: each group's q rows, then its k, then its v.
-    Also serves biases: q [H, hd], k/v [G, hd] -> [G, (H/G + 2) * hd]."""
-    if q.ndim == 3:
-        d = q.shape[0]
-        q, k, v = (x.reshape(d, -1).T for x in (q, k, v))  # [heads * hd, D]
-    else:
-        q, k, v = (x.reshape(-1) for x in (q, k, v))
-    rest = q.shape[1:]
-    return np.concatenate([x.reshape((groups, -1) + rest) for x in (q, k, v)], axis=1)
+_L = "decoder.layers.{i}"
+
+MEGATRON_ROWS = (
+    Row("embedding.word_embeddings.weight", same("embed/embedding"), vocab=True, split="column"),
+    Row("embedding.position_embeddings.weight", same("pos_embed")),
+    *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm",  # aliases: Transformer Engine's fused norm
+               aliases=(f"{_L}.self_attention.linear_qkv.layer_norm_weight",
+                        f"{_L}.self_attention.linear_qkv.layer_norm_bias")),
+    Row(f"{_L}.self_attention.linear_qkv.weight", *(linear(f"layers/attn/{x}/kernel") for x in "qkv"),
+        groups="kv_heads", split="column"),
+    Row(f"{_L}.self_attention.linear_qkv.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv"),
+        groups="kv_heads", split="column"),
+    *linear_rows(f"{_L}.self_attention.linear_proj", "layers/attn/o", n_in=2, split="row"),
+    *norm_rows(f"{_L}.pre_mlp_layernorm", "layers/mlp_norm",
+               aliases=(f"{_L}.mlp.linear_fc1.layer_norm_weight", f"{_L}.mlp.linear_fc1.layer_norm_bias")),
+    Row(f"{_L}.mlp.linear_fc1.weight", linear("layers/mlp/gate/kernel"), linear("layers/mlp/up/kernel"),
+        groups="tensor", split="column"),  # SwiGLU; else the GELU row below
+    Row(f"{_L}.mlp.linear_fc1.bias", flat("layers/mlp/gate/bias"), flat("layers/mlp/up/bias"),
+        groups="tensor", split="column"),
+    *linear_rows(f"{_L}.mlp.linear_fc1", "layers/mlp/fc1", split="column"),
+    *linear_rows(f"{_L}.mlp.linear_fc2", "layers/mlp/fc2", split="row"),
+    *norm_rows("decoder.final_layernorm", "final_norm",
+               aliases=("decoder.final_norm.weight", "decoder.final_norm.bias")),
+    Row("output_layer.weight", linear("output"), vocab=True, split="column"),
+    Row("output_layer.weight", same("embed/embedding"), vocab=True, split="column", copy=True),  # tied
+)
+
+# Megatron args <-> ModelConfig fields, and the default on import (REQUIRED: must be there).
+_ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
+         ("num_attention_heads", "num_heads", REQUIRED), ("ffn_hidden_size", "ffn_hidden_size", None),
+         ("kv_channels", "head_dim", None), ("max_position_embeddings", "max_position_embeddings", None),
+         ("vocab_size", "vocab_size", None), ("norm_epsilon", "norm_eps", 1e-5),
+         ("hidden_dropout", "hidden_dropout", 0.0), ("attention_dropout", "attention_dropout", 0.0),
+         ("init_method_std", "init_std", 0.02), ("add_bias_linear", "use_bias", True))
+
+# Linear modules whose (empty, local-spec) `_extra_state` entries a rank file carries.
+_EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
+    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+_LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
-def _qkv_ungroup(w: np.ndarray, m: ModelConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Inverse of _qkv_groups on the merged linear_qkv weight [G * (r + 2) * hd, D] (or bias)."""
-    g, hd = m.num_kv_heads, m.head_dim
-    r = m.num_heads // g
-    rest = w.shape[1:]
-    w = w.reshape((g, (r + 2) * hd) + rest)
-    q, k, v = w[:, :r * hd], w[:, r * hd:(r + 1) * hd], w[:, (r + 1) * hd:]
-    if rest:  # weights: [G, n * hd, D] -> [D, heads, hd]
-        d = rest[0]
-        return (q.reshape(-1, d).T.reshape(d, m.num_heads, hd), k.reshape(-1, d).T.reshape(d, g, hd),
-                v.reshape(-1, d).T.reshape(d, g, hd))
-    return q.reshape(m.num_heads, hd), k.reshape(g, hd), v.reshape(g, hd)
-
-
-def _rows(x: np.ndarray, rank: int, size: int) -> np.ndarray:
-    n = x.shape[0] // size
-    return x[rank * n:(rank + 1) * n]
-
-
-def _vocab_shard(x_VxD: np.ndarray, padded: int, rank: int, size: int) -> np.ndarray:
-    """Rows [rank * n, (rank + 1) * n) of x padded with zero rows to `padded` (n = padded / size),
-    without materialising the whole padded table."""
-    n = padded // size
-    lo, hi = rank * n, min((rank + 1) * n, x_VxD.shape[0])
-    out = np.zeros((n,) + x_VxD.shape[1:], np.float32)
-    if hi > lo:
-        out[:hi - lo] = x_VxD[lo:hi]
-    return out
-
-
-def _cols(x: np.ndarray, rank: int, size: int) -> np.ndarray:
-    n = x.shape[1] // size
-    return x[:, rank * n:(rank + 1) * n]
+def _on_stage(rows: list[Row], first: bool, last: bool, layers, offset: int):
+    """(row, its names on this pipeline stage, model layer or None) for every tensor the stage holds: its
+    layers (numbered from 0 within the stage), the embeddings on the first, the rest on the last."""
+    for row in rows:
+        if row.per_layer:
+            yield from ((row, row.names(k), offset + k) for k in layers)
+        elif (first if row.name.startswith("embedding.") else last) and not (row.copy and first):
+            yield row, row.names(), None
 
 
 # ----------------------------------------------------------------------------
@@ -137,18 +140,19 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
-                  dtype: str, iteration: int) -> argparse.Namespace:
-    """The `args` Namespace Megatron-LM saves with a checkpoint (the fields its loader and converters read)."""
+                  dtype: str, iteration: int, tokenizer_model: str | None = None) -> argparse.Namespace:
+    """The `args` Namespace Megatron-LM saves with a checkpoint (the fields its loader and converters read).
+
+    `tokenizer_model` is a Hugging Face tokenizer folder (recorded as Megatron's HuggingFaceTokenizer),
+    or None when the export carries no tokenizer."""
     torch = _torch()
     rope = m.position_embedding == "rope"
     return argparse.Namespace(
-        num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_heads, num_query_groups=m.num_kv_heads,
-        group_query_attention=m.num_kv_heads != m.num_heads, kv_channels=m.head_dim,
-        max_position_embeddings=m.max_position_embeddings, seq_length=m.max_position_embeddings,
-        vocab_size=m.vocab_size, padded_vocab_size=padded_vocab_size,
+        **{arg: getattr(m, field) for arg, field, _ in _ARGS},
+        num_query_groups=m.num_kv_heads, group_query_attention=m.num_kv_heads != m.num_heads,
+        seq_length=m.max_position_embeddings, padded_vocab_size=padded_vocab_size,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-        normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm], norm_epsilon=m.norm_eps,
+        normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm],
         apply_layernorm_1p=False, swiglu=m.activation == "swiglu", openai_gelu=False, squared_relu=False,
         position_embedding_type="rope" if rope else "learned_absolute",
         add_position_embedding=not rope, use_rotary_position_embeddings=rope,
@@ -156,94 +160,49 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
-        add_bias_linear=m.use_bias, add_qkv_bias=m.use_bias, qk_layernorm=False,
+        add_qkv_bias=m.use_bias, qk_layernorm=False,
         apply_residual_connection_post_layernorm=False, num_experts=None,
-        hidden_dropout=m.hidden_dropout, attention_dropout=m.attention_dropout, init_method_std=m.init_std,
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
         bf16=dtype == "bf16", fp16=False, params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
+        tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
+        vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
+        trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
     )
 
 
-def _rank_state_dict(source, m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int, dtype) -> dict:
+def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
+                     dtype) -> dict:
     """The state dict of tensor rank t, pipeline stage s, reading the source one layer tensor at a time."""
     torch = _torch()
-    use_bias, swiglu, g = m.use_bias, m.activation == "swiglu", m.num_kv_heads
     per_stage = m.num_layers // pp
-    first, last = s == 0, s == pp - 1
     sd: dict = {}
-
-    def put(key, x):  # a fresh tensor: never a view holding the whole source tensor
-        sd[key] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
-
-    def vocab_rows():  # [Vp / TP, D] shard of the word embeddings, padded for this TP
-        return _vocab_shard(source.get("embed/embedding")[:m.vocab_size], padded, t, tp)
-
-    if first:
-        put("embedding.word_embeddings.weight", vocab_rows())
-        if m.position_embedding == "learned":
-            put("embedding.position_embeddings.weight", source.get("pos_embed"))
-    for local in range(per_stage):
-        i = s * per_stage + local
-        p = f"decoder.layers.{local}"
-
-        def get(name, i=i):
-            return source.get(name, layer=i)
-
-        for norm, ours in (("input_layernorm", "attn_norm"), ("pre_mlp_layernorm", "mlp_norm")):
-            put(f"{p}.{norm}.weight", get(f"layers/{ours}/scale"))
-            if m.norm == "layernorm":
-                put(f"{p}.{norm}.bias", get(f"layers/{ours}/bias"))
-        a = "layers/attn"
-        qkv = _qkv_groups(get(f"{a}/q/kernel"), get(f"{a}/k/kernel"), get(f"{a}/v/kernel"), g)
-        put(f"{p}.self_attention.linear_qkv.weight", _rows(qkv, t, tp).reshape(-1, m.hidden_size))
-        del qkv
-        if use_bias:
-            qkv_bias = _qkv_groups(get(f"{a}/q/bias"), get(f"{a}/k/bias"), get(f"{a}/v/bias"), g)
-            put(f"{p}.self_attention.linear_qkv.bias", _rows(qkv_bias, t, tp).reshape(-1))
-        sd[f"{p}.self_attention.linear_qkv._extra_state"] = None
-        o = get(f"{a}/o/kernel")
-        put(f"{p}.self_attention.linear_proj.weight", _cols(o.reshape(-1, m.hidden_size).T, t, tp))
-        del o
-        if use_bias:
-            put(f"{p}.self_attention.linear_proj.bias", get(f"{a}/o/bias"))
-        sd[f"{p}.self_attention.linear_proj._extra_state"] = None
-        fc1 = ("gate", "up") if swiglu else ("fc1",)
-        put(f"{p}.mlp.linear_fc1.weight",
-            np.concatenate([_rows(get(f"layers/mlp/{c}/kernel").T, t, tp) for c in fc1]))
-        if use_bias:
-            put(f"{p}.mlp.linear_fc1.bias", np.concatenate([_rows(get(f"layers/mlp/{c}/bias"), t, tp) for c in fc1]))
-        sd[f"{p}.mlp.linear_fc1._extra_state"] = None
-        put(f"{p}.mlp.linear_fc2.weight", _cols(get("layers/mlp/fc2/kernel").T, t, tp))
-        if use_bias:
-            put(f"{p}.mlp.linear_fc2.bias", get("layers/mlp/fc2/bias"))
-        sd[f"{p}.mlp.linear_fc2._extra_state"] = None
-    if last:
-        put("decoder.final_layernorm.weight", source.get("final_norm/scale"))
-        if m.norm == "layernorm":
-            put("decoder.final_layernorm.bias", source.get("final_norm/bias"))
-        if not m.tie_embeddings:
-            put("output_layer.weight", _vocab_shard(source.get("output")[:, :m.vocab_size].T, padded, t, tp))
-        elif not first:  # tied, PP > 1: the last stage keeps its own copy of the word embeddings
-            put("output_layer.weight", vocab_rows())
-        sd["output_layer._extra_state"] = None
+    for row, names, layer in _on_stage(rows, s == 0, s == pp - 1, range(per_stage), s * per_stage):
+        x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
+        # a fresh tensor: never a view holding the whole source tensor
+        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
+    sd.update({key.replace("{i}", str(k)): None for key in _EXTRA_STATE for k in range(per_stage)})
+    if s == pp - 1:
+        sd[_LAST_EXTRA_STATE] = None
     return sd
 
 
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                    dtype: str = "bf16", iteration: int | None = None) -> Path:
+                    dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
-    loader rejects 0). `dtype` is 'bf16' or 'fp32'. Returns the directory.
+    loader rejects 0). `dtype` is 'bf16' or 'fp32'. `tokenizer_spec` ('byte' or a
+    tokenizer.json / its directory) is written as a Hugging Face tokenizer in
+    `<out_dir>/tokenizer/` and named in args. Returns the directory.
     """
+    from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
     m = source.model
-    if dtype not in ("bf16", "fp32"):
-        raise CheckpointError(f"export dtype={dtype!r} is not supported; accepted: bf16, fp32.")
+    numpy_dtype(dtype)  # checks the name
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise CheckpointError(f"tensor_parallel={tensor_parallel} and pipeline_parallel={pipeline_parallel} "
                               f"must be >= 1.")
@@ -251,16 +210,23 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, tensor_parallel, pipeline_parallel)
-    check_source(source)
+    shapes = param_shapes(m, check_source(source))
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
     torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
-                         padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0)
+                         padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
+                         tokenizer_model=tokenizer_model)
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
+        if tok is not None:
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         for s in range(pipeline_parallel):
             for t in range(tensor_parallel):
-                sd = _rank_state_dict(source, m, tensor_parallel, pipeline_parallel, t, s, padded, torch_dtype)
+                sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
+                                      torch_dtype)
                 path = tmp / step_dir / rank_dir(t, s, pipeline_parallel) / CHECKPOINT_FILE
                 path.parent.mkdir(parents=True)
                 torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
@@ -372,26 +338,21 @@ def _overrides_from_args(args) -> dict:
     normalization = _arg(args, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
-    bias = bool(_arg(args, "add_bias_linear", True))
-    if _arg(args, "add_qkv_bias", False) and not bias:
+    out = read_fields(lambda key: getattr(args, key, None), _ARGS, "Megatron args")
+    if out["use_bias"] is False and _arg(args, "add_qkv_bias", False):
         reject("add_qkv_bias", True, "add_qkv_bias only together with add_bias_linear (one model.use_bias)")
-    hidden, heads = args.hidden_size, args.num_attention_heads
-    groups = _arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention", False) else heads
-    swiglu = bool(_arg(args, "swiglu", False))
-    out = dict(family="llama" if position == "rope" else "gpt", num_layers=args.num_layers, hidden_size=hidden,
-               num_heads=heads, num_kv_heads=groups, head_dim=_arg(args, "kv_channels", hidden // heads),
-               ffn_hidden_size=_arg(args, "ffn_hidden_size", 4 * hidden),
-               vocab_size=_arg(args, "vocab_size", _arg(args, "padded_vocab_size")),
-               max_position_embeddings=_arg(args, "max_position_embeddings", _arg(args, "seq_length")),
+    hidden, heads = out["hidden_size"], out["num_heads"]
+    out.update(family="llama" if position == "rope" else "gpt",
+               num_kv_heads=_arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads,
+               ffn_hidden_size=out["ffn_hidden_size"] or 4 * hidden,
+               vocab_size=out["vocab_size"] or _arg(args, "padded_vocab_size"),
+               max_position_embeddings=out["max_position_embeddings"] or _arg(args, "seq_length"),
                norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",
-               activation="swiglu" if swiglu else "gelu",
-               position_embedding="rope" if position == "rope" else "learned", use_bias=bias,
+               activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+               position_embedding="rope" if position == "rope" else "learned",
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-               rope_theta=float(_arg(args, "rotary_base", 10000)),
-               hidden_dropout=float(_arg(args, "hidden_dropout", 0.0)),
-               attention_dropout=float(_arg(args, "attention_dropout", 0.0)),
-               init_std=float(_arg(args, "init_method_std", 0.02)))
+               rope_theta=float(_arg(args, "rotary_base", 10000)))
     if position == "rope" and _arg(args, "use_rope_scaling", False):
         out.update(rope_scaling="llama3", rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
@@ -401,109 +362,31 @@ def _overrides_from_args(args) -> dict:
     return out
 
 
-class _Stage:
-    """The TP shards of one pipeline stage's state dicts, consumed key by key."""
+def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m: ModelConfig, first: bool,
+                last: bool, layers: list[int], offset: int, vocab_padded: int, out: dict) -> None:
+    """Fills `out` from one pipeline stage's state dicts (one per tensor rank), merging the shards."""
+    def mismatch(name, got, want):
+        return CheckpointError(f"Megatron checkpoint {where}: {name} has shape {list(got)} (tensor shards "
+                               f"merged), but its args imply {list(want)}.")
 
-    def __init__(self, dicts: list[dict], where: str):
-        self.dicts, self.where = dicts, where
-        self.used: set[str] = set()
-
-    def keys(self) -> set[str]:
-        return {k for k in self.dicts[0] if not k.endswith("_extra_state")}
-
-    def shards(self, key: str) -> list[np.ndarray]:
-        if key not in self.dicts[0]:
-            raise CheckpointError(f"Megatron checkpoint {self.where} has no {key}.")
-        self.used.add(key)
-        out = []
-        for t, d in enumerate(self.dicts):
-            if key not in d or d[key] is None:
-                raise CheckpointError(f"Megatron checkpoint {self.where}: tensor rank {t} has no {key}.")
-            out.append(d[key].float().numpy())
-        return out
-
-    def cat(self, key: str, axis: int, shape: tuple[int, ...]) -> np.ndarray:
-        x = np.concatenate(self.shards(key), axis)
-        return _expect(x, shape, key, self.where)
-
-    def one(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        return _expect(self.shards(key)[0], shape, key, self.where)
-
-    def first_of(self, *keys: str) -> str:
-        """The first of several alternative key names present (local vs Transformer Engine spec)."""
-        for k in keys:
-            if k in self.dicts[0]:
-                return k
-        return keys[0]
-
-
-def _expect(x: np.ndarray, shape: tuple[int, ...], key: str, where: str) -> np.ndarray:
-    if x.shape != tuple(shape):
-        raise CheckpointError(f"Megatron checkpoint {where}: {key} has shape {list(x.shape)} (tensor shards "
-                              f"merged), but its args imply {list(shape)}.")
-    return x
-
-
-def _fill_stage(st: _Stage, m: ModelConfig, first: bool, last: bool, layers: list[int], offset: int,
-                vocab_padded: int, padded: int, out: dict) -> None:
-    d, f, hd = m.hidden_size, m.ffn_hidden_size, m.head_dim
-    qkv_rows = (m.num_heads + 2 * m.num_kv_heads) * hd
-    v = m.vocab_size
-    if first:
-        emb = st.cat("embedding.word_embeddings.weight", 0, (vocab_padded, d))
-        out["embed/embedding"][:] = padded_zeros(emb[:v], padded, 0)
-        if m.position_embedding == "learned":
-            out["pos_embed"][:] = st.one("embedding.position_embeddings.weight", (m.max_position_embeddings, d))
-    for local in layers:
-        i, p = offset + local, f"decoder.layers.{local}"
-        norms = (("attn_norm", (f"{p}.input_layernorm", f"{p}.self_attention.linear_qkv.layer_norm_")),
-                 ("mlp_norm", (f"{p}.pre_mlp_layernorm", f"{p}.mlp.linear_fc1.layer_norm_")))
-        for ours, (local_name, te_prefix) in norms:
-            for param, suffix in (("scale", "weight"), ("bias", "bias")):
-                if param == "bias" and m.norm != "layernorm":
-                    continue
-                key = st.first_of(f"{local_name}.{suffix}", f"{te_prefix}{suffix}")
-                out[f"layers/{ours}/{param}"][i] = st.one(key, (d,))
-        a = "layers/attn"
-        q, k, vv = _qkv_ungroup(st.cat(f"{p}.self_attention.linear_qkv.weight", 0, (qkv_rows, d)), m)
-        out[f"{a}/q/kernel"][i], out[f"{a}/k/kernel"][i], out[f"{a}/v/kernel"][i] = q, k, vv
-        proj = st.cat(f"{p}.self_attention.linear_proj.weight", 1, (d, m.num_heads * hd))
-        out[f"{a}/o/kernel"][i] = proj.T.reshape(m.num_heads, hd, d)
-        fc1 = st.shards(f"{p}.mlp.linear_fc1.weight")
-        if m.activation == "swiglu":  # each shard is [gate shard; up shard]
-            gate = np.concatenate([x[:x.shape[0] // 2] for x in fc1])
-            up = np.concatenate([x[x.shape[0] // 2:] for x in fc1])
-            out["layers/mlp/gate/kernel"][i] = _expect(gate, (f, d), f"{p}.mlp.linear_fc1.weight (gate)", st.where).T
-            out["layers/mlp/up/kernel"][i] = _expect(up, (f, d), f"{p}.mlp.linear_fc1.weight (up)", st.where).T
-        else:
-            out["layers/mlp/fc1/kernel"][i] = _expect(np.concatenate(fc1), (f, d), f"{p}.mlp.linear_fc1.weight",
-                                                      st.where).T
-        out["layers/mlp/fc2/kernel"][i] = st.cat(f"{p}.mlp.linear_fc2.weight", 1, (d, f)).T
-        if m.use_bias:
-            q, k, vv = _qkv_ungroup(st.cat(f"{p}.self_attention.linear_qkv.bias", 0, (qkv_rows,)), m)
-            out[f"{a}/q/bias"][i], out[f"{a}/k/bias"][i], out[f"{a}/v/bias"][i] = q, k, vv
-            out[f"{a}/o/bias"][i] = st.one(f"{p}.self_attention.linear_proj.bias", (d,))
-            fc1_bias = st.shards(f"{p}.mlp.linear_fc1.bias")
-            if m.activation == "swiglu":
-                out["layers/mlp/gate/bias"][i] = np.concatenate([x[:x.shape[0] // 2] for x in fc1_bias])
-                out["layers/mlp/up/bias"][i] = np.concatenate([x[x.shape[0] // 2:] for x in fc1_bias])
-            else:
-                out["layers/mlp/fc1/bias"][i] = _expect(np.concatenate(fc1_bias), (f,), f"{p}.mlp.linear_fc1.bias",
-                                                        st.where)
-            out["layers/mlp/fc2/bias"][i] = st.one(f"{p}.mlp.linear_fc2.bias", (d,))
-    if last:
-        key = st.first_of("decoder.final_layernorm.weight", "decoder.final_norm.weight")
-        out["final_norm/scale"][:] = st.one(key, (d,))
-        if m.norm == "layernorm":
-            out["final_norm/bias"][:] = st.one(key[:-len("weight")] + "bias", (d,))
-        if not m.tie_embeddings:
-            w = st.cat("output_layer.weight", 0, (vocab_padded, d))
-            out["output"][:] = padded_zeros(w[:v], padded, 0).T
-        elif "output_layer.weight" in st.dicts[0]:
-            st.used.add("output_layer.weight")  # the last stage's copy of the tied embeddings
-    left = sorted(st.keys() - st.used)
+    used = set()
+    for row, names, layer in _on_stage(rows, first, last, layers, offset):
+        key = next((k for k in names if k in dicts[0]), None)  # local spec name, or an alias
+        if key is None:
+            raise CheckpointError(f"Megatron checkpoint {where} has no {names[0]}.")
+        used.add(key)
+        if row.copy:  # the last stage's copy of the tied word embeddings
+            continue
+        shards = [d.get(key) for d in (dicts[:1] if row.split == "replicated" else dicts)]
+        if any(x is None for x in shards):
+            raise CheckpointError(f"Megatron checkpoint {where}: tensor rank {shards.index(None)} has no {key}.")
+        y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
+        for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
+                               mismatch=mismatch).items():
+            out[path][... if layer is None else layer] = x
+    left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
     if left:
-        raise CheckpointError(f"Megatron checkpoint {st.where} holds tensors megajax does not know: "
+        raise CheckpointError(f"Megatron checkpoint {where} holds tensors megajax does not know: "
                               f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
 
 
@@ -512,10 +395,43 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
 
     `in_dir` is the save directory (with latest_checkpointed_iteration.txt) or
     one iteration's directory. Returns (model overrides, params) like
-    import_hf: the architecture from `args`, the vocabulary padded to a
-    multiple of 128 (tensor size 1). Files are read with torch's weights-only
+    import_hf: the architecture from `args`, the vocabulary padded to
+    model.padded_vocab_size(). Files are read with torch's weights-only
     unpickler; `allow_pickle=True` lifts that for checkpoints you trust.
     """
+    step, ranks, first = _open(in_dir, allow_pickle)
+    args = first["args"]
+    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
+    want = {(t, s) for t in range(tp) for s in range(pp)}
+    if set(ranks) != want or not all(f.is_file() for f in ranks.values()):
+        have = sorted(p.parent.name for p in ranks.values() if p.is_file())
+        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
+                              f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
+    m = resolved_model(_overrides_from_args(args))
+    vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
+    shapes = param_shapes(m)
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    offset = 0
+    for s in range(pp):
+        dicts = [first["model"] if (t, s) == (0, 0) else _load(ranks[(t, s)], allow_pickle)["model"]
+                 for t in range(tp)]
+        layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
+        if layers != list(range(len(layers))):
+            raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
+        if offset + len(layers) > m.num_layers:
+            raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
+        where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
+        _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params)
+        offset += len(layers)
+        del dicts
+    if offset != m.num_layers:
+        raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path], dict]:
+    """(step directory, rank files by (tp, pp), rank 0's loaded file) of a Megatron checkpoint."""
     d = Path(in_dir).expanduser()
     if not d.is_dir():
         raise CheckpointError(f"{str(d)!r} is not a directory (expected a Megatron checkpoint directory).")
@@ -532,31 +448,16 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
         what = "no mp_rank_00 file" if first is None else f"no {'args' if 'args' not in first else 'model'} entry"
         raise CheckpointError(f"{str(step)!r} is not a Megatron checkpoint megajax can read ({what}; the "
                               f"architecture is read from the saved args).")
-    args = first["args"]
-    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
-    want = {(t, s) for t in range(tp) for s in range(pp)}
-    if set(ranks) != want or not all(f.is_file() for f in ranks.values()):
-        have = sorted(p.parent.name for p in ranks.values() if p.is_file())
-        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
-                              f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
-    overrides = _overrides_from_args(args)
-    m = resolved_model(overrides)
-    vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
-    padded = m.padded_vocab_size()
-    flat = {name: np.zeros(shape, np.float32) for name, shape in param_shapes(m, padded).items()}
-    offset = 0
-    for s in range(pp):
-        dicts = [first["model"] if (t, s) == (0, 0) else _load(ranks[(t, s)], allow_pickle)["model"]
-                 for t in range(tp)]
-        layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
-        if layers != list(range(len(layers))):
-            raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
-        if offset + len(layers) > m.num_layers:
-            raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
-        where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
-        _fill_stage(_Stage(dicts, where), m, s == 0, s == pp - 1, layers, offset, vocab_padded, padded, flat)
-        offset += len(layers)
-        del dicts
-    if offset != m.num_layers:
-        raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
-    return model_overrides(m), unflatten(dict(sorted(flat.items())))
+    return step, ranks, first
+
+
+def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | None, str]:
+    """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it): the
+    HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model."""
+    step, _, first = _open(in_dir, allow_pickle)
+    said = {k: _arg(first["args"], k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    places = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
+    if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
+        places.append(Path(str(said["tokenizer_model"])))
+    found = next((spec for spec in map(tokenizer_dir_spec, places) if spec is not None), None)
+    return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")

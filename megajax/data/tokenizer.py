@@ -4,11 +4,16 @@ Every tokenizer exposes `vocab_size`, `eod_id` (end-of-document id, or None),
 `encode(text) -> list[int]`, `decode(ids) -> str`, and
 `encode_packed(texts) -> (ids [T] int32, lengths [N] int64)` for bulk
 preprocessing (all texts' ids concatenated, and each text's length).
+
+`save_hf_tokenizer` writes either as a Hugging Face tokenizer directory
+(`AutoTokenizer.from_pretrained` loads it with the same ids); checkpoint
+exports put one beside the weights.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from itertools import chain
 from pathlib import Path
 
@@ -58,21 +63,19 @@ class HFTokenizer:
                               f"({e}).") from None
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0
-        self.eod_id = self._find_eod(file.parent / "tokenizer_config.json")
+        try:
+            config = json.loads((file.parent / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        config = config if isinstance(config, dict) else {}
+        self.eod_id = self._first_id([config.get("eos_token"), *EOD_CANDIDATES])
+        self.bos_id = self._first_id([config.get("bos_token")])  # only as the config names it
 
-    def _find_eod(self, config: Path) -> int | None:
-        names = list(EOD_CANDIDATES)
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (OSError, ValueError, AttributeError):
-                eos = None
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                names.insert(0, eos)
+    def _first_id(self, names: list) -> int | None:
+        """The id of the first of `names` (strings, or {"content": ...} entries) in the vocabulary."""
         for name in names:
-            token_id = self._tok.token_to_id(name)
+            name = name.get("content") if isinstance(name, dict) else name
+            token_id = self._tok.token_to_id(name) if isinstance(name, str) else None
             if token_id is not None:
                 return token_id
         return None
@@ -105,3 +108,71 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer"):
     raise ConfigError(f"{key} = {spec!r}: no such tokenizer (looked for {str(path)!r}); accepted values "
                       f"are 'byte' (the built-in byte-level tokenizer), a Hugging Face tokenizer.json "
                       f"file, or a directory containing one.")
+
+
+# ----------------------------------------------------------------------------
+# As a Hugging Face tokenizer directory
+# ----------------------------------------------------------------------------
+
+EOD_TOKEN = "<|endoftext|>"  # the byte tokenizer's end-of-document token in its Hugging Face form
+
+
+def _byte_to_char() -> dict[int, str]:
+    """The byte-level alphabet: each byte as one printable character (printable bytes as themselves,
+    the others shifted above U+0100), so that any byte string is a string of vocabulary symbols."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(0x100 + k) for k, b in enumerate(others)}}
+
+
+def byte_tokenizer_json() -> str:
+    """A `tokenizers` tokenizer with ByteTokenizer's ids: 0..255 the UTF-8 bytes, 256 end-of-document."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    chars = _byte_to_char()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOD_TOKEN, special=True, normalized=False)])
+    assert tok.token_to_id(EOD_TOKEN) == 256
+    return tok.to_str()
+
+
+def is_byte_tokenizer_file(path: Path) -> bool:
+    """Whether a tokenizer.json is byte_tokenizer_json() (an exported byte tokenizer, read back as 'byte')."""
+    try:
+        return json.loads(Path(path).read_text()) == json.loads(byte_tokenizer_json())
+    except (OSError, ValueError):
+        return False
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, int | None]:
+    """Writes `tok` (a loaded tokenizer) into directory `out` as tokenizer.json, tokenizer_config.json
+    and special_tokens_map.json; returns its (bos, eos) ids.
+
+    A tokenizer.json is copied with the tokenizer_config.json and special_tokens_map.json
+    beside it (without a config, one naming its eos token); the byte tokenizer becomes
+    byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(tok, ByteTokenizer):
+        (out / "tokenizer.json").write_text(byte_tokenizer_json())
+        specials = {"bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN}
+        _write_json(out / "tokenizer_config.json", dict(
+            specials, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
+            clean_up_tokenization_spaces=False, add_prefix_space=False))
+        _write_json(out / "special_tokens_map.json", specials)
+        return tok.eod_id, tok.eod_id
+    src = Path(tok.name).parent
+    shutil.copyfile(tok.name, out / "tokenizer.json")
+    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (src / extra).is_file():
+            shutil.copyfile(src / extra, out / extra)
+    if not (src / "tokenizer_config.json").is_file():
+        eos = {} if tok.eod_id is None else {"eos_token": tok._tok.id_to_token(tok.eod_id)}
+        _write_json(out / "tokenizer_config.json", dict(eos, tokenizer_class="PreTrainedTokenizerFast",
+                                                        model_max_length=max_length, clean_up_tokenization_spaces=False))
+    return tok.bos_id, tok.eod_id

@@ -9,10 +9,12 @@ lower triangle only (half of full attention). Recomputation is not counted.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
 from megajax.config import ModelConfig
+from megajax.models.layout import param_shapes
 
 # Dense peak TFLOP/s per device by precision (vendor datasheets; fp32 uses TF32 tensor cores).
 PEAK_TFLOPS = {
@@ -24,10 +26,11 @@ PEAK_TFLOPS = {
 
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
-    h, nh, kv, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_hidden_size
-    attn = h * nh * hd * 2 + h * kv * hd * 2  # q, o, k, v
-    mlp = h * f * (3 if cfg.activation == "swiglu" else 2)
-    return cfg.num_layers * (attn + mlp) + h * padded_vocab
+    """Parameters each token multiplies: every projection kernel of the model's layout, and
+    the output layer (the embedding table when tied)."""
+    shapes = param_shapes(cfg, padded_vocab)
+    kernels = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/kernel"))
+    return kernels + math.prod(shapes.get("output", shapes["embed/embedding"]))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> float:
