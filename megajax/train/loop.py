@@ -85,13 +85,15 @@ def initial_state(cfg: Config, init, abstract: TrainState, shardings: TrainState
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints") if cfg.train.run_dir else None
     if resume is not None:
         meta = read_meta(resume)
-        state = restore_state(resume, target)
-        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})"
+        state, note = restore_state(resume, target, cfg)
+        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})" + \
+            (f"; {note}" if note else "")
     state = jax.jit(init, out_shardings=shardings)()
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
-        state = state.replace(params=restore_params(source, target.params))
-        return state, 0, f"parameters from {source}, optimizer state fresh"
+        params, note = restore_params(source, target.params, cfg)
+        return state.replace(params=params), 0, f"parameters from {source}, optimizer state fresh" + \
+            (f"; {note}" if note else "")
     return state, 0, "fresh initialisation"
 
 
