@@ -187,9 +187,10 @@ def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list,
             if resize is None:
                 raise CheckpointError(
                     f"checkpoint {step_dir}: {name} has {have[vocab_dim]:,} (padded) vocabulary rows but this "
-                    f"run has {want[vocab_dim]:,}, for the same vocabulary; model.make_vocab_size_divisible_by "
-                    f"differs from the checkpoint's. Set it back, or set checkpoint.resize_vocab=true to crop "
-                    f"or zero-pad the rows.")
+                    f"run has {want[vocab_dim]:,}, for the same vocabulary: the vocabulary padding differs "
+                    f"(model.make_vocab_size_divisible_by, or a checkpoint saved when the padding also "
+                    f"depended on mesh.tensor). Set checkpoint.resize_vocab=true to crop or zero-pad the "
+                    f"padding rows.")
             resized.add(name)
             continue
         raise CheckpointError(f"checkpoint {step_dir}: {name} has shape {have} but this run expects {want}; "
