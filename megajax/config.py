@@ -205,6 +205,9 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
     load: str = ""  # start from these parameters (a run/checkpoint directory), optimizer state fresh
+    # Read a checkpoint saved with another vocabulary (tokenizer or model.vocab_size): crop or
+    # zero-pad its embedding and output rows (and, on resume, their optimizer state). Off: refused.
+    resize_vocab: bool = False
 
 
 @dataclass

@@ -6,11 +6,16 @@
                                    [--from-checkpoint]
 
 Builds a Llama-style model with random float32 parameters (shapes from
-megajax/models/layout.py) in a DictSource, then runs each export in a fresh
-child process that first builds the same parameters, resets the kernel's peak-RSS counter (`echo 5 >
+megajax/models/layout.py) in a DictSource, then runs each export in a fresh child process that first builds
+the same parameters, resets the kernel's peak-RSS counter (`echo 5 >
 /proc/self/clear_refs` resets VmHWM) and reports VmHWM - VmRSS measured just
 before the export: the memory the export itself added on top of the model it
 reads (libraries the export imports are imported before the measurement).
+
+With --from-checkpoint, one child writes the parameters as an Orbax checkpoint
+(as `megajax import` does) and exits; each measuring child then only opens it
+(CheckpointSource: Orbax metadata, no array read) before the measurement, so
+the figure is what streaming from disk adds, the model never being in memory.
 Linux only.
 """
 
@@ -34,36 +39,53 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(field)
 
 
-def child(a: argparse.Namespace) -> None:
-    sys.path.insert(0, str(ROOT))
-    import numpy as np
-
-    from megajax.checkpoint.source import DictSource, unflatten
+def _model(a: argparse.Namespace):
     from megajax.config import ModelConfig
-    from megajax.models.layout import param_shapes
-
     m = ModelConfig(family="llama", num_layers=a.layers, hidden_size=a.hidden, num_heads=a.hidden // 64,
                     num_kv_heads=a.hidden // 64 // 4 or 1, ffn_hidden_size=a.ffn, vocab_size=a.vocab,
                     max_position_embeddings=2048)
     m.resolve(2048)
+    return m
+
+
+def _params(m) -> dict:
+    import numpy as np
+
+    from megajax.models.layout import param_shapes
     rng = np.random.default_rng(0)
-    params = {n: rng.standard_normal(s, dtype=np.float32) * 0.02 for n, s in param_shapes(m).items()}
-    model_bytes = sum(x.nbytes for x in params.values())
-    largest = max(x.nbytes // (x.shape[0] if n.startswith("layers/") else 1) for n, x in params.items())
-    source = DictSource(unflatten(params), m)
-    if a.from_checkpoint:
-        # Stream from an Orbax checkpoint on disk instead: the model is never in memory.
-        from megajax.checkpoint.manager import CheckpointSource, write_params_checkpoint
-        from megajax.config import Config, finalize
-        cfg = Config(model=m)
-        cfg.train.seq_len = 2048
-        finalize(cfg)
-        ckpt = Path(a.out + "-orbax")
-        write_params_checkpoint(unflatten(params), cfg, ckpt)
-        del params, source
-        import gc
-        gc.collect()
-        source = CheckpointSource(ckpt)
+    return {n: rng.standard_normal(s, dtype=np.float32) * 0.02
+            for n, s in param_shapes(m, m.padded_vocab_size()).items()}
+
+
+def write_checkpoint(a: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.source import unflatten
+    from megajax.config import Config, finalize
+    cfg = Config(model=_model(a))
+    cfg.train.seq_len = 2048
+    finalize(cfg)
+    write_params_checkpoint(unflatten(_params(cfg.model)), cfg, a.write_checkpoint)
+
+
+def child(a: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    import math
+
+    from megajax.checkpoint.source import DictSource, unflatten
+    if a.checkpoint:
+        # Stream from the Orbax checkpoint on disk: the model is never in memory.
+        from megajax.checkpoint.manager import CheckpointSource
+        source = CheckpointSource(a.checkpoint)
+        shapes = {n: source.shape(n) for n in source.names()}
+        model_bytes = sum(4 * math.prod(s) for s in shapes.values())
+        largest = max(4 * math.prod(s[1:] if n.startswith("layers/") else s) for n, s in shapes.items())
+    else:
+        m = _model(a)
+        params = _params(m)
+        model_bytes = sum(x.nbytes for x in params.values())
+        largest = max(x.nbytes // (x.shape[0] if n.startswith("layers/") else 1) for n, x in params.items())
+        source = DictSource(unflatten(params), m)
     # Import the libraries first: their code and data pages are not the export's doing.
     import tokenizers  # noqa: F401
     if a.child == "megatron":
@@ -100,18 +122,30 @@ def main() -> None:
                    help="export from an Orbax checkpoint on disk (CheckpointSource) instead of memory")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--write-checkpoint", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.write_checkpoint:
+        return write_checkpoint(a)
     if a.child:
         return child(a)
+    model = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--vocab", str(a.vocab)]
+
+    def run(*args: str) -> str:
+        r = subprocess.run([sys.executable, __file__, *args, *model], capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(r.stderr)
+        return r.stdout
+
     with tempfile.TemporaryDirectory(prefix="megajax-bench-export-") as tmp:
+        source = []
+        if a.from_checkpoint:
+            run("--write-checkpoint", f"{tmp}/orbax")
+            source = ["--checkpoint", f"{tmp}/orbax"]
         for fmt in a.format:
-            cmd = [sys.executable, __file__, "--child", fmt, "--out", f"{tmp}/{fmt}", "--layers", str(a.layers),
-                   "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--vocab", str(a.vocab), "--dtype", a.dtype,
-                   "--tensor-parallel", str(a.tensor_parallel)] + (["--from-checkpoint"] if a.from_checkpoint else [])
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode:
-                sys.exit(r.stderr)
-            print(r.stdout.strip().splitlines()[-1])
+            out = run("--child", fmt, "--out", f"{tmp}/{fmt}", "--dtype", a.dtype,
+                      "--tensor-parallel", str(a.tensor_parallel), *source)
+            print(out.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

@@ -7,11 +7,17 @@ resolved config, the mesh it was saved on. Orbax writes each save to a
 temporary directory and renames it on commit, so an interrupted save never
 damages the last good checkpoint; the last `checkpoint.keep` are kept.
 
-Restoring reads each array with TensorStore straight into the target
-sharding (`make_array_from_callback`: every process reads only the pieces
-its devices hold), so a checkpoint restores onto any mesh. Dimensions that
-differ only by vocabulary padding (which depends on the tensor size) are
-cropped or zero-padded.
+Restoring goes through Orbax's public API with the target's shardings
+(`PyTreeRestore` with one `ArrayRestoreArgs` per array carrying its
+`NamedSharding`): every process reads only the pieces its devices hold, so a
+checkpoint restores onto any mesh and any device count. Stored shapes depend
+on the model alone (the vocabulary is padded independently of the mesh), so
+such a restore is a plain read. The one sanctioned change is the vocabulary:
+a checkpoint saved with another vocabulary is refused, naming both, unless
+`checkpoint.resize_vocab` asks for its rows to be cropped or zero-padded.
+
+Paths may be relative to the current directory: they are made absolute
+before Orbax or TensorStore sees them.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from megajax.checkpoint.source import flatten
+from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
 
@@ -38,9 +44,22 @@ def _key_name(entry) -> str:
     return str(entry)
 
 
+def _path_name(path) -> str:
+    return ".".join(_key_name(e) for e in path)
+
+
 def leaf_names(tree: Any) -> list[str]:
     """Orbax's '.'-joined storage name of every leaf of a pytree, in flattening order."""
-    return [".".join(_key_name(e) for e in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [_path_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _save_args(ocp, path, x):
+    """Chunks of at most CHUNK_BYTES and, for stacked `layers` tensors [layers, ...], of one layer
+    each (Orbax's `shard_axes=(0,)` splits dim 0 first), so that reading one layer decodes that
+    layer's chunks only. (Left to Orbax, the size limit alone splits the larger dims and keeps
+    every layer in each chunk: a layer read would decode the whole tensor.)"""
+    stacked = "layers" in (_key_name(e) for e in path) and getattr(x, "ndim", 0) >= 1
+    return ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES, shard_axes=(0,) if stacked else ())
 
 
 class Checkpointer:
@@ -60,9 +79,7 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict, *, wait: bool = False) -> None:
         ocp = self._ocp
-        # Chunks of at most CHUNK_BYTES, so that exporters and restores read a layer (a piece of a
-        # stacked tensor) without loading the whole tensor.
-        save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), state)
+        save_args = jax.tree_util.tree_map_with_path(lambda path, x: _save_args(ocp, path, x), state)
         self._manager.save(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state, save_args=save_args), META: ocp.args.JsonSave(meta)}),
             force=True)
@@ -78,7 +95,7 @@ class Checkpointer:
 
 
 # ----------------------------------------------------------------------------
-# Finding and reading checkpoints
+# Finding checkpoints and reading their metadata
 # ----------------------------------------------------------------------------
 
 def _committed_steps(directory: Path) -> list[int]:
@@ -90,7 +107,8 @@ def _committed_steps(directory: Path) -> list[int]:
 
 
 def find_step_dir(path: str | Path) -> Path | None:
-    """A step directory from a run directory (latest step), its checkpoints/ directory, or a step directory."""
+    """A step directory from a run directory (latest step), its checkpoints/ directory, or a step
+    directory; relative paths stay relative (they are made absolute only for reading)."""
     path = Path(path)
     if (path / STATE).is_dir() and (path / META).is_dir():
         return path
@@ -106,7 +124,7 @@ def require_step_dir(path: str | Path, key: str) -> Path:
     if step_dir is None:
         raise CheckpointError(f"{key} = {str(path)!r}: no megajax checkpoint there (expected a run directory "
                               f"with checkpoints/<step>/, a checkpoints/ directory, or one step's directory "
-                              f"holding state/ and meta/).")
+                              f"holding state/ and meta/; relative paths are read from {Path.cwd()}).")
     return step_dir
 
 
@@ -122,125 +140,195 @@ def read_meta(step_dir: Path) -> dict:
 
 def model_config_of(step_dir: Path) -> ModelConfig:
     """The (resolved) model config a checkpoint was saved with."""
-    meta = read_meta(step_dir)
-    cfg = _build(Config, meta["config"], "")
+    cfg = _build(Config, read_meta(step_dir)["config"], "")
     finalize(cfg)
     return cfg.model
 
 
-class StoredArrays:
-    """TensorStore views of the arrays of a checkpoint's state, by storage name."""
-
-    def __init__(self, step_dir: Path):
-        import tensorstore as ts
-        self.step_dir, self._ts, self._open = step_dir, ts, {}
-        meta_file = step_dir / STATE / "_METADATA"
-        try:
-            tree = json.loads(meta_file.read_text())["tree_metadata"]
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"checkpoint {step_dir}: cannot read {meta_file} ({e}); the save may "
-                                  f"not have completed.") from None
-        self.names = {".".join(k["key"] for k in v["key_metadata"]) for v in tree.values()}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.names
-
-    def array(self, name: str):
-        if name not in self._open:
-            spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{self.step_dir / STATE}",
-                                                  "path": name}}
-            try:
-                self._open[name] = self._ts.open(spec, read=True).result()
-            except Exception as e:  # TensorStore raises ValueError with the storage detail
-                raise CheckpointError(f"checkpoint {self.step_dir}: cannot open array {name} ({e}).") from None
-        return self._open[name]
-
-    def read(self, name: str, index: tuple = ()) -> np.ndarray:
-        return self.array(name)[index].read().result()
+def _state_dir(step_dir: Path) -> Path:
+    return (Path(step_dir) / STATE).absolute()
 
 
-def _fit(stored_shape: tuple, target_shape: tuple, name: str, where: Path) -> None:
-    if len(stored_shape) != len(target_shape):
-        raise CheckpointError(f"checkpoint {where}: {name} has shape {stored_shape} but this run expects "
-                              f"{target_shape}; the model config differs from the checkpoint's.")
-    for d, (s, t) in enumerate(zip(stored_shape, target_shape)):
-        if s != t and not _is_vocab_dim(name, d):
-            raise CheckpointError(f"checkpoint {where}: {name} has shape {tuple(stored_shape)} but this run "
-                                  f"expects {tuple(target_shape)} (dim {d}); the model config differs from "
-                                  f"the checkpoint's.")
+def stored_arrays(step_dir: Path) -> tuple[dict[str, Any], bool]:
+    """({storage name: Orbax ArrayMetadata (shape, dtype, ...)}, whether zarr3) from Orbax's
+    metadata API, without reading any array."""
+    import orbax.checkpoint as ocp
+    try:
+        metadata = ocp.PyTreeCheckpointHandler().metadata(_state_dir(step_dir))
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {step_dir}: cannot read the metadata of {_state_dir(step_dir)} "
+                              f"({e}); the save may not have completed.") from None
+    tree = getattr(metadata, "tree", metadata)
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    arrays = {_path_name(path): leaf for path, leaf in leaves if hasattr(leaf, "shape")}
+    return arrays, bool(getattr(metadata, "use_zarr3", False))
 
 
-def _is_vocab_dim(name: str, dim: int) -> bool:
-    return (name.endswith("embed.embedding") and dim == 0) or (name.endswith("output") and dim == 1)
+# ----------------------------------------------------------------------------
+# Restoring onto a mesh
+# ----------------------------------------------------------------------------
 
-
-def read_into(stored: StoredArrays, name: str, target: jax.ShapeDtypeStruct) -> jax.Array:
-    """One stored array placed with target.sharding; vocabulary padding cropped or zero-filled."""
-    arr = stored.array(name)
-    stored_shape = tuple(arr.shape)
-    _fit(stored_shape, tuple(target.shape), name, stored.step_dir)
-
-    def piece(index):
-        index = tuple(index) + (slice(None),) * (len(target.shape) - len(index))
-        want = [range(*i.indices(n)) for i, n in zip(index, target.shape)]
-        out = np.zeros([len(r) for r in want], target.dtype)
-        have = tuple(slice(r.start, min(r.stop, s)) for r, s in zip(want, stored_shape))
-        if all(h.stop > h.start for h in have):
-            data = np.asarray(arr[have].read().result())
-            out[tuple(slice(0, h.stop - h.start) for h in have)] = data.astype(target.dtype)
-        return out
-
-    if not target.shape:
-        return jax.device_put(np.asarray(arr.read().result(), target.dtype), target.sharding)
-    return jax.make_array_from_callback(tuple(target.shape), target.sharding, piece)
-
-
-def restore_state(step_dir: Path, target: Any) -> Any:
-    """The checkpoint's train state laid out like `target` (a pytree of ShapeDtypeStructs with shardings)."""
-    stored = StoredArrays(step_dir)
-    names = leaf_names(target)
+def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list, resize: VocabResize | None
+                  ) -> set[str]:
+    """The names whose vocabulary dim is resized; raises on anything else that differs."""
     missing = [n for n in names if n not in stored]
     if missing:
         raise CheckpointError(f"checkpoint {step_dir}: lacks {len(missing)} arrays this run needs, e.g. "
                               f"{missing[:3]}; it was saved with a different model, optimizer or precision "
                               f"(train.precision decides whether a loss scale is stored).")
+    resized = set()
+    for name, t in zip(names, targets):
+        have, want = tuple(stored[name].shape), tuple(t.shape)
+        if have == want:
+            continue
+        differing = [d for d, (a, b) in enumerate(zip(have, want)) if a != b] if len(have) == len(want) else None
+        vocab_dim = VocabResize.vocab_dim(name)
+        if differing == [vocab_dim]:
+            if resize is None:
+                raise CheckpointError(
+                    f"checkpoint {step_dir}: {name} has {have[vocab_dim]:,} (padded) vocabulary rows but this "
+                    f"run has {want[vocab_dim]:,}, for the same vocabulary: the vocabulary padding differs "
+                    f"(model.make_vocab_size_divisible_by, or a checkpoint saved when the padding also "
+                    f"depended on mesh.tensor). Set checkpoint.resize_vocab=true to crop or zero-pad the "
+                    f"padding rows.")
+            resized.add(name)
+            continue
+        raise CheckpointError(f"checkpoint {step_dir}: {name} has shape {have} but this run expects {want}; "
+                              f"the model config differs from the checkpoint's.")
+    return resized
+
+
+def _restore(step_dir: Path, target: Any, cfg: Config, what: str) -> tuple[Any, str]:
+    """`target` (a pytree of ShapeDtypeStructs with shardings, named like the stored tree) read
+    from the checkpoint through Orbax; returns (tree, note on a vocabulary resize or '')."""
+    import orbax.checkpoint as ocp
+    resize = check_vocabulary(step_dir, read_meta(step_dir).get("config", {}), cfg, what)
+    stored, _ = stored_arrays(step_dir)
+    names = leaf_names(target)
     leaves, treedef = jax.tree.flatten(target)
-    return jax.tree.unflatten(treedef, [read_into(stored, n, t) for n, t in zip(names, leaves)])
+    resized = _check_shapes(step_dir, stored, names, leaves, resize)
+    # strict=False lets Orbax crop or zero-pad the stored array to the target shape (only the
+    # vocabulary dim differs: checked above).
+    args = [ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype,
+                                 strict=name not in resized) for name, t in zip(names, leaves)]
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        restored = checkpointer.restore(_state_dir(step_dir), args=ocp.args.PyTreeRestore(
+            item=target, restore_args=jax.tree.unflatten(treedef, args), partial_restore=True))
+    finally:
+        checkpointer.close()
+    changed = set(resized)
+    if resize is not None and resize.stored != resize.vocab:  # rows past the smaller vocabulary: zero
+        changed |= {n for n in names if VocabResize.vocab_dim(n) is not None}
+    if not changed:
+        return restored, ""
+    out = [zero_rows_from(x, VocabResize.vocab_dim(n), resize.keep_rows) if n in changed else x
+           for n, x in zip(names, jax.tree.leaves(restored))]
+    return jax.tree.unflatten(treedef, out), resize.describe(sorted(changed))
 
 
-def restore_params(step_dir: Path, target_params: dict) -> dict:
-    """Only the parameters (for fine-tuning with a fresh optimizer)."""
-    stored = StoredArrays(step_dir)
-    out = {}
-    for name, t in flatten(target_params):
-        key = "params." + name.replace("/", ".")
-        if key not in stored:
-            raise CheckpointError(f"checkpoint {step_dir}: has no parameter {name}; it was saved for a "
-                                  f"different model.")
-        out[name] = read_into(stored, key, t)
-    from megajax.checkpoint.source import unflatten
-    return unflatten(out)
+def restore_state(step_dir: Path, target: Any, cfg: Config) -> tuple[Any, str]:
+    """The checkpoint's train state laid out like `target` (a TrainState of ShapeDtypeStructs with
+    shardings), and a note ('' or one line) when checkpoint.resize_vocab resized the vocabulary.
+
+    Raises CheckpointError when the checkpoint lacks an array, a shape differs, or the vocabulary
+    differs from `cfg`'s (unless cfg.checkpoint.resize_vocab)."""
+    return _restore(step_dir, target, cfg, "resume")
+
+
+def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[dict, str]:
+    """Only the parameters (fine-tuning with a fresh optimizer), laid out like `target_params`;
+    the same checks and note as restore_state."""
+    restored, note = _restore(step_dir, {"params": target_params}, cfg, "load")
+    return restored["params"], note
+
+
+# ----------------------------------------------------------------------------
+# Streaming one tensor (or one layer) at a time, for exporters
+# ----------------------------------------------------------------------------
+
+def _free_large_buffers_eagerly(threshold: int = 2**20) -> None:
+    """Fixes glibc's mmap threshold at `threshold` bytes for this process.
+
+    TensorStore decodes chunks (up to CHUNK_BYTES) on its own threads. With glibc's dynamic
+    threshold, once such a buffer is freed the threshold rises above it and later ones come from
+    per-thread arenas, which keep them after they are freed: an export's peak memory then grows
+    with the model (Hugging Face export of a 125 MB-embedding Llama: +342 MB at 12 layers, +395 MB
+    at 24; +197 MB at both with the threshold fixed; scripts/bench_export.py --from-checkpoint).
+    A fixed threshold maps every buffer of at least `threshold` bytes on its own and unmaps it when
+    freed. No-op where the C library has no mallopt."""
+    global _THRESHOLD_FIXED
+    if _THRESHOLD_FIXED:
+        return
+    _THRESHOLD_FIXED = True
+    try:
+        import ctypes
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    M_MMAP_THRESHOLD = -3
+    mallopt(M_MMAP_THRESHOLD, threshold)
+
+
+_THRESHOLD_FIXED = False
 
 
 class CheckpointSource:
-    """TensorSource over a checkpoint's parameters, reading one tensor (or one layer) at a time."""
+    """TensorSource over a checkpoint's parameters, reading one tensor (or one layer) at a time.
+
+    Names, shapes and dtypes come from Orbax's metadata API. A whole-tensor restore through
+    Orbax cannot serve a layer of a stacked `layers/...` tensor: Orbax restores whole arrays
+    (or, with `strict=False`, a crop anchored at index 0), and a layer is an interior slice.
+    So each array is opened with TensorStore from the read spec Orbax itself builds for it
+    (`type_handlers.get_json_tspec_read`: the spec its array handler restores from, in Orbax's
+    TensorStore context) and sliced there: only the chunks of the requested layer are read and
+    decoded (stacked tensors are written in chunks of one layer, `_save_args`), so peak host
+    memory stays near one tensor whatever the model size. Export runs in one process, so no
+    sharding is involved."""
 
     def __init__(self, path: str | Path, key: str = "--checkpoint"):
+        import orbax.checkpoint as ocp
+        from etils import epath
         self.step_dir = require_step_dir(path, key)
         self.model = model_config_of(self.step_dir)
-        self._stored = StoredArrays(self.step_dir)
-        self._names = sorted(n[len("params."):].replace(".", "/") for n in self._stored.names
-                             if n.startswith("params."))
+        self._arrays, use_zarr3 = stored_arrays(self.step_dir)
+        self._names = sorted(n[len("params."):].replace(".", "/") for n in self._arrays if n.startswith("params."))
+        self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+        self._parent = epath.Path(_state_dir(self.step_dir))
+        self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self._parent)
+        self._zarr3 = use_zarr3
+        self._ocp, self._open = ocp, {}
+        _free_large_buffers_eagerly()
 
     def names(self) -> list[str]:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._stored.array("params." + name.replace("/", ".")).shape)
+        return tuple(self._arrays[self._storage(name)].shape)
+
+    def _storage(self, name: str) -> str:
+        key = "params." + name.replace("/", ".")
+        if key not in self._arrays:
+            raise CheckpointError(f"checkpoint {self.step_dir}: has no parameter {name}.")
+        return key
+
+    def _store(self, key: str):
+        if key not in self._open:
+            import tensorstore as ts
+            info = self._ocp.type_handlers.ParamInfo(name=key, parent_dir=self._parent,
+                                                     is_ocdbt_checkpoint=self._ocdbt, use_zarr3=self._zarr3,
+                                                     ts_context=self._context)
+            spec = self._ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=self._ocdbt)
+            try:
+                self._open[key] = ts.open(spec, read=True, context=self._context).result()
+            except Exception as e:  # TensorStore reports storage problems as ValueError/RuntimeError
+                raise CheckpointError(f"checkpoint {self.step_dir}: cannot open array {key} ({e}).") from None
+        return self._open[key]
 
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
-        index = (layer,) if layer is not None else ()
-        return np.asarray(self._stored.read("params." + name.replace("/", "."), index), np.float32)
+        store = self._store(self._storage(name))
+        view = store[layer] if layer is not None else store
+        return np.asarray(view.read().result(), np.float32)
 
 
 def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
@@ -259,3 +347,4 @@ def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, s
     finally:
         ckpt.close()
     return out_dir / "checkpoints" / str(step)
+

@@ -184,13 +184,14 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints")
     if resume is not None:
         meta = read_meta(resume)
-        state = restore_state(resume, target)
-        return state, int(meta["consumed_samples"]), f"resumed from {resume} (step {meta['step']})", int(meta["step"])
+        state, note = restore_state(resume, target, cfg)
+        origin = f"resumed from {resume} (step {meta['step']})" + (f"; {note}" if note else "")
+        return state, int(meta["consumed_samples"]), origin, int(meta["step"])
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
-        params = restore_params(source, target.params)
+        params, note = restore_params(source, target.params, cfg)
         state = setup.fresh_state().replace(params=params)
-        return state, 0, f"parameters from {source}, optimizer state fresh", None
+        return state, 0, f"parameters from {source}, optimizer state fresh" + (f"; {note}" if note else ""), None
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
