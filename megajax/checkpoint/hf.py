@@ -167,6 +167,9 @@ def _write_json(path: Path, obj: dict) -> None:
 # Export
 # ----------------------------------------------------------------------------
 
+_WRITE_BLOCK = 1 << 22  # elements converted to the output dtype at a time (16 MiB of fp32)
+
+
 def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]],
                        dtype: np.dtype) -> int:
     """Writes one safetensors file from (name, shape, producer) entries, calling each producer just
@@ -187,9 +190,13 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Cal
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape, produce in tensors:
-            x = np.ascontiguousarray(produce(), dtype=dtype)  # the only live tensor
+            x = produce()  # the only live tensor
             assert x.shape == tuple(shape), (name, x.shape, shape)
-            f.write(x.reshape(-1).view(np.uint8).data)
+            x = x.reshape((1,) if x.ndim == 0 else x.shape)
+            rows = max(1, _WRITE_BLOCK // max(1, math.prod(x.shape[1:])))
+            for start in range(0, x.shape[0], rows):  # converted a row block at a time: no full copy
+                block = np.ascontiguousarray(x[start:start + rows], dtype=dtype)
+                f.write(block.reshape(-1).view(np.uint8).data)
             del x
     return offset
 
