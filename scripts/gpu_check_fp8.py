@@ -64,9 +64,9 @@ LLAMA3_8B = [("qkv", 4096, 6144), ("o", 4096, 4096), ("gate/up", 4096, 28672),
 class Report:
     """Prints each line, appends it to DIR/fp8_check.txt and rewrites DIR/fp8_check.json."""
 
-    def __init__(self, out: pathlib.Path):
+    def __init__(self, out: pathlib.Path, json_path: pathlib.Path | None = None):
         out.mkdir(parents=True, exist_ok=True)
-        self.txt, self.json_path = out / "fp8_check.txt", out / "fp8_check.json"
+        self.txt, self.json_path = out / "fp8_check.txt", json_path or out / "fp8_check.json"
         self.txt.write_text("")
         self.data = {"correctness": [], "hlo": {}, "timing": [], "linear": [], "ok": None}
 
@@ -303,13 +303,14 @@ def main(argv=None) -> int:
                         help="run every path on CPU in interpret mode at toy sizes")
     parser.add_argument("--out", default="fp8-check",
                         help="directory for the JSON and text results")
+    parser.add_argument("--json", help="where the JSON goes (default: DIR/fp8_check.json)")
     parser.add_argument("--skip-bench", action="store_true", help="correctness and HLO only")
     args = parser.parse_args(argv)
 
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")
     backend = jax.default_backend()
-    rep = Report(pathlib.Path(args.out))
+    rep = Report(pathlib.Path(args.out), pathlib.Path(args.json) if args.json else None)
     rep.data.update(jax=jax.__version__, backend=backend, device=jax.devices()[0].device_kind,
                     interpret=args.cpu_smoke, formats=[str(t) for t in default_formats()])
     rep.line(f"jax {jax.__version__}, backend {backend}, device {jax.devices()[0].device_kind}, "

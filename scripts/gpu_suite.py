@@ -83,6 +83,15 @@ def _attention_headline(r: dict) -> str:
     return text
 
 
+def _fp8_headline(r: dict) -> str:
+    rows = r.get("correctness", [])
+    text = f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} correct"
+    hlo = [h for h in (r.get("hlo") or {}).values() if isinstance(h, dict)]
+    if hlo and r.get("backend") != "cpu":
+        text += f"; cuBLASLt FP8 rewrite {sum(bool(h.get('ok')) for h in hlo)}/{len(hlo)}"
+    return text
+
+
 def _bench_headline(r: dict) -> str:
     mem = (r.get("memory", {}).get("compiled") or {}).get("total")
     text = (f"{r['tokens_per_sec']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOP/s/dev, "
@@ -133,7 +142,8 @@ SECTIONS = [
                                            ctx.json("attention"), *(["--cpu-smoke"] if ctx.smoke else [])],
             headline=_attention_headline),
     Section("fp8", 150, lambda ctx: [ctx.python, "scripts/gpu_check_fp8.py", "--out", str(ctx.out / "fp8"),
-                                     *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60),
+                                     "--json", ctx.json("fp8"),
+                                     *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60, headline=_fp8_headline),
     Section("bench_llama1b_cudnn", 130, _bench("bench_llama1b_cudnn", "cudnn"), headline=_bench_headline),
     Section("bench_llama1b_flash", 130, _bench("bench_llama1b_flash", "flash"), headline=_bench_headline),
     # JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.

@@ -53,7 +53,7 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     status = {r["section"]: r["status"] for r in summary["sections"]}
-    assert status == {"env": "ok", "attention": "ok", "bench_llama1b_cudnn": "ok", "bench_llama1b_flash": "ok",
+    assert status == {"env": "ok", "attention": "ok", "fp8": "ok", "bench_llama1b_cudnn": "ok", "bench_llama1b_flash": "ok",
                       "bench_llama1b_megatron": "skipped"}, summary
     megatron = summary["sections"][-1]["headline"]
     assert "megatron.core" in megatron or "NVIDIA GPU" in megatron, megatron  # skipped for a stated reason
