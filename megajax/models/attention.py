@@ -124,6 +124,26 @@ def make_attention_core(impl: str, recompute: str) -> Callable:
 
 ACT_Q = ("batch", "length", "heads", "head_dim")
 ACT_KV = ("batch", "length", "kv_heads", "head_dim")
+# The KV cache of every layer: [layers, batch, cache_length, kv_heads, head_dim].
+ACT_CACHE = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask_BxLxT):
+    """Plain-jnp attention of L new queries over T cache slots (softmax in fp32).
+
+    `mask_BxLxT` says which slots each query sees; a row that sees none gets a uniform average
+    (its output is never used: such rows are padding). Grouped-query heads are viewed as
+    [kv_heads, group] like xla_attention, without repeating k/v."""
+    b, l, h, d = q_BxLxHxK.shape
+    g = k_BxTxGxK.shape[2]
+    q = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    # Scores laid out [B, L, T, G, R] (slots before heads): the products XLA:CPU then runs read the
+    # cache in place, 2-4x faster for a decode step than [B, G, R, L, T].
+    scores = jnp.einsum("blgrk,btgk->bltgr", q, k_BxTxGxK, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_BxLxT[:, :, :, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=2).astype(v_BxTxGxK.dtype)
+    out = jnp.einsum("bltgr,btgk->blgrk", probs, v_BxTxGxK)
+    return out.reshape(b, l, h, d)
 
 
 class Attention(nnx.Module):
@@ -170,3 +190,24 @@ class Attention(nnx.Module):
                         dropout_rng=dropout_rng)
         out = logical_constraint(out, ACT_Q)
         return self.o(out)
+
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, layer, start, mask_BxLxT):
+        """Attention of L new tokens (cache slots start..start+L-1) over the cache, for generation.
+
+        Writes this layer's new k/v into `cache_k`/`cache_v` ([layers, B, T, kv_heads, head_dim],
+        every layer's cache, carried through the scanned layers) at slots [start, start + L) and
+        attends over all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). The
+        same parameters and products as __call__; the attention itself is plain jnp."""
+        q, k, v = self.qkv(x_BxLxD)
+        q = logical_constraint(q, ACT_Q)
+        if inv_freq is not None:
+            q = apply_rope(q, positions_BxL, inv_freq)
+            k = apply_rope(k, positions_BxL, inv_freq)
+        at = (layer, 0, start, 0, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+        cache_k = logical_constraint(cache_k, ACT_CACHE)
+        cache_v = logical_constraint(cache_v, ACT_CACHE)
+        out = cached_attention(q, cache_k[layer].astype(q.dtype), cache_v[layer].astype(q.dtype), mask_BxLxT)
+        out = logical_constraint(out, ACT_Q)
+        return self.o(out), cache_k, cache_v
