@@ -5,9 +5,10 @@
         [--prompt-len 32] [--new-tokens 64] [--rounds 3] [--torch-threads 1] [--json FILE]
 
 For each model config (random weights: the model's own initialisation at train.seed), the
-parameters are exported with `export_hf` (fp32) and loaded with `AutoModelForCausalLM`, so
-both sides run the same weights in fp32 on this CPU, greedy, on the same random prompts (all of
-`--prompt-len` tokens), producing exactly `--new-tokens` tokens (no end-of-document stop).
+parameters are exported with `export_hf` (--dtype, fp32 by default) and loaded with
+`AutoModelForCausalLM` in that dtype, so both sides run the same weights in the same dtype on this
+CPU, greedy, on the same random prompts (all of `--prompt-len` tokens), producing exactly
+`--new-tokens` tokens (no end-of-document stop).
 
   time to first token (TTFT): megajax: prefill + first token (compiled beforehand); transformers:
       generate(max_new_tokens=1).
@@ -47,15 +48,16 @@ def build(config: str):
     return cfg, jax.jit(init)()
 
 
-def hf_model(cfg, params, out: Path, torch):
+def hf_model(cfg, params, out: Path, torch, dtype: str):
     import numpy as np
     import transformers
 
     from megajax.checkpoint.hf import export_hf
     from megajax.checkpoint.source import DictSource
     import jax
-    export_hf(DictSource(jax.tree.map(np.asarray, params), cfg.model), out, tokenizer_spec="byte", dtype="fp32")
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    export_hf(DictSource(jax.tree.map(np.asarray, params), cfg.model), out, tokenizer_spec="byte", dtype=dtype)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     return model.eval()
 
 
@@ -87,9 +89,12 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="export dtype; both sides compute in it (megajax: bf16 products, fp32 accumulation)")
     ap.add_argument("--json", metavar="FILE")
     a = ap.parse_args()
 
+    import jax.numpy as jnp
     import numpy as np
     import torch
 
@@ -101,8 +106,9 @@ def main() -> int:
     for config in a.model:
         cfg, params = build(config)
         with tempfile.TemporaryDirectory() as tmp:
-            hf = hf_model(cfg, params, Path(tmp) / "hf", torch)
-            gen = Generator(cfg.model, params, eod_id=None)
+            hf = hf_model(cfg, params, Path(tmp) / "hf", torch, a.dtype)
+            dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16}[a.dtype]
+            gen = Generator(cfg.model, params, eod_id=None, dtype=dtype)
             rng = np.random.default_rng(0)
             for b in a.batch:
                 prompts = rng.integers(0, cfg.model.vocab_size, (b, a.prompt_len)).tolist()
@@ -119,7 +125,7 @@ def main() -> int:
                            decode_tokens_per_s=statistics.median(x[1] for x in ours),
                            hf_ttft_s=statistics.median(x[0] for x in theirs),
                            hf_decode_tokens_per_s=statistics.median(x[1] for x in theirs),
-                           token_agreement=float(np.mean(agree)), torch_threads=a.torch_threads,
+                           token_agreement=float(np.mean(agree)), torch_threads=a.torch_threads, dtype=a.dtype,
                            compile_s=gen.compile_s)
                 row["decode_ratio"] = row["decode_tokens_per_s"] / row["hf_decode_tokens_per_s"]
                 rows.append(row)

@@ -136,8 +136,10 @@ def test_generation_on_data_2_tensor_4_equals_one_device(checkpoint):
     got, _ = sharded.generator.generate(PROMPTS, samplings, 12)
     assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
     state = sharded.generator.start(PROMPTS, samplings, [4] * 3)
-    assert state.cache_k.sharding.spec == jax.sharding.PartitionSpec(None, ("data", "fsdp"), None, "tensor", None)
-    assert state.cache_k.shape[:2] == (2, 4)  # [layers, batch bucket (2 per data rank)]
+    assert len(state.cache_k) == 2  # one [batch, kv_heads, slots, head_dim] buffer per layer
+    for cache in state.cache_k + state.cache_v:
+        assert cache.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
+        assert cache.shape[0] == 4  # the batch bucket: 2 rows per data rank
 
 
 def test_greedy_equals_transformers_generate_on_the_hf_export(tmp_path):

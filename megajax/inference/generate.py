@@ -5,8 +5,11 @@
       .advance(state, stop) -> DecodeState                  decode until `stop` tokens or every row is done
       .generate(prompts, ...) -> (completions, timing)      both, timed
 
-The cache is `[layers, batch, slots, kv_heads, head_dim]` for k and for v, carried through
-the scanned layers (Transformer.extend). Prompts are left-padded to a common length P, so at
+The cache holds, for k and for v, `[layers, batch, kv_heads, slots, head_dim]`: one array
+carried through the scanned layers, or (the default, `layer_buffers`) one
+`[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode step
+reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
+slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step. Prompts are left-padded to a common length P, so at
 every step all sequences write the same slot: slot P + i - 1 holds the input of new token i.
 A sequence's positions (RoPE or learned) are its slots minus its padding, and it attends only
 to its own slots, so it computes what it would alone. Decoding is one `lax.while_loop` (no host
@@ -21,10 +24,11 @@ so that a handful of compilations serve every request.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +53,8 @@ class ContextLengthError(UserError):
 
 @struct.dataclass
 class DecodeState:
-    cache_k: jax.Array  # [layers, B, T, kv_heads, head_dim], T = P + S
-    cache_v: jax.Array
+    cache_k: Any  # [layers, B, kv_heads, T, head_dim], or a list of per-layer [B, kv_heads, T, head_dim]; T = P + S
+    cache_v: Any
     tokens: jax.Array  # i32 [B, S]: new tokens, in order
     count: jax.Array  # i32 []: new tokens so far (all rows advance together)
     done: jax.Array  # bool [B]
@@ -62,7 +66,7 @@ class DecodeState:
     keys: jax.Array  # u32 [B, 2]: each row's threefry key data
 
 
-STATE_AXES = dict(cache_k=ACT_CACHE, cache_v=ACT_CACHE, tokens=("batch", None), count=(), done=("batch",),
+STATE_AXES = dict(tokens=("batch", None), count=(), done=("batch",),
                   pad=("batch",), budget=("batch",), temperature=("batch",), top_k=("batch",),
                   top_p=("batch",), keys=("batch", None))
 
@@ -87,11 +91,21 @@ class Timing:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
 
+def fp32_accumulating_dot(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+    """A projection in the operands' dtype with fp32 accumulation, rounded back to that dtype.
+
+    The same function as a plain dot_general for fp32; for bf16 it is how a CPU runs bf16
+    products fast (XLA:CPU's bf16 x bf16 -> fp32 kernels), and what GPUs do internally."""
+    out = jax.lax.dot_general(x, w, dimension_numbers, precision=precision, preferred_element_type=jnp.float32)
+    return out.astype(jnp.result_type(x, w))
+
+
 def generation_model(model: ModelConfig, padded_vocab_size: int, dtype) -> tuple:
     """(graphdef, logical axes, abstract params) of the model with plain products: generation
     needs none of training's (sequence-parallel collectives, CPU backward products)."""
     def make():
-        return Transformer(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(),
+        dot = fp32_accumulating_dot
+        return Transformer(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
                            attention_core=make_attention_core("xla", "none"), rngs=nnx.Rngs(0))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
@@ -103,21 +117,24 @@ def generation_rules(activations: Rules) -> Rules:
     return {**activations, "length": (), "residual_length": ()}
 
 
-@jax.jit
-def _split_layers(params: dict) -> tuple[dict, list]:
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _split_layers(params: dict, dtype) -> tuple[dict, list]:
+    cast = functools.partial(jax.tree.map, lambda p: p.astype(dtype))
     stacked = params["layers"]
     layers = len(jax.tree.leaves(stacked)[0])
-    return ({k: v for k, v in params.items() if k != "layers"},
-            [jax.tree.map(lambda p, i=i: p[i], stacked) for i in range(layers)])
+    return (cast({k: v for k, v in params.items() if k != "layers"}),
+            [cast(jax.tree.map(lambda p, i=i: p[i], stacked)) for i in range(layers)])
 
 
-def split_layers(params: dict) -> tuple[dict, list]:
-    """(the parameters other than the blocks', one dict per block): each layer in its own buffers.
+def split_layers(params: dict, dtype=jnp.float32) -> tuple[dict, list]:
+    """(the parameters other than the blocks', one dict per block), in `dtype`: each layer in its
+    own buffers, stored in the compute dtype.
 
-    A decode step reads every weight once; on CPU, a product cannot read one layer of a stacked
-    `[layers, ...]` tensor in place, so a scanned step would first copy each layer's weights
-    (about twice the memory traffic of the weights themselves), every step."""
-    return _split_layers(params)
+    A decode step reads every weight once, so its time is the weights' bytes: on CPU a product
+    cannot read one layer of a stacked `[layers, ...]` tensor in place (a scanned step copies each
+    layer's weights first, every step), and fp32 master weights cast to bf16 on use would be read
+    in fp32 and written again, every step."""
+    return _split_layers(params, jnp.dtype(dtype))
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -145,7 +162,7 @@ class Generator:
         self.graphdef, self.axes, self.abstract_params = generation_model(
             model, padded_vocab_size or model.padded_vocab_size(), dtype)
         self.layer_buffers = layer_buffers
-        self.params = split_layers(params) if layer_buffers else params
+        self.params = split_layers(params, dtype) if layer_buffers else params
         self.mesh = mesh
         self.rules = generation_rules(rules) if rules is not None else None
         self.eod_id = eod_id
@@ -156,6 +173,8 @@ class Generator:
         if mesh is not None:
             assert rules is not None, "a mesh needs its rules table"
             sh = {k: NamedSharding(mesh, logical_to_spec(v, self.rules)) for k, v in STATE_AXES.items()}
+            cache = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
+            sh["cache_k"] = sh["cache_v"] = [cache] * model.num_layers if layer_buffers else cache
             self._state_sh = DecodeState(**sh)
             self._replicated = NamedSharding(mesh, P())
         else:
@@ -174,6 +193,21 @@ class Generator:
         rest, layers = params
         return nnx.merge(self.graphdef, {**rest, "layers": self.abstract_params["layers"]}), layers
 
+    def _cache_axes(self) -> tuple:
+        return ACT_CACHE if self.layer_buffers else ("layers",) + ACT_CACHE
+
+    def _empty_cache(self, b: int, t: int):
+        m = self.model
+        if self.layer_buffers:
+            return [logical_constraint(jnp.zeros((b, m.num_kv_heads, t, m.head_dim), self.dtype), ACT_CACHE)
+                    for _ in range(m.num_layers)]
+        zeros = jnp.zeros((m.num_layers, b, m.num_kv_heads, t, m.head_dim), self.dtype)
+        return logical_constraint(zeros, self._cache_axes())
+
+    def _prompt_room(self, state: DecodeState) -> int:
+        """P: the cache slots before the first new token's input."""
+        return state.cache_k[0].shape[-2] - state.tokens.shape[1]  # T from layer 0's [(B,) kv_heads, T, head_dim]
+
     def _is_eod(self, tokens):
         return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
 
@@ -184,9 +218,7 @@ class Generator:
             model, layers = self._model(params)
             b, p = tokens_BxP.shape
             t = p + room
-            zeros = jnp.zeros((m.num_layers, b, t, m.num_kv_heads, m.head_dim), self.dtype)
-            cache_k = logical_constraint(zeros, ACT_CACHE)
-            cache_v = logical_constraint(zeros, ACT_CACHE)
+            cache_k, cache_v = self._empty_cache(b, t), self._empty_cache(b, t)
             positions = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
             key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
             logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,
@@ -199,8 +231,8 @@ class Generator:
 
     def _advance_fn(self, params, state: DecodeState, stop) -> DecodeState:
         room = state.tokens.shape[1]
-        t = state.cache_k.shape[2]
-        p = t - room
+        p = self._prompt_room(state)
+        t = p + room
         fill = self.eod_id if self.eod_id is not None else 0
         limit = jnp.minimum(stop, room)
 
@@ -278,7 +310,7 @@ class Generator:
     def advance(self, state: DecodeState, stop: int | None = None) -> DecodeState:
         """Decodes until `stop` new tokens (default: the room) or every row is done; `state` is consumed."""
         stop = jnp.int32(state.tokens.shape[1] if stop is None else stop)
-        key = ("advance",) + tuple(state.cache_k.shape) + tuple(state.tokens.shape)
+        key = ("advance", self._prompt_room(state)) + tuple(state.tokens.shape)
         return self._compile(key, self._advance, self.params, state, stop)(self.params, state, stop)
 
     def read(self, state: DecodeState) -> tuple[np.ndarray, np.ndarray, int]:

@@ -122,28 +122,30 @@ def make_attention_core(impl: str, recompute: str) -> Callable:
     return recomputed_core
 
 
-ACT_Q = ("batch", "length", "heads", "head_dim")
-ACT_KV = ("batch", "length", "kv_heads", "head_dim")
-# The KV cache of every layer: [layers, batch, cache_length, kv_heads, head_dim].
-ACT_CACHE = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# One layer's k (or v) cache for generation: [batch, kv_heads, slots, head_dim] (head-major: each
+# (sequence, kv head) reads its slots contiguously, without a transposed copy per step).
+ACT_CACHE = ("batch", "kv_heads", "cache_length", "head_dim")
 
 
-def cached_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, mask_BxLxT):
+def cached_attention(q_BxLxHxK, k_BxGxTxK, v_BxGxTxK, mask_BxLxT):
     """Plain-jnp attention of L new queries over T cache slots (softmax in fp32).
 
     `mask_BxLxT` says which slots each query sees; a row that sees none gets a uniform average
     (its output is never used: such rows are padding). Grouped-query heads are viewed as
-    [kv_heads, group] like xla_attention, without repeating k/v."""
+    [kv_heads, group] like xla_attention, without repeating k/v; both products keep (batch,
+    kv head) leading, so they read the head-major cache in place."""
     b, l, h, d = q_BxLxHxK.shape
-    g = k_BxTxGxK.shape[2]
+    g = k_BxGxTxK.shape[1]
     q = q_BxLxHxK.reshape(b, l, g, h // g, d)
-    # Scores laid out [B, L, T, G, R] (slots before heads): the products XLA:CPU then runs read the
-    # cache in place, 2-4x faster for a decode step than [B, G, R, L, T].
-    scores = jnp.einsum("blgrk,btgk->bltgr", q, k_BxTxGxK, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_BxLxT[:, :, :, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=2).astype(v_BxTxGxK.dtype)
-    out = jnp.einsum("bltgr,btgk->blgrk", probs, v_BxTxGxK)
+    scores = jnp.einsum("blgrk,bgtk->bgrlt", q, k_BxGxTxK, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_BxLxT[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxGxTxK.dtype)
+    out = jnp.einsum("bgrlt,bgtk->blgrk", probs, v_BxGxTxK)
     return out.reshape(b, l, h, d)
+
+
+ACT_Q = ("batch", "length", "heads", "head_dim")
+ACT_KV = ("batch", "length", "kv_heads", "head_dim")
 
 
 class Attention(nnx.Module):
@@ -191,23 +193,23 @@ class Attention(nnx.Module):
         out = logical_constraint(out, ACT_Q)
         return self.o(out)
 
-    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, layer, start, mask_BxLxT):
-        """Attention of L new tokens (cache slots start..start+L-1) over the cache, for generation.
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT):
+        """Attention of L new tokens (cache slots start..start+L-1) over this layer's cache, for generation.
 
-        Writes this layer's new k/v into `cache_k`/`cache_v` ([layers, B, T, kv_heads, head_dim],
-        every layer's cache, carried through the scanned layers) at slots [start, start + L) and
-        attends over all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). The
-        same parameters and products as __call__; the attention itself is plain jnp."""
-        q, k, v = self.qkv(x_BxLxD)
+        Writes the new k/v into the cache (ACT_CACHE) at slots [start, start + L) and attends over
+        all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). The same parameters
+        as __call__; q, k and v are three products reading their kernels in place (`qkv`'s fused
+        product would copy all three on every call); the attention itself is plain jnp."""
+        q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
         if inv_freq is not None:
             q = apply_rope(q, positions_BxL, inv_freq)
             k = apply_rope(k, positions_BxL, inv_freq)
-        at = (layer, 0, start, 0, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+        at = (0, 0, start, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k_BxGxTxK, k.swapaxes(1, 2).astype(cache_k_BxGxTxK.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v_BxGxTxK, v.swapaxes(1, 2).astype(cache_v_BxGxTxK.dtype), at)
         cache_k = logical_constraint(cache_k, ACT_CACHE)
         cache_v = logical_constraint(cache_v, ACT_CACHE)
-        out = cached_attention(q, cache_k[layer].astype(q.dtype), cache_v[layer].astype(q.dtype), mask_BxLxT)
+        out = cached_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask_BxLxT)
         out = logical_constraint(out, ACT_Q)
         return self.o(out), cache_k, cache_v

@@ -9,7 +9,7 @@ parameters are stacked on a leading `layers` dim and applied with
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -43,13 +43,14 @@ class Block(nnx.Module):
         h = self.mlp(self.mlp_norm(x))
         return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL)
 
-    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, layer, start, mask_BxLxT):
-        """__call__ for L new tokens with the KV cache (generation: no dropout); returns (x, cache_k, cache_v)."""
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT):
+        """__call__ for L new tokens with this layer's KV cache (generation: no dropout); returns
+        (x, cache_k, cache_v)."""
         h, cache_k, cache_v = self.attn.extend(
-            self.attn_norm(x_BxLxD), positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=cache_k,
-            cache_v=cache_v, layer=layer, start=start, mask_BxLxT=mask_BxLxT)
+            self.attn_norm(x_BxLxD), positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k_BxGxTxK=cache_k,
+            cache_v_BxGxTxK=cache_v, start=start, mask_BxLxT=mask_BxLxT)
         x = logical_constraint(x_BxLxD + h, RESIDUAL)
-        return logical_constraint(x + self.mlp(self.mlp_norm(x)), RESIDUAL), cache_k, cache_v
+        return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False), RESIDUAL), cache_k, cache_v
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -155,38 +156,44 @@ class Transformer(nnx.Module):
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return logits
 
-    def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
-               *, start: jax.Array, key_mask_BxT: jax.Array, layer_params: list | None = None
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: jax.Array,
+               key_mask_BxT: jax.Array, layer_params: list | None = None) -> tuple[jax.Array, Any, Any]:
         """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
 
-        `cache_k`/`cache_v` are [layers, B, T, kv_heads, head_dim] (ACT_CACHE); `key_mask_BxT`
-        marks the slots holding this sequence's tokens (left padding is False), and a new token
-        sees those up to its own slot. A prompt is prefilled in one call (L = its padded length,
-        start 0), then each decode step is a call with L = 1. Returns (logits [B, padded vocab]
-        of the last new token, cache_k, cache_v); the same parameters and products as __call__."""
+        The KV cache is, for k and for v, either one array [layers, B, kv_heads, T, head_dim]
+        carried through the scanned layers, or, with `layer_params` (the blocks' parameters one
+        layer at a time, used instead of the stacked `layers`), a list of per-layer
+        [B, kv_heads, T, head_dim] arrays (see Generator: per-layer buffers are read in place on
+        CPU). `key_mask_BxT` marks the slots holding this sequence's tokens (left padding is
+        False), and a new token sees those up to its own slot. A prompt is prefilled in one call
+        (L = its padded length, start 0), then each decode step is a call with L = 1. Returns
+        (logits [B, padded vocab] of the last new token, cache_k, cache_v); the same parameters and
+        products as __call__."""
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         slots = start + jnp.arange(l)
-        causal = jnp.arange(cache_k.shape[2])[None, :] <= slots[:, None]  # [L, T]
+        causal = jnp.arange(key_mask_BxT.shape[1])[None, :] <= slots[:, None]  # [L, T]
         mask = key_mask_BxT[:, None, :] & causal[None]
         inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
 
-        def body(carry, layer):
-            x, cache_k, cache_v = carry
-            params, index = layer
+        def body(x, layer):
+            params, k, v = layer
             block = nnx.merge(block_def, params)
-            return block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=cache_k,
-                                cache_v=cache_v, layer=index, start=start, mask_BxLxT=mask), None
+            x, k, v = block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v,
+                                   start=start, mask_BxLxT=mask)
+            return x, (k, v)
 
         if layer_params is None:
-            (x, cache_k, cache_v), _ = jax.lax.scan(body, (x, cache_k, cache_v),
-                                                    (block_state, jnp.arange(self.cfg.num_layers)),
-                                                    unroll=1 if self.cfg.scan_layers else True)
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v),
+                                                 unroll=1 if self.cfg.scan_layers else True)
         else:
-            for index, params in enumerate(layer_params):
-                (x, cache_k, cache_v), _ = body((x, cache_k, cache_v), (params, index))
+            new_k, new_v = [], []
+            for params, k, v in zip(layer_params, cache_k, cache_v, strict=True):
+                x, (k, v) = body(x, (params, k, v))
+                new_k.append(k)
+                new_v.append(v)
+            cache_k, cache_v = new_k, new_v
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
 
 
