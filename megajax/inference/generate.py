@@ -28,7 +28,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +38,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import ModelConfig
 from megajax.errors import UserError
+from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
 from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
 from megajax.models import Transformer, param_axes
 from megajax.models.attention import ACT_CACHE, make_attention_core
 from megajax.models.layers import LinearOps
-from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
+from megajax.parallel.context import sharded_attention
 
 BUCKET = 16  # padded prompt length and new-token room are multiples of this
 
@@ -100,13 +101,27 @@ def fp32_accumulating_dot(x, w, dimension_numbers, precision=None, preferred_ele
     return out.astype(jnp.result_type(x, w))
 
 
-def generation_model(model: ModelConfig, padded_vocab_size: int, dtype) -> tuple:
+def generation_attention(impl: str, mesh: Mesh | None = None, rules: Rules | None = None) -> Callable:
+    """The attention core a prefill runs: model.attention_impl on a GPU (per shard under a mesh, like
+    training's), plain XLA on a CPU (where the Pallas kernel would run interpreted). Decode steps
+    attend over the cache in plain jnp whatever this is (cached_attention)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    if platform == "cpu" or (impl == "cudnn" and platform != "gpu"):
+        impl = "xla"
+    core = make_attention_core(impl, "none")
+    if impl != "xla" and mesh is not None and mesh.devices.size > 1:
+        core = sharded_attention(core, mesh, generation_rules(rules))
+    return core
+
+
+def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attention_core: Callable | None = None
+                     ) -> tuple:
     """(graphdef, logical axes, abstract params) of the model with plain products: generation
     needs none of training's (sequence-parallel collectives, CPU backward products)."""
     def make():
         dot = fp32_accumulating_dot
         return Transformer(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
-                           attention_core=make_attention_core("xla", "none"), rngs=nnx.Rngs(0))
+                           attention_core=attention_core or make_attention_core("xla", "none"), rngs=nnx.Rngs(0))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     return graphdef, param_axes(abstract), nnx.to_pure_dict(state)
@@ -159,8 +174,9 @@ class Generator:
                  eod_id: int | None = None, layer_buffers: bool = True):
         self.model = model
         self.dtype = dtype
+        core = generation_attention(model.attention_impl, mesh, rules)
         self.graphdef, self.axes, self.abstract_params = generation_model(
-            model, padded_vocab_size or model.padded_vocab_size(), dtype)
+            model, padded_vocab_size or model.padded_vocab_size(), dtype, core)
         self.layer_buffers = layer_buffers
         self.params = split_layers(params, dtype) if layer_buffers else params
         self.mesh = mesh
@@ -214,7 +230,6 @@ class Generator:
     def _prefill_fn(self, params, tokens_BxP, pad_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2, *,
                     room: int) -> DecodeState:
         with activation_sharding(self.mesh, self.rules):
-            m = self.model
             model, layers = self._model(params)
             b, p = tokens_BxP.shape
             t = p + room

@@ -193,13 +193,17 @@ class Attention(nnx.Module):
         out = logical_constraint(out, ACT_Q)
         return self.o(out)
 
-    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT):
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT,
+               segment_ids_BxL=None):
         """Attention of L new tokens (cache slots start..start+L-1) over this layer's cache, for generation.
 
         Writes the new k/v into the cache (ACT_CACHE) at slots [start, start + L) and attends over
-        all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). The same parameters
-        as __call__; q, k and v are three products reading their kernels in place (`qkv`'s fused
-        product would copy all three on every call); the attention itself is plain jnp."""
+        all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). A prefill (the cache
+        empty before these tokens) passes `segment_ids_BxL` (1: a token, 0: padding) and runs the
+        injected core (the configured kernel) on the new tokens alone, which is the same attention;
+        a decode step runs plain jnp over the cache. The same parameters as __call__; q, k and v are
+        three products reading their kernels in place (`qkv`'s fused product would copy all three
+        on every call)."""
         q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
         if inv_freq is not None:
@@ -210,6 +214,10 @@ class Attention(nnx.Module):
         cache_v = jax.lax.dynamic_update_slice(cache_v_BxGxTxK, v.swapaxes(1, 2).astype(cache_v_BxGxTxK.dtype), at)
         cache_k = logical_constraint(cache_k, ACT_CACHE)
         cache_v = logical_constraint(cache_v, ACT_CACHE)
-        out = cached_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask_BxLxT)
+        if segment_ids_BxL is not None:
+            k, v = logical_constraint(k, ACT_KV), logical_constraint(v, ACT_KV)
+            out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True, dropout_rate=0.0, dropout_rng=None)
+        else:
+            out = cached_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask_BxLxT)
         out = logical_constraint(out, ACT_Q)
         return self.o(out), cache_k, cache_v

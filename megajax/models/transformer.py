@@ -43,12 +43,12 @@ class Block(nnx.Module):
         h = self.mlp(self.mlp_norm(x))
         return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL)
 
-    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT):
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL):
         """__call__ for L new tokens with this layer's KV cache (generation: no dropout); returns
         (x, cache_k, cache_v)."""
         h, cache_k, cache_v = self.attn.extend(
             self.attn_norm(x_BxLxD), positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k_BxGxTxK=cache_k,
-            cache_v_BxGxTxK=cache_v, start=start, mask_BxLxT=mask_BxLxT)
+            cache_v_BxGxTxK=cache_v, start=start, mask_BxLxT=mask_BxLxT, segment_ids_BxL=segment_ids_BxL)
         x = logical_constraint(x_BxLxD + h, RESIDUAL)
         return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False), RESIDUAL), cache_k, cache_v
 
@@ -156,7 +156,7 @@ class Transformer(nnx.Module):
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return logits
 
-    def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: jax.Array,
+    def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: int | jax.Array,
                key_mask_BxT: jax.Array, layer_params: list | None = None) -> tuple[jax.Array, Any, Any]:
         """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
 
@@ -166,7 +166,8 @@ class Transformer(nnx.Module):
         [B, kv_heads, T, head_dim] arrays (see Generator: per-layer buffers are read in place on
         CPU). `key_mask_BxT` marks the slots holding this sequence's tokens (left padding is
         False), and a new token sees those up to its own slot. A prompt is prefilled in one call
-        (L = its padded length, start 0), then each decode step is a call with L = 1. Returns
+        (L = its padded length, start the Python int 0: the injected attention core runs on the
+        prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, cache_k, cache_v); the same parameters and
         products as __call__."""
         b, l = tokens_BxL.shape
@@ -174,6 +175,8 @@ class Transformer(nnx.Module):
         slots = start + jnp.arange(l)
         causal = jnp.arange(key_mask_BxT.shape[1])[None, :] <= slots[:, None]  # [L, T]
         mask = key_mask_BxT[:, None, :] & causal[None]
+        prefill = isinstance(start, int) and start == 0
+        segment_ids = key_mask_BxT[:, :l].astype(jnp.int32) if prefill else None
         inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
 
@@ -181,7 +184,7 @@ class Transformer(nnx.Module):
             params, k, v = layer
             block = nnx.merge(block_def, params)
             x, k, v = block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v,
-                                   start=start, mask_BxLxT=mask)
+                                   start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids)
             return x, (k, v)
 
         if layer_params is None:
