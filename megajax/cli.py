@@ -275,7 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"first batch: time to first token {first['time_to_first_token_s'] * 1e3:.1f} ms, decode "
           f"{first['decode_tokens_per_s']:,.0f} tokens/s, compile {first['compile_s']:.1f} s", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, ensure_ascii=False) + "\n")
+        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in results) + "\n]\n")
         print(f"json: {args.json}", file=sys.stderr)
     return 0
 

@@ -2,9 +2,15 @@
 concurrent requests batched together, malformed requests answered with 400 while serving goes on."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import jax
 import pytest
@@ -148,3 +154,24 @@ def test_malformed_requests_get_an_error_and_serving_goes_on(server, method, pat
     assert words in json.loads(text)["error"]["message"]
     answer = ok(server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2, "temperature": 0})
     assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_serve_command_listens_and_stops_on_interrupt(server, tmp_path):
+    """`megajax serve` as a user starts it: the address on stderr, /health answers, Ctrl-C stops it."""
+    run = Path(server.service.loaded.path).parent.parent
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = p.stderr.readline()
+            assert line, "the server exited before listening"
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()

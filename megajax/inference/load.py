@@ -34,7 +34,11 @@ class Source:
 
     @property
     def name(self) -> str:
-        return str(self.step_dir or self.hf_dir)
+        """The run's (or Hugging Face directory's) name: `run` for run/checkpoints/200."""
+        path = Path(self.step_dir or self.hf_dir).absolute()
+        if self.step_dir is not None and path.parent.name == "checkpoints":
+            path = path.parent.parent
+        return path.name
 
 
 def find_source(checkpoint: str | None, hf: str | None) -> Source:
@@ -85,7 +89,8 @@ class LoadedModel:
     tokenizer: Any
     cfg: Config
     mesh_text: str
-    name: str
+    name: str  # the run's name (the served model's id)
+    path: str  # the step (or Hugging Face) directory read
     notes: list[str] = field(default_factory=list)
 
 
@@ -134,4 +139,4 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
                           rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None))
     return LoadedModel(generator=generator, tokenizer=plan.tokenizer, cfg=plan.cfg, mesh_text=plan.mesh_text(),
-                       name=source.name, notes=notes)
+                       name=source.name, path=str(source.step_dir or source.hf_dir), notes=notes)

@@ -17,7 +17,6 @@ names the limit).
 from __future__ import annotations
 
 import json
-import os
 import queue
 import secrets
 import sys
@@ -72,7 +71,7 @@ class CompletionService:
         self.loaded = loaded
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk)
-        self.model_name = os.path.basename(str(loaded.name).rstrip("/")) or "megajax"
+        self.model_name = loaded.name or "megajax"
         self.max_batch = max_batch
 
     def close(self) -> None:
@@ -343,7 +342,7 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8)
         server = CompletionServer(loaded, host=host, port=port, max_batch=max_batch)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host.") from None
-    print(f"megajax serve: {loaded.name} on {loaded.mesh_text}, context {loaded.generator.context} tokens, up to "
+    print(f"megajax serve: {loaded.path} on {loaded.mesh_text}, context {loaded.generator.context} tokens, up to "
           f"{max_batch} sequences per batch; listening on {server.url} (POST /v1/completions, PUT /api, "
           f"GET /health)", file=sys.stderr, flush=True)
     try:
