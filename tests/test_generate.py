@@ -209,3 +209,14 @@ def test_source_is_one_of_checkpoint_or_hf(checkpoint):
     with pytest.raises(Exception, match="one of them"):
         find_source(str(checkpoint), str(checkpoint))
     assert isinstance(find_source(str(checkpoint), None), Source)
+
+
+def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path):
+    from megajax.train.loop import train
+    cfg = small_config("train.sample_tokens=10", "model.init_std=0.5", steps=2)  # clear argmax margins
+    result = train(cfg)
+    out = tmp_path / "out.json"
+    prompt = cfg.train.sample_prompt
+    assert main(["generate", "--checkpoint", cfg.train.run_dir, "--prompt", prompt, "--max-new-tokens", "10",
+                 "--json", str(out)]) == 0
+    assert result.sample == prompt + json.loads(out.read_text())[0]["text"]

@@ -401,9 +401,11 @@ def greedy_sample(tr: Trainer, params) -> str:
     cfg, tok = tr.cfg, tr.tokenizer
     eod = getattr(tok, "eod_id", None)
     prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
+    # layer_buffers=False: the scanned layers read the training state's parameters where they are
+    # (per-layer copies would add a model's worth of memory at the end of training).
     generator = Generator(cfg.model, params, padded_vocab_size=tr.plan.padded_vocab,
                           dtype=COMPUTE_DTYPES[cfg.train.precision], mesh=tr.mesh, rules=tr.rules.activations,
-                          eod_id=eod)
+                          eod_id=eod, layer_buffers=False)
     budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
     if not prompt or budget < 1:
         return cfg.train.sample_prompt
