@@ -18,8 +18,8 @@ budget; `advance` may be called in chunks (a server streams that way).
 
 Sharded like training: the batch over the data axes, kv_heads (and heads, mlp, vocab) over
 `tensor`, through the rules table (`batch`, `cache_length`, ...). Shapes are bucketed (batch
-to a power of two times the data-parallel size, prompt and new-token room to multiples of 16)
-so that a handful of compilations serve every request.
+to a power of two times the data-parallel size, prompt and new-token room to powers of two) so
+that a handful of compilations serve every request.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from megajax.models.attention import ACT_CACHE, make_attention_core
 from megajax.models.layers import LinearOps
 from megajax.parallel.context import sharded_attention
 
-BUCKET = 16  # padded prompt length and new-token room are multiples of this
+MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
 
 
 class ContextLengthError(UserError):
@@ -152,8 +152,10 @@ def split_layers(params: dict, dtype=jnp.float32) -> tuple[dict, list]:
     return _split_layers(params, jnp.dtype(dtype))
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def length_bucket(n: int) -> int:
+    """Padded prompt length / new-token room for n: a power of two, at least MIN_BUCKET (a server sees
+    a few shapes, so a few compilations)."""
+    return max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(n))))
 
 
 def batch_bucket(n: int, data_parallel: int) -> int:
@@ -303,10 +305,7 @@ class Generator:
 
         Rows beyond len(prompts) (batch bucketing) are one-token dummies, done from the start."""
         self.check(prompts, budgets)
-        n = len(prompts)
-        b = batch_bucket(n, self.data_parallel)
-        p = _round_up(max(len(x) for x in prompts), BUCKET)
-        room = _round_up(max(budgets), BUCKET)
+        b, p, room = self._shapes(prompts, budgets)
         tokens = np.zeros((b, p), np.int32)
         pad = np.full((b,), p - 1, np.int32)
         budget = np.ones((b,), np.int32)
@@ -365,13 +364,14 @@ class Generator:
         return done, Timing(compile_s=self.compile_s - compiled_before, time_to_first_token_s=t1 - t0,
                             decode_s=t2 - t1, decode_tokens=decoded, batch=len(prompts))
 
+    def _shapes(self, prompts, budgets) -> tuple[int, int, int]:
+        """(rows, padded prompt length P, new-token room S) a batch runs with."""
+        return (batch_bucket(len(prompts), self.data_parallel), length_bucket(max(len(x) for x in prompts)),
+                length_bucket(max(budgets)))
+
     def _warm(self, prompts, samplings, budgets) -> None:
         """Compiles the prefill and decode programs for this batch's shapes (when not yet cached)."""
-        n = len(prompts)
-        b = batch_bucket(n, self.data_parallel)
-        p = _round_up(max(len(x) for x in prompts), BUCKET)
-        room = _round_up(max(budgets), BUCKET)
-        if ("prefill", b, p, room) in self._compiled:
+        if ("prefill", *self._shapes(prompts, budgets)) in self._compiled:
             return
         state = self.start(prompts, samplings, budgets)
         self.advance(state, 1)
