@@ -7,10 +7,12 @@
 
 The cache holds, for k and for v, `[layers, batch, kv_heads, slots, head_dim]`: one array
 carried through the scanned layers, or (the default, `layer_buffers`) one
-`[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode step
-reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
-slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step. Prompts are left-padded to a common length P, so at
-every step all sequences write the same slot: slot P + i - 1 holds the input of new token i.
+`[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode
+step reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
+slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step.
+
+Prompts are left-padded to a common length P, so at every step all sequences write the same
+slot: slot P + i - 1 holds the input of new token i.
 A sequence's positions (RoPE or learned) are its slots minus its padding, and it attends only
 to its own slots, so it computes what it would alone. Decoding is one `lax.while_loop` (no host
 round trip per token) over a donated cache, stopping each row at end-of-document or its token
@@ -174,6 +176,8 @@ class Generator:
     def __init__(self, model: ModelConfig, params: dict, *, padded_vocab_size: int | None = None,
                  dtype=jnp.float32, mesh: Mesh | None = None, rules: Rules | None = None,
                  eod_id: int | None = None, layer_buffers: bool = True):
+        if mesh is not None and rules is None:
+            raise ValueError("a Generator on a mesh needs the activation rules table (make_rules(cfg).activations)")
         self.model = model
         self.dtype = dtype
         core = generation_attention(model.attention_impl, mesh, rules)
@@ -189,7 +193,6 @@ class Generator:
         self._compiled: dict = {}
         self.compile_s = 0.0  # seconds spent compiling so far
         if mesh is not None:
-            assert rules is not None, "a mesh needs its rules table"
             sh = {k: NamedSharding(mesh, logical_to_spec(v, self.rules)) for k, v in STATE_AXES.items()}
             cache = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
             sh["cache_k"] = sh["cache_v"] = [cache] * model.num_layers if layer_buffers else cache
