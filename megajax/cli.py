@@ -7,6 +7,9 @@
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
+    megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
+                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
+    megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N]
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -198,6 +201,103 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, or --prompts-file: one prompt per line, or (.jsonl) a JSON string or an object
+    with "prompt" per line."""
+    import json
+    if bool(args.prompt) == bool(args.prompts_file):
+        raise UserError("megajax generate needs --prompt TEXT (repeatable) or --prompts-file FILE, one of them.")
+    if args.prompt:
+        return list(args.prompt)
+    path = Path(args.prompts_file)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--prompts-file {str(path)!r}: cannot read it ({e}).") from None
+    if path.suffix != ".jsonl":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"--prompts-file {str(path)!r}, line {n}: not JSON ({e}).") from None
+            item = item.get("prompt") if isinstance(item, dict) else item
+            if not isinstance(item, str):
+                raise UserError(f"--prompts-file {str(path)!r}, line {n}: expected a JSON string or an object "
+                                f"with a \"prompt\" string.")
+            prompts.append(item)
+    if not prompts:
+        raise UserError(f"--prompts-file {str(path)!r} holds no prompts.")
+    return prompts
+
+
+def _sampling(args: argparse.Namespace):
+    from megajax.inference.sampling import Sampling
+    s = Sampling(args.temperature, args.top_k, args.top_p, args.seed).check(
+        {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed"})
+    if s.temperature == 0 and (s.top_k or s.top_p < 1):
+        raise UserError(f"--top-k {s.top_k} / --top-p {s.top_p} need sampling; with --temperature 0 (the default) "
+                        f"decoding is greedy. Pass --temperature T > 0 (e.g. 1.0).")
+    return s
+
+
+def _load_model(args: argparse.Namespace):
+    """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
+    from megajax.inference.load import find_source, generation_config
+    source = find_source(args.checkpoint, args.hf)
+    cfg = generation_config(source, args.overrides)
+    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    from megajax.inference.load import load_model
+    loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
+    for note in loaded.notes:
+        print(f"megajax {args.command}: {note}", file=sys.stderr)
+    return loaded
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+    prompts = _read_prompts(args)
+    sampling = _sampling(args)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
+    loaded = _load_model(args)
+    from megajax.inference.text import complete
+    results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size)
+    for i, r in enumerate(results):
+        print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
+        print(r["prompt"] + r["text"])
+    first = results[0]
+    print(f"megajax generate: {len(results)} prompts on {loaded.mesh_text} in batches of up to {args.batch_size}; "
+          f"first batch: time to first token {first['time_to_first_token_s'] * 1e3:.1f} ms, decode "
+          f"{first['decode_tokens_per_s']:,.0f} tokens/s, compile {first['compile_s']:.1f} s", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text("[\n" + ",\n".join(json.dumps(r, ensure_ascii=False) for r in results) + "\n]\n")
+        print(f"json: {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch {args.max_batch}: must be >= 1.")
+    loaded = _load_model(args)
+    from megajax.inference.server import serve
+    serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch)
+    return 0
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", metavar="DIR", help="a megajax run directory (its latest checkpoint) or one "
+                                                       "step's directory")
+    p.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel "
+                                               "with its tokenizer), imported on the fly")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                   help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -238,6 +338,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
                                                        "(e.g. 8xH100) and say whether the config fits")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")
+    _add_model_args(p)
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: a JSON string or an "
+                                                          "object with \"prompt\" per line")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (1: all)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt i samples with seed S + i (default 0)")
+    p.add_argument("--batch-size", type=int, default=16, metavar="N", help="prompts decoded together (default 16)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as a JSON list, one object per prompt")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("serve", help="HTTP text generation: OpenAI /v1/completions and Megatron's PUT /api")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    p.add_argument("--max-batch", type=int, default=8, metavar="N",
+                   help="concurrent sequences decoded together (default 8)")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

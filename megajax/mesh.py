@@ -193,6 +193,8 @@ def make_rules(cfg: Config) -> ShardingRules:
         "residual_length": ("context", "tensor") if cfg.parallel.sequence_parallel else ("context",),
         "embed": (),
         "head_dim": (),
+        "layers": (),  # the KV cache's leading dim (generation)
+        "cache_length": (),  # the KV cache's slots: every device holds all of its sequences' slots
     }
     return ShardingRules(params=params, opt_state=opt_state, activations=activations)
 

@@ -1,28 +1,380 @@
-"""Greedy decoding (fixed-size buffer, full forward per token: simple and compile-once)."""
+"""Text generation with a KV cache: ragged prompts prefilled in one pass, then a jitted decode loop.
+
+    Generator(model cfg, params, mesh, rules)
+      .start(prompts, samplings, budgets) -> DecodeState   prefill; the first new token sampled
+      .advance(state, stop) -> DecodeState                  decode until `stop` tokens or every row is done
+      .generate(prompts, ...) -> (completions, timing)      both, timed
+
+The cache holds, for k and for v, `[layers, batch, kv_heads, slots, head_dim]`: one array
+carried through the scanned layers, or (the default, `layer_buffers`) one
+`[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode
+step reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
+slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step.
+
+Prompts are left-padded to a common length P, so at every step all sequences write the same
+slot: slot P + i - 1 holds the input of new token i.
+A sequence's positions (RoPE or learned) are its slots minus its padding, and it attends only
+to its own slots, so it computes what it would alone. Decoding is one `lax.while_loop` (no host
+round trip per token) over a donated cache, stopping each row at end-of-document or its token
+budget; `advance` may be called in chunks (a server streams that way).
+
+Sharded like training: the batch over the data axes, kv_heads (and heads, mlp, vocab) over
+`tensor`, through the rules table (`batch`, `cache_length`, ...). Shapes are bucketed (batch
+to a power of two times the data-parallel size, prompt and new-token room to powers of two) so
+that a handful of compilations serve every request.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.config import ModelConfig
+from megajax.errors import UserError
+from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
+from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
+from megajax.models import Transformer, param_axes
+from megajax.models.attention import ACT_CACHE, make_attention_core
+from megajax.models.layers import LinearOps
+from megajax.parallel.context import sharded_attention
+
+MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
 
 
-def greedy_generate(apply_fn, params, prompt_ids: list[int], num_tokens: int, context: int,
-                    eod_id: int | None = None) -> list[int]:
-    """Appends up to `num_tokens` greedy tokens to `prompt_ids`; the model sees the last `context`."""
+class ContextLengthError(UserError):
+    """A prompt plus its new tokens does not fit the model's context."""
 
-    @jax.jit
-    def next_token(params, buf_1xC, pos):
-        logits = apply_fn(params, buf_1xC)
-        return jnp.argmax(logits[0, pos - 1]).astype(jnp.int32)
 
-    ids = list(prompt_ids)
-    for _ in range(num_tokens):
-        window = ids[-context:]
-        buf = np.zeros((1, context), np.int32)
-        buf[0, :len(window)] = window
-        tok = int(next_token(params, buf, len(window)))
-        if eod_id is not None and tok == eod_id:
-            break
-        ids.append(tok)
-    return ids
+@struct.dataclass
+class DecodeState:
+    cache_k: Any  # [layers, B, kv_heads, T, head_dim], or a list of per-layer [B, kv_heads, T, head_dim]; T = P + S
+    cache_v: Any
+    tokens: jax.Array  # i32 [B, S]: new tokens, in order
+    count: jax.Array  # i32 []: new tokens so far (all rows advance together)
+    done: jax.Array  # bool [B]
+    pad: jax.Array  # i32 [B]: left padding of each prompt (P - its length)
+    budget: jax.Array  # i32 [B]: most new tokens of each row
+    temperature: jax.Array  # f32 [B]
+    top_k: jax.Array  # i32 [B]
+    top_p: jax.Array  # f32 [B]
+    keys: jax.Array  # u32 [B, 2]: each row's threefry key data
+
+
+STATE_AXES = dict(tokens=("batch", None), count=(), done=("batch",),
+                  pad=("batch",), budget=("batch",), temperature=("batch",), top_k=("batch",),
+                  top_p=("batch",), keys=("batch", None))
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    completion_ids: list[int]  # ends with the end-of-document id when finish_reason is "stop"
+    finish_reason: str  # "stop" (end of document) or "length" (token budget)
+
+
+@dataclass
+class Timing:
+    compile_s: float  # compilations this call needed (0 when cached)
+    time_to_first_token_s: float  # prefill + first token, compiled
+    decode_s: float
+    decode_tokens: int  # tokens after the first, all sequences together
+    batch: int  # sequences run together (before padding)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def fp32_accumulating_dot(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+    """A projection in the operands' dtype with fp32 accumulation, rounded back to that dtype.
+
+    The same function as a plain dot_general for fp32; for bf16 it is how a CPU runs bf16
+    products fast (XLA:CPU's bf16 x bf16 -> fp32 kernels), and what GPUs do internally."""
+    out = jax.lax.dot_general(x, w, dimension_numbers, precision=precision, preferred_element_type=jnp.float32)
+    return out.astype(jnp.result_type(x, w))
+
+
+def generation_attention(impl: str, mesh: Mesh | None = None, rules: Rules | None = None) -> Callable:
+    """The attention core a prefill runs: model.attention_impl on a GPU (per shard under a mesh, like
+    training's), plain XLA on a CPU (where the Pallas kernel would run interpreted). Decode steps
+    attend over the cache in plain jnp whatever this is (cached_attention)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    if platform == "cpu" or (impl == "cudnn" and platform != "gpu"):
+        impl = "xla"
+    core = make_attention_core(impl, "none")
+    if impl != "xla" and mesh is not None and mesh.devices.size > 1:
+        core = sharded_attention(core, mesh, generation_rules(rules))
+    return core
+
+
+def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attention_core: Callable | None = None
+                     ) -> tuple:
+    """(graphdef, logical axes, abstract params) of the model with plain products: generation
+    needs none of training's (sequence-parallel collectives, CPU backward products)."""
+    def make():
+        dot = fp32_accumulating_dot
+        return Transformer(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
+                           attention_core=attention_core or make_attention_core("xla", "none"), rngs=nnx.Rngs(0))
+    abstract = nnx.eval_shape(make)
+    graphdef, state = nnx.split(abstract)
+    return graphdef, param_axes(abstract), nnx.to_pure_dict(state)
+
+
+def generation_rules(activations: Rules) -> Rules:
+    """Activation rules for generation: the sequence is never split (a decode step has one token)."""
+    return {**activations, "length": (), "residual_length": ()}
+
+
+@functools.partial(jax.jit, static_argnames=("dtype",))
+def _split_layers(params: dict, dtype) -> tuple[dict, list]:
+    cast = functools.partial(jax.tree.map, lambda p: p.astype(dtype))
+    stacked = params["layers"]
+    layers = len(jax.tree.leaves(stacked)[0])
+    return (cast({k: v for k, v in params.items() if k != "layers"}),
+            [cast(jax.tree.map(lambda p, i=i: p[i], stacked)) for i in range(layers)])
+
+
+def split_layers(params: dict, dtype=jnp.float32) -> tuple[dict, list]:
+    """(the parameters other than the blocks', one dict per block), in `dtype`: each layer in its
+    own buffers, stored in the compute dtype.
+
+    A decode step reads every weight once, so its time is the weights' bytes: on CPU a product
+    cannot read one layer of a stacked `[layers, ...]` tensor in place (a scanned step copies each
+    layer's weights first, every step), and fp32 master weights cast to bf16 on use would be read
+    in fp32 and written again, every step."""
+    return _split_layers(params, jnp.dtype(dtype))
+
+
+def length_bucket(n: int) -> int:
+    """Padded prompt length / new-token room for n: a power of two, at least MIN_BUCKET (a server sees
+    a few shapes, so a few compilations)."""
+    return max(MIN_BUCKET, 1 << max(0, math.ceil(math.log2(n))))
+
+
+def batch_bucket(n: int, data_parallel: int) -> int:
+    """Rows a batch of n sequences runs with: a power of two, times the data-parallel size."""
+    per_rank = -(-n // data_parallel)
+    return (1 << max(0, math.ceil(math.log2(per_rank)))) * data_parallel
+
+
+class Generator:
+    """Cached generation for one model on one mesh (or one device when `mesh` is None).
+
+    `params` is the pure parameter dict (placed as the caller likes: the rules' shardings, or a
+    training state's); `rules` the activation rules (megajax.mesh.make_rules(cfg).activations).
+    `eod_id` ends a sequence (None: only the budget does)."""
+
+    def __init__(self, model: ModelConfig, params: dict, *, padded_vocab_size: int | None = None,
+                 dtype=jnp.float32, mesh: Mesh | None = None, rules: Rules | None = None,
+                 eod_id: int | None = None, layer_buffers: bool = True):
+        if mesh is not None and rules is None:
+            raise ValueError("a Generator on a mesh needs the activation rules table (make_rules(cfg).activations)")
+        self.model = model
+        self.dtype = dtype
+        core = generation_attention(model.attention_impl, mesh, rules)
+        self.graphdef, self.axes, self.abstract_params = generation_model(
+            model, padded_vocab_size or model.padded_vocab_size(), dtype, core)
+        self.layer_buffers = layer_buffers
+        self.params = split_layers(params, dtype) if layer_buffers else params
+        self.mesh = mesh
+        self.rules = generation_rules(rules) if rules is not None else None
+        self.eod_id = eod_id
+        self.context = model.max_position_embeddings
+        self.data_parallel = data_parallel_size(mesh_sizes(mesh)) if mesh is not None else 1
+        self._compiled: dict = {}
+        self.compile_s = 0.0  # seconds spent compiling so far
+        if mesh is not None:
+            sh = {k: NamedSharding(mesh, logical_to_spec(v, self.rules)) for k, v in STATE_AXES.items()}
+            cache = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
+            sh["cache_k"] = sh["cache_v"] = [cache] * model.num_layers if layer_buffers else cache
+            self._state_sh = DecodeState(**sh)
+            self._replicated = NamedSharding(mesh, P())
+        else:
+            self._state_sh = self._replicated = None
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("room",), out_shardings=self._state_sh)
+        self._advance = jax.jit(self._advance_fn, donate_argnums=(1,), out_shardings=self._state_sh)
+        self._gather = jax.jit(lambda x: x, out_shardings=self._replicated)
+
+    # ------------------------------------------------------------------ traced
+
+    def _model(self, params) -> tuple[Transformer, list | None]:
+        """The model and, with per-layer buffers, the blocks' parameters one layer at a time (the
+        stacked `layers` in the model stay abstract: Transformer.extend reads only its structure)."""
+        if not self.layer_buffers:
+            return nnx.merge(self.graphdef, params), None
+        rest, layers = params
+        return nnx.merge(self.graphdef, {**rest, "layers": self.abstract_params["layers"]}), layers
+
+    def _cache_axes(self) -> tuple:
+        return ACT_CACHE if self.layer_buffers else ("layers",) + ACT_CACHE
+
+    def _empty_cache(self, b: int, t: int):
+        m = self.model
+        if self.layer_buffers:
+            return [logical_constraint(jnp.zeros((b, m.num_kv_heads, t, m.head_dim), self.dtype), ACT_CACHE)
+                    for _ in range(m.num_layers)]
+        zeros = jnp.zeros((m.num_layers, b, m.num_kv_heads, t, m.head_dim), self.dtype)
+        return logical_constraint(zeros, self._cache_axes())
+
+    def _prompt_room(self, state: DecodeState) -> int:
+        """P: the cache slots before the first new token's input."""
+        return state.cache_k[0].shape[-2] - state.tokens.shape[1]  # T from layer 0's [(B,) kv_heads, T, head_dim]
+
+    def _is_eod(self, tokens):
+        return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
+
+    def _prefill_fn(self, params, tokens_BxP, pad_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2, *,
+                    room: int) -> DecodeState:
+        with activation_sharding(self.mesh, self.rules):
+            model, layers = self._model(params)
+            b, p = tokens_BxP.shape
+            t = p + room
+            cache_k, cache_v = self._empty_cache(b, t), self._empty_cache(b, t)
+            positions = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
+            key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
+            logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,
+                                                    key_mask_BxT=key_mask, layer_params=layers)
+            first = next_tokens(logits, keys_Bx2, jnp.int32(0), temperature_B, top_k_B, top_p_B)
+            tokens = jnp.zeros((b, room), jnp.int32).at[:, 0].set(first)
+            return DecodeState(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=jnp.int32(1),
+                               done=(budget_B <= 1) | self._is_eod(first), pad=pad_B, budget=budget_B,
+                               temperature=temperature_B, top_k=top_k_B, top_p=top_p_B, keys=keys_Bx2)
+
+    def _advance_fn(self, params, state: DecodeState, stop) -> DecodeState:
+        room = state.tokens.shape[1]
+        p = self._prompt_room(state)
+        t = p + room
+        fill = self.eod_id if self.eod_id is not None else 0
+        limit = jnp.minimum(stop, room)
+
+        def cond(s: DecodeState):
+            return (s.count < limit) & ~jnp.all(s.done)
+
+        def body(s: DecodeState) -> DecodeState:
+            with activation_sharding(self.mesh, self.rules):
+                model, layers = self._model(params)
+                slot = p + s.count - 1  # the slot of the last new token, this step's input
+                last = jax.lax.dynamic_slice_in_dim(s.tokens, s.count - 1, 1, axis=1)  # [B, 1]
+                key_mask = jnp.arange(t)[None, :] >= s.pad[:, None]
+                logits, cache_k, cache_v = model.extend(last, (slot - s.pad)[:, None], s.cache_k, s.cache_v,
+                                                        start=slot, key_mask_BxT=key_mask, layer_params=layers)
+                tok = next_tokens(logits, s.keys, s.count, s.temperature, s.top_k, s.top_p)
+                tok = jnp.where(s.done, fill, tok)
+                tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok[:, None], s.count, axis=1)
+                done = s.done | self._is_eod(tok) | (s.count + 1 >= s.budget)
+                return s.replace(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=s.count + 1, done=done)
+
+        return jax.lax.while_loop(cond, body, state)
+
+    # ------------------------------------------------------------------ host
+
+    def check(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int]) -> None:
+        """ContextLengthError / UserError for a prompt that is empty or does not fit with its budget."""
+        for i, (ids, n) in enumerate(zip(prompts, budgets)):
+            if not len(ids):
+                raise UserError(f"prompt {i} is empty (0 tokens); generation needs at least one prompt token.")
+            if n < 1:
+                raise UserError(f"the number of new tokens must be >= 1 (got {n} for prompt {i}).")
+            if len(ids) + n > self.context:
+                raise ContextLengthError(
+                    f"this model's context length is {self.context} tokens, but prompt {i} has {len(ids)} tokens "
+                    f"and asks for {n} new ones ({len(ids) + n}); shorten the prompt or ask for at most "
+                    f"{max(self.context - len(ids), 0)} new tokens.")
+
+    def _put(self, x: np.ndarray, axes: tuple) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(self.mesh, logical_to_spec(axes, self.rules)))
+
+    def _compile(self, key, jitted, *args, **kwargs):
+        if key not in self._compiled:
+            t0 = time.perf_counter()
+            self._compiled[key] = jitted.lower(*args, **kwargs).compile()
+            self.compile_s += time.perf_counter() - t0
+        return self._compiled[key]
+
+    def start(self, prompts: Sequence[Sequence[int]], samplings: Sequence[Sampling],
+              budgets: Sequence[int]) -> DecodeState:
+        """Prefill `prompts` (token ids, ragged) and pick each one's first new token.
+
+        Rows beyond len(prompts) (batch bucketing) are one-token dummies, done from the start."""
+        self.check(prompts, budgets)
+        b, p, room = self._shapes(prompts, budgets)
+        tokens = np.zeros((b, p), np.int32)
+        pad = np.full((b,), p - 1, np.int32)
+        budget = np.ones((b,), np.int32)
+        temperature, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        keys = np.zeros((b, 2), np.uint32)
+        for i, (ids, s, nb) in enumerate(zip(prompts, samplings, budgets)):
+            tokens[i, p - len(ids):] = ids
+            pad[i], budget[i] = p - len(ids), nb
+            temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            keys[i] = seed_key_data(s.seed)
+        args = (self.params, self._put(tokens, ("batch", None)), *(self._put(x, ("batch",)) for x in
+                (pad, budget, temperature, top_k, top_p)), self._put(keys, ("batch", None)))
+        return self._compile(("prefill", b, p, room), self._prefill, *args, room=room)(*args)
+
+    def advance(self, state: DecodeState, stop: int | None = None) -> DecodeState:
+        """Decodes until `stop` new tokens (default: the room) or every row is done; `state` is consumed."""
+        stop = jnp.int32(state.tokens.shape[1] if stop is None else stop)
+        key = ("advance", self._prompt_room(state)) + tuple(state.tokens.shape)
+        return self._compile(key, self._advance, self.params, state, stop)(self.params, state, stop)
+
+    def read(self, state: DecodeState) -> tuple[np.ndarray, np.ndarray, int]:
+        """(new tokens [B, S], done [B], count) on the host (every process gets all rows)."""
+        tokens, done, count = self._gather((state.tokens, state.done, state.count))
+        return np.asarray(tokens), np.asarray(done), int(count)
+
+    def completions(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], tokens: np.ndarray,
+                    count: int) -> list[Completion]:
+        out = []
+        for i, (ids, n) in enumerate(zip(prompts, budgets)):
+            new = [int(x) for x in tokens[i, :min(n, count)]]
+            if self.eod_id is not None and self.eod_id in new:
+                out.append(Completion(list(ids), new[:new.index(self.eod_id) + 1], "stop"))
+            else:
+                out.append(Completion(list(ids), new, "length"))
+        return out
+
+    def generate(self, prompts: Sequence[Sequence[int]], samplings: Sampling | Sequence[Sampling] = Sampling(),
+                 max_new_tokens: int | Sequence[int] = 64) -> tuple[list[Completion], Timing]:
+        """Completions of `prompts` (one batch) and the timing: time to first token (prefill, compiled
+        beforehand) and decode tokens/s."""
+        samplings = [samplings] * len(prompts) if isinstance(samplings, Sampling) else list(samplings)
+        budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        self.check(prompts, budgets)
+        compiled_before = self.compile_s
+        self._warm(prompts, samplings, budgets)
+        t0 = time.perf_counter()
+        state = self.start(prompts, samplings, budgets)
+        jax.block_until_ready(state.tokens)
+        t1 = time.perf_counter()
+        state = self.advance(state)
+        tokens, _, count = self.read(state)
+        t2 = time.perf_counter()
+        done = self.completions(prompts, budgets, tokens, count)
+        decoded = sum(max(len(c.completion_ids) - 1, 0) for c in done)
+        return done, Timing(compile_s=self.compile_s - compiled_before, time_to_first_token_s=t1 - t0,
+                            decode_s=t2 - t1, decode_tokens=decoded, batch=len(prompts))
+
+    def _shapes(self, prompts, budgets) -> tuple[int, int, int]:
+        """(rows, padded prompt length P, new-token room S) a batch runs with."""
+        return (batch_bucket(len(prompts), self.data_parallel), length_bucket(max(len(x) for x in prompts)),
+                length_bucket(max(budgets)))
+
+    def _warm(self, prompts, samplings, budgets) -> None:
+        """Compiles the prefill and decode programs for this batch's shapes (when not yet cached)."""
+        if ("prefill", *self._shapes(prompts, budgets)) in self._compiled:
+            return
+        state = self.start(prompts, samplings, budgets)
+        self.advance(state, 1)

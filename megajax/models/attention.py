@@ -122,6 +122,28 @@ def make_attention_core(impl: str, recompute: str) -> Callable:
     return recomputed_core
 
 
+# One layer's k (or v) cache for generation: [batch, kv_heads, slots, head_dim] (head-major: each
+# (sequence, kv head) reads its slots contiguously, without a transposed copy per step).
+ACT_CACHE = ("batch", "kv_heads", "cache_length", "head_dim")
+
+
+def cached_attention(q_BxLxHxK, k_BxGxTxK, v_BxGxTxK, mask_BxLxT):
+    """Plain-jnp attention of L new queries over T cache slots (softmax in fp32).
+
+    `mask_BxLxT` says which slots each query sees; a row that sees none gets a uniform average
+    (its output is never used: such rows are padding). Grouped-query heads are viewed as
+    [kv_heads, group] like xla_attention, without repeating k/v; both products keep (batch,
+    kv head) leading, so they read the head-major cache in place."""
+    b, l, h, d = q_BxLxHxK.shape
+    g = k_BxGxTxK.shape[1]
+    q = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    scores = jnp.einsum("blgrk,bgtk->bgrlt", q, k_BxGxTxK, preferred_element_type=jnp.float32)
+    scores = jnp.where(mask_BxLxT[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxGxTxK.dtype)
+    out = jnp.einsum("bgrlt,bgtk->blgrk", probs, v_BxGxTxK)
+    return out.reshape(b, l, h, d)
+
+
 ACT_Q = ("batch", "length", "heads", "head_dim")
 ACT_KV = ("batch", "length", "kv_heads", "head_dim")
 
@@ -170,3 +192,32 @@ class Attention(nnx.Module):
                         dropout_rng=dropout_rng)
         out = logical_constraint(out, ACT_Q)
         return self.o(out)
+
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT,
+               segment_ids_BxL=None):
+        """Attention of L new tokens (cache slots start..start+L-1) over this layer's cache, for generation.
+
+        Writes the new k/v into the cache (ACT_CACHE) at slots [start, start + L) and attends over
+        all T slots as `mask_BxLxT` allows; returns (output, cache_k, cache_v). A prefill (the cache
+        empty before these tokens) passes `segment_ids_BxL` (1: a token, 0: padding) and runs the
+        injected core (the configured kernel) on the new tokens alone, which is the same attention;
+        a decode step runs plain jnp over the cache. The same parameters as __call__; q, k and v are
+        three products reading their kernels in place (`qkv`'s fused product would copy all three
+        on every call)."""
+        q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
+        q = logical_constraint(q, ACT_Q)
+        if inv_freq is not None:
+            q = apply_rope(q, positions_BxL, inv_freq)
+            k = apply_rope(k, positions_BxL, inv_freq)
+        at = (0, 0, start, 0)
+        cache_k = jax.lax.dynamic_update_slice(cache_k_BxGxTxK, k.swapaxes(1, 2).astype(cache_k_BxGxTxK.dtype), at)
+        cache_v = jax.lax.dynamic_update_slice(cache_v_BxGxTxK, v.swapaxes(1, 2).astype(cache_v_BxGxTxK.dtype), at)
+        cache_k = logical_constraint(cache_k, ACT_CACHE)
+        cache_v = logical_constraint(cache_v, ACT_CACHE)
+        if segment_ids_BxL is not None:
+            k, v = logical_constraint(k, ACT_KV), logical_constraint(v, ACT_KV)
+            out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True, dropout_rate=0.0, dropout_rng=None)
+        else:
+            out = cached_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask_BxLxT)
+        out = logical_constraint(out, ACT_Q)
+        return self.o(out), cache_k, cache_v

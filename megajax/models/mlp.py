@@ -42,9 +42,11 @@ class MLP(nnx.Module):
             out = out + jnp.stack([self.gate.bias[...], self.up.bias[...]], axis=-1).astype(out.dtype)
         return out[..., 0], out[..., 1]
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, fused: bool = True) -> jax.Array:
+        """`fused=False`: gate and up as two products, reading the weights where they are (generation:
+        the stacked W[D, F, 2] would be a copy of both weights on every call)."""
         if self.swiglu:
-            gate, up = self.gate_up(x_BxLxD)
+            gate, up = self.gate_up(x_BxLxD) if fused else (self.gate(x_BxLxD), self.up(x_BxLxD))
             hidden = jax.nn.silu(gate) * up
         else:
             hidden = jax.nn.gelu(self.fc1(x_BxLxD), approximate=False)

@@ -9,7 +9,7 @@ parameters are stacked on a leading `layers` dim and applied with
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,15 @@ class Block(nnx.Module):
         x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1]), RESIDUAL)
         h = self.mlp(self.mlp_norm(x))
         return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL)
+
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL):
+        """__call__ for L new tokens with this layer's KV cache (generation: no dropout); returns
+        (x, cache_k, cache_v)."""
+        h, cache_k, cache_v = self.attn.extend(
+            self.attn_norm(x_BxLxD), positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k_BxGxTxK=cache_k,
+            cache_v_BxGxTxK=cache_v, start=start, mask_BxLxT=mask_BxLxT, segment_ids_BxL=segment_ids_BxL)
+        x = logical_constraint(x_BxLxD + h, RESIDUAL)
+        return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False), RESIDUAL), cache_k, cache_v
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -104,12 +113,10 @@ class Transformer(nnx.Module):
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
-        x = self.embed(tokens_BxL)
-        if cfg.position_embedding == "learned":
-            x = x + jnp.take(self.pos_embed[...], positions_BxL, axis=0).astype(self.dtype)
-        x = logical_constraint(dropout(x, cfg.hidden_dropout, rngs[0]), RESIDUAL)
+        x = logical_constraint(dropout(self.embed_tokens(tokens_BxL, positions_BxL), cfg.hidden_dropout, rngs[0]),
+                               RESIDUAL)
 
-        inv_freq = None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
+        inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
 
         def body(x, layer):
@@ -124,8 +131,22 @@ class Transformer(nnx.Module):
         x, _ = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)),
                             unroll=1 if cfg.scan_layers else True)
 
-        x = self.final_norm(x)
-        if cfg.tie_embeddings:
+        return self.logits(x)
+
+    def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
+        """Token embeddings (+ learned positions) [B, L, D] in the compute dtype."""
+        x = self.embed(tokens_BxL)
+        if self.cfg.position_embedding == "learned":
+            x = x + jnp.take(self.pos_embed[...], positions_BxL, axis=0).astype(self.dtype)
+        return x
+
+    def rope_inv_freq(self) -> jax.Array | None:
+        return None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Final norm and output layer: logits [B, L, padded vocab]; padding columns hold the dtype's min."""
+        x = self.final_norm(x_BxLxD)
+        if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
             logits = self.ops.column(x, self.output[...].astype(self.dtype), (((2,), (0,)), ((), ())))
@@ -134,6 +155,49 @@ class Transformer(nnx.Module):
             real = jnp.arange(self.padded_vocab_size) < self.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)
         return logits
+
+    def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: int | jax.Array,
+               key_mask_BxT: jax.Array, layer_params: list | None = None) -> tuple[jax.Array, Any, Any]:
+        """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
+
+        The KV cache is, for k and for v, either one array [layers, B, kv_heads, T, head_dim]
+        carried through the scanned layers, or, with `layer_params` (the blocks' parameters one
+        layer at a time, used instead of the stacked `layers`), a list of per-layer
+        [B, kv_heads, T, head_dim] arrays (see Generator: per-layer buffers are read in place on
+        CPU). `key_mask_BxT` marks the slots holding this sequence's tokens (left padding is
+        False), and a new token sees those up to its own slot. A prompt is prefilled in one call
+        (L = its padded length, start the Python int 0: the injected attention core runs on the
+        prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
+        (logits [B, padded vocab] of the last new token, cache_k, cache_v); the same parameters and
+        products as __call__."""
+        b, l = tokens_BxL.shape
+        x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
+        slots = start + jnp.arange(l)
+        causal = jnp.arange(key_mask_BxT.shape[1])[None, :] <= slots[:, None]  # [L, T]
+        mask = key_mask_BxT[:, None, :] & causal[None]
+        prefill = isinstance(start, int) and start == 0
+        segment_ids = key_mask_BxT[:, :l].astype(jnp.int32) if prefill else None
+        inv_freq = self.rope_inv_freq()
+        block_def, block_state = nnx.split(self.layers)
+
+        def body(x, layer):
+            params, k, v = layer
+            block = nnx.merge(block_def, params)
+            x, k, v = block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v,
+                                   start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids)
+            return x, (k, v)
+
+        if layer_params is None:
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v),
+                                                 unroll=1 if self.cfg.scan_layers else True)
+        else:
+            new_k, new_v = [], []
+            for params, k, v in zip(layer_params, cache_k, cache_v, strict=True):
+                x, (k, v) = body(x, (params, k, v))
+                new_k.append(k)
+                new_v.append(v)
+            cache_k, cache_v = new_k, new_v
+        return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
 
 
 def param_axes(model: nnx.Module) -> dict:

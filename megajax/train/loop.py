@@ -33,7 +33,6 @@ from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
 from megajax.train.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
-from megajax.train.state import build_model_spec
 
 
 @dataclass
@@ -393,10 +392,22 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
 
 
 def greedy_sample(tr: Trainer, params) -> str:
-    from megajax.inference.generate import greedy_generate
-    cfg = tr.cfg
-    prompt = tr.tokenizer.encode(cfg.train.sample_prompt)
-    plain, _ = build_model_spec(cfg, tr.plan.padded_vocab)  # no mesh-specific collectives: any batch size
-    ids = greedy_generate(plain.apply, params, prompt, cfg.train.sample_tokens, cfg.train.seq_len,
-                          eod_id=getattr(tr.tokenizer, "eod_id", None))
-    return tr.tokenizer.decode(ids)
+    """The sample prompt and its greedy continuation (cached generation on the run's mesh), up to
+    train.sample_tokens new tokens within the context, stopping at end-of-document."""
+    from megajax.inference.generate import Generator
+    from megajax.inference.sampling import Sampling
+    from megajax.inference.text import completion_text
+    from megajax.train.state import COMPUTE_DTYPES
+    cfg, tok = tr.cfg, tr.tokenizer
+    eod = getattr(tok, "eod_id", None)
+    prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
+    # layer_buffers=False: the scanned layers read the training state's parameters where they are
+    # (per-layer copies would add a model's worth of memory at the end of training).
+    generator = Generator(cfg.model, params, padded_vocab_size=tr.plan.padded_vocab,
+                          dtype=COMPUTE_DTYPES[cfg.train.precision], mesh=tr.mesh, rules=tr.rules.activations,
+                          eod_id=eod, layer_buffers=False)
+    budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
+    if not prompt or budget < 1:
+        return cfg.train.sample_prompt
+    [done], _ = generator.generate([prompt], Sampling(), budget)
+    return cfg.train.sample_prompt + completion_text(tok, done)

@@ -1,0 +1,177 @@
+"""`megajax serve` over loopback with a real HTTP client: OpenAI and Megatron endpoints, streaming,
+concurrent requests batched together, malformed requests answered with 400 while serving goes on."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jax
+import pytest
+
+from megajax.checkpoint.manager import write_params_checkpoint
+from megajax.config import load_config
+from megajax.inference.load import find_source, generation_config, load_model
+from megajax.inference.sampling import Sampling
+from megajax.inference.server import CompletionServer
+from megajax.inference.text import completion_text
+from megajax.train.state import build_model_spec
+
+CONTEXT = 64
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = load_config(overrides=["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
+                                 "model.num_kv_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=257",
+                                 f"train.seq_len={CONTEXT}", "model.init_std=0.1"])
+    _, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    out = tmp_path_factory.mktemp("serve") / "run"
+    write_params_checkpoint(jax.jit(init)(), cfg, out)
+    source = find_source(str(out), None)
+    loaded = load_model(generation_config(source, ["mesh.data=2", "mesh.tensor=4"]), source, user_mesh=True)
+    srv = CompletionServer(loaded, port=0, max_batch=4, quiet=True).start()
+    yield srv
+    srv.close()
+
+
+def call(srv, method, path, body=None, raw=None):
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(srv.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.headers.get("Content-Type"), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type"), e.read().decode()
+
+
+def ok(srv, method, path, body=None):
+    status, kind, text = call(srv, method, path, body)
+    assert status == 200, text
+    return json.loads(text) if kind == "application/json" else text
+
+
+def direct(srv, prompt, n):
+    """The greedy completion the generator gives alone."""
+    service = srv.service
+    [c], _ = service.generator.generate([service.tokenizer.encode(prompt)], Sampling(), n)
+    return completion_text(service.tokenizer, c), c
+
+
+def test_health_and_models(server):
+    health = ok(server, "GET", "/health")
+    assert health["status"] == "ok" and health["context_length"] == CONTEXT and health["max_batch"] == 4
+    assert health["mesh"] == "data=2 x tensor=4"
+    assert ok(server, "GET", "/v1/models")["data"][0]["id"] == health["model"]
+
+
+def test_openai_completion_is_the_greedy_completion(server):
+    answer = ok(server, "POST", "/v1/completions", {"prompt": "def f(", "max_tokens": 9, "temperature": 0})
+    text, c = direct(server, "def f(", 9)
+    assert answer["object"] == "text_completion" and answer["id"].startswith("cmpl-")
+    assert answer["choices"] == [{"index": 0, "text": text, "logprobs": None, "finish_reason": c.finish_reason}]
+    assert answer["usage"] == {"prompt_tokens": 6, "completion_tokens": len(c.completion_ids),
+                               "total_tokens": 6 + len(c.completion_ids)}
+
+
+def test_prompt_lists_n_and_seeds(server):
+    body = {"prompt": ["ab", "cd"], "max_tokens": 6, "temperature": 1.0, "top_k": 50, "n": 2, "seed": 11}
+    first = ok(server, "POST", "/v1/completions", body)
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    again = ok(server, "POST", "/v1/completions", body)
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in first["choices"]]  # seeded
+    ids = ok(server, "POST", "/v1/completions", {"prompt": [97, 98], "max_tokens": 6, "temperature": 0})
+    assert ids["choices"][0]["text"] == direct(server, "ab", 6)[0]  # token ids as the prompt
+
+
+def test_streaming_sends_the_same_text_as_events(server):
+    body = {"prompt": ["x = ", "while "], "max_tokens": 40, "temperature": 0, "stream": True}
+    status, kind, text = call(server, "POST", "/v1/completions", body)
+    assert status == 200 and kind == "text/event-stream"
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    events = [json.loads(f[len("data: "):]) for f in frames[:-1]]
+    assert len(events) > 4  # the 40 tokens arrive in several chunks
+    for index, prompt in enumerate(body["prompt"]):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        want, c = direct(server, prompt, 40)
+        assert "".join(m["text"] for m in mine) == want
+        assert [m["finish_reason"] for m in mine][-1] == c.finish_reason
+        assert all(m["finish_reason"] is None for m in mine[:-1])
+
+
+def test_megatron_api(server):
+    answer = ok(server, "PUT", "/api", {"prompts": ["import ", "class "], "tokens_to_generate": 7, "temperature": 0})
+    assert answer["text"] == [p + direct(server, p, 7)[0] for p in ("import ", "class ")]
+    assert "".join(answer["segments"][0]).startswith("import ")
+    sampled = ok(server, "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 5, "top_k": 5, "random_seed": 3})
+    assert sampled == ok(server, "PUT", "/api", {"prompts": ["a"], "tokens_to_generate": 5, "top_k": 5,
+                                                 "random_seed": 3})
+
+
+def test_concurrent_requests_are_decoded_together(server):
+    prompts = [f"item {i}: " for i in range(6)]
+    want = [direct(server, p, 12)[0] for p in prompts]
+    before = server.service.batcher.batches
+    barrier, answers = threading.Barrier(len(prompts)), {}
+
+    def client(i):
+        barrier.wait()
+        answers[i] = ok(server, "POST", "/v1/completions", {"prompt": prompts[i], "max_tokens": 12,
+                                                            "temperature": 0})["choices"][0]["text"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert [answers[i] for i in range(len(prompts))] == want
+    assert server.service.batcher.batches - before < len(prompts)  # at most 4 per batch, several together
+
+
+@pytest.mark.parametrize("method,path,body,raw,status,words", [
+    ("POST", "/v1/completions", None, b"{not json", 400, "not valid JSON"),
+    ("POST", "/v1/completions", {"max_tokens": 3}, None, 400, "'prompt'"),
+    ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400, "'temperature'"),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, f"context length is {CONTEXT}"),
+    ("POST", "/v1/completions", {"prompt": "x", "stop": ["\n"]}, None, 400, "'stop'"),
+    ("POST", "/v1/completions", {"prompt": [[1, 999]]}, None, 400, "token ids outside"),
+    ("PUT", "/api", {"prompts": "x"}, None, 400, "'prompts'"),
+    ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": 0}, None, 400, "'tokens_to_generate'"),
+    ("GET", "/v1/completions", None, None, 405, "not allowed"),
+    ("POST", "/nowhere", {}, None, 404, "no endpoint"),
+])
+def test_malformed_requests_get_an_error_and_serving_goes_on(server, method, path, body, raw, status, words):
+    got, kind, text = call(server, method, path, body, raw)
+    assert got == status and kind == "application/json"
+    assert words in json.loads(text)["error"]["message"]
+    answer = ok(server, "POST", "/v1/completions", {"prompt": "ok", "max_tokens": 2, "temperature": 0})
+    assert answer["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_serve_command_listens_and_stops_on_interrupt(server, tmp_path):
+    """`megajax serve` as a user starts it: the address on stderr, /health answers, Ctrl-C stops it."""
+    run = Path(server.service.loaded.path).parent.parent
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = p.stderr.readline()
+            assert line, "the server exited before listening"
+        url = re.search(r"listening on (http://\S+)", line).group(1)
+        with urllib.request.urlopen(url + "/health", timeout=60) as r:
+            assert json.loads(r.read())["status"] == "ok"
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=60) == 0
+    finally:
+        p.kill()
