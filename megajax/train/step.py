@@ -25,7 +25,6 @@ from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
 BATCH_AXES = (None, "batch", "length")  # [accumulation, batch, seq]
 BATCH_KEYS_OPTIONAL = ("positions", "segment_ids")
-DATA_AXES = ("data", "fsdp")  # the mesh axes of data parallelism (`batch` in the rules)
 
 
 def cross_entropy(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> jax.Array:
@@ -75,7 +74,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     clip = cfg.optim.clip_grad
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
-    dp_axes = tuple(a for a in DATA_AXES if sizes.get(a, 1) > 1)
+    # The data-parallel mesh axes: where the rules put the batch.
+    dp_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1) if mesh is not None else ()
     dp = math.prod(sizes[a] for a in dp_axes)
     if dp_axes:
         shard_rules = per_shard_rules(rules)
@@ -119,7 +119,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         """Pins per-shard gradients [dp, ...] to their own devices (no data-parallel collective)."""
         if not dp_axes:
             return grads
-        return jax.tree.map(lambda g, s: constrain(g, (dp_axes, *_without(s, DATA_AXES))), grads, param_specs)
+        return jax.tree.map(lambda g, s: constrain(g, (dp_axes, *_without(s, dp_axes))), grads, param_specs)
 
     def _step(state: TrainState, batch: dict):
         accum = batch["tokens"].shape[0]
@@ -133,7 +133,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             batch = {k: constrain(v.reshape(accum, dp, -1, *v.shape[2:]), (None, dp_axes, None, seq_entry))
                      for k, v in batch.items()}
             # Every shard uses whole (tensor-parallel) parameters: FSDP gathers them here, once.
-            params = jax.tree.map(lambda p, s: constrain(p, _without(s, DATA_AXES)), params, param_specs)
+            params = jax.tree.map(lambda p, s: constrain(p, _without(s, dp_axes)), params, param_specs)
 
         def run_micro(i):
             micro = jax.tree.map(lambda x: x[i], batch)
