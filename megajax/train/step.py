@@ -69,7 +69,9 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     is laid over the data axes, so nothing crosses them), the shards' gradients are accumulated
     unreduced, and one sum over the shards after the last microbatch becomes one all-reduce (or a
     reduce-scatter where the gradient is sharded: FSDP, distributed optimizer). FSDP parameters are
-    gathered once per step for the same reason.
+    gathered once per step for the same reason. The price: during the step every device holds whole
+    (tensor-parallel) parameters and a gradient of the same size. The model inside the vmap sees one
+    shard's batch, so it is built with rules whose `batch` is not split (`per_shard_rules`).
     """
     clip = cfg.optim.clip_grad
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
