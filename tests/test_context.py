@@ -12,6 +12,8 @@ from megajax.errors import ConfigError, MeshError
 from megajax.train.plan import make_plan
 from megajax.train.loop import build_trainer, train
 
+from layout_parity import assert_same_run, reference, run
+
 DOCS = ["data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true",
         "train.eval_every=0"]
 
@@ -27,20 +29,9 @@ def short_docs(tmp_path_factory):
     return prefix
 
 
-_reference: dict = {}
-
-
-def losses(small_config, corpus, *overrides, devices=None):
-    """Per-step losses on `corpus` with document-aware batches ('' : the embedded corpus, plain)."""
-    data = [f"data.path={corpus}", *DOCS] if corpus else ["train.eval_every=0"]
-    cfg = small_config(*data, *overrides, steps=3)
-    return np.asarray(train(cfg, devices=devices).losses)
-
-
-def reference(small_config, corpus):
-    if corpus not in _reference:
-        _reference[corpus] = losses(small_config, corpus, "mesh.data=1", devices=jax.devices()[:1])
-    return _reference[corpus]
+def data_overrides(corpus):
+    """Document-aware batches from `corpus` ('' : the embedded corpus, plain batches)."""
+    return [f"data.path={corpus}", *DOCS] if corpus else []
 
 
 CONTEXT_LAYOUTS = {
@@ -60,24 +51,22 @@ FLASH_LAYOUTS = {
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
 @pytest.mark.parametrize("layout", list(CONTEXT_LAYOUTS))
 def test_context_parallel_matches_one_device(small_config, short_docs, layout, impl, documents):
-    data = short_docs if documents else ""
-    ref = reference(small_config, data)
-    got = losses(small_config, data, *CONTEXT_LAYOUTS[layout], f"parallel.context_impl={impl}")
-    assert ref[-1] < ref[0]
-    np.testing.assert_allclose(got, ref, rtol=1e-5)
+    data = data_overrides(short_docs if documents else "")
+    got = run(small_config, *data, *CONTEXT_LAYOUTS[layout], f"parallel.context_impl={impl}")
+    assert_same_run(got, reference(small_config, *data))
 
 
 @pytest.mark.parametrize("layout", list(FLASH_LAYOUTS))
 def test_flash_kernel_in_the_model_matches_one_device(small_config, short_docs, layout):
-    np.testing.assert_allclose(losses(small_config, short_docs, *FLASH_LAYOUTS[layout]),
-                               reference(small_config, short_docs), rtol=1e-5)
+    data = data_overrides(short_docs)
+    assert_same_run(run(small_config, *data, *FLASH_LAYOUTS[layout], params=False), reference(small_config, *data))
 
 
 def test_documents_change_the_loss(small_config, short_docs):
     """Control for the test above: the packed documents really reach attention."""
-    plain = np.asarray(train(small_config(f"data.path={short_docs}", "train.eval_every=0", "mesh.data=1", steps=3),
-                             devices=jax.devices()[:1]).losses)
-    assert not np.allclose(plain, reference(small_config, short_docs))
+    plain = run(small_config, f"data.path={short_docs}", "train.eval_every=0", "mesh.data=1",
+                devices=jax.devices()[:1], params=False)
+    assert not np.allclose(plain.losses, reference(small_config, *data_overrides(short_docs)).losses)
 
 
 def _collectives(tr):

@@ -11,9 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
+from megajax.checkpoint.manager import CheckpointSource
+from megajax.checkpoint.source import flatten
 from megajax.config import DistributedConfig, load_config
 from megajax.data.corpus import stdlib_corpus
 from megajax.distributed import (PEER_FAILURE_EXIT_STATUS, detect_cluster, expand_tasks_per_node,
@@ -22,6 +25,7 @@ from megajax.errors import ConfigError, DistributedError
 from megajax.train.loop import train
 
 from conftest import SMALL
+from layout_parity import PARITY, Run, assert_same_run, reference
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -170,8 +174,8 @@ def _wait_for_logged_steps(run_dir: Path, procs: list, n: int, timeout: float = 
         time.sleep(0.05)
 
 
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _metric(run_dir: Path, key: str) -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _children(pid: int) -> list[int]:
@@ -190,7 +194,7 @@ def reap():
 
 def test_two_processes_match_one_process(tmp_path, small_config, reap, compile_cache):
     run = tmp_path / "run"
-    procs = _launch(tmp_path, run, compile_cache, "train.steps=3")
+    procs = _launch(tmp_path, run, compile_cache, "train.steps=3", *PARITY)
     reap(procs)
     for i, p in enumerate(procs):
         assert p.wait(timeout=240) == 0, _output(tmp_path, i)
@@ -201,8 +205,16 @@ def test_two_processes_match_one_process(tmp_path, small_config, reap, compile_c
     log1 = (run / "logs" / "process_1.log").read_text()
     assert "joined the distributed runtime as process 1 of 2" in log1  # ... it logs to its own file
 
-    one = train(small_config("mesh.data=2", "mesh.tensor=4", steps=3))
-    np.testing.assert_allclose(_losses(run), one.losses, rtol=1e-5)
+    # Per-step loss and grad norm against one device; the parameters (after the last step, from the
+    # run's checkpoint) against one process running the same mesh.
+    got = Run(np.asarray(_metric(run, "loss")), np.asarray(_metric(run, "grad_norm")), None)
+    ref = reference(small_config)
+    assert_same_run(got, Run(ref.losses[:3], ref.grad_norms[:3], None))
+    one = train(small_config(*PARITY, "mesh.data=2", "mesh.tensor=4", steps=3))
+    np.testing.assert_allclose(got.losses, one.losses, rtol=1e-5)
+    saved = CheckpointSource(run)
+    for name, want in flatten(jax.device_get(one.state.params)):
+        np.testing.assert_allclose(saved.get(name), want, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path, small_config, reap, compile_cache):

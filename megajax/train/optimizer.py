@@ -1,10 +1,19 @@
-"""AdamW with Megatron's conventions.
+"""AdamW with Megatron's conventions, assembled from optax's own pieces.
 
-- learning rate: linear warmup from 0, then cosine/linear/constant decay to
-  `min_lr` at `decay_steps`, `min_lr` after;
-- no weight decay on biases and normalisation parameters;
-- global-norm clipping is done in the train step (which also reports the
-  pre-clip norm, as Megatron logs it).
+- learning rate (Megatron-Core's OptimizerParamScheduler, step counted in
+  applied updates): linear warmup from 0 to `lr` over `warmup_steps`, then
+  cosine / linear decay to `min_lr` at `decay_steps` and `min_lr` after, or
+  `lr` throughout for `constant` (which ignores `min_lr`, as Megatron does).
+  Built from `optax.linear_schedule`, `optax.cosine_decay_schedule` and
+  `optax.join_schedules`, which compute exactly these formulas;
+- AdamW is `optax.adamw` (Adam, then decoupled weight decay, then the
+  learning rate: p -= lr * (m_hat / (sqrt(v_hat) + eps) + wd * p), as
+  Megatron's fused AdamW), with no weight decay on biases and normalisation
+  parameters;
+- global-norm clipping is done in the train step, not with
+  `optax.clip_by_global_norm`: Megatron scales by max_norm / (norm + 1e-6)
+  (optax by max_norm / norm), and the step reports the pre-clip norm, as
+  Megatron logs it.
 """
 
 from __future__ import annotations
@@ -17,22 +26,25 @@ from megajax.config import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Megatron's learning rate after `count` applied updates."""
     warmup = cfg.warmup_steps
     decay_steps = cfg.decay_steps or total_steps
-
-    def schedule(count):
-        step = jnp.asarray(count, jnp.float32)
-        warm = cfg.lr * step / max(warmup, 1)
-        ratio = jnp.clip((step - warmup) / max(decay_steps - warmup, 1), 0.0, 1.0)
-        if cfg.decay_style == "cosine":
-            decayed = cfg.min_lr + (cfg.lr - cfg.min_lr) * 0.5 * (jnp.cos(jnp.pi * ratio) + 1.0)
-        elif cfg.decay_style == "linear":
-            decayed = cfg.lr - (cfg.lr - cfg.min_lr) * ratio
-        else:
-            decayed = jnp.asarray(cfg.lr, jnp.float32)
-        return jnp.where(step < warmup, warm, decayed)
-
-    return schedule
+    min_lr = cfg.min_lr if cfg.min_lr is not None else cfg.lr / 10
+    span = decay_steps - warmup  # steps of decay after the warmup
+    if cfg.decay_style == "constant":
+        after = optax.constant_schedule(cfg.lr)
+    elif span <= 0:
+        # decay_steps <= warmup_steps (Megatron refuses this): lr at the end of the warmup, min_lr after.
+        after = optax.join_schedules([optax.constant_schedule(cfg.lr), optax.constant_schedule(min_lr)], [1])
+    elif cfg.decay_style == "cosine":
+        # lr * ((1 - a) * c + a) with a = min_lr / lr is Megatron's min_lr + c * (lr - min_lr).
+        alpha = min_lr / cfg.lr if cfg.lr > 0 else 0.0
+        after = optax.cosine_decay_schedule(cfg.lr, span, alpha=alpha)
+    else:
+        after = optax.linear_schedule(cfg.lr, min_lr, span)
+    if warmup <= 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, warmup), after], [warmup])
 
 
 def decay_mask(params: dict) -> dict:
@@ -45,13 +57,20 @@ def decay_mask(params: dict) -> dict:
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
-    return optax.chain(
-        optax.scale_by_adam(b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps),
-        optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-        optax.scale_by_learning_rate(lr_schedule(cfg, total_steps)),
-    )
+    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=decay_mask)
 
 
 def update_count(opt_state) -> jax.Array:
     """Number of optimizer updates applied (skipped steps do not count)."""
     return opt_state[0].count
+
+
+def clip_by_global_norm(grads, max_norm: float) -> tuple:
+    """(clipped gradients, pre-clip global norm): Megatron's scaling by max_norm / (norm + 1e-6)
+    when that is below 1; `max_norm` 0 turns clipping off."""
+    norm = optax.tree.norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    coeff = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm

@@ -8,6 +8,8 @@ accumulating A microbatches of b gives the same update as one batch of A*b.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -18,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec
 from megajax.precision.loss_scale import DynamicLossScale
-from megajax.train.optimizer import update_count
-from megajax.train.state import ModelSpec, TrainState
+from megajax.train.optimizer import clip_by_global_norm, update_count
+from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
 BATCH_AXES = (None, "batch", "length")  # [accumulation, batch, seq]
 BATCH_KEYS_OPTIONAL = ("positions", "segment_ids")
@@ -41,55 +43,134 @@ def batch_shardings(mesh: Mesh, rules: ShardingRules, keys) -> dict:
     return {k: sharding for k in keys}
 
 
+def per_shard_rules(rules: ShardingRules) -> ShardingRules:
+    """Activation rules for the model as one data-parallel shard sees it: the `batch` dim is the
+    per-shard batch (its data-parallel split is the vmapped dim, see `make_train_step`)."""
+    return dataclasses.replace(rules, activations={**rules.activations, "batch": ()})
+
+
+def _without(spec: P, axes: tuple[str, ...]) -> tuple:
+    """A PartitionSpec's entries with the given mesh axes removed."""
+    out = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(n for n in names if n not in axes)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
+
+
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation,
                     scaler: DynamicLossScale | None, schedule: Callable,
                     mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
-    """Returns step(state, batch) -> (state, metrics), not yet jitted."""
+    """Returns step(state, batch) -> (state, metrics), not yet jitted.
+
+    Gradients are reduced over the data-parallel devices once per step, as in Megatron: each
+    microbatch's gradient is computed per data-parallel shard (a vmap over the shards, whose dim
+    is laid over the data axes, so nothing crosses them), the shards' gradients are accumulated
+    unreduced, and one sum over the shards after the last microbatch becomes one all-reduce (or a
+    reduce-scatter where the gradient is sharded: FSDP, distributed optimizer). FSDP parameters are
+    gathered once per step for the same reason. The price: during the step every device holds whole
+    (tensor-parallel) parameters and a gradient of the same size. The model inside the vmap sees one
+    shard's batch, so it is built with rules whose `batch` is not split (`per_shard_rules`).
+
+    Without accumulation (one microbatch) there is one reduction anyway, so the step runs the model
+    on the whole batch under the normal rules: FSDP keeps its parameters and gradients sharded
+    through the step (gathered per layer, reduce-scattered as the backward pass produces them).
+    """
     clip = cfg.optim.clip_grad
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
-    act_rules = rules.activations if rules is not None else None
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
+    # The data-parallel mesh axes: where the rules put the batch.
+    dp_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1) if mesh is not None else ()
+    dp = math.prod(sizes[a] for a in dp_axes)
+    plain_act_rules = rules.activations if rules is not None else None
+    if dp_axes:
+        shard_rules = per_shard_rules(rules)
+        shard_spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=shard_rules)
+        shard_act_rules = shard_rules.activations
+        specs = lambda table: jax.tree.map(lambda names: logical_to_spec(names, table), spec.axes,
+                                           is_leaf=lambda x: isinstance(x, tuple))
+        param_specs = specs(rules.params)
+        grad_specs = specs(rules.opt_state)  # where the optimizer update runs: sharded over data by ZeRO-1
+    else:
+        shard_spec, shard_act_rules = spec, plain_act_rules
 
-    def micro_loss(params, micro, rng, norm, scale):
-        logits = spec.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                            dropout_rng=rng)
+    def constrain(x, spec_entries):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec_entries)))
+
+    def micro_loss(params, micro, rng, norm, scale, model=shard_spec):
+        logits = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
+                             dropout_rng=rng)
         loss_sum = jnp.sum(cross_entropy(logits, micro["labels"]) * micro["loss_mask"])
         return loss_sum / norm * scale, loss_sum
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        with activation_sharding(mesh, act_rules):
-            return _step(state, batch)
+        if batch["tokens"].shape[0] == 1:  # one microbatch: one reduction without per-shard gradients
+            with activation_sharding(mesh, plain_act_rules):
+                return _step(state, batch, ())
+        with activation_sharding(mesh, shard_act_rules):
+            return _step(state, batch, dp_axes)
 
-    def _step(state: TrainState, batch: dict):
+    def _step(state: TrainState, batch: dict, dp_axes: tuple[str, ...]):
+        def on_own_shard(grads):
+            """Pins per-shard gradients [dp, ...] to their own devices (no data-parallel collective)."""
+            if not dp_axes:
+                return grads
+            return jax.tree.map(lambda g, s: constrain(g, (dp_axes, *_without(s, dp_axes))), grads, param_specs)
+
+        def shard_grads(params, micro, rng, norm, scale):
+            """Gradients and loss sums of one microbatch, per data-parallel shard: [dp, ...] and [dp]
+            from micro [dp, b, ...] (no leading dim without data parallelism)."""
+            if not dp_axes:
+                (_, loss_sum), grads = grad_fn(params, micro, rng, norm, scale, spec)
+                return grads, loss_sum
+            # Each shard draws its own dropout masks.
+            rngs = None if rng is None else jax.random.split(rng, dp)
+            (_, loss_sum), grads = jax.vmap(grad_fn, in_axes=(None, 0, 0 if rng is not None else None, None, None),
+                                            spmd_axis_name=dp_axes)(params, micro, rngs, norm, scale)
+            return grads, loss_sum
+
         accum = batch["tokens"].shape[0]
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1.0)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if use_dropout else None
+        params = state.params
+        if dp_axes:
+            # [A, dp x b, S] -> [A, dp, b, S]: the data-parallel dim made explicit (no data moves).
+            seq_entry = logical_to_spec(BATCH_AXES, rules.activations)[2]
+            batch = {k: constrain(v.reshape(accum, dp, -1, *v.shape[2:]), (None, dp_axes, None, seq_entry))
+                     for k, v in batch.items()}
+            # Every shard uses whole (tensor-parallel) parameters: FSDP gathers them here, once.
+            params = jax.tree.map(lambda p, s: constrain(p, _without(s, dp_axes)), params, param_specs)
 
         def run_micro(i):
             micro = jax.tree.map(lambda x: x[i], batch)
             rng = None if step_rng is None else jax.random.fold_in(step_rng, i)
-            (_, loss_sum), grads = grad_fn(state.params, micro, rng, num_tokens, scale)
-            return grads, loss_sum
+            return shard_grads(params, micro, rng, num_tokens, scale)
 
         if accum == 1:
-            grads, loss_sum = run_micro(0)
+            grads, loss_sums = run_micro(0)
         else:
             def body(carry, i):
-                g_acc, l_acc = carry
                 g, l = run_micro(i)
-                return (jax.tree.map(jnp.add, g_acc, g), l_acc + l), None
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
-            (grads, loss_sum), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0)), jnp.arange(accum))
+                return (on_own_shard(jax.tree.map(jnp.add, carry[0], g)), carry[1] + l), None
+            lead = (dp,) if dp_axes else ()
+            zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params)),
+                     jnp.zeros(lead, jnp.float32))
+            (grads, loss_sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
+        loss_sum = jnp.sum(loss_sums)
+        if dp_axes:
+            # The one data-parallel reduction of the step: an all-reduce, or a reduce-scatter onto
+            # the optimizer's shards (FSDP, distributed optimizer).
+            grads = jax.tree.map(lambda g, s: constrain(jnp.sum(g, axis=0), tuple(s)), on_own_shard(grads),
+                                 grad_specs)
 
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = loss_sum / num_tokens
-        grad_norm = optax.tree.norm(grads)
+        grads, grad_norm = clip_by_global_norm(grads, clip)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        if clip > 0:
-            coeff = jnp.minimum(1.0, clip / (grad_norm + 1e-6))
-            grads = jax.tree.map(lambda g: g * coeff, grads)
         lr = schedule(update_count(state.opt_state))
         updates, new_opt = tx.update(grads, state.opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)

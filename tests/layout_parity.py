@@ -1,0 +1,103 @@
+"""Runs a layout and compares it with one device: per-step loss and grad norm, and the parameters
+after step 1 (fp32, rel 1e-5).
+
+Losses alone miss gradient-scale bugs: AdamW is nearly invariant to a constant scale of one
+tensor's gradient and clipping hides a uniform one, so a gradient summed instead of averaged over
+a mesh axis trains the same. The grad norm sees the scale; the parameters after the first update
+see every tensor's gradient direction.
+
+Runs use warmup 0, so step 1 updates the parameters; they are read back from the checkpoint the
+run writes after step 1. Context-parallel runs are kept out of JAX's persistent compilation cache:
+on CPU a context-parallel step (layers scanned) loaded from that cache deadlocks in its
+collectives, and a layout may run twice in a session (the property test's examples, its replay of
+a failure).
+Adam's eps is 1e-3 rather than 1e-8: Adam's first update is lr * g / (|g| + eps), whose slope
+lr / eps turns the rounding difference of a near-zero gradient element (the reduction order differs
+between layouts; ~1e-8 for a bias summed over all tokens) into a parameter difference: up to 3e-3
+with eps 1e-8 (the update becomes sign(g)), ~3e-8 with eps 1e-3, under the tolerance. Gradient
+elements below eps then move the parameters in proportion, so the parameters see gradient scale
+as well as direction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from megajax.checkpoint.manager import CheckpointSource
+from megajax.train.loop import train
+
+STEPS = 4
+PARITY = ["optim.warmup_steps=0", f"optim.decay_steps={STEPS}", "optim.eps=1e-3"]
+RTOL = 1e-5
+
+
+def family(name: str) -> list[str]:
+    """The override for a model family (llama is the default: no override, so references are shared)."""
+    return [] if name == "llama" else [f"model.family={name}"]
+
+
+@dataclass
+class Run:
+    losses: np.ndarray  # [steps]
+    grad_norms: np.ndarray  # [steps], before clipping
+    params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel")
+
+
+@contextlib.contextmanager
+def not_persistently_cached():
+    """Compilations in this context are not written to JAX's persistent compilation cache."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    before = getattr(jax.config, key)
+    jax.config.update(key, 1e9)
+    try:
+        yield
+    finally:
+        jax.config.update(key, before)
+
+
+def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool = True) -> Run:
+    saves = ["checkpoint.every=1", f"checkpoint.keep={steps}"] if params else []
+    context = any(o.startswith("mesh.context=") and o != "mesh.context=1" for o in overrides)
+    with not_persistently_cached() if context else contextlib.nullcontext():
+        result = train(small_config(*PARITY, *overrides, *saves, steps=steps), devices=devices)
+    grad_norms = np.asarray([r["grad_norm"] for r in result.records])
+    assert len(result.losses) == len(grad_norms) == steps
+    params1 = None
+    if params:
+        saved = CheckpointSource(Path(result.run_dir) / "checkpoints" / "1")
+        params1 = {name: saved.get(name) for name in saved.names()}
+    return Run(np.asarray(result.losses), grad_norms, params1)
+
+
+_references: dict = {}
+
+
+def reference(small_config, *overrides, steps: int = STEPS, params: bool = True) -> Run:
+    """One device (cached per overrides within the test session)."""
+    key = (overrides, steps)
+    cached = _references.get(key)
+    if cached is None or (params and cached.params1 is None):
+        _references[key] = run(small_config, "mesh.data=1", *overrides, devices=jax.devices()[:1], steps=steps,
+                               params=params)
+    return _references[key]
+
+
+def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: float | None = None,
+                    params_atol: float = 1e-7) -> None:
+    assert ref.losses[-1] < ref.losses[0]  # it trains
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=rtol, atol=0, err_msg="loss per step")
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=grad_norm_rtol or rtol, atol=0,
+                               err_msg="grad norm per step")
+    if got.params1 is not None and ref.params1 is not None:
+        assert_same_params(got.params1, ref.params1, rtol, params_atol)
+
+
+def assert_same_params(got: dict, want: dict, rtol: float = RTOL, atol: float = 1e-7) -> None:
+    assert sorted(got) == sorted(want) and len(want) > 5
+    for name, w in want.items():
+        np.testing.assert_allclose(got[name], w, rtol=rtol, atol=atol, err_msg=f"parameter {name} after step 1")
