@@ -124,7 +124,8 @@ def test_context_parallel_attention_gradients(impl, documents):
 
 @pytest.mark.parametrize("dot", ["lax", "flat"])
 def test_sequence_parallel_projections_and_embedding_gradients(mesh_data_tensor, dot):
-    rules = {"batch": ("data",), "length": (), "residual_length": ("tensor",)}
+    rules = {"batch": ("data",), "length": (), "residual_length": ("tensor",), "heads": ("tensor",),
+             "vocab": ("tensor",), "embed": ()}
     ops = sequence_parallel_ops(mesh_data_tensor, rules, flat_dot_general() if dot == "flat" else jax.lax.dot_general)
     x, w_col, h, w_row, table = _normal(3, (4, 16, 12), (12, 8), (4, 16, 8), (8, 12), (40, 12))
     dn = (((2,), (0,)), ((), ()))
