@@ -62,6 +62,8 @@ def test_user_errors_are_one_paragraph_without_traceback(args, words):
     assert p.stderr.startswith("megajax train: error:") and p.stderr.count("\n") == 1
     for w in words:
         assert w in p.stderr, p.stderr
+    if "train.global_batch=3" in args:  # the user never set micro_batch: the message does not cite it
+        assert "micro_batch" not in p.stderr, p.stderr
 
 
 def test_options_and_overrides_in_any_order_and_start_up_progress(tmp_path):

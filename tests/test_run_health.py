@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from megajax.checkpoint.manager import find_step_dir, read_meta
+from megajax.config import load_config
 from megajax.errors import CheckpointError, TrainingError
 from megajax.train.loop import train
 from megajax.train.plan import make_plan
@@ -104,6 +105,9 @@ def test_plan_notes_a_vocabulary_larger_than_the_tokenizer(small_config, tmp_pat
     assert plan.padded_vocab == 50304
     assert any("model.vocab_size=50,257" in n and "257 ids" in n for n in plan.notes)
     assert make_plan(small_config(), 8).notes == ()
+    # The preset a user reaches for, on the default byte data.
+    preset = load_config(["model/gpt2-125m"], ["train.seq_len=64"])
+    assert any("50,257" in n and "257 ids" in n for n in make_plan(preset, 1).notes)
 
 
 def test_saved_config_holds_absolute_paths(small_config, tmp_path, monkeypatch):
