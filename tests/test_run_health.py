@@ -138,3 +138,16 @@ def test_sigterm_during_start_up_exits_zero(tmp_path):
     out = "".join(lines) + p.stdout.read()
     assert p.wait(timeout=300) == 0, out
     assert "SIGTERM received during start-up" in out
+
+
+def test_default_run_directory_resumes_by_its_relative_name(tmp_path, monkeypatch):
+    """`megajax train` without train.run_dir writes runs/<date>-<time> under the current directory;
+    the user resumes it by that relative name (README's own flow)."""
+    from conftest import SMALL
+    monkeypatch.chdir(tmp_path)
+    train(load_config(overrides=SMALL + ["train.steps=2"]), ONE)
+    [run] = list((tmp_path / "runs").iterdir())
+    assert find_step_dir(run).name == "2"
+    again = train(load_config(overrides=SMALL + ["train.steps=3", f"train.run_dir=runs/{run.name}"]), ONE)
+    assert int(again.state.step) == 3 and len(again.losses) == 1 and again.run_dir == run  # resumed at step 2
+    assert [r["step"] for r in strict_json_lines(run / "metrics.jsonl")] == [1, 2, 3]
