@@ -88,3 +88,17 @@ def test_megatron_import_without_a_tokenizer_then_export_with_tokenizer(tmp_path
     tok = word_tokenizer_dir(tmp_path / "tok", size=300)
     assert main(hf + ["--tokenizer", str(tok)]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == (tok / "tokenizer.json").read_text()
+
+
+def test_run_with_a_relative_tokenizer_exports_from_another_directory(small_config, tmp_path, monkeypatch, capsys):
+    """data.tokenizer=tok (relative) at training time; `megajax export` run from elsewhere still finds it."""
+    pytest.importorskip("transformers")
+    from test_export import word_tokenizer_dir
+    (tmp_path / "a").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    word_tokenizer_dir(tmp_path / "a" / "tok", size=300)
+    run = train(small_config("data.tokenizer=tok", "train.run_dir=runs/r", steps=1))
+    monkeypatch.chdir(tmp_path)
+    assert main(["export", "--format", "hf", "--checkpoint", "a/runs/r", "--output", "hf"]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == (tmp_path / "a/tok/tokenizer.json").read_text()
+    assert run.run_dir == tmp_path / "a/runs/r"

@@ -44,7 +44,11 @@ def stdlib_files(max_bytes: int) -> list[Path]:
 def stdlib_corpus(tokenizer: str, max_mb: float) -> str:
     """Prefix of the embedded corpus as an indexed dataset, built on first use."""
     files = stdlib_files(int(max_mb * 2**20))
-    tok_id = tokenizer if tokenizer == "byte" else hashlib.md5(Path(tokenizer).read_bytes()).hexdigest()
+    if tokenizer == "byte":
+        tok_id = tokenizer
+    else:  # a tokenizer.json, or a directory holding one (as data.tokenizer accepts)
+        tok_file = Path(tokenizer) / "tokenizer.json" if Path(tokenizer).is_dir() else Path(tokenizer)
+        tok_id = hashlib.md5(tok_file.read_bytes()).hexdigest()
     identity = (sys.version, [str(f) for f in files], [f.stat().st_size for f in files], tok_id)
     key = hashlib.md5(repr(identity).encode()).hexdigest()[:16]
     base = cache_dir() / "corpus" / f"stdlib-{key}"
