@@ -39,7 +39,6 @@ import numpy as np
 from flax import nnx, traverse_util
 
 from megajax.precision.policy import Fp8Policy
-from pallas_kernels import Fp8Scales, compute_scale, default_formats, fp8_linear, fp8_max
 
 SCALE, HISTORY = "scale", "amax_history"
 TENSORS = ("x", "w", "g")  # the order of the last dim of the scaling state
@@ -57,6 +56,7 @@ class Fp8Dot(nnx.Module):
     any dims of w (w's remaining dims become the output's trailing dims), no batch dims."""
 
     def __init__(self, policy: Fp8Policy):
+        from pallas_kernels import default_formats  # the kernels are imported where FP8 is used
         self.policy = policy
         self.formats = default_formats()
         if policy.delayed:
@@ -64,7 +64,9 @@ class Fp8Dot(nnx.Module):
             self.amax_history = Fp8Meta(jnp.zeros((policy.amax_history_len, len(TENSORS)), jnp.float32),
                                         axes=(None, None))
 
-    def scales(self) -> Fp8Scales:
+    def scales(self):
+        """The Fp8Scales this product quantizes with."""
+        from pallas_kernels import Fp8Scales
         if not self.policy.delayed:
             return Fp8Scales()  # current scaling: every tensor scaled by its own amax
         s = self.scale[...]
@@ -72,6 +74,7 @@ class Fp8Dot(nnx.Module):
 
     def __call__(self, x: jax.Array, w: jax.Array, dimension_numbers, precision=None,
                  preferred_element_type=None) -> jax.Array:
+        from pallas_kernels import fp8_linear
         assert precision is None and preferred_element_type is None
         (lc, rc), (lb, rb) = dimension_numbers
         n_in = len(lc)
@@ -80,8 +83,8 @@ class Fp8Dot(nnx.Module):
         k = math.prod(x.shape[x.ndim - n_in:])
         out_shape = tuple(w.shape[d] for d in free)
         w_KxN = jnp.transpose(w, tuple(rc) + free).reshape(k, -1)
-        x_MxK = x.reshape(*x.shape[:x.ndim - n_in], k)
-        y = fp8_linear(x_MxK, w_KxN, self.scales(), impl=self.policy.impl, formats=self.formats)
+        x_xK = x.reshape(*x.shape[:x.ndim - n_in], k)  # [..., K]
+        y = fp8_linear(x_xK, w_KxN, self.scales(), impl=self.policy.impl, formats=self.formats)
         return y.reshape(*y.shape[:-1], *out_shape)
 
 
@@ -108,6 +111,7 @@ def with_scales(fp8: dict, scales: dict) -> dict:
 
 def fp8_max_per_tensor(formats=None) -> np.ndarray:
     """[3] largest finite values of the float8 types of (x, w, g): 448, 448, 57344 (hybrid)."""
+    from pallas_kernels import default_formats, fp8_max
     formats = formats or default_formats()
     return np.asarray([fp8_max(formats.fwd), fp8_max(formats.fwd), fp8_max(formats.bwd)], np.float32)
 
@@ -115,6 +119,7 @@ def fp8_max_per_tensor(formats=None) -> np.ndarray:
 def update_fp8_state(fp8: dict, amaxes: dict, margin: int, formats=None) -> dict:
     """The next scaling state from this step's amaxes (`amaxes` shaped like scales_of(fp8):
     [..., 3] per product; max-reduced over microbatches and data-parallel shards already)."""
+    from pallas_kernels import compute_scale
     limits = jnp.asarray(fp8_max_per_tensor(formats))
     flat, flat_amax = traverse_util.flatten_dict(fp8), traverse_util.flatten_dict(amaxes)
     out = {}
