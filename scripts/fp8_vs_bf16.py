@@ -61,12 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     for i, (a, b) in enumerate(zip(bf16["losses"], fp8["losses"]), 1):
         if i == 1 or i % 5 == 0 or i == args.steps:
             print(f"{i:>5} {a:>10.4f} {b:>10.4f} {b / a - 1:>+8.2%}")
-    print(f"last loss: bf16 {bf16['losses'][-1]:.4f}, fp8 {fp8['losses'][-1]:.4f}: fp8 {rel:+.2%} relative")
+    diffs = [b / a - 1 for a, b in zip(bf16["losses"], fp8["losses"])]
+    worst = max(range(len(diffs)), key=lambda i: abs(diffs[i]))
+    print(f"last loss: bf16 {bf16['losses'][-1]:.4f}, fp8 {fp8['losses'][-1]:.4f}: fp8 {rel:+.2%} relative; "
+          f"largest difference at any step {diffs[worst]:+.2%} (step {worst + 1})")
     print(f"median step seconds (CPU, emulated FP8): bf16 {bf16['median_step_seconds']:.4f}, "
           f"fp8 {fp8['median_step_seconds']:.4f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "bf16": bf16,
-                                               "fp8": fp8, "last_loss_rel_diff": rel}, indent=1))
+                                               "fp8": fp8, "last_loss_rel_diff": rel,
+                                               "max_step_rel_diff": diffs[worst]}, indent=1))
     return 0
 
 

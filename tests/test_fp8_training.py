@@ -15,7 +15,7 @@ from megajax.precision.fp8 import HISTORY, SCALE, fp8_max_per_tensor, scales_of,
 from megajax.precision.policy import make_policy, precision_policy
 from megajax.train.loop import build_trainer, train
 from megajax.train.plan import make_plan
-from megajax.train.setup import build_setup
+from megajax.train.setup import build_setup, initial_state
 
 FP8 = ["train.precision=fp8"]
 FIXED_SCHEDULE = ["optim.decay_steps=6", "train.eval_every=0"]
@@ -80,8 +80,8 @@ def test_delayed_scaling_update_equals_transformer_engine_rule(history_len, marg
 # Training
 # ----------------------------------------------------------------------------
 
-# Measured with scripts/fp8_vs_bf16.py (60 steps, both recipes): the last fp8 loss is within 0.2 %
-# of bf16's, the largest per-step difference 1 %; the issue's bound is 3 %.
+# Measured with scripts/fp8_vs_bf16.py (60 steps, delayed scaling, 8 simulated devices): the last fp8
+# loss is within 0.2 % of bf16's (largest difference at any step: 2.1 %, step 42); the bound is 3 %.
 def test_fp8_trains_like_bf16_for_60_steps(small_config):
     common = ["mesh.data=1", "checkpoint.async_save=false"]
     devices = jax.devices()[:1]
@@ -117,9 +117,11 @@ def test_resume_is_bitwise_with_scaling_state_and_restores_onto_another_mesh(sma
     for (path, x), (_, y) in zip(a, b):
         assert np.array_equal(x, y), path  # parameters, Adam moments, counters, scaling state
     # The scaling state restores onto another mesh unchanged.
-    moved = build_trainer(small_config(*FP8, *FIXED_SCHEDULE, "mesh.data=2", "mesh.tensor=4",
-                                       f"train.run_dir={tmp_path / 'moved'}", steps=4))
-    for (path, x), (_, y) in zip(_leaves(first.state.fp8), _leaves(moved.state.fp8)):
+    moved_cfg = small_config(*FP8, *FIXED_SCHEDULE, "mesh.data=2", "mesh.tensor=4",
+                             f"train.run_dir={tmp_path / 'moved'}", steps=4)
+    moved, _, origin, _ = initial_state(build_setup(make_plan(moved_cfg, 8)))
+    assert origin.startswith("resumed from")
+    for (path, x), (_, y) in zip(_leaves(first.state.fp8), _leaves(moved.fp8)):
         assert np.array_equal(x, y), path
     # Exports read parameters only.
     names = CheckpointSource(tmp_path / "part").names()

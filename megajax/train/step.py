@@ -87,7 +87,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     every device, and never reaches clipping or the optimizer.
     """
     clip = cfg.optim.clip_grad
-    fp8_policy = precision_policy(cfg).fp8
+    policy = precision_policy(cfg)
+    fp8_policy = policy.fp8
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
     # The data-parallel mesh axes: where the rules put the batch.
@@ -172,10 +173,11 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             def body(carry, i):
                 g, a, l = run_micro(i)
                 # Gradients add up over microbatches; amaxes take the max.
-                return (on_own_shard(jax.tree.map(jnp.add, carry[0], g)), jax.tree.map(jnp.maximum, carry[1], a),
+                return (on_own_shard(jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry[0], g)),
+                        jax.tree.map(jnp.maximum, carry[1], a),
                         carry[2] + l), None
             lead = (dp,) if dp_axes else ()
-            zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params)),
+            zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, policy.grad_dtype), params)),
                      jax.tree.map(lambda s: jnp.zeros(lead + s.shape, jnp.float32), fp8_scales),
                      jnp.zeros(lead, jnp.float32))
             (grads, amaxes, loss_sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
@@ -183,8 +185,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         if dp_axes:
             # The one data-parallel reduction of the step: an all-reduce, or a reduce-scatter onto
             # the optimizer's shards (FSDP, distributed optimizer); amaxes: a max over the shards.
-            grads = jax.tree.map(lambda g, s: constrain(jnp.sum(g, axis=0), tuple(s)), on_own_shard(grads),
-                                 grad_specs)
+            grads = jax.tree.map(lambda g, s: constrain(jnp.sum(g.astype(policy.reduction_dtype), axis=0), tuple(s)),
+                                 on_own_shard(grads), grad_specs)
             amaxes = jax.tree.map(lambda a: jnp.max(a, axis=0), amaxes)
 
         grads = jax.tree.map(lambda g: g / scale, grads)
