@@ -101,7 +101,8 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
                      rules: ShardingRules | None = None, seed: int | None = None) -> tuple[ModelSpec, Callable]:
     """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
-    dtype = precision_policy(cfg).compute_dtype
+    policy = precision_policy(cfg)
+    dtype = policy.compute_dtype
     seed = cfg.train.seed if seed is None else seed
     ops = linear_ops(cfg, mesh, rules)
     core = attention_core(cfg, mesh, rules)
@@ -117,6 +118,8 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     spec = ModelSpec(graphdef=graphdef, axes=param_axes(abstract),
                      abstract_params=nnx.to_pure_dict(abstract_params),
                      abstract_fp8=abstract_fp8 or None)
+    # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
+    assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves(spec.abstract_params)), policy
 
     def init_params():
         return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
