@@ -26,7 +26,9 @@ Transformer Engine's rule (amax_compute_algo "max"):
 
 so the scale step t quantizes with comes from the amaxes of steps t-H .. t-1, identical on every
 device. Recipe `current` keeps no state: each tensor is scaled by its own amax where it is
-quantized (for a gradient, inside the backward pass).
+quantized (for a gradient, inside the backward pass): per microbatch, and when gradients are
+accumulated (the step's per-shard path) per data-parallel shard, so that recipe does not compute
+exactly the same function on every layout.
 """
 
 from __future__ import annotations
