@@ -1,7 +1,7 @@
 """Typed configuration tree.
 
 A run is described by one `Config`: sections model, mesh, parallel, train,
-optim, data, checkpoint, logging, distributed, ops. It is built from YAML files (a file may
+precision, optim, data, checkpoint, logging, distributed, ops. It is built from YAML files (a file may
 `include:` others, which it then overrides) and `key.sub=value` overrides,
 in that order. Every key and value is checked against the dataclass types
 here; mistakes raise `ConfigError` naming the key, the value and what is
@@ -74,6 +74,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     init_std: float = 0.02
     attention_impl: Literal["xla", "flash", "cudnn"] = "xla"  # plain jnp | Pallas kernel | cuDNN (GPU)
+    # The FP8 products (train.precision=fp8): XLA's FP8 GEMM (cuBLASLt / hipBLASLt) | the Pallas kernel
+    # pallas_kernels/fp8_matmul.py (interpret mode on CPU).
+    matmul_impl: Literal["xla", "pallas"] = "xla"
     # Layers run as one scanned body (compile time independent of depth) or unrolled (no loop
     # bookkeeping: faster steps for shallow models, compile time grows with depth).
     scan_layers: bool = True
@@ -169,6 +172,22 @@ class TrainConfig:
 
 
 @dataclass
+class PrecisionConfig:
+    """FP8 training (train.precision=fp8): how the linear layers' products are scaled.
+
+    Transformer Engine's per-tensor recipe: `delayed` scales each tensor of each product by
+    fp8_max / max(amax history) / 2^margin, the history holding the last
+    `fp8_amax_history_len` steps' amaxes (this step's included in the next step's scale);
+    `current` scales each tensor by its own amax where it is quantized."""
+    fp8_recipe: Literal["delayed", "current"] = "delayed"
+    fp8_amax_history_len: int = 1024
+    fp8_margin: int = 0
+    # The output layer (logits) in FP8 too; off: bf16, as Megatron keeps it. (The embedding is a
+    # row lookup, not a product: always in the compute dtype.)
+    fp8_output_layer: bool = False
+
+
+@dataclass
 class OptimConfig:
     lr: float = 2e-3
     min_lr: float | None = None  # None: lr / 10
@@ -251,6 +270,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -496,9 +516,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings} of the learned position table; lower "
                           f"train.seq_len or raise model.max_position_embeddings.")
-    if t.precision == "fp8":
-        raise ConfigError("train.precision = 'fp8' is not available yet (FP8 delayed scaling is a "
-                          "later feature); accepted now: fp32, bf16, fp16.")
+    validate_precision(cfg)
     for axis in MESH_AXES:
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:
@@ -529,6 +547,22 @@ def validate(cfg: Config) -> None:
             raise ConfigError("model.attention_impl = 'cudnn' with mesh.context > 1: context parallelism "
                               "merges per-block log-sum-exps, which cuDNN's attention does not return; "
                               "use model.attention_impl=flash (or xla).")
+
+
+def validate_precision(cfg: Config) -> None:
+    p, t = cfg.precision, cfg.train
+    _positive("precision.fp8_amax_history_len", p.fp8_amax_history_len)
+    _positive("precision.fp8_margin", p.fp8_margin, allow_zero=True)
+    if t.precision != "fp8":
+        if cfg.model.matmul_impl != "xla":
+            raise ConfigError(f"model.matmul_impl = {cfg.model.matmul_impl!r} picks the implementation of the "
+                              f"FP8 products and needs train.precision=fp8 (this run has train.precision="
+                              f"{t.precision}); set train.precision=fp8 or leave model.matmul_impl=xla.")
+        return
+    if cfg.parallel.sequence_parallel:
+        raise ConfigError("train.precision = 'fp8' with parallel.sequence_parallel=true is not available: the "
+                          "FP8 products are not written for sequence parallelism's per-shard products; set "
+                          "parallel.sequence_parallel=false (or use train.precision=bf16).")
 
 
 def validate_distributed_and_ops(cfg: Config) -> None:

@@ -145,6 +145,10 @@ SECTIONS = [
                                      "--json", ctx.json("fp8"),
                                      *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60, headline=_fp8_headline),
     Section("bench_llama1b_cudnn", 130, _bench("bench_llama1b_cudnn", "cudnn"), headline=_bench_headline),
+    # The same step with train.precision=fp8 (delayed scaling, XLA's FP8 GEMMs): its step time
+    # against bench_llama1b_cudnn's bf16 one.
+    Section("bench_llama1b_fp8", 130, _bench("bench_llama1b_fp8", "cudnn", "train.precision=fp8"),
+            headline=_bench_headline),
     Section("bench_llama1b_flash", 130, _bench("bench_llama1b_flash", "flash"), headline=_bench_headline),
     # JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.
     Section("bench_llama1b_megatron", 150, _bench("bench_llama1b_megatron", "cudnn", "--baseline", "megatron"),

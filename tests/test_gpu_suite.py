@@ -53,7 +53,8 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     status = {r["section"]: r["status"] for r in summary["sections"]}
-    assert status == {"env": "ok", "attention": "ok", "fp8": "ok", "bench_llama1b_cudnn": "ok", "bench_llama1b_flash": "ok",
+    assert status == {"env": "ok", "attention": "ok", "fp8": "ok", "bench_llama1b_cudnn": "ok", "bench_llama1b_fp8": "ok",
+                      "bench_llama1b_flash": "ok",
                       "bench_llama1b_megatron": "skipped"}, summary
     megatron = summary["sections"][-1]["headline"]
     assert "megatron.core" in megatron or "NVIDIA GPU" in megatron, megatron  # skipped for a stated reason
@@ -62,9 +63,10 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     attention = json.loads((out / "attention.json").read_text())
     assert attention["ok"] and all(c["ok"] for c in attention["correctness"]) and attention["timing"]
     assert "3.5 x forward" in attention["flops_convention"]
-    for impl in ("cudnn", "flash"):
+    for impl in ("cudnn", "flash", "fp8"):
         bench = json.loads((out / f"bench_llama1b_{impl}.json").read_text())
-        assert bench["tokens_per_sec"] > 0 and "mfu" in bench and bench["layout"]["precision"] == "bf16"
+        precision = "fp8" if impl == "fp8" else "bf16"
+        assert bench["tokens_per_sec"] > 0 and "mfu" in bench and bench["layout"]["precision"] == precision
         assert bench["model"]["kv_heads"] == 2 and bench["layout"]["accumulation"] == 2
     assert "section" in p.stdout and "total" in p.stdout.splitlines()[-1]  # the closing table
     # The contract: under 3 minutes on a 2-core machine (the suite's own budget enforces it).

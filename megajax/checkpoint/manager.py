@@ -175,7 +175,7 @@ def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list,
     if missing:
         raise CheckpointError(f"checkpoint {step_dir}: lacks {len(missing)} arrays this run needs, e.g. "
                               f"{missing[:3]}; it was saved with a different model, optimizer or precision "
-                              f"(train.precision decides whether a loss scale is stored).")
+                              f"(train.precision decides whether a loss scale or FP8 scaling state is stored).")
     resized = set()
     for name, t in zip(names, targets):
         have, want = tuple(stored[name].shape), tuple(t.shape)

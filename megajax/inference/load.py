@@ -122,11 +122,11 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
     from megajax.checkpoint.manager import restore_params
     from megajax.inference.generate import Generator, generation_model
     from megajax.mesh import mesh_from_sizes, tree_shardings
-    from megajax.train.state import COMPUTE_DTYPES
+    from megajax.precision.policy import precision_policy
     devices = list(devices if devices is not None else jax.devices())
     plan, notes = _plan(cfg, devices, user_mesh)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
-    dtype = COMPUTE_DTYPES[plan.cfg.train.precision]
+    dtype = precision_policy(plan.cfg).inference_dtype
     _, axes, abstract = generation_model(plan.model, plan.padded_vocab, dtype)
     shardings = tree_shardings(mesh, axes, plan.rules.params)
     if source.step_dir is not None:

@@ -157,8 +157,9 @@ class Attention(nnx.Module):
         self.k = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
         self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
         # Output projection (row-parallel): Megatron's scaled init std / sqrt(2 * layers).
-        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.row,
+        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
                        init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
+        self.qkv_product = ops.linear("column")  # the fused q/k/v product (`qkv`)
         self.core = core
         self.dropout_rate = cfg.attention_dropout
 
@@ -171,7 +172,7 @@ class Attention(nnx.Module):
         r = h // g
         w = jnp.concatenate([self.q.kernel[...].reshape(d, g, r, k_dim), self.k.kernel[...][:, :, None],
                              self.v.kernel[...][:, :, None]], axis=2).astype(self.q.dtype)
-        out = self.q.dot_general(x_BxLxD.astype(self.q.dtype), w, (((2,), (0,)), ((), ())))
+        out = self.qkv_product(x_BxLxD.astype(self.q.dtype), w, (((2,), (0,)), ((), ())))
         if self.q.bias is not None:
             bias = jnp.concatenate([self.q.bias[...].reshape(g, r, k_dim), self.k.bias[...][:, None],
                                     self.v.bias[...][:, None]], axis=1)

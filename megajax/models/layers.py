@@ -106,11 +106,24 @@ class LinearOps:
     `column` serves projections whose output features are split over tensor
     parallelism (q/k/v, fc1/gate/up, output layer), `row` those whose input
     features are (o, fc2); `embed` looks rows up in the (vocab-split) table.
-    The defaults are plain; sequence parallelism and FP8 supply others.
+    The defaults are plain; sequence parallelism supplies others. A layer whose product may be
+    replaced by a stateful one (FP8) asks `linear(kind)` for its own.
     """
     column: DotGeneral = jax.lax.dot_general
     row: DotGeneral = jax.lax.dot_general
     embed: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
+    # A factory of stateful products (FP8 with its scaling state), one per linear layer that
+    # asks for one; None: the plain products above. `low_precision_output`: the output layer too.
+    low_precision: Callable[[], DotGeneral] | None = None
+    low_precision_output: bool = False
+
+    def linear(self, kind: str) -> DotGeneral:
+        """The product of one linear layer of `kind` ("column", "row" or "output"): a fresh
+        stateful product (its own scaling state) where the ops supply one, else the plain one."""
+        assert kind in ("column", "row", "output"), kind
+        if self.low_precision is not None and (kind != "output" or self.low_precision_output):
+            return self.low_precision()
+        return self.row if kind == "row" else self.column
 
 
 def _tuple(x: int | Sequence[int]) -> tuple[int, ...]:
@@ -172,20 +185,22 @@ class Embed(nnx.Module):
 
     def __init__(self, vocab_size: int, padded_vocab_size: int, features: int, *,
                  init_std: float, dtype=jnp.float32, param_dtype=jnp.float32,
-                 ops: LinearOps = LinearOps(), rngs: nnx.Rngs):
+                 ops: LinearOps = LinearOps(), tied: bool = True, rngs: nnx.Rngs):
         table = padded_normal_init(rngs.params(), (padded_vocab_size, features), init_std, 0,
                                    vocab_size, param_dtype)
         self.embedding = nnx.Param(table, axes=("vocab", "embed"))
         self.dtype = dtype
         self.ops = ops
+        # The tied output layer's product (`attend`); unused when the output layer is untied.
+        self.attend_product = ops.linear("output") if tied else ops.column
 
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
         return self.ops.embed(self.embedding[...], ids_BxL).astype(self.dtype)
 
     def attend(self, x_BxLxD: jax.Array) -> jax.Array:
         """Tied output layer: logits[B, L, V] = x . E^T (column-parallel over the vocab)."""
-        return self.ops.column(x_BxLxD.astype(self.dtype), self.embedding[...].astype(self.dtype),
-                               (((2,), (1,)), ((), ())))
+        return self.attend_product(x_BxLxD.astype(self.dtype), self.embedding[...].astype(self.dtype),
+                                   (((2,), (1,)), ((), ())))
 
 
 class RMSNorm(nnx.Module):

@@ -28,16 +28,17 @@ class MLP(nnx.Module):
         if self.swiglu:
             self.gate = Dense(h, f, axes=("embed", "mlp"), **col)
             self.up = Dense(h, f, axes=("embed", "mlp"), **col)
+            self.gate_up_product = ops.linear("column")  # fc1: gate and up as one product (`gate_up`)
         else:
-            self.fc1 = Dense(h, f, axes=("embed", "mlp"), **col)
-        self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.row,
+            self.fc1 = Dense(h, f, axes=("embed", "mlp"), **dict(col, dot_general=ops.linear("column")))
+        self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.linear("row"),
                          init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
 
     def gate_up(self, x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Both SwiGLU input projections as one product with W[D, F, 2] (F split by tensor
         parallelism; one input all-gather under sequence parallelism)."""
         w = jnp.stack([self.gate.kernel[...], self.up.kernel[...]], axis=-1).astype(self.gate.dtype)
-        out = self.gate.dot_general(x_BxLxD.astype(self.gate.dtype), w, (((2,), (0,)), ((), ())))
+        out = self.gate_up_product(x_BxLxD.astype(self.gate.dtype), w, (((2,), (0,)), ((), ())))
         if self.gate.bias is not None:
             out = out + jnp.stack([self.gate.bias[...], self.up.bias[...]], axis=-1).astype(out.dtype)
         return out[..., 0], out[..., 1]

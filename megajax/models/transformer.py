@@ -76,7 +76,7 @@ class Transformer(nnx.Module):
         self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
         self.dtype = dtype
         self.embed = Embed(cfg.vocab_size, vocab, cfg.hidden_size, init_std=cfg.init_std,
-                           dtype=dtype, ops=ops, rngs=rngs)
+                           dtype=dtype, ops=ops, tied=cfg.tie_embeddings, rngs=rngs)
         if cfg.position_embedding == "learned":
             self.pos_embed = nnx.Param(
                 normal_init(rngs.params(), (cfg.max_position_embeddings, cfg.hidden_size), cfg.init_std),
@@ -93,6 +93,7 @@ class Transformer(nnx.Module):
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.ops = ops
+        self.output_product = ops.column if cfg.tie_embeddings else ops.linear("output")
         if not cfg.tie_embeddings:
             self.output = nnx.Param(
                 padded_normal_init(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, 1, cfg.vocab_size),
@@ -149,7 +150,7 @@ class Transformer(nnx.Module):
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
-            logits = self.ops.column(x, self.output[...].astype(self.dtype), (((2,), (0,)), ((), ())))
+            logits = self.output_product(x, self.output[...].astype(self.dtype), (((2,), (0,)), ((), ())))
         logits = logical_constraint(logits, LOGITS)
         if self.padded_vocab_size != self.vocab_size:
             real = jnp.arange(self.padded_vocab_size) < self.vocab_size

@@ -11,8 +11,10 @@ Recomputation in Large Transformer Models"), which count 16-bit activations:
     selective:          drops the 5*a*s/h term (attention scores, softmax, dropout)
     full:               2*s*b*h (/t with SP), the layer input only
 
-scaled by (activation bytes / 2) for other precisions; b is the micro batch
-per data-parallel rank.
+scaled by (activation bytes / 2) for other precisions (the compute dtype's
+bytes, megajax/precision/policy.py; FP8 keeps bf16 activations, its products'
+one-byte copies of their inputs are not counted); b is the micro batch per
+data-parallel rank.
 
 Communication per step, Megatron's minimum for the layout (elements x bytes
 of the compute dtype): tensor parallelism all-reduces b*s*h twice per layer
@@ -41,8 +43,8 @@ import jax
 from megajax.checkpoint.source import flatten
 from megajax.config import Config
 from megajax.mesh import Rules, logical_to_spec
+from megajax.precision.policy import precision_policy
 
-ACT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
 def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
@@ -81,7 +83,7 @@ def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> in
         per_layer = s * b * h / t * (34 + (0 if policy == "selective" else attn))
     else:
         per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
-    scale = ACT_BYTES[cfg.train.precision] / 2
+    scale = precision_policy(cfg).activation_bytes / 2
     return int(per_layer * m.num_layers * scale)
 
 
@@ -102,7 +104,7 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> 
     """Megatron's minimum bytes per device per step, by collective kind."""
     m, sizes = cfg.model, layout.sizes
     t = sizes["tensor"]
-    act = ACT_BYTES[cfg.train.precision]
+    act = precision_policy(cfg).activation_bytes
     tokens = layout.micro_batch * cfg.train.seq_len / sizes["context"]
     bsh = tokens * m.hidden_size * act
     out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}

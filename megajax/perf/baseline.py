@@ -88,8 +88,11 @@ def _torch():
     return torch
 
 
-def torch_dtype(torch, precision: str):
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+def torch_dtype(torch, cfg: Config):
+    """The baseline's compute dtype: the precision policy's (an fp8 run is measured against the
+    peers in bf16: FP8 in PyTorch needs Transformer Engine, which the baselines do not use)."""
+    from megajax.precision.policy import precision_policy
+    return getattr(torch, precision_policy(cfg).compute_dtype.name)
 
 
 def hf_model(cfg: Config, torch):
@@ -128,7 +131,7 @@ def torch_train_step(cfg: Config) -> tuple[Callable[[], None], str]:
     torch = _torch()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.train.seed)
-    dtype = torch_dtype(torch, cfg.train.precision)
+    dtype = torch_dtype(torch, cfg)
     model = hf_model(cfg, torch).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
@@ -183,7 +186,7 @@ def megatron_train_step(cfg: Config) -> tuple[Callable[[], None], str]:
         dist.init_process_group("nccl", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(cfg.train.seed)
-    dtype = torch_dtype(torch, cfg.train.precision)
+    dtype = torch_dtype(torch, cfg)
     tc = TransformerConfig(
         num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
         num_query_groups=m.num_kv_heads, ffn_hidden_size=m.ffn_hidden_size, kv_channels=m.head_dim,

@@ -38,6 +38,7 @@ import jax
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
 from megajax.perf import analytic, hlo
+from megajax.precision.policy import precision_policy
 from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
 
 KINDS = hlo.KINDS
@@ -146,7 +147,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     tokens = layout.tokens
     tps = tokens / timing["median"]
     peak, peak_source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
-                                               cfg.train.precision, jax.local_device_count(),
+                                               precision_policy(cfg).peak_flops_key, jax.local_device_count(),
                                                cfg.train.peak_tflops)
     tflops = setup.flops_per_step / timing["median"] / n_dev / 1e12
     report = {

@@ -28,6 +28,7 @@ from megajax.checkpoint.manager import Checkpointer
 from megajax.config import Config
 from megajax.errors import TrainingError
 from megajax.mesh import mesh_sizes
+from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
@@ -125,7 +126,7 @@ class Health:
 
     def __init__(self, cfg: Config, say):
         self.cfg, self.say = cfg, say
-        self.fp16 = cfg.train.precision == "fp16"
+        self.fp16 = precision_policy(cfg).dynamic_loss_scale
         self.may_skip = cfg.train.skip_nonfinite or self.fp16
         self.skipped = 0  # in this process's part of the run
         self.consecutive = 0
@@ -185,12 +186,12 @@ class Validation:
     def due(self, step: int, last: bool) -> bool:
         return self.tr.valid_loader is not None and (step % self.every == 0 or last)
 
-    def run(self, step: int, params) -> None:
+    def run(self, step: int, params, fp8=None) -> None:
         cfg, tr = self.tr.cfg, self.tr
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
             batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
-            l, c = jax.device_get(tr.eval_fn(params, batch))
+            l, c = jax.device_get(tr.eval_fn(params, batch, fp8))
             loss_sum, count = loss_sum + float(l), count + float(c)
         self.count += 1
         val = loss_sum / max(count, 1.0)
@@ -260,7 +261,7 @@ def train(cfg: Config | RunPlan, devices: list | None = None) -> RunResult:
 def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
     cfg, plan = tr.cfg, tr.plan
     dev = jax.devices()[0]
-    peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, cfg.train.precision,
+    peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, precision_policy(cfg).peak_flops_key,
                                                jax.local_device_count(), cfg.train.peak_tflops)
     total, G = cfg.train.steps, plan.batch.global_batch
     state, consumed = tr.state, tr.consumed_samples
@@ -355,7 +356,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
             if validation.due(step, last):
                 settle()
                 stop_if_unhealthy()
-                validation.run(step, state.params)
+                validation.run(step, state.params, state.fp8)
             if saves.due(step, last, stopping):
                 settle()
                 stop_if_unhealthy()
@@ -397,14 +398,13 @@ def greedy_sample(tr: Trainer, params) -> str:
     from megajax.inference.generate import Generator
     from megajax.inference.sampling import Sampling
     from megajax.inference.text import completion_text
-    from megajax.train.state import COMPUTE_DTYPES
     cfg, tok = tr.cfg, tr.tokenizer
     eod = getattr(tok, "eod_id", None)
     prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
     # layer_buffers=False: the scanned layers read the training state's parameters where they are
     # (per-layer copies would add a model's worth of memory at the end of training).
     generator = Generator(cfg.model, params, padded_vocab_size=tr.plan.padded_vocab,
-                          dtype=COMPUTE_DTYPES[cfg.train.precision], mesh=tr.mesh, rules=tr.rules.activations,
+                          dtype=precision_policy(cfg).inference_dtype, mesh=tr.mesh, rules=tr.rules.activations,
                           eod_id=eod, layer_buffers=False)
     budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
     if not prompt or budget < 1:

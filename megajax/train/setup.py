@@ -27,6 +27,7 @@ from megajax.mesh import ShardingRules, mesh_from_sizes
 from megajax.parallel.context import load_balanced_order
 from megajax.perf.fit import fit_check
 from megajax.precision.loss_scale import DynamicLossScale
+from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.plan import BatchLayout, RunPlan, make_plan
@@ -85,7 +86,7 @@ class Setup:
         holds the last finite state when it notices."""
         cfg = self.cfg
         step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules)
-        halt = not (cfg.train.skip_nonfinite or cfg.train.precision == "fp16")
+        halt = not (cfg.train.skip_nonfinite or precision_policy(cfg).dynamic_loss_scale)
 
         def guarded(state, batch, ok):
             new, metrics = step(state, batch)
@@ -102,9 +103,9 @@ class Setup:
         return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
 
     def eval_step(self) -> Callable:
-        """jit of (params, batch) -> (sum of token losses, tokens)."""
+        """jit of (params, batch, fp8 scaling state or None) -> (sum of token losses, tokens)."""
         return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
-                       in_shardings=(self.state_shardings.params, self.batch_shardings))
+                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8))
 
     def loader(self, dataset, prefetch: int) -> Loader:
         context = self.plan.sizes["context"]
@@ -120,7 +121,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)
-    init = make_init_fn(init_params, tx, scaler, cfg.train.seed)
+    init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8)
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
@@ -140,7 +141,7 @@ class Trainer:
     step_fn: jax.stages.Compiled  # (state, batch, ok) -> (state, metrics, ok)
     loader: Loader
     valid_loader: Loader | None
-    eval_fn: Callable  # jitted (params, batch) -> (loss sum, tokens)
+    eval_fn: Callable  # jitted (params, batch, fp8) -> (loss sum, tokens)
     consumed_samples: int  # data position of `state`
     origin: str  # where the state came from
     resumed_step: int | None  # the checkpoint step a resumed run starts from

@@ -2,7 +2,13 @@
 
 TrainState holds everything a step changes: step counter, fp32 parameters
 (a nested dict mirroring the model), optimizer state, the fp16 loss scale,
-and the RNG key data. Shardings of every leaf come from the rules tables.
+the FP8 scaling state, and the RNG key data. Shardings of every leaf come from
+the rules tables.
+
+The model's state is split by variable type: `nnx.Param` leaves are the
+parameters (what the optimizer updates and weight-decays), `Fp8Meta` leaves the
+FP8 scaling state (updated by the train step from the products' amaxes,
+replicated on every device).
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.context import context_parallel_attention, sharded_attention
 from megajax.parallel.sequence import sequence_parallel_ops
+from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+from megajax.precision.policy import precision_policy
 
 
 @struct.dataclass
@@ -36,6 +42,9 @@ class TrainState:
     opt_state: optax.OptState
     loss_scale: LossScaleState | None
     rng: jax.Array  # u32 [2] (raw key data)
+    # FP8 scaling state (delayed recipe), a nested dict like the model's (Fp8Meta leaves); None
+    # without one. Not a parameter: the optimizer never sees it.
+    fp8: dict | None = None
 
 
 @dataclass
@@ -44,19 +53,32 @@ class ModelSpec:
     graphdef: Any
     axes: dict  # logical axes per parameter (same tree as params)
     abstract_params: dict  # ShapeDtypeStructs
+    abstract_fp8: dict | None = None  # ShapeDtypeStructs of the FP8 scaling state; None: none
 
-    def apply(self, params: dict, *args, **kwargs) -> jax.Array:
-        return nnx.merge(self.graphdef, params)(*args, **kwargs)
+    def apply(self, params: dict, *args, fp8: dict | None = None, **kwargs) -> jax.Array:
+        """The model on `params` (and, with FP8 scaling state, `fp8`; a fresh state when None)."""
+        if self.abstract_fp8 is None:
+            return nnx.merge(self.graphdef, params)(*args, **kwargs)
+        fp8 = self.init_fp8() if fp8 is None else fp8
+        return nnx.merge(self.graphdef, params, fp8)(*args, **kwargs)
+
+    def init_fp8(self) -> dict | None:
+        """A fresh FP8 scaling state (scales 1, empty amax histories), or None."""
+        return None if self.abstract_fp8 is None else initial_fp8_state(self.abstract_fp8)
 
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
-    """The model's injected products for this layout (sequence parallel or plain) and back end."""
+    """The model's injected products for this layout (sequence parallel or plain), back end and
+    precision (FP8: the linear layers get stateful FP8 products, see megajax/precision/fp8.py)."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
     if (mesh is not None and cfg.parallel.sequence_parallel
             and dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"] > 1):
         return sequence_parallel_ops(mesh, rules.activations, dot)
-    return LinearOps(column=dot, row=dot)
+    fp8 = precision_policy(cfg).fp8
+    if fp8 is None:
+        return LinearOps(column=dot, row=dot)
+    return LinearOps(column=dot, row=dot, low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
 
 
 def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable:
@@ -79,7 +101,8 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
                      rules: ShardingRules | None = None, seed: int | None = None) -> tuple[ModelSpec, Callable]:
     """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
-    dtype = COMPUTE_DTYPES[cfg.train.precision]
+    policy = precision_policy(cfg)
+    dtype = policy.compute_dtype
     seed = cfg.train.seed if seed is None else seed
     ops = linear_ops(cfg, mesh, rules)
     core = attention_core(cfg, mesh, rules)
@@ -90,31 +113,37 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
                            rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
-    graphdef, abstract_state = nnx.split(abstract)
+    graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
+    abstract_fp8 = nnx.to_pure_dict(abstract_fp8)
     spec = ModelSpec(graphdef=graphdef, axes=param_axes(abstract),
-                     abstract_params=nnx.to_pure_dict(abstract_state))
+                     abstract_params=nnx.to_pure_dict(abstract_params),
+                     abstract_fp8=abstract_fp8 or None)
+    # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
+    assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves(spec.abstract_params)), policy
 
     def init_params():
-        return nnx.to_pure_dict(nnx.state(make()))
+        return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
 
     return spec, init_params
 
 
 def loss_scaler(cfg: Config) -> DynamicLossScale | None:
     t = cfg.train
-    if t.precision != "fp16":
+    if not precision_policy(cfg).dynamic_loss_scale:
         return None
     return DynamicLossScale(initial_scale=t.initial_loss_scale, min_scale=t.min_loss_scale,
                             window=t.loss_scale_window, hysteresis=t.hysteresis)
 
 
 def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
-                 scaler: DynamicLossScale | None, seed: int) -> Callable[[], TrainState]:
+                 scaler: DynamicLossScale | None, seed: int,
+                 init_fp8: Callable[[], dict | None] = lambda: None) -> Callable[[], TrainState]:
+    """The fresh train state; the optimizer is initialised on the parameters alone."""
     def init() -> TrainState:
         params = init_params()
         return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
                           loss_scale=scaler.init() if scaler else None,
-                          rng=jax.random.key_data(jax.random.key(seed)))
+                          rng=jax.random.key_data(jax.random.key(seed)), fp8=init_fp8())
     return init
 
 
@@ -129,4 +158,6 @@ def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax
                                    is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
                       loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale),
-                      rng=replicated)
+                      rng=replicated,
+                      # A few scalars per product, used by every device: replicated.
+                      fp8=jax.tree.map(lambda _: replicated, abstract_state.fp8))

@@ -19,7 +19,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec
+from megajax.precision.fp8 import scales_of, update_fp8_state, with_scales
 from megajax.precision.loss_scale import DynamicLossScale
+from megajax.precision.policy import precision_policy
 from megajax.train.optimizer import clip_by_global_norm, update_count
 from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
@@ -76,8 +78,17 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     Without accumulation (one microbatch) there is one reduction anyway, so the step runs the model
     on the whole batch under the normal rules: FSDP keeps its parameters and gradients sharded
     through the step (gathered per layer, reduce-scattered as the backward pass produces them).
+
+    FP8 (delayed scaling): the loss is differentiated with respect to the products' scales too;
+    those "gradients" are the amaxes each product saw (fp8_linear's custom VJP). They are combined
+    with max, never summed: over microbatches, over data-parallel shards (once, with the
+    gradients' reduction) and, since each amax is a max over the global tensor, over tensor
+    shards. The scaling state is then rolled forward (megajax/precision/fp8.py), identically on
+    every device, and never reaches clipping or the optimizer.
     """
     clip = cfg.optim.clip_grad
+    policy = precision_policy(cfg)
+    fp8_policy = policy.fp8
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
     # The data-parallel mesh axes: where the rules put the batch.
@@ -98,13 +109,15 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     def constrain(x, spec_entries):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec_entries)))
 
-    def micro_loss(params, micro, rng, norm, scale, model=shard_spec):
+    def micro_loss(params, fp8_scales, micro, rng, norm, scale, fp8, model=shard_spec):
+        fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
         logits = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                             dropout_rng=rng)
+                             dropout_rng=rng, fp8=fp8)
         loss_sum = jnp.sum(cross_entropy(logits, micro["labels"]) * micro["loss_mask"])
         return loss_sum / norm * scale, loss_sum
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    # Gradients with respect to the parameters, and the FP8 products' amaxes (see above).
+    grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         if batch["tokens"].shape[0] == 1:  # one microbatch: one reduction without per-shard gradients
@@ -120,17 +133,21 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
                 return grads
             return jax.tree.map(lambda g, s: constrain(g, (dp_axes, *_without(s, dp_axes))), grads, param_specs)
 
+        fp8 = state.fp8
+        fp8_scales = {} if fp8 is None else scales_of(fp8)
+
         def shard_grads(params, micro, rng, norm, scale):
-            """Gradients and loss sums of one microbatch, per data-parallel shard: [dp, ...] and [dp]
-            from micro [dp, b, ...] (no leading dim without data parallelism)."""
+            """Gradients, FP8 amaxes and loss sums of one microbatch, per data-parallel shard:
+            [dp, ...] and [dp] from micro [dp, b, ...] (no leading dim without data parallelism)."""
             if not dp_axes:
-                (_, loss_sum), grads = grad_fn(params, micro, rng, norm, scale, spec)
-                return grads, loss_sum
+                (_, loss_sum), (grads, amaxes) = grad_fn(params, fp8_scales, micro, rng, norm, scale, fp8, spec)
+                return grads, amaxes, loss_sum
             # Each shard draws its own dropout masks.
             rngs = None if rng is None else jax.random.split(rng, dp)
-            (_, loss_sum), grads = jax.vmap(grad_fn, in_axes=(None, 0, 0 if rng is not None else None, None, None),
-                                            spmd_axis_name=dp_axes)(params, micro, rngs, norm, scale)
-            return grads, loss_sum
+            (_, loss_sum), (grads, amaxes) = jax.vmap(
+                grad_fn, in_axes=(None, None, 0, 0 if rng is not None else None, None, None, None),
+                spmd_axis_name=dp_axes)(params, fp8_scales, micro, rngs, norm, scale, fp8)
+            return grads, amaxes, loss_sum
 
         accum = batch["tokens"].shape[0]
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -151,21 +168,26 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             return shard_grads(params, micro, rng, num_tokens, scale)
 
         if accum == 1:
-            grads, loss_sums = run_micro(0)
+            grads, amaxes, loss_sums = run_micro(0)
         else:
             def body(carry, i):
-                g, l = run_micro(i)
-                return (on_own_shard(jax.tree.map(jnp.add, carry[0], g)), carry[1] + l), None
+                g, a, l = run_micro(i)
+                # Gradients add up over microbatches; amaxes take the max.
+                return (on_own_shard(jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry[0], g)),
+                        jax.tree.map(jnp.maximum, carry[1], a),
+                        carry[2] + l), None
             lead = (dp,) if dp_axes else ()
-            zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, p.dtype), params)),
+            zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, policy.grad_dtype), params)),
+                     jax.tree.map(lambda s: jnp.zeros(lead + s.shape, jnp.float32), fp8_scales),
                      jnp.zeros(lead, jnp.float32))
-            (grads, loss_sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
+            (grads, amaxes, loss_sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
         loss_sum = jnp.sum(loss_sums)
         if dp_axes:
             # The one data-parallel reduction of the step: an all-reduce, or a reduce-scatter onto
-            # the optimizer's shards (FSDP, distributed optimizer).
-            grads = jax.tree.map(lambda g, s: constrain(jnp.sum(g, axis=0), tuple(s)), on_own_shard(grads),
-                                 grad_specs)
+            # the optimizer's shards (FSDP, distributed optimizer); amaxes: a max over the shards.
+            grads = jax.tree.map(lambda g, s: constrain(jnp.sum(g.astype(policy.reduction_dtype), axis=0), tuple(s)),
+                                 on_own_shard(grads), grad_specs)
+            amaxes = jax.tree.map(lambda a: jnp.max(a, axis=0), amaxes)
 
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = loss_sum / num_tokens
@@ -178,12 +200,14 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         def keep_if_skipped(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
+        new_fp8 = None if fp8 is None else keep_if_skipped(update_fp8_state(fp8, amaxes, fp8_policy.margin), fp8)
         new_state = TrainState(
             step=state.step + 1,
             params=keep_if_skipped(new_params, state.params),
             opt_state=keep_if_skipped(new_opt, state.opt_state),
             loss_scale=scaler.update(state.loss_scale, ~finite) if scaler else None,
             rng=state.rng,
+            fp8=new_fp8,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": ~finite,
                    "loss_scale": scale, "num_tokens": num_tokens}
@@ -193,14 +217,15 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
 
 def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
-    """Returns eval(params, batch) -> (sum of token losses, number of tokens), not yet jitted."""
+    """Returns eval(params, batch, fp8=None) -> (sum of token losses, number of tokens), not yet
+    jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation records no amax)."""
     act_rules = rules.activations if rules is not None else None
 
-    def evaluate(params: dict, batch: dict):
+    def evaluate(params: dict, batch: dict, fp8: dict | None = None):
         with activation_sharding(mesh, act_rules):
             def micro(carry, i):
                 m = jax.tree.map(lambda x: x[i], batch)
-                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"))
+                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8)
                 loss = jnp.sum(cross_entropy(logits, m["labels"]) * m["loss_mask"])
                 return (carry[0] + loss, carry[1] + jnp.sum(m["loss_mask"])), None
             (loss, count), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0)),
