@@ -38,7 +38,8 @@ import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
-from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
+from megajax.checkpoint.mapping import (Row, flat, index, linear, linear_rows, norm_rows, rows_for, same, to_external,
+                                        to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
@@ -383,7 +384,7 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
         y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
         for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
                                mismatch=mismatch).items():
-            out[path][... if layer is None else layer] = x
+            out[path][index(layer, row)] = x
     left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
     if left:
         raise CheckpointError(f"Megatron checkpoint {where} holds tensors megajax does not know: "
