@@ -283,6 +283,9 @@ MEGATRON_CASES = {
     "llama3-tp2-pp2": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0"], 2, 2),
     # gpt: learned positions, layernorm, exact gelu, biases, tied embeddings (copied to the last stage)
     "gpt-tp2-pp2": ("gpt", [], 2, 2),
+    # mixture of experts: router, per-expert linear_fc1 [gate; up] and linear_fc2, expert tensor parallelism
+    "mixtral-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                              "model.ffn_hidden_size=32"], 2, 1),
 }
 
 

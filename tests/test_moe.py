@@ -185,3 +185,14 @@ def test_presets():
         (32, 4096, 32, 8, 8, 2, 14336, 32000)
     tiny = load_config(["model/tiny-moe"]).model
     assert tiny.num_experts == 8 and tiny.moe_router_topk == 2
+
+
+def test_flops_count_active_parameters():
+    """Mixtral 8x7B: per layer attention (q, o: D x D; k, v: D x 1024), router D x 8 and 2 of the 8
+    experts (3 x D x F each); plus the output layer: 12.75B, its published ~12.9B active parameters
+    less the input embedding table (a lookup, no FLOPs)."""
+    from megajax.train.flops import matmul_params
+    m = load_config(["model/mixtral-8x7b"]).model
+    d, f = 4096, 14336
+    per_layer = 2 * d * d + 2 * d * 1024 + d * 8 + 2 * 3 * d * f
+    assert matmul_params(m, m.padded_vocab_size()) == 32 * per_layer + d * 32000

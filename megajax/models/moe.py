@@ -108,15 +108,25 @@ def make_local_dispatch(activation: str, num_experts: int, capacity_factor: floa
 
 
 def route(logits_TxE: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
-    """(expert ids [T, K] int32, weights [T, K] fp32): top-k logits, softmax over the k."""
-    top, ids = jax.lax.top_k(logits_TxE, topk)
-    return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+    """(expert ids [..., K] int32, weights [..., K] fp32): top-k logits, softmax over the k.
+
+    Top-k as k rounds of argmax (ties: the lower expert id, as lax.top_k): XLA partitions these
+    reductions along the token dims, where its top_k gathers a token-sharded input first."""
+    e = logits_TxE.shape[-1]
+    rest, ids, top = logits_TxE, [], []
+    for _ in range(topk):
+        i = jnp.argmax(rest, axis=-1).astype(jnp.int32)
+        top.append(jnp.take_along_axis(logits_TxE, i[..., None], axis=-1)[..., 0])
+        ids.append(i)
+        rest = jnp.where(jax.nn.one_hot(i, e, dtype=jnp.bool_), -jnp.inf, rest)
+    return jnp.stack(ids, axis=-1), jax.nn.softmax(jnp.stack(top, axis=-1), axis=-1)
 
 
 def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array) -> RouterStats:
     e = logits_TxE.shape[-1]
     probs = jax.nn.softmax(logits_TxE, axis=-1)
-    tokens = jnp.zeros((e,), jnp.float32).at[ids_TxK.reshape(-1)].add(1.0)
+    # A sum of one-hots, not a scatter: a token-sharded batch reduces its partial counts (e experts).
+    tokens = jnp.sum(jax.nn.one_hot(ids_TxK, e, dtype=jnp.float32), axis=(0, 1))
     lse = jax.nn.logsumexp(logits_TxE, axis=-1)
     return RouterStats(probs=jnp.sum(probs, axis=0), tokens=jax.lax.stop_gradient(tokens),
                        lse_sq=jnp.sum(jnp.square(lse)), count=jnp.float32(logits_TxE.shape[0]),

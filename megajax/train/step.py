@@ -66,12 +66,10 @@ def batch_shardings(mesh: Mesh, rules: ShardingRules, keys) -> dict:
     return {k: sharding for k in keys}
 
 
-def per_shard_rules(rules: ShardingRules, dp_axes: tuple[str, ...]) -> ShardingRules:
+def per_shard_rules(rules: ShardingRules) -> ShardingRules:
     """Activation rules for the model as one data-parallel shard sees it: the `batch` dim is the
-    per-shard batch (its split over `dp_axes` is the vmapped dim, see `make_train_step`); what is
-    left (the expert axis) still splits it."""
-    batch = tuple(a for a in rules.activations["batch"] if a not in dp_axes)
-    return dataclasses.replace(rules, activations={**rules.activations, "batch": batch})
+    per-shard batch (its data-parallel split is the vmapped dim, see `make_train_step`)."""
+    return dataclasses.replace(rules, activations={**rules.activations, "batch": ()})
 
 
 def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, ...]:
@@ -119,7 +117,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     plain_act_rules = rules.activations if rules is not None else None
     moe = cfg.model.num_experts > 0
     if dp_axes:
-        shard_rules = per_shard_rules(rules, dp_axes)
+        shard_rules = per_shard_rules(rules)
         shard_spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=shard_rules)
         shard_act_rules = shard_rules.activations
         specs = lambda table: jax.tree.map(lambda names: logical_to_spec(names, table), spec.axes,
@@ -186,8 +184,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         if dp_axes:
             # [A, dp x b, S] -> [A, dp, b, S]: the data-parallel dim made explicit (no data moves).
             seq_entry = logical_to_spec(BATCH_AXES, rules.activations)[2]
-            rest = _without(P(logical_to_spec(BATCH_AXES, rules.activations)[1]), dp_axes)[0]  # expert
-            batch = {k: constrain(v.reshape(accum, dp, -1, *v.shape[2:]), (None, dp_axes, rest, seq_entry))
+            batch = {k: constrain(v.reshape(accum, dp, -1, *v.shape[2:]), (None, dp_axes, None, seq_entry))
                      for k, v in batch.items()}
             # Every shard uses whole (tensor-parallel) parameters: FSDP gathers them here, once.
             params = jax.tree.map(lambda p, s: constrain(p, _without(s, dp_axes)), params, param_specs)
