@@ -32,3 +32,20 @@ def test_expert_parallel_accumulation_matches_one_device(small_config):
     ref = reference(small_config, *MOE, "train.micro_batch=4")
     got = run(small_config, *MOE, "mesh.data=2", "mesh.expert=2", "train.micro_batch=1", devices=jax.devices()[:4])
     assert_same_run(got, ref)
+
+
+def test_expert_parallel_capacity_mode(small_config):
+    """Capacity mode across expert-parallel devices: a capacity no expert can fill is the dropless run;
+    capacity 1.0 (per device, on its own tokens, as in Megatron) drops and logs the dropped fraction."""
+    ref = reference(small_config, *MOE)
+    roomy = run(small_config, *MOE, "mesh.data=4", "mesh.expert=2", "model.moe_expert_capacity_factor=4.0",
+                devices=jax.devices(), params=False)
+    assert_same_run(roomy, ref)
+    tight = train_records(small_config, *MOE, "mesh.data=4", "mesh.expert=2", "model.moe_expert_capacity_factor=1.0")
+    assert all(0 < r["moe_dropped_fraction"] < 0.5 for r in tight)
+    assert all(r["moe_min_expert_share"] < 1 / 8 < r["moe_max_expert_share"] for r in tight)
+
+
+def train_records(small_config, *overrides):
+    from megajax.train.loop import train
+    return train(small_config(*overrides, steps=2), devices=jax.devices()).records

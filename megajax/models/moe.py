@@ -9,7 +9,8 @@ leading `experts` dim: gate/up/fc1 W[E, D, F], fc2 W[E, F, D].
 
 Token dispatch is injected (`dispatch`), as the attention core is: on one device (or under
 XLA's sharding alone) `local_dispatch` sorts the token-expert assignments by expert and runs
-every expert with one grouped product (`jax.lax.ragged_dot`); expert parallelism supplies a
+every expert with one grouped product (`jax.lax.ragged_dot`), or, in capacity mode, fills
+fixed [experts, capacity] buffers and runs batched products; expert parallelism supplies a
 dispatch that moves tokens between devices (megajax/parallel/experts.py).
 
 The load-balancing and z losses are not computed here: the layer returns per-expert sums over
@@ -66,34 +67,66 @@ def capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int
     return max(1, math.ceil(num_tokens * topk / num_experts * factor))
 
 
-def keep_within_capacity(ids_A: jax.Array, num_experts: int, cap: int) -> jax.Array:
-    """bool [A]: the assignment is among the first `cap` of its expert in token order (later
-    tokens of a full expert are dropped and pass through the residual only)."""
+def capacity_slots(ids_A: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """(slot [A] in the [experts x cap] buffer, or experts x cap when dropped; kept [A] bool): an
+    expert keeps its first `cap` assignments in token order; later ones are dropped and their
+    tokens pass through the residual only."""
     order, sizes = sort_by_expert(ids_A, num_experts)
     starts = jnp.cumsum(sizes) - sizes
     rank_sorted = jnp.arange(ids_A.shape[0]) - starts[ids_A[order]]
     rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
-    return rank < cap
+    keep = rank < cap
+    return jnp.where(keep, ids_A * cap + rank, num_experts * cap), keep
+
+
+def expert_ffn_buffers(x_GxCxD: jax.Array, kernels: dict, activation: str) -> jax.Array:
+    """Fixed-size buffers (group g = expert g's rows) through their experts: batched products."""
+    def product(a, w):
+        return jnp.einsum("gcd,gdf->gcf", a, w)
+
+    if activation == "swiglu":
+        hidden = jax.nn.silu(product(x_GxCxD, kernels["gate"])) * product(x_GxCxD, kernels["up"])
+    else:
+        hidden = jax.nn.gelu(product(x_GxCxD, kernels["fc1"]), approximate=False)
+    return product(hidden, kernels["fc2"])
+
+
+def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
+                      activation: str, num_experts: int, capacity_factor: float, ep: int = 1,
+                      exchange: Callable = lambda buf: buf) -> tuple[jax.Array, jax.Array]:
+    """Capacity mode: (y [T, D], dropped assignments []) with fixed [experts, capacity] buffers.
+
+    Experts are held by `ep` devices (E / ep each, contiguous); `exchange` is the all-to-all over
+    them ([ep, E/ep x C, D] -> the same shape, slot r to/from device r; identity on one device)."""
+    t, k = ids_TxK.shape
+    e, d = num_experts, x_TxD.shape[-1]
+    cap = capacity(t, k, e, capacity_factor)
+    slot, keep = capacity_slots(ids_TxK.reshape(-1), e, cap)
+    rows = jnp.repeat(x_TxD, k, axis=0)  # [A, D], assignment a = token a // K
+    send = jnp.zeros((e * cap, d), x_TxD.dtype).at[slot].set(rows, mode="drop")
+    recv = exchange(send.reshape(ep, e // ep * cap, d))  # [ep (source), E_local x C, D]
+    by_expert = recv.reshape(ep, e // ep, cap, d).transpose(1, 0, 2, 3).reshape(e // ep, ep * cap, d)
+    out = expert_ffn_buffers(by_expert, kernels, activation)
+    back = exchange(out.reshape(e // ep, ep, cap, d).transpose(1, 0, 2, 3).reshape(ep, e // ep * cap, d))
+    out_rows = jnp.take(back.reshape(e * cap, d), slot, axis=0, mode="fill", fill_value=0)  # dropped: 0
+    y = jnp.sum(out_rows.reshape(t, k, d).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+    return y.astype(x_TxD.dtype), jnp.sum(~keep).astype(jnp.float32)
 
 
 def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
                    activation: str, num_experts: int, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:
     """Every token through its top-k experts on this device: (y [T, D], dropped assignments [])."""
+    if capacity_factor is not None:
+        return capacity_dispatch(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation,
+                                 num_experts=num_experts, capacity_factor=capacity_factor)
     t, k = ids_TxK.shape
     ids = ids_TxK.reshape(-1)  # [A = T K], assignment a = token a // K
-    weights = weights_TxK.reshape(-1)
-    dropped = jnp.zeros((), jnp.float32)
-    if capacity_factor is not None:
-        keep = keep_within_capacity(ids, num_experts, capacity(t, k, num_experts, capacity_factor))
-        dropped = jnp.sum(~keep).astype(jnp.float32)
-        weights = jnp.where(keep, weights, 0.0)
-        ids = jnp.where(keep, ids, num_experts)  # a dropped assignment sorts after every group
-    order, sizes = sort_by_expert(ids, num_experts + 1)
+    order, sizes = sort_by_expert(ids, num_experts)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
-    out_sorted = expert_ffn(rows, sizes[:num_experts], kernels, activation)
+    out_sorted = expert_ffn(rows, sizes, kernels, activation)
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
-    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights.reshape(t, k, 1), axis=1)
-    return y.astype(x_TxD.dtype), dropped
+    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
 
 
 def make_local_dispatch(activation: str, num_experts: int, capacity_factor: float | None) -> Callable:

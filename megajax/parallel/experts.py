@@ -12,7 +12,9 @@ axes and `expert`, the sequence over `context`). Experts are split over the `exp
     all_to_all back                           -> every assignment's output, weighted and summed
 
 Buffers have a fixed size (the worst case: every assignment to one device), which every
-backend runs; only the valid rows carry data. With the tensor axis, every tensor rank of an
+backend runs; only the valid rows carry data. In capacity mode the buffers are the experts'
+[E_local x capacity] slots per device (megajax.models.moe.capacity_dispatch), E x capacity rows
+sent per device instead of ep x tokens x K. With the tensor axis, every tensor rank of an
 expert group holds the same tokens (gathered from the sequence-parallel split first) and computes
 a slice of the hidden dim; the outputs are summed over `tensor` (reduce-scattered back onto the
 sequence split under sequence parallelism), as in Megatron's expert tensor parallelism.
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.mesh import Rules, logical_to_spec
-from megajax.models.moe import EXPERT_KERNELS, capacity, expert_ffn, keep_within_capacity, sort_by_expert
+from megajax.models.moe import EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
 
 RESIDUAL = ("batch", "residual_length", "embed")
 
@@ -72,9 +74,16 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
         if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
             x, ids, weights = (jax.lax.all_gather(a, _entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
         b, l, d = x.shape
-        y, dropped = _dispatch_tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
-                                      kernels, activation=activation, num_experts=num_experts,
-                                      e_local=e_local, ep=ep, exp_axes=exp_axes, capacity_factor=capacity_factor)
+        if capacity_factor is not None:
+            exchange = ((lambda buf: jax.lax.all_to_all(buf, _entry(exp_axes), 0, 0, tiled=True)) if ep > 1
+                        else (lambda buf: buf))
+            y, dropped = capacity_dispatch(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
+                                           kernels, activation=activation, num_experts=num_experts,
+                                           capacity_factor=capacity_factor, ep=ep, exchange=exchange)
+        else:
+                y, dropped = _dispatch_tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
+                                          kernels, activation=activation, num_experts=num_experts,
+                                          e_local=e_local, ep=ep, exp_axes=exp_axes)
         y = y.reshape(b, l, d)
         if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums
             if sp_axes:
@@ -93,20 +102,14 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     return dispatch
 
 
-def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
-                     capacity_factor):
-    """One device's tokens through their experts on the expert-parallel devices: (y [T, D], dropped [])."""
+def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes):
+    """Dropless: one device's tokens through their experts on the expert-parallel devices: (y [T, D],
+    dropped [] = 0)."""
     t, k = ids_TxK.shape
     a_count = t * k
     ids = ids_TxK.reshape(-1)  # [A], assignment a = token a // K
     weights = weights_TxK.reshape(-1)
-    dropped = jnp.zeros((), jnp.float32)
-    if capacity_factor is not None:  # per device, on its own tokens (as Megatron's ranks do)
-        keep = keep_within_capacity(ids, num_experts, capacity(t, k, num_experts, capacity_factor))
-        dropped = jnp.sum(~keep).astype(jnp.float32)
-        weights = jnp.where(keep, weights, 0.0)
-        ids = jnp.where(keep, ids, num_experts)  # dropped: sorted last, sent nowhere
-    order, sizes = sort_by_expert(ids, num_experts + 1)
+    order, sizes = sort_by_expert(ids, num_experts)
     inverse = jnp.argsort(order)  # assignment -> its place in the sorted order
     per_rank = sizes[:num_experts].reshape(ep, e_local)  # [ep, E_local] assignments to each device's experts
     rank_counts = jnp.sum(per_rank, axis=1)
@@ -131,8 +134,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0).reshape(ep, a_count, -1)
     back = jax.lax.all_to_all(out_recv, _entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
     # Assignment a's output sits in slot (its device, its place among that device's assignments).
-    rank = jnp.minimum(ids // e_local, ep - 1)
-    place = jnp.clip(inverse - rank_starts[rank], 0, a_count - 1)
-    out = back[rank, place]  # [A, D]; a dropped assignment reads some row, but its weight is 0
+    rank = ids // e_local
+    out = back[rank, inverse - rank_starts[rank]]  # [A, D]
     y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights.reshape(t, k, 1), axis=1)
-    return y.astype(x_TxD.dtype), dropped
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
