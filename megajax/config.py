@@ -80,6 +80,14 @@ class ModelConfig:
     # Layers run as one scanned body (compile time independent of depth) or unrolled (no loop
     # bookkeeping: faster steps for shallow models, compile time grows with depth).
     scan_layers: bool = True
+    # Mixture of experts (Megatron's names): 0 experts = a dense model.
+    num_experts: int = 0
+    moe_router_topk: int = 2  # experts per token
+    moe_ffn_hidden_size: int | None = None  # each expert's hidden size; None: ffn_hidden_size
+    moe_layer_freq: int = 1  # every Nth layer is MoE (only 1, all layers, for now)
+    moe_aux_loss_coeff: float = 1e-2  # Switch/GShard load-balancing loss
+    moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
+    moe_expert_capacity_factor: float | None = None  # None: dropless; else tokens per expert x this
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -95,6 +103,8 @@ class ModelConfig:
             self.head_dim = self.hidden_size // self.num_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = seq_len
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by (128).
@@ -530,10 +540,7 @@ def validate(cfg: Config) -> None:
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         raise ConfigError(f"mesh.pipeline = {cfg.mesh.pipeline}: pipeline parallelism is not "
                           "available yet; use mesh.pipeline=1.")
-    for axis in ("expert",):
-        if getattr(cfg.mesh, axis) not in (1,) or getattr(cfg.mesh.dcn, axis) != 1:
-            raise ConfigError(f"mesh.{axis} = {getattr(cfg.mesh, axis)}: {axis} parallelism is not "
-                              f"available yet; use mesh.{axis}=1.")
+    validate_moe(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
@@ -563,6 +570,34 @@ def validate_precision(cfg: Config) -> None:
         raise ConfigError("train.precision = 'fp8' with parallel.sequence_parallel=true is not available: the "
                           "FP8 products are not written for sequence parallelism's per-shard products; set "
                           "parallel.sequence_parallel=false (or use train.precision=bf16).")
+
+
+def validate_moe(cfg: Config) -> None:
+    """Mixture-of-experts keys, and mesh.expert (which only a MoE model can use)."""
+    m = cfg.model
+    _positive("model.num_experts", m.num_experts, allow_zero=True)
+    expert = cfg.mesh.expert * cfg.mesh.dcn.expert
+    if m.num_experts == 0:
+        if expert != 1:
+            raise ConfigError(f"mesh.expert = {cfg.mesh.expert} (x mesh.dcn.expert = {cfg.mesh.dcn.expert}) "
+                              f"needs a mixture-of-experts model: model.num_experts is 0 (dense). Set "
+                              f"model.num_experts or use mesh.expert=1.")
+        return
+    _positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    _positive("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, allow_zero=True)
+    _positive("model.moe_z_loss_coeff", m.moe_z_loss_coeff, allow_zero=True)
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ConfigError(f"model.moe_router_topk = {m.moe_router_topk}: each token goes to top-k of the "
+                          f"model.num_experts = {m.num_experts} experts, so it must be in 1..{m.num_experts}.")
+    if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
+        raise ConfigError(f"model.moe_expert_capacity_factor = {m.moe_expert_capacity_factor}: must be > 0 "
+                          f"(e.g. 1.0 or 1.25), or null for dropless routing.")
+    if m.moe_layer_freq != 1:
+        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq}: only 1 (every layer is a MoE layer) "
+                          f"is supported; the scanned layer stack holds one kind of block.")
+    if m.use_bias:
+        raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
+                          "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")
 
 
 def validate_distributed_and_ops(cfg: Config) -> None:

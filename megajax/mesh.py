@@ -14,7 +14,9 @@ these tables:
 - sequence parallel: activations' `residual_length` (the sequence dim outside
   tensor-parallel regions) over `tensor`;
 - context parallel: the sequence (`length`, `residual_length`) over `context`
-  (attention itself is in megajax/parallel/context.py).
+  (attention itself is in megajax/parallel/context.py);
+- expert parallel: MoE kernels' `experts` over `expert`; outside the MoE layers
+  `expert` splits the batch like `data` (token dispatch: megajax/parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -122,8 +124,9 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
 
 
 def data_parallel_size(sizes: Mapping[str, int]) -> int:
-    """Ranks that split the batch (each holds a different part of the global batch)."""
-    return sizes["data"] * sizes["fsdp"]
+    """Ranks that split the batch (each holds a different part of the global batch): expert-parallel
+    ranks are data-parallel ranks outside the MoE layers, as in Megatron."""
+    return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
 
 
 def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
@@ -137,6 +140,9 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
         (m.ffn_hidden_size, "model.ffn_hidden_size", tp, "mesh.tensor"),
         (m.hidden_size, "model.hidden_size", s["fsdp"], "mesh.fsdp"),
     ]
+    if m.num_experts:
+        checks += [(m.num_experts, "model.num_experts", s["expert"], "mesh.expert"),
+                   (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", tp, "mesh.tensor")]
     if cfg.parallel.distributed_optimizer:
         checks.append((m.hidden_size, "model.hidden_size", dp,
                        "mesh.data x mesh.fsdp (distributed optimizer)"))
@@ -182,13 +188,16 @@ class ShardingRules:
 def make_rules(cfg: Config) -> ShardingRules:
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",)}
-    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": ()}
+    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": (),
+              "experts": ("expert",), "expert_scores": ()}
     opt_state = dict(params)
     if cfg.parallel.distributed_optimizer:
         opt_state["embed"] = ("data", "fsdp")
     activations = {
         **tensor_dims,
-        "batch": ("data", "fsdp"),
+        "batch": ("data", "fsdp", "expert"),
+        "experts": ("expert",),
+        "expert_scores": (),
         "length": ("context",),  # sequence inside tensor-parallel regions
         "residual_length": ("context", "tensor") if cfg.parallel.sequence_parallel else ("context",),
         "embed": (),

@@ -8,12 +8,16 @@ files with load_state_dict(strict=True), runs the stages one after another
 (a pipeline done by hand, handing each stage's hidden states to the next) and,
 on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab].
 
-Megatron-Core assumes CUDA in two places that a CPU run must work around:
+A mixture-of-experts checkpoint (args.num_experts) gets the local spec's MoE layer (SequentialMLP
+experts, the allgather token dispatcher).
+
+Megatron-Core assumes CUDA in places that a CPU run must work around:
 - the RNG tracker: `initialize_rng_tracker(inference_rng_tracker=True)` installs
   megatron's own no-op tracker (its `fork()` is a null context), so no CUDA RNG
   state is created or forked;
 - RoPE: RotaryEmbedding.get_emb moves `inv_freq` to `torch.cuda.current_device()`
-  on first use; pointing that function at "cpu" keeps it on the CPU.
+  on first use; pointing that function at "cpu" keeps it on the CPU;
+- the MoE router calls Transformer Engine's GEMM when its module imported one: set to None.
 """
 
 import glob
@@ -45,6 +49,12 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
+    moe = {}
+    if getattr(args, "num_experts", None):
+        import megatron.core.transformer.moe.moe_utils as moe_utils
+        moe_utils.te_general_gemm = None
+        moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather")
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,
@@ -57,11 +67,12 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False)
+        gradient_accumulation_fusion=False, **moe)
     stages = []
     for s in range(pp):
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(
+                num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False, normalization=args.normalization),
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

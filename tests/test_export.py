@@ -107,6 +107,9 @@ HF_CASES = {
     "llama3-rope-tied-bias": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0",
                                         "model.tie_embeddings=true", "model.use_bias=true"]),
     "gpt2": ("gpt", []),
+    # Every layer is MoE: the dense ffn size is unused, and an import sets it to the experts'.
+    "mixtral": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                          "model.ffn_hidden_size=32"]),
 }
 
 
@@ -280,6 +283,9 @@ MEGATRON_CASES = {
     "llama3-tp2-pp2": ("llama", ["model.rope_scaling=llama3", "model.rope_theta=500000.0"], 2, 2),
     # gpt: learned positions, layernorm, exact gelu, biases, tied embeddings (copied to the last stage)
     "gpt-tp2-pp2": ("gpt", [], 2, 2),
+    # mixture of experts: router, per-expert linear_fc1 [gate; up] and linear_fc2, expert tensor parallelism
+    "mixtral-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                              "model.ffn_hidden_size=32"], 2, 1),
 }
 
 
@@ -423,3 +429,22 @@ def test_format_tables_refuse_a_parameter_they_have_no_row_for():
             assert {p.path for row in rows_for(table, shapes, "x") for p in row.parts} == set(shapes)
             with pytest.raises(CheckpointError, match="no place for the parameters layers/mlp/router/kernel"):
                 rows_for(table, dict(shapes, **{"layers/mlp/router/kernel": (2, 64, 4)}), "x")
+
+
+def test_transformers_saved_mixtral_imports_with_its_logits(tmp_path):
+    """A MixtralForCausalLM saved by transformers itself imports and computes transformers' logits."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64, rope_theta=10000.0)
+    model = transformers.MixtralForCausalLM(config)
+    model.save_pretrained(tmp_path / "hf")
+    overrides, params = import_hf(tmp_path / "hf")
+    assert (overrides["num_experts"], overrides["moe_router_topk"], overrides["moe_ffn_hidden_size"]) == (4, 2, 16)
+    cfg = load_config(base={"model": overrides}, overrides=["train.seq_len=32"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    toks = tokens()
+    np.testing.assert_allclose(megajax_logits(spec, params, toks), hf_logits(tmp_path / "hf", toks),
+                               atol=1e-4, rtol=1e-4)

@@ -27,7 +27,9 @@ ARCH_FIELDS = (
     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
     "hidden_dropout", "attention_dropout", "init_std",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
 )
+MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
 
 
 REQUIRED = object()  # a config field an importer cannot do without
@@ -95,6 +97,9 @@ def model_overrides(m: ModelConfig) -> dict:
     if m.rope_scaling == "none" or m.position_embedding != "rope":
         for k in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                   "rope_original_max_position"):
+            out.pop(k)
+    if not m.num_experts:
+        for k in MOE_FIELDS:
             out.pop(k)
     return out
 

@@ -30,14 +30,14 @@ import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
-from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, linear, linear_rows,
-                                        norm_rows, rows_for, same, to_external, to_ours)
+from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
+                                        linear_rows, norm_rows, rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import param_shapes
 
-LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
+LLAMA, GPT2, MIXTRAL = "LlamaForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 _SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
@@ -64,6 +64,16 @@ LLAMA_ROWS = (
     Row("lm_head.weight", linear("output"), vocab=True),
 )
 
+# Mixtral: Llama's attention and norms; per layer a router and per-expert SwiGLU MLPs in the Hub's
+# layout (which transformers 5 fuses on load into [E, 2F, D] gate_up_proj and [E, D, F] down_proj).
+_MOE = f"{_L}.block_sparse_moe"
+MIXTRAL_ROWS = tuple(r for r in LLAMA_ROWS if ".mlp." not in r.name) + (
+    Row(f"{_MOE}.gate.weight", linear("layers/mlp/router")),
+    Row(f"{_MOE}.experts.{{j}}.w1.weight", linear("layers/mlp/gate", experts=True)),
+    Row(f"{_MOE}.experts.{{j}}.w3.weight", linear("layers/mlp/up", experts=True)),
+    Row(f"{_MOE}.experts.{{j}}.w2.weight", linear("layers/mlp/fc2", experts=True)),
+)
+
 GPT2_ROWS = (
     Row("transformer.wte.weight", same("embed/embedding"), vocab=True),
     Row("transformer.wpe.weight", same("pos_embed")),
@@ -77,7 +87,7 @@ GPT2_ROWS = (
     *norm_rows("transformer.ln_f", "final_norm"),
 )  # lm_head is tied to wte
 
-TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS}
+TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS}
 
 
 def _ignored(name: str) -> bool:
@@ -93,6 +103,7 @@ def _ignored(name: str) -> bool:
 # Traits each architecture fixes (Llama's biases and tying are config options).
 _ARCH_TRAITS = {
     LLAMA: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope"),
+    MIXTRAL: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
     GPT2: dict(norm="layernorm", activation="gelu", position_embedding="learned", use_bias=True,
                tie_embeddings=True),
 }
@@ -100,7 +111,7 @@ _ARCH_TRAITS = {
 
 def architecture(m: ModelConfig) -> str:
     """The Hugging Face class a model exports to; CheckpointError naming every trait it cannot express."""
-    arch = {"llama": LLAMA, "gpt": GPT2}[m.family]
+    arch = {"llama": MIXTRAL if m.num_experts else LLAMA, "gpt": GPT2}[m.family]
     wrong = [f"{k}={getattr(m, k)} (needs {v})" for k, v in _ARCH_TRAITS[arch].items() if getattr(m, k) != v]
     if arch == GPT2:
         if m.num_kv_heads != m.num_heads:
@@ -109,6 +120,8 @@ def architecture(m: ModelConfig) -> str:
         if m.head_dim * m.num_heads != m.hidden_size:
             wrong.append(f"head_dim={m.head_dim} (needs hidden_size / num_heads = "
                          f"{m.hidden_size // m.num_heads})")
+    if m.num_experts and m.family != "llama":
+        wrong.append(f"num_experts={m.num_experts} (Hugging Face's mixture of experts is {MIXTRAL}: family llama)")
     if wrong:
         raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
@@ -134,6 +147,10 @@ _CONFIG_FIELDS = {
            ("resid_pdrop", "hidden_dropout", 0.0), ("attn_pdrop", "attention_dropout", 0.0),
            ("initializer_range", "init_std", 0.02), ("tie_word_embeddings", "tie_embeddings", True)),
 }
+_CONFIG_FIELDS[MIXTRAL] = tuple(
+    ("intermediate_size", "moe_ffn_hidden_size", REQUIRED) if key == "intermediate_size" else (key, field, default)
+    for key, field, default in _CONFIG_FIELDS[LLAMA] if key != "attention_bias") + (
+    ("num_local_experts", "num_experts", REQUIRED), ("num_experts_per_tok", "moe_router_topk", REQUIRED))
 
 
 def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
@@ -154,6 +171,11 @@ def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int 
         return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
     scaling, parameters = _rope(m)
+    if arch == MIXTRAL:
+        config.update(model_type="mixtral", hidden_act="silu", rope_theta=m.rope_theta, rope_parameters=parameters,
+                      sliding_window=None, router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=False,
+                      router_jitter_noise=0.0)
+        return dict(config, rope_scaling=scaling) if scaling else config
     config.update(model_type="llama", hidden_act="silu", mlp_bias=m.use_bias, rope_theta=m.rope_theta,
                   rope_parameters=parameters, pretraining_tp=1)
     return dict(config, rope_scaling=scaling) if scaling else config
@@ -255,7 +277,7 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
 # Import
 # ----------------------------------------------------------------------------
 
-def _llama_overrides(c: dict) -> dict:
+def _llama_overrides(c: dict, arch: str = LLAMA) -> dict:
     if c.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"config.json hidden_act={c['hidden_act']!r}: megajax's gated MLP uses silu "
                               f"(SwiGLU); accepted: silu.")
@@ -270,7 +292,7 @@ def _llama_overrides(c: dict) -> dict:
     if partial not in (None, 1, 1.0):
         raise CheckpointError(f"config.json partial_rotary_factor={partial}: megajax rotates the whole head; "
                               f"accepted: 1.0.")
-    out = dict(read_fields(c.get, _CONFIG_FIELDS[LLAMA], "config.json"), family="llama",
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[arch], "config.json"), family="llama",
                rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)))
     if rope_type == "llama3":
         out.update(rope_scaling="llama3", rope_scaling_factor=float(rope["factor"]),
@@ -278,6 +300,15 @@ def _llama_overrides(c: dict) -> dict:
                    rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
                    rope_original_max_position=int(rope.get("original_max_position_embeddings", 8192)))
     return out
+
+
+def _mixtral_overrides(c: dict) -> dict:
+    if c.get("sliding_window") is not None:
+        raise CheckpointError(f"config.json sliding_window={c['sliding_window']}: megajax's attention is full "
+                              f"causal; accepted: null.")
+    out = _llama_overrides(dict(c, mlp_bias=False, attention_bias=False), MIXTRAL)
+    # Every layer is a MoE layer: the dense size is unused; megajax's default for it is the expert size.
+    return dict(out, ffn_hidden_size=out["moe_ffn_hidden_size"], use_bias=False)
 
 
 def _gpt2_overrides(c: dict) -> dict:
@@ -346,11 +377,13 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     model_type = c.get("model_type")
     if arch == LLAMA or (arch is None and model_type == "llama"):
         arch, overrides = LLAMA, _llama_overrides(c)
+    elif arch == MIXTRAL or (arch is None and model_type == "mixtral"):
+        arch, overrides = MIXTRAL, _mixtral_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
         arch, overrides = GPT2, _gpt2_overrides(c)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-                              f"megajax imports {LLAMA} and {GPT2}.")
+                              f"megajax imports {LLAMA}, {MIXTRAL} and {GPT2}.")
     m = resolved_model(overrides)
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
@@ -373,7 +406,7 @@ def import_hf(in_dir) -> tuple[dict, dict]:
 
             for ours, x in to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), shapes, m,
                                    mismatch=mismatch).items():
-                flat_params[ours][... if i is None else i] = x
+                flat_params[ours][index(i, row)] = x
     left = sorted(n for n in set(weights) - used if not _ignored(n))
     if left:
         raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "

@@ -7,6 +7,10 @@ between them (`Part`) and how several share one tensor:
     Row("model.layers.{i}.self_attn.q_proj.weight", linear("layers/attn/q/kernel"))
     Row("decoder.layers.{i}.self_attention.linear_qkv.weight",  # rows grouped per query group
         *(linear(f"layers/attn/{x}/kernel") for x in "qkv"), groups="kv_heads", split="column")
+    Row("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", linear("layers/mlp/gate", experts=True))
+
+`{j}` is an expert: the row stands for one tensor per expert, its parts reading that expert's
+slice of a `[layers, experts, ...]` parameter (`rows_for` expands it, `Row.expert`).
 
 A format's exporter and importer walk the same rows (`to_external`, `to_ours`).
 A row applies when every parameter it names is in the model's layout (so
@@ -35,6 +39,8 @@ class Part:
     path: str
     kind: str
     n_in: int = 1
+    experts: bool = False  # the parameter's first (per layer) dim is the expert: one tensor per expert
+    expert: int | None = None  # set by rows_for on a row expanded per expert
 
     def external_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         n_in, n_out = math.prod(shape[:self.n_in]), math.prod(shape[self.n_in:])
@@ -42,6 +48,8 @@ class Part:
                 "conv1d": (n_in, n_out)}[self.kind]
 
     def to_external(self, x: np.ndarray) -> np.ndarray:
+        if self.expert is not None:
+            x = x[self.expert]
         if self.kind in ("same", "flat"):
             return x if self.kind == "same" else x.reshape(-1)
         x = x.reshape(math.prod(x.shape[:self.n_in]), -1)
@@ -86,6 +94,16 @@ class Row:
     def per_layer(self) -> bool:
         return "{i}" in self.name
 
+    @property
+    def expert(self) -> int | None:
+        """The expert a row expanded per expert holds (its parts' slice of the expert dim)."""
+        return self.parts[0].expert
+
+    def for_expert(self, j: int) -> "Row":
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(Row) if f.name not in ("name", "parts")}
+        return Row(self.name.replace("{j}", str(j)),
+                   *(dataclasses.replace(p, expert=j) for p in self.parts), **options)
+
     def names(self, i: int | None = None) -> tuple[str, ...]:
         """The name for layer `i`, then its aliases."""
         return tuple(n.replace("{i}", str(i)) for n in (self.name,) + self.aliases)
@@ -110,6 +128,9 @@ def rows_for(table: tuple[Row, ...], shapes: dict[str, tuple[int, ...]], fmt: st
     for row in table:
         if row.name not in {r.name for r in out} and all(p.path in shapes for p in row.parts):
             out.append(row)
+    # A `{j}` row becomes one row per expert (the count: the parameter's dim after the layer's).
+    out = [e for r in out for e in ([r.for_expert(j) for j in range(_num_experts(r, shapes))]
+                                    if "{j}" in r.name else [r])]
     unheld = sorted(set(shapes) - {p.path for row in out for p in row.parts})
     if unheld:
         raise CheckpointError(f"the {fmt} format has no place for the parameters {', '.join(unheld)}; "
@@ -126,8 +147,20 @@ def in_layer_order(rows: list[Row], num_layers: int) -> Iterator[tuple[Row, int 
     yield from ((r, None) for r in rows[start:] if not r.per_layer)
 
 
-def _layer_shape(shapes: dict, path: str) -> tuple[int, ...]:
-    return shapes[path][1:] if path.startswith("layers/") else shapes[path]
+def _num_experts(row: Row, shapes: dict) -> int:
+    return shapes[row.parts[0].path][1]
+
+
+def _layer_shape(shapes: dict, path: str, part: Part | None = None) -> tuple[int, ...]:
+    """One layer's shape of a parameter (one expert's, for a part of a row expanded per expert)."""
+    shape = shapes[path][1:] if path.startswith("layers/") else shapes[path]
+    return shape[1:] if part is not None and part.expert is not None else shape
+
+
+def index(layer: int | None, row: Row) -> tuple | type(Ellipsis):
+    """Where a `to_ours` tensor of `row` at `layer` goes in the whole (stacked) parameter."""
+    idx = tuple(k for k in (layer, row.expert) if k is not None)
+    return idx if idx else ...
 
 
 def _groups(row: Row, m: ModelConfig, tensor: int) -> int:
@@ -136,7 +169,7 @@ def _groups(row: Row, m: ModelConfig, tensor: int) -> int:
 
 def external_shape(row: Row, shapes: dict, m: ModelConfig, *, vocab_rows: int | None = None) -> tuple[int, ...]:
     """Shape of the whole external tensor; a vocabulary has `vocab_rows` rows (default vocab_size)."""
-    part_shapes = [p.external_shape(_layer_shape(shapes, p.path)) for p in row.parts]
+    part_shapes = [p.external_shape(_layer_shape(shapes, p.path, p)) for p in row.parts]
     out = list(part_shapes[0])
     out[row.axis] = sum(s[row.axis] for s in part_shapes)
     if row.vocab:
@@ -197,7 +230,7 @@ def to_ours(row: Row, name: str, y: np.ndarray, shapes: dict, m: ModelConfig, *,
     vocabulary rows. A shape other than the model implies raises `mismatch(what, got, want)`,
     `what` naming the first part when a joined tensor is off along its join axis alone.
     """
-    targets = [_layer_shape(shapes, p.path) for p in row.parts]
+    targets = [_layer_shape(shapes, p.path, p) for p in row.parts]
     sizes = [p.external_shape(t)[row.axis] for p, t in zip(row.parts, targets)]
     want, got, a = external_shape(row, shapes, m, vocab_rows=vocab_rows), tuple(y.shape), row.axis
     if got != want:

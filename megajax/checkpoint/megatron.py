@@ -38,7 +38,8 @@ import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
-from megajax.checkpoint.mapping import Row, flat, linear, linear_rows, norm_rows, rows_for, same, to_external, to_ours
+from megajax.checkpoint.mapping import (Row, flat, index, linear, linear_rows, norm_rows, rows_for, same, to_external,
+                                        to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
@@ -68,6 +69,7 @@ def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
 # ----------------------------------------------------------------------------
 
 _L = "decoder.layers.{i}"
+_EXP = _L + ".mlp.experts.local_experts.{j}"
 
 MEGATRON_ROWS = (
     Row("embedding.word_embeddings.weight", same("embed/embedding"), vocab=True, split="column"),
@@ -88,6 +90,12 @@ MEGATRON_ROWS = (
         groups="tensor", split="column"),
     *linear_rows(f"{_L}.mlp.linear_fc1", "layers/mlp/fc1", split="column"),
     *linear_rows(f"{_L}.mlp.linear_fc2", "layers/mlp/fc2", split="row"),
+    # Mixture of experts (SequentialMLP: one linear_fc1 / linear_fc2 per expert, split like the dense ones).
+    Row(f"{_L}.mlp.router.weight", linear("layers/mlp/router")),
+    Row(f"{_EXP}.linear_fc1.weight", linear("layers/mlp/gate", experts=True), linear("layers/mlp/up", experts=True),
+        groups="tensor", split="column"),
+    Row(f"{_EXP}.linear_fc1.weight", linear("layers/mlp/fc1", experts=True), split="column"),
+    Row(f"{_EXP}.linear_fc2.weight", linear("layers/mlp/fc2", experts=True), split="row"),
     *norm_rows("decoder.final_layernorm", "final_norm",
                aliases=("decoder.final_norm.weight", "decoder.final_norm.bias")),
     Row("output_layer.weight", linear("output"), vocab=True, split="column"),
@@ -105,6 +113,15 @@ _ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", 
 # Linear modules whose (empty, local-spec) `_extra_state` entries a rank file carries.
 _EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
     "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+_MOE_EXTRA_STATE = tuple(f"{_EXP}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
+
+
+def _extra_state(m: ModelConfig, layer: int) -> list[str]:
+    """A layer's `_extra_state` keys (its Linear modules')."""
+    if not m.num_experts:
+        return [k.replace("{i}", str(layer)) for k in _EXTRA_STATE]
+    return [k.replace("{i}", str(layer)).replace("{j}", str(j)) for k in _EXTRA_STATE[:2] + _MOE_EXTRA_STATE
+            for j in (range(m.num_experts) if "{j}" in k else [0])]
 _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
@@ -124,8 +141,8 @@ def _on_stage(rows: list[Row], first: bool, last: bool, layers, offset: int):
 
 def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     problems = []
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
-                        ("ffn_hidden_size", m.ffn_hidden_size)):
+    ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
+    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
     if m.num_layers % pp:
@@ -161,7 +178,7 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
         add_qkv_bias=m.use_bias, qk_layernorm=False,
-        apply_residual_connection_post_layernorm=False, num_experts=None,
+        apply_residual_connection_post_layernorm=False, **_moe_args(m),
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
@@ -171,6 +188,17 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
         trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
     )
+
+
+def _moe_args(m: ModelConfig) -> dict:
+    """Megatron's mixture-of-experts args (num_experts None: dense)."""
+    if not m.num_experts:
+        return dict(num_experts=None)
+    return dict(num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+                moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
+                moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
+                moe_layer_freq=1, moe_router_score_function="softmax", expert_model_parallel_size=1,
+                moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_dispatcher_type="alltoall")
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
@@ -183,7 +211,7 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
         x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
         sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
-    sd.update({key.replace("{i}", str(k)): None for key in _EXTRA_STATE for k in range(per_stage)})
+    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, k)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
     return sd
@@ -324,8 +352,15 @@ def _overrides_from_args(args) -> dict:
                  "apply_residual_connection_post_layernorm", "multi_latent_attention"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
+    moe = {}
     if _arg(args, "num_experts"):
-        reject("num_experts", args.num_experts, "None (mixture-of-experts is not supported yet)")
+        for name, accepted in (("moe_layer_freq", 1), ("moe_router_pre_softmax", False),
+                               ("moe_router_score_function", "softmax"), ("moe_shared_expert_intermediate_size", None)):
+            value = getattr(args, name, None)
+            if value is not None and value != accepted:
+                reject(name, value, repr(accepted))
+        moe = dict(num_experts=int(args.num_experts), moe_router_topk=int(_arg(args, "moe_router_topk", 2)),
+                   moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"))
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
     if _arg(args, "rotary_percent", 1.0) != 1.0:
@@ -353,6 +388,9 @@ def _overrides_from_args(args) -> dict:
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
                rope_theta=float(_arg(args, "rotary_base", 10000)))
+    if moe:
+        moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
+        out.update(moe)
     if position == "rope" and _arg(args, "use_rope_scaling", False):
         out.update(rope_scaling="llama3", rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
@@ -383,7 +421,7 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
         y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
         for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
                                mismatch=mismatch).items():
-            out[path][... if layer is None else layer] = x
+            out[path][index(layer, row)] = x
     left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
     if left:
         raise CheckpointError(f"Megatron checkpoint {where} holds tensors megajax does not know: "

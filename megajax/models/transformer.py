@@ -21,6 +21,7 @@ from megajax.models.attention import Attention, make_attention_core
 from megajax.models.layers import (Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
 from megajax.models.mlp import MLP
+from megajax.models.moe import MoE
 
 RESIDUAL = ("batch", "residual_length", "embed")
 LOGITS = ("batch", "length", "vocab")
@@ -28,20 +29,27 @@ LOGITS = ("batch", "length", "vocab")
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None):
         self.attn_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
+        if cfg.num_experts:
+            self.mlp = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
         self.hidden_dropout = cfg.hidden_dropout
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
+        """(x [B, L, D], the MoE layer's RouterStats or None for a dense MLP)."""
         rngs = jax.random.split(dropout_rng, 3) if dropout_rng is not None else [None] * 3
         h = self.attn(self.attn_norm(x_BxLxD), positions_BxL=positions_BxL,
                       segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=rngs[0])
         x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1]), RESIDUAL)
-        h = self.mlp(self.mlp_norm(x))
-        return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL)
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp.forward(self.mlp_norm(x))
+        else:
+            h, stats = self.mlp(self.mlp_norm(x)), None
+        return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL), stats
 
     def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL):
         """__call__ for L new tokens with this layer's KV cache (generation: no dropout); returns
@@ -65,12 +73,14 @@ class Transformer(nnx.Module):
 
     `padded_vocab_size` is model.padded_vocab_size(); `ops` are the
     injected products (see LinearOps); `attention_core` the injected attention
-    (default: model.attention_impl on one device); `recompute` is none | selective | full.
+    (default: model.attention_impl on one device); `expert_dispatch` the injected MoE token
+    dispatch (default: all experts on this device, megajax/models/moe.py); `recompute` is
+    none | selective | full.
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
                  recompute: str = "none", ops: LinearOps = LinearOps(), attention_core: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 expert_dispatch: Callable | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
         vocab = padded_vocab_size or cfg.padded_vocab_size()
         self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
@@ -86,7 +96,8 @@ class Transformer(nnx.Module):
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
         def make_blocks(rngs):
-            return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs)
+            return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
+                         expert_dispatch=expert_dispatch)
 
         self.layers = make_blocks(rngs)
         _add_layers_axis(self.layers)
@@ -107,8 +118,11 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None,
-                 dropout_rng: jax.Array | None = None) -> jax.Array:
-        """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min."""
+                 dropout_rng: jax.Array | None = None, router_stats: bool = False):
+        """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min.
+
+        `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
+        dense model) for the train step's balancing losses."""
         cfg = self.cfg
         b, l = tokens_BxL.shape
         if positions_BxL is None:
@@ -125,14 +139,14 @@ class Transformer(nnx.Module):
             block = nnx.merge(block_def, params)
             rng = None if rngs[1] is None else jax.random.fold_in(rngs[1], index)
             return block(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                         inv_freq=inv_freq, dropout_rng=rng), None
+                         inv_freq=inv_freq, dropout_rng=rng)
 
         if self.recompute == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        x, _ = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)),
-                            unroll=1 if cfg.scan_layers else True)
-
-        return self.logits(x)
+        x, stats = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)),
+                                unroll=1 if cfg.scan_layers else True)
+        logits = self.logits(x)
+        return (logits, stats) if router_stats else logits
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """Token embeddings (+ learned positions) [B, L, D] in the compute dtype."""

@@ -31,6 +31,13 @@ device's gradient shard once; FSDP all-gathers the parameters and
 reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp
 shard over `data`); the distributed optimizer reduce-scatters the gradients
 and all-gathers the updated parameters over `data`.
+
+Mixture of experts over `expert` (ep ranks): each MoE layer sends a device's
+tokens x top-k rows of h to the experts' devices and back, forward and
+backward: 4 all-to-alls of tokens*k*h*(ep-1)/ep per layer and microbatch (a
+balanced routing's bytes leaving the device). The other parameters'
+gradients are also all-reduced over `expert` (a data-parallel axis for them).
+A MoE model reduces its gradients once per microbatch (megajax/train/step.py).
 """
 
 from __future__ import annotations
@@ -100,7 +107,8 @@ class Layout:
     sizes: dict[str, int]
 
 
-def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> dict[str, int]:
+def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
+                        expert_param_bytes: int = 0) -> dict[str, int]:
     """Megatron's minimum bytes per device per step, by collective kind."""
     m, sizes = cfg.model, layout.sizes
     t = sizes["tensor"]
@@ -120,8 +128,12 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int) -> 
         else:
             out["all-reduce"] += a * (per_step + (m.num_layers if full else 0)) * bsh
         out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+    ep = sizes.get("expert", 1)
+    if m.num_experts and ep > 1:
+        out["all-to-all"] += a * 4 * m.num_layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
+        out["all-reduce"] += a * (local_param_bytes - expert_param_bytes)
     fsdp, data = sizes["fsdp"], sizes["data"]
-    shard = local_param_bytes
+    shard = local_param_bytes * (a if m.num_experts else 1)
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
         out["all-gather"] += shard
         out["reduce-scatter"] += shard
@@ -140,6 +152,16 @@ def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Ru
     """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard."""
     no_data = {**sizes, "data": 1, "fsdp": 1}
     return state_bytes(axes, abstract_params, rules_params, rules_params, no_data)["params"]
+
+
+def expert_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                             sizes: dict[str, int]) -> int:
+    """The part of tensor_shard_param_bytes held by expert kernels (not reduced over `expert`)."""
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    experts = {k: v for k, v in flatten(axes) if "experts" in v}
+    shapes = {k: v for k, v in flatten(abstract_params) if k in experts}
+    return sum(math.prod(shapes[k].shape) * jax.numpy.dtype(shapes[k].dtype).itemsize
+               // shard_factor(names, rules_params, no_data) for k, names in experts.items())
 
 
 def memory_estimate(cfg: Config, spec, rules, sizes: dict[str, int], micro_batch: int,

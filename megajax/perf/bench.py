@@ -59,7 +59,8 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
     """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
     measured = hlo.parse(compiled.as_text())
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local)
+    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local, experts)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)

@@ -10,6 +10,8 @@ multiply. Bytes are per device, of the buffer the collective works on:
 - all-reduce, all-to-all, collective-permute: the operand (= result) size;
 - all-gather: the gathered result;
 - reduce-scatter: the operand, i.e. result x group size.
+
+A collective whose groups hold one device each moves nothing and is left out.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ _CALLEE = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|call
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([\d,]+)\}")
+_SINGLETONS = re.compile(r"replica_groups=\{\{\d+\}(,\{\d+\})*\}")
 _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
@@ -129,6 +132,8 @@ def parse(hlo: str) -> CommReport:
             if kind not in KINDS or runs.get(comp, 0) == 0:
                 continue
             group = _group_size(line)
+            if _SINGLETONS.search(line):  # one device per group (a size-1 mesh axis): nothing moves
+                continue
             size = _shape_bytes(result)
             if op.endswith("-start") and result.startswith("("):
                 # async start returns (operand(s), result(s), ...): count the result half

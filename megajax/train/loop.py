@@ -34,6 +34,7 @@ from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
 from megajax.train.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
+from megajax.train.step import MOE_METRIC_KEYS
 
 
 @dataclass
@@ -343,6 +344,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
                     "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
                     "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
                 }
+                record.update({k: float(host[k]) for k in MOE_METRIC_KEYS if k in host})
                 if health.settling():
                     record["note"] = "loss scale settling"
                 result.records.append(record)

@@ -30,6 +30,10 @@ def format_line(r: dict, total_steps: int) -> str:
         parts.append(f"loss scale {r['loss_scale']:.0f}")
     if r.get("skipped_steps"):
         parts.append(f"skipped {r['skipped_steps']}" + (f" ({r['note']})" if r.get("note") else ""))
+    if "moe_aux_loss" in r:
+        parts.append(f"aux {r['moe_aux_loss']:.4f} z {r['moe_z_loss']:.2e} experts "
+                     f"{100 * r['moe_min_expert_share']:.1f}-{100 * r['moe_max_expert_share']:.1f}%"
+                     + (f" dropped {100 * r['moe_dropped_fraction']:.2f}%" if r['moe_dropped_fraction'] else ""))
     parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
               f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "MFU n/a", f"{1000 * r['step_time']:.1f} ms/step"]
     if r.get("memory_gib") is not None:

@@ -137,6 +137,11 @@ GAUGES = {  # record key -> (metric name, help)
     "tflops_per_device": ("megajax_tflops_per_device", "model TFLOP/s per device"),
     "mfu": ("megajax_mfu", "model FLOPs utilisation (0..1)"),
     "step_time": ("megajax_step_time_seconds", "mean step time over the last log interval"),
+    "moe_aux_loss": ("megajax_moe_aux_loss", "MoE load-balancing loss (mean over MoE layers)"),
+    "moe_z_loss": ("megajax_moe_z_loss", "MoE router z-loss (mean over MoE layers)"),
+    "moe_max_expert_share": ("megajax_moe_max_expert_share", "busiest expert's share of token assignments"),
+    "moe_min_expert_share": ("megajax_moe_min_expert_share", "idlest expert's share of token assignments"),
+    "moe_dropped_fraction": ("megajax_moe_dropped_fraction", "fraction of token assignments dropped by capacity"),
 }
 
 

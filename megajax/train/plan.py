@@ -151,6 +151,8 @@ def make_plan(cfg: Config, num_devices: int) -> RunPlan:
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
     validate_for_model(cfg, sizes)
     dp = data_parallel_size(sizes)
-    batch = BatchLayout.resolve(cfg.train, dp, f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']}")
+    where = f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']}" + (
+        f" x mesh.expert={sizes['expert']}" if sizes["expert"] > 1 else "")
+    batch = BatchLayout.resolve(cfg.train, dp, where)
     return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=make_rules(cfg), batch=batch,
                    notes=tuple(notes))

@@ -33,9 +33,8 @@ from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, loss_scaler, make_init_fn,
                                  state_shardings)
-from megajax.train.step import batch_shardings, make_eval_step, make_train_step
+from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
 
-METRIC_KEYS = ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")
 
 
 @dataclass
@@ -95,7 +94,7 @@ class Setup:
             return new, metrics, accept
 
         replicated = NamedSharding(self.mesh, P())
-        metric_sh = {k: replicated for k in METRIC_KEYS}
+        metric_sh = {k: replicated for k in metric_keys(cfg)}
         return jax.jit(guarded, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
                        out_shardings=(self.state_shardings, metric_sh, replicated), donate_argnums=(0, 2))
 

@@ -29,6 +29,7 @@ from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.context import context_parallel_attention, sharded_attention
+from megajax.parallel.experts import expert_parallel_dispatch
 from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
@@ -98,6 +99,16 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
     return core
 
 
+def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable | None:
+    """The MoE token dispatch for this layout: each device dispatches its own tokens to the experts'
+    devices under a mesh of several devices; None (all experts local) otherwise."""
+    m = cfg.model
+    if not m.num_experts or mesh is None or mesh.devices.size == 1:
+        return None
+    return expert_parallel_dispatch(mesh, rules.activations, activation=m.activation, num_experts=m.num_experts,
+                                    capacity_factor=m.moe_expert_capacity_factor)
+
+
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
                      rules: ShardingRules | None = None, seed: int | None = None) -> tuple[ModelSpec, Callable]:
     """Returns (spec, init_params) where init_params() -> pure parameter dict (call under jit)."""
@@ -106,11 +117,12 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     seed = cfg.train.seed if seed is None else seed
     ops = linear_ops(cfg, mesh, rules)
     core = attention_core(cfg, mesh, rules)
+    dispatch = expert_dispatch(cfg, mesh, rules)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
-                           rngs=nnx.Rngs(params=seed))
+                           expert_dispatch=dispatch, rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)

@@ -4,6 +4,18 @@ Batch layout: every array is [accumulation, micro_batch x data-parallel, seq]
 (`tokens`, `labels`, `loss_mask`, optionally `positions`, `segment_ids`).
 The loss is the mean over all unmasked tokens of the global batch, so
 accumulating A microbatches of b gives the same update as one batch of A*b.
+
+Mixture of experts: the router's load-balancing loss and z-loss are added to the
+cross entropy (the logged `loss` stays the cross entropy; `moe_aux_loss` and
+`moe_z_loss` are logged beside it). Their statistics are those of the whole
+micro-batch across every data-parallel (and expert-parallel) shard, so they do
+not depend on the layout; with A microbatches each microbatch's losses count
+1/A, as in Megatron-Core (its aux loss is per micro-batch, scaled by
+1/num_microbatches; the token counts here are global over data-parallel ranks,
+as in its `global_aux_loss`). A MoE model's microbatches run on the whole
+micro-batch under the plain rules (no per-shard vmap: `jax.lax.ragged_dot` has
+no batching rule for an unbatched weight), so its gradient is reduced over the
+data-parallel devices once per microbatch rather than once per step.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec
+from megajax.models.moe import router_losses
 from megajax.precision.fp8 import scales_of, update_fp8_state, with_scales
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
@@ -27,6 +40,16 @@ from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
 BATCH_AXES = (None, "batch", "length")  # [accumulation, batch, seq]
 BATCH_KEYS_OPTIONAL = ("positions", "segment_ids")
+METRIC_KEYS = ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")
+# Mixture of experts: losses as defined in router_losses (mean over MoE layers), the busiest and
+# idlest expert's share of the token-expert assignments (over layers; 1/num_experts is balanced),
+# the fraction of assignments dropped by the expert capacity.
+MOE_METRIC_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_max_expert_share", "moe_min_expert_share",
+                   "moe_dropped_fraction")
+
+
+def metric_keys(cfg: Config) -> tuple[str, ...]:
+    return METRIC_KEYS + (MOE_METRIC_KEYS if cfg.model.num_experts else ())
 
 
 def cross_entropy(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> jax.Array:
@@ -49,6 +72,14 @@ def per_shard_rules(rules: ShardingRules) -> ShardingRules:
     """Activation rules for the model as one data-parallel shard sees it: the `batch` dim is the
     per-shard batch (its data-parallel split is the vmapped dim, see `make_train_step`)."""
     return dataclasses.replace(rules, activations={**rules.activations, "batch": ()})
+
+
+def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, ...]:
+    """Mesh axes of the per-shard gradient vmap: where the rules put the batch; none for a MoE
+    model (see the module docstring)."""
+    if cfg.model.num_experts:
+        return ()
+    return tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
 
 
 def _without(spec: P, axes: tuple[str, ...]) -> tuple:
@@ -91,10 +122,11 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     fp8_policy = policy.fp8
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
-    # The data-parallel mesh axes: where the rules put the batch.
-    dp_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1) if mesh is not None else ()
+    # The data-parallel mesh axes of the vmap: where the rules put the batch.
+    dp_axes = vmapped_axes(cfg, rules, sizes) if mesh is not None else ()
     dp = math.prod(sizes[a] for a in dp_axes)
     plain_act_rules = rules.activations if rules is not None else None
+    moe = cfg.model.num_experts > 0
     if dp_axes:
         shard_rules = per_shard_rules(rules)
         shard_spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=shard_rules)
@@ -109,18 +141,29 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     def constrain(x, spec_entries):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec_entries)))
 
-    def micro_loss(params, fp8_scales, micro, rng, norm, scale, fp8, model=shard_spec):
+    def micro_loss(params, fp8_scales, micro, rng, norm, scale, fp8, accum, model=shard_spec):
+        """(scaled loss to differentiate, sums for the metrics) of one microbatch (of one shard)."""
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
-        logits = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                             dropout_rng=rng, fp8=fp8)
+        out = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
+                          dropout_rng=rng, fp8=fp8, router_stats=moe)
+        logits, stats = out if moe else (out, None)
         loss_sum = jnp.sum(cross_entropy(logits, micro["labels"]) * micro["loss_mask"])
-        return loss_sum / norm * scale, loss_sum
+        sums = {"loss_sum": loss_sum}
+        loss = loss_sum / norm
+        if moe:
+            # The model runs on the whole microbatch (vmapped_axes): its statistics are global.
+            aux, z = router_losses(stats, stats.tokens, stats.count, cfg.model)
+            loss = loss + (jnp.sum(aux) + jnp.sum(z)) / accum
+            layers = aux.shape[0]
+            sums.update(moe_aux_loss=jnp.sum(aux) / (accum * layers), moe_z_loss=jnp.sum(z) / (accum * layers),
+                        moe_tokens=stats.tokens, moe_dropped=jnp.sum(stats.dropped))
+        return loss * scale, sums
 
     # Gradients with respect to the parameters, and the FP8 products' amaxes (see above).
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        if batch["tokens"].shape[0] == 1:  # one microbatch: one reduction without per-shard gradients
+        if batch["tokens"].shape[0] == 1 or not dp_axes:  # one microbatch, or a MoE model
             with activation_sharding(mesh, plain_act_rules):
                 return _step(state, batch, ())
         with activation_sharding(mesh, shard_act_rules):
@@ -140,14 +183,14 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             """Gradients, FP8 amaxes and loss sums of one microbatch, per data-parallel shard:
             [dp, ...] and [dp] from micro [dp, b, ...] (no leading dim without data parallelism)."""
             if not dp_axes:
-                (_, loss_sum), (grads, amaxes) = grad_fn(params, fp8_scales, micro, rng, norm, scale, fp8, spec)
-                return grads, amaxes, loss_sum
+                (_, sums), (grads, amaxes) = grad_fn(params, fp8_scales, micro, rng, norm, scale, fp8, accum, spec)
+                return grads, amaxes, sums
             # Each shard draws its own dropout masks.
             rngs = None if rng is None else jax.random.split(rng, dp)
-            (_, loss_sum), (grads, amaxes) = jax.vmap(
-                grad_fn, in_axes=(None, None, 0, 0 if rng is not None else None, None, None, None),
-                spmd_axis_name=dp_axes)(params, fp8_scales, micro, rngs, norm, scale, fp8)
-            return grads, amaxes, loss_sum
+            per_shard = lambda p, m, r: grad_fn(p, fp8_scales, m, r, norm, scale, fp8, accum, shard_spec)
+            (_, sums), (grads, amaxes) = jax.vmap(per_shard, in_axes=(None, 0, 0 if rng is not None else None),
+                                                  spmd_axis_name=dp_axes)(params, micro, rngs)
+            return grads, amaxes, sums
 
         accum = batch["tokens"].shape[0]
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -168,20 +211,22 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             return shard_grads(params, micro, rng, num_tokens, scale)
 
         if accum == 1:
-            grads, amaxes, loss_sums = run_micro(0)
+            grads, amaxes, sums = run_micro(0)
         else:
             def body(carry, i):
                 g, a, l = run_micro(i)
-                # Gradients add up over microbatches; amaxes take the max.
+                # Gradients and metric sums add up over microbatches; amaxes take the max.
                 return (on_own_shard(jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry[0], g)),
                         jax.tree.map(jnp.maximum, carry[1], a),
-                        carry[2] + l), None
+                        jax.tree.map(jnp.add, carry[2], l)), None
             lead = (dp,) if dp_axes else ()
             zeros = (on_own_shard(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, policy.grad_dtype), params)),
                      jax.tree.map(lambda s: jnp.zeros(lead + s.shape, jnp.float32), fp8_scales),
-                     jnp.zeros(lead, jnp.float32))
-            (grads, amaxes, loss_sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
-        loss_sum = jnp.sum(loss_sums)
+                     jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run_micro, 0)[2]))
+            (grads, amaxes, sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
+        # Sums over shards (the vmapped dim, when there is one) and microbatches.
+        sums = jax.tree.map(lambda x: jnp.sum(x, axis=0) if dp_axes else x, sums)
+        loss_sum = sums["loss_sum"]
         if dp_axes:
             # The one data-parallel reduction of the step: an all-reduce, or a reduce-scatter onto
             # the optimizer's shards (FSDP, distributed optimizer); amaxes: a max over the shards.
@@ -211,9 +256,20 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": ~finite,
                    "loss_scale": scale, "num_tokens": num_tokens}
+        if moe:
+            metrics.update(moe_metrics(sums, cfg.model.moe_router_topk))
         return new_state, metrics
 
     return step
+
+
+def moe_metrics(sums: dict, topk: int) -> dict:
+    """The logged MoE metrics from the step's sums (tokens per expert [layers, E])."""
+    tokens = sums["moe_tokens"]
+    share = tokens / jnp.maximum(jnp.sum(tokens, axis=-1, keepdims=True), 1.0)
+    return {"moe_aux_loss": sums["moe_aux_loss"], "moe_z_loss": sums["moe_z_loss"],
+            "moe_max_expert_share": jnp.max(share), "moe_min_expert_share": jnp.min(share),
+            "moe_dropped_fraction": sums["moe_dropped"] / jnp.maximum(jnp.sum(tokens), 1.0)}
 
 
 def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
@@ -237,6 +293,6 @@ def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRul
 
 def jit_train_step(step: Callable, state_sh: TrainState, batch_sh: dict, mesh: Mesh) -> Callable:
     replicated = NamedSharding(mesh, P())
-    metric_sh = {k: replicated for k in ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")}
+    metric_sh = {k: replicated for k in METRIC_KEYS}
     return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, metric_sh),
                    donate_argnums=(0,))

@@ -1,0 +1,214 @@
+"""Mixture of experts (Mixtral / Megatron-Core style): router, experts, balancing losses.
+
+    x [B, L, D] -> router logits [B, L, E] (fp32) -> top-k -> softmax over the k -> weights [B, L, K]
+    y = sum_k weights_k * expert_{id_k}(x)
+
+Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, renormalise".
+Experts are SwiGLU (gate, up, fc2) or GELU (fc1, fc2) MLPs whose kernels are stacked on a
+leading `experts` dim: gate/up/fc1 W[E, D, F], fc2 W[E, F, D].
+
+Token dispatch is injected (`dispatch`), as the attention core is: on one device (or under
+XLA's sharding alone) `local_dispatch` sorts the token-expert assignments by expert and runs
+every expert with one grouped product (`jax.lax.ragged_dot`), or, in capacity mode, fills
+fixed [experts, capacity] buffers and runs batched products; expert parallelism supplies a
+dispatch that moves tokens between devices (megajax/parallel/experts.py).
+
+The load-balancing and z losses are not computed here: the layer returns per-expert sums over
+its tokens (`RouterStats`) and the train step combines them over the whole batch
+(`router_losses`), so the losses do not depend on how the batch is split over devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.config import ModelConfig
+from megajax.models.layers import normal_init
+
+EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
+
+
+class RouterStats(NamedTuple):
+    """Sums over a layer's tokens (fp32); add them over shards to get the whole batch's."""
+    probs: jax.Array  # [E] sum of softmax(all logits): the differentiable part of the balancing loss
+    tokens: jax.Array  # [E] token-expert assignments routed to each expert (no gradient)
+    lse_sq: jax.Array  # [] sum of logsumexp(logits)^2 (z-loss)
+    count: jax.Array  # [] tokens
+    dropped: jax.Array  # [] assignments dropped by the expert capacity (0 when dropless)
+
+
+def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activation: str) -> jax.Array:
+    """Rows of x sorted by expert (group g = rows of expert g; rows past the groups give 0) through
+    their experts' MLPs: [M, D] -> [M, D]. kernels: gate/up/fc1 [G, D, F], fc2 [G, F, D]."""
+    def grouped(a, w):
+        return jax.lax.ragged_dot(a, w, group_sizes_G)
+
+    if activation == "swiglu":
+        hidden = jax.nn.silu(grouped(x_MxD, kernels["gate"])) * grouped(x_MxD, kernels["up"])
+    else:
+        hidden = jax.nn.gelu(grouped(x_MxD, kernels["fc1"]), approximate=False)
+    return grouped(hidden, kernels["fc2"])
+
+
+def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(order [A]: assignments sorted by expert, stable; group sizes [E] int32)."""
+    order = jnp.argsort(ids_A, stable=True)
+    sizes = jnp.zeros((num_experts,), jnp.int32).at[ids_A].add(1)
+    return order, sizes
+
+
+def capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
+    """Assignments each expert accepts from `num_tokens` tokens (Megatron's rule)."""
+    return max(1, math.ceil(num_tokens * topk / num_experts * factor))
+
+
+def capacity_slots(ids_A: jax.Array, num_experts: int, cap: int) -> tuple[jax.Array, jax.Array]:
+    """(slot [A] in the [experts x cap] buffer, or experts x cap when dropped; kept [A] bool): an
+    expert keeps its first `cap` assignments in token order; later ones are dropped and their
+    tokens pass through the residual only."""
+    order, sizes = sort_by_expert(ids_A, num_experts)
+    starts = jnp.cumsum(sizes) - sizes
+    rank_sorted = jnp.arange(ids_A.shape[0]) - starts[ids_A[order]]
+    rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+    keep = rank < cap
+    return jnp.where(keep, ids_A * cap + rank, num_experts * cap), keep
+
+
+def expert_ffn_buffers(x_GxCxD: jax.Array, kernels: dict, activation: str) -> jax.Array:
+    """Fixed-size buffers (group g = expert g's rows) through their experts: batched products."""
+    def product(a, w):
+        return jnp.einsum("gcd,gdf->gcf", a, w)
+
+    if activation == "swiglu":
+        hidden = jax.nn.silu(product(x_GxCxD, kernels["gate"])) * product(x_GxCxD, kernels["up"])
+    else:
+        hidden = jax.nn.gelu(product(x_GxCxD, kernels["fc1"]), approximate=False)
+    return product(hidden, kernels["fc2"])
+
+
+def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
+                      activation: str, num_experts: int, capacity_factor: float, ep: int = 1,
+                      exchange: Callable = lambda buf: buf) -> tuple[jax.Array, jax.Array]:
+    """Capacity mode: (y [T, D], dropped assignments []) with fixed [experts, capacity] buffers.
+
+    Experts are held by `ep` devices (E / ep each, contiguous); `exchange` is the all-to-all over
+    them ([ep, E/ep x C, D] -> the same shape, slot r to/from device r; identity on one device)."""
+    t, k = ids_TxK.shape
+    e, d = num_experts, x_TxD.shape[-1]
+    cap = capacity(t, k, e, capacity_factor)
+    slot, keep = capacity_slots(ids_TxK.reshape(-1), e, cap)
+    rows = jnp.repeat(x_TxD, k, axis=0)  # [A, D], assignment a = token a // K
+    send = jnp.zeros((e * cap, d), x_TxD.dtype).at[slot].set(rows, mode="drop")
+    recv = exchange(send.reshape(ep, e // ep * cap, d))  # [ep (source), E_local x C, D]
+    by_expert = recv.reshape(ep, e // ep, cap, d).transpose(1, 0, 2, 3).reshape(e // ep, ep * cap, d)
+    out = expert_ffn_buffers(by_expert, kernels, activation)
+    back = exchange(out.reshape(e // ep, ep, cap, d).transpose(1, 0, 2, 3).reshape(ep, e // ep * cap, d))
+    out_rows = jnp.take(back.reshape(e * cap, d), slot, axis=0, mode="fill", fill_value=0)  # dropped: 0
+    y = jnp.sum(out_rows.reshape(t, k, d).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+    return y.astype(x_TxD.dtype), jnp.sum(~keep).astype(jnp.float32)
+
+
+def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
+                   activation: str, num_experts: int, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:
+    """Every token through its top-k experts on this device: (y [T, D], dropped assignments [])."""
+    if capacity_factor is not None:
+        return capacity_dispatch(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation,
+                                 num_experts=num_experts, capacity_factor=capacity_factor)
+    t, k = ids_TxK.shape
+    ids = ids_TxK.reshape(-1)  # [A = T K], assignment a = token a // K
+    order, sizes = sort_by_expert(ids, num_experts)
+    rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
+    out_sorted = expert_ffn(rows, sizes, kernels, activation)
+    out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
+    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
+
+
+def make_local_dispatch(activation: str, num_experts: int, capacity_factor: float | None) -> Callable:
+    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped)."""
+    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
+        b, l, d = x_BxLxD.shape
+        y, dropped = local_dispatch(x_BxLxD.reshape(b * l, d), ids_BxLxK.reshape(b * l, -1),
+                                    weights_BxLxK.reshape(b * l, -1), kernels, activation=activation,
+                                    num_experts=num_experts, capacity_factor=capacity_factor)
+        return y.reshape(b, l, d), dropped
+    return dispatch
+
+
+def route(logits_TxE: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
+    """(expert ids [..., K] int32, weights [..., K] fp32): top-k logits, softmax over the k.
+
+    Top-k as k rounds of argmax (ties: the lower expert id, as lax.top_k): XLA partitions these
+    reductions along the token dims, where its top_k gathers a token-sharded input first."""
+    e = logits_TxE.shape[-1]
+    rest, ids, top = logits_TxE, [], []
+    for _ in range(topk):
+        i = jnp.argmax(rest, axis=-1).astype(jnp.int32)
+        top.append(jnp.take_along_axis(logits_TxE, i[..., None], axis=-1)[..., 0])
+        ids.append(i)
+        rest = jnp.where(jax.nn.one_hot(i, e, dtype=jnp.bool_), -jnp.inf, rest)
+    return jnp.stack(ids, axis=-1), jax.nn.softmax(jnp.stack(top, axis=-1), axis=-1)
+
+
+def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array) -> RouterStats:
+    e = logits_TxE.shape[-1]
+    probs = jax.nn.softmax(logits_TxE, axis=-1)
+    # A sum of one-hots, not a scatter: a token-sharded batch reduces its partial counts (e experts).
+    tokens = jnp.sum(jax.nn.one_hot(ids_TxK, e, dtype=jnp.float32), axis=(0, 1))
+    lse = jax.nn.logsumexp(logits_TxE, axis=-1)
+    return RouterStats(probs=jnp.sum(probs, axis=0), tokens=jax.lax.stop_gradient(tokens),
+                       lse_sq=jnp.sum(jnp.square(lse)), count=jnp.float32(logits_TxE.shape[0]),
+                       dropped=jax.lax.stop_gradient(dropped))
+
+
+def router_losses(local: RouterStats, total_tokens: jax.Array, total_count: jax.Array,
+                  cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, z-loss) of each layer [layers], this shard's share: summed over the
+    shards of a batch they give the batch's losses.
+
+    Switch/GShard balancing loss, Megatron-Core's formula with T the batch's tokens, f_e the batch's
+    assignments to expert e and P_e the sum of softmax probabilities of expert e:
+        aux = coeff * E / (K * T^2) * sum_e P_e * f_e
+    The counts f are the whole batch's (`total_tokens`, [layers, E]); the probabilities this shard's,
+    so the gradient of every token's probabilities is the batch's. z-loss = coeff * mean_t lse_t^2.
+    """
+    e, k = cfg.num_experts, cfg.moe_router_topk
+    t = total_count  # [layers]
+    aux = cfg.moe_aux_loss_coeff * e / (k * t * t) * jnp.sum(local.probs * total_tokens, axis=-1)
+    z = cfg.moe_z_loss_coeff * local.lse_sq / t
+    return aux, z
+
+
+class MoE(nnx.Module):
+    """Router + experts in place of the MLP of a block."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, dispatch: Callable | None, rngs: nnx.Rngs):
+        e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
+        self.topk, self.activation, self.dtype = cfg.moe_router_topk, cfg.activation, dtype
+        self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        shapes = {"gate": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
+                  "up": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
+                  "fc1": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
+                  "fc2": ((e, f, d), out_std, ("experts", "mlp", "embed"))}
+        for name in EXPERT_KERNELS[cfg.activation]:
+            shape, std, axes = shapes[name]
+            setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=axes))
+        self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor)
+
+    def forward(self, x_BxLxD: jax.Array) -> tuple[jax.Array, RouterStats]:
+        b, l, d = x_BxLxD.shape
+        logits = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        ids, weights = route(logits, self.topk)
+        kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
+        y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
+        stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped)
+        return y, stats
+
+    def __call__(self, x_BxLxD: jax.Array, fused: bool = True) -> jax.Array:
+        return self.forward(x_BxLxD)[0]

@@ -1,0 +1,140 @@
+"""Expert parallelism: MoE token dispatch across devices, explicit with shard_map.
+
+Every device routes its own tokens (x[B_batch, L_seq, D], batch split over the data-parallel
+axes and `expert`, the sequence over `context`). Experts are split over the `expert` axis
+(E_local = E / ep per device, kernels W[E_expert, D, F_tensor]) and each expert's hidden dim over
+`tensor` (expert tensor parallelism). One MoE layer on one device:
+
+    assignments (token, k) sorted by expert -> send buffer [ep, A, D]: slot r holds the rows
+        for device r's experts (A = tokens x K, room for every assignment: dropless)
+    all_to_all over `expert`                  -> recv [ep, A, D]: rows from every source device
+    sort the received rows by local expert, one grouped product per kernel (ragged_dot)
+    all_to_all back                           -> every assignment's output, weighted and summed
+
+Buffers have a fixed size (the worst case: every assignment to one device), which every
+backend runs; only the valid rows carry data. In capacity mode the buffers are the experts'
+[E_local x capacity] slots per device (megajax.models.moe.capacity_dispatch), E x capacity rows
+sent per device instead of ep x tokens x K. With the tensor axis, every tensor rank of an
+expert group holds the same tokens (gathered from the sequence-parallel split first) and computes
+a slice of the hidden dim; the outputs are summed over `tensor` (reduce-scattered back onto the
+sequence split under sequence parallelism), as in Megatron's expert tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from megajax.mesh import Rules, logical_to_spec
+from megajax.models.moe import EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
+
+RESIDUAL = ("batch", "residual_length", "embed")
+
+
+def _entry(axes) -> str | tuple | None:
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _names(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
+                             capacity_factor: float | None) -> Callable:
+    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped [])
+    over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
+    `experts`, `mlp`)."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    x_spec = logical_to_spec(RESIDUAL, rules)
+    route_spec = P(x_spec[0], x_spec[1], None)
+    length_inside = set(rules["length"])
+    sp_axes = tuple(a for a in _names(x_spec[1]) if a not in length_inside)  # sequence-parallel axes
+    exp_axes = tuple(rules["experts"])
+    mlp_axes = tuple(rules["mlp"])
+    ep = math.prod(sizes[a] for a in exp_axes)
+    if num_experts % ep:
+        raise ValueError(f"{num_experts=} is not divisible by the expert-parallel size {ep}")
+    e_local = num_experts // ep
+    kernel_specs = {"gate": P(_entry(exp_axes), None, _entry(mlp_axes)),
+                    "up": P(_entry(exp_axes), None, _entry(mlp_axes)),
+                    "fc1": P(_entry(exp_axes), None, _entry(mlp_axes)),
+                    "fc2": P(_entry(exp_axes), _entry(mlp_axes), None)}
+    names = EXPERT_KERNELS[activation]
+    all_axes = tuple(mesh.axis_names)
+    # Devices that hold the same tokens inside the layer (tensor ranks): their drop counts repeat.
+    duplicates = math.prod(sizes[a] for a in all_axes
+                           if a not in _names(x_spec[0]) + _names(x_spec[1]) or a in sp_axes)
+
+    def local(x, ids, weights, kernels):
+        if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
+            x, ids, weights = (jax.lax.all_gather(a, _entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
+        b, l, d = x.shape
+        if capacity_factor is not None:
+            exchange = ((lambda buf: jax.lax.all_to_all(buf, _entry(exp_axes), 0, 0, tiled=True)) if ep > 1
+                        else (lambda buf: buf))
+            y, dropped = capacity_dispatch(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
+                                           kernels, activation=activation, num_experts=num_experts,
+                                           capacity_factor=capacity_factor, ep=ep, exchange=exchange)
+        else:
+                y, dropped = _dispatch_tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
+                                          kernels, activation=activation, num_experts=num_experts,
+                                          e_local=e_local, ep=ep, exp_axes=exp_axes)
+        y = y.reshape(b, l, d)
+        if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums
+            if sp_axes:
+                y = jax.lax.psum_scatter(y, _entry(sp_axes), scatter_dimension=1, tiled=True)
+            else:
+                y = jax.lax.psum(y, _entry(mlp_axes))
+        return y, dropped.reshape(1)
+
+    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
+        ks = {n: kernels[n] for n in names}
+        y, dropped = jax.shard_map(
+            local, mesh=mesh, in_specs=(x_spec, route_spec, route_spec, {n: kernel_specs[n] for n in names}),
+            out_specs=(x_spec, P(all_axes)))(x_BxLxD, ids_BxLxK, weights_BxLxK, ks)
+        return y, jnp.sum(dropped) / duplicates
+
+    return dispatch
+
+
+def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes):
+    """Dropless: one device's tokens through their experts on the expert-parallel devices: (y [T, D],
+    dropped [] = 0)."""
+    t, k = ids_TxK.shape
+    a_count = t * k
+    ids = ids_TxK.reshape(-1)  # [A], assignment a = token a // K
+    weights = weights_TxK.reshape(-1)
+    order, sizes = sort_by_expert(ids, num_experts)
+    inverse = jnp.argsort(order)  # assignment -> its place in the sorted order
+    per_rank = sizes[:num_experts].reshape(ep, e_local)  # [ep, E_local] assignments to each device's experts
+    rank_counts = jnp.sum(per_rank, axis=1)
+    rank_starts = jnp.cumsum(rank_counts) - rank_counts
+    # Send buffer: slot (r, p) = the p-th sorted assignment for device r.
+    p = jnp.arange(a_count)
+    valid = p[None, :] < rank_counts[:, None]  # [ep, A]
+    src = jnp.take(order, jnp.clip(rank_starts[:, None] + p[None, :], 0, a_count - 1)) // k
+    send = jnp.where(valid[..., None], jnp.take(x_TxD, src, axis=0), jnp.zeros((), x_TxD.dtype))  # [ep, A, D]
+    if ep > 1:
+        axis = _entry(exp_axes)
+        recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep (source), A, D]
+        recv_counts = jax.lax.all_to_all(per_rank, axis, 0, 0, tiled=True)  # [ep (source), E_local]
+    else:
+        recv, recv_counts = send, per_rank
+    # Received rows by local expert: row (s, q) is expert j's when q falls in source s's j-th group.
+    bounds = jnp.cumsum(recv_counts, axis=1)  # [ep, E_local]
+    expert_of_row = jnp.sum(p[None, :, None] >= bounds[:, None, :], axis=-1)  # [ep, A]; E_local = empty row
+    order2, sizes2 = sort_by_expert(expert_of_row.reshape(-1), e_local + 1)
+    rows = jnp.take(recv.reshape(ep * a_count, -1), order2, axis=0)
+    out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation)  # rows past the groups: 0
+    out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0).reshape(ep, a_count, -1)
+    back = jax.lax.all_to_all(out_recv, _entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
+    # Assignment a's output sits in slot (its device, its place among that device's assignments).
+    rank = ids // e_local
+    out = back[rank, inverse - rank_starts[rank]]  # [A, D]
+    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights.reshape(t, k, 1), axis=1)
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)

@@ -1,0 +1,198 @@
+"""Mixture of experts: router losses against Megatron-Core's formulas, the dropless dispatch's
+gradients against a dense every-expert reference, capacity mode, and the keys' checks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megajax.config import load_config
+from megajax.errors import ConfigError, MeshError
+from megajax.models.moe import MoE, router_losses
+from megajax.train.plan import make_plan
+
+E, K, D, F = 4, 2, 16, 24
+
+
+def moe_config(**changes):
+    m = load_config(overrides=["model.hidden_size=16", "model.num_heads=2", f"model.num_experts={E}",
+                               f"model.moe_router_topk={K}", f"model.moe_ffn_hidden_size={F}",
+                               "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]).model
+    return dataclasses.replace(m, **changes)
+
+
+def make_moe(cfg, seed=0):
+    layer = MoE(cfg, dtype=jnp.float32, dispatch=None, rngs=nnx.Rngs(params=seed))
+    # A router this strong makes routing decisive (no near-ties between the k-th and next expert).
+    layer.router[...] = layer.router[...] * 50
+    return layer
+
+
+def forward(layer, x):
+    """layer.forward under jit (op-by-op execution compiles every small op)."""
+    graphdef, params = nnx.split(layer)
+    return jax.jit(lambda p, x: nnx.merge(graphdef, p).forward(x))(params, x)
+
+
+def crafted_batch(seed=1, b=2, l=8):
+    return jax.random.normal(jax.random.key(seed), (b, l, D), jnp.float32)
+
+
+def numpy_megatron_losses(logits, topk, coeff, z_coeff):
+    """Megatron-Core's switch_load_balancing_loss_func and z_loss_func, in numpy (float64)."""
+    logits = np.asarray(logits, np.float64)
+    t, e = logits.shape
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    routing_map = np.zeros((t, e))
+    np.put_along_axis(routing_map, np.argsort(-logits, axis=-1)[:, :topk], 1.0, axis=-1)
+    tokens_per_expert = routing_map.sum(0)
+    aux = np.sum(probs.sum(0) * tokens_per_expert) * (e * coeff / (topk * t * t))
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return aux, np.mean(lse ** 2) * z_coeff
+
+
+def test_router_losses_equal_megatron_formulas():
+    cfg = moe_config()
+    layer = make_moe(cfg)
+    x = crafted_batch()
+    _, stats = forward(layer, x)
+    aux, z = router_losses(jax.tree.map(lambda s: s[None], stats), stats.tokens[None], stats.count[None], cfg)
+    logits = x.reshape(-1, D) @ layer.router[...]
+    want_aux, want_z = numpy_megatron_losses(logits, K, 0.01, 0.001)
+    np.testing.assert_allclose(aux[0], want_aux, rtol=1e-5)
+    np.testing.assert_allclose(z[0], want_z, rtol=1e-5)
+    # A batch split in two: each half's share (its probabilities, the whole batch's counts) sums to it.
+    halves = [forward(layer, x[i:i + 1])[1] for i in range(2)]
+    shares = [router_losses(jax.tree.map(lambda s: s[None], h), stats.tokens[None], stats.count[None], cfg)
+              for h in halves]
+    np.testing.assert_allclose(sum(s[0][0] for s in shares), want_aux, rtol=1e-5)
+    np.testing.assert_allclose(sum(s[1][0] for s in shares), want_z, rtol=1e-5)
+
+
+def dense_reference(layer, cfg, x_BxLxD):
+    """Every expert on every token, outputs masked to the top-k and weighted (no sorting, no ragged
+    products), plus the router losses from plain formulas."""
+    t = x_BxLxD.reshape(-1, D)
+    logits = t @ layer.router[...]
+    top, ids = jax.lax.top_k(logits, K)
+    weights = jnp.zeros_like(logits).at[jnp.arange(t.shape[0])[:, None], ids].set(jax.nn.softmax(top, -1))
+    if cfg.activation == "swiglu":
+        h = jax.nn.silu(jnp.einsum("td,edf->etf", t, layer.gate[...])) * jnp.einsum("td,edf->etf", t, layer.up[...])
+    else:
+        h = jax.nn.gelu(jnp.einsum("td,edf->etf", t, layer.fc1[...]), approximate=False)
+    out = jnp.einsum("etf,efd->etd", h, layer.fc2[...])
+    y = jnp.einsum("te,etd->td", weights, out)
+    probs = jax.nn.softmax(logits, -1)
+    counts = jax.lax.stop_gradient(jnp.sum(weights > 0, axis=0).astype(jnp.float32))
+    n = t.shape[0]
+    aux = cfg.moe_aux_loss_coeff * E / (K * n * n) * jnp.sum(probs.sum(0) * counts)
+    z = cfg.moe_z_loss_coeff * jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+    return y.reshape(x_BxLxD.shape), aux + z
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_gradients_equal_dense_every_expert_reference(activation):
+    cfg = moe_config(activation=activation)
+    layer = make_moe(cfg)
+    x = crafted_batch()
+    cotangent = jax.random.normal(jax.random.key(2), x.shape)
+    graphdef, params = nnx.split(layer)
+
+    def moe_loss(params, x):
+        y, stats = nnx.merge(graphdef, params).forward(x)
+        aux, z = router_losses(jax.tree.map(lambda s: s[None], stats), stats.tokens[None], stats.count[None], cfg)
+        return jnp.sum(y * cotangent) + aux[0] + z[0]
+
+    def reference_loss(params, x):
+        y, losses = dense_reference(nnx.merge(graphdef, params), cfg, x)
+        return jnp.sum(y * cotangent) + losses
+
+    want_v, (want_p, want_x) = jax.jit(jax.value_and_grad(reference_loss, argnums=(0, 1)))(params, x)
+    for fn in (lambda f: f, jax.jit):
+        got_v, (got_p, got_x) = fn(jax.value_and_grad(moe_loss, argnums=(0, 1)))(params, x)
+        np.testing.assert_allclose(got_v, want_v, rtol=1e-5)
+        np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
+        got, want = nnx.to_pure_dict(got_p), nnx.to_pure_dict(want_p)
+        assert set(got) == {"router", *(["gate", "up", "fc2"] if activation == "swiglu" else ["fc1", "fc2"])}
+        for name in got:
+            assert np.abs(np.asarray(want[name])).max() > 0, name
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_capacity_drops_counted_by_hand_and_large_capacity_is_dropless():
+    cfg = moe_config(moe_expert_capacity_factor=1.0)
+    layer = make_moe(cfg)
+    x = crafted_batch(b=1, l=8)
+    ids = np.asarray(jax.lax.top_k(x.reshape(-1, D) @ layer.router[...], K)[1])
+    capacity = int(np.ceil(8 * K / E * 1.0))  # 4 assignments per expert
+    # By hand: walk the tokens in order; an expert keeps its first `capacity` assignments.
+    taken, dropped, kept = np.zeros(E, int), 0, np.ones_like(ids, bool)
+    for t in range(ids.shape[0]):
+        for j in range(K):
+            if taken[ids[t, j]] >= capacity:
+                dropped += 1
+                kept[t, j] = False
+            taken[ids[t, j]] += 1
+    assert 0 < dropped < ids.size  # the crafted batch overflows some expert
+    y, stats = forward(layer, x)
+    assert float(stats.dropped) == dropped
+    # The kept assignments equal the dense reference with the dropped ones' weights zeroed.
+    dropless_cfg = moe_config()
+    dropless = make_moe(dropless_cfg)
+    y_dropless, _ = forward(dropless, x)
+    big = make_moe(moe_config(moe_expert_capacity_factor=float(E)))
+    y_big, big_stats = forward(big, x)
+    assert float(big_stats.dropped) == 0
+    np.testing.assert_allclose(y_big, y_dropless, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(y, y_dropless)
+    tokens_fully_kept = kept.all(axis=1)
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D)[tokens_fully_kept],
+                               np.asarray(y_dropless).reshape(-1, D)[tokens_fully_kept], rtol=1e-6, atol=1e-7)
+    tokens_all_dropped = ~kept.any(axis=1)
+    assert np.all(np.asarray(y).reshape(-1, D)[tokens_all_dropped] == 0)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.num_experts=4", "model.moe_router_topk=5"], ["model.moe_router_topk = 5", "1..4"]),
+    (["model.num_experts=4", "model.moe_expert_capacity_factor=0"], ["moe_expert_capacity_factor = 0", "> 0"]),
+    (["model.num_experts=4", "model.moe_expert_capacity_factor=-1.5"], ["-1.5", "> 0"]),
+    (["model.num_experts=4", "model.moe_layer_freq=2"], ["model.moe_layer_freq = 2", "only 1"]),
+    (["mesh.expert=2"], ["mesh.expert = 2", "model.num_experts"]),
+    (["model.num_experts=4", "model.family=gpt"], ["model.use_bias", "false"]),
+])
+def test_bad_moe_keys_name_key_value_and_accepted(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_experts_not_divisible_by_mesh_expert():
+    cfg = load_config(overrides=["model.num_experts=6", "mesh.expert=4", "mesh.data=2"])
+    with pytest.raises(MeshError) as e:
+        make_plan(cfg, num_devices=8)
+    assert "model.num_experts=6 is not divisible by mesh.expert=4" in str(e.value)
+
+
+def test_presets():
+    mixtral = load_config(["model/mixtral-8x7b"]).model
+    assert (mixtral.num_layers, mixtral.hidden_size, mixtral.num_heads, mixtral.num_kv_heads, mixtral.num_experts,
+            mixtral.moe_router_topk, mixtral.moe_ffn_hidden_size, mixtral.vocab_size) == \
+        (32, 4096, 32, 8, 8, 2, 14336, 32000)
+    tiny = load_config(["model/tiny-moe"]).model
+    assert tiny.num_experts == 8 and tiny.moe_router_topk == 2
+
+
+def test_flops_count_active_parameters():
+    """Mixtral 8x7B: per layer attention (q, o: D x D; k, v: D x 1024), router D x 8 and 2 of the 8
+    experts (3 x D x F each); plus the output layer: 12.75B, its published ~12.9B active parameters
+    less the input embedding table (a lookup, no FLOPs)."""
+    from megajax.train.flops import matmul_params
+    m = load_config(["model/mixtral-8x7b"]).model
+    d, f = 4096, 14336
+    per_layer = 2 * d * d + 2 * d * 1024 + d * 8 + 2 * 3 * d * f
+    assert matmul_params(m, m.padded_vocab_size()) == 32 * per_layer + d * 32000
