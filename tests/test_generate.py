@@ -138,7 +138,7 @@ def test_generation_on_data_2_tensor_4_equals_one_device(checkpoint):
     state = sharded.generator.start(PROMPTS, samplings, [4] * 3)
     assert len(state.cache_k) == 2  # one [batch, kv_heads, slots, head_dim] buffer per layer
     for cache in state.cache_k + state.cache_v:
-        assert cache.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), "tensor", None, None)
+        assert cache.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), "tensor", None, None)
         assert cache.shape[0] == 4  # the batch bucket: 2 rows per data rank
 
 
