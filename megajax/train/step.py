@@ -289,10 +289,3 @@ def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRul
             return loss, count
 
     return evaluate
-
-
-def jit_train_step(step: Callable, state_sh: TrainState, batch_sh: dict, mesh: Mesh) -> Callable:
-    replicated = NamedSharding(mesh, P())
-    metric_sh = {k: replicated for k in METRIC_KEYS}
-    return jax.jit(step, in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, metric_sh),
-                   donate_argnums=(0,))
