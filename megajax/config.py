@@ -154,6 +154,8 @@ class ParallelConfig:
     distributed_optimizer: bool = False  # ZeRO-1: optimizer state sharded over data axes
     recompute: Literal["none", "selective", "full"] = "none"
     context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
+    pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"  # with mesh.pipeline > 1
+    virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule)
 
 
 @dataclass
@@ -537,9 +539,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("at most one mesh axis may be -1; got "
                           + ", ".join(f"mesh.{a}=-1" for a in MESH_AXES if getattr(cfg.mesh, a) == -1) + ".")
     _positive("mesh.cpu_devices", cfg.mesh.cpu_devices, allow_zero=True)
-    if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
-        raise ConfigError(f"mesh.pipeline = {cfg.mesh.pipeline}: pipeline parallelism is not "
-                          "available yet; use mesh.pipeline=1.")
+    _positive("parallel.virtual_stages", cfg.parallel.virtual_stages)
+    if cfg.parallel.virtual_stages != 1 and cfg.parallel.pipeline_schedule != "interleaved":
+        raise ConfigError(f"parallel.virtual_stages = {cfg.parallel.virtual_stages} needs "
+                          f"parallel.pipeline_schedule=interleaved (this config has "
+                          f"{cfg.parallel.pipeline_schedule!r}); set virtual_stages=1 or use the interleaved schedule.")
     validate_moe(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "

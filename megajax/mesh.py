@@ -16,7 +16,9 @@ these tables:
 - context parallel: the sequence (`length`, `residual_length`) over `context`
   (attention itself is in megajax/parallel/context.py);
 - expert parallel: MoE kernels' `experts` over `expert`; outside the MoE layers
-  `expert` splits the batch like `data` (token dispatch: megajax/parallel/experts.py).
+  `expert` splits the batch like `data` (token dispatch: megajax/parallel/experts.py);
+- pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
+  a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py).
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ def make_rules(cfg: Config) -> ShardingRules:
                    "mlp": ("tensor",)}
     params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": (),
               "experts": ("expert",), "expert_scores": ()}
+    if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
+        params["layers"] = ("pipeline",)
     opt_state = dict(params)
     if cfg.parallel.distributed_optimizer:
         opt_state["embed"] = ("data", "fsdp")
@@ -257,4 +261,10 @@ def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, names, rules))
+    spec = logical_to_spec(names, rules)
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty and context.manual_axes:
+        # Inside shard_map over some axes (a pipeline stage): the constraint names the other axes
+        # of the context's mesh, on which those are manual.
+        return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -105,13 +105,15 @@ class LinearOps:
 
     `column` serves projections whose output features are split over tensor
     parallelism (q/k/v, fc1/gate/up, output layer), `row` those whose input
-    features are (o, fc2); `embed` looks rows up in the (vocab-split) table.
+    features are (o, fc2); `embed` looks rows up in the (vocab-split) table, `embed_positions`
+    in the learned position table.
     The defaults are plain; sequence parallelism supplies others. A layer whose product may be
     replaced by a stateful one (FP8) asks `linear(kind)` for its own.
     """
     column: DotGeneral = jax.lax.dot_general
     row: DotGeneral = jax.lax.dot_general
     embed: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
+    embed_positions: Callable[[jax.Array, jax.Array], jax.Array] = take_rows  # learned position table
     # A factory of stateful products (FP8 with its scaling state), one per linear layer that
     # asks for one; None: the plain products above. `low_precision_output`: the output layer too.
     low_precision: Callable[[], DotGeneral] | None = None

@@ -123,36 +123,49 @@ class Transformer(nnx.Module):
 
         `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
         dense model) for the train step's balancing losses."""
-        cfg = self.cfg
         b, l = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
-        x = logical_constraint(dropout(self.embed_tokens(tokens_BxL, positions_BxL), cfg.hidden_dropout, rngs[0]),
-                               RESIDUAL)
+        x = self.embed_input(tokens_BxL, positions_BxL, rngs[0])
+        x, stats = self.layer_stack(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                    dropout_rng=rngs[1])
+        logits = self.logits(x)
+        return (logits, stats) if router_stats else logits
 
+    def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
+        """The first layer's input [B, L, D]: embeddings with their dropout (`dropout_rng`: the first
+        of __call__'s two dropout keys)."""
+        x = dropout(self.embed_tokens(tokens_BxL, positions_BxL), self.cfg.hidden_dropout, dropout_rng)
+        return logical_constraint(x, RESIDUAL)
+
+    def layer_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
+                    dropout_rng: jax.Array | None, first_layer: int | jax.Array = 0):
+        """The blocks held in `self.layers` (all of them, or a pipeline stage's consecutive run of
+        them starting at model layer `first_layer`), scanned: (x, router stats or None). Layer n's
+        dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
+        masks the whole model would."""
         inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
+        count = jax.tree.leaves(block_state)[0].shape[0]
 
         def body(x, layer):
             params, index = layer
             block = nnx.merge(block_def, params)
-            rng = None if rngs[1] is None else jax.random.fold_in(rngs[1], index)
+            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return block(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                          inv_freq=inv_freq, dropout_rng=rng)
 
         if self.recompute == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        x, stats = jax.lax.scan(body, x, (block_state, jnp.arange(cfg.num_layers)),
-                                unroll=1 if cfg.scan_layers else True)
-        logits = self.logits(x)
-        return (logits, stats) if router_stats else logits
+        return jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count)),
+                            unroll=1 if self.cfg.scan_layers else True)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """Token embeddings (+ learned positions) [B, L, D] in the compute dtype."""
         x = self.embed(tokens_BxL)
         if self.cfg.position_embedding == "learned":
-            x = x + jnp.take(self.pos_embed[...], positions_BxL, axis=0).astype(self.dtype)
+            x = x + self.ops.embed_positions(self.pos_embed[...], positions_BxL).astype(self.dtype)
         return x
 
     def rope_inv_freq(self) -> jax.Array | None:

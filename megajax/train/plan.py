@@ -154,5 +154,45 @@ def make_plan(cfg: Config, num_devices: int) -> RunPlan:
     where = f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']}" + (
         f" x mesh.expert={sizes['expert']}" if sizes["expert"] > 1 else "")
     batch = BatchLayout.resolve(cfg.train, dp, where)
+    validate_pipeline(cfg, sizes, batch)
     return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=make_rules(cfg), batch=batch,
                    notes=tuple(notes))
+
+
+def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> None:
+    """mesh.pipeline and the parallel.pipeline_* keys against the model, the batch and the other axes."""
+    p, v, name = sizes["pipeline"], cfg.parallel.virtual_stages, cfg.parallel.pipeline_schedule
+    m = cfg.model
+    if p == 1:
+        if v != 1:
+            raise ConfigError(f"parallel.virtual_stages = {v} needs pipeline parallelism (mesh.pipeline > 1; "
+                              f"this run has mesh.pipeline=1); set parallel.virtual_stages=1.")
+        return
+    if m.num_layers % (p * v):
+        ok = [d for d in range(2, m.num_layers + 1) if m.num_layers % (d * v) == 0][:8]
+        raise MeshError(f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
+                        f"parallel.virtual_stages={v} chunks of whole layers ({p * v} must divide it); "
+                        f"pipeline sizes that work with virtual_stages={v}: {', '.join(map(str, ok)) or 'none'}.")
+    micro, dp, acc = batch.micro_batch, batch.data_parallel, batch.accumulation
+    if acc < p or (name == "interleaved" and acc % p):
+        need = p if acc < p else p * -(-acc // p)
+        why = ("at least as many microbatches as stages" if acc < p else
+               f"a multiple of mesh.pipeline={p} microbatches (it runs them in groups of {p})")
+        raise MeshError(f"parallel.pipeline_schedule={name} needs {why}; this run has {acc} (train.global_batch="
+                        f"{batch.global_batch} / (train.micro_batch={micro} x data-parallel size {dp})). Use e.g. "
+                        f"train.global_batch={need * micro * dp} or train.micro_batch="
+                        f"{max(1, batch.global_batch // (need * dp))} if it divides.")
+    refuse = [
+        (m.num_experts > 0, f"model.num_experts={m.num_experts} (mixture of experts)"),
+        (cfg.train.precision == "fp8", "train.precision=fp8"),
+        (cfg.parallel.sequence_parallel and sizes["tensor"] > 1, "parallel.sequence_parallel=true"),
+        (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
+        (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
+    ]
+    for bad, what in refuse:
+        if bad:
+            raise ConfigError(f"mesh.pipeline={p} with {what} is not available: a pipeline stage runs inside "
+                              f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
+                              f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
+                              f"optimizer, tensor parallelism (without sequence parallelism), recompute, "
+                              f"bf16/fp16 and dropout; use mesh.pipeline=1 for this run.")

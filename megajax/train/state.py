@@ -30,6 +30,7 @@ from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.context import context_parallel_attention, sharded_attention
 from megajax.parallel.experts import expert_parallel_dispatch
+from megajax.parallel.pipeline import stage_embedding
 from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
@@ -78,6 +79,9 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
         return sequence_parallel_ops(mesh, rules.activations, dot)
     fp8 = precision_policy(cfg).fp8
     if fp8 is None:
+        if mesh is not None and dict(zip(mesh.axis_names, mesh.devices.shape))["pipeline"] > 1:
+            return LinearOps(column=dot, row=dot, embed=stage_embedding(rules),
+                             embed_positions=stage_embedding(rules, "position"))
         return LinearOps(column=dot, row=dot)
     return LinearOps(column=dot, row=dot, low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
 

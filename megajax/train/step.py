@@ -27,11 +27,13 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec
 from megajax.models.moe import router_losses
+from megajax.parallel.pipeline import StageFunctions, build_schedule, pipeline_gradients
 from megajax.precision.fp8 import scales_of, update_fp8_state, with_scales
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
@@ -162,7 +164,16 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     # Gradients with respect to the parameters, and the FP8 products' amaxes (see above).
     grad_fn = jax.value_and_grad(micro_loss, argnums=(0, 1), has_aux=True)
 
+    pipelined = sizes.get("pipeline", 1) > 1
+    if pipelined:
+        pipeline_grad_specs, pipeline_param_specs = (
+            jax.tree.map(lambda names: logical_to_spec(names, table), spec.axes, is_leaf=lambda x: isinstance(x, tuple))
+            for table in (rules.opt_state, rules.params))
+
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if pipelined:
+            with activation_sharding(mesh, plain_act_rules):
+                return _pipeline_step(state, batch)
         if batch["tokens"].shape[0] == 1 or not dp_axes:  # one microbatch, or a MoE model
             with activation_sharding(mesh, plain_act_rules):
                 return _step(state, batch, ())
@@ -234,6 +245,30 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
                                  on_own_shard(grads), grad_specs)
             amaxes = jax.tree.map(lambda a: jnp.max(a, axis=0), amaxes)
 
+        return finish(state, grads, amaxes, sums, num_tokens, scale)
+
+    def _pipeline_step(state: TrainState, batch: dict):
+        """The step through the pipeline stages (megajax/parallel/pipeline.py): the accumulation
+        microbatches are the pipeline's microbatches."""
+        sched = build_schedule(cfg.parallel.pipeline_schedule, sizes["pipeline"], batch["tokens"].shape[0],
+                               cfg.parallel.virtual_stages)
+        num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1.0)
+        step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if use_dropout else None
+        # FSDP parameters are gathered once per step, before the stages (see README: pipeline).
+        stage_specs = jax.tree.map(lambda s: P(*_without(s, ("data", "fsdp", "expert"))), pipeline_param_specs)
+        params = jax.tree.map(lambda p, s: constrain(p, tuple(s)), state.params, stage_specs)
+        grads, loss_sum = pipeline_gradients(
+            stage_functions(spec), sched, mesh, params, batch,
+            None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
+            stage_specs)
+        grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
+        return finish(state, grads, {}, {"loss_sum": loss_sum}, num_tokens, scale)
+
+    def finish(state: TrainState, grads, amaxes, sums: dict, num_tokens, scale):
+        """Unscale, clip, update (or skip a non-finite step) and the metrics."""
+        fp8 = state.fp8
+        loss_sum = sums["loss_sum"]
         grads = jax.tree.map(lambda g: g / scale, grads)
         loss = loss_sum / num_tokens
         grads, grad_norm = clip_by_global_norm(grads, clip)
@@ -261,6 +296,30 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         return new_state, metrics
 
     return step
+
+
+def stage_functions(spec: ModelSpec) -> StageFunctions:
+    """The model's embedding, layer stack and output layer + loss as a pipeline runs them."""
+    def model(params):
+        return nnx.merge(spec.graphdef, params)
+
+    def positions(m):
+        if m.get("positions") is not None:
+            return m["positions"]
+        b, l = m["tokens"].shape
+        return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+
+    def embed(params, m, key):
+        return model(params).embed_input(m["tokens"], positions(m), key)
+
+    def layers(params, x, m, key, first_layer):
+        return model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                          dropout_rng=key, first_layer=first_layer)[0]
+
+    def head(params, x, m):
+        return jnp.sum(cross_entropy(model(params).logits(x), m["labels"]) * m["loss_mask"])
+
+    return StageFunctions(embed=embed, layers=layers, head=head)
 
 
 def moe_metrics(sums: dict, topk: int) -> dict:

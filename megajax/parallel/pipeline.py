@@ -1,0 +1,403 @@
+"""Pipeline parallelism: GPipe, 1F1B and interleaved 1F1B as one SPMD program over `pipeline`.
+
+The stacked blocks' parameters `[layers, ...]` are split over the `pipeline` mesh
+axis: stage s holds a consecutive run of layers/P of them, or, with V virtual
+stages (interleaved), V chunks of layers/(P V), chunk v of stage s being model
+chunk v P + s. The embedding, the final norm and the output layer are held by
+every stage (replicated over `pipeline`); the first stage runs the embedding and
+the last stage the final norm, output layer and loss.
+
+A schedule is a table, built here in Python: for every tick t and stage s,
+which microbatch (and chunk) the stage runs forward and which it runs
+backward, and which stash slot holds the forward's input until its backward.
+Every stage runs the same program (`shard_map` over `pipeline`, the other
+mesh axes left to the compiler): per tick a forward half and a backward half,
+each a `lax.cond` on the table entry, so an idle half does no work; after each
+half one `ppermute` sends the activation to the next stage (forward) or the
+input cotangent to the previous stage (backward). Both transfers arrive exactly
+when the receiver's table asks for them, so nothing else crosses stages.
+
+The backward half recomputes its chunk's forward from the stashed input and
+takes its VJP (the stage iteration is rematerialised); the last stage's
+backward of a microbatch's last chunk also runs the output layer and the loss
+and starts the cotangent there, so the gradients of a whole step are computed
+by hand inside one scan, never by differentiating the scan. The schedules
+differ only in their tables:
+
+- gpipe: every forward, then every backward. Stash: all M microbatches.
+- 1f1b: a stage's k-th backward runs P - 1 - s ticks after... in the steady state
+  each tick runs one forward and one backward (Megatron's one-forward-one-backward);
+  at most 2 (P - 1 - s) + 1 stage inputs are stashed on stage s, whatever M is.
+- interleaved: V chunks per stage in Megatron's order (groups of P microbatches
+  run chunk 0, 1, ..., V - 1 forward, and V - 1, ..., 0 backward); needs M a
+  multiple of P; the last stage's output of chunk v goes round to the first
+  stage's chunk v + 1. Bubble (P - 1) / (V M + P - 1).
+
+Gradients of the layers stay on their stage; those of the embedding and head
+(and of a tied embedding, used at both ends) are summed over `pipeline` once
+per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from megajax.errors import ConfigError
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+AXIS = "pipeline"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The tick tables of a pipeline schedule: [ticks, stages] int32 each, -1 where idle.
+
+    `fwd_chunk[t, s]`, `fwd_micro[t, s]`: the chunk (virtual stage, 0..V-1) and microbatch stage s
+    runs forward at tick t; `fwd_slot` the stash slot its input goes to. `bwd_*` the same for the
+    backward half, which reads `bwd_slot`."""
+    name: str
+    stages: int
+    virtual: int
+    microbatches: int
+    fwd_chunk: np.ndarray
+    fwd_micro: np.ndarray
+    fwd_slot: np.ndarray
+    bwd_chunk: np.ndarray
+    bwd_micro: np.ndarray
+    bwd_slot: np.ndarray
+    stash: int  # stash slots per stage
+
+    @property
+    def ticks(self) -> int:
+        return self.fwd_chunk.shape[0]
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of a stage's time, with a forward half costing 1/3 and a backward half 2/3
+        of a tick's work on a chunk, and a tick lasting as long as the busiest stage's work."""
+        f, b = 1.0, 2.0
+        busy_f = (self.fwd_chunk >= 0).any(axis=1)
+        busy_b = (self.bwd_chunk >= 0).any(axis=1)
+        wall = f * busy_f.sum() + b * busy_b.sum()
+        work = self.virtual * self.microbatches * (f + b)
+        return float(1.0 - work / wall)
+
+    def max_in_flight(self) -> int:
+        """The most stage inputs any stage holds stashed at once (what activation memory scales with)."""
+        return self.stash
+
+
+def _orders(name: str, p: int, v: int, m: int) -> tuple[list, list]:
+    """(forward order, backward order) of (chunk, microbatch) items, the same on every stage."""
+    if v == 1:
+        items = [(0, i) for i in range(m)]
+        return items, list(items)
+    fwd, bwd = [], []
+    for g in range(m // p):
+        for r in range(v):
+            fwd += [(r, g * p + j) for j in range(p)]
+        for r in reversed(range(v)):
+            bwd += [(r, g * p + j) for j in range(p)]
+    return fwd, bwd
+
+
+def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
+    """The tables of schedule `name` for P stages, M microbatches and V virtual stages per stage.
+
+    Stage s runs its n-th forward at tick n + s, so an activation sent by stage s at tick t is
+    what stage s + 1 runs at t + 1 (and, interleaved, stage P - 1's output of chunk v is what
+    stage 0 runs as chunk v + 1 one tick later). The n-th backward runs at tick n + D + P - 1 - s,
+    D the smallest delay that keeps every backward at or after its forward on every stage (1F1B,
+    interleaved), or the end of the forwards (GPipe)."""
+    p, v, m = stages, virtual, microbatches
+    if name not in SCHEDULES:
+        raise ConfigError(f"parallel.pipeline_schedule = {name!r}: choose one of {', '.join(SCHEDULES)}.")
+    if name != "interleaved" and v != 1:
+        raise ConfigError(f"parallel.virtual_stages = {v} needs parallel.pipeline_schedule=interleaved "
+                          f"(this run has {name!r}); set virtual_stages=1 or use the interleaved schedule.")
+    if m < p:
+        raise ConfigError(f"{m} microbatches for {p} pipeline stages: a pipeline needs at least as many "
+                          f"microbatches as stages.")
+    if name == "interleaved" and m % p:
+        raise ConfigError(f"the interleaved schedule runs microbatches in groups of mesh.pipeline = {p}; "
+                          f"{m} microbatches is not a multiple of {p}.")
+    fwd, bwd = _orders(name, p, v, m)
+    f_index = {item: n for n, item in enumerate(fwd)}
+    b_index = {item: n for n, item in enumerate(bwd)}
+    # Smallest D with n_b + D + P - 1 - s >= n_f + s for every item and stage (worst: s = P - 1).
+    delay = max(f_index[it] - b_index[it] for it in fwd) + p - 1
+    if name == "gpipe":
+        delay = max(delay, m + p - 2)
+    ticks = len(bwd) - 1 + delay + p - 1 + 1
+    tabs = {k: np.full((ticks, p), -1, np.int32) for k in ("fc", "fm", "fs", "bc", "bm", "bs")}
+    stash = 0
+    for s in range(p):
+        free, slot_of = [], {}
+        events = []  # (tick, half, item): forward half (0) before backward half (1) in a tick
+        for n, it in enumerate(fwd):
+            events.append((n + s, 0, it))
+        for n, it in enumerate(bwd):
+            events.append((n + delay + p - 1 - s, 1, it))
+        used = 0
+        for t, half, it in sorted(events):
+            if half == 0:
+                slot = free.pop(0) if free else used
+                used = max(used, slot + 1)
+                slot_of[it] = slot
+                tabs["fc"][t, s], tabs["fm"][t, s], tabs["fs"][t, s] = it[0], it[1], slot
+            else:
+                slot = slot_of.pop(it)  # KeyError: a backward before its forward (a bug here)
+                tabs["bc"][t, s], tabs["bm"][t, s], tabs["bs"][t, s] = it[0], it[1], slot
+                free.append(slot)
+                free.sort()
+        stash = max(stash, used)
+    sched = Schedule(name=name, stages=p, virtual=v, microbatches=m, fwd_chunk=tabs["fc"], fwd_micro=tabs["fm"],
+                     fwd_slot=tabs["fs"], bwd_chunk=tabs["bc"], bwd_micro=tabs["bm"], bwd_slot=tabs["bs"],
+                     stash=stash)
+    check_schedule(sched)
+    return sched
+
+
+def check_schedule(sc: Schedule) -> None:
+    """Asserts that every transfer arrives when its receiver runs it: a forward on stage s > 0 (or
+    of chunk v > 0 on stage 0) runs one tick after the previous stage's forward of the same item,
+    and a backward one tick after the next stage's; every item runs forward and backward once."""
+    p, v = sc.stages, sc.virtual
+    for t in range(sc.ticks):
+        for s in range(p):
+            c, i = sc.fwd_chunk[t, s], sc.fwd_micro[t, s]
+            if c >= 0 and (s > 0 or c > 0):
+                ps, pc = (s - 1, c) if s > 0 else (p - 1, c - 1)
+                assert t > 0 and (sc.fwd_chunk[t - 1, ps], sc.fwd_micro[t - 1, ps]) == (pc, i), (t, s, c, i)
+            c, i = sc.bwd_chunk[t, s], sc.bwd_micro[t, s]
+            if c >= 0 and (s < p - 1 or c < v - 1):
+                ns, nc = (s + 1, c) if s < p - 1 else (0, c + 1)
+                assert t > 0 and (sc.bwd_chunk[t - 1, ns], sc.bwd_micro[t - 1, ns]) == (nc, i), (t, s, c, i)
+    for tab in (sc.fwd_chunk, sc.bwd_chunk):
+        assert ((tab >= 0).sum(axis=0) == v * sc.microbatches).all()
+
+
+def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None:
+    """Model layer held at each row of the pipeline's layer array (stage-major: stage s's rows are
+    its chunks 0..V-1 in order), or None when that is the model's own order (V = 1)."""
+    if virtual == 1:
+        return None
+    per = num_layers // (stages * virtual)
+    return np.asarray([(v * stages + s) * per + j for s in range(stages) for v in range(virtual)
+                       for j in range(per)], np.int32)
+
+
+def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
+                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict) -> tuple[dict, jax.Array]:
+    """(gradients of `seed` x the loss sum w.r.t. `params`, the loss sum) of one step's M
+    microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
+    model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
+    dropout key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`:
+    where the parameters (and their gradient sums) live on the other mesh axes during the step."""
+    p, v = sched.stages, sched.virtual
+    layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    per = num_layers // (p * v)
+    order = stage_order(num_layers, p, v)
+    if order is not None:
+        layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
+    tables = jnp.asarray(np.stack([sched.fwd_chunk, sched.fwd_micro, sched.fwd_slot,
+                                   sched.bwd_chunk, sched.bwd_micro, sched.bwd_slot], axis=-1))
+    fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
+    bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
+    use_rng = rng is not None
+    rng = rng if use_rng else jnp.zeros((2,), jnp.uint32)
+
+    def body(layers, other, batch, rng, seed):
+        stage = jax.lax.axis_index(AXIS)
+        vary = lambda tree: jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
+        # Parameters used by every stage are differentiated as this stage's own copy (no implicit
+        # sum over stages inside a branch); the copies' gradients are summed once at the end.
+        other, batch, seed = vary(other), vary(batch), vary(seed)
+        mesh_here = jax.sharding.get_abstract_mesh()
+
+        def pin(tree, specs, lead=0):
+            """Keeps `tree` (and, through the scan's carry, its gradient sums) laid out as `specs` on
+            the auto axes: left free, the compiler would carry the optimizer's layout (e.g. the
+            distributed optimizer's) into the stage loop."""
+            return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(
+                x, jax.sharding.NamedSharding(mesh_here, P(*((None,) * lead), *_local(sp)))), tree, specs)
+
+        layer_specs = {k: x for k, x in param_specs.items() if k == "layers"}["layers"]
+        other_specs = {k: x for k, x in param_specs.items() if k != "layers"}
+        other = pin(other, other_specs)
+        chunks = pin(jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers), layer_specs, lead=1)
+        micro = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batch)
+
+        def keys(i):
+            if not use_rng:
+                return None, None
+            k = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(rng), i), 2)
+            return k[0], k[1]
+
+        # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
+        some_layers = jax.tree.map(lambda a: a[0], chunks)
+
+        def run_chunk(w, x, c, i):
+            return model_fns.layers({**other, "layers": w}, x, micro(i), keys(i)[1], (c * p + stage) * per)
+
+        def embed(o, i):
+            return model_fns.embed({**o, "layers": some_layers}, micro(i), keys(i)[0])
+
+        def head(o, y, i):
+            return model_fns.head({**o, "layers": some_layers}, y, micro(i))
+
+        x_shape = jax.eval_shape(lambda: embed(other, 0))
+        zeros_x = vary(jnp.zeros(x_shape.shape, x_shape.dtype))
+        stash0 = vary(jnp.zeros((sched.stash,) + x_shape.shape, x_shape.dtype))
+        g_layers0 = pin(vary(jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), chunks)), layer_specs, lead=1)
+        g_other0 = pin(jax.tree.map(lambda o: jnp.zeros(o.shape, grad_dtype), other), other_specs)
+        zero_loss = vary(jnp.zeros((), jnp.float32))
+
+        def tick(carry, t):
+            recv_x, recv_g, stash, g_layers, g_other, loss_sum = carry
+            row = tables[t, stage]
+            fc, fm, fs, bc, bm, bs = (row[k] for k in range(6))
+
+            # Forward half: this stage's input (the embedding on the first stage's first chunk, else
+            # what the previous stage sent), stashed; the chunk's output for the next stage. The last
+            # chunk of the last stage only stashes: its backward recomputes it with the loss.
+            def forward(stash):
+                x = jax.lax.cond((stage == 0) & (fc == 0), lambda: embed(other, fm), lambda: recv_x)
+                stash = jax.lax.dynamic_update_index_in_dim(stash, x, fs, 0)
+                last = (stage == p - 1) & (fc == v - 1)
+                w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, fc, keepdims=False), chunks)
+                y = jax.lax.cond(last, lambda: zeros_x, lambda: run_chunk(w, x, fc, fm))
+                return y, stash
+
+            send_x, stash = jax.lax.cond(fc >= 0, forward, lambda st: (zeros_x, st), stash)
+
+            # Backward half: recompute the chunk from its stashed input, take the cotangent of its
+            # output (from the loss on the last chunk of the last stage, else from the next stage),
+            # and pass the input's cotangent on (through the embedding on the first chunk of stage 0).
+            def backward(args):
+                g_layers, g_other, loss_sum = args
+                x = jax.lax.dynamic_index_in_dim(stash, bs, keepdims=False)
+                w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, bc, keepdims=False), chunks)
+                y, chunk_vjp = jax.vjp(lambda w, x: run_chunk(w, x, bc, bm), w, x)
+
+                def from_loss(g_other):
+                    loss, head_vjp = jax.vjp(lambda o, y: head(o, y, bm), other, y)
+                    g_o, g_y = head_vjp(seed.astype(loss.dtype))
+                    return loss, _add(g_other, g_o), g_y.astype(y.dtype)
+
+                loss, g_other, g_y = jax.lax.cond(
+                    (stage == p - 1) & (bc == v - 1), from_loss,
+                    lambda g_other: (zero_loss, g_other, recv_g), g_other)
+                g_w, g_x = chunk_vjp(g_y)
+
+                def into_embedding(g_other):
+                    _, embed_vjp = jax.vjp(lambda o: embed(o, bm), other)
+                    return _add(g_other, embed_vjp(g_x)[0])
+
+                g_other = jax.lax.cond((stage == 0) & (bc == 0), into_embedding, lambda g: g, g_other)
+                g_layers = jax.tree.map(
+                    lambda acc, g: jax.lax.dynamic_update_index_in_dim(
+                        acc, jax.lax.dynamic_index_in_dim(acc, bc, keepdims=False) + g.astype(acc.dtype), bc, 0),
+                    g_layers, g_w)
+                return g_x, (g_layers, g_other, loss_sum + loss)
+
+            send_g, (g_layers, g_other, loss_sum) = jax.lax.cond(
+                bc >= 0, backward, lambda args: (zeros_x, args), (g_layers, g_other, loss_sum))
+            recv_x = jax.lax.ppermute(send_x, AXIS, fwd_perm)
+            recv_g = jax.lax.ppermute(send_g, AXIS, bwd_perm)
+            g_layers, g_other = pin(g_layers, layer_specs, lead=1), pin(g_other, other_specs)
+            return (recv_x, recv_g, stash, g_layers, g_other, loss_sum), None
+
+        carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss)
+        (_, _, _, g_layers, g_other, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+        g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
+        return g_layers, jax.lax.psum(g_other, AXIS), jax.lax.psum(loss_sum, AXIS)
+
+    layer_spec = jax.tree.map(lambda _: P(AXIS), layers)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), P(), P(), P()),
+                       out_specs=(layer_spec, P(), P()), axis_names={AXIS})
+    g_layers, g_other, loss_sum = fn(layers, other, batch, rng, seed)
+    if order is not None:
+        inverse = np.argsort(order)
+        g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
+    return {**g_other, "layers": g_layers}, loss_sum
+
+
+def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
+    """The token embedding lookup for a model run by pipeline stages: rows of the (vocab-split)
+    table, whose gradient is summed by hand inside shard_map over the mesh axes other than
+    `pipeline` (each device adds its tokens' cotangents into its own vocabulary rows, then one sum
+    over the batch axes). Left to the compiler, the scatter-add of the lookup's gradient inside
+    the stage loop, with the table split over `tensor` and the tokens over a data axis, fails to
+    compile (an XLA check in the SPMD partitioner) or, on CPU, deadlocks. `table_axis`: the logical
+    axis of the table's rows (`vocab`, or `position` for learned positions)."""
+    vocab_axes = tuple(rules.params[table_axis])
+    batch_axes = tuple(rules.activations["batch"])
+
+    def lookup(table_VxD, ids):
+        shape, dtype = table_VxD.shape, table_VxD.dtype
+
+        @jax.custom_vjp
+        def embed(table, ids):
+            return jnp.take(table, ids, axis=0)
+
+        def fwd(table, ids):
+            return embed(table, ids), ids
+
+        def bwd(ids, g):
+            mesh = jax.sharding.get_abstract_mesh()
+            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+            vocab = tuple(a for a in vocab_axes if a in sizes and a not in mesh.manual_axes)
+            batch = tuple(a for a in batch_axes if a in sizes and a not in mesh.manual_axes)
+            rows = shape[0] // int(np.prod([sizes[a] for a in vocab]))
+
+            def local(ids, g):
+                first = 0
+                for a in vocab:  # this device's first vocabulary row (axes major to minor)
+                    first = first * sizes[a] + jax.lax.axis_index(a)
+                index = ids - first * rows
+                mine = (index >= 0) & (index < rows)
+                gt = jnp.zeros((rows, shape[1]), dtype).at[jnp.where(mine, index, rows)].add(
+                    jnp.where(mine[..., None], g.astype(dtype), 0), mode="drop")
+                return jax.lax.psum(gt, batch) if batch else gt
+
+            entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
+            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(entry(batch)), P(entry(batch))),
+                                    out_specs=P(entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
+            return g_table, None
+
+        embed.defvjp(fwd, bwd)
+        return embed(table_VxD, ids)
+
+    return lookup
+
+
+def _local(spec) -> tuple:
+    """A parameter's PartitionSpec entries as seen inside the stage loop: without `pipeline`."""
+    out = []
+    for entry in spec:
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        kept = tuple(n for n in names if n != AXIS)
+        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return tuple(out)
+
+
+def _add(a, b):
+    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
+
+
+@dataclass(frozen=True)
+class StageFunctions:
+    """The model in the three pieces a pipeline runs, each on a whole parameter tree whose `layers`
+    are one chunk's: embed(params, micro, key) -> x; layers(params, x, micro, key, first layer) -> x;
+    head(params, x, micro) -> loss sum. `micro` is one microbatch's dict of arrays."""
+    embed: Callable
+    layers: Callable
+    head: Callable
