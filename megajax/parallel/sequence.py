@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.mesh import Rules, logical_to_spec
+from megajax.parallel.manual import shard_map_fn
 from megajax.models.layers import LinearOps
 from megajax.models.transformer import RESIDUAL
 
@@ -36,13 +37,15 @@ def _entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general) -> LinearOps:
+def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general,
+                          hand_vjp: bool = False) -> LinearOps:
     """LinearOps whose projections and embedding carry Megatron's SP all-gather / reduce-scatter.
 
     Every mesh axis comes from the activation rules table: the tensor-parallel axes are those of
     `heads` (which `mlp` and `vocab` share), the sequence is split as `length` inside tensor-parallel
     regions and as `residual_length` outside, and sequence parallelism gathers / scatters over the
-    axes `residual_length` adds to `length` (the tensor axes, possibly after `context`)."""
+    axes `residual_length` adds to `length` (the tensor axes, possibly after `context`). `hand_vjp`:
+    inside a pipeline stage (megajax/parallel/manual.py)."""
     tp = _entry(rules["heads"])
     sp = _entry(a for a in rules["residual_length"] if a not in rules["length"])
     outer = logical_to_spec(RESIDUAL, rules)  # x[B, S, D] outside tensor-parallel regions
@@ -64,8 +67,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             x = jax.lax.all_gather(x, tp, axis=1, tiled=True)
             return dot_general(x, k, dimension_numbers, **kw)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(outer, P(*k_spec)),
-                             out_specs=P(*out_spec))(x, k)
+        return shard_map_fn(local, mesh, (outer, P(*k_spec)), P(*out_spec), hand_vjp=hand_vjp)(x, k)
 
     def row(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
@@ -79,8 +81,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             y = dot_general(x, k, dimension_numbers, **kw)
             return jax.lax.psum_scatter(y, tp, scatter_dimension=1, tiled=True)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(*x_spec), P(*k_spec)),
-                             out_specs=outer)(x, k)
+        return shard_map_fn(local, mesh, (P(*x_spec), P(*k_spec)), outer, hand_vjp=hand_vjp)(x, k)
 
     def embed(table, ids):
         def local(table, ids):
@@ -91,7 +92,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
             return jax.lax.psum_scatter(out, tp, scatter_dimension=1, tiled=True)
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(logical_to_spec(("vocab", "embed"), rules), P(bt, inner)),
-                             out_specs=outer)(table, ids)
+        return shard_map_fn(local, mesh, (logical_to_spec(("vocab", "embed"), rules), P(bt, inner)), outer,
+                            hand_vjp=hand_vjp)(table, ids)
 
     return LinearOps(column=column, row=row, embed=embed)

@@ -38,6 +38,16 @@ backward: 4 all-to-alls of tokens*k*h*(ep-1)/ep per layer and microbatch (a
 balanced routing's bytes leaving the device). The other parameters'
 gradients are also all-reduced over `expert` (a data-parallel axis for them).
 A MoE model reduces its gradients once per microbatch (megajax/train/step.py).
+
+Pipeline parallelism over P stages (V chunks each): a device holds layers/P
+layers, so the per-layer terms count those; the minimum stage-to-stage traffic
+is 2 x microbatches x V stage-boundary activations b*s*h (forward activations
+and backward cotangents, collective-permute); the embedding and output
+layer's gradients (held by every stage) are all-reduced over `pipeline`. Layer
+activations: the stages recompute a chunk's forward in its backward, so a
+device holds its stashed stage inputs (s*b*h each; the schedule's stash:
+M for GPipe, at most 2 V P - 1 for 1F1B and interleaved, whatever M) and one
+chunk's layer activations at a time.
 """
 
 from __future__ import annotations
@@ -91,7 +101,28 @@ def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> in
     else:
         per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
     scale = precision_policy(cfg).activation_bytes / 2
+    p = sizes.get("pipeline", 1)
+    if p > 1:
+        v = cfg.parallel.virtual_stages
+        stash = pipeline_stash(cfg, sizes, micro_batch)
+        return int((per_layer * m.num_layers / (p * v) + stash * s * b * h) * scale)
     return int(per_layer * m.num_layers * scale)
+
+
+def pipeline_microbatches(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
+    from megajax.mesh import data_parallel_size
+    return max(1, cfg.train.global_batch // (micro_batch * data_parallel_size(sizes)))
+
+
+def pipeline_stash(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
+    """Stage inputs a device keeps for its backward (the schedule's stash slots)."""
+    from megajax.parallel.pipeline import build_schedule
+    p, v = sizes["pipeline"], cfg.parallel.virtual_stages
+    m = pipeline_microbatches(cfg, sizes, micro_batch)
+    try:
+        return build_schedule(cfg.parallel.pipeline_schedule, p, m, v).stash
+    except Exception:  # a layout the plan refuses: the bound
+        return m if cfg.parallel.pipeline_schedule == "gpipe" else 2 * v * p - 1
 
 
 def logits_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int, padded_vocab: int) -> int:
@@ -108,8 +139,9 @@ class Layout:
 
 
 def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
-                        expert_param_bytes: int = 0) -> dict[str, int]:
-    """Megatron's minimum bytes per device per step, by collective kind."""
+                        expert_param_bytes: int = 0, stage_shared_param_bytes: int = 0) -> dict[str, int]:
+    """Megatron's minimum bytes per device per step, by collective kind (`stage_shared_param_bytes`:
+    the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`)."""
     m, sizes = cfg.model, layout.sizes
     t = sizes["tensor"]
     act = precision_policy(cfg).activation_bytes
@@ -117,16 +149,21 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
     bsh = tokens * m.hidden_size * act
     out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
     a = layout.accumulation
+    p = sizes.get("pipeline", 1)
+    layers = m.num_layers / p
+    if p > 1:
+        out["collective-permute"] += 2 * a * cfg.parallel.virtual_stages * bsh
+        out["all-reduce"] += stage_shared_param_bytes
     if t > 1:
-        per_step = 4 * m.num_layers + 2
+        per_step = 4 * layers + 2
         full = cfg.parallel.recompute == "full"
         # Full recompute re-runs a layer's forward for its backward, but only the collectives whose
         # results the backward needs: all but the one after the MLP (the layer's output).
         if cfg.parallel.sequence_parallel:
-            out["all-gather"] += a * (per_step + (2 * m.num_layers if full else 0)) * bsh
-            out["reduce-scatter"] += a * (per_step + (m.num_layers if full else 0)) * bsh
+            out["all-gather"] += a * (per_step + (2 * layers if full else 0)) * bsh
+            out["reduce-scatter"] += a * (per_step + (layers if full else 0)) * bsh
         else:
-            out["all-reduce"] += a * (per_step + (m.num_layers if full else 0)) * bsh
+            out["all-reduce"] += a * (per_step + (layers if full else 0)) * bsh
         out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     ep = sizes.get("expert", 1)
     if m.num_experts and ep > 1:
@@ -152,6 +189,17 @@ def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Ru
     """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard."""
     no_data = {**sizes, "data": 1, "fsdp": 1}
     return state_bytes(axes, abstract_params, rules_params, rules_params, no_data)["params"]
+
+
+def stage_shared_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                             sizes: dict[str, int]) -> int:
+    """The part of tensor_shard_param_bytes outside the stacked layers (embedding, final norm,
+    output layer): what every pipeline stage holds."""
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    shared = {k: v for k, v in flatten(axes) if "layers" not in v}
+    shapes = {k: v for k, v in flatten(abstract_params) if k in shared}
+    return sum(math.prod(shapes[k].shape) * jax.numpy.dtype(shapes[k].dtype).itemsize
+               // shard_factor(names, rules_params, no_data) for k, names in shared.items())
 
 
 def expert_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,

@@ -60,7 +60,10 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
     measured = hlo.parse(compiled.as_text())
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local, experts)
+    shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+              if sizes.get("pipeline", 1) > 1 else 0)
+    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local, experts,
+                                            shared)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
@@ -173,6 +176,13 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
         "communication": communication_table(cfg, step_fn, sizes, layout.micro_batch, layout.accumulation,
                                              setup.spec, plan.rules),
     }
+    if sizes["pipeline"] > 1:
+        from megajax.parallel.pipeline import build_schedule
+        sc = build_schedule(cfg.parallel.pipeline_schedule, sizes["pipeline"], layout.accumulation,
+                            cfg.parallel.virtual_stages)
+        report["pipeline"] = {"schedule": sc.name, "stages": sc.stages, "virtual_stages": sc.virtual,
+                              "microbatches": sc.microbatches, "ticks": sc.ticks,
+                              "bubble_fraction": sc.bubble_fraction, "stashed_stage_inputs": sc.stash}
     if base is not None:
         base["tokens_per_sec"] = tokens / base["step_seconds"]["median"]
         base["megajax_over_baseline"] = tps / base["tokens_per_sec"]
@@ -239,6 +249,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; recompute {lay['recompute']}; "
         f"{lay['precision']}; batch {lay['global_batch']} = micro {lay['micro_batch']} x accum "
         f"{lay['accumulation']} x dp; seq {lay['seq_len']}",
+        *([f"pipeline   {r['pipeline']['schedule']}, {r['pipeline']['stages']} stages x "
+           f"{r['pipeline']['virtual_stages']} chunks, {r['pipeline']['microbatches']} microbatches in "
+           f"{r['pipeline']['ticks']} ticks; bubble {100 * r['pipeline']['bubble_fraction']:.1f}%; "
+           f"{r['pipeline']['stashed_stage_inputs']} stage inputs stashed per device"] if "pipeline" in r else []),
         f"compile    {r['compile_seconds']:.2f} s",
         f"step       median {t['median'] * 1e3:.1f} ms (min {t['min'] * 1e3:.1f}, p90 {t['p90'] * 1e3:.1f}, "
         f"max {t['max'] * 1e3:.1f}; {t['n']} steps)",

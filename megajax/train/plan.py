@@ -185,9 +185,6 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
     refuse = [
         (m.num_experts > 0, f"model.num_experts={m.num_experts} (mixture of experts)"),
         (cfg.train.precision == "fp8", "train.precision=fp8"),
-        (cfg.parallel.sequence_parallel and sizes["tensor"] > 1, "parallel.sequence_parallel=true"),
-        (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
-        (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
     ]
     for bad, what in refuse:
         if bad:

@@ -13,6 +13,7 @@ replicated on every device).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,14 +75,16 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     precision (FP8: the linear layers get stateful FP8 products, see megajax/precision/fp8.py)."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
-    if (mesh is not None and cfg.parallel.sequence_parallel
-            and dict(zip(mesh.axis_names, mesh.devices.shape))["tensor"] > 1):
-        return sequence_parallel_ops(mesh, rules.activations, dot)
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
+    staged = sizes.get("pipeline", 1) > 1  # inside pipeline stages (megajax/parallel/manual.py)
+    if mesh is not None and cfg.parallel.sequence_parallel and sizes["tensor"] > 1:
+        ops = sequence_parallel_ops(mesh, rules.activations, dot, hand_vjp=staged)
+        return dataclasses.replace(ops, embed_positions=stage_embedding(rules, "position")) if staged else ops
+    if staged:
+        return LinearOps(column=dot, row=dot, embed=stage_embedding(rules),
+                         embed_positions=stage_embedding(rules, "position"))
     fp8 = precision_policy(cfg).fp8
     if fp8 is None:
-        if mesh is not None and dict(zip(mesh.axis_names, mesh.devices.shape))["pipeline"] > 1:
-            return LinearOps(column=dot, row=dot, embed=stage_embedding(rules),
-                             embed_positions=stage_embedding(rules, "position"))
         return LinearOps(column=dot, row=dot)
     return LinearOps(column=dot, row=dot, low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
 
@@ -94,12 +97,13 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
         raise ConfigError(f"model.attention_impl = 'cudnn' needs an NVIDIA GPU; this run's devices are "
                           f"{platform}. Use model.attention_impl=flash or xla.")
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
+    staged = sizes.get("pipeline", 1) > 1  # inside pipeline stages (megajax/parallel/manual.py)
     if sizes.get("context", 1) > 1:
         return context_parallel_attention(BLOCK_ATTENTION[impl], mesh, rules.activations,
-                                          cfg.parallel.context_impl)
+                                          cfg.parallel.context_impl, hand_vjp=staged)
     core = make_attention_core(impl, cfg.parallel.recompute)
     if impl != "xla" and mesh is not None and mesh.devices.size > 1:
-        core = sharded_attention(core, mesh, rules.activations)
+        core = sharded_attention(core, mesh, rules.activations, hand_vjp=staged)
     return core
 
 

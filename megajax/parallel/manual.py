@@ -1,0 +1,68 @@
+"""shard_map for code that runs inside a pipeline stage.
+
+A pipeline stage is itself a `shard_map` over `pipeline` whose backward is
+written by hand (megajax/parallel/pipeline.py: `jax.vjp` of a chunk inside the
+stage loop). Differentiating a `shard_map` nested in another one fails in JAX
+(0.10 and 0.11) under jvp/transpose, so the explicit collectives of sequence
+parallelism, context parallelism, the sharded attention kernels and the MoE
+dispatch cannot be differentiated there as they are elsewhere. `shard_map_fn`
+gives them a `custom_vjp` whose forward and backward are each a plain
+`shard_map` over the current (abstract) mesh: the backward recomputes the
+local function and takes its VJP inside the per-device body, where the body's
+own collectives transpose as usual (e.g. an all-gather into a reduce-scatter,
+and a replicated weight's gradient is summed over the axes its use varied on).
+The price is one more run of the local forward in the backward.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def _differentiable(x) -> bool:
+    return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma: bool = True,
+                 hand_vjp: bool = False) -> Callable:
+    """jax.shard_map(local, ...) as a function of its positional arguments; with `hand_vjp`, on the
+    mesh in context at call time and differentiated as described in the module docstring
+    (arguments that are None or not floating point get no cotangent)."""
+    if not hand_vjp:
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+
+    def call(*args):
+        here = jax.sharding.get_abstract_mesh()
+        here = mesh if here.empty else here
+
+        def sm(f, i, o):
+            return jax.shard_map(f, mesh=here, in_specs=i, out_specs=o, check_vma=check_vma)
+
+        diff = tuple(_differentiable(a) for a in args)
+
+        @jax.custom_vjp
+        def f(*args):
+            return sm(local, in_specs, out_specs)(*args)
+
+        def fwd(*args):
+            return f(*args), args
+
+        def bwd(saved, g):
+            def local_bwd(g, *a):
+                def of_diff(*d):
+                    it = iter(d)
+                    return local(*(next(it) if k else x for k, x in zip(diff, a)))
+                _, vjp = jax.vjp(of_diff, *(x for k, x in zip(diff, a) if k))
+                return vjp(g)
+
+            d_specs = tuple(s for k, s in zip(diff, in_specs) if k)
+            grads = iter(sm(local_bwd, (out_specs, *in_specs), d_specs)(g, *saved))
+            return tuple(next(grads) if k else None for k in diff)
+
+        f.defvjp(fwd, bwd)
+        return f(*args)
+
+    return call

@@ -1,0 +1,215 @@
+"""Pipeline parallelism (megajax/parallel/pipeline.py): the schedules' tables, parity with one device
+for every schedule (loss and grad norm per step, parameters after step 1), composition with the
+other axes, memory that does not grow with the microbatches under 1F1B, the compiled program's
+transfers, checkpoints across pipeline and non-pipeline meshes, and the errors."""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from layout_parity import assert_same_run, reference, run
+from megajax.config import load_config
+from megajax.errors import ConfigError, MeshError
+from megajax.parallel.pipeline import build_schedule, stage_order
+from megajax.perf.fit import compiled_bytes
+from megajax.train.loop import train
+from megajax.train.plan import make_plan
+from megajax.train.setup import build_setup
+
+# 4 layers so that P = 4, or P = 2 x V = 2, split them. One device with accumulation 4 is the
+# reference of every pipeline run (the loss is a mean over the global batch, so the microbatch
+# count does not change it).
+MODEL = ["model.num_layers=4"]
+REFERENCE = [*MODEL, "train.micro_batch=2"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The tables
+
+@pytest.mark.parametrize("name, virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_schedule_tables(name, virtual, stages):
+    """Every microbatch runs forward and backward once per chunk and stage, every transfer arrives
+    the tick its receiver runs it (check_schedule, run by build_schedule), the bubble is (P - 1) /
+    (V M + P - 1), and 1F1B's stash does not grow with M while GPipe's holds every microbatch."""
+    stashes = {}
+    for m in (stages, 2 * stages, 4 * stages):
+        sc = build_schedule(name, stages, m, virtual)
+        assert sc.bubble_fraction == pytest.approx((stages - 1) / (virtual * m + stages - 1))
+        assert sc.ticks == virtual * m + (virtual + 1) * stages - 2 or name == "gpipe"
+        stashes[m] = sc.stash
+        for s in range(stages):  # forward first, then backward, of every (chunk, microbatch)
+            f = {(c, i): t for t, (c, i) in enumerate(zip(sc.fwd_chunk[:, s], sc.fwd_micro[:, s])) if c >= 0}
+            b = {(c, i): t for t, (c, i) in enumerate(zip(sc.bwd_chunk[:, s], sc.bwd_micro[:, s])) if c >= 0}
+            assert sorted(f) == sorted(b) == [(c, i) for c in range(virtual) for i in range(m)]
+            assert all(b[k] >= f[k] for k in f)
+    if name == "gpipe":
+        assert stashes == {m: m for m in stashes}
+    else:
+        assert stashes[2 * stages] == stashes[4 * stages] <= 2 * virtual * stages - 1  # flat in M
+    if name == "1f1b":
+        assert stashes[4 * stages] == 2 * stages - 1
+
+
+def test_interleaved_chunks_are_model_chunks_round_the_stages():
+    # 8 layers, 2 stages x 2 chunks of 2: stage 0 holds model chunks 0 and 2, stage 1 chunks 1 and 3.
+    assert stage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert stage_order(8, 2, 1) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with one device
+
+CASES = {
+    # name: overrides (M = 8 / (micro_batch x data-parallel size))
+    "1f1b_p2_m2_data4": ["mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1"],
+    "1f1b_p4_m8_tensor2": ["mesh.pipeline=4", "mesh.data=1", "mesh.tensor=2", "train.micro_batch=1"],
+    "gpipe_p4_m4_data2": ["mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1",
+                          "parallel.pipeline_schedule=gpipe"],
+    "gpipe_p2_m4_fsdp2_tensor2": ["mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+                                  "train.micro_batch=1", "parallel.pipeline_schedule=gpipe"],
+    "interleaved_v2_p2_m2_data2_tensor2": ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=1",
+                                           "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
+    "interleaved_v2_p2_m4_tensor4": ["mesh.pipeline=2", "mesh.data=1", "mesh.tensor=4", "train.micro_batch=2",
+                                     "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
+    "1f1b_p2_m4_data2_tensor2_distopt_recompute": [
+        "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=1",
+        "parallel.distributed_optimizer=true", "parallel.recompute=full"],
+}
+
+
+@pytest.mark.parametrize("overrides", list(CASES.values()), ids=list(CASES))
+def test_pipeline_matches_one_device(small_config, overrides):
+    ref = reference(small_config, *REFERENCE)
+    got = run(small_config, *MODEL, *overrides, devices=jax.devices())
+    assert_same_run(got, ref)
+
+
+def test_tied_embeddings_and_dropout_match_one_device(small_config):
+    """GPT: the tied embedding's gradient comes from the first stage (lookup) and the last (output
+    layer), learned positions from the first; dropout draws the masks one device draws."""
+    gpt = ["model.family=gpt", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+    ref = reference(small_config, *REFERENCE, *gpt, steps=3, params=False)
+    got = run(small_config, *MODEL, *gpt, "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2",
+              "train.micro_batch=1", devices=jax.devices(), steps=3, params=False)
+    assert_same_run(got, ref)
+
+
+def test_bf16_trains_like_one_device(small_config):
+    """bf16 through the stages (activations and cotangents sent in bf16): within the bf16 tolerances
+    of tests/test_parity.py, one loss-scale-free decision per step."""
+    ref = reference(small_config, *REFERENCE, "train.precision=bf16", steps=3, params=False)
+    got = run(small_config, *MODEL, "train.precision=bf16", "mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1",
+              devices=jax.devices(), steps=3, params=False)
+    assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory and transfers, read off the compiled step
+
+def _compiled(*overrides, devices: int = 2):
+    cfg = load_config(overrides=["model.num_layers=4", "model.hidden_size=128", "model.num_heads=4",
+                                 "model.ffn_hidden_size=256", "train.seq_len=256", "train.micro_batch=1",
+                                 *overrides])
+    setup = build_setup(make_plan(cfg, devices), jax.devices()[:devices])
+    shape = setup.batch.shape
+    batch = {k: jax.ShapeDtypeStruct(shape, np.float32 if k == "loss_mask" else np.int32, sharding=s)
+             for k, s in setup.batch_shardings.items()}
+    ok = jax.ShapeDtypeStruct((), np.bool_, sharding=jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec()))
+    return setup.train_step().lower(setup.target(), batch, ok).compile()
+
+
+def test_1f1b_temporaries_stay_flat_while_gpipe_grows():
+    temps = {}
+    for name in ("1f1b", "gpipe"):
+        for m in (4, 16):
+            compiled = _compiled("mesh.pipeline=2", "mesh.data=1", f"train.global_batch={m}",
+                                 f"parallel.pipeline_schedule={name}")
+            temps[name, m] = compiled_bytes(compiled)["temporaries"]
+    # One microbatch's stage input: 256 tokens x 128 x 4 bytes = 128 KiB; GPipe stashes 16 of them.
+    stage_input = 256 * 128 * 4
+    assert temps["gpipe", 16] - temps["gpipe", 4] >= 10 * stage_input, temps
+    assert temps["1f1b", 16] <= temps["1f1b", 4] + stage_input, temps
+    assert temps["1f1b", 16] < temps["gpipe", 16] - 8 * stage_input, temps
+
+
+def test_a_four_stage_step_permutes_activations_and_never_gathers_layer_weights():
+    text = _compiled("mesh.pipeline=4", "mesh.data=2", "train.global_batch=8", devices=8).as_text()
+    assert len(re.findall(r"collective-permute(-start)?\(", text)) >= 2
+    # Devices are numbered pipeline-major (stage = id // 2): an all-gather over `pipeline` would have a
+    # replica group holding two stages' devices. Layer weights stay on their stage.
+    for line in text.splitlines():
+        if re.search(r"all-gather(-start)?\(", line):
+            groups = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
+            iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](T\([\d,]+\))?", line)
+            if groups:
+                for g in re.findall(r"\{([\d,]+)\}", groups.group(1)):
+                    assert len({int(d) // 2 for d in g.split(",")}) == 1, line
+            else:
+                assert iota is not None and iota.group(4) is None and int(iota.group(2)) <= 2, line
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints, validation
+
+FIXED_LR = ["optim.warmup_steps=0", "optim.decay_steps=3"]  # the same schedule for 2- and 3-step runs
+
+
+def test_pipeline_checkpoint_resumes_without_pipeline_and_back(small_config, tmp_path):
+    """2 steps on pipeline 2 x data 4, then step 3 on data 8 without a pipeline, and, from the
+    one-device run's step 2, step 3 on the pipeline: both equal one device's step 3."""
+    ref = train(small_config(*REFERENCE, *FIXED_LR, steps=3), devices=jax.devices()[:1])
+    pp = ["mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1"]
+    a = str(tmp_path / "a")
+    train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={a}", "checkpoint.every=2", steps=2),
+          devices=jax.devices())
+    resumed = train(small_config(*MODEL, "mesh.data=8", "train.micro_batch=1", *FIXED_LR,
+                                 f"train.run_dir={a}", steps=3), devices=jax.devices())
+    b = str(tmp_path / "b")
+    train(small_config(*REFERENCE, *FIXED_LR, f"train.run_dir={b}", "checkpoint.every=2", steps=2),
+          devices=jax.devices()[:1])
+    back = train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={b}", steps=3),
+                 devices=jax.devices())
+    np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-5)
+    np.testing.assert_allclose(back.losses[-1], ref.losses[2], rtol=1e-5)
+
+
+def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
+    common = [*MODEL, "train.eval_every=2", "train.eval_steps=1"]
+    ref = train(small_config(*common, "train.micro_batch=2", steps=2), devices=jax.devices()[:1])
+    got = train(small_config(*common, "mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1", steps=2),
+                devices=jax.devices())
+    assert ref.val_losses and [s for s, _ in got.val_losses] == [s for s, _ in ref.val_losses]
+    np.testing.assert_allclose([v for _, v in got.val_losses], [v for _, v in ref.val_losses], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+@pytest.mark.parametrize("overrides, error, message", [
+    (["model.num_layers=6", "mesh.pipeline=4", "train.micro_batch=1"], MeshError,
+     r"model.num_layers=6 does not split into mesh.pipeline=4 stages x parallel.virtual_stages=1.*: 2, 3, 6"),
+    (["model.num_layers=4", "mesh.pipeline=2", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=4",
+      "train.micro_batch=1"], MeshError,
+     r"model.num_layers=4 does not split into mesh.pipeline=2 stages x parallel.virtual_stages=4"),
+    (["model.num_layers=4", "mesh.pipeline=4", "mesh.data=2"], MeshError,
+     r"needs at least as many microbatches as stages; this run has 1 \(train.global_batch=8 / "
+     r"\(train.micro_batch=4 x data-parallel size 2\)\)"),
+    (["model.num_layers=4", "mesh.pipeline=2", "train.micro_batch=2"], MeshError,
+     r"at least as many microbatches as stages; this run has 1"),
+    (["model.num_layers=4", "mesh.pipeline=2", "train.micro_batch=2", "train.global_batch=24",
+      "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"], MeshError,
+     r"a multiple of mesh.pipeline=2 microbatches .* this run has 3 .* train.global_batch=32"),
+    (["parallel.virtual_stages=2"], ConfigError, r"parallel.virtual_stages = 2 needs parallel.pipeline_schedule=interleaved"),
+    (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"], ConfigError,
+     r"parallel.virtual_stages = 2 needs pipeline parallelism"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1"], ConfigError,
+     r"mesh.pipeline=2 with mesh.context=2 is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+      "train.micro_batch=1"], ConfigError, r"with parallel.sequence_parallel=true is not available"),
+])
+def test_bad_pipeline_settings_are_clear_errors(small_config, overrides, error, message):
+    with pytest.raises(error, match=message):
+        make_plan(small_config(*overrides), 8)
