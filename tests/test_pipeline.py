@@ -72,8 +72,9 @@ CASES = {
                                   "train.micro_batch=1", "parallel.pipeline_schedule=gpipe"],
     "interleaved_v2_p2_m2_data2_tensor2": ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=1",
                                            "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
-    "interleaved_v2_p2_m4_tensor4": ["mesh.pipeline=2", "mesh.data=1", "mesh.tensor=4", "train.micro_batch=2",
-                                     "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
+    "interleaved_v2_p2_m4_tensor4_sp": ["mesh.pipeline=2", "mesh.data=1", "mesh.tensor=4", "train.micro_batch=2",
+                                        "parallel.sequence_parallel=true",
+                                        "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"],
     "1f1b_p2_m4_data2_tensor2_distopt_recompute": [
         "mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=1",
         "parallel.distributed_optimizer=true", "parallel.recompute=full"],
@@ -207,8 +208,8 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
      r"parallel.virtual_stages = 2 needs pipeline parallelism"),
     (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1"], ConfigError,
      r"mesh.pipeline=2 with mesh.context=2 is not available"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-      "train.micro_batch=1"], ConfigError, r"with parallel.sequence_parallel=true is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=flash", "train.micro_batch=1"], ConfigError,
+     r"with model.attention_impl=flash is not available"),
 ])
 def test_bad_pipeline_settings_are_clear_errors(small_config, overrides, error, message):
     with pytest.raises(error, match=message):

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from megajax.mesh import Rules, logical_to_spec
 from megajax.models.attention import ACT_KV, ACT_Q
-from megajax.parallel.manual import shard_map_fn
+from megajax.parallel.manual import like, shard_map_fn
 
 SEG_AXES = ("batch", "length")
 
@@ -183,7 +183,8 @@ def _make_ring(blocks: _Blocks, size: int, axis):
             a_t = jnp.transpose(a, (0, 2, 1))[..., None]
             d_o_b = do * a_t
             d_l_b = a * jnp.transpose(jnp.sum(do * (o_b - o_f), axis=-1), (0, 2, 1))
-            return vjp((d_o_b, d_l_b))
+            # Typed like the block's outputs (inside a pipeline stage they vary over `pipeline`).
+            return vjp((like(d_o_b, o_b, q_part, k_part, v_part), like(d_l_b, l_b, q_part, k_part, v_part)))
 
         c = q.shape[1] // 2
         lo, hi, whole = slice(0, c), slice(c, 2 * c), slice(0, 2 * c)

@@ -26,6 +26,15 @@ def _differentiable(x) -> bool:
     return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def like(g, *primals):
+    """`g` typed as varying over the manual mesh axes any of `primals` varies over (a shard_map
+    without check_vma returns values typed as invariant; inside one, slices and products of a
+    varying value may be typed either way)."""
+    want = set().union(*(getattr(jax.typeof(p), "vma", frozenset()) for p in primals))
+    missing = tuple(sorted(want - set(getattr(jax.typeof(g), "vma", frozenset()))))
+    return jax.lax.pcast(g, missing, to="varying") if missing else g
+
+
 def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma: bool = True,
                  hand_vjp: bool = False) -> Callable:
     """jax.shard_map(local, ...) as a function of its positional arguments; with `hand_vjp`, on the
@@ -60,7 +69,7 @@ def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma
 
             d_specs = tuple(s for k, s in zip(diff, in_specs) if k)
             grads = iter(sm(local_bwd, (out_specs, *in_specs), d_specs)(g, *saved))
-            return tuple(next(grads) if k else None for k in diff)
+            return tuple(like(next(grads), x) if k else None for k, x in zip(diff, saved))
 
         f.defvjp(fwd, bwd)
         return f(*args)

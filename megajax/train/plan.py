@@ -185,11 +185,13 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
     refuse = [
         (m.num_experts > 0, f"model.num_experts={m.num_experts} (mixture of experts)"),
         (cfg.train.precision == "fp8", "train.precision=fp8"),
+        (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
+        (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
     ]
     for bad, what in refuse:
         if bad:
             raise ConfigError(f"mesh.pipeline={p} with {what} is not available: a pipeline stage runs inside "
                               f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
                               f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
-                              f"optimizer, tensor parallelism (without sequence parallelism), recompute, "
-                              f"bf16/fp16 and dropout; use mesh.pipeline=1 for this run.")
+                              f"optimizer, tensor and sequence parallelism, recompute, bf16/fp16 and dropout "
+                              f"(attention: model.attention_impl=xla); use mesh.pipeline=1 for this run.")
