@@ -88,6 +88,14 @@ def test_pipeline_matches_one_device(small_config, overrides):
     assert_same_run(got, ref)
 
 
+def test_interleaved_four_stages_matches_one_device(small_config):
+    """P = 4 x V = 2 chunks of one layer (8 layers): stage s holds model layers s and s + 4."""
+    ref = reference(small_config, "model.num_layers=8", "train.micro_batch=2", steps=3)
+    got = run(small_config, "model.num_layers=8", "mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1",
+              "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2", devices=jax.devices(), steps=3)
+    assert_same_run(got, ref)
+
+
 def test_tied_embeddings_and_dropout_match_one_device(small_config):
     """GPT: the tied embedding's gradient comes from the first stage (lookup) and the last (output
     layer), learned positions from the first; dropout draws the masks one device draws."""
@@ -98,11 +106,15 @@ def test_tied_embeddings_and_dropout_match_one_device(small_config):
     assert_same_run(got, ref)
 
 
-def test_bf16_trains_like_one_device(small_config):
-    """bf16 through the stages (activations and cotangents sent in bf16): within the bf16 tolerances
-    of tests/test_parity.py, one loss-scale-free decision per step."""
-    ref = reference(small_config, *REFERENCE, "train.precision=bf16", steps=3, params=False)
-    got = run(small_config, *MODEL, "train.precision=bf16", "mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1",
+@pytest.mark.parametrize("precision", [["train.precision=bf16"],
+                                       ["train.precision=fp16", "train.initial_loss_scale=1024"]],
+                         ids=["bf16", "fp16"])
+def test_half_precision_trains_like_one_device(small_config, precision):
+    """bf16 / fp16 through the stages (activations and cotangents sent in 16 bits): within the bf16
+    tolerances of tests/test_parity.py; fp16's loss scale seeds every microbatch's backward and
+    makes one decision per step, as on one device."""
+    ref = reference(small_config, *REFERENCE, *precision, steps=3, params=False)
+    got = run(small_config, *MODEL, *precision, "mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1",
               devices=jax.devices(), steps=3, params=False)
     assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
 

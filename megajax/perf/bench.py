@@ -365,6 +365,8 @@ def plot_sweep(points: list[dict[str, Any]], path: Path) -> Path | None:
     comp = [(p["memory"]["compiled"] or {}).get("total") for p in points]
     if all(c is not None for c in comp):
         axes[2].plot(x, [c / GIB for c in comp], "o-", label="compiled")
+        axes[2].plot(x, [p["memory"]["compiled"]["temporaries"] / GIB for p in points], "^-",
+                     label="compiled temporaries")
     axes[2].plot(x, [p["memory"]["analytic"]["total"] / GIB for p in points], "s--", label="analytic")
     axes[2].set_ylabel("memory per device (GiB)")
     axes[2].legend()
@@ -382,12 +384,15 @@ def plot_sweep(points: list[dict[str, Any]], path: Path) -> Path | None:
 
 def format_sweep(points: list[dict[str, Any]]) -> str:
     key = points[0]["sweep"]["key"]
-    lines = [f"{key:>24}  compile s  step ms  tokens/s  TFLOP/s/dev  mem GiB (compiled / analytic)"]
+    lines = [f"{key:>24}  compile s  step ms  tokens/s  TFLOP/s/dev  mem GiB (compiled / analytic)  "
+             f"temporaries MiB"]
     for p in points:
         comp = (p["memory"]["compiled"] or {}).get("total")
+        temps = (p["memory"]["compiled"] or {}).get("temporaries")
         lines.append(f"{p['sweep']['value']:>24}  {p['compile_seconds']:9.2f}  {p['step_seconds']['median'] * 1e3:7.1f}"
                      f"  {p['tokens_per_sec']:8,.0f}  {p['tflops_per_device']:11.4f}  {_gib(comp)} / "
-                     f"{_gib(p['memory']['analytic']['total'])}")
+                     f"{_gib(p['memory']['analytic']['total'])}  {_mib(temps):>15}"
+                     + (f"  (pipeline bubble {100 * p['pipeline']['bubble_fraction']:.1f}%)" if "pipeline" in p else ""))
     return "\n".join(lines)
 
 
