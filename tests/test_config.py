@@ -54,7 +54,8 @@ def test_overrides_and_includes(tmp_path):
     ("precision.fp8_recipe=tensorwise", ["precision.fp8_recipe", "'tensorwise'", "delayed, current"]),
     ("model.num_kv_heads=3", ["model.num_heads=4", "model.num_kv_heads=3"]),
     ("optim.min_lr=1.0", ["optim.min_lr=1.0", "optim.lr=0.002"]),
-    ("mesh.pipeline=2", ["mesh.pipeline", "not available yet"]),
+    ("parallel.virtual_stages=0", ["parallel.virtual_stages", "> 0"]),
+    ("parallel.pipeline_schedule=zb", ["parallel.pipeline_schedule", "1f1b"]),
     ("mesh.tensor=0", ["mesh.tensor", "positive"]),
     ("train.steps", ["train.steps", "key.sub=value"]),
 ])

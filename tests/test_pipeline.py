@@ -226,3 +226,19 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
 def test_bad_pipeline_settings_are_clear_errors(small_config, overrides, error, message):
     with pytest.raises(error, match=message):
         make_plan(small_config(*overrides), 8)
+
+
+def test_cluster_preset_plans_and_the_analytic_memory_counts_the_schedule():
+    """configs/mesh/4x8-gpu-pp.yaml (pipeline 4 across nodes, tensor 8 + SP inside) plans a Llama 3 8B
+    on 32 GPUs; `--topology`'s analytic activations hold one chunk's layers plus the stash: 1F1B's
+    stays bounded while GPipe's grows with the microbatches."""
+    from megajax.perf.bench import topology_estimate
+    common = ["model/llama3-8b", "mesh/4x8-gpu-pp"]
+    over = ["train.seq_len=4096", "train.precision=bf16"]
+    plan = make_plan(load_config(common, [*over, "train.global_batch=64"]), 32)
+    assert plan.sizes["pipeline"] == 4 and plan.sizes["tensor"] == 8 and plan.batch.accumulation == 64
+    act = {(s, g): topology_estimate(load_config(common, [*over, f"train.global_batch={g}",
+                                                          f"parallel.pipeline_schedule={s}"]),
+                                     "32xH100")["analytic"]["activations"]
+           for s in ("1f1b", "gpipe") for g in (16, 64)}
+    assert act["1f1b", 16] == act["1f1b", 64] < act["gpipe", 16] < act["gpipe", 64]

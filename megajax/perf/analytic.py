@@ -105,7 +105,7 @@ def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> in
     if p > 1:
         v = cfg.parallel.virtual_stages
         stash = pipeline_stash(cfg, sizes, micro_batch)
-        return int((per_layer * m.num_layers / (p * v) + stash * s * b * h) * scale)
+        return int((per_layer * m.num_layers / (p * v) + stash * s * b * h / (t if sp else 1)) * scale)
     return int(per_layer * m.num_layers * scale)
 
 
