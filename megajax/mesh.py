@@ -255,6 +255,13 @@ def activation_sharding(mesh: Mesh | None, rules: Rules | None):
         _ACTIVE.reset(token)
 
 
+def _drop(entry, axes: set):
+    """A PartitionSpec entry without the given mesh axes."""
+    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    kept = tuple(n for n in names if n not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept
+
+
 def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """with_sharding_constraint by logical dim names; the identity when no mesh is active."""
     active = _ACTIVE.get()
@@ -264,7 +271,9 @@ def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array
     spec = logical_to_spec(names, rules)
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and context.manual_axes:
-        # Inside shard_map over some axes (a pipeline stage): the constraint names the other axes
-        # of the context's mesh, on which those are manual.
+        # Inside shard_map over some axes (a pipeline stage, and its data shard): the constraint
+        # names the other axes of the context's mesh.
+        manual = set(context.manual_axes)
+        spec = P(*(_drop(entry, manual) for entry in spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

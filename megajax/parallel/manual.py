@@ -20,18 +20,30 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from megajax.mesh import _drop
 
 
 def _differentiable(x) -> bool:
     return x is not None and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes a traced value is typed as varying over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(t, "vma", ()))
+
+
 def like(g, *primals):
     """`g` typed as varying over the manual mesh axes any of `primals` varies over (a shard_map
     without check_vma returns values typed as invariant; inside one, slices and products of a
     varying value may be typed either way)."""
-    want = set().union(*(getattr(jax.typeof(p), "vma", frozenset()) for p in primals))
-    missing = tuple(sorted(want - set(getattr(jax.typeof(g), "vma", frozenset()))))
+    want = set().union(*(varying_axes(p) for p in primals))
+    missing = tuple(sorted(want - varying_axes(g)))
     return jax.lax.pcast(g, missing, to="varying") if missing else g
 
 
@@ -47,7 +59,16 @@ def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma
         here = jax.sharding.get_abstract_mesh()
         here = mesh if here.empty else here
 
+        outer = set(here.manual_axes)  # the enclosing shard_map's axes: already split there
+
+        def strip(spec):
+            if spec is None:
+                return None
+            return P(*(_drop(e, outer) for e in spec))
+
         def sm(f, i, o):
+            i = tuple(strip(x) for x in i)
+            o = strip(o) if isinstance(o, P) or o is None else tuple(strip(x) for x in o)
             return jax.shard_map(f, mesh=here, in_specs=i, out_specs=o, check_vma=check_vma)
 
         diff = tuple(_differentiable(a) for a in args)

@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.errors import ConfigError
+from megajax.parallel.manual import varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 AXIS = "pipeline"
@@ -194,12 +195,20 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
 
 
 def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
-                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict) -> tuple[dict, jax.Array]:
+                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict,
+                       data_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array]:
     """(gradients of `seed` x the loss sum w.r.t. `params`, the loss sum) of one step's M
     microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
     model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
     dropout key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`:
-    where the parameters (and their gradient sums) live on the other mesh axes during the step."""
+    where the parameters (and their gradient sums) live on the other mesh axes during the step.
+
+    `data_axes`: the data-parallel mesh axes the batch is split over, taken into the stage loop's
+    shard_map too: each device then runs its own shard of every microbatch and keeps its own
+    gradient sums, and the one data-parallel reduction of the step happens after the loop (an
+    all-reduce, or a reduce-scatter onto the optimizer's shards). Empty: the compiler splits the
+    batch inside the loop and reduces every microbatch's gradient there (the masks of dropout,
+    drawn for the whole microbatch, need this)."""
     p, v = sched.stages, sched.virtual
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -214,12 +223,21 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     use_rng = rng is not None
     rng = rng if use_rng else jnp.zeros((2,), jnp.uint32)
 
+    manual = (AXIS, *data_axes)
+    dp_entry = None if not data_axes else data_axes[0] if len(data_axes) == 1 else data_axes
+
     def body(layers, other, batch, rng, seed):
         stage = jax.lax.axis_index(AXIS)
-        vary = lambda tree: jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
-        # Parameters used by every stage are differentiated as this stage's own copy (no implicit
-        # sum over stages inside a branch); the copies' gradients are summed once at the end.
-        other, batch, seed = vary(other), vary(batch), vary(seed)
+
+        def vary(tree):
+            def one(x):
+                missing = tuple(a for a in manual if a not in varying_axes(x))
+                return jax.lax.pcast(x, missing, to="varying") if missing else x
+            return jax.tree.map(one, tree)
+        # Parameters used by every stage (and, with data_axes, every data shard) are differentiated
+        # as this device's own copy (no implicit sum over stages or shards inside a branch); the
+        # copies' gradients are summed once at the end.
+        other, batch, seed, layers = vary(other), vary(batch), vary(seed), vary(layers)
         mesh_here = jax.sharding.get_abstract_mesh()
 
         def pin(tree, specs, lead=0):
@@ -227,7 +245,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
             the auto axes: left free, the compiler would carry the optimizer's layout (e.g. the
             distributed optimizer's) into the stage loop."""
             return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(
-                x, jax.sharding.NamedSharding(mesh_here, P(*((None,) * lead), *_local(sp)))), tree, specs)
+                x, jax.sharding.NamedSharding(mesh_here, P(*((None,) * lead), *_local(sp, manual)))), tree, specs)
 
         layer_specs = {k: x for k, x in param_specs.items() if k == "layers"}["layers"]
         other_specs = {k: x for k, x in param_specs.items() if k != "layers"}
@@ -318,12 +336,20 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss)
         (_, _, _, g_layers, g_other, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
-        return g_layers, jax.lax.psum(g_other, AXIS), jax.lax.psum(loss_sum, AXIS)
+        g_other = jax.lax.psum(g_other, AXIS)
+        if data_axes:  # each shard's sums, on a leading dim over the data axes
+            g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
+        return g_layers, g_other, jax.lax.psum(loss_sum, manual)
 
     layer_spec = jax.tree.map(lambda _: P(AXIS), layers)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), P(), P(), P()),
-                       out_specs=(layer_spec, P(), P()), axis_names={AXIS})
+    layer_out = jax.tree.map(lambda _: P(dp_entry, AXIS) if data_axes else P(AXIS), layers)
+    other_out = jax.tree.map(lambda _: P(dp_entry) if data_axes else P(), other)
+    batch_spec = jax.tree.map(lambda _: P(None, dp_entry), batch)
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), batch_spec, P(), P()),
+                       out_specs=(layer_out, other_out, P()), axis_names=set(manual))
     g_layers, g_other, loss_sum = fn(layers, other, batch, rng, seed)
+    if data_axes:  # the step's one data-parallel reduction (the caller places the result)
+        g_layers, g_other = jax.tree.map(lambda g: jnp.sum(g, axis=0), (g_layers, g_other))
     if order is not None:
         inverse = np.argsort(order)
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
@@ -379,12 +405,12 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
     return lookup
 
 
-def _local(spec) -> tuple:
-    """A parameter's PartitionSpec entries as seen inside the stage loop: without `pipeline`."""
+def _local(spec, manual=(AXIS,)) -> tuple:
+    """A PartitionSpec's entries as seen inside the stage loop: without its manual axes."""
     out = []
     for entry in spec:
         names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(n for n in names if n != AXIS)
+        kept = tuple(n for n in names if n not in manual)
         out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
     return tuple(out)
 

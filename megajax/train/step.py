@@ -166,6 +166,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
     pipelined = sizes.get("pipeline", 1) > 1
     if pipelined:
+        # The data-parallel axes the stage loop splits the batch over itself (see pipeline_gradients).
+        pipeline_dp_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
         pipeline_grad_specs, pipeline_param_specs = (
             jax.tree.map(lambda names: logical_to_spec(names, table), spec.axes, is_leaf=lambda x: isinstance(x, tuple))
             for table in (rules.opt_state, rules.params))
@@ -261,7 +263,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         grads, loss_sum = pipeline_gradients(
             stage_functions(spec), sched, mesh, params, batch,
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
-            stage_specs)
+            stage_specs, data_axes=() if use_dropout else pipeline_dp_axes)
         grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
         return finish(state, grads, {}, {"loss_sum": loss_sum}, num_tokens, scale)
 
