@@ -25,9 +25,10 @@ by hand inside one scan, never by differentiating the scan. The schedules
 differ only in their tables:
 
 - gpipe: every forward, then every backward. Stash: all M microbatches.
-- 1f1b: a stage's k-th backward runs P - 1 - s ticks after... in the steady state
-  each tick runs one forward and one backward (Megatron's one-forward-one-backward);
-  at most 2 (P - 1 - s) + 1 stage inputs are stashed on stage s, whatever M is.
+- 1f1b: the last stage runs a microbatch's backward the tick its forward ends,
+  and each earlier stage one tick after the next one; in the steady state each
+  tick runs one forward and one backward (Megatron's one-forward-one-backward),
+  and at most 2 (P - 1 - s) + 1 stage inputs are stashed on stage s, whatever M is.
 - interleaved: V chunks per stage in Megatron's order (groups of P microbatches
   run chunk 0, 1, ..., V - 1 forward, and V - 1, ..., 0 backward); needs M a
   multiple of P; the last stage's output of chunk v goes round to the first
