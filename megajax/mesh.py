@@ -262,6 +262,11 @@ def _drop(entry, axes: set):
     return None if not kept else kept[0] if len(kept) == 1 else kept
 
 
+def spec_without(spec, axes) -> tuple:
+    """A PartitionSpec's entries with the given mesh axes removed."""
+    return tuple(_drop(entry, set(axes)) for entry in spec)
+
+
 def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
     """with_sharding_constraint by logical dim names; the identity when no mesh is active."""
     active = _ACTIVE.get()

@@ -50,6 +50,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.errors import ConfigError
+from megajax.mesh import spec_without
 from megajax.parallel.manual import varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -408,12 +409,7 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
 
 def _local(spec, manual=(AXIS,)) -> tuple:
     """A PartitionSpec's entries as seen inside the stage loop: without its manual axes."""
-    out = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(n for n in names if n not in manual)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return tuple(out)
+    return spec_without(spec, manual)
 
 
 def _add(a, b):

@@ -31,7 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
-from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec
+from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec, spec_without
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, pipeline_gradients
 from megajax.precision.fp8 import scales_of, update_fp8_state, with_scales
@@ -84,14 +84,7 @@ def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, .
     return tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
 
 
-def _without(spec: P, axes: tuple[str, ...]) -> tuple:
-    """A PartitionSpec's entries with the given mesh axes removed."""
-    out = []
-    for entry in spec:
-        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(n for n in names if n not in axes)
-        out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-    return tuple(out)
+_without = spec_without  # a PartitionSpec's entries without some mesh axes
 
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation,
