@@ -119,6 +119,24 @@ def test_half_precision_trains_like_one_device(small_config, precision):
     assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
 
 
+MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"],
+    ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
+     "parallel.virtual_stages=2"],
+], ids=["1f1b_p2_m2_data2_expert2", "interleaved_v2_p2_m2_expert4"])
+def test_mixture_of_experts_through_the_stages_matches_one_device(small_config, overrides):
+    """MoE layers inside the stages: tokens cross `expert` by all-to-all within a stage, each chunk's
+    balancing and z losses (over the whole microbatch, all data shards' counts) join the objective
+    in its backward; one device with the same microbatches (4 sequences, 2 per step) is the reference."""
+    ref = reference(small_config, *MODEL, *MOE, "train.micro_batch=4", steps=3)
+    got = run(small_config, *MODEL, *MOE, *overrides, "train.micro_batch=1", devices=jax.devices(), steps=3)
+    assert_same_run(got, ref)
+
+
 # ----------------------------------------------------------------------------------------------
 # Memory and transfers, read off the compiled step
 
@@ -237,6 +255,8 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
      r"mesh.pipeline=2 with mesh.context=2 is not available"),
     (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=flash", "train.micro_batch=1"], ConfigError,
      r"with model.attention_impl=flash is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.num_experts=4", "train.micro_batch=1"],
+     ConfigError, r"mesh.pipeline=2 with a mixture of experts \(model.num_experts=4\) and mesh.tensor=2 is not available"),
 ])
 def test_bad_pipeline_settings_are_clear_errors(small_config, overrides, error, message):
     with pytest.raises(error, match=message):

@@ -31,6 +31,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.mesh import Rules, logical_to_spec
 from megajax.models.moe import EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
+from megajax.parallel.manual import shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
 
@@ -45,17 +46,18 @@ def _names(entry) -> tuple[str, ...]:
 
 
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
-                             capacity_factor: float | None) -> Callable:
+                             capacity_factor: float | None, hand_vjp: bool = False) -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
-    `experts`, `mlp`)."""
+    `experts`, `mlp`). `hand_vjp`: inside a pipeline stage (megajax/parallel/manual.py)."""
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     x_spec = logical_to_spec(RESIDUAL, rules)
     route_spec = P(x_spec[0], x_spec[1], None)
     length_inside = set(rules["length"])
-    sp_axes = tuple(a for a in _names(x_spec[1]) if a not in length_inside)  # sequence-parallel axes
-    exp_axes = tuple(rules["experts"])
-    mlp_axes = tuple(rules["mlp"])
+    # The axes the body's collectives run over (those of size 1 have nothing to exchange).
+    sp_axes = tuple(a for a in _names(x_spec[1]) if a not in length_inside and sizes[a] > 1)  # sequence-parallel
+    exp_axes = tuple(a for a in rules["experts"] if sizes[a] > 1)
+    mlp_axes = tuple(a for a in rules["mlp"] if sizes[a] > 1)
     ep = math.prod(sizes[a] for a in exp_axes)
     if num_experts % ep:
         raise ValueError(f"{num_experts=} is not divisible by the expert-parallel size {ep}")
@@ -92,11 +94,14 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                 y = jax.lax.psum(y, _entry(mlp_axes))
         return y, dropped.reshape(1)
 
+    def by_position(x, ids, weights, *ks):
+        return local(x, ids, weights, dict(zip(names, ks)))
+
+    sharded = shard_map_fn(by_position, mesh, (x_spec, route_spec, route_spec, *(kernel_specs[n] for n in names)),
+                           (x_spec, P(all_axes)), hand_vjp=hand_vjp)
+
     def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
-        ks = {n: kernels[n] for n in names}
-        y, dropped = jax.shard_map(
-            local, mesh=mesh, in_specs=(x_spec, route_spec, route_spec, {n: kernel_specs[n] for n in names}),
-            out_specs=(x_spec, P(all_axes)))(x_BxLxD, ids_BxLxK, weights_BxLxK, ks)
+        y, dropped = sharded(x_BxLxD, ids_BxLxK, weights_BxLxK, *(kernels[n] for n in names))
         return y, jnp.sum(dropped) / duplicates
 
     return dispatch

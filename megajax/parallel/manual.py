@@ -47,6 +47,13 @@ def like(g, *primals):
     return jax.lax.pcast(g, missing, to="varying") if missing else g
 
 
+def _varying_over(x, spec):
+    """`x` typed as varying over the mesh axes of `spec` (the manual axes of the current shard_map)."""
+    used = {n for e in spec for n in ((e,) if isinstance(e, str) else (e or ()))}
+    missing = tuple(sorted(used - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma: bool = True,
                  hand_vjp: bool = False) -> Callable:
     """jax.shard_map(local, ...) as a function of its positional arguments; with `hand_vjp`, on the
@@ -59,18 +66,24 @@ def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma
         here = jax.sharding.get_abstract_mesh()
         here = mesh if here.empty else here
 
-        outer = set(here.manual_axes)  # the enclosing shard_map's axes: already split there
+        # The enclosing shard_map's axes (already split there) and axes of size 1 (nothing to split:
+        # left in a spec beside the outer axes they trip a check of the partitioner) are dropped.
+        outer = set(here.manual_axes) | {a for a, n in zip(here.axis_names, here.axis_sizes) if n == 1}
 
         def strip(spec):
+            """A spec (or a tuple of specs: a function's several outputs) without the outer axes."""
             if spec is None:
                 return None
-            return P(*(_drop(e, outer) for e in spec))
+            if isinstance(spec, P):
+                return P(*(_drop(e, outer) for e in spec))
+            return tuple(strip(x) for x in spec)
 
         def sm(f, i, o):
-            i = tuple(strip(x) for x in i)
-            o = strip(o) if isinstance(o, P) or o is None else tuple(strip(x) for x in o)
-            return jax.shard_map(f, mesh=here, in_specs=i, out_specs=o, check_vma=check_vma)
+            return jax.shard_map(f, mesh=here, in_specs=tuple(strip(x) for x in i), out_specs=strip(o),
+                                 check_vma=check_vma)
 
+        if all(a in outer for a in here.axis_names):  # nothing left to split: run it in place
+            return local(*args)
         diff = tuple(_differentiable(a) for a in args)
 
         @jax.custom_vjp
@@ -84,7 +97,10 @@ def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma
             def local_bwd(g, *a):
                 def of_diff(*d):
                     it = iter(d)
-                    return local(*(next(it) if k else x for k, x in zip(diff, a)))
+                    out = local(*(next(it) if k else x for k, x in zip(diff, a)))
+                    # Typed as varying where the out specs split them (as the cotangents are).
+                    return jax.tree.map(lambda o, sp: _varying_over(o, sp), out, strip(out_specs),
+                                        is_leaf=lambda x: isinstance(x, P))
                 _, vjp = jax.vjp(of_diff, *(x for k, x in zip(diff, a) if k))
                 return vjp(g)
 

@@ -198,9 +198,10 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
 
 def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict,
-                       data_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array]:
-    """(gradients of `seed` x the loss sum w.r.t. `params`, the loss sum) of one step's M
-    microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
+                       data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None
+                       ) -> tuple[dict, jax.Array, dict | None]:
+    """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
+    the loss sum, the router sums or None) of one step's M microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
     model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
     dropout key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`:
     where the parameters (and their gradient sums) live on the other mesh axes during the step.
@@ -210,8 +211,18 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     gradient sums, and the one data-parallel reduction of the step happens after the loop (an
     all-reduce, or a reduce-scatter onto the optimizer's shards). Empty: the compiler splits the
     batch inside the loop and reduces every microbatch's gradient there (the masks of dropout,
-    drawn for the whole microbatch, need this)."""
+    drawn for the whole microbatch, need this).
+
+    A layer weight split over a data axis (a MoE model's experts over `expert`) enters the loop
+    split: each device holds, and differentiates, its own part.
+
+    A mixture-of-experts model (`model_fns.experts` > 0): each chunk also returns its layers'
+    router losses (balancing + z, this shard's share of the whole microbatch's: the chunk sums its
+    token counts over `data_axes` with the `data_sum` it is given), added to the objective with
+    weight `router_seed`, and the router sums the metrics need: `aux`, `z`, `dropped` (summed over
+    layers and microbatches) and `tokens` [layers, experts] (summed over microbatches)."""
     p, v = sched.stages, sched.virtual
+    routed = model_fns.experts > 0
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     per = num_layers // (p * v)
@@ -226,9 +237,14 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     rng = rng if use_rng else jnp.zeros((2,), jnp.uint32)
 
     manual = (AXIS, *data_axes)
-    dp_entry = None if not data_axes else data_axes[0] if len(data_axes) == 1 else data_axes
+    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+    data_sum = (lambda x: jax.lax.psum(x, data_axes)) if data_axes else (lambda x: x)
+    # The stored layers as the loop takes them: split over `pipeline` and any data axis a weight's
+    # own spec uses (experts over `expert`); the gradient sums get a leading dim over the other data axes.
+    layer_specs_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(sp_axes(sp)) - set(manual))),
+                                  param_specs["layers"], is_leaf=lambda x: isinstance(x, P))
 
-    def body(layers, other, batch, rng, seed):
+    def body(layers, other, batch, rng, seed, router_seed):
         stage = jax.lax.axis_index(AXIS)
 
         def vary(tree):
@@ -239,7 +255,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         # Parameters used by every stage (and, with data_axes, every data shard) are differentiated
         # as this device's own copy (no implicit sum over stages or shards inside a branch); the
         # copies' gradients are summed once at the end.
-        other, batch, seed, layers = vary(other), vary(batch), vary(seed), vary(layers)
+        other, batch, seed, layers, router_seed = vary(other), vary(batch), vary(seed), vary(layers), vary(router_seed)
         mesh_here = jax.sharding.get_abstract_mesh()
 
         def pin(tree, specs, lead=0):
@@ -265,7 +281,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         some_layers = jax.tree.map(lambda a: a[0], chunks)
 
         def run_chunk(w, x, c, i):
-            return model_fns.layers({**other, "layers": w}, x, micro(i), keys(i)[1], (c * p + stage) * per)
+            return model_fns.layers({**other, "layers": w}, x, micro(i), keys(i)[1], (c * p + stage) * per, data_sum)
 
         def embed(o, i):
             return model_fns.embed({**o, "layers": some_layers}, micro(i), keys(i)[0])
@@ -279,9 +295,19 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         g_layers0 = pin(vary(jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), chunks)), layer_specs, lead=1)
         g_other0 = pin(jax.tree.map(lambda o: jnp.zeros(o.shape, grad_dtype), other), other_specs)
         zero_loss = vary(jnp.zeros((), jnp.float32))
+        router0 = vary({"aux": jnp.zeros((), jnp.float32), "z": jnp.zeros((), jnp.float32),
+                        "dropped": jnp.zeros((), jnp.float32),
+                        "tokens": jnp.zeros((v, per, max(model_fns.experts, 1)), jnp.float32)})
+
+        def chunk_forward(w, x, c, i):
+            """(y, router loss to differentiate, router sums of the chunk) or (y, None, None)."""
+            y, router = run_chunk(w, x, c, i)
+            if not routed:
+                return y, None, None
+            return y, router["loss"], {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
 
         def tick(carry, t):
-            recv_x, recv_g, stash, g_layers, g_other, loss_sum = carry
+            recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
             row = tables[t, stage]
             fc, fm, fs, bc, bm, bs = (row[k] for k in range(6))
 
@@ -293,7 +319,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                 stash = jax.lax.dynamic_update_index_in_dim(stash, x, fs, 0)
                 last = (stage == p - 1) & (fc == v - 1)
                 w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, fc, keepdims=False), chunks)
-                y = jax.lax.cond(last, lambda: zeros_x, lambda: run_chunk(w, x, fc, fm))
+                y = jax.lax.cond(last, lambda: zeros_x, lambda: run_chunk(w, x, fc, fm)[0])
                 return y, stash
 
             send_x, stash = jax.lax.cond(fc >= 0, forward, lambda st: (zeros_x, st), stash)
@@ -302,10 +328,20 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
             # output (from the loss on the last chunk of the last stage, else from the next stage),
             # and pass the input's cotangent on (through the embedding on the first chunk of stage 0).
             def backward(args):
-                g_layers, g_other, loss_sum = args
+                g_layers, g_other, loss_sum, router_sums = args
                 x = jax.lax.dynamic_index_in_dim(stash, bs, keepdims=False)
                 w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, bc, keepdims=False), chunks)
-                y, chunk_vjp = jax.vjp(lambda w, x: run_chunk(w, x, bc, bm), w, x)
+                if routed:  # the chunk's router losses are part of the objective
+                    (y, _), objective_vjp, sums = jax.vjp(
+                        lambda w, x: (lambda y, r, s: ((y, r), s))(*chunk_forward(w, x, bc, bm)), w, x, has_aux=True)
+                    chunk_vjp = lambda g_y: objective_vjp((g_y, router_seed))
+                    router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
+                        "tokens": jax.lax.dynamic_update_index_in_dim(
+                            router_sums["tokens"],
+                            jax.lax.dynamic_index_in_dim(router_sums["tokens"], bc, keepdims=False) + sums["tokens"],
+                            bc, 0)}
+                else:
+                    y, chunk_vjp = jax.vjp(lambda w, x: run_chunk(w, x, bc, bm)[0], w, x)
 
                 def from_loss(g_other):
                     loss, head_vjp = jax.vjp(lambda o, y: head(o, y, bm), other, y)
@@ -326,36 +362,43 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                     lambda acc, g: jax.lax.dynamic_update_index_in_dim(
                         acc, jax.lax.dynamic_index_in_dim(acc, bc, keepdims=False) + g.astype(acc.dtype), bc, 0),
                     g_layers, g_w)
-                return g_x, (g_layers, g_other, loss_sum + loss)
+                return g_x, (g_layers, g_other, loss_sum + loss, router_sums)
 
-            send_g, (g_layers, g_other, loss_sum) = jax.lax.cond(
-                bc >= 0, backward, lambda args: (zeros_x, args), (g_layers, g_other, loss_sum))
+            send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
+                bc >= 0, backward, lambda args: (zeros_x, args), (g_layers, g_other, loss_sum, router_sums))
             recv_x = jax.lax.ppermute(send_x, AXIS, fwd_perm)
             recv_g = jax.lax.ppermute(send_g, AXIS, bwd_perm)
             g_layers, g_other = pin(g_layers, layer_specs, lead=1), pin(g_other, other_specs)
-            return (recv_x, recv_g, stash, g_layers, g_other, loss_sum), None
+            return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
-        carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss)
-        (_, _, _, g_layers, g_other, loss_sum), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
+        carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss, router0)
+        (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
         g_other = jax.lax.psum(g_other, AXIS)
         if data_axes:  # each shard's sums, on a leading dim over the data axes
             g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
-        return g_layers, g_other, jax.lax.psum(loss_sum, manual)
+        # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
+        router_sums = {k: jax.lax.psum(router_sums[k], manual) for k in ("aux", "z", "dropped")} | {
+            "tokens": data_sum(router_sums["tokens"].reshape(v * per, -1))}
+        return g_layers, g_other, jax.lax.psum(loss_sum, manual), router_sums
 
-    layer_spec = jax.tree.map(lambda _: P(AXIS), layers)
-    layer_out = jax.tree.map(lambda _: P(dp_entry, AXIS) if data_axes else P(AXIS), layers)
-    other_out = jax.tree.map(lambda _: P(dp_entry) if data_axes else P(), other)
-    batch_spec = jax.tree.map(lambda _: P(None, dp_entry), batch)
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), batch_spec, P(), P()),
-                       out_specs=(layer_out, other_out, P()), axis_names=set(manual))
-    g_layers, g_other, loss_sum = fn(layers, other, batch, rng, seed)
+    layer_spec = layer_specs_in
+    layer_out = jax.tree.map(lambda sp: P(entry([a for a in data_axes if a not in sp_axes(sp)]), *sp)
+                             if data_axes else sp, layer_specs_in, is_leaf=lambda x: isinstance(x, P))
+    other_out = jax.tree.map(lambda _: P(entry(data_axes)) if data_axes else P(), other)
+    batch_spec = jax.tree.map(lambda _: P(None, entry(data_axes)), batch)
+    router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(AXIS)}
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), batch_spec, P(), P(), P()),
+                       out_specs=(layer_out, other_out, P(), router_out), axis_names=set(manual))
+    router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
+    g_layers, g_other, loss_sum, router_sums = fn(layers, other, batch, rng, seed, router_seed)
     if data_axes:  # the step's one data-parallel reduction (the caller places the result)
         g_layers, g_other = jax.tree.map(lambda g: jnp.sum(g, axis=0), (g_layers, g_other))
     if order is not None:
         inverse = np.argsort(order)
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
-    return {**g_other, "layers": g_layers}, loss_sum
+        router_sums["tokens"] = jnp.take(router_sums["tokens"], inverse, axis=0)
+    return {**g_other, "layers": g_layers}, loss_sum, router_sums if routed else None
 
 
 def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
@@ -407,6 +450,11 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
     return lookup
 
 
+def sp_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec uses."""
+    return tuple(a for e in spec for a in ((e,) if isinstance(e, str) else (e or ())))
+
+
 def _local(spec, manual=(AXIS,)) -> tuple:
     """A PartitionSpec's entries as seen inside the stage loop: without its manual axes."""
     return spec_without(spec, manual)
@@ -419,8 +467,13 @@ def _add(a, b):
 @dataclass(frozen=True)
 class StageFunctions:
     """The model in the three pieces a pipeline runs, each on a whole parameter tree whose `layers`
-    are one chunk's: embed(params, micro, key) -> x; layers(params, x, micro, key, first layer) -> x;
-    head(params, x, micro) -> loss sum. `micro` is one microbatch's dict of arrays."""
+    are one chunk's: embed(params, micro, key) -> x; layers(params, x, micro, key, first layer,
+    data_sum) -> (x, router) where router is None for a dense model, else a dict of the chunk's
+    router loss to differentiate (`loss`, [], this shard's share: token counts summed over the
+    microbatch's shards with `data_sum`) and this shard's sums `aux`, `z`, `dropped` ([]) and
+    `tokens` ([chunk layers, experts]); head(params, x, micro) -> loss sum. `micro` is one microbatch's dict of arrays.
+    `experts`: the MoE layers' expert count (0: dense)."""
     embed: Callable
     layers: Callable
     head: Callable
+    experts: int = 0

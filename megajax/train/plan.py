@@ -183,15 +183,22 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                         f"train.global_batch={need * micro * dp} or train.micro_batch="
                         f"{max(1, batch.global_batch // (need * dp))} if it divides.")
     refuse = [
-        (m.num_experts > 0, f"model.num_experts={m.num_experts} (mixture of experts)"),
         (cfg.train.precision == "fp8", "train.precision=fp8"),
         (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
         (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
     ]
+    inner = [f"mesh.{a}={sizes[a]}" for a in ("tensor", "context") if sizes[a] > 1]
+    if m.num_experts > 0 and inner:
+        raise ConfigError(f"mesh.pipeline={p} with a mixture of experts (model.num_experts={m.num_experts}) and "
+                          f"{' x '.join(inner)} is not available: inside a pipeline stage the expert dispatch's "
+                          f"all-to-all runs over the data-parallel axes only (data, fsdp, expert). Use "
+                          f"mesh.tensor=1 and mesh.context=1 with a MoE pipeline (expert parallelism splits the "
+                          f"experts), or mesh.pipeline=1.")
     for bad, what in refuse:
         if bad:
             raise ConfigError(f"mesh.pipeline={p} with {what} is not available: a pipeline stage runs inside "
                               f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
                               f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
-                              f"optimizer, tensor and sequence parallelism, recompute, bf16/fp16 and dropout "
-                              f"(attention: model.attention_impl=xla); use mesh.pipeline=1 for this run.")
+                              f"optimizer, tensor and sequence parallelism, expert parallelism (MoE), recompute, "
+                              f"bf16/fp16 and dropout (attention: model.attention_impl=xla); use mesh.pipeline=1 "
+                              f"for this run.")

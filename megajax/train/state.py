@@ -113,8 +113,9 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
     m = cfg.model
     if not m.num_experts or mesh is None or mesh.devices.size == 1:
         return None
+    staged = dict(zip(mesh.axis_names, mesh.devices.shape)).get("pipeline", 1) > 1
     return expert_parallel_dispatch(mesh, rules.activations, activation=m.activation, num_experts=m.num_experts,
-                                    capacity_factor=m.moe_expert_capacity_factor)
+                                    capacity_factor=m.moe_expert_capacity_factor, hand_vjp=staged)
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,

@@ -251,14 +251,23 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1.0)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if use_dropout else None
         # FSDP parameters are gathered once per step, before the stages (see README: pipeline).
-        stage_specs = jax.tree.map(lambda s: P(*_without(s, ("data", "fsdp", "expert"))), pipeline_param_specs)
+        # (Experts stay split over `expert`: each device holds its own experts.)
+        stage_specs = jax.tree.map(lambda s: P(*_without(s, ("data", "fsdp"))), pipeline_param_specs)
         params = jax.tree.map(lambda p, s: constrain(p, tuple(s)), state.params, stage_specs)
-        grads, loss_sum = pipeline_gradients(
-            stage_functions(spec), sched, mesh, params, batch,
+        accum = batch["tokens"].shape[0]
+        # Dropout's masks keep the batch split inside the stage loop with the compiler (gradients
+        # reduced per microbatch; see README: pipeline).
+        grads, loss_sum, router = pipeline_gradients(
+            stage_functions(spec, cfg), sched, mesh, params, batch,
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
-            stage_specs, data_axes=() if use_dropout else pipeline_dp_axes)
+            stage_specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum)
         grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
-        return finish(state, grads, {}, {"loss_sum": loss_sum}, num_tokens, scale)
+        sums = {"loss_sum": loss_sum}
+        if moe:
+            layers = cfg.model.num_layers
+            sums.update(moe_aux_loss=router["aux"] / (accum * layers), moe_z_loss=router["z"] / (accum * layers),
+                        moe_tokens=router["tokens"], moe_dropped=router["dropped"])
+        return finish(state, grads, {}, sums, num_tokens, scale)
 
     def finish(state: TrainState, grads, amaxes, sums: dict, num_tokens, scale):
         """Unscale, clip, update (or skip a non-finite step) and the metrics."""
@@ -293,8 +302,9 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     return step
 
 
-def stage_functions(spec: ModelSpec) -> StageFunctions:
-    """The model's embedding, layer stack and output layer + loss as a pipeline runs them."""
+def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
+    """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
+    them) and output layer + loss as a pipeline runs them."""
     def model(params):
         return nnx.merge(spec.graphdef, params)
 
@@ -307,14 +317,20 @@ def stage_functions(spec: ModelSpec) -> StageFunctions:
     def embed(params, m, key):
         return model(params).embed_input(m["tokens"], positions(m), key)
 
-    def layers(params, x, m, key, first_layer):
-        return model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
-                                          dropout_rng=key, first_layer=first_layer)[0]
+    def layers(params, x, m, key, first_layer, data_sum):
+        x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                             dropout_rng=key, first_layer=first_layer)
+        if stats is None:
+            return x, None
+        # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
+        aux, z = router_losses(stats, data_sum(stats.tokens), data_sum(stats.count), cfg.model)
+        return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
+                   "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
     def head(params, x, m):
         return jnp.sum(cross_entropy(model(params).logits(x), m["labels"]) * m["loss_mask"])
 
-    return StageFunctions(embed=embed, layers=layers, head=head)
+    return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)
 
 
 def moe_metrics(sums: dict, topk: int) -> dict:
