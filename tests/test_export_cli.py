@@ -12,6 +12,7 @@ from megajax.checkpoint.manager import CheckpointSource  # noqa: E402
 from megajax.cli import main  # noqa: E402
 from megajax.train.loop import build_trainer, train  # noqa: E402
 from megajax.train.state import build_model_spec  # noqa: E402
+from megajax.train.step import cross_entropy  # noqa: E402
 
 
 def test_export_import_round_trip_through_the_cli(small_config, tmp_path, capsys):
@@ -102,3 +103,35 @@ def test_run_with_a_relative_tokenizer_exports_from_another_directory(small_conf
     assert main(["export", "--format", "hf", "--checkpoint", "a/runs/r", "--output", "hf"]) == 0
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == (tmp_path / "a/tok/tokenizer.json").read_text()
     assert run.run_dir == tmp_path / "a/runs/r"
+
+
+def test_trained_mixture_of_experts_exports_with_its_loss(small_config, tmp_path, capsys):
+    """A MoE trained on expert 2 x data 4 exports through the CLI to a MixtralForCausalLM whose logits
+    and loss on a batch are megajax's, and imports back to the same parameters."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    moe = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
+           "model.moe_aux_loss_coeff=0.01"]
+    run = train(small_config(*moe, "mesh.data=4", "mesh.expert=2", steps=3))
+    assert main(["export", "--format", "hf", "--checkpoint", str(run.run_dir), "--output",
+                 str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    assert type(model).__name__ == "MixtralForCausalLM"
+    tokens = np.random.default_rng(1).integers(0, 257, (2, 32))
+    with torch.no_grad():
+        out = model(torch.tensor(tokens), labels=torch.tensor(tokens))
+    cfg = small_config(*moe, "model.vocab_size=257")
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    logits = spec.apply(jax.device_get(run.state.params), tokens)
+    np.testing.assert_allclose(out.logits.numpy(), np.asarray(logits)[..., :257], atol=1e-4)
+    # The training loss (megajax's cross entropy of each next token) is transformers' loss.
+    loss = np.mean(np.asarray(cross_entropy(logits[:, :-1], tokens[:, 1:])))
+    np.testing.assert_allclose(float(out.loss), loss, rtol=1e-5)
+
+    out_dir = tmp_path / "imported"
+    assert main(["import", "--format", "hf", "--input", str(tmp_path / "hf"), "--output", str(out_dir)]) == 0
+    tr = build_trainer(small_config(*moe, f"checkpoint.load={out_dir}"))
+    for a, b in zip(jax.tree.leaves(run.state.params), jax.tree.leaves(tr.state.params)):
+        a, b = np.asarray(a), np.asarray(b)
+        rows = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
+        np.testing.assert_array_equal(b[rows], a[rows])

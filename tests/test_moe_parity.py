@@ -13,7 +13,7 @@ LAYOUTS = {
     "expert2_data4": ["mesh.data=4", "mesh.expert=2"],
     "expert8": ["mesh.data=1", "mesh.expert=8"],
     "expert4_tensor2_sp": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
-    "expert2_fsdp4": ["mesh.data=1", "mesh.fsdp=4", "mesh.expert=2"],
+    "expert2_fsdp2_context2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
     "expert2_fsdp2_tensor2_sp_distopt": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
                                          "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true"],
 }
@@ -58,10 +58,14 @@ def test_expert_parallel_with_full_recompute_matches_one_device(small_config):
     assert_same_run(got, ref)
 
 
-def test_expert_parallel_bf16_tracks_one_device(small_config):
-    """bf16 (router logits stay fp32): within the bf16 tolerances of tests/test_parity.py."""
-    ref = reference(small_config, *MOE, "train.precision=bf16", steps=3, params=False)
-    got = run(small_config, *MOE, "train.precision=bf16", "mesh.data=4", "mesh.expert=2", devices=jax.devices(),
+@pytest.mark.parametrize("precision", [["train.precision=bf16"],
+                                       ["train.precision=fp16", "train.initial_loss_scale=1024"]],
+                         ids=["bf16", "fp16"])
+def test_expert_parallel_half_precision_tracks_one_device(small_config, precision):
+    """bf16 / fp16 (router logits stay fp32; fp16's loss scale also scales the router losses'
+    gradient): within the bf16 tolerances of tests/test_parity.py."""
+    ref = reference(small_config, *MOE, *precision, steps=3, params=False)
+    got = run(small_config, *MOE, *precision, "mesh.data=4", "mesh.expert=2", devices=jax.devices(),
               steps=3, params=False)
     assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
 
