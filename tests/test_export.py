@@ -340,6 +340,9 @@ def test_megatron_gelu_shared_expert_round_trips_and_a_gated_one_is_refused(tmp_
     torch.save(dict(saved, args=argparse.Namespace(**dict(vars(saved["args"]), moe_shared_expert_gate=True))), rank0)
     with pytest.raises(CheckpointError, match="moe_shared_expert_gate=True cannot be represented.*accepted: False"):
         import_megatron(out)
+    odd, _, odd_params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1], "model.moe_shared_expert_ffn_size=36")
+    with pytest.raises(CheckpointError, match="model.moe_shared_expert_ffn_size=36 is not divisible by tensor_parallel=8"):
+        export_megatron(DictSource(odd_params, odd.model), tmp_path / "odd", tensor_parallel=8)
 
 
 def test_megatron_bf16_export_and_release(tmp_path):
