@@ -88,6 +88,9 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 1e-2  # Switch/GShard load-balancing loss
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else tokens per expert x this
+    # A dense MLP of this hidden size every token of a MoE layer also goes through, added to the routed
+    # experts' output (Megatron's moe_shared_expert_intermediate_size, no gate); 0: none.
+    moe_shared_expert_ffn_size: int = 0
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -580,8 +583,13 @@ def validate_moe(cfg: Config) -> None:
     """Mixture-of-experts keys, and mesh.expert (which only a MoE model can use)."""
     m = cfg.model
     _positive("model.num_experts", m.num_experts, allow_zero=True)
+    _positive("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size, allow_zero=True)
     expert = cfg.mesh.expert * cfg.mesh.dcn.expert
     if m.num_experts == 0:
+        if m.moe_shared_expert_ffn_size:
+            raise ConfigError(f"model.moe_shared_expert_ffn_size = {m.moe_shared_expert_ffn_size} needs a "
+                              f"mixture-of-experts model: model.num_experts is 0 (dense). Set model.num_experts, "
+                              f"or use 0 (no shared expert) and size the dense MLP with model.ffn_hidden_size.")
         if expert != 1:
             raise ConfigError(f"mesh.expert = {cfg.mesh.expert} (x mesh.dcn.expert = {cfg.mesh.dcn.expert}) "
                               f"needs a mixture-of-experts model: model.num_experts is 0 (dense). Set "

@@ -144,7 +144,8 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
     ]
     if m.num_experts:
         checks += [(m.num_experts, "model.num_experts", s["expert"], "mesh.expert"),
-                   (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", tp, "mesh.tensor")]
+                   (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", tp, "mesh.tensor"),
+                   (m.moe_shared_expert_ffn_size, "model.moe_shared_expert_ffn_size", tp, "mesh.tensor")]
     if cfg.parallel.distributed_optimizer:
         checks.append((m.hidden_size, "model.hidden_size", dp,
                        "mesh.data x mesh.fsdp (distributed optimizer)"))

@@ -9,7 +9,7 @@ files with load_state_dict(strict=True), runs the stages one after another
 on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab].
 
 A mixture-of-experts checkpoint (args.num_experts) gets the local spec's MoE layer (SequentialMLP
-experts, the allgather token dispatcher).
+experts, the allgather token dispatcher; SharedExpertMLP when args name a shared expert).
 
 Megatron-Core assumes CUDA in places that a CPU run must work around:
 - the RNG tracker: `initialize_rng_tracker(inference_rng_tracker=True)` installs
@@ -54,7 +54,9 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
         import megatron.core.transformer.moe.moe_utils as moe_utils
         moe_utils.te_general_gemm = None
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
-                   moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather")
+                   moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather",
+                   moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
+                   moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False))
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,

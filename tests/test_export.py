@@ -286,6 +286,9 @@ MEGATRON_CASES = {
     # mixture of experts: router, per-expert linear_fc1 [gate; up] and linear_fc2, expert tensor parallelism
     "mixtral-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                               "model.ffn_hidden_size=32"], 2, 1),
+    # + a shared expert: shared_experts.linear_fc1 [gate; up] per tensor rank and linear_fc2, split like a dense MLP
+    "moe-shared-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                                 "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48"], 2, 1),
 }
 
 
@@ -306,6 +309,40 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
     np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
 
     assert_round_trip(import_megatron(out), cfg, spec, params, toks)  # shards merged back exactly
+    if "shared" in case:
+        torch = pytest.importorskip("torch")
+        saved = torch.load(step / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+        assert (saved["args"].moe_shared_expert_intermediate_size, saved["args"].moe_shared_expert_gate,
+                saved["args"].moe_shared_expert_overlap) == (48, False, False)
+        assert saved["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
+
+
+def test_hf_export_refuses_a_shared_expert(tmp_path):
+    """Mixtral has no shared expert: one error naming the key and the export that keeps it, nothing written."""
+    cfg, _, params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1])
+    with pytest.raises(CheckpointError, match=r"MixtralForCausalLM, which cannot express "
+                                              r"model.moe_shared_expert_ffn_size=48 \(needs 0.*--format megatron"):
+        export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_gelu_shared_expert_round_trips_and_a_gated_one_is_refused(tmp_path):
+    """GELU experts: the shared expert's linear_fc1 holds fc1 alone; tensor shards merge back exactly.
+    A gated shared expert (moe_shared_expert_gate) has no megajax equivalent: refused by name."""
+    torch = pytest.importorskip("torch")
+    cfg, spec, params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1], "model.activation=gelu")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=2, dtype="fp32",
+                          iteration=1)
+    assert_round_trip(import_megatron(out), cfg, spec, params, tokens())
+    rank0 = out / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    saved = torch.load(rank0, weights_only=False)
+    assert saved["model"]["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (24, 64)
+    torch.save(dict(saved, args=argparse.Namespace(**dict(vars(saved["args"]), moe_shared_expert_gate=True))), rank0)
+    with pytest.raises(CheckpointError, match="moe_shared_expert_gate=True cannot be represented.*accepted: False"):
+        import_megatron(out)
+    odd, _, odd_params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1], "model.moe_shared_expert_ffn_size=36")
+    with pytest.raises(CheckpointError, match="model.moe_shared_expert_ffn_size=36 is not divisible by tensor_parallel=8"):
+        export_megatron(DictSource(odd_params, odd.model), tmp_path / "odd", tensor_parallel=8)
 
 
 def test_megatron_bf16_export_and_release(tmp_path):

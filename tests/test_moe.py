@@ -163,6 +163,9 @@ def test_capacity_drops_counted_by_hand_and_large_capacity_is_dropless():
     (["model.num_experts=4", "model.moe_layer_freq=2"], ["model.moe_layer_freq = 2", "only 1"]),
     (["mesh.expert=2"], ["mesh.expert = 2", "model.num_experts"]),
     (["model.num_experts=4", "model.family=gpt"], ["model.use_bias", "false"]),
+    (["model.num_experts=4", "model.moe_shared_expert_ffn_size=-8"],
+     ["model.moe_shared_expert_ffn_size = -8", ">= 0"]),
+    (["model.moe_shared_expert_ffn_size=64"], ["model.moe_shared_expert_ffn_size = 64", "model.num_experts is 0"]),
 ])
 def test_bad_moe_keys_name_key_value_and_accepted(overrides, words):
     with pytest.raises(ConfigError) as e:
@@ -176,6 +179,54 @@ def test_experts_not_divisible_by_mesh_expert():
     with pytest.raises(MeshError) as e:
         make_plan(cfg, num_devices=8)
     assert "model.num_experts=6 is not divisible by mesh.expert=4" in str(e.value)
+
+
+def test_shared_expert_not_divisible_by_mesh_tensor():
+    cfg = load_config(overrides=["model.num_experts=4", "model.moe_shared_expert_ffn_size=36", "mesh.tensor=8",
+                                 "model.num_heads=8", "model.num_kv_heads=8"])
+    with pytest.raises(MeshError) as e:
+        make_plan(cfg, num_devices=8)
+    assert "model.moe_shared_expert_ffn_size=36 is not divisible by mesh.tensor=8" in str(e.value)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_shared_expert_adds_a_dense_mlp_to_the_routed_output(activation):
+    """y = the routed experts' output (the same layer without the shared expert, same router and
+    experts) + a dense MLP of hidden size S on every token, computed by hand from the shared weights."""
+    s = 40
+    cfg = moe_config(activation=activation, moe_shared_expert_ffn_size=s)
+    layer, routed = make_moe(cfg), make_moe(moe_config(activation=activation))
+    got = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    shared = got.pop("shared_experts")
+    assert got.keys() == nnx.to_pure_dict(nnx.state(routed, nnx.Param)).keys()
+    for name, w in got.items():  # the routed part initialises as the model without a shared expert
+        np.testing.assert_array_equal(w, nnx.state(routed, nnx.Param)[name][...], err_msg=name)
+    names = ["gate", "up", "fc2"] if activation == "swiglu" else ["fc1", "fc2"]
+    assert set(shared) == set(names) and all(set(shared[n]) == {"kernel"} for n in names)
+    w = {n: np.asarray(shared[n]["kernel"], np.float64) for n in names}
+    assert w["fc2"].shape == (s, D) and w[names[0]].shape == (D, s)
+    axes = {n: getattr(layer.shared_experts, n).kernel.get_metadata()["axes"] for n in names}
+    assert axes == {n: ("mlp", "embed") if n == "fc2" else ("embed", "mlp") for n in names}
+
+    x = crafted_batch()
+    t = np.asarray(x, np.float64).reshape(-1, D)
+    if activation == "swiglu":
+        g = t @ w["gate"]
+        h = g / (1 + np.exp(-g)) * (t @ w["up"])
+    else:
+        import math
+        a = t @ w["fc1"]
+        h = 0.5 * a * (1 + np.vectorize(math.erf)(a / np.sqrt(2)))
+    by_hand = (h @ w["fc2"]).reshape(x.shape)
+    y, stats = forward(layer, x)
+    y_routed, stats_routed = forward(routed, x)
+    assert np.abs(by_hand).max() > 0.1 * np.abs(np.asarray(y_routed)).max()  # both parts matter
+    np.testing.assert_allclose(y, np.asarray(y_routed) + by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(stats.tokens, stats_routed.tokens)  # routing is unchanged
+    # Generation's path (gate and up as two products) gives the same output.
+    graphdef, params = nnx.split(layer)
+    np.testing.assert_allclose(jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, fused=False))(params, x), y,
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_presets():
@@ -196,3 +247,13 @@ def test_flops_count_active_parameters():
     d, f = 4096, 14336
     per_layer = 2 * d * d + 2 * d * 1024 + d * 8 + 2 * 3 * d * f
     assert matmul_params(m, m.padded_vocab_size()) == 32 * per_layer + d * 32000
+
+
+def test_flops_count_the_shared_expert():
+    """A shared expert of hidden size S adds 3 x D x S (SwiGLU) per layer, every token: the routed
+    experts still count top-k of E."""
+    from megajax.train.flops import matmul_params
+    m = load_config(["model/mixtral-8x7b"]).model
+    with_shared = dataclasses.replace(m, moe_shared_expert_ffn_size=2048)
+    assert matmul_params(with_shared, m.padded_vocab_size()) - matmul_params(m, m.padded_vocab_size()) == \
+        32 * 3 * 4096 * 2048

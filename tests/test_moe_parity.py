@@ -82,3 +82,14 @@ def test_moe_checkpoint_resumes_on_another_expert_layout(small_config, tmp_path)
     resumed = train(small_config(*MOE, *fixed, "mesh.data=1", "mesh.expert=8", f"train.run_dir={d}", steps=3),
                     devices=jax.devices())
     np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-5)
+
+
+def test_shared_expert_layout_matches_one_device(small_config):
+    """A shared expert (a dense MLP beside the routed experts: split over `tensor`, the `expert` axis a
+    data axis for it) on expert 2 x data 2 x tensor 2 with sequence parallelism."""
+    shared = [*MOE, "model.moe_shared_expert_ffn_size=96"]
+    ref = reference(small_config, *shared)
+    got = run(small_config, *shared, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+              devices=jax.devices())
+    assert_same_run(got, ref)
+    assert any("shared_experts" in name for name in ref.params1)

@@ -28,8 +28,9 @@ ARCH_FIELDS = (
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
     "hidden_dropout", "attention_dropout", "init_std",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
+    "moe_shared_expert_ffn_size",  # only when > 0
 )
-MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size")
+MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size")
 
 
 REQUIRED = object()  # a config field an importer cannot do without
@@ -101,6 +102,8 @@ def model_overrides(m: ModelConfig) -> dict:
     if not m.num_experts:
         for k in MOE_FIELDS:
             out.pop(k)
+    elif not m.moe_shared_expert_ffn_size:
+        out.pop("moe_shared_expert_ffn_size")
     return out
 
 

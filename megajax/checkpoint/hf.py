@@ -122,6 +122,9 @@ def architecture(m: ModelConfig) -> str:
                          f"{m.hidden_size // m.num_heads})")
     if m.num_experts and m.family != "llama":
         wrong.append(f"num_experts={m.num_experts} (Hugging Face's mixture of experts is {MIXTRAL}: family llama)")
+    if m.moe_shared_expert_ffn_size:
+        wrong.append(f"model.moe_shared_expert_ffn_size={m.moe_shared_expert_ffn_size} (needs 0: {MIXTRAL} has no "
+                     f"shared expert; a Megatron-Core export keeps it)")
     if wrong:
         raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "

@@ -70,6 +70,7 @@ def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
 
 _L = "decoder.layers.{i}"
 _EXP = _L + ".mlp.experts.local_experts.{j}"
+_SHARED = _L + ".mlp.shared_experts"
 
 MEGATRON_ROWS = (
     Row("embedding.word_embeddings.weight", same("embed/embedding"), vocab=True, split="column"),
@@ -96,6 +97,11 @@ MEGATRON_ROWS = (
         groups="tensor", split="column"),
     Row(f"{_EXP}.linear_fc1.weight", linear("layers/mlp/fc1", experts=True), split="column"),
     Row(f"{_EXP}.linear_fc2.weight", linear("layers/mlp/fc2", experts=True), split="row"),
+    # The shared expert (SharedExpertMLP): a dense MLP's linear_fc1 / linear_fc2, split like it.
+    Row(f"{_SHARED}.linear_fc1.weight", linear("layers/mlp/shared_experts/gate/kernel"),
+        linear("layers/mlp/shared_experts/up/kernel"), groups="tensor", split="column"),
+    Row(f"{_SHARED}.linear_fc1.weight", linear("layers/mlp/shared_experts/fc1/kernel"), split="column"),
+    Row(f"{_SHARED}.linear_fc2.weight", linear("layers/mlp/shared_experts/fc2/kernel"), split="row"),
     *norm_rows("decoder.final_layernorm", "final_norm",
                aliases=("decoder.final_norm.weight", "decoder.final_norm.bias")),
     Row("output_layer.weight", linear("output"), vocab=True, split="column"),
@@ -114,13 +120,15 @@ _ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", 
 _EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
     "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
 _MOE_EXTRA_STATE = tuple(f"{_EXP}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
+_SHARED_EXTRA_STATE = tuple(f"{_SHARED}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
 
 
 def _extra_state(m: ModelConfig, layer: int) -> list[str]:
     """A layer's `_extra_state` keys (its Linear modules')."""
     if not m.num_experts:
         return [k.replace("{i}", str(layer)) for k in _EXTRA_STATE]
-    return [k.replace("{i}", str(layer)).replace("{j}", str(j)) for k in _EXTRA_STATE[:2] + _MOE_EXTRA_STATE
+    keys = _EXTRA_STATE[:2] + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
+    return [k.replace("{i}", str(layer)).replace("{j}", str(j)) for k in keys
             for j in (range(m.num_experts) if "{j}" in k else [0])]
 _LAST_EXTRA_STATE = "output_layer._extra_state"
 
@@ -142,7 +150,8 @@ def _on_stage(rows: list[Row], first: bool, last: bool, layers, offset: int):
 def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     problems = []
     ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn):
+    shared = [("moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)] if m.num_experts else []
+    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
     if m.num_layers % pp:
@@ -198,7 +207,9 @@ def _moe_args(m: ModelConfig) -> dict:
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
                 moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
                 moe_layer_freq=1, moe_router_score_function="softmax", expert_model_parallel_size=1,
-                moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_dispatcher_type="alltoall")
+                moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_dispatcher_type="alltoall",
+                moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn_size or None,
+                moe_shared_expert_gate=False, moe_shared_expert_overlap=False)
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
@@ -355,12 +366,13 @@ def _overrides_from_args(args) -> dict:
     moe = {}
     if _arg(args, "num_experts"):
         for name, accepted in (("moe_layer_freq", 1), ("moe_router_pre_softmax", False),
-                               ("moe_router_score_function", "softmax"), ("moe_shared_expert_intermediate_size", None)):
+                               ("moe_router_score_function", "softmax"), ("moe_shared_expert_gate", False)):
             value = getattr(args, name, None)
             if value is not None and value != accepted:
                 reject(name, value, repr(accepted))
         moe = dict(num_experts=int(args.num_experts), moe_router_topk=int(_arg(args, "moe_router_topk", 2)),
-                   moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"))
+                   moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"),
+                   moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)))
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
     if _arg(args, "rotary_percent", 1.0) != 1.0:

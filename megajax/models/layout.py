@@ -10,6 +10,8 @@ Names are the '/'-joined paths of the pure parameter dict; tensors under
     layers/attn/q/bias        [L, H, hd]       k, v: [L, KV, hd]       o: [L, D]
     layers/mlp/gate|up/kernel [L, D, F]        (swiglu)    fc1/kernel [L, D, F] (gelu)
     layers/mlp/fc2/kernel     [L, F, D]        biases: gate|up|fc1 [L, F], fc2 [L, D]
+    layers/mlp/router         [L, D, E]        MoE: experts gate|up|fc1 [L, E, D, F], fc2 [L, E, F, D]
+    layers/mlp/shared_experts/gate|up|fc1|fc2/kernel   MoE shared expert: the MLP's, F = its size S
     final_norm/scale          [D]              (+ bias)
     output                    [D, Vp]          untied embeddings only
 

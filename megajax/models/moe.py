@@ -7,6 +7,11 @@ Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, 
 Experts are SwiGLU (gate, up, fc2) or GELU (fc1, fc2) MLPs whose kernels are stacked on a
 leading `experts` dim: gate/up/fc1 W[E, D, F], fc2 W[E, F, D].
 
+With `moe_shared_expert_ffn_size` S > 0, every token also goes through a shared expert: a dense MLP
+of hidden size S with the experts' activation and no biases (megajax.models.mlp.MLP, so tensor
+parallelism splits it like the dense MLP), added to the routed output (Megatron-Core's shared
+experts without a gate):  y = sum_k weights_k * expert_{id_k}(x) + shared(x).
+
 Token dispatch is injected (`dispatch`), as the attention core is: on one device (or under
 XLA's sharding alone) `local_dispatch` sorts the token-expert assignments by expert and runs
 every expert with one grouped product (`jax.lax.ragged_dot`), or, in capacity mode, fills
@@ -20,6 +25,7 @@ its tokens (`RouterStats`) and the train step combines them over the whole batch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, NamedTuple
 
@@ -28,7 +34,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.config import ModelConfig
-from megajax.models.layers import normal_init
+from megajax.models.layers import LinearOps, normal_init
+from megajax.models.mlp import MLP
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
 
@@ -185,9 +192,11 @@ def router_losses(local: RouterStats, total_tokens: jax.Array, total_count: jax.
 
 
 class MoE(nnx.Module):
-    """Router + experts in place of the MLP of a block."""
+    """Router + experts (+ the shared expert) in place of the MLP of a block; `ops` are the shared
+    expert's products (the dense MLP's)."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, dispatch: Callable | None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, dispatch: Callable | None, rngs: nnx.Rngs,
+                 ops: LinearOps = LinearOps()):
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
         self.topk, self.activation, self.dtype = cfg.moe_router_topk, cfg.activation, dtype
         self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
@@ -200,15 +209,22 @@ class MoE(nnx.Module):
             shape, std, axes = shapes[name]
             setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=axes))
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor)
+        # Drawn after the experts: a model without one initialises as before.
+        self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_ffn_size,
+                                                       use_bias=False), dtype=dtype, ops=ops, rngs=rngs)
+                               if cfg.moe_shared_expert_ffn_size else None)
 
-    def forward(self, x_BxLxD: jax.Array) -> tuple[jax.Array, RouterStats]:
+    def forward(self, x_BxLxD: jax.Array, fused: bool = True) -> tuple[jax.Array, RouterStats]:
+        """(y [B, L, D], RouterStats); `fused` as for MLP (the shared expert's gate and up)."""
         b, l, d = x_BxLxD.shape
         logits = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         ids, weights = route(logits, self.topk)
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
         y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x_BxLxD, fused).astype(y.dtype)
         stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped)
         return y, stats
 
     def __call__(self, x_BxLxD: jax.Array, fused: bool = True) -> jax.Array:
-        return self.forward(x_BxLxD)[0]
+        return self.forward(x_BxLxD, fused)[0]

@@ -34,7 +34,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         if cfg.num_experts:
-            self.mlp = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs)
+            self.mlp = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs, ops=ops)
         else:
             self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
         self.hidden_dropout = cfg.hidden_dropout

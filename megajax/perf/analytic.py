@@ -37,6 +37,10 @@ tokens x top-k rows of h to the experts' devices and back, forward and
 backward: 4 all-to-alls of tokens*k*h*(ep-1)/ep per layer and microbatch (a
 balanced routing's bytes leaving the device). The other parameters'
 gradients are also all-reduced over `expert` (a data-parallel axis for them).
+A shared expert is a second tensor-parallel MLP in the layer on the same
+input: its output's and its input gradient's reduction are 2 more b*s*h
+all-reduces (with SP reduce-scatters) per layer; with SP the all-gathers of
+its input and of its output's cotangent are the routed experts' own.
 A MoE model reduces its gradients once per microbatch (megajax/train/step.py).
 
 Pipeline parallelism over P stages (V chunks each): a device holds layers/P
@@ -156,14 +160,15 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
         out["all-reduce"] += stage_shared_param_bytes
     if t > 1:
         per_step = 4 * layers + 2
+        shared = 2 * layers if m.num_experts and m.moe_shared_expert_ffn_size else 0  # the shared expert
         full = cfg.parallel.recompute == "full"
         # Full recompute re-runs a layer's forward for its backward, but only the collectives whose
         # results the backward needs: all but the one after the MLP (the layer's output).
         if cfg.parallel.sequence_parallel:
             out["all-gather"] += a * (per_step + (2 * layers if full else 0)) * bsh
-            out["reduce-scatter"] += a * (per_step + (layers if full else 0)) * bsh
+            out["reduce-scatter"] += a * (per_step + shared + (layers if full else 0)) * bsh
         else:
-            out["all-reduce"] += a * (per_step + (layers if full else 0)) * bsh
+            out["all-reduce"] += a * (per_step + shared + (layers if full else 0)) * bsh
         out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     ep = sizes.get("expert", 1)
     if m.num_experts and ep > 1:

@@ -5,8 +5,9 @@ forward matmul FLOPs, i.e. 6 x (matmul parameters, output layer included,
 embedding lookups and norms excluded), plus attention 6 x layers x seq x
 (heads x head_dim) for QK^T and AV with causal masking counted over the
 lower triangle only (half of full attention). Recomputation is not counted.
-A mixture-of-experts layer counts its active parameters: the router and the
-top-k experts a token goes through (all experts' kernels x topk / num_experts).
+A mixture-of-experts layer counts its active parameters: the router, the
+top-k experts a token goes through (all experts' kernels x topk / num_experts)
+and the shared expert, which every token goes through.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ PEAK_TFLOPS = {
 
 
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
-    """Parameters each token multiplies: every projection kernel of the model's layout (of the
-    experts, the top-k a token is routed to), and the output layer (the embedding table when tied)."""
+    """Parameters each token multiplies: every projection kernel of the model's layout (shared
+    expert included; of the routed experts, the top-k a token is routed to), and the output layer
+    (the embedding table when tied)."""
     shapes = param_shapes(cfg, padded_vocab)
     kernels = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/kernel"))
-    if cfg.num_experts:
+    if cfg.num_experts:  # the routed experts' stacked kernels: layers/mlp/{gate,up,fc1,fc2} [L, E, ...]
         experts = sum(math.prod(s) for name, s in shapes.items() if name.startswith("layers/mlp/")
-                      and name != "layers/mlp/router")
+                      and name.count("/") == 2 and name != "layers/mlp/router")
         kernels += experts * cfg.moe_router_topk // cfg.num_experts + math.prod(shapes["layers/mlp/router"])
     return kernels + math.prod(shapes.get("output", shapes["embed/embedding"]))
 
