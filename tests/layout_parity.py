@@ -46,6 +46,7 @@ class Run:
     losses: np.ndarray  # [steps]
     grad_norms: np.ndarray  # [steps], before clipping
     params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel")
+    moe: dict | None = None  # a MoE model's logged metrics per step ("moe_aux_loss": [steps], ...)
 
 
 @contextlib.contextmanager
@@ -71,7 +72,8 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
     if params:
         saved = CheckpointSource(Path(result.run_dir) / "checkpoints" / "1")
         params1 = {name: saved.get(name) for name in saved.names()}
-    return Run(np.asarray(result.losses), grad_norms, params1)
+    moe = {k: np.asarray([r[k] for r in result.records]) for k in result.records[0] if k.startswith("moe_")}
+    return Run(np.asarray(result.losses), grad_norms, params1, moe or None)
 
 
 _references: dict = {}
@@ -95,6 +97,10 @@ def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: floa
                                err_msg="grad norm per step")
     if got.params1 is not None and ref.params1 is not None:
         assert_same_params(got.params1, ref.params1, rtol, params_atol)
+    if got.moe is not None and ref.moe is not None and rtol == RTOL:  # fp32: the same routing
+        assert sorted(got.moe) == sorted(ref.moe)
+        for key, want in ref.moe.items():
+            np.testing.assert_allclose(got.moe[key], want, rtol=1e-4, atol=1e-7, err_msg=f"{key} per step")
 
 
 def assert_same_params(got: dict, want: dict, rtol: float = RTOL, atol: float = 1e-7) -> None:

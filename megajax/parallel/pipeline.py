@@ -198,8 +198,8 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
 
 def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict,
-                       data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None
-                       ) -> tuple[dict, jax.Array, dict | None]:
+                       data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
+                       maxed: dict | None = None) -> tuple[dict, jax.Array, dict | None]:
     """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
     the loss sum, the router sums or None) of one step's M microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
     model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
@@ -220,10 +220,24 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     router losses (balancing + z, this shard's share of the whole microbatch's: the chunk sums its
     token counts over `data_axes` with the `data_sum` it is given), added to the objective with
     weight `router_seed`, and the router sums the metrics need: `aux`, `z`, `dropped` (summed over
-    layers and microbatches) and `tokens` [layers, experts] (summed over microbatches)."""
+    layers and microbatches) and `tokens` [layers, experts] (summed over microbatches).
+
+    `maxed`: a tree like `params` of bools; where True the "gradient" is combined with max instead
+    of summed (over microbatches, stages and data shards): the FP8 scales, whose cotangents are
+    the amaxes the products saw (megajax/precision/fp8.py)."""
     p, v = sched.stages, sched.virtual
     routed = model_fns.experts > 0
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
+    maxed = jax.tree.map(lambda _: False, params) if maxed is None else maxed
+    max_layers, max_other = maxed["layers"], {k: x for k, x in maxed.items() if k != "layers"}
+
+    def combine(tree_max, a, b):
+        """a + b, or max(a, b) where `tree_max` says so."""
+        return jax.tree.map(lambda m, x, y: jnp.maximum(x, y.astype(x.dtype)) if m else x + y.astype(x.dtype),
+                            tree_max, a, b)
+
+    def reduce_over(tree_max, tree, axes):
+        return jax.tree.map(lambda m, g: jax.lax.pmax(g, axes) if m else jax.lax.psum(g, axes), tree_max, tree)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     per = num_layers // (p * v)
     order = stage_order(num_layers, p, v)
@@ -292,8 +306,10 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         x_shape = jax.eval_shape(lambda: embed(other, 0))
         zeros_x = vary(jnp.zeros(x_shape.shape, x_shape.dtype))
         stash0 = vary(jnp.zeros((sched.stash,) + x_shape.shape, x_shape.dtype))
-        g_layers0 = pin(vary(jax.tree.map(lambda w: jnp.zeros(w.shape, grad_dtype), chunks)), layer_specs, lead=1)
-        g_other0 = pin(jax.tree.map(lambda o: jnp.zeros(o.shape, grad_dtype), other), other_specs)
+        dtype = lambda m: jnp.float32 if m else grad_dtype  # amaxes (maxed) stay fp32
+        g_layers0 = pin(vary(jax.tree.map(lambda m, w: jnp.zeros(w.shape, dtype(m)), max_layers, chunks)),
+                        layer_specs, lead=1)
+        g_other0 = pin(jax.tree.map(lambda m, o: jnp.zeros(o.shape, dtype(m)), max_other, other), other_specs)
         zero_loss = vary(jnp.zeros((), jnp.float32))
         router0 = vary({"aux": jnp.zeros((), jnp.float32), "z": jnp.zeros((), jnp.float32),
                         "dropped": jnp.zeros((), jnp.float32),
@@ -346,7 +362,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                 def from_loss(g_other):
                     loss, head_vjp = jax.vjp(lambda o, y: head(o, y, bm), other, y)
                     g_o, g_y = head_vjp(seed.astype(loss.dtype))
-                    return loss, _add(g_other, g_o), g_y.astype(y.dtype)
+                    return loss, combine(max_other, g_other, g_o), g_y.astype(y.dtype)
 
                 loss, g_other, g_y = jax.lax.cond(
                     (stage == p - 1) & (bc == v - 1), from_loss,
@@ -355,13 +371,13 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
 
                 def into_embedding(g_other):
                     _, embed_vjp = jax.vjp(lambda o: embed(o, bm), other)
-                    return _add(g_other, embed_vjp(g_x)[0])
+                    return combine(max_other, g_other, embed_vjp(g_x)[0])
 
                 g_other = jax.lax.cond((stage == 0) & (bc == 0), into_embedding, lambda g: g, g_other)
                 g_layers = jax.tree.map(
-                    lambda acc, g: jax.lax.dynamic_update_index_in_dim(
-                        acc, jax.lax.dynamic_index_in_dim(acc, bc, keepdims=False) + g.astype(acc.dtype), bc, 0),
-                    g_layers, g_w)
+                    lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(
+                        acc, combine(m, jax.lax.dynamic_index_in_dim(acc, bc, keepdims=False), g), bc, 0),
+                    max_layers, g_layers, g_w)
                 return g_x, (g_layers, g_other, loss_sum + loss, router_sums)
 
             send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
@@ -374,7 +390,7 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss, router0)
         (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
-        g_other = jax.lax.psum(g_other, AXIS)
+        g_other = reduce_over(max_other, g_other, AXIS)
         if data_axes:  # each shard's sums, on a leading dim over the data axes
             g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
         # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
@@ -393,7 +409,8 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
     g_layers, g_other, loss_sum, router_sums = fn(layers, other, batch, rng, seed, router_seed)
     if data_axes:  # the step's one data-parallel reduction (the caller places the result)
-        g_layers, g_other = jax.tree.map(lambda g: jnp.sum(g, axis=0), (g_layers, g_other))
+        g_layers, g_other = jax.tree.map(lambda m, g: jnp.max(g, axis=0) if m else jnp.sum(g, axis=0),
+                                         (max_layers, max_other), (g_layers, g_other))
     if order is not None:
         inverse = np.argsort(order)
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
@@ -458,10 +475,6 @@ def sp_axes(spec) -> tuple[str, ...]:
 def _local(spec, manual=(AXIS,)) -> tuple:
     """A PartitionSpec's entries as seen inside the stage loop: without its manual axes."""
     return spec_without(spec, manual)
-
-
-def _add(a, b):
-    return jax.tree.map(lambda x, y: x + y.astype(x.dtype), a, b)
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,6 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                         f"train.global_batch={need * micro * dp} or train.micro_batch="
                         f"{max(1, batch.global_batch // (need * dp))} if it divides.")
     refuse = [
-        (cfg.train.precision == "fp8", "train.precision=fp8"),
         (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
         (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
     ]
@@ -200,5 +199,5 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                               f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
                               f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
                               f"optimizer, tensor and sequence parallelism, expert parallelism (MoE), recompute, "
-                              f"bf16/fp16 and dropout (attention: model.attention_impl=xla); use mesh.pipeline=1 "
+                              f"bf16/fp16/fp8 and dropout (attention: model.attention_impl=xla); use mesh.pipeline=1 "
                               f"for this run.")

@@ -80,13 +80,12 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     if mesh is not None and cfg.parallel.sequence_parallel and sizes["tensor"] > 1:
         ops = sequence_parallel_ops(mesh, rules.activations, dot, hand_vjp=staged)
         return dataclasses.replace(ops, embed_positions=stage_embedding(rules, "position")) if staged else ops
+    fp8 = precision_policy(cfg).fp8  # (refused with sequence parallelism)
+    low = {} if fp8 is None else dict(low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
     if staged:
         return LinearOps(column=dot, row=dot, embed=stage_embedding(rules),
-                         embed_positions=stage_embedding(rules, "position"))
-    fp8 = precision_policy(cfg).fp8
-    if fp8 is None:
-        return LinearOps(column=dot, row=dot)
-    return LinearOps(column=dot, row=dot, low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
+                         embed_positions=stage_embedding(rules, "position"), **low)
+    return LinearOps(column=dot, row=dot, **low)
 
 
 def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable:

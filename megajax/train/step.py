@@ -28,13 +28,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec, spec_without
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, pipeline_gradients
-from megajax.precision.fp8 import scales_of, update_fp8_state, with_scales
+from megajax.precision.fp8 import HISTORY, scales_of, update_fp8_state, with_scales
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.optimizer import clip_by_global_norm, update_count
@@ -255,19 +256,33 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         stage_specs = jax.tree.map(lambda s: P(*_without(s, ("data", "fsdp"))), pipeline_param_specs)
         params = jax.tree.map(lambda p, s: constrain(p, tuple(s)), state.params, stage_specs)
         accum = batch["tokens"].shape[0]
+        # FP8 (delayed scaling): the products' scales ride along with the parameters (a layer's with
+        # its layer, split over `pipeline`); their "gradients" are this step's amaxes, max-combined.
+        scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
+        tree, maxed, specs = params, None, stage_specs
+        if scales:
+            tree = unflatten_dict({**flatten_dict(params), **scales})
+            maxed = unflatten_dict({**{k: False for k in flatten_dict(params)}, **{k: True for k in scales}})
+            specs = unflatten_dict({**flatten_dict(stage_specs),
+                                    **{k: P("pipeline") if k[0] == "layers" else P() for k in scales}})
         # Dropout's masks keep the batch split inside the stage loop with the compiler (gradients
         # reduced per microbatch; see README: pipeline).
         grads, loss_sum, router = pipeline_gradients(
-            stage_functions(spec, cfg), sched, mesh, params, batch,
+            stage_functions(spec, cfg), sched, mesh, tree, batch,
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
-            stage_specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum)
+            specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum, maxed=maxed)
+        amaxes = {}
+        if scales:
+            flat = flatten_dict(grads)
+            amaxes = unflatten_dict({k: flat.pop(k) for k in scales})
+            grads = unflatten_dict(flat)
         grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
         sums = {"loss_sum": loss_sum}
         if moe:
             layers = cfg.model.num_layers
             sums.update(moe_aux_loss=router["aux"] / (accum * layers), moe_z_loss=router["z"] / (accum * layers),
                         moe_tokens=router["tokens"], moe_dropped=router["dropped"])
-        return finish(state, grads, {}, sums, num_tokens, scale)
+        return finish(state, grads, amaxes, sums, num_tokens, scale)
 
     def finish(state: TrainState, grads, amaxes, sums: dict, num_tokens, scale):
         """Unscale, clip, update (or skip a non-finite step) and the metrics."""
@@ -305,8 +320,22 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
     """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
     them) and output layer + loss as a pipeline runs them."""
-    def model(params):
-        return nnx.merge(spec.graphdef, params)
+    fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
+    history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
+
+    def model(tree):
+        """The model on a parameter tree; under FP8 the tree also holds the products' scales (the
+        amax histories, which the forward pass does not read, are zeros of their shape)."""
+        if not fp8_paths:
+            return nnx.merge(spec.graphdef, tree)
+        flat = flatten_dict(tree)
+        fp8 = {}
+        for path in fp8_paths:
+            s = flat.pop(path)
+            h = history[path[:-1] + (HISTORY,)].shape
+            fp8[path] = s
+            fp8[path[:-1] + (HISTORY,)] = jnp.zeros((*s.shape[:-1], *h[-2:]), jnp.float32)
+        return nnx.merge(spec.graphdef, unflatten_dict(flat), unflatten_dict(fp8))
 
     def positions(m):
         if m.get("positions") is not None:
