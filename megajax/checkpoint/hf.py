@@ -122,6 +122,13 @@ def architecture(m: ModelConfig) -> str:
                          f"{m.hidden_size // m.num_heads})")
     if m.num_experts and m.family != "llama":
         wrong.append(f"num_experts={m.num_experts} (Hugging Face's mixture of experts is {MIXTRAL}: family llama)")
+    if m.num_experts:  # Mixtral: softmax over the top-k logits, weights summing to 1, no expert bias
+        if m.moe_router_score_function != "softmax":
+            wrong.append(f"moe_router_score_function={m.moe_router_score_function} (needs softmax)")
+        if m.moe_router_topk_scaling_factor is not None:
+            wrong.append(f"moe_router_topk_scaling_factor={m.moe_router_topk_scaling_factor} (needs null)")
+        if m.moe_router_bias_update_rate > 0:
+            wrong.append(f"moe_router_bias_update_rate={m.moe_router_bias_update_rate} (an expert bias; needs 0)")
     if wrong:
         raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "

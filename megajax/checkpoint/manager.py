@@ -32,6 +32,9 @@ import numpy as np
 from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
+from megajax.models.layout import EXPERT_BIAS, split_expert_bias
+
+EXPERT_BIAS_STORED = "moe_expert_bias"  # TrainState.moe_expert_bias's stored name
 
 STATE, META = "state", "meta"
 CHUNK_BYTES = 16 * 2**20
@@ -293,6 +296,8 @@ class CheckpointSource:
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
         self._names = sorted(n[len("params."):].replace(".", "/") for n in self._arrays if n.startswith("params."))
+        if EXPERT_BIAS_STORED in self._arrays:  # the routers' expert bias, beside the parameters
+            self._names.append(EXPERT_BIAS)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
         self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self._parent)
@@ -307,7 +312,7 @@ class CheckpointSource:
         return tuple(self._arrays[self._storage(name)].shape)
 
     def _storage(self, name: str) -> str:
-        key = "params." + name.replace("/", ".")
+        key = EXPERT_BIAS_STORED if name == EXPERT_BIAS else "params." + name.replace("/", ".")
         if key not in self._arrays:
             raise CheckpointError(f"checkpoint {self.step_dir}: has no parameter {name}.")
         return key
@@ -333,7 +338,8 @@ class CheckpointSource:
 
 def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
     """An Orbax checkpoint holding only parameters (e.g. imported from Hugging Face or Megatron),
-    for `checkpoint.load`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
+    for `checkpoint.load`; an expert bias in `params` (`EXPERT_BIAS`) is stored as the train state's
+    `moe_expert_bias`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
     out_dir = Path(out_dir)
     if find_step_dir(out_dir) is not None:
         raise CheckpointError(f"--output {out_dir} already holds a megajax checkpoint; choose an empty "
@@ -342,7 +348,9 @@ def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, s
     arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x, np.float32), device), params)
     ckpt = Checkpointer(out_dir / "checkpoints", keep=1, async_save=False)
     try:
-        ckpt.save(step, {"params": arrays}, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
+        params, bias = split_expert_bias(arrays)
+        tree = {"params": params} if bias is None else {"params": params, "moe_expert_bias": bias}
+        ckpt.save(step, tree, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
                                               "imported": True}, wait=True)
     finally:
         ckpt.close()

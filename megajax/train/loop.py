@@ -187,12 +187,12 @@ class Validation:
     def due(self, step: int, last: bool) -> bool:
         return self.tr.valid_loader is not None and (step % self.every == 0 or last)
 
-    def run(self, step: int, params, fp8=None) -> None:
+    def run(self, step: int, params, fp8=None, expert_bias=None) -> None:
         cfg, tr = self.tr.cfg, self.tr
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
             batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
-            l, c = jax.device_get(tr.eval_fn(params, batch, fp8))
+            l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
             loss_sum, count = loss_sum + float(l), count + float(c)
         self.count += 1
         val = loss_sum / max(count, 1.0)
@@ -358,7 +358,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
             if validation.due(step, last):
                 settle()
                 stop_if_unhealthy()
-                validation.run(step, state.params, state.fp8)
+                validation.run(step, state.params, state.fp8, state.moe_expert_bias)
             if saves.due(step, last, stopping):
                 settle()
                 stop_if_unhealthy()

@@ -31,8 +31,8 @@ from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.plan import BatchLayout, RunPlan, make_plan
-from megajax.train.state import (ModelSpec, TrainState, build_model_spec, loss_scaler, make_init_fn,
-                                 state_shardings)
+from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
+                                 make_init_fn, state_shardings)
 from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
 
 
@@ -102,9 +102,11 @@ class Setup:
         return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
 
     def eval_step(self) -> Callable:
-        """jit of (params, batch, fp8 scaling state or None) -> (sum of token losses, tokens)."""
+        """jit of (params, batch, fp8 scaling state or None, expert bias or None) -> (sum of token
+        losses, tokens)."""
         return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
-                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8))
+                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
+                                     self.state_shardings.moe_expert_bias))
 
     def loader(self, dataset, prefetch: int) -> Loader:
         context = self.plan.sizes["context"]
@@ -120,7 +122,8 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)
-    init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8)
+    init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
+                        lambda: initial_expert_bias(cfg.model))
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,

@@ -1,0 +1,141 @@
+"""Sigmoid routing and aux-loss-free balancing (DeepSeek-V3, Megatron-Core's
+`moe_router_score_function=sigmoid` and `moe_router_enable_expert_bias`): the routing, the
+balancing loss's inputs and the per-step bias update against numpy, and the keys' checks."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from megajax.config import load_config
+from megajax.errors import ConfigError
+from megajax.models.moe import MoE, route, router_losses, updated_expert_bias
+
+E, K, D = 4, 2, 16
+
+
+def numpy_sigmoid_routing(logits, bias, topk, scaling=None):
+    """Megatron-Core's topk_routing_with_score_function for sigmoid, in numpy (float64): (ids, weights)."""
+    scores = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))
+    ids = np.argsort(-(scores + bias), axis=-1, kind="stable")[:, :topk]
+    weights = np.take_along_axis(scores, ids, axis=-1)
+    if topk > 1:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids, weights * (scaling or 1.0)
+
+
+# 4 tokens x 4 experts. Unbiased, token 0 picks experts 0, 1; token 1 picks 2, 3; ... The bias
+# (+0.5 on expert 3, -0.5 on expert 0) moves expert 3 into tokens 0 and 2 and expert 0 out.
+LOGITS = np.array([[2.0, 1.0, -1.0, -2.0],
+                   [-2.0, -1.0, 1.5, 0.5],
+                   [1.0, 0.5, 3.0, -0.3],
+                   [0.2, 2.5, -0.7, 1.2]], np.float32)
+BIAS = np.array([-0.5, 0.0, 0.1, 0.5], np.float32)
+
+
+@pytest.mark.parametrize("scaling", [None, 2.5])
+def test_sigmoid_topk_with_bias_equals_numpy(scaling):
+    ids, weights = jax.jit(lambda l, b: route(l, K, "sigmoid", b, scaling))(LOGITS, BIAS)
+    want_ids, want_weights = numpy_sigmoid_routing(LOGITS, BIAS, K, scaling)
+    np.testing.assert_array_equal(np.asarray(ids), want_ids)
+    np.testing.assert_allclose(np.asarray(weights), want_weights, rtol=1e-6)
+    # The bias changed the choice: without it the top-2 differ for tokens 0 and 2 ...
+    plain_ids, plain_weights = route(jnp.asarray(LOGITS), K, "sigmoid", None, scaling)
+    assert [set(r) for r in np.asarray(plain_ids)] == [{0, 1}, {2, 3}, {0, 2}, {1, 3}]
+    assert [set(r) for r in np.asarray(ids)] == [{1, 3}, {2, 3}, {2, 3}, {1, 3}]
+    # ... but not the weights of a choice: an expert's weight is its unbiased sigmoid score, normalised.
+    scores = 1.0 / (1.0 + np.exp(-LOGITS.astype(np.float64)))
+    chosen = np.take_along_axis(scores, np.asarray(ids), axis=-1)
+    np.testing.assert_allclose(np.asarray(weights), chosen / chosen.sum(-1, keepdims=True) * (scaling or 1.0),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), scaling or 1.0, rtol=1e-6)
+
+
+def test_softmax_routing_unchanged_by_the_new_arguments():
+    ids, weights = route(jnp.asarray(LOGITS), K)
+    top = np.sort(LOGITS, axis=-1)[:, ::-1][:, :K]
+    np.testing.assert_array_equal(np.asarray(ids), np.argsort(-LOGITS, axis=-1, kind="stable")[:, :K])
+    np.testing.assert_allclose(np.asarray(weights), np.exp(top) / np.exp(top).sum(-1, keepdims=True), rtol=1e-6)
+
+
+def moe_config(**changes):
+    m = load_config(overrides=["model.hidden_size=16", "model.num_heads=2", f"model.num_experts={E}",
+                               f"model.moe_router_topk={K}", "model.moe_ffn_hidden_size=24",
+                               "model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
+                               "model.moe_aux_loss_coeff=0.01"]).model
+    return dataclasses.replace(m, **changes)
+
+
+def test_moe_layer_routes_with_the_bias_and_balances_without_it():
+    """The layer's output is the biased top-k weighted by unbiased scores; its balancing-loss inputs
+    are the scores normalised over experts and the counts of the unbiased top-k (Megatron-Core's
+    compute_routing_scores_for_aux_loss), while `tokens` counts the routed assignments."""
+    cfg = moe_config()
+    layer = MoE(cfg, dtype=jnp.float32, dispatch=None, rngs=nnx.Rngs(params=0))
+    layer.router[...] = layer.router[...] * 50  # decisive scores
+    x = jax.random.normal(jax.random.key(1), (2, 8, D), jnp.float32)
+    graphdef, params = nnx.split(layer)
+    fwd = jax.jit(lambda p, x, b: nnx.merge(graphdef, p).forward(x, b))
+    logits = np.asarray(x.reshape(-1, D) @ layer.router[...], np.float64)
+    bias = np.array([0.3, -0.3, 0.2, -0.1], np.float32)
+    y, stats = fwd(params, x, bias)
+    y0, stats0 = fwd(params, x, np.zeros(E, np.float32))
+
+    ids, weights = numpy_sigmoid_routing(logits, bias, K)
+    plain_ids, _ = numpy_sigmoid_routing(logits, 0.0, K)
+    assert (np.sort(ids, -1) != np.sort(plain_ids, -1)).any()  # the bias moves some tokens
+    np.testing.assert_array_equal(np.asarray(stats.tokens), np.bincount(ids.ravel(), minlength=E))
+    np.testing.assert_array_equal(np.asarray(stats.balance_tokens), np.bincount(plain_ids.ravel(), minlength=E))
+    np.testing.assert_array_equal(np.asarray(stats0.tokens), np.asarray(stats.balance_tokens))
+    scores = 1.0 / (1.0 + np.exp(-logits))
+    np.testing.assert_allclose(np.asarray(stats.probs), (scores / scores.sum(-1, keepdims=True)).sum(0), rtol=1e-5)
+    # The output: every expert on every token, mixed with the numpy weights.
+    t = np.asarray(x.reshape(-1, D), np.float64)
+    g, u, w2 = (np.asarray(layer.gate[...]), np.asarray(layer.up[...]), np.asarray(layer.fc2[...]))
+    silu = lambda a: a / (1 + np.exp(-a))
+    outs = np.einsum("etf,efd->etd", silu(np.einsum("td,edf->etf", t, g)) * np.einsum("td,edf->etf", t, u), w2)
+    want = sum(weights[:, j, None] * outs[ids[:, j], np.arange(t.shape[0])] for j in range(K))
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(np.asarray(y), np.asarray(y0))
+    # The balancing loss of Megatron-Core's formula from those inputs.
+    aux, _ = router_losses(jax.tree.map(lambda s: s[None], stats), stats.balance_tokens[None], stats.count[None], cfg)
+    n = t.shape[0]
+    want_aux = 0.01 * E / (K * n * n) * np.sum((scores / scores.sum(-1, keepdims=True)).sum(0)
+                                               * np.bincount(plain_ids.ravel(), minlength=E))
+    np.testing.assert_allclose(aux[0], want_aux, rtol=1e-5)
+
+
+def test_bias_update_equals_numpy_formula():
+    """bias += rate * sign(mean_e(tokens) - tokens_e) per layer; an expert at the mean keeps its bias."""
+    tokens = np.array([[10.0, 2.0, 4.0, 8.0],    # mean 6: busy experts 0 and 3 go down
+                       [5.0, 5.0, 5.0, 5.0],     # balanced: no change
+                       [0.0, 12.0, 6.0, 6.0]], np.float32)  # mean 6: experts 2 and 3 stay
+    bias = np.array([[0.1, -0.2, 0.0, 0.3], [1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
+    got = jax.jit(updated_expert_bias, static_argnums=2)(bias, tokens, 0.01)
+    want = bias + 0.01 * np.sign(tokens.mean(-1, keepdims=True) - tokens)
+    np.testing.assert_array_equal(np.asarray(got), want.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(got) - bias, [[-0.01, 0.01, 0.01, -0.01], [0, 0, 0, 0],
+                                                        [0.01, -0.01, 0, 0]], atol=1e-7)
+
+
+MOE = ["model.num_experts=4"]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (MOE + ["model.moe_router_bias_update_rate=0.001"],
+     ["model.moe_router_bias_update_rate = 0.001", "model.moe_router_score_function=sigmoid", "'softmax'"]),
+    (MOE + ["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=-0.001"],
+     ["model.moe_router_bias_update_rate = -0.001", ">= 0"]),
+    (MOE + ["model.moe_router_topk_scaling_factor=0"], ["model.moe_router_topk_scaling_factor = 0", "> 0"]),
+    (MOE + ["model.moe_router_score_function=tanh"], ["moe_router_score_function", "tanh", "sigmoid"]),
+    (MOE + ["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.001",
+            "mesh.pipeline=2"], ["model.moe_router_bias_update_rate", "mesh.pipeline = 2"]),
+])
+def test_bad_router_keys_name_key_value_and_accepted(overrides, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    for w in words:
+        assert w in str(e.value)
