@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint.manager import CheckpointSource
+from megajax.models.layout import EXPERT_BIAS
 from megajax.train.loop import train
 
 STEPS = 4
@@ -46,6 +47,7 @@ class Run:
     losses: np.ndarray  # [steps]
     grad_norms: np.ndarray  # [steps], before clipping
     params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel")
+    expert_bias: np.ndarray | None = None  # the MoE routers' expert bias after the last step, if any
 
 
 @contextlib.contextmanager
@@ -67,11 +69,13 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
         result = train(small_config(*PARITY, *overrides, *saves, steps=steps), devices=devices)
     grad_norms = np.asarray([r["grad_norm"] for r in result.records])
     assert len(result.losses) == len(grad_norms) == steps
-    params1 = None
+    params1 = bias = None
     if params:
         saved = CheckpointSource(Path(result.run_dir) / "checkpoints" / "1")
-        params1 = {name: saved.get(name) for name in saved.names()}
-    return Run(np.asarray(result.losses), grad_norms, params1)
+        params1 = {name: saved.get(name) for name in saved.names()}  # with the expert bias after step 1
+        last = CheckpointSource(Path(result.run_dir) / "checkpoints" / str(steps))
+        bias = last.get(EXPERT_BIAS) if EXPERT_BIAS in last.names() else None
+    return Run(np.asarray(result.losses), grad_norms, params1, bias)
 
 
 _references: dict = {}
@@ -95,6 +99,9 @@ def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: floa
                                err_msg="grad norm per step")
     if got.params1 is not None and ref.params1 is not None:
         assert_same_params(got.params1, ref.params1, rtol, params_atol)
+    if ref.expert_bias is not None:  # moved by +-rate per step from the token counts: equal counts, equal bias
+        np.testing.assert_allclose(got.expert_bias, ref.expert_bias, rtol=0, atol=1e-7,
+                                   err_msg="expert bias after the last step")
 
 
 def assert_same_params(got: dict, want: dict, rtol: float = RTOL, atol: float = 1e-7) -> None:

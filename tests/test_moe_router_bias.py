@@ -139,3 +139,52 @@ def test_bad_router_keys_name_key_value_and_accepted(overrides, words):
         load_config(overrides=overrides)
     for w in words:
         assert w in str(e.value)
+
+
+def biased_model():
+    """(config, spec, params, bias [layers, E]): a small sigmoid-routed model with a nonzero expert bias."""
+    from megajax.checkpoint.source import flatten, unflatten
+    from megajax.train.state import build_model_spec
+    cfg = load_config(overrides=["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4",
+                                 "model.ffn_hidden_size=32", "model.vocab_size=257", "train.seq_len=32",
+                                 "model.num_experts=4", "model.moe_router_topk=2",
+                                 "model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    rng = np.random.default_rng(0)
+    params = unflatten({name: (rng.normal(0.0, 0.1, x.shape) + name.endswith("/scale")).astype(np.float32)
+                        for name, x in flatten(spec.abstract_params)})
+    bias = rng.normal(0.0, 0.3, (2, E)).astype(np.float32)
+    return cfg, spec, params, bias
+
+
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_cached_generation_routes_with_the_expert_bias(layer_buffers):
+    from megajax.inference.generate import Generator
+    from megajax.inference.sampling import Sampling
+    cfg, spec, params, bias = biased_model()
+    prompt, n = [65, 66, 67, 68, 69], 6
+    apply = jax.jit(lambda p, t, b: spec.apply(p, t, expert_bias=b))
+    ids = list(prompt)
+    for _ in range(n):
+        buf = np.zeros((1, 32), np.int32)
+        buf[0, :len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(apply(params, buf, bias))[0, len(ids) - 1, :257])))
+    buf[0, :len(ids) - 1] = ids[:-1]
+    assert not np.allclose(apply(params, buf, bias), apply(params, buf, np.zeros_like(bias)))  # the bias matters
+    gen = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers, expert_bias=bias)
+    [done], _ = gen.generate([prompt], Sampling(), n)
+    assert done.completion_ids == ids[len(prompt):]
+
+
+def test_imported_bias_is_stored_and_loaded_for_generation(tmp_path):
+    """An import's expert bias goes into the parameters checkpoint as the train state's, and
+    generation (and checkpoint.load) read it back."""
+    from megajax.checkpoint.manager import restore_expert_bias, write_params_checkpoint
+    from megajax.checkpoint.source import flatten, unflatten
+    from megajax.inference.load import Source, load_model
+    cfg, _, params, bias = biased_model()
+    with_bias = unflatten({**dict(flatten(params)), "layers/mlp/expert_bias": bias})
+    step_dir = write_params_checkpoint(with_bias, cfg, tmp_path / "imported")
+    np.testing.assert_array_equal(restore_expert_bias(step_dir, cfg), bias)
+    loaded = load_model(cfg, Source(step_dir=step_dir), devices=jax.devices()[:1])
+    np.testing.assert_array_equal(loaded.generator.expert_bias, bias)

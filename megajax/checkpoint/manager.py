@@ -246,6 +246,22 @@ def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[di
     return restored["params"], note
 
 
+def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
+    """The MoE routers' expert bias [layers, E] a checkpoint stores (a trained or imported model with
+    aux-loss-free balancing), for fine-tuning or generation; None when it stores none. CheckpointError
+    when its shape is not the model's."""
+    from megajax.models.layout import has_expert_bias
+    stored, _ = stored_arrays(step_dir)
+    m = cfg.model
+    if not has_expert_bias(m) or EXPERT_BIAS_STORED not in stored:
+        return None
+    want = (m.num_layers, m.num_experts)
+    if tuple(stored[EXPERT_BIAS_STORED].shape) != want:
+        raise CheckpointError(f"checkpoint {step_dir}: {EXPERT_BIAS_STORED} has shape "
+                              f"{tuple(stored[EXPERT_BIAS_STORED].shape)} but this model expects {want}.")
+    return CheckpointSource(step_dir).get(EXPERT_BIAS)
+
+
 # ----------------------------------------------------------------------------
 # Streaming one tensor (or one layer) at a time, for exporters
 # ----------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.checkpoint.manager import find_step_dir, read_meta, require_step_dir, restore_params, restore_state
+from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
+                                       restore_params, restore_state)
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.mesh import ShardingRules, mesh_from_sizes
@@ -143,7 +144,7 @@ class Trainer:
     step_fn: jax.stages.Compiled  # (state, batch, ok) -> (state, metrics, ok)
     loader: Loader
     valid_loader: Loader | None
-    eval_fn: Callable  # jitted (params, batch, fp8) -> (loss sum, tokens)
+    eval_fn: Callable  # jitted (params, batch, fp8, expert bias) -> (loss sum, tokens)
     consumed_samples: int  # data position of `state`
     origin: str  # where the state came from
     resumed_step: int | None  # the checkpoint step a resumed run starts from
@@ -194,6 +195,9 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
         params, note = restore_params(source, target.params, cfg)
         state = setup.fresh_state().replace(params=params)
+        bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
+        if bias is not None:
+            state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
         return state, 0, f"parameters from {source}, optimizer state fresh" + (f"; {note}" if note else ""), None
     return setup.fresh_state(), 0, "fresh initialisation", None
 
