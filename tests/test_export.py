@@ -496,3 +496,15 @@ def test_hf_export_refuses_sigmoid_routing_and_expert_bias(tmp_path):
                                               r".*--format megatron"):
         export_hf(DictSource(with_bias, cfg.model), tmp_path / "hf", tokenizer_spec="byte")
     assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_bf16_export_keeps_the_expert_bias_fp32(tmp_path):
+    torch = pytest.importorskip("torch")
+    cfg, _, _, bias, with_bias = sigmoid_bias_model()
+    out = export_megatron(DictSource(with_bias, cfg.model), tmp_path / "mc")  # bf16, release
+    saved = torch.load(out / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert saved["decoder.layers.0.mlp.router.weight"].dtype == torch.bfloat16
+    for i in range(2):
+        got = saved[f"decoder.layers.{i}.mlp.router.expert_bias"]
+        assert got.dtype == torch.float32
+        np.testing.assert_array_equal(got.numpy(), bias[i])

@@ -215,7 +215,9 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     for row, names, layer in _on_stage(rows, s == 0, s == pp - 1, range(per_stage), s * per_stage):
         x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
-        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
+        # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
+        to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
+        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
     sd.update({key: None for k in range(per_stage) for key in _extra_state(m, k)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
