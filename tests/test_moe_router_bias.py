@@ -188,3 +188,11 @@ def test_imported_bias_is_stored_and_loaded_for_generation(tmp_path):
     np.testing.assert_array_equal(restore_expert_bias(step_dir, cfg), bias)
     loaded = load_model(cfg, Source(step_dir=step_dir), devices=jax.devices()[:1])
     np.testing.assert_array_equal(loaded.generator.expert_bias, bias)
+    # Fine-tuning from it (checkpoint.load): the parameters and the bias, a fresh optimizer.
+    from megajax.train.plan import make_plan
+    from megajax.train.setup import build_setup, initial_state
+    tuned = load_config(base=cfg.to_dict(), overrides=[f"checkpoint.load={step_dir}", f"train.run_dir={tmp_path / 'ft'}",
+                                                       "train.global_batch=1", "mesh.data=1"])
+    state, _, origin, _ = initial_state(build_setup(make_plan(tuned, 1), jax.devices()[:1]))
+    assert "parameters from" in origin
+    np.testing.assert_array_equal(np.asarray(state.moe_expert_bias), bias)
