@@ -191,8 +191,8 @@ def test_imported_bias_is_stored_and_loaded_for_generation(tmp_path):
     # Fine-tuning from it (checkpoint.load): the parameters and the bias, a fresh optimizer.
     from megajax.train.plan import make_plan
     from megajax.train.setup import build_setup, initial_state
-    tuned = load_config(base=cfg.to_dict(), overrides=[f"checkpoint.load={step_dir}", f"train.run_dir={tmp_path / 'ft'}",
-                                                       "train.global_batch=1", "mesh.data=1"])
+    tuned = load_config(base=cfg.to_dict(), overrides=[f"checkpoint.load={step_dir}", "train.global_batch=1",
+                                                       f"train.run_dir={tmp_path / 'ft'}", "mesh.data=1"])
     state, _, origin, _ = initial_state(build_setup(make_plan(tuned, 1), jax.devices()[:1]))
     assert "parameters from" in origin
     np.testing.assert_array_equal(np.asarray(state.moe_expert_bias), bias)

@@ -39,7 +39,7 @@ EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
 
 class RouterStats(NamedTuple):
     """Sums over a layer's tokens (fp32); add them over shards to get the whole batch's."""
-    probs: jax.Array  # [E] sum of the per-token probabilities (router_stats): the differentiable part of the balancing loss
+    probs: jax.Array  # [E] sum of per-token probabilities (router_stats): the balancing loss's differentiable part
     tokens: jax.Array  # [E] token-expert assignments routed to each expert (no gradient)
     balance_tokens: jax.Array  # [E] the balancing loss's counts: `tokens`, or the unbiased top-k's with an expert bias
     lse_sq: jax.Array  # [] sum of logsumexp(logits)^2 (z-loss)
