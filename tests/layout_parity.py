@@ -29,7 +29,6 @@ import jax
 import numpy as np
 
 from megajax.checkpoint.manager import CheckpointSource
-from megajax.models.layout import EXPERT_BIAS
 from megajax.train.loop import train
 
 STEPS = 4
@@ -69,13 +68,12 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
         result = train(small_config(*PARITY, *overrides, *saves, steps=steps), devices=devices)
     grad_norms = np.asarray([r["grad_norm"] for r in result.records])
     assert len(result.losses) == len(grad_norms) == steps
-    params1 = bias = None
+    params1 = None
     if params:
         saved = CheckpointSource(Path(result.run_dir) / "checkpoints" / "1")
         params1 = {name: saved.get(name) for name in saved.names()}  # with the expert bias after step 1
-        last = CheckpointSource(Path(result.run_dir) / "checkpoints" / str(steps))
-        bias = last.get(EXPERT_BIAS) if EXPERT_BIAS in last.names() else None
-    return Run(np.asarray(result.losses), grad_norms, params1, bias)
+    bias = result.state.moe_expert_bias
+    return Run(np.asarray(result.losses), grad_norms, params1, None if bias is None else np.asarray(bias))
 
 
 _references: dict = {}

@@ -91,10 +91,11 @@ SIGMOID_BIAS = ["model.moe_router_score_function=sigmoid", "model.moe_router_bia
 def test_expert_bias_on_expert_parallel_accumulation_matches_one_device(small_config):
     """Expert 2 x data 4 with 2 microbatches per step: the bias update sees the step's token counts over
     both microbatches and all devices, so losses, grad norms and the bias after the run are one device's."""
-    ref = reference(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "train.micro_batch=8", steps=3)
-    assert np.abs(ref.expert_bias).max() > 0 and np.abs(ref.params1["layers/mlp/expert_bias"]).max() == 0.01
+    ref = reference(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "train.micro_batch=8", steps=3,
+                    params=False)
+    assert np.abs(ref.expert_bias).max() > 0.01  # moved on more than one step
     got = run(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "mesh.data=4", "mesh.expert=2",
-              "train.micro_batch=1", devices=jax.devices(), steps=3)
+              "train.micro_batch=1", devices=jax.devices(), steps=3, params=False)
     assert_same_run(got, ref)
 
 
