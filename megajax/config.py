@@ -91,6 +91,12 @@ class ModelConfig:
     # A dense MLP of this hidden size every token of a MoE layer also goes through, added to the routed
     # experts' output (Megatron's moe_shared_expert_intermediate_size, no gate); 0: none.
     moe_shared_expert_ffn_size: int = 0
+    # Router scores: softmax over the top-k logits (Mixtral) | sigmoid of each logit (DeepSeek-V3).
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    moe_router_topk_scaling_factor: float | None = None  # multiplies the routing weights; None: 1
+    # Aux-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
+    # scores for the top-k choice only and moved by this much per step toward balance (sigmoid only).
+    moe_router_bias_update_rate: float = 0.0
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -604,6 +610,17 @@ def validate_moe(cfg: Config) -> None:
     if m.moe_expert_capacity_factor is not None and not m.moe_expert_capacity_factor > 0:
         raise ConfigError(f"model.moe_expert_capacity_factor = {m.moe_expert_capacity_factor}: must be > 0 "
                           f"(e.g. 1.0 or 1.25), or null for dropless routing.")
+    _positive("model.moe_router_topk_scaling_factor", m.moe_router_topk_scaling_factor)
+    _positive("model.moe_router_bias_update_rate", m.moe_router_bias_update_rate, allow_zero=True)
+    if m.moe_router_bias_update_rate > 0 and m.moe_router_score_function != "sigmoid":
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} needs "
+                          f"model.moe_router_score_function=sigmoid (this config has "
+                          f"{m.moe_router_score_function!r}): the expert bias is added to sigmoid scores, as in "
+                          f"Megatron-Core. Set moe_router_score_function=sigmoid or moe_router_bias_update_rate=0.")
+    if m.moe_router_bias_update_rate > 0 and cfg.mesh.pipeline * cfg.mesh.dcn.pipeline > 1:
+        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} with mesh.pipeline "
+                          f"= {cfg.mesh.pipeline}: the pipelined step collects no router token counts to "
+                          f"update the expert bias from; use mesh.pipeline=1 or moe_router_bias_update_rate=0.")
     if m.moe_layer_freq != 1:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq}: only 1 (every layer is a MoE layer) "
                           f"is supported; the scanned layer stack holds one kind of block.")

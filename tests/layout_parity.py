@@ -47,6 +47,7 @@ class Run:
     grad_norms: np.ndarray  # [steps], before clipping
     params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel")
     moe: dict | None = None  # a MoE model's logged metrics per step ("moe_aux_loss": [steps], ...)
+    expert_bias: np.ndarray | None = None  # the MoE routers' expert bias after the last step, if any
 
 
 @contextlib.contextmanager
@@ -71,9 +72,10 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
     params1 = None
     if params:
         saved = CheckpointSource(Path(result.run_dir) / "checkpoints" / "1")
-        params1 = {name: saved.get(name) for name in saved.names()}
+        params1 = {name: saved.get(name) for name in saved.names()}  # with the expert bias after step 1
     moe = {k: np.asarray([r[k] for r in result.records]) for k in result.records[0] if k.startswith("moe_")}
-    return Run(np.asarray(result.losses), grad_norms, params1, moe or None)
+    bias = result.state.moe_expert_bias
+    return Run(np.asarray(result.losses), grad_norms, params1, moe or None, None if bias is None else np.asarray(bias))
 
 
 _references: dict = {}
@@ -101,6 +103,9 @@ def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: floa
         assert sorted(got.moe) == sorted(ref.moe)
         for key, want in ref.moe.items():
             np.testing.assert_allclose(got.moe[key], want, rtol=1e-4, atol=1e-7, err_msg=f"{key} per step")
+    if ref.expert_bias is not None:  # moved by +-rate per step from the token counts: equal counts, equal bias
+        np.testing.assert_allclose(got.expert_bias, ref.expert_bias, rtol=0, atol=1e-7,
+                                   err_msg="expert bias after the last step")
 
 
 def assert_same_params(got: dict, want: dict, rtol: float = RTOL, atol: float = 1e-7) -> None:

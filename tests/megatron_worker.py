@@ -56,7 +56,11 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
         moe = dict(num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                    moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_token_dispatcher_type="allgather",
                    moe_shared_expert_intermediate_size=getattr(args, "moe_shared_expert_intermediate_size", None),
-                   moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False))
+                   moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False),
+                   moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
+                   moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+                   moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+                   moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3)
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,

@@ -485,3 +485,63 @@ def test_transformers_saved_mixtral_imports_with_its_logits(tmp_path):
     toks = tokens()
     np.testing.assert_allclose(megajax_logits(spec, params, toks), hf_logits(tmp_path / "hf", toks),
                                atol=1e-4, rtol=1e-4)
+
+
+# DeepSeek-V3 style routing: sigmoid scores, an expert bias steering the top-k, scaled weights.
+SIGMOID_BIAS = ("model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                "model.ffn_hidden_size=32", "model.moe_router_score_function=sigmoid",
+                "model.moe_router_bias_update_rate=0.001", "model.moe_router_topk_scaling_factor=2.5")
+
+
+def sigmoid_bias_model():
+    """(config, spec, params, expert bias [layers, E], params with the bias as exporters name it)."""
+    cfg, spec, params = make_model("llama", *SIGMOID_BIAS)
+    bias = np.random.default_rng(5).normal(0.0, 0.2, (2, 4)).astype(np.float32)
+    with_bias = unflatten({**dict(flatten(params)), "layers/mlp/expert_bias": bias})
+    return cfg, spec, params, bias, with_bias
+
+
+def test_megatron_export_of_sigmoid_routing_with_expert_bias(tmp_path):
+    """megatron-core's router (sigmoid, expert bias, top-k scaling) computes megajax's logits from the
+    export, and the import gives back the bias and the routing keys."""
+    pytest.importorskip("megatron.core")
+    cfg, spec, params, bias, with_bias = sigmoid_bias_model()
+    toks = tokens()
+    want = np.asarray(spec.apply(params, toks, expert_bias=bias))[..., :VOCAB]
+    unbiased = np.asarray(spec.apply(params, toks, expert_bias=np.zeros_like(bias)))[..., :VOCAB]
+    assert np.abs(want - unbiased).max() > 1e-3  # the bias changes the routing of these tokens
+    out = export_megatron(DictSource(with_bias, cfg.model), tmp_path / "mc", tensor_parallel=2, dtype="fp32",
+                          iteration=1)
+    args = __import__("torch").load(out / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt",
+                                    weights_only=False)["args"]
+    assert (args.moe_router_score_function, args.moe_router_enable_expert_bias, args.moe_router_bias_update_rate,
+            args.moe_router_topk_scaling_factor) == ("sigmoid", True, 0.001, 2.5)
+    logits = megatron_core_logits(out / "iter_0000001", toks, 2, tmp_path)
+    np.testing.assert_allclose(logits[..., :VOCAB], want, atol=1e-4, rtol=1e-4)
+
+    overrides_back, params_back = import_megatron(out)
+    assert overrides_back == model_overrides(cfg.model)
+    assert (overrides_back["moe_router_score_function"], overrides_back["moe_router_bias_update_rate"],
+            overrides_back["moe_router_topk_scaling_factor"]) == ("sigmoid", 0.001, 2.5)
+    assert_same_params(params_back, with_bias)
+
+
+def test_hf_export_refuses_sigmoid_routing_and_expert_bias(tmp_path):
+    cfg, _, _, _, with_bias = sigmoid_bias_model()
+    with pytest.raises(CheckpointError, match=r"moe_router_score_function=sigmoid \(needs softmax\).*"
+                                              r"moe_router_topk_scaling_factor=2.5.*moe_router_bias_update_rate=0.001"
+                                              r".*--format megatron"):
+        export_hf(DictSource(with_bias, cfg.model), tmp_path / "hf", tokenizer_spec="byte")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_megatron_bf16_export_keeps_the_expert_bias_fp32(tmp_path):
+    torch = pytest.importorskip("torch")
+    cfg, _, _, bias, with_bias = sigmoid_bias_model()
+    out = export_megatron(DictSource(with_bias, cfg.model), tmp_path / "mc")  # bf16, release
+    saved = torch.load(out / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert saved["decoder.layers.0.mlp.router.weight"].dtype == torch.bfloat16
+    for i in range(2):
+        got = saved[f"decoder.layers.{i}.mlp.router.expert_bias"]
+        assert got.dtype == torch.float32
+        np.testing.assert_array_equal(got.numpy(), bias[i])

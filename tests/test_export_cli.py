@@ -135,3 +135,25 @@ def test_trained_mixture_of_experts_exports_with_its_loss(small_config, tmp_path
         a, b = np.asarray(a), np.asarray(b)
         rows = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))
         np.testing.assert_array_equal(b[rows], a[rows])
+
+
+def test_expert_bias_run_exports_to_megatron_and_back_and_refuses_hf(small_config, tmp_path, capsys):
+    """A sigmoid-routed run with aux-loss-free balancing: `--format hf` refuses it in one paragraph naming
+    the keys and Megatron; `--format megatron` carries the trained bias, and an import and
+    checkpoint.load give it back."""
+    pytest.importorskip("torch")
+    moe = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+           "model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01"]
+    run = train(small_config(*moe, steps=2), devices=jax.devices()[:1])
+    bias = np.asarray(run.state.moe_expert_bias)
+    assert np.abs(bias).max() > 0
+    assert main(["export", "--format", "hf", "--checkpoint", str(run.run_dir), "--output", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "moe_router_score_function=sigmoid" in err and "--format megatron" in err
+    assert main(["export", "--format", "megatron", "--checkpoint", str(run.run_dir), "--output",
+                 str(tmp_path / "mg")]) == 0
+    out = tmp_path / "imported"
+    assert main(["import", "--format", "megatron", "--input", str(tmp_path / "mg"), "--output", str(out)]) == 0
+    np.testing.assert_array_equal(CheckpointSource(out).get("layers/mlp/expert_bias"), bias)
+    tr = build_trainer(small_config(*moe, f"checkpoint.load={out}"), devices=jax.devices()[:1])
+    np.testing.assert_array_equal(np.asarray(tr.state.moe_expert_bias), bias)

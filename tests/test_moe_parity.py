@@ -2,7 +2,10 @@
 per-step fp32 loss (balancing and z losses included in the gradient) and grad norm, and the
 parameters after step 1 (see layout_parity.py)."""
 
+from pathlib import Path
+
 import jax
+import numpy as np
 import pytest
 
 from layout_parity import assert_same_run, reference, run
@@ -93,3 +96,38 @@ def test_shared_expert_layout_matches_one_device(small_config):
               devices=jax.devices())
     assert_same_run(got, ref)
     assert any("shared_experts" in name for name in ref.params1)
+
+
+# Sigmoid routing with aux-loss-free balancing: a rate large enough to move the routing within steps.
+SIGMOID_BIAS = ["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
+                "model.moe_router_topk_scaling_factor=2.0"]
+
+
+def test_expert_bias_on_expert_parallel_accumulation_matches_one_device(small_config):
+    """Expert 2 x data 4 with 2 microbatches per step: the bias update sees the step's token counts over
+    both microbatches and all devices, so losses, grad norms and the bias after the run are one device's."""
+    ref = reference(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "train.micro_batch=8", steps=3,
+                    params=False)
+    assert np.abs(ref.expert_bias).max() > 0.01  # moved on more than one step
+    got = run(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "mesh.data=4", "mesh.expert=2",
+              "train.micro_batch=1", devices=jax.devices(), steps=3, params=False)
+    assert_same_run(got, ref)
+
+
+def test_expert_bias_resumes_exactly(small_config, tmp_path):
+    """2 steps on expert 2 x data 4, saved, resumed for step 3: the uninterrupted run's step 3 and bias."""
+    from megajax.checkpoint.manager import CheckpointSource
+    from megajax.models.layout import EXPERT_BIAS
+    from megajax.train.loop import train
+    fixed = [*MOE, *SIGMOID_BIAS, "optim.warmup_steps=0", "optim.decay_steps=3", "mesh.data=4", "mesh.expert=2"]
+    ref = train(small_config(*fixed, steps=3), devices=jax.devices())
+    d = tmp_path / "moe"
+    train(small_config(*fixed, f"train.run_dir={d}", "checkpoint.every=2", steps=2), devices=jax.devices())
+    resumed = train(small_config(*fixed, f"train.run_dir={d}", steps=3), devices=jax.devices())
+    assert len(resumed.losses) == 1  # step 3 only
+    np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-6)
+
+    def bias(run_dir, step):
+        return CheckpointSource(Path(run_dir) / "checkpoints" / str(step)).get(EXPERT_BIAS)
+    assert np.abs(bias(d, 2)).max() > 0
+    np.testing.assert_array_equal(bias(d, 3), bias(ref.run_dir, 3))

@@ -16,7 +16,7 @@ import numpy as np
 
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError, ConfigError
-from megajax.models.layout import param_shapes
+from megajax.models.layout import tensor_shapes
 
 DTYPES = ("bf16", "fp32")
 
@@ -29,8 +29,10 @@ ARCH_FIELDS = (
     "hidden_dropout", "attention_dropout", "init_std",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
     "moe_shared_expert_ffn_size",  # only when > 0
+    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
 )
-MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size")
+MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
+              "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate")
 
 
 REQUIRED = object()  # a config field an importer cannot do without
@@ -61,7 +63,8 @@ def numpy_dtype(dtype: str):
 
 
 def check_source(source) -> int:
-    """Checks that `source` holds exactly the parameters its model config implies; returns its padded vocab.
+    """Checks that `source` holds exactly the parameters (and expert bias) its model config implies;
+    returns its padded vocab.
 
     Raises CheckpointError naming missing or unknown tensors, or the first shape that differs.
     """
@@ -74,7 +77,7 @@ def check_source(source) -> int:
     if padded < m.vocab_size:
         raise CheckpointError(f"embed/embedding has {padded} rows, fewer than model.vocab_size="
                               f"{m.vocab_size}.")
-    want = param_shapes(m, padded)
+    want = tensor_shapes(m, padded)
     parts = [f"{what} {', '.join(sorted(x))}" for what, x in (("missing tensors", set(want) - names),
                                                              ("tensors the exporter does not know", names - set(want))) if x]
     if parts:

@@ -125,6 +125,13 @@ def architecture(m: ModelConfig) -> str:
     if m.moe_shared_expert_ffn_size:
         wrong.append(f"model.moe_shared_expert_ffn_size={m.moe_shared_expert_ffn_size} (needs 0: {MIXTRAL} has no "
                      f"shared expert; a Megatron-Core export keeps it)")
+    if m.num_experts:  # Mixtral: softmax over the top-k logits, weights summing to 1, no expert bias
+        if m.moe_router_score_function != "softmax":
+            wrong.append(f"moe_router_score_function={m.moe_router_score_function} (needs softmax)")
+        if m.moe_router_topk_scaling_factor is not None:
+            wrong.append(f"moe_router_topk_scaling_factor={m.moe_router_topk_scaling_factor} (needs null)")
+        if m.moe_router_bias_update_rate > 0:
+            wrong.append(f"moe_router_bias_update_rate={m.moe_router_bias_update_rate} (an expert bias; needs 0)")
     if wrong:
         raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "

@@ -32,6 +32,9 @@ import numpy as np
 from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
+from megajax.models.layout import EXPERT_BIAS, split_expert_bias
+
+EXPERT_BIAS_STORED = "moe_expert_bias"  # TrainState.moe_expert_bias's stored name
 
 STATE, META = "state", "meta"
 CHUNK_BYTES = 16 * 2**20
@@ -243,6 +246,22 @@ def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[di
     return restored["params"], note
 
 
+def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
+    """The MoE routers' expert bias [layers, E] a checkpoint stores (a trained or imported model with
+    aux-loss-free balancing), for fine-tuning or generation; None when it stores none. CheckpointError
+    when its shape is not the model's."""
+    from megajax.models.layout import has_expert_bias
+    stored, _ = stored_arrays(step_dir)
+    m = cfg.model
+    if not has_expert_bias(m) or EXPERT_BIAS_STORED not in stored:
+        return None
+    want = (m.num_layers, m.num_experts)
+    if tuple(stored[EXPERT_BIAS_STORED].shape) != want:
+        raise CheckpointError(f"checkpoint {step_dir}: {EXPERT_BIAS_STORED} has shape "
+                              f"{tuple(stored[EXPERT_BIAS_STORED].shape)} but this model expects {want}.")
+    return CheckpointSource(step_dir).get(EXPERT_BIAS)
+
+
 # ----------------------------------------------------------------------------
 # Streaming one tensor (or one layer) at a time, for exporters
 # ----------------------------------------------------------------------------
@@ -293,6 +312,8 @@ class CheckpointSource:
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
         self._names = sorted(n[len("params."):].replace(".", "/") for n in self._arrays if n.startswith("params."))
+        if EXPERT_BIAS_STORED in self._arrays:  # the routers' expert bias, beside the parameters
+            self._names.append(EXPERT_BIAS)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
         self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self._parent)
@@ -307,7 +328,7 @@ class CheckpointSource:
         return tuple(self._arrays[self._storage(name)].shape)
 
     def _storage(self, name: str) -> str:
-        key = "params." + name.replace("/", ".")
+        key = EXPERT_BIAS_STORED if name == EXPERT_BIAS else "params." + name.replace("/", ".")
         if key not in self._arrays:
             raise CheckpointError(f"checkpoint {self.step_dir}: has no parameter {name}.")
         return key
@@ -333,7 +354,8 @@ class CheckpointSource:
 
 def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
     """An Orbax checkpoint holding only parameters (e.g. imported from Hugging Face or Megatron),
-    for `checkpoint.load`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
+    for `checkpoint.load`; an expert bias in `params` (`EXPERT_BIAS`) is stored as the train state's
+    `moe_expert_bias`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
     out_dir = Path(out_dir)
     if find_step_dir(out_dir) is not None:
         raise CheckpointError(f"--output {out_dir} already holds a megajax checkpoint; choose an empty "
@@ -342,7 +364,9 @@ def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, s
     arrays = jax.tree.map(lambda x: jax.device_put(np.asarray(x, np.float32), device), params)
     ckpt = Checkpointer(out_dir / "checkpoints", keep=1, async_save=False)
     try:
-        ckpt.save(step, {"params": arrays}, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
+        params, bias = split_expert_bias(arrays)
+        tree = {"params": params} if bias is None else {"params": params, "moe_expert_bias": bias}
+        ckpt.save(step, tree, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
                                               "imported": True}, wait=True)
     finally:
         ckpt.close()

@@ -43,7 +43,7 @@ from megajax.checkpoint.mapping import (Row, flat, index, linear, linear_rows, n
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
-from megajax.models.layout import param_shapes
+from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -93,6 +93,7 @@ MEGATRON_ROWS = (
     *linear_rows(f"{_L}.mlp.linear_fc2", "layers/mlp/fc2", split="row"),
     # Mixture of experts (SequentialMLP: one linear_fc1 / linear_fc2 per expert, split like the dense ones).
     Row(f"{_L}.mlp.router.weight", linear("layers/mlp/router")),
+    Row(f"{_L}.mlp.router.expert_bias", same(EXPERT_BIAS)),  # sigmoid routing with aux-loss-free balancing
     Row(f"{_EXP}.linear_fc1.weight", linear("layers/mlp/gate", experts=True), linear("layers/mlp/up", experts=True),
         groups="tensor", split="column"),
     Row(f"{_EXP}.linear_fc1.weight", linear("layers/mlp/fc1", experts=True), split="column"),
@@ -206,7 +207,11 @@ def _moe_args(m: ModelConfig) -> dict:
     return dict(num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
                 moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
-                moe_layer_freq=1, moe_router_score_function="softmax", expert_model_parallel_size=1,
+                moe_layer_freq=1, moe_router_score_function=m.moe_router_score_function,
+                moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                moe_router_enable_expert_bias=has_expert_bias(m),
+                moe_router_bias_update_rate=m.moe_router_bias_update_rate,
+                expert_model_parallel_size=1,
                 moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_dispatcher_type="alltoall",
                 moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn_size or None,
                 moe_shared_expert_gate=False, moe_shared_expert_overlap=False)
@@ -221,7 +226,9 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     for row, names, layer in _on_stage(rows, s == 0, s == pp - 1, range(per_stage), s * per_stage):
         x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
-        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
+        # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
+        to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
+        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
     sd.update({key: None for k in range(per_stage) for key in _extra_state(m, k)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
@@ -249,7 +256,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, tensor_parallel, pipeline_parallel)
-    shapes = param_shapes(m, check_source(source))
+    shapes = tensor_shapes(m, check_source(source))
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
@@ -366,12 +373,24 @@ def _overrides_from_args(args) -> dict:
     moe = {}
     if _arg(args, "num_experts"):
         for name, accepted in (("moe_layer_freq", 1), ("moe_router_pre_softmax", False),
-                               ("moe_router_score_function", "softmax"), ("moe_shared_expert_gate", False)):
+                               ("moe_shared_expert_gate", False)):
             value = getattr(args, name, None)
             if value is not None and value != accepted:
                 reject(name, value, repr(accepted))
+        score = _arg(args, "moe_router_score_function", "softmax")
+        if score not in ("softmax", "sigmoid"):
+            reject("moe_router_score_function", score, "softmax, sigmoid")
+        rate = 0.0
+        if _arg(args, "moe_router_enable_expert_bias", False):
+            rate = float(_arg(args, "moe_router_bias_update_rate", 1e-3))
+            if score != "sigmoid" or not rate > 0:
+                reject("moe_router_enable_expert_bias", True, "an expert bias only with moe_router_score_function="
+                       "sigmoid and moe_router_bias_update_rate > 0")
+        scaling = _arg(args, "moe_router_topk_scaling_factor")
         moe = dict(num_experts=int(args.num_experts), moe_router_topk=int(_arg(args, "moe_router_topk", 2)),
-                   moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"),
+                   moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"), moe_router_score_function=score,
+                   moe_router_topk_scaling_factor=None if scaling is None else float(scaling),
+                   moe_router_bias_update_rate=rate,
                    moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)))
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
@@ -459,7 +478,7 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
                               f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
     m = resolved_model(_overrides_from_args(args))
     vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
-    shapes = param_shapes(m)
+    shapes = tensor_shapes(m)
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0

@@ -171,11 +171,12 @@ class Generator:
 
     `params` is the pure parameter dict (placed as the caller likes: the rules' shardings, or a
     training state's); `rules` the activation rules (megajax.mesh.make_rules(cfg).activations).
-    `eod_id` ends a sequence (None: only the budget does)."""
+    `eod_id` ends a sequence (None: only the budget does). `expert_bias` [layers, E]: the MoE
+    routers' expert bias (aux-loss-free balancing), None without one."""
 
     def __init__(self, model: ModelConfig, params: dict, *, padded_vocab_size: int | None = None,
                  dtype=jnp.float32, mesh: Mesh | None = None, rules: Rules | None = None,
-                 eod_id: int | None = None, layer_buffers: bool = True):
+                 eod_id: int | None = None, layer_buffers: bool = True, expert_bias=None):
         if mesh is not None and rules is None:
             raise ValueError("a Generator on a mesh needs the activation rules table (make_rules(cfg).activations)")
         self.model = model
@@ -188,6 +189,8 @@ class Generator:
         self.mesh = mesh
         self.rules = generation_rules(rules) if rules is not None else None
         self.eod_id = eod_id
+        # A few numbers per layer, used by every device: a constant of the compiled programs.
+        self.expert_bias = None if expert_bias is None else np.asarray(expert_bias, np.float32)
         self.context = model.max_position_embeddings
         self.data_parallel = data_parallel_size(mesh_sizes(mesh)) if mesh is not None else 1
         self._compiled: dict = {}
@@ -213,6 +216,9 @@ class Generator:
             return nnx.merge(self.graphdef, params), None
         rest, layers = params
         return nnx.merge(self.graphdef, {**rest, "layers": self.abstract_params["layers"]}), layers
+
+    def _expert_bias(self) -> jax.Array | None:
+        return None if self.expert_bias is None else jnp.asarray(self.expert_bias)
 
     def _cache_axes(self) -> tuple:
         return ACT_CACHE if self.layer_buffers else ("layers",) + ACT_CACHE
@@ -242,7 +248,8 @@ class Generator:
             positions = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
             key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
             logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,
-                                                    key_mask_BxT=key_mask, layer_params=layers)
+                                                    key_mask_BxT=key_mask, layer_params=layers,
+                                                    expert_bias=self._expert_bias())
             first = next_tokens(logits, keys_Bx2, jnp.int32(0), temperature_B, top_k_B, top_p_B)
             tokens = jnp.zeros((b, room), jnp.int32).at[:, 0].set(first)
             return DecodeState(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=jnp.int32(1),
@@ -266,7 +273,8 @@ class Generator:
                 last = jax.lax.dynamic_slice_in_dim(s.tokens, s.count - 1, 1, axis=1)  # [B, 1]
                 key_mask = jnp.arange(t)[None, :] >= s.pad[:, None]
                 logits, cache_k, cache_v = model.extend(last, (slot - s.pad)[:, None], s.cache_k, s.cache_v,
-                                                        start=slot, key_mask_BxT=key_mask, layer_params=layers)
+                                                        start=slot, key_mask_BxT=key_mask, layer_params=layers,
+                                                        expert_bias=self._expert_bias())
                 tok = next_tokens(logits, s.keys, s.count, s.temperature, s.top_k, s.top_p)
                 tok = jnp.where(s.done, fill, tok)
                 tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok[:, None], s.count, axis=1)

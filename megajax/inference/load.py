@@ -119,7 +119,7 @@ def _plan(cfg: Config, devices: list, user_mesh: bool):
 
 def load_model(cfg: Config, source: Source, *, devices: list | None = None, user_mesh: bool = False) -> LoadedModel:
     """Builds the mesh, reads the parameters into their shardings and returns a ready Generator."""
-    from megajax.checkpoint.manager import restore_params
+    from megajax.checkpoint.manager import restore_expert_bias, restore_params
     from megajax.inference.generate import Generator, generation_model
     from megajax.mesh import mesh_from_sizes, tree_shardings
     from megajax.precision.policy import precision_policy
@@ -133,10 +133,13 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
         params, note = restore_params(source.step_dir, target, plan.cfg)
         notes += [note] if note else []
+        expert_bias = restore_expert_bias(source.step_dir, plan.cfg)
     else:
         numpy_params = source.hf_import[1]
         params = jax.tree.map(lambda x, s: jax.device_put(x, s), numpy_params, shardings)
+        expert_bias = None  # Hugging Face's Mixtral has none
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
-                          rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None))
+                          rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None),
+                          expert_bias=expert_bias)
     return LoadedModel(generator=generator, tokenizer=plan.tokenizer, cfg=plan.cfg, mesh_text=plan.mesh_text(),
                        name=source.name, path=str(source.step_dir or source.hf_dir), notes=notes)

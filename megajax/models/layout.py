@@ -48,3 +48,32 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
     """
     padded = padded_vocab_size or m.padded_vocab_size()
     return dict(_shapes(dataclasses.astuple(m), padded))
+
+
+# The MoE routers' expert bias (aux-loss-free balancing) is training state, not a parameter
+# (TrainState.moe_expert_bias), but checkpoints in other formats hold it beside the router's
+# weight: exporters and importers name it like a parameter of the layer stack.
+EXPERT_BIAS = "layers/mlp/expert_bias"  # [L, E] fp32
+
+
+def has_expert_bias(m: ModelConfig) -> bool:
+    """Whether the model's routers carry an expert bias (model.moe_router_bias_update_rate > 0)."""
+    return bool(m.num_experts) and m.moe_router_bias_update_rate > 0
+
+
+def tensor_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    """param_shapes and, for a model with one, the expert bias `EXPERT_BIAS`: every tensor an export
+    writes and an import reads."""
+    shapes = param_shapes(m, padded_vocab_size)
+    if has_expert_bias(m):
+        shapes[EXPERT_BIAS] = (m.num_layers, m.num_experts)
+    return shapes
+
+
+def split_expert_bias(tree: dict) -> tuple[dict, object | None]:
+    """(the parameter tree without the expert bias, the bias [L, E] or None) of an imported tree."""
+    mlp = tree.get("layers", {}).get("mlp", {})
+    if "expert_bias" not in mlp:
+        return tree, None
+    rest = {k: v for k, v in mlp.items() if k != "expert_bias"}
+    return {**tree, "layers": {**tree["layers"], "mlp": rest}}, mlp["expert_bias"]

@@ -3,7 +3,11 @@
     x [B, L, D] -> router logits [B, L, E] (fp32) -> top-k -> softmax over the k -> weights [B, L, K]
     y = sum_k weights_k * expert_{id_k}(x)
 
-Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, renormalise".
+Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, renormalise", or
+with model.moe_router_score_function=sigmoid (DeepSeek-V3) the top-k of sigmoid(logits) weighted
+by those scores renormalised over the k. Sigmoid routing can add a per-expert bias to the scores
+for the choice alone (aux-loss-free balancing): the bias is training state beside the parameters,
+[layers, E] fp32, moved after each step by `updated_expert_bias` from the step's token counts.
 Experts are SwiGLU (gate, up, fc2) or GELU (fc1, fc2) MLPs whose kernels are stacked on a
 leading `experts` dim: gate/up/fc1 W[E, D, F], fc2 W[E, F, D].
 
@@ -42,8 +46,9 @@ EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
 
 class RouterStats(NamedTuple):
     """Sums over a layer's tokens (fp32); add them over shards to get the whole batch's."""
-    probs: jax.Array  # [E] sum of softmax(all logits): the differentiable part of the balancing loss
+    probs: jax.Array  # [E] sum of per-token probabilities (router_stats): the balancing loss's differentiable part
     tokens: jax.Array  # [E] token-expert assignments routed to each expert (no gradient)
+    balance_tokens: jax.Array  # [E] the balancing loss's counts: `tokens`, or the unbiased top-k's with an expert bias
     lse_sq: jax.Array  # [] sum of logsumexp(logits)^2 (z-loss)
     count: jax.Array  # [] tokens
     dropped: jax.Array  # [] assignments dropped by the expert capacity (0 when dropless)
@@ -147,28 +152,60 @@ def make_local_dispatch(activation: str, num_experts: int, capacity_factor: floa
     return dispatch
 
 
-def route(logits_TxE: jax.Array, topk: int) -> tuple[jax.Array, jax.Array]:
-    """(expert ids [..., K] int32, weights [..., K] fp32): top-k logits, softmax over the k.
-
-    Top-k as k rounds of argmax (ties: the lower expert id, as lax.top_k): XLA partitions these
-    reductions along the token dims, where its top_k gathers a token-sharded input first."""
-    e = logits_TxE.shape[-1]
-    rest, ids, top = logits_TxE, [], []
+def _topk_ids(scores_TxE: jax.Array, topk: int) -> jax.Array:
+    """Expert ids [..., K] int32 of the k largest scores, best first (ties: the lower expert id, as
+    lax.top_k), as k rounds of argmax: XLA partitions these reductions along the token dims, where
+    its top_k gathers a token-sharded input first."""
+    e = scores_TxE.shape[-1]
+    rest, ids = scores_TxE, []
     for _ in range(topk):
         i = jnp.argmax(rest, axis=-1).astype(jnp.int32)
-        top.append(jnp.take_along_axis(logits_TxE, i[..., None], axis=-1)[..., 0])
         ids.append(i)
         rest = jnp.where(jax.nn.one_hot(i, e, dtype=jnp.bool_), -jnp.inf, rest)
-    return jnp.stack(ids, axis=-1), jax.nn.softmax(jnp.stack(top, axis=-1), axis=-1)
+    return jnp.stack(ids, axis=-1)
 
 
-def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array) -> RouterStats:
-    e = logits_TxE.shape[-1]
-    probs = jax.nn.softmax(logits_TxE, axis=-1)
-    # A sum of one-hots, not a scatter: a token-sharded batch reduces its partial counts (e experts).
-    tokens = jnp.sum(jax.nn.one_hot(ids_TxK, e, dtype=jnp.float32), axis=(0, 1))
+def route(logits_TxE: jax.Array, topk: int, score_function: str = "softmax", expert_bias_E: jax.Array | None = None,
+          scaling_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
+    """(expert ids [..., K] int32, weights [..., K] fp32) from fp32 router logits.
+
+    softmax: the top-k logits, softmax over the k. sigmoid: scores sigmoid(logits); the top-k of
+    scores + `expert_bias_E` (the bias steers the choice only), weighted by their unbiased scores,
+    normalised to sum 1 when k > 1. `scaling_factor` (None: 1) multiplies the weights."""
+    if score_function == "softmax":
+        ids = _topk_ids(logits_TxE, topk)
+        weights = jax.nn.softmax(jnp.take_along_axis(logits_TxE, ids, axis=-1), axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits_TxE)
+        ids = _topk_ids(scores if expert_bias_E is None else scores + expert_bias_E, topk)
+        weights = jnp.take_along_axis(scores, ids, axis=-1)
+        if topk > 1:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    if scaling_factor is not None:
+        weights = weights * scaling_factor
+    return ids, weights
+
+
+def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array, score_function: str = "softmax",
+                 biased: bool = False) -> RouterStats:
+    """The layer's RouterStats. The balancing loss's probabilities are softmax(logits), or for sigmoid
+    the scores normalised over the experts; its counts are the routed assignments, or with an expert
+    bias those of the unbiased top-k (as Megatron-Core: the bias is outside the loss)."""
+    e, k = logits_TxE.shape[-1], ids_TxK.shape[-1]
+    if score_function == "softmax":
+        probs = jax.nn.softmax(logits_TxE, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits_TxE)
+        probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
+
+    def counts(ids):
+        # A sum of one-hots, not a scatter: a token-sharded batch reduces its partial counts (e experts).
+        return jax.lax.stop_gradient(jnp.sum(jax.nn.one_hot(ids, e, dtype=jnp.float32), axis=(0, 1)))
+
+    tokens = counts(ids_TxK)
+    balance = counts(_topk_ids(jax.lax.stop_gradient(scores), k)) if biased else tokens
     lse = jax.nn.logsumexp(logits_TxE, axis=-1)
-    return RouterStats(probs=jnp.sum(probs, axis=0), tokens=jax.lax.stop_gradient(tokens),
+    return RouterStats(probs=jnp.sum(probs, axis=0), tokens=tokens, balance_tokens=balance,
                        lse_sq=jnp.sum(jnp.square(lse)), count=jnp.float32(logits_TxE.shape[0]),
                        dropped=jax.lax.stop_gradient(dropped))
 
@@ -191,6 +228,14 @@ def router_losses(local: RouterStats, total_tokens: jax.Array, total_count: jax.
     return aux, z
 
 
+def updated_expert_bias(bias_LxE: jax.Array, tokens_LxE: jax.Array, rate: float) -> jax.Array:
+    """The expert bias after a step: each expert's bias moves by `rate` toward balance, up when the
+    expert got fewer than the mean assignments of its layer, down when more (0 when equal).
+    `tokens_LxE`: the step's assignments per expert, over all microbatches and devices."""
+    mean = jnp.mean(tokens_LxE, axis=-1, keepdims=True)
+    return bias_LxE + rate * jnp.sign(mean - tokens_LxE)
+
+
 class MoE(nnx.Module):
     """Router + experts (+ the shared expert) in place of the MLP of a block; `ops` are the shared
     expert's products (the dense MLP's)."""
@@ -199,6 +244,7 @@ class MoE(nnx.Module):
                  ops: LinearOps = LinearOps()):
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
         self.topk, self.activation, self.dtype = cfg.moe_router_topk, cfg.activation, dtype
+        self.score_function, self.scaling_factor = cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor
         self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         shapes = {"gate": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
@@ -214,17 +260,22 @@ class MoE(nnx.Module):
                                                        use_bias=False), dtype=dtype, ops=ops, rngs=rngs)
                                if cfg.moe_shared_expert_ffn_size else None)
 
-    def forward(self, x_BxLxD: jax.Array, fused: bool = True) -> tuple[jax.Array, RouterStats]:
-        """(y [B, L, D], RouterStats); `fused` as for MLP (the shared expert's gate and up)."""
+    def forward(self, x_BxLxD: jax.Array, expert_bias_E: jax.Array | None = None,
+                fused: bool = True) -> tuple[jax.Array, RouterStats]:
+        """(y [B, L, D], RouterStats); `expert_bias_E` [E] fp32: the router's expert bias (sigmoid
+        routing with model.moe_router_bias_update_rate > 0), None without one; `fused` as for MLP
+        (the shared expert's gate and up)."""
         b, l, d = x_BxLxD.shape
         logits = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        ids, weights = route(logits, self.topk)
+        bias = None if expert_bias_E is None else jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
+        ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor)
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
         y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_BxLxD, fused).astype(y.dtype)
-        stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped)
+        stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped, self.score_function,
+                             biased=bias is not None)
         return y, stats
 
-    def __call__(self, x_BxLxD: jax.Array, fused: bool = True) -> jax.Array:
-        return self.forward(x_BxLxD, fused)[0]
+    def __call__(self, x_BxLxD: jax.Array, fused: bool = True, expert_bias_E: jax.Array | None = None) -> jax.Array:
+        return self.forward(x_BxLxD, expert_bias_E, fused)[0]

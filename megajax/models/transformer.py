@@ -39,26 +39,29 @@ class Block(nnx.Module):
             self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
         self.hidden_dropout = cfg.hidden_dropout
 
-    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
-        """(x [B, L, D], the MoE layer's RouterStats or None for a dense MLP)."""
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng, expert_bias_E=None):
+        """(x [B, L, D], the MoE layer's RouterStats or None for a dense MLP); `expert_bias_E`: this
+        layer's router expert bias [E] or None."""
         rngs = jax.random.split(dropout_rng, 3) if dropout_rng is not None else [None] * 3
         h = self.attn(self.attn_norm(x_BxLxD), positions_BxL=positions_BxL,
                       segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=rngs[0])
         x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1]), RESIDUAL)
         if isinstance(self.mlp, MoE):
-            h, stats = self.mlp.forward(self.mlp_norm(x))
+            h, stats = self.mlp.forward(self.mlp_norm(x), expert_bias_E)
         else:
             h, stats = self.mlp(self.mlp_norm(x)), None
         return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL), stats
 
-    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL):
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL,
+               expert_bias_E=None):
         """__call__ for L new tokens with this layer's KV cache (generation: no dropout); returns
         (x, cache_k, cache_v)."""
         h, cache_k, cache_v = self.attn.extend(
             self.attn_norm(x_BxLxD), positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k_BxGxTxK=cache_k,
             cache_v_BxGxTxK=cache_v, start=start, mask_BxLxT=mask_BxLxT, segment_ids_BxL=segment_ids_BxL)
         x = logical_constraint(x_BxLxD + h, RESIDUAL)
-        return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False), RESIDUAL), cache_k, cache_v
+        mlp_kwargs = {} if expert_bias_E is None else {"expert_bias_E": expert_bias_E}
+        return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False, **mlp_kwargs), RESIDUAL), cache_k, cache_v
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -118,18 +121,20 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None,
-                 dropout_rng: jax.Array | None = None, router_stats: bool = False):
+                 dropout_rng: jax.Array | None = None, router_stats: bool = False,
+                 expert_bias: jax.Array | None = None):
         """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min.
 
         `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
-        dense model) for the train step's balancing losses."""
+        dense model) for the train step's balancing losses. `expert_bias` [layers, E] fp32: the
+        routers' expert bias (TrainState.moe_expert_bias), None without one."""
         b, l = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
         x = self.embed_input(tokens_BxL, positions_BxL, rngs[0])
         x, stats = self.layer_stack(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                                    dropout_rng=rngs[1])
+                                    dropout_rng=rngs[1], expert_bias=expert_bias)
         logits = self.logits(x)
         return (logits, stats) if router_stats else logits
 
@@ -140,25 +145,26 @@ class Transformer(nnx.Module):
         return logical_constraint(x, RESIDUAL)
 
     def layer_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
-                    dropout_rng: jax.Array | None, first_layer: int | jax.Array = 0):
+                    dropout_rng: jax.Array | None, first_layer: int | jax.Array = 0,
+                    expert_bias: jax.Array | None = None):
         """The blocks held in `self.layers` (all of them, or a pipeline stage's consecutive run of
         them starting at model layer `first_layer`), scanned: (x, router stats or None). Layer n's
         dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
-        masks the whole model would."""
+        masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None."""
         inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
         count = jax.tree.leaves(block_state)[0].shape[0]
 
         def body(x, layer):
-            params, index = layer
+            params, index, bias = layer
             block = nnx.merge(block_def, params)
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
             return block(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                         inv_freq=inv_freq, dropout_rng=rng)
+                         inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
 
         if self.recompute == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        return jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count)),
+        return jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count), expert_bias),
                             unroll=1 if self.cfg.scan_layers else True)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
@@ -185,7 +191,8 @@ class Transformer(nnx.Module):
         return logits
 
     def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: int | jax.Array,
-               key_mask_BxT: jax.Array, layer_params: list | None = None) -> tuple[jax.Array, Any, Any]:
+               key_mask_BxT: jax.Array, layer_params: list | None = None,
+               expert_bias: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
         """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
 
         The KV cache is, for k and for v, either one array [layers, B, kv_heads, T, head_dim]
@@ -197,7 +204,7 @@ class Transformer(nnx.Module):
         (L = its padded length, start the Python int 0: the injected attention core runs on the
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, cache_k, cache_v); the same parameters and
-        products as __call__."""
+        products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None)."""
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         slots = start + jnp.arange(l)
@@ -209,19 +216,19 @@ class Transformer(nnx.Module):
         block_def, block_state = nnx.split(self.layers)
 
         def body(x, layer):
-            params, k, v = layer
+            params, k, v, bias = layer
             block = nnx.merge(block_def, params)
             x, k, v = block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v,
-                                   start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids)
+                                   start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids, expert_bias_E=bias)
             return x, (k, v)
 
         if layer_params is None:
-            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v),
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v, expert_bias),
                                                  unroll=1 if self.cfg.scan_layers else True)
         else:
             new_k, new_v = [], []
-            for params, k, v in zip(layer_params, cache_k, cache_v, strict=True):
-                x, (k, v) = body(x, (params, k, v))
+            for n, (params, k, v) in enumerate(zip(layer_params, cache_k, cache_v, strict=True)):
+                x, (k, v) = body(x, (params, k, v, None if expert_bias is None else expert_bias[n]))
                 new_k.append(k)
                 new_v.append(v)
             cache_k, cache_v = new_k, new_v

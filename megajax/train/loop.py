@@ -187,12 +187,12 @@ class Validation:
     def due(self, step: int, last: bool) -> bool:
         return self.tr.valid_loader is not None and (step % self.every == 0 or last)
 
-    def run(self, step: int, params, fp8=None) -> None:
+    def run(self, step: int, params, fp8=None, expert_bias=None) -> None:
         cfg, tr = self.tr.cfg, self.tr
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
             batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
-            l, c = jax.device_get(tr.eval_fn(params, batch, fp8))
+            l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
             loss_sum, count = loss_sum + float(l), count + float(c)
         self.count += 1
         val = loss_sum / max(count, 1.0)
@@ -358,7 +358,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
             if validation.due(step, last):
                 settle()
                 stop_if_unhealthy()
-                validation.run(step, state.params, state.fp8)
+                validation.run(step, state.params, state.fp8, state.moe_expert_bias)
             if saves.due(step, last, stopping):
                 settle()
                 stop_if_unhealthy()
@@ -389,12 +389,12 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
     if cfg.train.sample_tokens > 0 and result.stopped_by is None and jax.process_count() == 1:
-        result.sample = greedy_sample(tr, state.params)
+        result.sample = greedy_sample(tr, state.params, state.moe_expert_bias)
         log.print("megajax: greedy sample from the trained model:\n" + result.sample)
     return result
 
 
-def greedy_sample(tr: Trainer, params) -> str:
+def greedy_sample(tr: Trainer, params, expert_bias=None) -> str:
     """The sample prompt and its greedy continuation (cached generation on the run's mesh), up to
     train.sample_tokens new tokens within the context, stopping at end-of-document."""
     from megajax.inference.generate import Generator
@@ -407,7 +407,8 @@ def greedy_sample(tr: Trainer, params) -> str:
     # (per-layer copies would add a model's worth of memory at the end of training).
     generator = Generator(cfg.model, params, padded_vocab_size=tr.plan.padded_vocab,
                           dtype=precision_policy(cfg).inference_dtype, mesh=tr.mesh, rules=tr.rules.activations,
-                          eod_id=eod, layer_buffers=False)
+                          eod_id=eod, layer_buffers=False,
+                          expert_bias=None if expert_bias is None else jax.device_get(expert_bias))
     budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
     if not prompt or budget < 1:
         return cfg.train.sample_prompt

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.checkpoint.manager import find_step_dir, read_meta, require_step_dir, restore_params, restore_state
+from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
+                                       restore_params, restore_state)
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.mesh import ShardingRules, mesh_from_sizes
@@ -31,8 +32,8 @@ from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.plan import BatchLayout, RunPlan, make_plan
-from megajax.train.state import (ModelSpec, TrainState, build_model_spec, loss_scaler, make_init_fn,
-                                 state_shardings)
+from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
+                                 make_init_fn, state_shardings)
 from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
 
 
@@ -102,9 +103,11 @@ class Setup:
         return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
 
     def eval_step(self) -> Callable:
-        """jit of (params, batch, fp8 scaling state or None) -> (sum of token losses, tokens)."""
+        """jit of (params, batch, fp8 scaling state or None, expert bias or None) -> (sum of token
+        losses, tokens)."""
         return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
-                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8))
+                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
+                                     self.state_shardings.moe_expert_bias))
 
     def loader(self, dataset, prefetch: int) -> Loader:
         context = self.plan.sizes["context"]
@@ -120,7 +123,8 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)
-    init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8)
+    init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
+                        lambda: initial_expert_bias(cfg.model))
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
@@ -140,7 +144,7 @@ class Trainer:
     step_fn: jax.stages.Compiled  # (state, batch, ok) -> (state, metrics, ok)
     loader: Loader
     valid_loader: Loader | None
-    eval_fn: Callable  # jitted (params, batch, fp8) -> (loss sum, tokens)
+    eval_fn: Callable  # jitted (params, batch, fp8, expert bias) -> (loss sum, tokens)
     consumed_samples: int  # data position of `state`
     origin: str  # where the state came from
     resumed_step: int | None  # the checkpoint step a resumed run starts from
@@ -191,6 +195,9 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
         params, note = restore_params(source, target.params, cfg)
         state = setup.fresh_state().replace(params=params)
+        bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
+        if bias is not None:
+            state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
         return state, 0, f"parameters from {source}, optimizer state fresh" + (f"; {note}" if note else ""), None
     return setup.fresh_state(), 0, "fresh initialisation", None
 

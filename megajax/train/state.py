@@ -23,9 +23,10 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.config import Config
+from megajax.config import Config, ModelConfig
 from megajax.mesh import ShardingRules, tree_shardings
 from megajax.models import Transformer, param_axes
+from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
@@ -48,6 +49,9 @@ class TrainState:
     # FP8 scaling state (delayed recipe), a nested dict like the model's (Fp8Meta leaves); None
     # without one. Not a parameter: the optimizer never sees it.
     fp8: dict | None = None
+    # The MoE routers' expert bias [layers, E] fp32 (model.moe_router_bias_update_rate > 0), None
+    # without one: moved by the train step from each step's token counts, never by the optimizer.
+    moe_expert_bias: jax.Array | None = None
 
 
 @dataclass
@@ -155,15 +159,25 @@ def loss_scaler(cfg: Config) -> DynamicLossScale | None:
                             window=t.loss_scale_window, hysteresis=t.hysteresis)
 
 
+def initial_expert_bias(m: ModelConfig) -> jax.Array | None:
+    """The routers' expert bias at the start of training: zeros [layers, E] fp32, or None when the
+    model has none (dense, or model.moe_router_bias_update_rate = 0)."""
+    if not has_expert_bias(m):
+        return None
+    return jnp.zeros((m.num_layers, m.num_experts), jnp.float32)
+
+
 def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
                  scaler: DynamicLossScale | None, seed: int,
-                 init_fp8: Callable[[], dict | None] = lambda: None) -> Callable[[], TrainState]:
+                 init_fp8: Callable[[], dict | None] = lambda: None,
+                 init_expert_bias: Callable[[], jax.Array | None] = lambda: None) -> Callable[[], TrainState]:
     """The fresh train state; the optimizer is initialised on the parameters alone."""
     def init() -> TrainState:
         params = init_params()
         return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
                           loss_scale=scaler.init() if scaler else None,
-                          rng=jax.random.key_data(jax.random.key(seed)), fp8=init_fp8())
+                          rng=jax.random.key_data(jax.random.key(seed)), fp8=init_fp8(),
+                          moe_expert_bias=init_expert_bias())
     return init
 
 
@@ -180,4 +194,6 @@ def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax
                       loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale),
                       rng=replicated,
                       # A few scalars per product, used by every device: replicated.
-                      fp8=jax.tree.map(lambda _: replicated, abstract_state.fp8))
+                      fp8=jax.tree.map(lambda _: replicated, abstract_state.fp8),
+                      # [layers, E] fp32, read by every device's routers: replicated.
+                      moe_expert_bias=jax.tree.map(lambda _: replicated, abstract_state.moe_expert_bias))

@@ -16,6 +16,11 @@ as in its `global_aux_loss`). A MoE model's microbatches run on the whole
 micro-batch under the plain rules (no per-shard vmap: `jax.lax.ragged_dot` has
 no batching rule for an unbatched weight), so its gradient is reduced over the
 data-parallel devices once per microbatch rather than once per step.
+
+Aux-loss-free balancing (model.moe_router_bias_update_rate > 0): the routers' expert bias
+(TrainState.moe_expert_bias) is an input of every microbatch, and after the update it moves by
+the rate toward balance from the step's assignments per expert, summed over the microbatches and
+the whole batch (as Megatron-Core's all-reduce over data-parallel ranks); a skipped step keeps it.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec, spec_without
-from megajax.models.moe import router_losses
+from megajax.models.moe import router_losses, updated_expert_bias
 from megajax.parallel.pipeline import StageFunctions, build_schedule, pipeline_gradients
 from megajax.precision.fp8 import HISTORY, scales_of, update_fp8_state, with_scales
 from megajax.precision.loss_scale import DynamicLossScale
@@ -137,18 +142,19 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     def constrain(x, spec_entries):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec_entries)))
 
-    def micro_loss(params, fp8_scales, micro, rng, norm, scale, fp8, accum, model=shard_spec):
+    def micro_loss(params, fp8_scales, micro, rng, norm, scale, fp8, accum, model=shard_spec, expert_bias=None):
         """(scaled loss to differentiate, sums for the metrics) of one microbatch (of one shard)."""
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
+        bias = {} if expert_bias is None else {"expert_bias": expert_bias}
         out = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                          dropout_rng=rng, fp8=fp8, router_stats=moe)
+                          dropout_rng=rng, fp8=fp8, router_stats=moe, **bias)
         logits, stats = out if moe else (out, None)
         loss_sum = jnp.sum(cross_entropy(logits, micro["labels"]) * micro["loss_mask"])
         sums = {"loss_sum": loss_sum}
         loss = loss_sum / norm
         if moe:
             # The model runs on the whole microbatch (vmapped_axes): its statistics are global.
-            aux, z = router_losses(stats, stats.tokens, stats.count, cfg.model)
+            aux, z = router_losses(stats, stats.balance_tokens, stats.count, cfg.model)
             loss = loss + (jnp.sum(aux) + jnp.sum(z)) / accum
             layers = aux.shape[0]
             sums.update(moe_aux_loss=jnp.sum(aux) / (accum * layers), moe_z_loss=jnp.sum(z) / (accum * layers),
@@ -190,11 +196,13 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             """Gradients, FP8 amaxes and loss sums of one microbatch, per data-parallel shard:
             [dp, ...] and [dp] from micro [dp, b, ...] (no leading dim without data parallelism)."""
             if not dp_axes:
-                (_, sums), (grads, amaxes) = grad_fn(params, fp8_scales, micro, rng, norm, scale, fp8, accum, spec)
+                (_, sums), (grads, amaxes) = grad_fn(params, fp8_scales, micro, rng, norm, scale, fp8, accum, spec,
+                                                     state.moe_expert_bias)
                 return grads, amaxes, sums
             # Each shard draws its own dropout masks.
             rngs = None if rng is None else jax.random.split(rng, dp)
-            per_shard = lambda p, m, r: grad_fn(p, fp8_scales, m, r, norm, scale, fp8, accum, shard_spec)
+            per_shard = lambda p, m, r: grad_fn(p, fp8_scales, m, r, norm, scale, fp8, accum, shard_spec,
+                                                state.moe_expert_bias)
             (_, sums), (grads, amaxes) = jax.vmap(per_shard, in_axes=(None, 0, 0 if rng is not None else None),
                                                   spmd_axis_name=dp_axes)(params, micro, rngs)
             return grads, amaxes, sums
@@ -300,6 +308,10 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
         new_fp8 = None if fp8 is None else keep_if_skipped(update_fp8_state(fp8, amaxes, fp8_policy.margin), fp8)
+        bias = state.moe_expert_bias
+        if bias is not None:  # aux-loss-free balancing: the step's global counts move the bias
+            bias = keep_if_skipped(updated_expert_bias(bias, sums["moe_tokens"], cfg.model.moe_router_bias_update_rate),
+                                   bias)
         new_state = TrainState(
             step=state.step + 1,
             params=keep_if_skipped(new_params, state.params),
@@ -307,6 +319,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             loss_scale=scaler.update(state.loss_scale, ~finite) if scaler else None,
             rng=state.rng,
             fp8=new_fp8,
+            moe_expert_bias=bias,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": ~finite,
                    "loss_scale": scale, "num_tokens": num_tokens}
@@ -352,7 +365,7 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
         if stats is None:
             return x, None
         # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
-        aux, z = router_losses(stats, data_sum(stats.tokens), data_sum(stats.count), cfg.model)
+        aux, z = router_losses(stats, data_sum(stats.balance_tokens), data_sum(stats.count), cfg.model)
         return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
                    "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
@@ -372,15 +385,17 @@ def moe_metrics(sums: dict, topk: int) -> dict:
 
 
 def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
-    """Returns eval(params, batch, fp8=None) -> (sum of token losses, number of tokens), not yet
-    jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation records no amax)."""
+    """Returns eval(params, batch, fp8=None, expert_bias=None) -> (sum of token losses, number of
+    tokens), not yet jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation records
+    no amax), `expert_bias` the MoE routers' (TrainState.moe_expert_bias)."""
     act_rules = rules.activations if rules is not None else None
 
-    def evaluate(params: dict, batch: dict, fp8: dict | None = None):
+    def evaluate(params: dict, batch: dict, fp8: dict | None = None, expert_bias: jax.Array | None = None):
         with activation_sharding(mesh, act_rules):
             def micro(carry, i):
                 m = jax.tree.map(lambda x: x[i], batch)
-                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8)
+                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8,
+                                    **({} if expert_bias is None else {"expert_bias": expert_bias}))
                 loss = jnp.sum(cross_entropy(logits, m["labels"]) * m["loss_mask"])
                 return (carry[0] + loss, carry[1] + jnp.sum(m["loss_mask"])), None
             (loss, count), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0)),
