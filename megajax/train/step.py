@@ -241,7 +241,6 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             (grads, amaxes, sums), _ = jax.lax.scan(body, zeros, jnp.arange(accum))
         # Sums over shards (the vmapped dim, when there is one) and microbatches.
         sums = jax.tree.map(lambda x: jnp.sum(x, axis=0) if dp_axes else x, sums)
-        loss_sum = sums["loss_sum"]
         if dp_axes:
             # The one data-parallel reduction of the step: an all-reduce, or a reduce-scatter onto
             # the optimizer's shards (FSDP, distributed optimizer); amaxes: a max over the shards.
