@@ -617,10 +617,6 @@ def validate_moe(cfg: Config) -> None:
                           f"model.moe_router_score_function=sigmoid (this config has "
                           f"{m.moe_router_score_function!r}): the expert bias is added to sigmoid scores, as in "
                           f"Megatron-Core. Set moe_router_score_function=sigmoid or moe_router_bias_update_rate=0.")
-    if m.moe_router_bias_update_rate > 0 and cfg.mesh.pipeline * cfg.mesh.dcn.pipeline > 1:
-        raise ConfigError(f"model.moe_router_bias_update_rate = {m.moe_router_bias_update_rate} with mesh.pipeline "
-                          f"= {cfg.mesh.pipeline}: the pipelined step collects no router token counts to "
-                          f"update the expert bias from; use mesh.pipeline=1 or moe_router_bias_update_rate=0.")
     if m.moe_layer_freq != 1:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq}: only 1 (every layer is a MoE layer) "
                           f"is supported; the scanned layer stack holds one kind of block.")

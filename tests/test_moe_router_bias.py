@@ -131,8 +131,6 @@ MOE = ["model.num_experts=4"]
      ["model.moe_router_bias_update_rate = -0.001", ">= 0"]),
     (MOE + ["model.moe_router_topk_scaling_factor=0"], ["model.moe_router_topk_scaling_factor = 0", "> 0"]),
     (MOE + ["model.moe_router_score_function=tanh"], ["moe_router_score_function", "tanh", "sigmoid"]),
-    (MOE + ["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.001",
-            "mesh.pipeline=2"], ["model.moe_router_bias_update_rate", "mesh.pipeline = 2"]),
 ])
 def test_bad_router_keys_name_key_value_and_accepted(overrides, words):
     with pytest.raises(ConfigError) as e:

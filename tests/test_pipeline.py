@@ -125,13 +125,16 @@ MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_s
 
 @pytest.mark.parametrize("model, overrides", [
     (["model.moe_shared_expert_ffn_size=96"], ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"]),
-    ([], ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
-          "parallel.virtual_stages=2"]),
-], ids=["1f1b_p2_m2_data2_expert2_shared_expert", "interleaved_v2_p2_m2_expert4"])
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01"],
+     ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
+      "parallel.virtual_stages=2"]),
+], ids=["1f1b_p2_m2_data2_expert2_shared_expert", "interleaved_v2_p2_m2_expert4_sigmoid_expert_bias"])
 def test_mixture_of_experts_through_the_stages_matches_one_device(small_config, model, overrides):
     """MoE layers inside the stages: tokens cross `expert` by all-to-all within a stage, each chunk's
     balancing and z losses (over the whole microbatch, all data shards' counts) join the objective
-    in its backward; one device with the same microbatches (4 sequences, 2 per step) is the reference."""
+    in its backward; one device with the same microbatches (4 sequences, 2 per step) is the reference.
+    The expert bias (interleaved case) reaches each chunk's layers in their stage order and moves by
+    the step's token counts of every layer (compared after the run by assert_same_run)."""
     ref = reference(small_config, *MODEL, *MOE, *model, "train.micro_batch=4", steps=3)
     got = run(small_config, *MODEL, *MOE, *model, *overrides, "train.micro_batch=1", devices=jax.devices(), steps=3)
     assert_same_run(got, ref)

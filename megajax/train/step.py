@@ -266,12 +266,15 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         # FP8 (delayed scaling): the products' scales ride along with the parameters (a layer's with
         # its layer, split over `pipeline`); their "gradients" are this step's amaxes, max-combined.
         scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
+        # The MoE routers' expert bias [layers, E] rides along the same way (no gradient: dropped after).
+        bias = {} if state.moe_expert_bias is None else {EXPERT_BIAS_PATH: state.moe_expert_bias}
         tree, maxed, specs = params, None, stage_specs
-        if scales:
-            tree = unflatten_dict({**flatten_dict(params), **scales})
-            maxed = unflatten_dict({**{k: False for k in flatten_dict(params)}, **{k: True for k in scales}})
+        if scales or bias:
+            tree = unflatten_dict({**flatten_dict(params), **scales, **bias})
+            maxed = unflatten_dict({**{k: False for k in flatten_dict(params)}, **{k: True for k in scales},
+                                    **{k: False for k in bias}})
             specs = unflatten_dict({**flatten_dict(stage_specs),
-                                    **{k: P("pipeline") if k[0] == "layers" else P() for k in scales}})
+                                    **{k: P("pipeline") if k[0] == "layers" else P() for k in (*scales, *bias)}})
         # Dropout's masks keep the batch split inside the stage loop with the compiler (gradients
         # reduced per microbatch; see README: pipeline).
         grads, loss_sum, router = pipeline_gradients(
@@ -279,9 +282,10 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
             specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum, maxed=maxed)
         amaxes = {}
-        if scales:
+        if scales or bias:
             flat = flatten_dict(grads)
             amaxes = unflatten_dict({k: flat.pop(k) for k in scales})
+            flat.pop(EXPERT_BIAS_PATH, None)
             grads = unflatten_dict(flat)
         grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
         sums = {"loss_sum": loss_sum}
@@ -329,6 +333,10 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     return step
 
 
+# Where a pipeline step puts the MoE routers' expert bias in the tree it runs the stages on.
+EXPERT_BIAS_PATH = ("layers", "mlp", "expert_bias")
+
+
 def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
     """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
     them) and output layer + loss as a pipeline runs them."""
@@ -337,10 +345,12 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
 
     def model(tree):
         """The model on a parameter tree; under FP8 the tree also holds the products' scales (the
-        amax histories, which the forward pass does not read, are zeros of their shape)."""
-        if not fp8_paths:
-            return nnx.merge(spec.graphdef, tree)
+        amax histories, which the forward pass does not read, are zeros of their shape), and with
+        an expert bias the bias (which `layers` hands to the layer stack)."""
         flat = flatten_dict(tree)
+        flat.pop(EXPERT_BIAS_PATH, None)
+        if not fp8_paths:
+            return nnx.merge(spec.graphdef, unflatten_dict(flat))
         fp8 = {}
         for path in fp8_paths:
             s = flat.pop(path)
@@ -359,8 +369,9 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
         return model(params).embed_input(m["tokens"], positions(m), key)
 
     def layers(params, x, m, key, first_layer, data_sum):
+        bias = flatten_dict(params).get(EXPERT_BIAS_PATH)  # [chunk layers, E] or None
         x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
-                                             dropout_rng=key, first_layer=first_layer)
+                                             dropout_rng=key, first_layer=first_layer, expert_bias=bias)
         if stats is None:
             return x, None
         # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
