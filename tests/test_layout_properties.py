@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from layout_parity import Run, assert_same_run, family, reference, run
 
-EXAMPLES = int(os.environ.get("MEGAJAX_PROPERTY_EXAMPLES", "3"))
+EXAMPLES = int(os.environ.get("MEGAJAX_PROPERTY_EXAMPLES", "2"))
 SEED = os.environ.get("MEGAJAX_PROPERTY_SEED")
 GLOBAL_BATCH = 8  # conftest's small config: 8 heads / 4 kv heads, hidden 64, ffn 128, seq 32
 
