@@ -41,7 +41,9 @@ A shared expert is a second tensor-parallel MLP in the layer on the same
 input: its output's and its input gradient's reduction are 2 more b*s*h
 all-reduces (with SP reduce-scatters) per layer; with SP the all-gathers of
 its input and of its output's cotangent are the routed experts' own.
-A MoE model reduces its gradients once per microbatch (megajax/train/step.py).
+A MoE model reduces its gradients once per microbatch (megajax/train/step.py),
+except through pipeline stages without dropout (once per step); with a
+pipeline a device's all-to-alls are those of its stage's layers.
 
 Pipeline parallelism over P stages (V chunks each): a device holds layers/P
 layers, so the per-layer terms count those; the minimum stage-to-stage traffic
@@ -171,11 +173,15 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
             out["all-reduce"] += a * (per_step + shared + (layers if full else 0)) * bsh
         out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     ep = sizes.get("expert", 1)
+    # A MoE model reduces its gradients per microbatch, except through pipeline stages (once per
+    # step, after the stage loop) unless dropout keeps the batch split with the compiler there.
+    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
+    reductions = a if m.num_experts and (p == 1 or dropout) else 1
     if m.num_experts and ep > 1:
-        out["all-to-all"] += a * 4 * m.num_layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
-        out["all-reduce"] += a * (local_param_bytes - expert_param_bytes)
+        out["all-to-all"] += a * 4 * layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
+        out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
     fsdp, data = sizes["fsdp"], sizes["data"]
-    shard = local_param_bytes * (a if m.num_experts else 1)
+    shard = local_param_bytes * reductions
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
         out["all-gather"] += shard
         out["reduce-scatter"] += shard
