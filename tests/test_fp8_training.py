@@ -152,14 +152,10 @@ def _steps(cfg, devices, steps):
     return np.asarray(out), after_one, state.fp8
 
 
-def test_data2_tensor4_tracks_one_device_and_every_replica_holds_the_same_scales(small_config):
-    # One device runs the batch of 8 at once; the layout in 2 microbatches of 2 per data-parallel
-    # shard: its amaxes are maxima over 2 microbatches x 2 shards (a sum would be ~4 times larger).
-    common = [*FP8, "optim.warmup_steps=0"]
-    one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 4)
-    got, got_fp8, final = _steps(small_config(*common, "mesh.data=2", "mesh.tensor=4", "train.micro_batch=2"),
-                                 jax.devices(), 4)
-    np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=FP8_LOSS_RTOL)
+def _assert_tracks(got, got_fp8, one, one_fp8, loss_rtol):
+    """Per-step (loss, grad norm) of a layout against one device's, and the scaling state after
+    step 1: every product's state present, scales and step 1's amaxes within FP8_AMAX_RTOL."""
+    np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=loss_rtol)
     np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
     assert [p for p, _ in _leaves(got_fp8)] == [p for p, _ in _leaves(one_fp8)] and len(_leaves(one_fp8)) == 8
     for (path, x), (_, y) in zip(_leaves(one_fp8), _leaves(got_fp8)):
@@ -167,6 +163,16 @@ def test_data2_tensor4_tracks_one_device_and_every_replica_holds_the_same_scales
             x, y = x[:, 0], y[:, 0]  # step 1's amaxes, [layers, (x, w, g)]
             assert np.all(x > 0), path
         np.testing.assert_allclose(y, x, rtol=FP8_AMAX_RTOL, err_msg=path)
+
+
+def test_data2_tensor4_tracks_one_device_and_every_replica_holds_the_same_scales(small_config):
+    # One device runs the batch of 8 at once; the layout in 2 microbatches of 2 per data-parallel
+    # shard: its amaxes are maxima over 2 microbatches x 2 shards (a sum would be ~4 times larger).
+    common = [*FP8, "optim.warmup_steps=0"]
+    one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 4)
+    got, got_fp8, final = _steps(small_config(*common, "mesh.data=2", "mesh.tensor=4", "train.micro_batch=2"),
+                                 jax.devices(), 4)
+    _assert_tracks(got, got_fp8, one, one_fp8, FP8_LOSS_RTOL)
     for path, leaf in jax.tree_util.tree_flatten_with_path(final)[0]:
         assert leaf.sharding.is_fully_replicated, path
         shards = [np.asarray(s.data) for s in leaf.addressable_shards]
@@ -186,14 +192,7 @@ def test_pipeline_tracks_one_device_with_the_same_amaxes(small_config, layout):
     one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
     got, got_fp8, final = _steps(small_config(*common, "mesh.pipeline=2", *layout, "train.micro_batch=1"),
                                  jax.devices(), 3)
-    np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
-    np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
-    assert [p for p, _ in _leaves(got_fp8)] == [p for p, _ in _leaves(one_fp8)] and len(_leaves(one_fp8)) == 8
-    for (path, x), (_, y) in zip(_leaves(one_fp8), _leaves(got_fp8)):
-        if path.endswith(f"['{HISTORY}']"):
-            x, y = x[:, 0], y[:, 0]  # step 1's amaxes, [layers, (x, w, g)]
-            assert np.all(x > 0), path
-        np.testing.assert_allclose(y, x, rtol=FP8_AMAX_RTOL, err_msg=path)
+    _assert_tracks(got, got_fp8, one, one_fp8, 2 * FP8_LOSS_RTOL)
 
 
 def test_optimizer_state_holds_parameters_only(small_config):

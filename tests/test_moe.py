@@ -166,6 +166,14 @@ def test_capacity_drops_counted_by_hand_and_large_capacity_is_dropless():
     (["model.num_experts=4", "model.moe_shared_expert_ffn_size=-8"],
      ["model.moe_shared_expert_ffn_size = -8", ">= 0"]),
     (["model.moe_shared_expert_ffn_size=64"], ["model.moe_shared_expert_ffn_size = 64", "model.num_experts is 0"]),
+    # The router's score function, scaling and aux-loss-free bias (tests/test_moe_router_bias.py).
+    (["model.num_experts=4", "model.moe_router_bias_update_rate=0.001"],
+     ["model.moe_router_bias_update_rate = 0.001", "model.moe_router_score_function=sigmoid", "'softmax'"]),
+    (["model.num_experts=4", "model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=-0.001"],
+     ["model.moe_router_bias_update_rate = -0.001", ">= 0"]),
+    (["model.num_experts=4", "model.moe_router_topk_scaling_factor=0"],
+     ["model.moe_router_topk_scaling_factor = 0", "> 0"]),
+    (["model.num_experts=4", "model.moe_router_score_function=tanh"], ["moe_router_score_function", "tanh", "sigmoid"]),
 ])
 def test_bad_moe_keys_name_key_value_and_accepted(overrides, words):
     with pytest.raises(ConfigError) as e:
