@@ -84,7 +84,9 @@ class ModelConfig:
     num_experts: int = 0
     moe_router_topk: int = 2  # experts per token
     moe_ffn_hidden_size: int | None = None  # each expert's hidden size; None: ffn_hidden_size
-    moe_layer_freq: int = 1  # every Nth layer is MoE (only 1, all layers, for now)
+    # Every Nth layer is MoE (Megatron's integer form: layer i is MoE when i % N == 0), the others
+    # dense MLPs of ffn_hidden_size; 1: all layers.
+    moe_layer_freq: int = 1
     moe_aux_loss_coeff: float = 1e-2  # Switch/GShard load-balancing loss
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else tokens per expert x this
@@ -114,6 +116,19 @@ class ModelConfig:
             self.max_position_embeddings = seq_len
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether model layer `layer` (from 0) has a mixture of experts (Megatron's pattern)."""
+        return bool(self.num_experts) and layer % self.moe_layer_freq == 0
+
+    def num_moe_layers(self) -> int:
+        """The layers with a mixture of experts (0 for a dense model)."""
+        return sum(map(self.is_moe_layer, range(self.num_layers)))
+
+    def interleaves_dense_layers(self) -> bool:
+        """A MoE model whose MoE layers alternate with dense ones (moe_layer_freq > 1): its dense
+        blocks are a second stack, `dense_layers` (megajax/models/layout.py)."""
+        return bool(self.num_experts) and self.moe_layer_freq > 1
 
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by (128).
@@ -617,9 +632,12 @@ def validate_moe(cfg: Config) -> None:
                           f"model.moe_router_score_function=sigmoid (this config has "
                           f"{m.moe_router_score_function!r}): the expert bias is added to sigmoid scores, as in "
                           f"Megatron-Core. Set moe_router_score_function=sigmoid or moe_router_bias_update_rate=0.")
-    if m.moe_layer_freq != 1:
-        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq}: only 1 (every layer is a MoE layer) "
-                          f"is supported; the scanned layer stack holds one kind of block.")
+    _positive("model.moe_layer_freq", m.moe_layer_freq)
+    if m.num_layers % m.moe_layer_freq:
+        ok = [n for n in range(1, m.num_layers + 1) if m.num_layers % n == 0]
+        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} does not divide model.num_layers = "
+                          f"{m.num_layers}: the layers run in groups of one MoE layer and moe_layer_freq - 1 "
+                          f"dense ones. Accepted for {m.num_layers} layers: {', '.join(map(str, ok))}.")
     if m.use_bias:
         raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
                           "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")

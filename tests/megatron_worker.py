@@ -60,7 +60,8 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
                    moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
                    moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
                    moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
-                   moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3)
+                   moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3,
+                   moe_layer_freq=getattr(args, "moe_layer_freq", None) or 1)
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,
@@ -76,9 +77,16 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
         gradient_accumulation_fusion=False, **moe)
     stages = []
     for s in range(pp):
+        if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
+            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+            assert pp == 1, "the worker builds interleaved dense layers on one pipeline stage"
+            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                    normalization=args.normalization)
+        else:
+            layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
+                                                  normalization=args.normalization)
         model = GPTModel(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(
-                num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False, normalization=args.normalization),
+            config=config, transformer_layer_spec=layer_spec,
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

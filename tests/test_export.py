@@ -289,6 +289,10 @@ MEGATRON_CASES = {
     # + a shared expert: shared_experts.linear_fc1 [gate; up] per tensor rank and linear_fc2, split like a dense MLP
     "moe-shared-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                                  "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48"], 2, 1),
+    # MoE layers 0 and 2, dense MLPs (ffn_hidden_size 96) in layers 1 and 3: moe_layer_freq 2
+    "moe-freq2-tp2": ("llama", ["model.num_layers=4", "model.num_experts=4", "model.moe_router_topk=2",
+                                "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=96", "model.moe_layer_freq=2"],
+                      2, 1),
 }
 
 
@@ -315,6 +319,14 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
         assert (saved["args"].moe_shared_expert_intermediate_size, saved["args"].moe_shared_expert_gate,
                 saved["args"].moe_shared_expert_overlap) == (48, False, False)
         assert saved["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
+    if "freq2" in case:
+        torch = pytest.importorskip("torch")
+        saved = torch.load(step / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+        assert saved["args"].moe_layer_freq == 2
+        assert saved["model"]["decoder.layers.1.mlp.linear_fc1.weight"].shape == (96, 64)  # [gate; up] 2 x 96 / tp
+        assert "decoder.layers.2.mlp.router.weight" in saved["model"]
+        assert not any(k.startswith(("decoder.layers.1.mlp.router", "decoder.layers.2.mlp.linear_fc1"))
+                       for k in saved["model"])
 
 
 def test_hf_export_refuses_a_shared_expert(tmp_path):

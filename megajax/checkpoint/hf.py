@@ -132,6 +132,8 @@ def architecture(m: ModelConfig) -> str:
             wrong.append(f"moe_router_topk_scaling_factor={m.moe_router_topk_scaling_factor} (needs null)")
         if m.moe_router_bias_update_rate > 0:
             wrong.append(f"moe_router_bias_update_rate={m.moe_router_bias_update_rate} (an expert bias; needs 0)")
+        if m.moe_layer_freq != 1:
+            wrong.append(f"moe_layer_freq={m.moe_layer_freq} (needs 1: every {MIXTRAL} layer is a mixture of experts)")
     if wrong:
         raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
@@ -239,13 +241,13 @@ def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConf
     producing each one (from one layer of each of its parts) just before it is written."""
     shards: list[list] = [[]]
     size = 0
-    for row, i in in_layer_order(rows, m.num_layers):
+    for row, i, slot in in_layer_order(rows, m):
         shape = external_shape(row, shapes, m)
         if shards[-1] and size + math.prod(shape) * dtype.itemsize > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((row.names(i)[0], shape, lambda row=row, i=i: to_external(
-            row, lambda path: source.get(path, layer=i), m)))
+        shards[-1].append((row.names(i)[0], shape, lambda row=row, slot=slot: to_external(
+            row, lambda path: source.get(path, layer=slot), m)))
         size += math.prod(shape) * dtype.itemsize
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -402,7 +404,7 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     with ExitStack() as files:
         weights, used = _weight_files(d, files), set()
-        for row, i in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m.num_layers):
+        for row, i, slot in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m):
             names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
             name = next((n for n in names if n in weights), None)
             if name is None:
@@ -416,7 +418,7 @@ def import_hf(in_dir) -> tuple[dict, dict]:
 
             for ours, x in to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), shapes, m,
                                    mismatch=mismatch).items():
-                flat_params[ours][index(i, row)] = x
+                flat_params[ours][index(slot, row)] = x
     left = sorted(n for n in set(weights) - used if not _ignored(n))
     if left:
         raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "

@@ -255,7 +255,7 @@ def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
     m = cfg.model
     if not has_expert_bias(m) or EXPERT_BIAS_STORED not in stored:
         return None
-    want = (m.num_layers, m.num_experts)
+    want = (m.num_moe_layers(), m.num_experts)
     if tuple(stored[EXPERT_BIAS_STORED].shape) != want:
         raise CheckpointError(f"checkpoint {step_dir}: {EXPERT_BIAS_STORED} has shape "
                               f"{tuple(stored[EXPERT_BIAS_STORED].shape)} but this model expects {want}.")

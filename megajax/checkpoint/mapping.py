@@ -16,6 +16,11 @@ A format's exporter and importer walk the same rows (`to_external`, `to_ours`).
 A row applies when every parameter it names is in the model's layout (so
 biases or an untied output layer need no conditions); of rows with one name
 the first that applies wins; a parameter no row holds is refused by name.
+
+A model with dense layers between its MoE layers (model.moe_layer_freq > 1) keeps
+the dense ones in a second stack, `dense_layers/`: a per-layer row naming
+`layers/...` also stands for the same parameters under `dense_layers/`, and
+each row holds the layers of its stack (`layer_rows`, `slot`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import numpy as np
 
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import layer_slots, stacked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +101,17 @@ class Row:
         return "{i}" in self.name
 
     @property
+    def stack(self) -> str | None:
+        """The stack (`layers/` or `dense_layers/`) of a per-layer row's parameters."""
+        return self.parts[0].path.split("/")[0] + "/" if self.per_layer else None
+
+    def in_stack(self, stack: str) -> "Row":
+        """This per-layer row with its `layers/` parameters read from `stack` instead."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(Row) if f.name not in ("name", "parts")}
+        return Row(self.name, *(dataclasses.replace(p, path=stack + p.path.split("/", 1)[1]) for p in self.parts),
+                   **options)
+
+    @property
     def expert(self) -> int | None:
         """The expert a row expanded per expert holds (its parts' slice of the expert dim)."""
         return self.parts[0].expert
@@ -126,8 +143,10 @@ def rows_for(table: tuple[Row, ...], shapes: dict[str, tuple[int, ...]], fmt: st
     no row holds."""
     out = []
     for row in table:
-        if row.name not in {r.name for r in out} and all(p.path in shapes for p in row.parts):
-            out.append(row)
+        variants = [row] + ([row.in_stack("dense_layers/")] if row.per_layer and row.stack == "layers/" else [])
+        for r in variants:
+            if (r.name, r.stack) not in {(x.name, x.stack) for x in out} and all(p.path in shapes for p in r.parts):
+                out.append(r)
     # A `{j}` row becomes one row per expert (the count: the parameter's dim after the layer's).
     out = [e for r in out for e in ([r.for_expert(j) for j in range(_num_experts(r, shapes))]
                                     if "{j}" in r.name else [r])]
@@ -138,13 +157,21 @@ def rows_for(table: tuple[Row, ...], shapes: dict[str, tuple[int, ...]], fmt: st
     return out
 
 
-def in_layer_order(rows: list[Row], num_layers: int) -> Iterator[tuple[Row, int | None]]:
-    """(row, layer): the rows before the per-layer ones, those layer by layer, then the rest."""
-    layer_rows = [r for r in rows if r.per_layer]
-    start = rows.index(layer_rows[0]) if layer_rows else len(rows)
-    yield from ((r, None) for r in rows[:start] if not r.per_layer)
-    yield from ((r, i) for i in range(num_layers) for r in layer_rows)
-    yield from ((r, None) for r in rows[start:] if not r.per_layer)
+def layer_rows(rows: list[Row], m: ModelConfig, layer: int) -> Iterator[tuple[Row, int]]:
+    """(row, slot) for the per-layer rows holding model layer `layer`: those of its stack, `slot`
+    its index in that stack."""
+    stack, slot = layer_slots(m)[layer]
+    yield from ((r, slot) for r in rows if r.per_layer and r.stack == stack)
+
+
+def in_layer_order(rows: list[Row], m: ModelConfig) -> Iterator[tuple[Row, int | None, int | None]]:
+    """(row, layer, slot): the rows before the per-layer ones, those layer by layer (`slot`: the
+    layer's index in the row's stack), then the rest."""
+    per_layer = [r for r in rows if r.per_layer]
+    start = rows.index(per_layer[0]) if per_layer else len(rows)
+    yield from ((r, None, None) for r in rows[:start] if not r.per_layer)
+    yield from ((r, i, slot) for i in range(m.num_layers) for r, slot in layer_rows(rows, m, i))
+    yield from ((r, None, None) for r in rows[start:] if not r.per_layer)
 
 
 def _num_experts(row: Row, shapes: dict) -> int:
@@ -153,13 +180,13 @@ def _num_experts(row: Row, shapes: dict) -> int:
 
 def _layer_shape(shapes: dict, path: str, part: Part | None = None) -> tuple[int, ...]:
     """One layer's shape of a parameter (one expert's, for a part of a row expanded per expert)."""
-    shape = shapes[path][1:] if path.startswith("layers/") else shapes[path]
+    shape = shapes[path][1:] if stacked(path) else shapes[path]
     return shape[1:] if part is not None and part.expert is not None else shape
 
 
-def index(layer: int | None, row: Row) -> tuple | type(Ellipsis):
-    """Where a `to_ours` tensor of `row` at `layer` goes in the whole (stacked) parameter."""
-    idx = tuple(k for k in (layer, row.expert) if k is not None)
+def index(slot: int | None, row: Row) -> tuple | type(Ellipsis):
+    """Where a `to_ours` tensor of `row` at stack index `slot` goes in the whole (stacked) parameter."""
+    idx = tuple(k for k in (slot, row.expert) if k is not None)
     return idx if idx else ...
 
 

@@ -28,6 +28,7 @@ is that each source tensor is read TP times.
 from __future__ import annotations
 
 import argparse
+import ast
 import pickle
 import re
 import warnings
@@ -38,8 +39,8 @@ import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
-from megajax.checkpoint.mapping import (Row, flat, index, linear, linear_rows, norm_rows, rows_for, same, to_external,
-                                        to_ours)
+from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
+                                        to_external, to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
@@ -124,24 +125,26 @@ _MOE_EXTRA_STATE = tuple(f"{_EXP}.{x}._extra_state" for x in ("linear_fc1", "lin
 _SHARED_EXTRA_STATE = tuple(f"{_SHARED}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
 
 
-def _extra_state(m: ModelConfig, layer: int) -> list[str]:
-    """A layer's `_extra_state` keys (its Linear modules')."""
-    if not m.num_experts:
-        return [k.replace("{i}", str(layer)) for k in _EXTRA_STATE]
+def _extra_state(m: ModelConfig, layer: int, local: int) -> list[str]:
+    """The `_extra_state` keys (its Linear modules') of model layer `layer`, numbered `local` on its stage."""
+    if not m.is_moe_layer(layer):
+        return [k.replace("{i}", str(local)) for k in _EXTRA_STATE]
     keys = _EXTRA_STATE[:2] + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
-    return [k.replace("{i}", str(layer)).replace("{j}", str(j)) for k in keys
+    return [k.replace("{i}", str(local)).replace("{j}", str(j)) for k in keys
             for j in (range(m.num_experts) if "{j}" in k else [0])]
 _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
-def _on_stage(rows: list[Row], first: bool, last: bool, layers, offset: int):
-    """(row, its names on this pipeline stage, model layer or None) for every tensor the stage holds: its
-    layers (numbered from 0 within the stage), the embeddings on the first, the rest on the last."""
+def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, offset: int):
+    """(row, its names on this pipeline stage, the index in the row's stack of the layer or None) for
+    every tensor the stage holds: its layers (numbered from 0 within the stage), the embeddings on the
+    first, the rest on the last."""
     for row in rows:
-        if row.per_layer:
-            yield from ((row, row.names(k), offset + k) for k in layers)
-        elif (first if row.name.startswith("embedding.") else last) and not (row.copy and first):
+        if not row.per_layer and (first if row.name.startswith("embedding.") else last) and not (row.copy and first):
             yield row, row.names(), None
+        elif row.per_layer and row is next(r for r in rows if r.per_layer):  # the layers, each whole, in order
+            for k in layers:
+                yield from ((r, r.names(k), slot) for r, slot in layer_rows(rows, m, offset + k))
 
 
 # ----------------------------------------------------------------------------
@@ -207,7 +210,7 @@ def _moe_args(m: ModelConfig) -> dict:
     return dict(num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
                 moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
-                moe_layer_freq=1, moe_router_score_function=m.moe_router_score_function,
+                moe_layer_freq=m.moe_layer_freq, moe_router_score_function=m.moe_router_score_function,
                 moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
                 moe_router_enable_expert_bias=has_expert_bias(m),
                 moe_router_bias_update_rate=m.moe_router_bias_update_rate,
@@ -223,13 +226,13 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     torch = _torch()
     per_stage = m.num_layers // pp
     sd: dict = {}
-    for row, names, layer in _on_stage(rows, s == 0, s == pp - 1, range(per_stage), s * per_stage):
-        x = to_external(row, lambda path: source.get(path, layer=layer), m, tensor=tp, rank=t, vocab_rows=padded)
+    for row, names, slot in _on_stage(rows, m, s == 0, s == pp - 1, range(per_stage), s * per_stage):
+        x = to_external(row, lambda path: source.get(path, layer=slot), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
         # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
         to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
         sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
-    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, k)})
+    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, s * per_stage + k, k)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
     return sd
@@ -372,8 +375,7 @@ def _overrides_from_args(args) -> dict:
             reject(name, getattr(args, name), "False")
     moe = {}
     if _arg(args, "num_experts"):
-        for name, accepted in (("moe_layer_freq", 1), ("moe_router_pre_softmax", False),
-                               ("moe_shared_expert_gate", False)):
+        for name, accepted in (("moe_router_pre_softmax", False), ("moe_shared_expert_gate", False)):
             value = getattr(args, name, None)
             if value is not None and value != accepted:
                 reject(name, value, repr(accepted))
@@ -386,11 +388,12 @@ def _overrides_from_args(args) -> dict:
             if score != "sigmoid" or not rate > 0:
                 reject("moe_router_enable_expert_bias", True, "an expert bias only with moe_router_score_function="
                        "sigmoid and moe_router_bias_update_rate > 0")
+        freq = _moe_layer_freq(getattr(args, "moe_layer_freq", None), int(args.num_layers), reject)
         scaling = _arg(args, "moe_router_topk_scaling_factor")
         moe = dict(num_experts=int(args.num_experts), moe_router_topk=int(_arg(args, "moe_router_topk", 2)),
                    moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"), moe_router_score_function=score,
                    moe_router_topk_scaling_factor=None if scaling is None else float(scaling),
-                   moe_router_bias_update_rate=rate,
+                   moe_router_bias_update_rate=rate, moe_layer_freq=freq,
                    moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)))
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
@@ -431,6 +434,44 @@ def _overrides_from_args(args) -> dict:
     return out
 
 
+def _moe_layer_freq(value, num_layers: int, reject) -> int:
+    """model.moe_layer_freq from Megatron's moe_layer_freq: an int N (layer i is MoE when i % N == 0), a
+    0/1 list per layer or its string (e.g. "[1,0]*2"), accepted when it is such a pattern."""
+    if value is None:
+        return 1
+    pattern = _list_expression(value) if isinstance(value, str) else value
+    if isinstance(pattern, int) and pattern >= 1 and num_layers % pattern == 0:
+        return pattern
+    if isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and pattern and pattern[0] == 1:
+        n = next((k for k in range(1, num_layers + 1) if list(pattern) == [int(i % k == 0) for i in range(num_layers)]),
+                 None)
+        if n is not None and num_layers % n == 0:
+            return n
+    reject("moe_layer_freq", value, f"one MoE layer every N layers starting with layer 0 (an int N dividing "
+                                    f"num_layers={num_layers}, or that pattern as a 0/1 list)")
+
+
+def _list_expression(text: str):
+    """The value of a Megatron list expression such as "([1]*1+[0]*3)*2" (int lists, + and *), or None
+    when the text is anything else (it is never executed)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(x) for x in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Mult) and max(len(x) if isinstance(x, list) else abs(x) for x in (left, right)) * \
+                    min(len(x) if isinstance(x, list) else abs(x) for x in (left, right)) > 1 << 20:
+                raise ValueError(text)  # no layer pattern is this long
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(text)
+    try:
+        return value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError, MemoryError):
+        return None
+
+
 def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m: ModelConfig, first: bool,
                 last: bool, layers: list[int], offset: int, vocab_padded: int, out: dict) -> None:
     """Fills `out` from one pipeline stage's state dicts (one per tensor rank), merging the shards."""
@@ -439,7 +480,7 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
                                f"merged), but its args imply {list(want)}.")
 
     used = set()
-    for row, names, layer in _on_stage(rows, first, last, layers, offset):
+    for row, names, slot in _on_stage(rows, m, first, last, layers, offset):
         key = next((k for k in names if k in dicts[0]), None)  # local spec name, or an alias
         if key is None:
             raise CheckpointError(f"Megatron checkpoint {where} has no {names[0]}.")
@@ -452,7 +493,7 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
         y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
         for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
                                mismatch=mismatch).items():
-            out[path][index(layer, row)] = x
+            out[path][index(slot, row)] = x
     left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
     if left:
         raise CheckpointError(f"Megatron checkpoint {where} holds tensors megajax does not know: "

@@ -44,6 +44,7 @@ from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
 from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
 from megajax.models import Transformer, param_axes
 from megajax.models.attention import ACT_CACHE, make_attention_core
+from megajax.models.layout import layer_slots
 from megajax.models.layers import LinearOps
 from megajax.parallel.context import sharded_attention
 
@@ -134,24 +135,23 @@ def generation_rules(activations: Rules) -> Rules:
     return {**activations, "length": (), "residual_length": ()}
 
 
-@functools.partial(jax.jit, static_argnames=("dtype",))
-def _split_layers(params: dict, dtype) -> tuple[dict, list]:
+@functools.partial(jax.jit, static_argnames=("dtype", "slots"))
+def _split_layers(params: dict, dtype, slots: tuple) -> tuple[dict, list]:
     cast = functools.partial(jax.tree.map, lambda p: p.astype(dtype))
-    stacked = params["layers"]
-    layers = len(jax.tree.leaves(stacked)[0])
-    return (cast({k: v for k, v in params.items() if k != "layers"}),
-            [cast(jax.tree.map(lambda p, i=i: p[i], stacked)) for i in range(layers)])
+    stacks = {stack.rstrip("/") for stack, _ in slots}
+    return (cast({k: v for k, v in params.items() if k not in stacks}),
+            [cast(jax.tree.map(lambda p, i=i: p[i], params[stack.rstrip("/")])) for stack, i in slots])
 
 
-def split_layers(params: dict, dtype=jnp.float32) -> tuple[dict, list]:
-    """(the parameters other than the blocks', one dict per block), in `dtype`: each layer in its
-    own buffers, stored in the compute dtype.
+def split_layers(params: dict, model: ModelConfig, dtype=jnp.float32) -> tuple[dict, list]:
+    """(the parameters other than the blocks', one dict per block in model order), in `dtype`: each
+    layer in its own buffers, stored in the compute dtype.
 
     A decode step reads every weight once, so its time is the weights' bytes: on CPU a product
     cannot read one layer of a stacked `[layers, ...]` tensor in place (a scanned step copies each
     layer's weights first, every step), and fp32 master weights cast to bf16 on use would be read
     in fp32 and written again, every step."""
-    return _split_layers(params, jnp.dtype(dtype))
+    return _split_layers(params, jnp.dtype(dtype), tuple(layer_slots(model)))
 
 
 def length_bucket(n: int) -> int:
@@ -185,7 +185,7 @@ class Generator:
         self.graphdef, self.axes, self.abstract_params = generation_model(
             model, padded_vocab_size or model.padded_vocab_size(), dtype, core)
         self.layer_buffers = layer_buffers
-        self.params = split_layers(params, dtype) if layer_buffers else params
+        self.params = split_layers(params, model, dtype) if layer_buffers else params
         self.mesh = mesh
         self.rules = generation_rules(rules) if rules is not None else None
         self.eod_id = eod_id
@@ -215,7 +215,8 @@ class Generator:
         if not self.layer_buffers:
             return nnx.merge(self.graphdef, params), None
         rest, layers = params
-        return nnx.merge(self.graphdef, {**rest, "layers": self.abstract_params["layers"]}), layers
+        stacks = {k: v for k, v in self.abstract_params.items() if k in ("layers", "dense_layers")}
+        return nnx.merge(self.graphdef, {**rest, **stacks}), layers
 
     def _expert_bias(self) -> jax.Array | None:
         return None if self.expert_bias is None else jnp.asarray(self.expert_bias)

@@ -12,6 +12,9 @@ Names are the '/'-joined paths of the pure parameter dict; tensors under
     layers/mlp/fc2/kernel     [L, F, D]        biases: gate|up|fc1 [L, F], fc2 [L, D]
     layers/mlp/router         [L, D, E]        MoE: experts gate|up|fc1 [L, E, D, F], fc2 [L, E, F, D]
     layers/mlp/shared_experts/gate|up|fc1|fc2/kernel   MoE shared expert: the MLP's, F = its size S
+    dense_layers/...          [L - L/R, ...]   model.moe_layer_freq R > 1: the dense layers (the paths
+                                               of a dense model's `layers/`); `layers/` then holds the
+                                               L/R MoE layers (see layer_slots)
     final_norm/scale          [D]              (+ bias)
     output                    [D, Vp]          untied embeddings only
 
@@ -53,7 +56,23 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
 # The MoE routers' expert bias (aux-loss-free balancing) is training state, not a parameter
 # (TrainState.moe_expert_bias), but checkpoints in other formats hold it beside the router's
 # weight: exporters and importers name it like a parameter of the layer stack.
-EXPERT_BIAS = "layers/mlp/expert_bias"  # [L, E] fp32
+EXPERT_BIAS = "layers/mlp/expert_bias"  # [MoE layers, E] fp32
+STACKS = ("layers/", "dense_layers/")  # the stacked parameters' prefixes: dim 0 is the layer
+
+
+def layer_slots(m: ModelConfig) -> list[tuple[str, int]]:
+    """For each model layer (from 0), the stack holding it and its index there: ("layers/", n) for
+    every layer, or, with model.moe_layer_freq R > 1 (layer n is MoE when n % R == 0), the MoE
+    layers in `layers/` and the dense ones in `dense_layers/`, each stack in model order."""
+    if not m.interleaves_dense_layers():
+        return [("layers/", n) for n in range(m.num_layers)]
+    r = m.moe_layer_freq
+    return [("layers/", n // r) if n % r == 0 else ("dense_layers/", n - n // r - 1) for n in range(m.num_layers)]
+
+
+def stacked(path: str) -> bool:
+    """Whether the parameter `path` is stacked over layers."""
+    return path.startswith(STACKS)
 
 
 def has_expert_bias(m: ModelConfig) -> bool:
@@ -66,7 +85,7 @@ def tensor_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[
     writes and an import reads."""
     shapes = param_shapes(m, padded_vocab_size)
     if has_expert_bias(m):
-        shapes[EXPERT_BIAS] = (m.num_layers, m.num_experts)
+        shapes[EXPERT_BIAS] = (m.num_moe_layers(), m.num_experts)
     return shapes
 
 

@@ -5,10 +5,15 @@
 Blocks are pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). The N blocks'
 parameters are stacked on a leading `layers` dim and applied with
 `jax.lax.scan`, so compile time does not grow with depth.
+
+A mixture-of-experts model with model.moe_layer_freq = F > 1 (layer i is MoE when i % F == 0)
+holds two stacks: `layers`, its N / F MoE blocks, and `dense_layers`, the N - N / F dense ones,
+in model order. It scans over the N / F groups of one MoE block followed by F - 1 dense blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
@@ -29,11 +34,12 @@ LOGITS = ("batch", "length", "vocab")
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps,
-                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None):
+                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None, moe: bool | None = None):
+        """`moe`: a mixture-of-experts MLP (default: when cfg.num_experts > 0), else a dense one."""
         self.attn_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        if cfg.num_experts:
+        if bool(cfg.num_experts) if moe is None else moe:
             self.mlp = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs, ops=ops)
         else:
             self.mlp = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
@@ -96,14 +102,22 @@ class Transformer(nnx.Module):
                 axes=("position", "embed"))
         core = attention_core or make_attention_core(cfg.attention_impl, recompute)
 
-        @nnx.split_rngs(splits=cfg.num_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
-        def make_blocks(rngs):
-            return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
-                         expert_dispatch=expert_dispatch)
+        def make_blocks(count: int, moe: bool):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
+            def make(rngs):
+                return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
+                             expert_dispatch=expert_dispatch, moe=moe)
+            blocks = make(rngs)
+            _add_layers_axis(blocks)
+            return blocks
 
-        self.layers = make_blocks(rngs)
-        _add_layers_axis(self.layers)
+        self.interleaved = cfg.interleaves_dense_layers()
+        if self.interleaved:
+            self.layers = make_blocks(cfg.num_moe_layers(), True)
+            self.dense_layers = make_blocks(cfg.num_layers - cfg.num_moe_layers(), False)
+        else:
+            self.layers = make_blocks(cfg.num_layers, bool(cfg.num_experts))
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.ops = ops
@@ -152,6 +166,9 @@ class Transformer(nnx.Module):
         dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
         masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None."""
         inv_freq = self.rope_inv_freq()
+        if self.interleaved:
+            return self._grouped_stack(x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                       dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
         block_def, block_state = nnx.split(self.layers)
         count = jax.tree.leaves(block_state)[0].shape[0]
 
@@ -166,6 +183,38 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body, prevent_cse=False)
         return jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count), expert_bias),
                             unroll=1 if self.cfg.scan_layers else True)
+
+    def _grouped_stack(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
+        """layer_stack of a model whose MoE layers alternate with dense ones (moe_layer_freq F > 1):
+        a scan over the groups [MoE block, F - 1 dense blocks]; the stats of the MoE blocks."""
+        inv_freq, f, unroll = self.rope_inv_freq(), self.cfg.moe_layer_freq, 1 if self.cfg.scan_layers else True
+        moe_def, moe_state = nnx.split(self.layers)
+        dense_def, dense_state = nnx.split(self.dense_layers)
+        groups = jax.tree.leaves(moe_state)[0].shape[0]
+        dense_state = jax.tree.map(lambda p: p.reshape((groups, f - 1) + p.shape[1:]), dense_state)
+
+        def runner(graphdef):
+            def run(params, x, index, bias):
+                rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+                return nnx.merge(graphdef, params)(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                                   inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
+            return jax.checkpoint(run, prevent_cse=False) if self.recompute == "full" else run
+
+        moe_block, dense_block = runner(moe_def), runner(dense_def)
+
+        def group(x, xs):
+            moe_params, dense_params, first, bias = xs  # first: the group's model layer (its MoE block's)
+            x, stats = moe_block(moe_params, x, first, bias)
+
+            def dense(x, layer):
+                params, index = layer
+                return dense_block(params, x, index, None)[0], None
+
+            x, _ = jax.lax.scan(dense, x, (dense_params, first + 1 + jnp.arange(f - 1)), unroll=unroll)
+            return x, stats
+
+        return jax.lax.scan(group, x_BxLxD, (moe_state, dense_state, first_layer + f * jnp.arange(groups),
+                                             expert_bias), unroll=unroll)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """Token embeddings (+ learned positions) [B, L, D] in the compute dtype."""
@@ -214,24 +263,50 @@ class Transformer(nnx.Module):
         segment_ids = key_mask_BxT[:, :l].astype(jnp.int32) if prefill else None
         inv_freq = self.rope_inv_freq()
         block_def, block_state = nnx.split(self.layers)
+        unroll = 1 if self.cfg.scan_layers else True
 
-        def body(x, layer):
-            params, k, v, bias = layer
-            block = nnx.merge(block_def, params)
-            x, k, v = block.extend(x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v,
-                                   start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids, expert_bias_E=bias)
-            return x, (k, v)
+        def runner(graphdef):
+            def body(x, layer):
+                params, k, v, bias = layer
+                x, k, v = nnx.merge(graphdef, params).extend(
+                    x, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k=k, cache_v=v, start=start,
+                    mask_BxLxT=mask, segment_ids_BxL=segment_ids, expert_bias_E=bias)
+                return x, (k, v)
+            return body
 
-        if layer_params is None:
-            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v, expert_bias),
-                                                 unroll=1 if self.cfg.scan_layers else True)
-        else:
+        body = runner(block_def)
+        if self.interleaved:  # groups of one MoE block and moe_layer_freq - 1 dense ones
+            f = self.cfg.moe_layer_freq
+            dense_def, dense_state = nnx.split(self.dense_layers)
+            dense_body = runner(dense_def)
+        if layer_params is not None:
             new_k, new_v = [], []
             for n, (params, k, v) in enumerate(zip(layer_params, cache_k, cache_v, strict=True)):
-                x, (k, v) = body(x, (params, k, v, None if expert_bias is None else expert_bias[n]))
+                if self.interleaved and n % f:
+                    x, (k, v) = dense_body(x, (params, k, v, None))
+                else:
+                    moe = n // f if self.interleaved else n
+                    x, (k, v) = body(x, (params, k, v, None if expert_bias is None else expert_bias[moe]))
                 new_k.append(k)
                 new_v.append(v)
             cache_k, cache_v = new_k, new_v
+        elif not self.interleaved:
+            x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v, expert_bias), unroll=unroll)
+        else:
+            groups = jax.tree.leaves(block_state)[0].shape[0]
+            per_group = functools.partial(jax.tree.map, lambda p: p.reshape((groups, -1) + p.shape[1:]))
+
+            def group(x, xs):
+                params, dense_params, k, v, bias = xs  # k, v: [F, ...], the group's layers' caches
+                x, (k0, v0) = body(x, (params, k[0], v[0], bias))
+                x, (k1, v1) = jax.lax.scan(lambda x, layer: dense_body(x, layer + (None,)), x,
+                                           (dense_params, k[1:], v[1:]), unroll=unroll)
+                return x, (jnp.concatenate([k0[None], k1]), jnp.concatenate([v0[None], v1]))
+
+            x, (cache_k, cache_v) = jax.lax.scan(
+                group, x, (block_state, per_group(dense_state), per_group(cache_k), per_group(cache_v), expert_bias),
+                unroll=unroll)
+            cache_k, cache_v = (c.reshape((-1,) + c.shape[2:]) for c in (cache_k, cache_v))
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
 
 

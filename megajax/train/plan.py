@@ -186,6 +186,11 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
         (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
     ]
+    if m.interleaves_dense_layers():
+        raise ConfigError(f"mesh.pipeline={p} with model.moe_layer_freq={m.moe_layer_freq} (dense layers between "
+                          f"the MoE layers) is not available: pipeline stages split one layer stack, and this "
+                          f"model has two. Use model.moe_layer_freq=1 (every layer MoE) with a pipeline, or "
+                          f"mesh.pipeline=1 (expert, data, fsdp, tensor and context parallelism all work).")
     inner = [f"mesh.{a}={sizes[a]}" for a in ("tensor", "context") if sizes[a] > 1]
     if m.num_experts > 0 and inner:
         raise ConfigError(f"mesh.pipeline={p} with a mixture of experts (model.num_experts={m.num_experts}) and "

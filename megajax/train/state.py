@@ -164,7 +164,7 @@ def initial_expert_bias(m: ModelConfig) -> jax.Array | None:
     model has none (dense, or model.moe_router_bias_update_rate = 0)."""
     if not has_expert_bias(m):
         return None
-    return jnp.zeros((m.num_layers, m.num_experts), jnp.float32)
+    return jnp.zeros((m.num_moe_layers(), m.num_experts), jnp.float32)
 
 
 def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,

@@ -290,7 +290,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         grads = jax.tree.map(lambda g, s: constrain(g, tuple(s)), grads, pipeline_grad_specs)
         sums = {"loss_sum": loss_sum}
         if moe:
-            layers = cfg.model.num_layers
+            layers = cfg.model.num_moe_layers()
             sums.update(moe_aux_loss=router["aux"] / (accum * layers), moe_z_loss=router["z"] / (accum * layers),
                         moe_tokens=router["tokens"], moe_dropped=router["dropped"])
         return finish(state, grads, amaxes, sums, num_tokens, scale)

@@ -1,0 +1,144 @@
+"""model.moe_layer_freq > 1: MoE layers alternate with dense ones (layer i is MoE when i % F == 0, as
+in Megatron). The model equals its layers applied one by one; every expert-parallel layout trains as
+one device does; checkpoints, generation and the Megatron-Core format keep the layer order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from layout_parity import assert_same_run, reference, run
+from megajax.config import load_config
+from megajax.errors import ConfigError
+
+MOE = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.moe_layer_freq=2"]
+
+
+def _tiny(*overrides):
+    cfg = load_config(["model/tiny-moe"], ["model.vocab_size=100", "model.hidden_size=64", "model.num_heads=4",
+                                           "model.ffn_hidden_size=128", "model.moe_ffn_hidden_size=32",
+                                           "model.num_experts=4", *overrides])
+    cfg.model.resolve(16)
+    return cfg.model
+
+
+@pytest.mark.parametrize("freq,num_layers", [(2, 4), (3, 6)])
+def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
+    from megajax.models.layout import layer_slots, param_shapes
+    from megajax.models.transformer import Transformer
+    m = _tiny(f"model.moe_layer_freq={freq}", f"model.num_layers={num_layers}")
+    slots = layer_slots(m)
+    assert [s == "layers/" for s, _ in slots] == [n % freq == 0 for n in range(num_layers)]
+    assert m.num_moe_layers() == num_layers // freq
+    shapes = param_shapes(m)
+    assert shapes["layers/mlp/router"][0] == num_layers // freq
+    assert shapes["dense_layers/mlp/gate/kernel"] == (num_layers - num_layers // freq, 64, 128)
+    model = Transformer(m, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 100)
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    logits, stats = model(tokens, router_stats=True)
+    assert stats.probs.shape[0] == num_layers // freq
+    x = model.embed_input(tokens, positions, None)
+    for stack, i in slots:  # each layer by hand, from its own stack, in model order
+        graphdef, state = nnx.split(getattr(model, stack[:-1]))
+        block = nnx.merge(graphdef, jax.tree.map(lambda p: p[i], state))
+        x, _ = block(x, positions_BxL=positions, segment_ids_BxL=None, inv_freq=model.rope_inv_freq(),
+                     dropout_rng=None)
+    real = slice(0, 100)
+    np.testing.assert_allclose(np.asarray(model.logits(x))[..., real], np.asarray(logits)[..., real],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_frequencies_are_refused():
+    with pytest.raises(ConfigError, match=r"model.moe_layer_freq = 3 does not divide model.num_layers = 4.*1, 2, 4"):
+        load_config(["model/tiny-moe"], ["model.moe_layer_freq=3"])
+    with pytest.raises(ConfigError, match=r"model.moe_layer_freq = 0: must be > 0"):
+        load_config(["model/tiny-moe"], ["model.moe_layer_freq=0"])
+
+
+LAYOUTS = {
+    "expert2_data4": ["mesh.data=4", "mesh.expert=2"],
+    "expert2_fsdp2_tensor2_sp": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
+                                 "parallel.sequence_parallel=true"],
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_interleaved_dense_layers_match_one_device(small_config, layout):
+    ref = reference(small_config, *MOE)
+    got = run(small_config, *MOE, *LAYOUTS[layout], devices=jax.devices())
+    assert_same_run(got, ref)
+
+
+def _random_model(*overrides):
+    from megajax.checkpoint.source import flatten, unflatten
+    from megajax.train.state import build_model_spec
+    cfg = load_config(overrides=["model.num_layers=4", "model.hidden_size=32", "model.num_heads=4",
+                                 "model.ffn_hidden_size=48", "model.vocab_size=257", "train.seq_len=32",
+                                 "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=16",
+                                 "model.moe_layer_freq=2", *overrides])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    rng = np.random.default_rng(0)
+    flat = {name: (rng.normal(0.0, 0.1, x.shape) + name.endswith("/scale")).astype(np.float32)
+            for name, x in flatten(spec.abstract_params)}
+    flat["embed/embedding"][257:] = 0  # the vocabulary padding stays zero, as in training
+    flat["output"][:, 257:] = 0
+    return cfg, spec, unflatten(flat)
+
+
+@pytest.mark.parametrize("layer_buffers", [True, False])
+def test_cached_generation_equals_the_full_forward(layer_buffers):
+    """Greedy decoding with the KV cache (per-layer buffers in model order, or the stacked cache
+    scanned in groups) gives the tokens of re-running the whole model, with the expert bias."""
+    from megajax.inference.generate import Generator
+    from megajax.inference.sampling import Sampling
+    cfg, spec, params = _random_model("model.moe_router_score_function=sigmoid",
+                                      "model.moe_router_bias_update_rate=0.01")
+    bias = np.random.default_rng(1).normal(0.0, 0.3, (2, 4)).astype(np.float32)
+    prompt, n = [65, 66, 67, 68, 69], 6
+    apply = jax.jit(lambda p, t, b: spec.apply(p, t, expert_bias=b))
+    ids = list(prompt)
+    for _ in range(n):
+        buf = np.zeros((1, 32), np.int32)
+        buf[0, :len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(apply(params, buf, bias))[0, len(ids) - 1, :257])))
+    gen = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers, expert_bias=bias)
+    [done], _ = gen.generate([prompt], Sampling(), n)
+    assert done.completion_ids == ids[len(prompt):]
+
+
+def test_megatron_stages_round_trip_and_the_list_form_imports(tmp_path):
+    """Pipeline stages of a Megatron export hold whole layers of either kind (numbered within the
+    stage); the import merges them back exactly, also when args give the pattern as Megatron's list
+    expression. Hugging Face (Mixtral: every layer MoE) refuses the model in one error."""
+    import argparse
+    torch = pytest.importorskip("torch")
+    from megajax.checkpoint.common import model_overrides
+    from megajax.checkpoint.hf import export_hf
+    from megajax.checkpoint.megatron import export_megatron, import_megatron
+    from megajax.checkpoint.source import DictSource, flatten
+    from megajax.errors import CheckpointError
+    cfg, _, params = _random_model("model.num_layers=6", "model.moe_layer_freq=3")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=2, pipeline_parallel=3,
+                          dtype="fp32", iteration=1)
+    step = out / "iter_0000001"
+    stage1 = torch.load(step / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in stage1  # model layer 2: dense
+    assert "decoder.layers.1.mlp.router.weight" in stage1  # model layer 3: MoE
+    for form in (3, "([1]+[0]*2)*2"):
+        for t in range(2):
+            for s in range(3):
+                f = step / f"mp_rank_{t:02d}_{s:03d}" / "model_optim_rng.pt"
+                saved = torch.load(f, weights_only=False)
+                torch.save(dict(saved, args=argparse.Namespace(**dict(vars(saved["args"]), moe_layer_freq=form))), f)
+        overrides, back = import_megatron(out)
+        assert overrides == model_overrides(cfg.model) and overrides["moe_layer_freq"] == 3
+        got, want = dict(flatten(back)), dict(flatten(params))
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    with pytest.raises(CheckpointError, match=r"moe_layer_freq=3 \(needs 1: every MixtralForCausalLM layer"):
+        export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte")
+    assert not (tmp_path / "hf").exists()
