@@ -49,13 +49,23 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     real = slice(0, 100)
     np.testing.assert_allclose(np.asarray(model.logits(x))[..., real], np.asarray(logits)[..., real],
                                rtol=1e-5, atol=1e-5)
+    # Unrolled layers with full recompute: the same function of the same parameters.
+    other = Transformer(_tiny(f"model.moe_layer_freq={freq}", f"model.num_layers={num_layers}",
+                              "model.scan_layers=false"), recompute="full", rngs=nnx.Rngs(1))
+    nnx.update(other, nnx.state(model, nnx.Param))
+    grad = nnx.grad(lambda mod: jnp.sum(mod(tokens)[..., real] ** 2))
+    g1, g2 = nnx.to_pure_dict(grad(model)), nnx.to_pure_dict(grad(other))
+    np.testing.assert_allclose(np.asarray(other(tokens))[..., real], np.asarray(logits)[..., real], rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
 
 
-def test_bad_frequencies_are_refused():
-    with pytest.raises(ConfigError, match=r"model.moe_layer_freq = 3 does not divide model.num_layers = 4.*1, 2, 4"):
-        load_config(["model/tiny-moe"], ["model.moe_layer_freq=3"])
-    with pytest.raises(ConfigError, match=r"model.moe_layer_freq = 0: must be > 0"):
-        load_config(["model/tiny-moe"], ["model.moe_layer_freq=0"])
+def test_a_pipeline_is_refused():
+    """(The key's own errors are in tests/test_moe.py's list of MoE key errors.)"""
+    from megajax.train.plan import make_plan
+    cfg = load_config(["model/tiny-moe"], ["model.moe_layer_freq=2", "mesh.pipeline=2", "mesh.data=4",
+                                           "train.global_batch=16", "train.micro_batch=1"])
+    with pytest.raises(ConfigError, match=r"mesh.pipeline=2 with model.moe_layer_freq=2 .* Use model.moe_layer_freq=1"):
+        make_plan(cfg, 8)
 
 
 LAYOUTS = {

@@ -157,12 +157,13 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
     a = layout.accumulation
     p = sizes.get("pipeline", 1)
     layers = m.num_layers / p
+    moe_layers = m.num_moe_layers() / p  # the layers with an all-to-all (and a shared expert)
     if p > 1:
         out["collective-permute"] += 2 * a * cfg.parallel.virtual_stages * bsh
         out["all-reduce"] += stage_shared_param_bytes
     if t > 1:
         per_step = 4 * layers + 2
-        shared = 2 * layers if m.num_experts and m.moe_shared_expert_ffn_size else 0  # the shared expert
+        shared = 2 * moe_layers if m.num_experts and m.moe_shared_expert_ffn_size else 0  # the shared expert
         full = cfg.parallel.recompute == "full"
         # Full recompute re-runs a layer's forward for its backward, but only the collectives whose
         # results the backward needs: all but the one after the MLP (the layer's output).
@@ -178,7 +179,7 @@ def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
     dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
     reductions = a if m.num_experts and (p == 1 or dropout) else 1
     if m.num_experts and ep > 1:
-        out["all-to-all"] += a * 4 * layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
+        out["all-to-all"] += a * 4 * moe_layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
         out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
     fsdp, data = sizes["fsdp"], sizes["data"]
     shard = local_param_bytes * reductions
