@@ -180,6 +180,9 @@ class ParallelConfig:
     context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"  # with mesh.pipeline > 1
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule)
+    # MoE token exchange over mesh.expert: fixed-size all_to_all buffers (every backend) | ragged
+    # (jax.lax.ragged_all_to_all: only the real rows move; GPU/TPU, dropless routing only).
+    moe_all_to_all: Literal["padded", "ragged"] = "padded"
 
 
 @dataclass
@@ -638,6 +641,11 @@ def validate_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} does not divide model.num_layers = "
                           f"{m.num_layers}: the layers run in groups of one MoE layer and moe_layer_freq - 1 "
                           f"dense ones. Accepted for {m.num_layers} layers: {', '.join(map(str, ok))}.")
+    if cfg.parallel.moe_all_to_all == "ragged" and m.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"parallel.moe_all_to_all = ragged with model.moe_expert_capacity_factor = "
+                          f"{m.moe_expert_capacity_factor}: capacity mode's buffers are fixed-size already; the "
+                          f"ragged exchange is for dropless routing. Use parallel.moe_all_to_all=padded, or "
+                          f"model.moe_expert_capacity_factor=null.")
     if m.use_bias:
         raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
                           "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")

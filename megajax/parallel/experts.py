@@ -12,7 +12,14 @@ axes and `expert`, the sequence over `context`). Experts are split over the `exp
     all_to_all back                           -> every assignment's output, weighted and summed
 
 Buffers have a fixed size (the worst case: every assignment to one device), which every
-backend runs; only the valid rows carry data. In capacity mode the buffers are the experts'
+backend runs; only the valid rows carry data. With parallel.moe_all_to_all=ragged (dropless
+only) the exchanges are `jax.lax.ragged_all_to_all`s instead, which move only the valid rows
+(XLA:GPU and TPU have it; XLA:CPU does not):
+
+    assignments sorted by expert [A, D], device r's rows a contiguous slice -> ragged_all_to_all
+        -> recv [ep x A, D]: each source's rows one after another (offsets from an all_to_all of
+        the counts), grouped by local expert and run as above -> ragged_all_to_all back into
+        each source's sorted slots In capacity mode the buffers are the experts'
 [E_local x capacity] slots per device (megajax.models.moe.capacity_dispatch), E x capacity rows
 sent per device instead of ep x tokens x K. With the tensor axis, every tensor rank of an
 expert group holds the same tokens (gathered from the sequence-parallel split first) and computes
@@ -45,11 +52,33 @@ def _names(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
+                               axis_name):
+    """`jax.lax.ragged_all_to_all` built from a fixed-size all_to_all (each slice padded to the
+    operand's rows): the same result and gradients, the padded exchange's bytes. For backends
+    without the op (XLA:CPU), where tests check the ragged dispatch's bookkeeping with it."""
+    rows = jnp.arange(operand.shape[0])
+    valid = rows[None, :] < send_sizes[:, None]  # [N slices, R]
+    take = jnp.clip(input_offsets[:, None] + rows[None, :], 0, operand.shape[0] - 1)
+    send = jnp.where(valid.reshape(valid.shape + (1,) * (operand.ndim - 1)), jnp.take(operand, take, axis=0),
+                     jnp.zeros((), operand.dtype))  # [N, R, ...]
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0, tiled=True)  # slice i: from device i // (N / devices)
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where the received slices go here
+    dest = jnp.where(rows[None, :] < recv_sizes[:, None], at[:, None] + rows[None, :], output.shape[0])
+    return output.at[dest.reshape(-1)].set(recv.reshape((-1,) + recv.shape[2:]), mode="drop")
+
+
+# The ragged exchange the `ragged` dispatch uses (tests on CPU put emulated_ragged_all_to_all here).
+RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
+
+
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
-                             capacity_factor: float | None, hand_vjp: bool = False) -> Callable:
+                             capacity_factor: float | None, hand_vjp: bool = False,
+                             all_to_all: str = "padded") -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
-    `experts`, `mlp`). `hand_vjp`: inside a pipeline stage (megajax/parallel/manual.py)."""
+    `experts`, `mlp`). `hand_vjp`: inside a pipeline stage (megajax/parallel/manual.py).
+    `all_to_all`: `padded` (fixed-size buffers) or `ragged` (dropless: only the valid rows move)."""
     sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
     x_spec = logical_to_spec(RESIDUAL, rules)
     route_spec = P(x_spec[0], x_spec[1], None)
@@ -83,9 +112,10 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                                            kernels, activation=activation, num_experts=num_experts,
                                            capacity_factor=capacity_factor, ep=ep, exchange=exchange)
         else:
-                y, dropped = _dispatch_tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
-                                          kernels, activation=activation, num_experts=num_experts,
-                                          e_local=e_local, ep=ep, exp_axes=exp_axes)
+            tokens = _dispatch_ragged if all_to_all == "ragged" and ep > 1 else _dispatch_tokens
+            y, dropped = tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
+                                kernels, activation=activation, num_experts=num_experts,
+                                e_local=e_local, ep=ep, exp_axes=exp_axes)
         y = y.reshape(b, l, d)
         if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums
             if sp_axes:
@@ -142,4 +172,39 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     rank = ids // e_local
     out = back[rank, inverse - rank_starts[rank]]  # [A, D]
     y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights.reshape(t, k, 1), axis=1)
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
+
+
+def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes):
+    """_dispatch_tokens with ragged exchanges: only each device's real assignments travel."""
+    t, k = ids_TxK.shape
+    a_count, d = t * k, x_TxD.shape[1]
+    axis = _entry(exp_axes)
+    ids = ids_TxK.reshape(-1)  # [A], assignment a = token a // K
+    order, sizes = sort_by_expert(ids, num_experts)
+    per_rank = sizes[:num_experts].reshape(ep, e_local)  # [ep, E_local] my assignments to each device's experts
+    send_sizes = jnp.sum(per_rank, axis=1)  # [ep]
+    send_offsets = jnp.cumsum(send_sizes) - send_sizes  # device r's rows start here in my sorted rows
+    recv_per_expert = jax.lax.all_to_all(per_rank, axis, 0, 0, tiled=True)  # [ep (source), E_local]
+    recv_sizes = jnp.sum(recv_per_expert, axis=1)
+    recv_ends = jnp.cumsum(recv_sizes)
+    recv_offsets = recv_ends - recv_sizes  # source s's rows start here in my receive buffer
+    # Where my rows land on each device, and where each source wants its outputs back.
+    land_offsets = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)
+    back_offsets = jax.lax.all_to_all(send_offsets, axis, 0, 0, tiled=True)
+    rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert, so by device
+    recv = RAGGED_ALL_TO_ALL(rows, jnp.zeros((ep * a_count, d), x_TxD.dtype), send_offsets, send_sizes,
+                             land_offsets, recv_sizes, axis_name=axis)  # [ep x A, D] (worst case: all to me)
+    # Received row q: from source s (the first whose rows end after q), local expert by its counts.
+    q = jnp.arange(ep * a_count)
+    src = jnp.minimum(jnp.sum(q[:, None] >= recv_ends[None, :], axis=1), ep - 1)
+    bounds = jnp.cumsum(recv_per_expert, axis=1)[src]  # [ep x A, E_local]
+    expert_of_row = jnp.where(q < recv_ends[-1], jnp.sum((q - recv_offsets[src])[:, None] >= bounds, axis=1), e_local)
+    order2, sizes2 = sort_by_expert(expert_of_row, e_local + 1)
+    out_sorted = expert_ffn(jnp.take(recv, order2, axis=0), sizes2[:e_local], kernels, activation)
+    out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0)  # [ep x A, D] in the receive layout
+    back = RAGGED_ALL_TO_ALL(out_recv, jnp.zeros((a_count, d), out_recv.dtype), recv_offsets, recv_sizes,
+                             back_offsets, send_sizes, axis_name=axis)  # [A, D] my sorted assignments' outputs
+    out = jnp.take(back, jnp.argsort(order), axis=0)  # [A, D] in assignment order
+    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK.reshape(t, k, 1), axis=1)
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)

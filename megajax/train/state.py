@@ -31,7 +31,7 @@ from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.context import context_parallel_attention, sharded_attention
-from megajax.parallel.experts import expert_parallel_dispatch
+from megajax.parallel import experts
 from megajax.parallel.pipeline import stage_embedding
 from megajax.parallel.sequence import sequence_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
@@ -117,8 +117,15 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
     if not m.num_experts or mesh is None or mesh.devices.size == 1:
         return None
     staged = dict(zip(mesh.axis_names, mesh.devices.shape)).get("pipeline", 1) > 1
-    return expert_parallel_dispatch(mesh, rules.activations, activation=m.activation, num_experts=m.num_experts,
-                                    capacity_factor=m.moe_expert_capacity_factor, hand_vjp=staged)
+    platform = mesh.devices.flat[0].platform
+    if cfg.parallel.moe_all_to_all == "ragged" and platform == "cpu" and \
+            experts.RAGGED_ALL_TO_ALL is jax.lax.ragged_all_to_all:
+        raise ConfigError("parallel.moe_all_to_all = ragged needs jax.lax.ragged_all_to_all, which XLA:CPU does "
+                          "not implement (this run's devices are cpu); GPU and TPU have it. Use "
+                          "parallel.moe_all_to_all=padded on CPU.")
+    return experts.expert_parallel_dispatch(mesh, rules.activations, activation=m.activation,
+                                            num_experts=m.num_experts, capacity_factor=m.moe_expert_capacity_factor,
+                                            hand_vjp=staged, all_to_all=cfg.parallel.moe_all_to_all)
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
