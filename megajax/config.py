@@ -93,6 +93,9 @@ class ModelConfig:
     # A dense MLP of this hidden size every token of a MoE layer also goes through, added to the routed
     # experts' output (Megatron's moe_shared_expert_intermediate_size, no gate); 0: none.
     moe_shared_expert_ffn_size: int = 0
+    # Scales the shared expert's output by sigmoid(x . w) per token, w [hidden] learned (Megatron's
+    # moe_shared_expert_gate, Qwen-MoE's shared_expert_gate).
+    moe_shared_expert_gate: bool = False
     # Router scores: softmax over the top-k logits (Mixtral) | sigmoid of each logit (DeepSeek-V3).
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_topk_scaling_factor: float | None = None  # multiplies the routing weights; None: 1
@@ -620,6 +623,10 @@ def validate_moe(cfg: Config) -> None:
                               f"model.num_experts or use mesh.expert=1.")
         return
     _positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_size:
+        raise ConfigError("model.moe_shared_expert_gate = true gates the shared expert, but "
+                          "model.moe_shared_expert_ffn_size is 0 (none). Set moe_shared_expert_ffn_size > 0, or "
+                          "model.moe_shared_expert_gate=false.")
     _positive("model.moe_aux_loss_coeff", m.moe_aux_loss_coeff, allow_zero=True)
     _positive("model.moe_z_loss_coeff", m.moe_z_loss_coeff, allow_zero=True)
     if not 1 <= m.moe_router_topk <= m.num_experts:

@@ -289,6 +289,10 @@ MEGATRON_CASES = {
     # + a shared expert: shared_experts.linear_fc1 [gate; up] per tensor rank and linear_fc2, split like a dense MLP
     "moe-shared-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                                  "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48"], 2, 1),
+    # + the shared expert's sigmoid gate (shared_experts.gate_weight [1, hidden], replicated)
+    "moe-shared-gate-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                                      "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48",
+                                      "model.moe_shared_expert_gate=true"], 2, 1),
     # MoE layers 0 and 2, dense MLPs (ffn_hidden_size 96) in layers 1 and 3: moe_layer_freq 2
     "moe-freq2-tp2": ("llama", ["model.num_layers=4", "model.num_experts=4", "model.moe_router_topk=2",
                                 "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=96", "model.moe_layer_freq=2"],
@@ -317,8 +321,10 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
         torch = pytest.importorskip("torch")
         saved = torch.load(step / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
         assert (saved["args"].moe_shared_expert_intermediate_size, saved["args"].moe_shared_expert_gate,
-                saved["args"].moe_shared_expert_overlap) == (48, False, False)
+                saved["args"].moe_shared_expert_overlap) == (48, "gate" in case, False)
         assert saved["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
+        gate = saved["model"].get("decoder.layers.1.mlp.shared_experts.gate_weight")
+        assert (gate is not None and tuple(gate.shape) == (1, 64)) == ("gate" in case)  # replicated, not split
     if "freq2" in case:
         torch = pytest.importorskip("torch")
         saved = torch.load(step / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
@@ -338,9 +344,9 @@ def test_hf_export_refuses_a_shared_expert(tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-def test_megatron_gelu_shared_expert_round_trips_and_a_gated_one_is_refused(tmp_path):
+def test_megatron_gelu_shared_expert_round_trips(tmp_path):
     """GELU experts: the shared expert's linear_fc1 holds fc1 alone; tensor shards merge back exactly.
-    A gated shared expert (moe_shared_expert_gate) has no megajax equivalent: refused by name."""
+    args saying the shared expert is gated while the files hold no gate: the missing tensor named."""
     torch = pytest.importorskip("torch")
     cfg, spec, params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1], "model.activation=gelu")
     out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=2, dtype="fp32",
@@ -350,7 +356,7 @@ def test_megatron_gelu_shared_expert_round_trips_and_a_gated_one_is_refused(tmp_
     saved = torch.load(rank0, weights_only=False)
     assert saved["model"]["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (24, 64)
     torch.save(dict(saved, args=argparse.Namespace(**dict(vars(saved["args"]), moe_shared_expert_gate=True))), rank0)
-    with pytest.raises(CheckpointError, match="moe_shared_expert_gate=True cannot be represented.*accepted: False"):
+    with pytest.raises(CheckpointError, match=r"has no decoder.layers.0.mlp.shared_experts.gate_weight"):
         import_megatron(out)
     odd, _, odd_params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1], "model.moe_shared_expert_ffn_size=36")
     with pytest.raises(CheckpointError, match="model.moe_shared_expert_ffn_size=36 is not divisible by tensor_parallel=8"):

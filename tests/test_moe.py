@@ -168,6 +168,8 @@ def test_capacity_drops_counted_by_hand_and_large_capacity_is_dropless():
     (["model.num_experts=4", "model.moe_shared_expert_ffn_size=-8"],
      ["model.moe_shared_expert_ffn_size = -8", ">= 0"]),
     (["model.moe_shared_expert_ffn_size=64"], ["model.moe_shared_expert_ffn_size = 64", "model.num_experts is 0"]),
+    (["model.num_experts=4", "model.moe_shared_expert_gate=true"],
+     ["model.moe_shared_expert_gate = true", "model.moe_shared_expert_ffn_size is 0"]),
     # The router's score function, scaling and aux-loss-free bias (tests/test_moe_router_bias.py).
     (["model.num_experts=4", "model.moe_router_bias_update_rate=0.001"],
      ["model.moe_router_bias_update_rate = 0.001", "model.moe_router_score_function=sigmoid", "'softmax'"]),
@@ -267,3 +269,25 @@ def test_flops_count_the_shared_expert():
     with_shared = dataclasses.replace(m, moe_shared_expert_ffn_size=2048)
     assert matmul_params(with_shared, m.padded_vocab_size()) - matmul_params(m, m.padded_vocab_size()) == \
         32 * 3 * 4096 * 2048
+
+
+def test_shared_expert_gate_scales_it_per_token_by_a_sigmoid():
+    """moe_shared_expert_gate: y = routed + sigmoid(x . w) * shared(x), w [D] per layer, by hand from
+    the same layer without the gate (same router, experts and shared weights)."""
+    cfg = moe_config(moe_shared_expert_ffn_size=40, moe_shared_expert_gate=True)
+    gated, plain = make_moe(cfg), make_moe(moe_config(moe_shared_expert_ffn_size=40))
+    params = nnx.to_pure_dict(nnx.state(gated, nnx.Param))
+    w = np.asarray(params.pop("shared_expert_gate"), np.float64)
+    assert w.shape == (D,) and gated.shared_expert_gate.get_metadata()["axes"] == ("embed",)
+    nnx.update(plain, params)
+    nnx.update(gated, {**params, "shared_expert_gate": w.astype(np.float32) * 20})  # scores far from 1/2
+    routed = make_moe(moe_config())
+    nnx.update(routed, {k: v for k, v in params.items() if k != "shared_experts"})
+    x = crafted_batch()
+    y_gated, _ = forward(gated, x)
+    y_plain, _ = forward(plain, x)
+    y_routed, _ = forward(routed, x)
+    shared = np.asarray(y_plain, np.float64) - np.asarray(y_routed, np.float64)
+    score = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ (w * 20))))
+    assert score.min() < 0.2 and score.max() > 0.8
+    np.testing.assert_allclose(y_gated, np.asarray(y_routed) + score[..., None] * shared, rtol=1e-5, atol=1e-6)

@@ -69,16 +69,19 @@ def test_a_pipeline_is_refused():
 
 
 LAYOUTS = {
-    "expert2_data4": ["mesh.data=4", "mesh.expert=2"],
-    "expert2_fsdp2_tensor2_sp": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
-                                 "parallel.sequence_parallel=true"],
+    "expert2_data4": ([], ["mesh.data=4", "mesh.expert=2"]),
+    # + a gated shared expert (its gate vector replicated, its MLP split over tensor)
+    "expert2_fsdp2_tensor2_sp_gated_shared": (
+        ["model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_interleaved_dense_layers_match_one_device(small_config, layout):
-    ref = reference(small_config, *MOE)
-    got = run(small_config, *MOE, *LAYOUTS[layout], devices=jax.devices())
+    model, mesh = LAYOUTS[layout]
+    ref = reference(small_config, *MOE, *model)
+    got = run(small_config, *MOE, *model, *mesh, devices=jax.devices())
     assert_same_run(got, ref)
 
 

@@ -30,11 +30,11 @@ ARCH_FIELDS = (
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
     "moe_shared_expert_ffn_size",  # only when > 0
     "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
-    "moe_layer_freq",
+    "moe_layer_freq", "moe_shared_expert_gate",
 )
 MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
-              "moe_layer_freq")
+              "moe_layer_freq", "moe_shared_expert_gate")
 
 
 REQUIRED = object()  # a config field an importer cannot do without
@@ -109,6 +109,7 @@ def model_overrides(m: ModelConfig) -> dict:
             out.pop(k)
     elif not m.moe_shared_expert_ffn_size:
         out.pop("moe_shared_expert_ffn_size")
+        out.pop("moe_shared_expert_gate")
     return out
 
 

@@ -104,6 +104,7 @@ MEGATRON_ROWS = (
         linear("layers/mlp/shared_experts/up/kernel"), groups="tensor", split="column"),
     Row(f"{_SHARED}.linear_fc1.weight", linear("layers/mlp/shared_experts/fc1/kernel"), split="column"),
     Row(f"{_SHARED}.linear_fc2.weight", linear("layers/mlp/shared_experts/fc2/kernel"), split="row"),
+    Row(f"{_SHARED}.gate_weight", linear("layers/mlp/shared_expert_gate")),  # [1, D]
     *norm_rows("decoder.final_layernorm", "final_norm",
                aliases=("decoder.final_norm.weight", "decoder.final_norm.bias")),
     Row("output_layer.weight", linear("output"), vocab=True, split="column"),
@@ -217,7 +218,7 @@ def _moe_args(m: ModelConfig) -> dict:
                 expert_model_parallel_size=1,
                 moe_expert_capacity_factor=m.moe_expert_capacity_factor, moe_token_dispatcher_type="alltoall",
                 moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn_size or None,
-                moe_shared_expert_gate=False, moe_shared_expert_overlap=False)
+                moe_shared_expert_gate=m.moe_shared_expert_gate, moe_shared_expert_overlap=False)
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
@@ -375,7 +376,7 @@ def _overrides_from_args(args) -> dict:
             reject(name, getattr(args, name), "False")
     moe = {}
     if _arg(args, "num_experts"):
-        for name, accepted in (("moe_router_pre_softmax", False), ("moe_shared_expert_gate", False)):
+        for name, accepted in (("moe_router_pre_softmax", False),):
             value = getattr(args, name, None)
             if value is not None and value != accepted:
                 reject(name, value, repr(accepted))
@@ -394,7 +395,8 @@ def _overrides_from_args(args) -> dict:
                    moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"), moe_router_score_function=score,
                    moe_router_topk_scaling_factor=None if scaling is None else float(scaling),
                    moe_router_bias_update_rate=rate, moe_layer_freq=freq,
-                   moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)))
+                   moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)),
+                   moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)))
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
     if _arg(args, "rotary_percent", 1.0) != 1.0:

@@ -12,6 +12,7 @@ Names are the '/'-joined paths of the pure parameter dict; tensors under
     layers/mlp/fc2/kernel     [L, F, D]        biases: gate|up|fc1 [L, F], fc2 [L, D]
     layers/mlp/router         [L, D, E]        MoE: experts gate|up|fc1 [L, E, D, F], fc2 [L, E, F, D]
     layers/mlp/shared_experts/gate|up|fc1|fc2/kernel   MoE shared expert: the MLP's, F = its size S
+    layers/mlp/shared_expert_gate [L, D]       its gate (model.moe_shared_expert_gate)
     dense_layers/...          [L - L/R, ...]   model.moe_layer_freq R > 1: the dense layers (the paths
                                                of a dense model's `layers/`); `layers/` then holds the
                                                L/R MoE layers (see layer_slots)

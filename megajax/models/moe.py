@@ -14,7 +14,8 @@ leading `experts` dim: gate/up/fc1 W[E, D, F], fc2 W[E, F, D].
 With `moe_shared_expert_ffn_size` S > 0, every token also goes through a shared expert: a dense MLP
 of hidden size S with the experts' activation and no biases (megajax.models.mlp.MLP, so tensor
 parallelism splits it like the dense MLP), added to the routed output (Megatron-Core's shared
-experts without a gate):  y = sum_k weights_k * expert_{id_k}(x) + shared(x).
+experts):  y = sum_k weights_k * expert_{id_k}(x) + shared(x), or with moe_shared_expert_gate
+y = ... + sigmoid(x . w_gate) * shared(x), w_gate [D] a learned per-layer vector.
 
 Token dispatch is injected (`dispatch`), as the attention core is: on one device (or under
 XLA's sharding alone) `local_dispatch` sorts the token-expert assignments by expert and runs
@@ -259,6 +260,10 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_ffn_size,
                                                        use_bias=False), dtype=dtype, ops=ops, rngs=rngs)
                                if cfg.moe_shared_expert_ffn_size else None)
+        if cfg.moe_shared_expert_gate:
+            self.shared_expert_gate = nnx.Param(normal_init(rngs.params(), (d,), cfg.init_std), axes=("embed",))
+        else:
+            self.shared_expert_gate = None
 
     def forward(self, x_BxLxD: jax.Array, expert_bias_E: jax.Array | None = None,
                 fused: bool = True) -> tuple[jax.Array, RouterStats]:
@@ -272,7 +277,12 @@ class MoE(nnx.Module):
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
         y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x_BxLxD, fused).astype(y.dtype)
+            shared = self.shared_experts(x_BxLxD, fused)
+            if self.shared_expert_gate is not None:  # a per-token scalar in (0, 1), from fp32 logits
+                score = jax.nn.sigmoid(jnp.einsum("bld,d->bl", x_BxLxD.astype(jnp.float32),
+                                                  self.shared_expert_gate[...].astype(jnp.float32)))
+                shared = shared * score[..., None].astype(shared.dtype)
+            y = y + shared.astype(y.dtype)
         stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped, self.score_function,
                              biased=bias is not None)
         return y, stats
