@@ -99,6 +99,11 @@ class ModelConfig:
     # Router scores: softmax over the top-k logits (Mixtral) | sigmoid of each logit (DeepSeek-V3).
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
     moe_router_topk_scaling_factor: float | None = None  # multiplies the routing weights; None: 1
+    # Group-limited routing (DeepSeek-V2/V3 device/node-limited): the experts form num_groups groups of
+    # consecutive ids; each token picks its group_topk best groups (by the sum of each group's
+    # topk / group_topk best scores), then its top-k experts within them. None: plain top-k.
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
     # Aux-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
     # scores for the top-k choice only and moved by this much per step toward balance (sigmoid only).
     moe_router_bias_update_rate: float = 0.0
@@ -623,6 +628,7 @@ def validate_moe(cfg: Config) -> None:
                               f"model.num_experts or use mesh.expert=1.")
         return
     _positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    _check_router_groups(m)
     if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_size:
         raise ConfigError("model.moe_shared_expert_gate = true gates the shared expert, but "
                           "model.moe_shared_expert_ffn_size is 0 (none). Set moe_shared_expert_ffn_size > 0, or "
@@ -656,6 +662,28 @@ def validate_moe(cfg: Config) -> None:
     if m.use_bias:
         raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
                           "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")
+
+
+def _check_router_groups(m: ModelConfig) -> None:
+    groups, pick = m.moe_router_num_groups, m.moe_router_group_topk
+    if groups is None and pick is None:
+        return
+    if groups is None or pick is None:
+        raise ConfigError(f"model.moe_router_num_groups = {groups} and model.moe_router_group_topk = {pick}: "
+                          f"group-limited routing needs both (or neither, for plain top-k).")
+    _positive("model.moe_router_num_groups", groups)
+    _positive("model.moe_router_group_topk", pick)
+    e, k = m.num_experts, m.moe_router_topk
+    if e % groups:
+        ok = [g for g in range(1, e + 1) if e % g == 0]
+        raise ConfigError(f"model.moe_router_num_groups = {groups} does not divide model.num_experts = {e}; "
+                          f"accepted: {', '.join(map(str, ok))}.")
+    if not 1 <= pick <= groups or k % pick or k // pick > e // groups:
+        ok = [p for p in range(1, groups + 1) if k % p == 0 and k // p <= e // groups]
+        raise ConfigError(f"model.moe_router_group_topk = {pick}: each token picks that many of the {groups} "
+                          f"groups, each scored by its moe_router_topk / group_topk best experts (topk = {k}, "
+                          f"{e // groups} experts per group), so it must divide {k} and be in 1..{groups}; "
+                          f"accepted: {', '.join(map(str, ok)) or 'none (change moe_router_num_groups)'}.")
 
 
 def validate_distributed_and_ops(cfg: Config) -> None:

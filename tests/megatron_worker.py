@@ -61,7 +61,9 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
                    moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
                    moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
                    moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3,
-                   moe_layer_freq=getattr(args, "moe_layer_freq", None) or 1)
+                   moe_layer_freq=getattr(args, "moe_layer_freq", None) or 1,
+                   moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+                   moe_router_group_topk=getattr(args, "moe_router_group_topk", None))
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,

@@ -293,6 +293,11 @@ MEGATRON_CASES = {
     "moe-shared-gate-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                                       "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48",
                                       "model.moe_shared_expert_gate=true"], 2, 1),
+    # group-limited routing: 8 experts in 4 groups, top-4 within each token's 2 best groups (sigmoid + bias
+    # in test_moe_router_bias.py)
+    "moe-groups-tp2": ("llama", ["model.num_experts=8", "model.moe_router_topk=4", "model.moe_ffn_hidden_size=32",
+                                 "model.ffn_hidden_size=32", "model.moe_router_num_groups=4",
+                                 "model.moe_router_group_topk=2"], 2, 1),
     # MoE layers 0 and 2, dense MLPs (ffn_hidden_size 96) in layers 1 and 3: moe_layer_freq 2
     "moe-freq2-tp2": ("llama", ["model.num_layers=4", "model.num_experts=4", "model.moe_router_topk=2",
                                 "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=96", "model.moe_layer_freq=2"],
@@ -325,6 +330,9 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
         assert saved["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
         gate = saved["model"].get("decoder.layers.1.mlp.shared_experts.gate_weight")
         assert (gate is not None and tuple(gate.shape) == (1, 64)) == ("gate" in case)  # replicated, not split
+    if "groups" in case:  # the groups change these tokens' routing: megatron-core applied them too
+        _, plain_spec, plain_params = make_model(family, *(o for o in overrides if "group" not in o))
+        assert np.abs(megajax_logits(plain_spec, plain_params, toks) - logits[..., :VOCAB]).max() > 1e-3
     if "freq2" in case:
         torch = pytest.importorskip("torch")
         saved = torch.load(step / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)

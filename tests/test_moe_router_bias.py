@@ -175,3 +175,71 @@ def test_imported_bias_is_stored_and_loaded_for_generation(tmp_path):
     state, _, origin, _ = initial_state(build_setup(make_plan(tuned, 1), jax.devices()[:1]))
     assert "parameters from" in origin
     np.testing.assert_array_equal(np.asarray(state.moe_expert_bias), bias)
+
+
+def numpy_group_limited(scores, topk, groups, pick):
+    """Megatron-Core's group_limited_topk in numpy: groups scored by the sum of their topk / pick best
+    scores, the pick best groups kept, the top-k of the rest (ids best first)."""
+    t, e = scores.shape
+    grouped = np.sort(scores.reshape(t, groups, e // groups), axis=-1)[..., ::-1]
+    group_scores = grouped[..., :topk // pick].sum(-1)
+    kept = np.argsort(-group_scores, axis=-1, kind="stable")[:, :pick]
+    mask = np.zeros((t, groups), bool)
+    np.put_along_axis(mask, kept, True, axis=-1)
+    masked = np.where(np.repeat(mask, e // groups, axis=-1), scores, -np.inf)
+    return np.argsort(-masked, axis=-1, kind="stable")[:, :topk]
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid"])
+def test_group_limited_routing_equals_numpy(score_function):
+    """16 experts in 4 groups, top-4 within each token's 2 best groups (DeepSeek-V3's node-limited
+    routing); sigmoid with an expert bias, which joins the group scores as Megatron-Core adds it."""
+    from megajax.models.moe import router_stats
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 2.0, (64, 16)).astype(np.float32)
+    bias = rng.normal(0.0, 0.3, 16).astype(np.float32) if score_function == "sigmoid" else None
+    ids, weights = jax.jit(lambda l, b: route(l, 4, score_function, b, None, (4, 2)))(logits, bias)
+    x = logits.astype(np.float64)
+    scores = x if score_function == "softmax" else 1 / (1 + np.exp(-x))
+    want = numpy_group_limited(scores + (0 if bias is None else bias), 4, 4, 2)
+    np.testing.assert_array_equal(np.asarray(ids), want)
+    plain, _ = route(jnp.asarray(logits), 4, score_function, None if bias is None else jnp.asarray(bias))
+    assert (np.sort(np.asarray(plain), -1) != np.sort(want, -1)).any(axis=-1).mean() > 0.2  # the groups matter
+    assert all(len(set(r // 4)) <= 2 for r in np.asarray(ids))  # at most 2 groups per token
+    chosen = np.take_along_axis(scores if score_function == "sigmoid" else x, want, axis=-1)
+    want_w = chosen / chosen.sum(-1, keepdims=True) if score_function == "sigmoid" else \
+        np.exp(chosen) / np.exp(chosen).sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(weights), want_w, rtol=1e-5)
+    # The balancing loss counts the plain top-k of the scores, not the group-limited choice.
+    stats = router_stats(jnp.asarray(logits), ids, jnp.float32(0), score_function, biased=True)
+    plain_scores = scores if score_function == "sigmoid" else np.exp(x)
+    counts = np.bincount(np.argsort(-plain_scores, axis=-1, kind="stable")[:, :4].reshape(-1), minlength=16)
+    np.testing.assert_array_equal(np.asarray(stats.balance_tokens), counts)
+    np.testing.assert_array_equal(np.asarray(stats.tokens), np.bincount(want.reshape(-1), minlength=16))
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.moe_router_num_groups=2"], ["model.moe_router_group_topk = None", "needs both"]),
+    (["model.moe_router_num_groups=3", "model.moe_router_group_topk=1"], ["does not divide model.num_experts = 8",
+                                                                          "1, 2, 4, 8"]),
+    (["model.moe_router_num_groups=4", "model.moe_router_group_topk=3"], ["model.moe_router_group_topk = 3",
+                                                                          "accepted: 1, 2"]),
+])
+def test_router_group_keys_are_checked(overrides, words):
+    from megajax.errors import ConfigError
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=["model.num_experts=8", "model.moe_router_topk=2", *overrides])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_group_limited_routing_trains_like_one_device(small_config):
+    """Sigmoid routing with the expert bias and group-limited top-k (8 experts in 4 groups, 2 groups
+    per token) on expert 4 x data 2: losses, grad norms, router metrics and the bias equal one device."""
+    from layout_parity import assert_same_run, reference, run
+    moe = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
+           "model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
+           "model.moe_router_num_groups=4", "model.moe_router_group_topk=2"]
+    ref = reference(small_config, *moe)
+    got = run(small_config, *moe, "mesh.data=2", "mesh.expert=4", devices=jax.devices())
+    assert_same_run(got, ref)

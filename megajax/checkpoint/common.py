@@ -30,11 +30,11 @@ ARCH_FIELDS = (
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
     "moe_shared_expert_ffn_size",  # only when > 0
     "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
-    "moe_layer_freq", "moe_shared_expert_gate",
+    "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
 )
 MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
-              "moe_layer_freq", "moe_shared_expert_gate")
+              "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk")
 
 
 REQUIRED = object()  # a config field an importer cannot do without

@@ -132,6 +132,9 @@ def architecture(m: ModelConfig) -> str:
             wrong.append(f"moe_router_topk_scaling_factor={m.moe_router_topk_scaling_factor} (needs null)")
         if m.moe_router_bias_update_rate > 0:
             wrong.append(f"moe_router_bias_update_rate={m.moe_router_bias_update_rate} (an expert bias; needs 0)")
+        if m.moe_router_group_topk:
+            wrong.append(f"moe_router_num_groups={m.moe_router_num_groups} / moe_router_group_topk="
+                         f"{m.moe_router_group_topk} (group-limited routing; needs none)")
         if m.moe_layer_freq != 1:
             wrong.append(f"moe_layer_freq={m.moe_layer_freq} (needs 1: every {MIXTRAL} layer is a mixture of experts)")
     if wrong:

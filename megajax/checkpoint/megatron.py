@@ -213,6 +213,7 @@ def _moe_args(m: ModelConfig) -> dict:
                 moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
                 moe_layer_freq=m.moe_layer_freq, moe_router_score_function=m.moe_router_score_function,
                 moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
                 moe_router_enable_expert_bias=has_expert_bias(m),
                 moe_router_bias_update_rate=m.moe_router_bias_update_rate,
                 expert_model_parallel_size=1,
@@ -395,6 +396,8 @@ def _overrides_from_args(args) -> dict:
                    moe_ffn_hidden_size=_arg(args, "moe_ffn_hidden_size"), moe_router_score_function=score,
                    moe_router_topk_scaling_factor=None if scaling is None else float(scaling),
                    moe_router_bias_update_rate=rate, moe_layer_freq=freq,
+                   moe_router_num_groups=_arg(args, "moe_router_num_groups"),
+                   moe_router_group_topk=_arg(args, "moe_router_group_topk"),
                    moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)),
                    moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)))
     if _arg(args, "virtual_pipeline_model_parallel_size"):

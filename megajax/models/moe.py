@@ -166,19 +166,35 @@ def _topk_ids(scores_TxE: jax.Array, topk: int) -> jax.Array:
     return jnp.stack(ids, axis=-1)
 
 
+def group_limited(scores_TxE: jax.Array, topk: int, num_groups: int, group_topk: int) -> jax.Array:
+    """The scores with the experts outside each token's `group_topk` best groups set to -inf
+    (device/node-limited routing, DeepSeek-V2/V3): the E experts form `num_groups` groups of
+    consecutive ids, a group's score is the sum of its topk / group_topk best scores."""
+    e = scores_TxE.shape[-1]
+    grouped = scores_TxE.reshape(scores_TxE.shape[:-1] + (num_groups, e // num_groups))
+    best = jnp.sum(jnp.take_along_axis(grouped, _topk_ids(grouped, topk // group_topk), axis=-1), axis=-1)  # [..., G]
+    chosen = jnp.sum(jax.nn.one_hot(_topk_ids(best, group_topk), num_groups, dtype=jnp.int32), axis=-2) > 0
+    return jnp.where(jnp.repeat(chosen, e // num_groups, axis=-1), scores_TxE, -jnp.inf)
+
+
 def route(logits_TxE: jax.Array, topk: int, score_function: str = "softmax", expert_bias_E: jax.Array | None = None,
-          scaling_factor: float | None = None) -> tuple[jax.Array, jax.Array]:
+          scaling_factor: float | None = None, groups: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """(expert ids [..., K] int32, weights [..., K] fp32) from fp32 router logits.
 
     softmax: the top-k logits, softmax over the k. sigmoid: scores sigmoid(logits); the top-k of
     scores + `expert_bias_E` (the bias steers the choice only), weighted by their unbiased scores,
-    normalised to sum 1 when k > 1. `scaling_factor` (None: 1) multiplies the weights."""
+    normalised to sum 1 when k > 1. `scaling_factor` (None: 1) multiplies the weights. `groups`
+    (num_groups, group_topk): the top-k is taken within each token's best groups (group_limited
+    of what the top-k is taken of), as Megatron-Core's moe_router_num_groups / group_topk."""
+    def topk_ids(x):
+        return _topk_ids(x if groups is None else group_limited(x, topk, *groups), topk)
+
     if score_function == "softmax":
-        ids = _topk_ids(logits_TxE, topk)
+        ids = topk_ids(logits_TxE)
         weights = jax.nn.softmax(jnp.take_along_axis(logits_TxE, ids, axis=-1), axis=-1)
     else:
         scores = jax.nn.sigmoid(logits_TxE)
-        ids = _topk_ids(scores if expert_bias_E is None else scores + expert_bias_E, topk)
+        ids = topk_ids(scores if expert_bias_E is None else scores + expert_bias_E)
         weights = jnp.take_along_axis(scores, ids, axis=-1)
         if topk > 1:
             weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -190,11 +206,12 @@ def route(logits_TxE: jax.Array, topk: int, score_function: str = "softmax", exp
 def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array, score_function: str = "softmax",
                  biased: bool = False) -> RouterStats:
     """The layer's RouterStats. The balancing loss's probabilities are softmax(logits), or for sigmoid
-    the scores normalised over the experts; its counts are the routed assignments, or with an expert
-    bias those of the unbiased top-k (as Megatron-Core: the bias is outside the loss)."""
+    the scores normalised over the experts; its counts are the routed assignments, or, when those
+    were chosen otherwise (`biased`: an expert bias or group-limited routing), those of the plain
+    top-k of the scores (as Megatron-Core: the bias and the groups are outside the loss)."""
     e, k = logits_TxE.shape[-1], ids_TxK.shape[-1]
     if score_function == "softmax":
-        probs = jax.nn.softmax(logits_TxE, axis=-1)
+        probs = scores = jax.nn.softmax(logits_TxE, axis=-1)
     else:
         scores = jax.nn.sigmoid(logits_TxE)
         probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
@@ -246,6 +263,7 @@ class MoE(nnx.Module):
         e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_ffn_hidden_size
         self.topk, self.activation, self.dtype = cfg.moe_router_topk, cfg.activation, dtype
         self.score_function, self.scaling_factor = cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor
+        self.groups = (cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_group_topk else None
         self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         shapes = {"gate": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
@@ -273,7 +291,7 @@ class MoE(nnx.Module):
         b, l, d = x_BxLxD.shape
         logits = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = None if expert_bias_E is None else jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
-        ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor)
+        ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor, self.groups)
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
         y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
         if self.shared_experts is not None:
@@ -284,7 +302,7 @@ class MoE(nnx.Module):
                 shared = shared * score[..., None].astype(shared.dtype)
             y = y + shared.astype(y.dtype)
         stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped, self.score_function,
-                             biased=bias is not None)
+                             biased=bias is not None or self.groups is not None)
         return y, stats
 
     def __call__(self, x_BxLxD: jax.Array, fused: bool = True, expert_bias_E: jax.Array | None = None) -> jax.Array:
