@@ -105,6 +105,25 @@ class BlockRange(NamedTuple):
     hi: jax.Array | int
 
 
+
+def _varying(x) -> frozenset:
+    """The shard_map axes a traced value is typed as varying over (empty outside one, or unchecked)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def _same_variance(args: list) -> tuple[list, dict]:
+    """Inside a shard_map that checks variance (check_vma, e.g. a pipeline stage): the kernel's
+    inputs cast to vary over the union of their axes, and the ShapeDtypeStruct keywords that type
+    its outputs the same way (pallas_call cannot infer them); outside one: unchanged, no keywords."""
+    union = frozenset().union(*map(_varying, args))
+    if not union:
+        return args, {}
+    args = [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying") if union - _varying(x) else x
+            for x in args]
+    return args, {"manual_axis_type": jax.typeof(args[0]).manual_axis_type}
+
 def _div(a, b: int):
     """Floor division of a non-negative traced or Python int by a positive int."""
     if isinstance(a, int):
@@ -271,13 +290,14 @@ def _fwd_call(q, k, v, q_seg, kv_seg, cfg: _Config):
         in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, p: (bi, nq - 1 - p)),
                      pl.BlockSpec((None, sk), lambda bi, hi, p: (bi, 0))]
         args += [q_seg, kv_seg]
+    args, typed = _same_variance(args)
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments),
         grid=(b, h, nq),
         in_specs=in_specs,
         out_specs=[q_blk, pl.BlockSpec((None, None, bq), lambda bi, hi, p: (bi, hi, nq - 1 - p))],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype, **typed),
+                   jax.ShapeDtypeStruct((b, h, sq), jnp.float32, **typed)],
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=cfg.interpret,
         name="flash_attention_fwd",
@@ -388,12 +408,13 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config, dlse=None):
         in_specs += [pl.BlockSpec((None, bq), lambda bi, hi, p: (bi, nq - 1 - p)),
                      pl.BlockSpec((None, sk), lambda bi, hi, p: (bi, 0))]
         args += [q_seg, kv_seg]
+    args, typed = _same_variance(args)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, has_segments=has_segments),
         grid=(b, h, nq),
         in_specs=in_specs,
         out_specs=q_blk,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype, **typed),
         compiler_params=params,
         interpret=cfg.interpret,
         name="flash_attention_dq",
@@ -411,12 +432,13 @@ def _bwd_calls(q, k, v, q_seg, kv_seg, out, lse, do, cfg: _Config, dlse=None):
         in_specs += [pl.BlockSpec((None, sq), lambda bi, gi, ki: (bi, 0)),
                      pl.BlockSpec((None, bk), lambda bi, gi, ki: (bi, ki))]
         args += [q_seg, kv_seg]
+    args, typed = _same_variance(args)
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, has_segments=has_segments, group=group),
         grid=(b, g, sk // bk),
         in_specs=in_specs,
         out_specs=[kv_blk, kv_blk],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype, **typed), jax.ShapeDtypeStruct(v.shape, v.dtype, **typed)],
         compiler_params=params,
         interpret=cfg.interpret,
         name="flash_attention_dkv",

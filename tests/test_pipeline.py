@@ -88,6 +88,15 @@ def test_pipeline_matches_one_device(small_config, overrides):
     assert_same_run(got, ref)
 
 
+def test_flash_attention_through_the_stages_matches_one_device(small_config):
+    """The Pallas flash kernel (interpret mode on CPU) inside 1F1B stages on pipeline 2 x data 4: its
+    calls are typed as varying over the stage's axes (pallas_call cannot infer that)."""
+    ref = reference(small_config, *REFERENCE, "model.attention_impl=flash")
+    got = run(small_config, *MODEL, "mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1",
+              "model.attention_impl=flash", devices=jax.devices())
+    assert_same_run(got, ref)
+
+
 def test_interleaved_four_stages_matches_one_device(small_config):
     """P = 4 x V = 2 chunks of one layer (8 layers): stage s holds model layers s and s + 4."""
     ref = reference(small_config, "model.num_layers=8", "train.micro_batch=2", steps=3)
@@ -255,8 +264,10 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
      r"parallel.virtual_stages = 2 needs pipeline parallelism"),
     (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1"], ConfigError,
      r"mesh.pipeline=2 with mesh.context=2 is not available"),
-    (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=flash", "train.micro_batch=1"], ConfigError,
-     r"with model.attention_impl=flash is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.attention_impl=flash", "train.micro_batch=1"],
+     ConfigError, r"with model.attention_impl=flash and mesh.tensor=2 is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=cudnn", "train.micro_batch=1"], ConfigError,
+     r"with model.attention_impl=cudnn is not available"),
     (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.num_experts=4", "train.micro_batch=1"],
      ConfigError, r"mesh.pipeline=2 with a mixture of experts \(model.num_experts=4\) and mesh.tensor=2 is not available"),
 ])

@@ -184,7 +184,9 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                         f"{max(1, batch.global_batch // (need * dp))} if it divides.")
     refuse = [
         (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
-        (m.attention_impl != "xla", f"model.attention_impl={m.attention_impl}"),
+        (m.attention_impl == "cudnn", f"model.attention_impl={m.attention_impl}"),
+        (m.attention_impl == "flash" and sizes["tensor"] > 1,
+         f"model.attention_impl=flash and mesh.tensor={sizes['tensor']}"),
     ]
     if m.interleaves_dense_layers():
         raise ConfigError(f"mesh.pipeline={p} with model.moe_layer_freq={m.moe_layer_freq} (dense layers between "
@@ -204,5 +206,5 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                               f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
                               f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
                               f"optimizer, tensor and sequence parallelism, expert parallelism (MoE), recompute, "
-                              f"bf16/fp16/fp8 and dropout (attention: model.attention_impl=xla); use mesh.pipeline=1 "
-                              f"for this run.")
+                              f"bf16/fp16/fp8 and dropout (attention: model.attention_impl=xla, or flash with "
+                              f"mesh.tensor=1); use mesh.pipeline=1 for this run.")
