@@ -97,6 +97,16 @@ def test_flash_attention_through_the_stages_matches_one_device(small_config):
     assert_same_run(got, ref)
 
 
+def test_context_parallel_stages_match_one_device(small_config):
+    """1F1B on pipeline 2 x data 2 x context 2 (all-gathered k/v): the stage loop splits each
+    microbatch's sequence over `context` too, the attention's collectives run inside the stage,
+    and the gradient sums are reduced over `context` after the loop like a data axis's."""
+    ref = reference(small_config, *REFERENCE)
+    got = run(small_config, *MODEL, "mesh.pipeline=2", "mesh.data=2", "mesh.context=2", "train.micro_batch=1",
+              "parallel.context_impl=allgather", devices=jax.devices())
+    assert_same_run(got, ref)
+
+
 def test_interleaved_four_stages_matches_one_device(small_config):
     """P = 4 x V = 2 chunks of one layer (8 layers): stage s holds model layers s and s + 4."""
     ref = reference(small_config, "model.num_layers=8", "train.micro_batch=2", steps=3)
@@ -263,7 +273,13 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
     (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"], ConfigError,
      r"parallel.virtual_stages = 2 needs pipeline parallelism"),
     (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1"], ConfigError,
-     r"mesh.pipeline=2 with mesh.context=2 is not available"),
+     r"mesh.pipeline=2 with mesh.context=2 needs parallel.context_impl=allgather \(this config has ring\)"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "mesh.tensor=2", "train.micro_batch=1",
+      "parallel.context_impl=allgather"], ConfigError,
+     r"mesh.pipeline=2 with mesh.context=2 and mesh.tensor=2 is not available"),
+    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1", "model.hidden_dropout=0.1",
+      "parallel.context_impl=allgather"], ConfigError,
+     r"mesh.pipeline=2 with mesh.context=2 and dropout \(model.hidden_dropout=0.1"),
     (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.attention_impl=flash", "train.micro_batch=1"],
      ConfigError, r"with model.attention_impl=flash and mesh.tensor=2 is not available"),
     (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=cudnn", "train.micro_batch=1"], ConfigError,

@@ -71,7 +71,8 @@ def sharded_attention(core: Callable, mesh: Mesh, rules: Rules, hand_vjp: bool =
 def _empty(q):
     """A partial result that saw no key: out 0, lse -inf; out [B, L, H, D] fp32, lse [B, H, L]."""
     b, l, h, _ = q.shape
-    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, h, l), -jnp.inf, jnp.float32)
+    # Typed as q is (inside a pipeline stage, varying over its axes: a branch's outputs must match).
+    return like(jnp.zeros(q.shape, jnp.float32), q), like(jnp.full((b, h, l), -jnp.inf, jnp.float32), q)
 
 
 def _merge(acc, part):

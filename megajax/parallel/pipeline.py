@@ -199,7 +199,7 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
 def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
-                       maxed: dict | None = None) -> tuple[dict, jax.Array, dict | None]:
+                       maxed: dict | None = None, seq_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array, dict | None]:
     """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
     the loss sum, the router sums or None) of one step's M microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
     model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
@@ -402,7 +402,8 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     layer_out = jax.tree.map(lambda sp: P(entry([a for a in data_axes if a not in sp_axes(sp)]), *sp)
                              if data_axes else sp, layer_specs_in, is_leaf=lambda x: isinstance(x, P))
     other_out = jax.tree.map(lambda _: P(entry(data_axes)) if data_axes else P(), other)
-    batch_spec = jax.tree.map(lambda _: P(None, entry(data_axes)), batch)
+    batch_axes = tuple(a for a in data_axes if a not in seq_axes)
+    batch_spec = jax.tree.map(lambda x: P(None, entry(batch_axes), *((entry(seq_axes),) if x.ndim > 2 else ())), batch)
     router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(AXIS)}
     fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), batch_spec, P(), P(), P()),
                        out_specs=(layer_out, other_out, P(), router_out), axis_names=set(manual))

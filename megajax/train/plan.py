@@ -183,7 +183,11 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                         f"train.global_batch={need * micro * dp} or train.micro_batch="
                         f"{max(1, batch.global_batch // (need * dp))} if it divides.")
     refuse = [
-        (sizes["context"] > 1, f"mesh.context={sizes['context']}"),
+        (sizes["context"] > 1 and sizes["tensor"] > 1,
+         f"mesh.context={sizes['context']} and mesh.tensor={sizes['tensor']}"),
+        (sizes["context"] > 1 and (m.hidden_dropout > 0 or m.attention_dropout > 0),
+         f"mesh.context={sizes['context']} and dropout (model.hidden_dropout={m.hidden_dropout}, "
+         f"model.attention_dropout={m.attention_dropout})"),
         (m.attention_impl == "cudnn", f"model.attention_impl={m.attention_impl}"),
         (m.attention_impl == "flash" and sizes["tensor"] > 1,
          f"model.attention_impl=flash and mesh.tensor={sizes['tensor']}"),
@@ -193,6 +197,11 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                           f"the MoE layers) is not available: pipeline stages split one layer stack, and this "
                           f"model has two. Use model.moe_layer_freq=1 (every layer MoE) with a pipeline, or "
                           f"mesh.pipeline=1 (expert, data, fsdp, tensor and context parallelism all work).")
+    if sizes["context"] > 1 and cfg.parallel.context_impl == "ring":
+        raise ConfigError(f"mesh.pipeline={p} with mesh.context={sizes['context']} needs "
+                          f"parallel.context_impl=allgather (this config has ring): the ring's k/v hops are "
+                          f"collective-permutes inside a stage's conditional half-ticks, which devices of an idle "
+                          f"stage never join. Set parallel.context_impl=allgather, or mesh.pipeline=1 for the ring.")
     inner = [f"mesh.{a}={sizes[a]}" for a in ("tensor", "context") if sizes[a] > 1]
     if m.num_experts > 0 and inner:
         raise ConfigError(f"mesh.pipeline={p} with a mixture of experts (model.num_experts={m.num_experts}) and "

@@ -168,6 +168,10 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     if pipelined:
         # The data-parallel axes the stage loop splits the batch over itself (see pipeline_gradients).
         pipeline_dp_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
+        # Context parallelism: the stage loop also splits the sequence over `context` (the ring
+        # attention's own collectives then run in place); its gradient sums are reduced like a data axis's.
+        pipeline_seq_axes = tuple(a for a in rules.activations["length"] if sizes[a] > 1)
+        pipeline_dp_axes += pipeline_seq_axes
         pipeline_grad_specs, pipeline_param_specs = (
             jax.tree.map(lambda names: logical_to_spec(names, table), spec.axes, is_leaf=lambda x: isinstance(x, tuple))
             for table in (rules.opt_state, rules.params))
@@ -280,7 +284,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         grads, loss_sum, router = pipeline_gradients(
             stage_functions(spec, cfg), sched, mesh, tree, batch,
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
-            specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum, maxed=maxed)
+            specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum, maxed=maxed,
+            seq_axes=() if use_dropout else pipeline_seq_axes)
         amaxes = {}
         if scales or bias:
             flat = flatten_dict(grads)
