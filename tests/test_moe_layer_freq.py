@@ -59,13 +59,21 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
 
 
-def test_a_pipeline_is_refused():
-    """(The key's own errors are in tests/test_moe.py's list of MoE key errors.)"""
+def test_pipeline_stages_hold_whole_groups_and_match_one_device(small_config):
+    """1F1B on pipeline 2 x data 2 x expert 2: the stages split the groups [MoE layer, dense layer]
+    (stage 0: model layers 0-1, stage 1: 2-3); one device with the same microbatches (4 sequences)
+    is the reference. A pipeline that would cut a group is refused. (The key's own errors are in
+    tests/test_moe.py's list of MoE key errors.)"""
+    from megajax.errors import MeshError
     from megajax.train.plan import make_plan
-    cfg = load_config(["model/tiny-moe"], ["model.moe_layer_freq=2", "mesh.pipeline=2", "mesh.data=4",
-                                           "train.global_batch=16", "train.micro_batch=1"])
-    with pytest.raises(ConfigError, match=r"mesh.pipeline=2 with model.moe_layer_freq=2 .* Use model.moe_layer_freq=1"):
-        make_plan(cfg, 8)
+    ref = reference(small_config, *MOE, "model.num_layers=4", "train.micro_batch=4", steps=3)
+    got = run(small_config, *MOE, "model.num_layers=4", "mesh.pipeline=2", "mesh.data=2", "mesh.expert=2",
+              "train.micro_batch=1", devices=jax.devices(), steps=3)
+    assert_same_run(got, ref)
+    with pytest.raises(MeshError, match=r"model.num_layers=4 with model.moe_layer_freq=2 is 2 groups .* "
+                                        r"mesh.pipeline=4 x parallel.virtual_stages=1 must divide 2"):
+        make_plan(small_config(*MOE, "model.num_layers=4", "mesh.pipeline=4", "mesh.data=2",
+                               "train.micro_batch=1"), 8)
 
 
 LAYOUTS = {

@@ -168,6 +168,11 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
             raise ConfigError(f"parallel.virtual_stages = {v} needs pipeline parallelism (mesh.pipeline > 1; "
                               f"this run has mesh.pipeline=1); set parallel.virtual_stages=1.")
         return
+    if m.interleaves_dense_layers() and (m.num_layers // m.moe_layer_freq) % (p * v):
+        f, groups = m.moe_layer_freq, m.num_layers // m.moe_layer_freq
+        raise MeshError(f"model.num_layers={m.num_layers} with model.moe_layer_freq={f} is {groups} groups of one MoE "
+                        f"and {f - 1} dense layers, and a pipeline stage holds whole groups: mesh.pipeline={p} x "
+                        f"parallel.virtual_stages={v} must divide {groups}.")
     if m.num_layers % (p * v):
         ok = [d for d in range(2, m.num_layers + 1) if m.num_layers % (d * v) == 0][:8]
         raise MeshError(f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
@@ -192,11 +197,6 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         (m.attention_impl == "flash" and sizes["tensor"] > 1,
          f"model.attention_impl=flash and mesh.tensor={sizes['tensor']}"),
     ]
-    if m.interleaves_dense_layers():
-        raise ConfigError(f"mesh.pipeline={p} with model.moe_layer_freq={m.moe_layer_freq} (dense layers between "
-                          f"the MoE layers) is not available: pipeline stages split one layer stack, and this "
-                          f"model has two. Use model.moe_layer_freq=1 (every layer MoE) with a pipeline, or "
-                          f"mesh.pipeline=1 (expert, data, fsdp, tensor and context parallelism all work).")
     if sizes["context"] > 1 and cfg.parallel.context_impl == "ring":
         raise ConfigError(f"mesh.pipeline={p} with mesh.context={sizes['context']} needs "
                           f"parallel.context_impl=allgather (this config has ring): the ring's k/v hops are "

@@ -278,7 +278,12 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             maxed = unflatten_dict({**{k: False for k in flatten_dict(params)}, **{k: True for k in scales},
                                     **{k: False for k in bias}})
             specs = unflatten_dict({**flatten_dict(stage_specs),
-                                    **{k: P("pipeline") if k[0] == "layers" else P() for k in (*scales, *bias)}})
+                                    **{k: P("pipeline") if k[0] in STACKS else P() for k in (*scales, *bias)}})
+        if cfg.model.interleaves_dense_layers():  # the stages split the groups [MoE layer, dense layers]
+            f = cfg.model.moe_layer_freq
+            tree = group_stacks(tree, f)
+            maxed = None if maxed is None else group_stacks(maxed, f)
+            specs = group_stacks(specs, f)
         # Dropout's masks keep the batch split inside the stage loop with the compiler (gradients
         # reduced per microbatch; see README: pipeline).
         grads, loss_sum, router = pipeline_gradients(
@@ -286,6 +291,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
             specs, data_axes=() if use_dropout else pipeline_dp_axes, router_seed=scale / accum, maxed=maxed,
             seq_axes=() if use_dropout else pipeline_seq_axes)
+        if cfg.model.interleaves_dense_layers():
+            grads = ungroup_stacks(grads)
         amaxes = {}
         if scales or bias:
             flat = flatten_dict(grads)
@@ -340,6 +347,28 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
 # Where a pipeline step puts the MoE routers' expert bias in the tree it runs the stages on.
 EXPERT_BIAS_PATH = ("layers", "mlp", "expert_bias")
+STACKS = ("layers", "dense_layers")  # the trees stacked over layers (dim 0)
+
+
+def group_stacks(tree: dict, f: int) -> dict:
+    """A tree of a model with dense layers between its MoE layers (moe_layer_freq f > 1) as the
+    pipeline takes it: one stack over the groups [MoE layer, f - 1 dense layers], `layers` =
+    {"moe": the MoE layers [G, ...], "dense": the dense ones [G, f - 1, ...]} (arrays, bools, or
+    PartitionSpecs given the extra dim)."""
+    def dense(x):
+        if isinstance(x, P):
+            return P(x[0] if len(x) else None, None, *x[1:])
+        return x.reshape((-1, f - 1) + x.shape[1:]) if hasattr(x, "reshape") else x
+    rest = {k: v for k, v in tree.items() if k not in STACKS}
+    return {**rest, "layers": {"moe": tree["layers"], "dense": jax.tree.map(
+        dense, tree["dense_layers"], is_leaf=lambda x: isinstance(x, P))}}
+
+
+def ungroup_stacks(tree: dict) -> dict:
+    """group_stacks undone (arrays): `layers` and `dense_layers` in model form again."""
+    rest = {k: v for k, v in tree.items() if k != "layers"}
+    return {**rest, "layers": tree["layers"]["moe"],
+            "dense_layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree["layers"]["dense"])}
 
 
 def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
@@ -371,9 +400,14 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
         return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
 
     def embed(params, m, key):
-        return model(params).embed_input(m["tokens"], positions(m), key)
+        return model(ungroup_stacks(params) if grouped else params).embed_input(m["tokens"], positions(m), key)
+
+    grouped = cfg.model.interleaves_dense_layers()
+    f = cfg.model.moe_layer_freq if grouped else 1
 
     def layers(params, x, m, key, first_layer, data_sum):
+        if grouped:  # a chunk of groups (group_stacks); first_layer counts groups
+            params, first_layer = ungroup_stacks(params), first_layer * f
         bias = flatten_dict(params).get(EXPERT_BIAS_PATH)  # [chunk layers, E] or None
         x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
                                              dropout_rng=key, first_layer=first_layer, expert_bias=bias)
@@ -385,6 +419,7 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
                    "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
     def head(params, x, m):
+        params = ungroup_stacks(params) if grouped else params
         return jnp.sum(cross_entropy(model(params).logits(x), m["labels"]) * m["loss_mask"])
 
     return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)
