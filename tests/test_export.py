@@ -289,19 +289,14 @@ MEGATRON_CASES = {
     # + a shared expert: shared_experts.linear_fc1 [gate; up] per tensor rank and linear_fc2, split like a dense MLP
     "moe-shared-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                                  "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48"], 2, 1),
-    # + the shared expert's sigmoid gate (shared_experts.gate_weight [1, hidden], replicated)
-    "moe-shared-gate-tp2": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
-                                      "model.ffn_hidden_size=32", "model.moe_shared_expert_ffn_size=48",
-                                      "model.moe_shared_expert_gate=true"], 2, 1),
-    # group-limited routing: 8 experts in 4 groups, top-4 within each token's 2 best groups (sigmoid + bias
-    # in test_moe_router_bias.py)
-    "moe-groups-tp2": ("llama", ["model.num_experts=8", "model.moe_router_topk=4", "model.moe_ffn_hidden_size=32",
-                                 "model.ffn_hidden_size=32", "model.moe_router_num_groups=4",
-                                 "model.moe_router_group_topk=2"], 2, 1),
-    # MoE layers 0 and 2, dense MLPs (ffn_hidden_size 96) in layers 1 and 3: moe_layer_freq 2
-    "moe-freq2-tp2": ("llama", ["model.num_layers=4", "model.num_experts=4", "model.moe_router_topk=2",
-                                "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=96", "model.moe_layer_freq=2"],
-                      2, 1),
+    # MoE layers 0 and 2 with group-limited routing (8 experts in 4 groups, top-4 within each token's 2 best
+    # groups) and a gated shared expert (shared_experts.gate_weight [1, hidden], replicated); dense MLPs
+    # (ffn_hidden_size 96) in layers 1 and 3: moe_layer_freq 2
+    "moe-freq2-groups-gated-shared-tp2": ("llama", [
+        "model.num_layers=4", "model.num_experts=8", "model.moe_router_topk=4", "model.moe_ffn_hidden_size=32",
+        "model.ffn_hidden_size=96", "model.moe_layer_freq=2", "model.moe_router_num_groups=4",
+        "model.moe_router_group_topk=2", "model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"],
+        2, 1),
 }
 
 
@@ -327,8 +322,8 @@ def test_megatron_export_matches_megatron_core(case, tmp_path):
         saved = torch.load(step / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
         assert (saved["args"].moe_shared_expert_intermediate_size, saved["args"].moe_shared_expert_gate,
                 saved["args"].moe_shared_expert_overlap) == (48, "gate" in case, False)
-        assert saved["model"]["decoder.layers.1.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
-        gate = saved["model"].get("decoder.layers.1.mlp.shared_experts.gate_weight")
+        assert saved["model"]["decoder.layers.0.mlp.shared_experts.linear_fc1.weight"].shape == (48, 64)  # 2 x 48 / tp
+        gate = saved["model"].get("decoder.layers.0.mlp.shared_experts.gate_weight")
         assert (gate is not None and tuple(gate.shape) == (1, 64)) == ("gate" in case)  # replicated, not split
     if "groups" in case:  # the groups change these tokens' routing: megatron-core applied them too
         _, plain_spec, plain_params = make_model(family, *(o for o in overrides if "group" not in o))
