@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from layout_parity import assert_same_run, reference, run
+from layout_parity import MOE, assert_same_run, moe_accumulation_reference, reference, run
 from megajax.config import load_config
 from megajax.errors import ConfigError, MeshError
 from megajax.parallel.pipeline import build_schedule, stage_order
@@ -118,13 +118,10 @@ def test_half_precision_trains_like_one_device(small_config, precision):
     assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
 
 
-MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
-       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
-
-
 @pytest.mark.parametrize("model, overrides", [
     (["model.moe_shared_expert_ffn_size=96"], ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"]),
-    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01"],
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
+      "model.moe_router_topk_scaling_factor=2.0"],
      ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
       "parallel.virtual_stages=2"]),
 ], ids=["1f1b_p2_m2_data2_expert2_shared_expert", "interleaved_v2_p2_m2_expert4_sigmoid_expert_bias"])
@@ -134,7 +131,7 @@ def test_mixture_of_experts_through_the_stages_matches_one_device(small_config, 
     in its backward; one device with the same microbatches (4 sequences, 2 per step) is the reference.
     The expert bias (interleaved case) reaches each chunk's layers in their stage order and moves by
     the step's token counts of every layer (compared after the run by assert_same_run)."""
-    ref = reference(small_config, *MODEL, *MOE, *model, "train.micro_batch=4", steps=3)
+    ref = moe_accumulation_reference(small_config, *model)  # MODEL's 4 layers
     got = run(small_config, *MODEL, *MOE, *model, *overrides, "train.micro_batch=1", devices=jax.devices(), steps=3)
     assert_same_run(got, ref)
 
