@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from layout_parity import MOE, assert_same_run, moe_accumulation_reference, reference, run
+from layout_parity import MOE, PARITY, assert_same_run, moe_accumulation_reference, reference, run
 from megajax.config import load_config
 from megajax.errors import ConfigError, MeshError
 from megajax.parallel.pipeline import build_schedule, stage_order
@@ -199,23 +199,22 @@ def test_a_four_stage_step_permutes_activations_and_never_gathers_layer_weights(
 # ----------------------------------------------------------------------------------------------
 # Checkpoints, validation
 
-FIXED_LR = ["optim.warmup_steps=0", "optim.decay_steps=3"]  # the same schedule for 2- and 3-step runs
 
 
 def test_pipeline_checkpoint_resumes_without_pipeline_and_back(small_config, tmp_path):
     """2 steps on pipeline 2 x data 4, then step 3 on data 8 without a pipeline, and, from the
     one-device run's step 2, step 3 on the pipeline: both equal one device's step 3."""
-    ref = train(small_config(*REFERENCE, *FIXED_LR, steps=3), devices=jax.devices()[:1])
+    ref = reference(small_config, *REFERENCE)  # the parity tests' run: its schedule (PARITY) ignores train.steps
     pp = ["mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1"]
     a = str(tmp_path / "a")
-    train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={a}", "checkpoint.every=2", steps=2),
+    train(small_config(*MODEL, *pp, *PARITY, f"train.run_dir={a}", "checkpoint.every=2", steps=2),
           devices=jax.devices())
-    resumed = train(small_config(*MODEL, "mesh.data=8", "train.micro_batch=1", *FIXED_LR,
+    resumed = train(small_config(*MODEL, "mesh.data=8", "train.micro_batch=1", *PARITY,
                                  f"train.run_dir={a}", steps=3), devices=jax.devices())
     b = str(tmp_path / "b")
-    train(small_config(*REFERENCE, *FIXED_LR, f"train.run_dir={b}", "checkpoint.every=2", steps=2),
+    train(small_config(*REFERENCE, *PARITY, f"train.run_dir={b}", "checkpoint.every=2", steps=2),
           devices=jax.devices()[:1])
-    back = train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={b}", steps=3),
+    back = train(small_config(*MODEL, *pp, *PARITY, f"train.run_dir={b}", steps=3),
                  devices=jax.devices())
     np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-5)
     np.testing.assert_allclose(back.losses[-1], ref.losses[2], rtol=1e-5)
