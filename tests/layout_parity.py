@@ -80,6 +80,10 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
 
 _references: dict = {}
 
+# A small mixture of experts (8 experts, top 2, both router losses on) for the MoE parity tests.
+MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+
 
 def reference(small_config, *overrides, steps: int = STEPS, params: bool = True) -> Run:
     """One device (cached per overrides within the test session)."""
@@ -89,6 +93,13 @@ def reference(small_config, *overrides, steps: int = STEPS, params: bool = True)
         _references[key] = run(small_config, "mesh.data=1", *overrides, devices=jax.devices()[:1], steps=steps,
                                params=params)
     return _references[key]
+
+
+def moe_accumulation_reference(small_config, *model: str) -> Run:
+    """One device, 4 layers, MoE with `model`'s extra options, 2 microbatches of 4 sequences per step, 3 steps:
+    the reference of the MoE runs through pipeline stages (tests/test_pipeline.py) and of the expert-parallel
+    runs with 2 microbatches per step (tests/test_moe_parity.py), computed once for both."""
+    return reference(small_config, "model.num_layers=4", *MOE, *model, "train.micro_batch=4", steps=3)
 
 
 def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: float | None = None,

@@ -152,7 +152,8 @@ def _launch(tmp_path: Path, run_dir: Path, cache: Path, *overrides: str) -> list
     """`megajax train` as process 0 and 1 of a 2-process job, 4 simulated CPU devices each;
     data=2 across the processes x tensor=4 inside each (mesh.dcn.data=2)."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     args = [*SMALL, "mesh.data=1", "mesh.tensor=4", "mesh.dcn.data=2", f"train.run_dir={run_dir}",

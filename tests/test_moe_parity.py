@@ -8,10 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from layout_parity import assert_same_run, reference, run
+from layout_parity import MOE, PARITY, assert_same_run, moe_accumulation_reference, reference, run
 
-MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
-       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
 LAYOUTS = {
     "expert2_data4": ["mesh.data=4", "mesh.expert=2"],
     "expert8": ["mesh.data=1", "mesh.expert=8"],
@@ -26,14 +24,6 @@ LAYOUTS = {
 def test_expert_parallel_layout_matches_one_device(small_config, layout):
     ref = reference(small_config, *MOE)
     got = run(small_config, *MOE, *LAYOUTS[layout], devices=jax.devices())
-    assert_same_run(got, ref)
-
-
-def test_expert_parallel_accumulation_matches_one_device(small_config):
-    """Two microbatches per step on one device and on data 2 x expert 2 (the balancing losses are
-    per microbatch, over all of its shards)."""
-    ref = reference(small_config, *MOE, "train.micro_batch=4")
-    got = run(small_config, *MOE, "mesh.data=2", "mesh.expert=2", "train.micro_batch=1", devices=jax.devices()[:4])
     assert_same_run(got, ref)
 
 
@@ -75,25 +65,24 @@ def test_expert_parallel_half_precision_tracks_one_device(small_config, precisio
 
 def test_moe_checkpoint_resumes_on_another_expert_layout(small_config, tmp_path):
     """2 steps on expert 2 x data 4, then step 3 on expert 8: one device's step 3."""
-    import numpy as np
     from megajax.train.loop import train
-    fixed = ["optim.warmup_steps=0", "optim.decay_steps=3"]
-    ref = train(small_config(*MOE, *fixed, steps=3), devices=jax.devices()[:1])
+    ref = reference(small_config, *MOE)  # its schedule (PARITY) does not depend on train.steps
     d = str(tmp_path / "moe")
-    train(small_config(*MOE, *fixed, "mesh.data=4", "mesh.expert=2", f"train.run_dir={d}", "checkpoint.every=2",
+    train(small_config(*MOE, *PARITY, "mesh.data=4", "mesh.expert=2", f"train.run_dir={d}", "checkpoint.every=2",
                        steps=2), devices=jax.devices())
-    resumed = train(small_config(*MOE, *fixed, "mesh.data=1", "mesh.expert=8", f"train.run_dir={d}", steps=3),
+    resumed = train(small_config(*MOE, *PARITY, "mesh.data=1", "mesh.expert=8", f"train.run_dir={d}", steps=3),
                     devices=jax.devices())
     np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-5)
 
 
-def test_shared_expert_layout_matches_one_device(small_config):
+def test_shared_expert_with_accumulation_matches_one_device(small_config):
     """A shared expert (a dense MLP beside the routed experts: split over `tensor`, the `expert` axis a
-    data axis for it) on expert 2 x data 2 x tensor 2 with sequence parallelism."""
-    shared = [*MOE, "model.moe_shared_expert_ffn_size=96"]
-    ref = reference(small_config, *shared)
-    got = run(small_config, *shared, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-              devices=jax.devices())
+    data axis for it) on expert 2 x data 2 x tensor 2 with sequence parallelism, and two microbatches
+    per step (the balancing losses are per microbatch, over all of its shards)."""
+    shared = "model.moe_shared_expert_ffn_size=96"
+    ref = moe_accumulation_reference(small_config, shared)
+    got = run(small_config, "model.num_layers=4", *MOE, shared, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
+              "parallel.sequence_parallel=true", "train.micro_batch=1", devices=jax.devices(), steps=3)
     assert_same_run(got, ref)
     assert any("shared_experts" in name for name in ref.params1)
 
@@ -104,13 +93,12 @@ SIGMOID_BIAS = ["model.moe_router_score_function=sigmoid", "model.moe_router_bia
 
 
 def test_expert_bias_on_expert_parallel_accumulation_matches_one_device(small_config):
-    """Expert 2 x data 4 with 2 microbatches per step: the bias update sees the step's token counts over
+    """Expert 2 x data 2 with 2 microbatches per step: the bias update sees the step's token counts over
     both microbatches and all devices, so losses, grad norms and the bias after the run are one device's."""
-    ref = reference(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "train.micro_batch=8", steps=3,
-                    params=False)
+    ref = moe_accumulation_reference(small_config, *SIGMOID_BIAS)
     assert np.abs(ref.expert_bias).max() > 0.01  # moved on more than one step
-    got = run(small_config, *MOE, *SIGMOID_BIAS, "train.global_batch=16", "mesh.data=4", "mesh.expert=2",
-              "train.micro_batch=1", devices=jax.devices(), steps=3, params=False)
+    got = run(small_config, "model.num_layers=4", *MOE, *SIGMOID_BIAS, "mesh.data=2", "mesh.expert=2",
+              "train.micro_batch=1", devices=jax.devices()[:4], steps=3, params=False)
     assert_same_run(got, ref)
 
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from layout_parity import assert_same_run, reference, run
+from layout_parity import MOE, PARITY, assert_same_run, moe_accumulation_reference, reference, run
 from megajax.config import load_config
 from megajax.errors import ConfigError, MeshError
 from megajax.parallel.pipeline import build_schedule, stage_order
@@ -137,13 +137,10 @@ def test_half_precision_trains_like_one_device(small_config, precision):
     assert_same_run(got, ref, rtol=2.0 ** -8 / 16, grad_norm_rtol=2.0 ** -8)
 
 
-MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
-       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
-
-
 @pytest.mark.parametrize("model, overrides", [
     (["model.moe_shared_expert_ffn_size=96"], ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"]),
-    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01"],
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
+      "model.moe_router_topk_scaling_factor=2.0"],
      ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
       "parallel.virtual_stages=2"]),
 ], ids=["1f1b_p2_m2_data2_expert2_shared_expert", "interleaved_v2_p2_m2_expert4_sigmoid_expert_bias"])
@@ -153,7 +150,7 @@ def test_mixture_of_experts_through_the_stages_matches_one_device(small_config, 
     in its backward; one device with the same microbatches (4 sequences, 2 per step) is the reference.
     The expert bias (interleaved case) reaches each chunk's layers in their stage order and moves by
     the step's token counts of every layer (compared after the run by assert_same_run)."""
-    ref = reference(small_config, *MODEL, *MOE, *model, "train.micro_batch=4", steps=3)
+    ref = moe_accumulation_reference(small_config, *model)  # MODEL's 4 layers
     got = run(small_config, *MODEL, *MOE, *model, *overrides, "train.micro_batch=1", devices=jax.devices(), steps=3)
     assert_same_run(got, ref)
 
@@ -221,23 +218,22 @@ def test_a_four_stage_step_permutes_activations_and_never_gathers_layer_weights(
 # ----------------------------------------------------------------------------------------------
 # Checkpoints, validation
 
-FIXED_LR = ["optim.warmup_steps=0", "optim.decay_steps=3"]  # the same schedule for 2- and 3-step runs
 
 
 def test_pipeline_checkpoint_resumes_without_pipeline_and_back(small_config, tmp_path):
     """2 steps on pipeline 2 x data 4, then step 3 on data 8 without a pipeline, and, from the
     one-device run's step 2, step 3 on the pipeline: both equal one device's step 3."""
-    ref = train(small_config(*REFERENCE, *FIXED_LR, steps=3), devices=jax.devices()[:1])
+    ref = reference(small_config, *REFERENCE)  # the parity tests' run: its schedule (PARITY) ignores train.steps
     pp = ["mesh.pipeline=2", "mesh.data=4", "train.micro_batch=1"]
     a = str(tmp_path / "a")
-    train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={a}", "checkpoint.every=2", steps=2),
+    train(small_config(*MODEL, *pp, *PARITY, f"train.run_dir={a}", "checkpoint.every=2", steps=2),
           devices=jax.devices())
-    resumed = train(small_config(*MODEL, "mesh.data=8", "train.micro_batch=1", *FIXED_LR,
+    resumed = train(small_config(*MODEL, "mesh.data=8", "train.micro_batch=1", *PARITY,
                                  f"train.run_dir={a}", steps=3), devices=jax.devices())
     b = str(tmp_path / "b")
-    train(small_config(*REFERENCE, *FIXED_LR, f"train.run_dir={b}", "checkpoint.every=2", steps=2),
+    train(small_config(*REFERENCE, *PARITY, f"train.run_dir={b}", "checkpoint.every=2", steps=2),
           devices=jax.devices()[:1])
-    back = train(small_config(*MODEL, *pp, *FIXED_LR, f"train.run_dir={b}", steps=3),
+    back = train(small_config(*MODEL, *pp, *PARITY, f"train.run_dir={b}", steps=3),
                  devices=jax.devices())
     np.testing.assert_allclose(resumed.losses[-1], ref.losses[2], rtol=1e-5)
     np.testing.assert_allclose(back.losses[-1], ref.losses[2], rtol=1e-5)
