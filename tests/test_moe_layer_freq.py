@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from layout_parity import assert_same_run, reference, run
+from layout_parity import MOE, assert_same_run, moe_accumulation_reference, run
 from megajax.config import load_config
-from megajax.errors import ConfigError
-
-MOE = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
-       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001", "model.moe_layer_freq=2"]
 
 
 def _tiny(*overrides):
@@ -49,6 +45,8 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     real = slice(0, 100)
     np.testing.assert_allclose(np.asarray(model.logits(x))[..., real], np.asarray(logits)[..., real],
                                rtol=1e-5, atol=1e-5)
+    if freq != 2:
+        return
     # Unrolled layers with full recompute: the same function of the same parameters.
     other = Transformer(_tiny(f"model.moe_layer_freq={freq}", f"model.num_layers={num_layers}",
                               "model.scan_layers=false"), recompute="full", rngs=nnx.Rngs(1))
@@ -59,38 +57,34 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
 
 
-def test_pipeline_stages_hold_whole_groups_and_match_one_device(small_config):
-    """1F1B on pipeline 2 x data 2 x expert 2: the stages split the groups [MoE layer, dense layer]
-    (stage 0: model layers 0-1, stage 1: 2-3); one device with the same microbatches (4 sequences)
-    is the reference. A pipeline that would cut a group is refused. (The key's own errors are in
-    tests/test_moe.py's list of MoE key errors.)"""
+# Layers 0 and 2 MoE (with a gated shared expert), 1 and 3 dense; the reference: one device, 2 microbatches
+# of 4 sequences per step, 3 steps (moe_accumulation_reference, as the other MoE accumulation runs').
+DENSE_BETWEEN = ["model.moe_layer_freq=2", "model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"]
+
+
+@pytest.mark.parametrize("mesh", [
+    ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true"],
+    ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"],
+], ids=["expert2_fsdp2_tensor2_sp", "1f1b_p2_data2_expert2"])
+def test_interleaved_dense_layers_match_one_device(small_config, mesh):
+    """Expert 2 x FSDP 2 x tensor 2 + SP (the shared expert's gate vector replicated, its MLP split over
+    tensor), and 1F1B on pipeline 2 x data 2 x expert 2 (the stages split the groups [MoE layer,
+    dense layer]: stage 0 holds model layers 0-1, stage 1 layers 2-3)."""
+    ref = moe_accumulation_reference(small_config, *DENSE_BETWEEN)
+    got = run(small_config, "model.num_layers=4", *MOE, *DENSE_BETWEEN, *mesh, "train.micro_batch=1",
+              devices=jax.devices(), steps=3)
+    assert_same_run(got, ref)
+    assert any("dense_layers" in name for name in ref.params1)
+
+
+def test_a_pipeline_stage_holds_whole_groups(small_config):
+    """(The key's own errors are in tests/test_moe.py's list of MoE key errors.)"""
     from megajax.errors import MeshError
     from megajax.train.plan import make_plan
-    ref = reference(small_config, *MOE, "model.num_layers=4", "train.micro_batch=4", steps=3)
-    got = run(small_config, *MOE, "model.num_layers=4", "mesh.pipeline=2", "mesh.data=2", "mesh.expert=2",
-              "train.micro_batch=1", devices=jax.devices(), steps=3)
-    assert_same_run(got, ref)
     with pytest.raises(MeshError, match=r"model.num_layers=4 with model.moe_layer_freq=2 is 2 groups .* "
                                         r"mesh.pipeline=4 x parallel.virtual_stages=1 must divide 2"):
-        make_plan(small_config(*MOE, "model.num_layers=4", "mesh.pipeline=4", "mesh.data=2",
+        make_plan(small_config(*MOE, *DENSE_BETWEEN, "model.num_layers=4", "mesh.pipeline=4", "mesh.data=2",
                                "train.micro_batch=1"), 8)
-
-
-LAYOUTS = {
-    "expert2_data4": ([], ["mesh.data=4", "mesh.expert=2"]),
-    # + a gated shared expert (its gate vector replicated, its MLP split over tensor)
-    "expert2_fsdp2_tensor2_sp_gated_shared": (
-        ["model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"],
-        ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true"]),
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_interleaved_dense_layers_match_one_device(small_config, layout):
-    model, mesh = LAYOUTS[layout]
-    ref = reference(small_config, *MOE, *model)
-    got = run(small_config, *MOE, *model, *mesh, devices=jax.devices())
-    assert_same_run(got, ref)
 
 
 def _random_model(*overrides):

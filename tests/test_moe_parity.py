@@ -87,9 +87,11 @@ def test_shared_expert_with_accumulation_matches_one_device(small_config):
     assert any("shared_experts" in name for name in ref.params1)
 
 
-# Sigmoid routing with aux-loss-free balancing: a rate large enough to move the routing within steps.
+# Sigmoid routing with aux-loss-free balancing (a rate large enough to move the routing within steps) and
+# group-limited top-k (the 8 experts in 4 groups, each token's 2 best groups).
 SIGMOID_BIAS = ["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
-                "model.moe_router_topk_scaling_factor=2.0"]
+                "model.moe_router_topk_scaling_factor=2.0", "model.moe_router_num_groups=4",
+                "model.moe_router_group_topk=2"]
 
 
 def test_expert_bias_on_expert_parallel_accumulation_matches_one_device(small_config):

@@ -140,7 +140,7 @@ def test_half_precision_trains_like_one_device(small_config, precision):
 @pytest.mark.parametrize("model, overrides", [
     (["model.moe_shared_expert_ffn_size=96"], ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2"]),
     (["model.moe_router_score_function=sigmoid", "model.moe_router_bias_update_rate=0.01",
-      "model.moe_router_topk_scaling_factor=2.0"],
+      "model.moe_router_topk_scaling_factor=2.0", "model.moe_router_num_groups=4", "model.moe_router_group_topk=2"],
      ["mesh.pipeline=2", "mesh.data=1", "mesh.expert=4", "parallel.pipeline_schedule=interleaved",
       "parallel.virtual_stages=2"]),
 ], ids=["1f1b_p2_m2_data2_expert2_shared_expert", "interleaved_v2_p2_m2_expert4_sigmoid_expert_bias"])
