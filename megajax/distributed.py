@@ -358,23 +358,41 @@ def supervise(argv: list[str], plan: ProcessPlan, cfg: DistributedConfig, run_di
 
 
 GLOO_PREFIX = b"[Gloo] "
+# Pieces of gloo's connection message. Its threads write the message in several pieces, which can
+# interleave: a line may start mid-message ('0 is connected to 1 peer ranks. Expected ...') or hold
+# only a rank count.
+_GLOO_PIECE = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks|Expected number of connected peer ranks|"
+                         rb"^\s*(Rank\s*)?\d*\s*$")
+
+
+def _split_gloo(line: bytes) -> tuple[bytes, bytes]:
+    """(the part of a line for the console, the part from gloo): a line with a gloo piece goes to
+    the log, except the text before a '[Gloo]' prefix in mid-line (a console line gloo broke into)."""
+    if not line.strip() or not _GLOO_PIECE.search(line):
+        return line, b""
+    at = line.find(GLOO_PREFIX)
+    if at > 0 and not _GLOO_PIECE.search(line[:at]):
+        return line[:at] + b"\n", line[at:]
+    return b"", line
 
 
 def forward_output(stream: BinaryIO, out: BinaryIO, log_path: Path) -> None:
     """Copies `stream` to `out` line by line, except the lines the gloo library prints on CPU
     collectives ('[Gloo] Rank 0 is connected to 3 peer ranks ...', once per communicator, from
-    its C++ side to standard output), which go to the process's log file `log_path` instead."""
+    its C++ side to standard output, sometimes in interleaved pieces), which go to the process's
+    log file `log_path` instead."""
     log = None
     try:
         for line in iter(stream.readline, b""):
-            if line.startswith(GLOO_PREFIX):
+            console, gloo = _split_gloo(line)
+            if gloo:
                 if log is None:
                     log_path.parent.mkdir(parents=True, exist_ok=True)
                     log = open(log_path, "ab")
-                log.write(line)
+                log.write(gloo)
                 log.flush()
-            else:
-                out.write(line)
+            if console:
+                out.write(console)
                 out.flush()
     finally:
         if log is not None:

@@ -43,6 +43,15 @@ def test_gloo_connection_lines_go_to_the_log_not_the_console(tmp_path):
     forward_output(child, console, tmp_path / "logs" / "process_0.log")
     assert console.getvalue() == b"step 1/2 | loss 5.5\npartial line"
     assert (tmp_path / "logs" / "process_0.log").read_bytes().count(b"[Gloo] Rank") == 2
+    # gloo's threads write their message in pieces that interleave (as seen with 4 devices a process):
+    # the pieces go to the log too, a console line gloo broke into keeps its own text.
+    child = io.BytesIO(b"[Gloo] Rank [Gloo] Rank 3 is connected to 7 peer ranks. Expected number of connected peer "
+                       b"ranks is : 7\n0 is connected to 7 peer ranks. Expected number of connected peer ranks is : 7"
+                       b"\n7\nstep 2/2 | loss 5.1[Gloo] Rank 1 is connected to 7 peer ranks.\n\nmegajax: done\n")
+    console = io.BytesIO()
+    forward_output(child, console, tmp_path / "logs" / "process_1.log")
+    assert console.getvalue() == b"step 2/2 | loss 5.1\n\nmegajax: done\n"
+    assert (tmp_path / "logs" / "process_1.log").read_bytes().count(b"peer ranks") == 5
 
 
 def test_single_process_without_any_settings():
