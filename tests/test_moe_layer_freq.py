@@ -34,7 +34,7 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     model = Transformer(m, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 100)
     positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
-    logits, stats = model(tokens, router_stats=True)
+    logits, stats = nnx.jit(lambda mod, t: mod(t, router_stats=True))(model, tokens)
     assert stats.probs.shape[0] == num_layers // freq
     x = model.embed_input(tokens, positions, None)
     for stack, i in slots:  # each layer by hand, from its own stack, in model order
@@ -51,9 +51,10 @@ def test_the_model_is_its_layers_in_megatron_order(freq, num_layers):
     other = Transformer(_tiny(f"model.moe_layer_freq={freq}", f"model.num_layers={num_layers}",
                               "model.scan_layers=false"), recompute="full", rngs=nnx.Rngs(1))
     nnx.update(other, nnx.state(model, nnx.Param))
-    grad = nnx.grad(lambda mod: jnp.sum(mod(tokens)[..., real] ** 2))
+    grad = nnx.jit(nnx.grad(lambda mod: jnp.sum(mod(tokens)[..., real] ** 2)))
     g1, g2 = nnx.to_pure_dict(grad(model)), nnx.to_pure_dict(grad(other))
-    np.testing.assert_allclose(np.asarray(other(tokens))[..., real], np.asarray(logits)[..., real], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(nnx.jit(lambda mod: mod(tokens))(other))[..., real],
+                               np.asarray(logits)[..., real], rtol=1e-5, atol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), g1, g2)
 
 
