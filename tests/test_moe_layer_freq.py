@@ -113,13 +113,9 @@ def test_cached_generation_equals_the_full_forward(layer_buffers):
     cfg, spec, params = _random_model("model.moe_router_score_function=sigmoid",
                                       "model.moe_router_bias_update_rate=0.01")
     bias = np.random.default_rng(1).normal(0.0, 0.3, (2, 4)).astype(np.float32)
+    from test_moe_router_bias import greedy_by_full_forward
     prompt, n = [65, 66, 67, 68, 69], 6
-    apply = jax.jit(lambda p, t, b: spec.apply(p, t, expert_bias=b))
-    ids = list(prompt)
-    for _ in range(n):
-        buf = np.zeros((1, 32), np.int32)
-        buf[0, :len(ids)] = ids
-        ids.append(int(np.argmax(np.asarray(apply(params, buf, bias))[0, len(ids) - 1, :257])))
+    ids, _, _ = greedy_by_full_forward(spec, params, bias, prompt, n)
     gen = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers, expert_bias=bias)
     [done], _ = gen.generate([prompt], Sampling(), n)
     assert done.completion_ids == ids[len(prompt):]

@@ -136,18 +136,25 @@ def biased_model():
     return cfg, spec, params, bias
 
 
+def greedy_by_full_forward(spec, params, bias, prompt, n, vocab=257, length=32):
+    """(prompt + n greedy tokens, the jitted full forward, the last input buffer): each token from
+    re-running the whole model on the sequence so far (the reference of cached generation)."""
+    apply = jax.jit(lambda p, t, b: spec.apply(p, t, expert_bias=b))
+    ids = list(prompt)
+    for _ in range(n):
+        buf = np.zeros((1, length), np.int32)
+        buf[0, :len(ids)] = ids
+        ids.append(int(np.argmax(np.asarray(apply(params, buf, bias))[0, len(ids) - 1, :vocab])))
+    return ids, apply, buf
+
+
 @pytest.mark.parametrize("layer_buffers", [True, False])
 def test_cached_generation_routes_with_the_expert_bias(layer_buffers):
     from megajax.inference.generate import Generator
     from megajax.inference.sampling import Sampling
     cfg, spec, params, bias = biased_model()
     prompt, n = [65, 66, 67, 68, 69], 6
-    apply = jax.jit(lambda p, t, b: spec.apply(p, t, expert_bias=b))
-    ids = list(prompt)
-    for _ in range(n):
-        buf = np.zeros((1, 32), np.int32)
-        buf[0, :len(ids)] = ids
-        ids.append(int(np.argmax(np.asarray(apply(params, buf, bias))[0, len(ids) - 1, :257])))
+    ids, apply, buf = greedy_by_full_forward(spec, params, bias, prompt, n)
     buf[0, :len(ids) - 1] = ids[:-1]
     assert not np.allclose(apply(params, buf, bias), apply(params, buf, np.zeros_like(bias)))  # the bias matters
     gen = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers, expert_bias=bias)

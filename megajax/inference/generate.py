@@ -44,7 +44,7 @@ from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
 from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
 from megajax.models import Transformer, param_axes
 from megajax.models.attention import ACT_CACHE, make_attention_core
-from megajax.models.layout import layer_slots
+from megajax.models.layout import STACK_NAMES, layer_slots
 from megajax.models.layers import LinearOps
 from megajax.parallel.context import sharded_attention
 
@@ -215,7 +215,7 @@ class Generator:
         if not self.layer_buffers:
             return nnx.merge(self.graphdef, params), None
         rest, layers = params
-        stacks = {k: v for k, v in self.abstract_params.items() if k in ("layers", "dense_layers")}
+        stacks = {k: v for k, v in self.abstract_params.items() if k in STACK_NAMES}
         return nnx.merge(self.graphdef, {**rest, **stacks}), layers
 
     def _expert_bias(self) -> jax.Array | None:

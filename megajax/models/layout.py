@@ -58,7 +58,8 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
 # (TrainState.moe_expert_bias), but checkpoints in other formats hold it beside the router's
 # weight: exporters and importers name it like a parameter of the layer stack.
 EXPERT_BIAS = "layers/mlp/expert_bias"  # [MoE layers, E] fp32
-STACKS = ("layers/", "dense_layers/")  # the stacked parameters' prefixes: dim 0 is the layer
+STACK_NAMES = ("layers", "dense_layers")  # the trees of stacked parameters: dim 0 is the layer
+STACKS = tuple(name + "/" for name in STACK_NAMES)  # their parameters' path prefixes
 
 
 def layer_slots(m: ModelConfig) -> list[tuple[str, int]]:

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec, spec_without
+from megajax.models.layout import STACK_NAMES
 from megajax.models.moe import router_losses, updated_expert_bias
 from megajax.parallel.pipeline import StageFunctions, build_schedule, pipeline_gradients
 from megajax.precision.fp8 import HISTORY, scales_of, update_fp8_state, with_scales
@@ -278,7 +279,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             maxed = unflatten_dict({**{k: False for k in flatten_dict(params)}, **{k: True for k in scales},
                                     **{k: False for k in bias}})
             specs = unflatten_dict({**flatten_dict(stage_specs),
-                                    **{k: P("pipeline") if k[0] in STACKS else P() for k in (*scales, *bias)}})
+                                    **{k: P("pipeline") if k[0] in STACK_NAMES else P() for k in (*scales, *bias)}})
         if cfg.model.interleaves_dense_layers():  # the stages split the groups [MoE layer, dense layers]
             f = cfg.model.moe_layer_freq
             tree = group_stacks(tree, f)
@@ -347,7 +348,6 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
 
 # Where a pipeline step puts the MoE routers' expert bias in the tree it runs the stages on.
 EXPERT_BIAS_PATH = ("layers", "mlp", "expert_bias")
-STACKS = ("layers", "dense_layers")  # the trees stacked over layers (dim 0)
 
 
 def group_stacks(tree: dict, f: int) -> dict:
@@ -359,7 +359,7 @@ def group_stacks(tree: dict, f: int) -> dict:
         if isinstance(x, P):
             return P(x[0] if len(x) else None, None, *x[1:])
         return x.reshape((-1, f - 1) + x.shape[1:]) if hasattr(x, "reshape") else x
-    rest = {k: v for k, v in tree.items() if k not in STACKS}
+    rest = {k: v for k, v in tree.items() if k not in STACK_NAMES}
     return {**rest, "layers": {"moe": tree["layers"], "dense": jax.tree.map(
         dense, tree["dense_layers"], is_leaf=lambda x: isinstance(x, P))}}
 
