@@ -99,7 +99,7 @@ def main() -> None:
     from jax.sharding import NamedSharding, PartitionSpec as P
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sh = NamedSharding(mesh, P(None, "data", None))
-    from megajax.train.plan import BatchLayout
+    from megajax.plan import BatchLayout
     layout = BatchLayout(global_batch=64, micro_batch=64, data_parallel=1, accumulation=1, seq_len=1024)
     loader = Loader(gpt, layout=layout,
                     shardings={k: sh for k in ("tokens", "labels", "loss_mask")}, prefetch=0)

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from megajax.data.gpt_dataset import GPTDataset  # noqa: E402
 from megajax.data.indexed import IndexedDataset  # noqa: E402
 from megajax.data.loader import Loader  # noqa: E402
-from megajax.train.plan import BatchLayout  # noqa: E402
+from megajax.plan import BatchLayout  # noqa: E402
 
 reads = []
 

@@ -6,7 +6,7 @@ import pytest
 from megajax.config import CONFIG_DIR, load_config, parse_override
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import make_mesh, mesh_sizes
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 
 SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
 

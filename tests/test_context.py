@@ -9,7 +9,7 @@ import pytest
 
 from megajax.data.indexed import IndexedDatasetWriter
 from megajax.errors import ConfigError, MeshError
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 from megajax.train.loop import build_trainer
 
 from layout_parity import assert_same_run, reference, run

@@ -14,7 +14,7 @@ from megajax.errors import ConfigError
 from megajax.precision.fp8 import HISTORY, SCALE, fp8_max_per_tensor, scales_of, update_fp8_state
 from megajax.precision.policy import make_policy, precision_policy
 from megajax.train.loop import build_trainer, train
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 from megajax.train.setup import build_setup, initial_state
 
 FP8 = ["train.precision=fp8"]

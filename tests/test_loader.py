@@ -16,7 +16,7 @@ from megajax.data.gpt_dataset import GPTDataset
 from megajax.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megajax.data.loader import Loader
 from megajax.train.loop import train
-from megajax.train.plan import BatchLayout
+from megajax.plan import BatchLayout
 
 EOD = 256  # the byte tokenizer's end-of-document id
 

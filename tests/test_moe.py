@@ -12,7 +12,7 @@ from flax import nnx
 from megajax.config import load_config
 from megajax.errors import ConfigError, MeshError
 from megajax.models.moe import MoE, router_losses
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 
 E, K, D, F = 4, 2, 16, 24
 

@@ -81,7 +81,7 @@ def test_interleaved_dense_layers_match_one_device(small_config, mesh):
 def test_a_pipeline_stage_holds_whole_groups(small_config):
     """(The key's own errors are in tests/test_moe.py's list of MoE key errors.)"""
     from megajax.errors import MeshError
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     with pytest.raises(MeshError, match=r"model.num_layers=4 with model.moe_layer_freq=2 is 2 groups .* "
                                         r"mesh.pipeline=4 x parallel.virtual_stages=1 must divide 2"):
         make_plan(small_config(*MOE, *DENSE_BETWEEN, "model.num_layers=4", "mesh.pipeline=4", "mesh.data=2",

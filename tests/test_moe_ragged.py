@@ -69,7 +69,7 @@ def test_ragged_dispatch_matches_one_device(small_config, emulated):
 
 
 def test_ragged_errors_name_the_key():
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     from megajax.train.setup import build_setup
     with pytest.raises(ConfigError, match=r"parallel.moe_all_to_all = ragged with model.moe_expert_capacity_factor "
                                           r"= 1.0.*parallel.moe_all_to_all=padded"):

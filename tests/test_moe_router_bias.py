@@ -175,7 +175,7 @@ def test_imported_bias_is_stored_and_loaded_for_generation(tmp_path):
     loaded = load_model(cfg, Source(step_dir=step_dir), devices=jax.devices()[:1])
     np.testing.assert_array_equal(loaded.generator.expert_bias, bias)
     # Fine-tuning from it (checkpoint.load): the parameters and the bias, a fresh optimizer.
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     from megajax.train.setup import build_setup, initial_state
     tuned = load_config(base=cfg.to_dict(), overrides=[f"checkpoint.load={step_dir}", "train.global_batch=1",
                                                        f"train.run_dir={tmp_path / 'ft'}", "mesh.data=1"])

@@ -160,7 +160,7 @@ def test_shared_expert_tensor_parallel_communication_matches_analytic(tmp_path, 
                          ids=["fsdp8", "tp4-dp2-distopt", "dp2-fsdp2-tp2-distopt"])
 def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
     # The train state exactly as `megajax train` places it (no need to compile the step).
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     from megajax.train.setup import build_setup
     cfg = load_config(overrides=SMALL + ["model.vocab_size=300", *layout])
     setup = build_setup(make_plan(cfg, 8))

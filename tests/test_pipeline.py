@@ -15,7 +15,7 @@ from megajax.errors import ConfigError, MeshError
 from megajax.parallel.pipeline import build_schedule, stage_order
 from megajax.perf.fit import compiled_bytes
 from megajax.train.loop import train
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 from megajax.train.setup import build_setup
 
 # 4 layers so that P = 4, or P = 2 x V = 2, split them. One device with accumulation 4 is the

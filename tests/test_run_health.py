@@ -16,7 +16,7 @@ from megajax.checkpoint.manager import find_step_dir, read_meta
 from megajax.config import load_config
 from megajax.errors import CheckpointError, TrainingError
 from megajax.train.loop import train
-from megajax.train.plan import make_plan
+from megajax.plan import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE = jax.devices()[:1]

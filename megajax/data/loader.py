@@ -95,7 +95,7 @@ class Loader:
 
     def __init__(self, dataset, *, layout, shardings: dict, eod_mask_loss: bool = False, prefetch: int = 2,
                  order=None):
-        """`layout` is the run's megajax.train.plan.BatchLayout: arrays are its `shape`,
+        """`layout` is the run's megajax.plan.BatchLayout: arrays are its `shape`,
         [accumulation, micro_batch x data-parallel size, seq_len]."""
         self.dataset, self.global_batch, self.accumulation = dataset, layout.global_batch, layout.accumulation
         self.eod_mask_loss = eod_mask_loss

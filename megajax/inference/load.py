@@ -97,7 +97,7 @@ class LoadedModel:
 def _plan(cfg: Config, devices: list, user_mesh: bool):
     """The run plan on `devices`; when the checkpoint's own layout does not fit them (and the user
     chose none), data parallelism over all of them instead, with a note."""
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     cfg = copy.deepcopy(cfg)
     for axis in SINGLE_LAYOUT_AXES:
         if getattr(cfg.mesh, axis) != 1:

@@ -106,7 +106,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     from megajax.data.loader import build_run_datasets
     from megajax.train.flops import peak_tflops_per_device
     from megajax.train.loop import count_params
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     from megajax.train.setup import build_setup
 
     if baseline:  # before anything is built: a baseline that cannot run here fails at once
@@ -209,7 +209,7 @@ def parse_topology(text: str) -> tuple[int, str, float]:
 
 def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
     """Analytic per-device memory of `cfg` on COUNT devices of KIND, and whether it fits."""
-    from megajax.train.plan import make_plan
+    from megajax.plan import make_plan
     from megajax.train.state import build_model_spec
     count, kind, gib = parse_topology(topology)
     plan = make_plan(cfg, count)

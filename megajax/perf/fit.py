@@ -135,7 +135,7 @@ def _apply(cfg: Config, option: Option) -> None:
 def _formable(cfg: Config, sizes: dict[str, int]) -> bool:
     """Whether the layout is one a run accepts (heads, vocabulary, sequence and batch divide, ...)."""
     from megajax.mesh import data_parallel_size, validate_for_model
-    from megajax.train.plan import BatchLayout
+    from megajax.plan import BatchLayout
     try:
         validate_for_model(cfg, sizes)
         BatchLayout.resolve(cfg.train, data_parallel_size(sizes))

@@ -1,6 +1,6 @@
 """The training loop behind `megajax train`: it loops and calls hooks.
 
-    plan (megajax/train/plan.py) -> Trainer (megajax/train/setup.py) -> for each step:
+    plan (megajax/plan.py) -> Trainer (megajax/train/setup.py) -> for each step:
         step -> health check -> log record -> ops -> validation -> checkpoint
 
 Metrics are read one step late, so the device is never idle while the host
@@ -32,7 +32,7 @@ from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import RunOps
-from megajax.train.plan import RunPlan, make_plan
+from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
 from megajax.train.step import MOE_METRIC_KEYS
 

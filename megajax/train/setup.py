@@ -31,7 +31,7 @@ from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
-from megajax.train.plan import BatchLayout, RunPlan, make_plan
+from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
                                  make_init_fn, state_shardings)
 from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
