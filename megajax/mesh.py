@@ -192,7 +192,7 @@ def make_rules(cfg: Config) -> ShardingRules:
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",)}
     params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": (),
-              "experts": ("expert",), "expert_scores": ()}
+              "experts": ("expert",), "expert_scores": (), "stage": ("pipeline",)}
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         params["layers"] = ("pipeline",)
     opt_state = dict(params)
@@ -231,6 +231,11 @@ def logical_to_spec(names: tuple[str | None, ...], rules: Rules) -> P:
 
 def named_sharding(mesh: Mesh, names: tuple[str | None, ...], rules: Rules) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(names, rules))
+
+
+def tree_specs(axes_tree: Any, rules: Rules) -> Any:
+    """Maps a pytree of logical-axes tuples to PartitionSpecs."""
+    return jax.tree.map(lambda names: logical_to_spec(names, rules), axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def tree_shardings(mesh: Mesh, axes_tree: Any, rules: Rules) -> Any:

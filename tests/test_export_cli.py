@@ -12,7 +12,7 @@ from megajax.checkpoint.manager import CheckpointSource  # noqa: E402
 from megajax.cli import main  # noqa: E402
 from megajax.train.loop import build_trainer, train  # noqa: E402
 from megajax.train.state import build_model_spec  # noqa: E402
-from megajax.train.step import cross_entropy  # noqa: E402
+from megajax.train.loss import cross_entropy  # noqa: E402
 
 
 def test_export_import_round_trip_through_the_cli(small_config, tmp_path, capsys):

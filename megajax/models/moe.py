@@ -43,6 +43,9 @@ from megajax.models.layers import LinearOps, normal_init
 from megajax.models.mlp import MLP
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
+# The expert kernels' logical axes: [E, D, F] in, [E, F, D] out.
+EXPERT_KERNEL_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
+                      "fc1": ("experts", "embed", "mlp"), "fc2": ("experts", "mlp", "embed")}
 
 
 class RouterStats(NamedTuple):
@@ -266,13 +269,11 @@ class MoE(nnx.Module):
         self.groups = (cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_group_topk else None
         self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        shapes = {"gate": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
-                  "up": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
-                  "fc1": ((e, d, f), cfg.init_std, ("experts", "embed", "mlp")),
-                  "fc2": ((e, f, d), out_std, ("experts", "mlp", "embed"))}
+        shapes = {"gate": ((e, d, f), cfg.init_std), "up": ((e, d, f), cfg.init_std),
+                  "fc1": ((e, d, f), cfg.init_std), "fc2": ((e, f, d), out_std)}
         for name in EXPERT_KERNELS[cfg.activation]:
-            shape, std, axes = shapes[name]
-            setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=axes))
+            shape, std = shapes[name]
+            setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=EXPERT_KERNEL_AXES[name]))
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor)
         # Drawn after the experts: a model without one initialises as before.
         self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_ffn_size,

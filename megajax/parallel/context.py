@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from megajax.mesh import Rules, logical_to_spec
+from megajax.mesh import Rules, logical_to_spec, mesh_sizes
 from megajax.models.attention import ACT_KV, ACT_Q
 from megajax.parallel.manual import like, shard_map_fn
 
@@ -50,16 +50,16 @@ def context_axes(rules: Rules):
     return axes[0] if len(axes) == 1 else axes
 
 
-def sharded_attention(core: Callable, mesh: Mesh, rules: Rules, hand_vjp: bool = False) -> Callable:
-    """Runs an attention core per shard (batch over data axes, heads over tensor); `hand_vjp`: inside
-    a pipeline stage (megajax/parallel/manual.py)."""
+def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:
+    """Runs an attention core per shard (batch over data axes, heads over tensor); also inside a
+    pipeline stage (megajax/parallel/manual.py)."""
     q_spec, kv_spec, seg_spec = _specs(rules)
 
     def attend(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):
         def local(q, k, v, seg):
             return core(q, k, v, segment_ids=seg, causal=causal, dropout_rate=dropout_rate, dropout_rng=None)
         return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_spec if segment_ids is not None else None),
-                            q_spec, check_vma=False, hand_vjp=hand_vjp)(q, k, v, segment_ids)
+                            q_spec, check_vma=False)(q, k, v, segment_ids)
 
     return attend
 
@@ -266,12 +266,11 @@ def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int, axi
 # Entry point
 # ----------------------------------------------------------------------------
 
-def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: str = "ring",
-                               hand_vjp: bool = False) -> Callable:
-    """An attention core for sequences sharded over `context` (load-balanced chunk layout); `hand_vjp`:
+def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: str = "ring") -> Callable:
+    """An attention core for sequences sharded over `context` (load-balanced chunk layout), also
     inside a pipeline stage (megajax/parallel/manual.py)."""
     axis = context_axes(rules)
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = mesh_sizes(mesh)
     size = math.prod(sizes[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
     blocks = _Blocks(block)
     q_spec, kv_spec, seg_spec = _specs(rules)
@@ -287,8 +286,7 @@ def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: 
             return _allgather_attention(q, k, v, seg, seg, blocks, size, axis)
 
         seg_in = seg_spec if segment_ids is not None else None
-        return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_in), q_spec, check_vma=False,
-                            hand_vjp=hand_vjp)(q, k, v, segment_ids)
+        return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_in), q_spec, check_vma=False)(q, k, v, segment_ids)
 
     return attend
 

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules, logical_to_spec
-from megajax.models.moe import EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
+from megajax.mesh import Rules, logical_to_spec, mesh_sizes
+from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
 from megajax.parallel.manual import shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -73,13 +73,13 @@ RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
 
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
-                             capacity_factor: float | None, hand_vjp: bool = False,
+                             capacity_factor: float | None,
                              all_to_all: str = "padded") -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
-    `experts`, `mlp`). `hand_vjp`: inside a pipeline stage (megajax/parallel/manual.py).
+    `experts`, `mlp`), also inside a pipeline stage (megajax/parallel/manual.py).
     `all_to_all`: `padded` (fixed-size buffers) or `ragged` (dropless: only the valid rows move)."""
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    sizes = mesh_sizes(mesh)
     x_spec = logical_to_spec(RESIDUAL, rules)
     route_spec = P(x_spec[0], x_spec[1], None)
     length_inside = set(rules["length"])
@@ -88,14 +88,9 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     exp_axes = tuple(a for a in rules["experts"] if sizes[a] > 1)
     mlp_axes = tuple(a for a in rules["mlp"] if sizes[a] > 1)
     ep = math.prod(sizes[a] for a in exp_axes)
-    if num_experts % ep:
-        raise ValueError(f"{num_experts=} is not divisible by the expert-parallel size {ep}")
-    e_local = num_experts // ep
-    kernel_specs = {"gate": P(_entry(exp_axes), None, _entry(mlp_axes)),
-                    "up": P(_entry(exp_axes), None, _entry(mlp_axes)),
-                    "fc1": P(_entry(exp_axes), None, _entry(mlp_axes)),
-                    "fc2": P(_entry(exp_axes), _entry(mlp_axes), None)}
+    e_local = num_experts // ep  # (the plan checks that the experts split: megajax/plan.py)
     names = EXPERT_KERNELS[activation]
+    kernel_specs = [logical_to_spec(EXPERT_KERNEL_AXES[n], rules) for n in names]  # the model's own layout
     all_axes = tuple(mesh.axis_names)
     # Devices that hold the same tokens inside the layer (tensor ranks): their drop counts repeat.
     duplicates = math.prod(sizes[a] for a in all_axes
@@ -127,8 +122,8 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     def by_position(x, ids, weights, *ks):
         return local(x, ids, weights, dict(zip(names, ks)))
 
-    sharded = shard_map_fn(by_position, mesh, (x_spec, route_spec, route_spec, *(kernel_specs[n] for n in names)),
-                           (x_spec, P(all_axes)), hand_vjp=hand_vjp)
+    sharded = shard_map_fn(by_position, mesh, (x_spec, route_spec, route_spec, *kernel_specs),
+                           (x_spec, P(all_axes)))
 
     def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
         y, dropped = sharded(x_BxLxD, ids_BxLxK, weights_BxLxK, *(kernels[n] for n in names))

@@ -1,4 +1,4 @@
-"""shard_map for code that runs inside a pipeline stage.
+"""shard_map for the explicit collectives, also inside a pipeline stage.
 
 A pipeline stage is itself a `shard_map` over `pipeline` whose backward is
 written by hand (megajax/parallel/pipeline.py: `jax.vjp` of a chunk inside the
@@ -12,6 +12,9 @@ local function and takes its VJP inside the per-device body, where the body's
 own collectives transpose as usual (e.g. an all-gather into a reduce-scatter,
 and a replicated weight's gradient is summed over the axes its use varied on).
 The price is one more run of the local forward in the backward.
+
+Whether a call runs inside a stage is read from the context it is traced in (the abstract mesh's
+manual axes, `inside_manual`), so the layout-building code never passes a flag for it.
 """
 
 from __future__ import annotations
@@ -54,17 +57,21 @@ def _varying_over(x, spec):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma: bool = True,
-                 hand_vjp: bool = False) -> Callable:
-    """jax.shard_map(local, ...) as a function of its positional arguments; with `hand_vjp`, on the
-    mesh in context at call time and differentiated as described in the module docstring
-    (arguments that are None or not floating point get no cotangent)."""
-    if not hand_vjp:
-        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+def inside_manual() -> bool:
+    """Whether the code being traced runs inside a shard_map (a pipeline stage's loop)."""
+    return bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma: bool = True) -> Callable:
+    """jax.shard_map(local, ...) as a function of its positional arguments. Traced inside another
+    shard_map (`inside_manual`), it runs on the mesh in context and is differentiated as described
+    in the module docstring (arguments that are None or not floating point get no cotangent)."""
+    plain = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
 
     def call(*args):
+        if not inside_manual():
+            return plain(*args)
         here = jax.sharding.get_abstract_mesh()
-        here = mesh if here.empty else here
 
         # The enclosing shard_map's axes (already split there) and axes of size 1 (nothing to split:
         # left in a spec beside the outer axes they trip a check of the partitioner) are dropped.

@@ -49,12 +49,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.errors import ConfigError
 from megajax.mesh import spec_without
-from megajax.parallel.manual import varying_axes
+from megajax.parallel.manual import inside_manual, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-AXIS = "pipeline"
 
 
 @dataclass(frozen=True)
@@ -119,17 +117,9 @@ def build_schedule(name: str, stages: int, microbatches: int, virtual: int = 1) 
     D the smallest delay that keeps every backward at or after its forward on every stage (1F1B,
     interleaved), or the end of the forwards (GPipe)."""
     p, v, m = stages, virtual, microbatches
-    if name not in SCHEDULES:
-        raise ConfigError(f"parallel.pipeline_schedule = {name!r}: choose one of {', '.join(SCHEDULES)}.")
-    if name != "interleaved" and v != 1:
-        raise ConfigError(f"parallel.virtual_stages = {v} needs parallel.pipeline_schedule=interleaved "
-                          f"(this run has {name!r}); set virtual_stages=1 or use the interleaved schedule.")
-    if m < p:
-        raise ConfigError(f"{m} microbatches for {p} pipeline stages: a pipeline needs at least as many "
-                          f"microbatches as stages.")
-    if name == "interleaved" and m % p:
-        raise ConfigError(f"the interleaved schedule runs microbatches in groups of mesh.pipeline = {p}; "
-                          f"{m} microbatches is not a multiple of {p}.")
+    # The plan refuses what does not fit, naming the keys (megajax/plan.py validate_pipeline).
+    assert name in SCHEDULES and (v == 1 or name == "interleaved") and m >= p, (name, p, v, m)
+    assert name != "interleaved" or m % p == 0, (name, p, m)
     fwd, bwd = _orders(name, p, v, m)
     f_index = {item: n for n, item in enumerate(fwd)}
     b_index = {item: n for n, item in enumerate(bwd)}
@@ -196,22 +186,23 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
                        for j in range(per)], np.int32)
 
 
-def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
-                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict,
+def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
+                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array, dict | None]:
     """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
-    the loss sum, the router sums or None) of one step's M microbatches through the pipeline. `batch` arrays are [M, micro x dp, seq]; `params` the
-    model's tree with its stacked `layers` [layers, ...] (split over `pipeline`); `rng` the step's
-    dropout key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`:
-    where the parameters (and their gradient sums) live on the other mesh axes during the step.
+    the loss sum, the router sums or None) of one step's M microbatches through the pipeline.
+    `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacked `layers`
+    [layers, ...] (split over `axis`, the stage axis of the rules table); `rng` the step's dropout
+    key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`: where the
+    parameters (and their gradient sums) live on the other mesh axes during the step.
 
     `data_axes`: the data-parallel mesh axes the batch is split over, taken into the stage loop's
     shard_map too: each device then runs its own shard of every microbatch and keeps its own
     gradient sums, and the one data-parallel reduction of the step happens after the loop (an
     all-reduce, or a reduce-scatter onto the optimizer's shards). Empty: the compiler splits the
     batch inside the loop and reduces every microbatch's gradient there (the masks of dropout,
-    drawn for the whole microbatch, need this).
+    drawn for the whole microbatch, need this). `seq_axes`: those of them that split the sequence.
 
     A layer weight split over a data axis (a MoE model's experts over `expert`) enters the loop
     split: each device holds, and differentiates, its own part.
@@ -226,187 +217,32 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     of summed (over microbatches, stages and data shards): the FP8 scales, whose cotangents are
     the amaxes the products saw (megajax/precision/fp8.py)."""
     p, v = sched.stages, sched.virtual
-    routed = model_fns.experts > 0
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     maxed = jax.tree.map(lambda _: False, params) if maxed is None else maxed
     max_layers, max_other = maxed["layers"], {k: x for k, x in maxed.items() if k != "layers"}
-
-    def combine(tree_max, a, b):
-        """a + b, or max(a, b) where `tree_max` says so."""
-        return jax.tree.map(lambda m, x, y: jnp.maximum(x, y.astype(x.dtype)) if m else x + y.astype(x.dtype),
-                            tree_max, a, b)
-
-    def reduce_over(tree_max, tree, axes):
-        return jax.tree.map(lambda m, g: jax.lax.pmax(g, axes) if m else jax.lax.psum(g, axes), tree_max, tree)
     num_layers = jax.tree.leaves(layers)[0].shape[0]
-    per = num_layers // (p * v)
     order = stage_order(num_layers, p, v)
     if order is not None:
         layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
-    tables = jnp.asarray(np.stack([sched.fwd_chunk, sched.fwd_micro, sched.fwd_slot,
-                                   sched.bwd_chunk, sched.bwd_micro, sched.bwd_slot], axis=-1))
-    fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
-    bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
-    use_rng = rng is not None
-    rng = rng if use_rng else jnp.zeros((2,), jnp.uint32)
+    manual = (axis, *data_axes)
+    loop = _StageLoop(model_fns, sched, axis, tuple(data_axes), num_layers // (p * v), param_specs,
+                      max_layers, max_other, grad_dtype, rng is not None)
 
-    manual = (AXIS, *data_axes)
-    entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-    data_sum = (lambda x: jax.lax.psum(x, data_axes)) if data_axes else (lambda x: x)
-    # The stored layers as the loop takes them: split over `pipeline` and any data axis a weight's
-    # own spec uses (experts over `expert`); the gradient sums get a leading dim over the other data axes.
-    layer_specs_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(sp_axes(sp)) - set(manual))),
-                                  param_specs["layers"], is_leaf=lambda x: isinstance(x, P))
-
-    def body(layers, other, batch, rng, seed, router_seed):
-        stage = jax.lax.axis_index(AXIS)
-
-        def vary(tree):
-            def one(x):
-                missing = tuple(a for a in manual if a not in varying_axes(x))
-                return jax.lax.pcast(x, missing, to="varying") if missing else x
-            return jax.tree.map(one, tree)
-        # Parameters used by every stage (and, with data_axes, every data shard) are differentiated
-        # as this device's own copy (no implicit sum over stages or shards inside a branch); the
-        # copies' gradients are summed once at the end.
-        other, batch, seed, layers, router_seed = vary(other), vary(batch), vary(seed), vary(layers), vary(router_seed)
-        mesh_here = jax.sharding.get_abstract_mesh()
-
-        def pin(tree, specs, lead=0):
-            """Keeps `tree` (and, through the scan's carry, its gradient sums) laid out as `specs` on
-            the auto axes: left free, the compiler would carry the optimizer's layout (e.g. the
-            distributed optimizer's) into the stage loop."""
-            return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(
-                x, jax.sharding.NamedSharding(mesh_here, P(*((None,) * lead), *_local(sp, manual)))), tree, specs)
-
-        layer_specs = {k: x for k, x in param_specs.items() if k == "layers"}["layers"]
-        other_specs = {k: x for k, x in param_specs.items() if k != "layers"}
-        other = pin(other, other_specs)
-        chunks = pin(jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers), layer_specs, lead=1)
-        micro = lambda i: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), batch)
-
-        def keys(i):
-            if not use_rng:
-                return None, None
-            k = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(rng), i), 2)
-            return k[0], k[1]
-
-        # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
-        some_layers = jax.tree.map(lambda a: a[0], chunks)
-
-        def run_chunk(w, x, c, i):
-            return model_fns.layers({**other, "layers": w}, x, micro(i), keys(i)[1], (c * p + stage) * per, data_sum)
-
-        def embed(o, i):
-            return model_fns.embed({**o, "layers": some_layers}, micro(i), keys(i)[0])
-
-        def head(o, y, i):
-            return model_fns.head({**o, "layers": some_layers}, y, micro(i))
-
-        x_shape = jax.eval_shape(lambda: embed(other, 0))
-        zeros_x = vary(jnp.zeros(x_shape.shape, x_shape.dtype))
-        stash0 = vary(jnp.zeros((sched.stash,) + x_shape.shape, x_shape.dtype))
-        dtype = lambda m: jnp.float32 if m else grad_dtype  # amaxes (maxed) stay fp32
-        g_layers0 = pin(vary(jax.tree.map(lambda m, w: jnp.zeros(w.shape, dtype(m)), max_layers, chunks)),
-                        layer_specs, lead=1)
-        g_other0 = pin(jax.tree.map(lambda m, o: jnp.zeros(o.shape, dtype(m)), max_other, other), other_specs)
-        zero_loss = vary(jnp.zeros((), jnp.float32))
-        router0 = vary({"aux": jnp.zeros((), jnp.float32), "z": jnp.zeros((), jnp.float32),
-                        "dropped": jnp.zeros((), jnp.float32),
-                        "tokens": jnp.zeros((v, per, max(model_fns.experts, 1)), jnp.float32)})
-
-        def chunk_forward(w, x, c, i):
-            """(y, router loss to differentiate, router sums of the chunk) or (y, None, None)."""
-            y, router = run_chunk(w, x, c, i)
-            if not routed:
-                return y, None, None
-            return y, router["loss"], {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
-
-        def tick(carry, t):
-            recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
-            row = tables[t, stage]
-            fc, fm, fs, bc, bm, bs = (row[k] for k in range(6))
-
-            # Forward half: this stage's input (the embedding on the first stage's first chunk, else
-            # what the previous stage sent), stashed; the chunk's output for the next stage. The last
-            # chunk of the last stage only stashes: its backward recomputes it with the loss.
-            def forward(stash):
-                x = jax.lax.cond((stage == 0) & (fc == 0), lambda: embed(other, fm), lambda: recv_x)
-                stash = jax.lax.dynamic_update_index_in_dim(stash, x, fs, 0)
-                last = (stage == p - 1) & (fc == v - 1)
-                w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, fc, keepdims=False), chunks)
-                y = jax.lax.cond(last, lambda: zeros_x, lambda: run_chunk(w, x, fc, fm)[0])
-                return y, stash
-
-            send_x, stash = jax.lax.cond(fc >= 0, forward, lambda st: (zeros_x, st), stash)
-
-            # Backward half: recompute the chunk from its stashed input, take the cotangent of its
-            # output (from the loss on the last chunk of the last stage, else from the next stage),
-            # and pass the input's cotangent on (through the embedding on the first chunk of stage 0).
-            def backward(args):
-                g_layers, g_other, loss_sum, router_sums = args
-                x = jax.lax.dynamic_index_in_dim(stash, bs, keepdims=False)
-                w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, bc, keepdims=False), chunks)
-                if routed:  # the chunk's router losses are part of the objective
-                    (y, _), objective_vjp, sums = jax.vjp(
-                        lambda w, x: (lambda y, r, s: ((y, r), s))(*chunk_forward(w, x, bc, bm)), w, x, has_aux=True)
-                    chunk_vjp = lambda g_y: objective_vjp((g_y, router_seed))
-                    router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
-                        "tokens": jax.lax.dynamic_update_index_in_dim(
-                            router_sums["tokens"],
-                            jax.lax.dynamic_index_in_dim(router_sums["tokens"], bc, keepdims=False) + sums["tokens"],
-                            bc, 0)}
-                else:
-                    y, chunk_vjp = jax.vjp(lambda w, x: run_chunk(w, x, bc, bm)[0], w, x)
-
-                def from_loss(g_other):
-                    loss, head_vjp = jax.vjp(lambda o, y: head(o, y, bm), other, y)
-                    g_o, g_y = head_vjp(seed.astype(loss.dtype))
-                    return loss, combine(max_other, g_other, g_o), g_y.astype(y.dtype)
-
-                loss, g_other, g_y = jax.lax.cond(
-                    (stage == p - 1) & (bc == v - 1), from_loss,
-                    lambda g_other: (zero_loss, g_other, recv_g), g_other)
-                g_w, g_x = chunk_vjp(g_y)
-
-                def into_embedding(g_other):
-                    _, embed_vjp = jax.vjp(lambda o: embed(o, bm), other)
-                    return combine(max_other, g_other, embed_vjp(g_x)[0])
-
-                g_other = jax.lax.cond((stage == 0) & (bc == 0), into_embedding, lambda g: g, g_other)
-                g_layers = jax.tree.map(
-                    lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(
-                        acc, combine(m, jax.lax.dynamic_index_in_dim(acc, bc, keepdims=False), g), bc, 0),
-                    max_layers, g_layers, g_w)
-                return g_x, (g_layers, g_other, loss_sum + loss, router_sums)
-
-            send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
-                bc >= 0, backward, lambda args: (zeros_x, args), (g_layers, g_other, loss_sum, router_sums))
-            recv_x = jax.lax.ppermute(send_x, AXIS, fwd_perm)
-            recv_g = jax.lax.ppermute(send_g, AXIS, bwd_perm)
-            g_layers, g_other = pin(g_layers, layer_specs, lead=1), pin(g_other, other_specs)
-            return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
-
-        carry = (zeros_x, zeros_x, stash0, g_layers0, vary(g_other0), zero_loss, router0)
-        (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(tick, carry, jnp.arange(sched.ticks))
-        g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
-        g_other = reduce_over(max_other, g_other, AXIS)
-        if data_axes:  # each shard's sums, on a leading dim over the data axes
-            g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
-        # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
-        router_sums = {k: jax.lax.psum(router_sums[k], manual) for k in ("aux", "z", "dropped")} | {
-            "tokens": data_sum(router_sums["tokens"].reshape(v * per, -1))}
-        return g_layers, g_other, jax.lax.psum(loss_sum, manual), router_sums
-
-    layer_spec = layer_specs_in
-    layer_out = jax.tree.map(lambda sp: P(entry([a for a in data_axes if a not in sp_axes(sp)]), *sp)
-                             if data_axes else sp, layer_specs_in, is_leaf=lambda x: isinstance(x, P))
-    other_out = jax.tree.map(lambda _: P(entry(data_axes)) if data_axes else P(), other)
+    # The stored layers as the loop takes them: split over the stage axis and any data axis a
+    # weight's own spec uses (experts over `expert`); the gradient sums get a leading dim over the
+    # other data axes.
+    layer_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(sp_axes(sp)) - set(manual))),
+                            param_specs["layers"], is_leaf=lambda x: isinstance(x, P))
+    layer_out = jax.tree.map(lambda sp: P(_entry([a for a in data_axes if a not in sp_axes(sp)]), *sp)
+                             if data_axes else sp, layer_in, is_leaf=lambda x: isinstance(x, P))
+    other_out = jax.tree.map(lambda _: P(_entry(data_axes)) if data_axes else P(), other)
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
-    batch_spec = jax.tree.map(lambda x: P(None, entry(batch_axes), *((entry(seq_axes),) if x.ndim > 2 else ())), batch)
-    router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(AXIS)}
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(layer_spec, P(), batch_spec, P(), P(), P()),
+    batch_spec = jax.tree.map(lambda x: P(None, _entry(batch_axes), *((_entry(seq_axes),) if x.ndim > 2 else ())),
+                              batch)
+    router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(axis)}
+    fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, P(), batch_spec, P(), P(), P()),
                        out_specs=(layer_out, other_out, P(), router_out), axis_names=set(manual))
+    rng = rng if rng is not None else jnp.zeros((2,), jnp.uint32)
     router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
     g_layers, g_other, loss_sum, router_sums = fn(layers, other, batch, rng, seed, router_seed)
     if data_axes:  # the step's one data-parallel reduction (the caller places the result)
@@ -416,11 +252,208 @@ def pipeline_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         inverse = np.argsort(order)
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
         router_sums["tokens"] = jnp.take(router_sums["tokens"], inverse, axis=0)
-    return {**g_other, "layers": g_layers}, loss_sum, router_sums if routed else None
+    return {**g_other, "layers": g_layers}, loss_sum, router_sums if model_fns.experts > 0 else None
+
+
+def _entry(axes):
+    """A PartitionSpec entry for some mesh axes: None, one name or a tuple."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _combine(tree_max, a, b):
+    """a + b, or max(a, b) where `tree_max` says so."""
+    return jax.tree.map(lambda m, x, y: jnp.maximum(x, y.astype(x.dtype)) if m else x + y.astype(x.dtype),
+                        tree_max, a, b)
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+@dataclass(frozen=True)
+class _StageLoop:
+    """The per-device program of the stage loop (`body`, run under shard_map over the manual axes):
+    one scan over the schedule's ticks, each a forward half and a backward half (see the module
+    docstring), carrying the received activation and cotangent, the stash, the gradient sums, the
+    loss sum and the router sums."""
+    fns: "StageFunctions"
+    sched: Schedule
+    axis: str
+    data_axes: tuple[str, ...]
+    per: int  # layers per chunk
+    param_specs: dict
+    max_layers: dict
+    max_other: dict
+    grad_dtype: object
+    use_rng: bool
+
+    @property
+    def manual(self) -> tuple[str, ...]:
+        return (self.axis, *self.data_axes)
+
+    def data_sum(self, x):
+        return jax.lax.psum(x, self.data_axes) if self.data_axes else x
+
+    def vary(self, tree):
+        """`tree` typed as varying over every manual axis: parameters used by every stage (and,
+        with data axes, every data shard) are differentiated as this device's own copy (no
+        implicit sum over stages or shards inside a branch); the copies' gradients are summed once
+        at the end."""
+        def one(x):
+            missing = tuple(a for a in self.manual if a not in varying_axes(x))
+            return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return jax.tree.map(one, tree)
+
+    def pin(self, tree, specs, lead=0):
+        """Keeps `tree` (and, through the scan's carry, its gradient sums) laid out as `specs` on
+        the auto axes: left free, the compiler would carry the optimizer's layout (e.g. the
+        distributed optimizer's) into the stage loop."""
+        here = jax.sharding.get_abstract_mesh()
+        return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(
+            x, jax.sharding.NamedSharding(here, P(*((None,) * lead), *spec_without(sp, self.manual)))), tree, specs)
+
+    def body(self, layers, other, batch, rng, seed, router_seed):
+        sc, v, per = self.sched, self.sched.virtual, self.per
+        other_specs = {k: x for k, x in self.param_specs.items() if k != "layers"}
+        other, batch, seed, layers, router_seed = (self.vary(t) for t in (other, batch, seed, layers, router_seed))
+        other = self.pin(other, other_specs)
+        chunks = self.pin(jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers),
+                          self.param_specs["layers"], lead=1)
+        dev = _Device(self, jax.lax.axis_index(self.axis), chunks, other, batch, rng, seed, router_seed)
+        dtype = lambda m: jnp.float32 if m else self.grad_dtype  # amaxes (maxed) stay fp32
+        g_layers0 = self.pin(self.vary(jax.tree.map(lambda m, w: jnp.zeros(w.shape, dtype(m)), self.max_layers,
+                                                    chunks)), self.param_specs["layers"], lead=1)
+        g_other0 = self.pin(jax.tree.map(lambda m, o: jnp.zeros(o.shape, dtype(m)), self.max_other, other),
+                            other_specs)
+        zero = self.vary(jnp.zeros((), jnp.float32))
+        router0 = self.vary({"aux": zero, "z": zero, "dropped": zero,
+                             "tokens": jnp.zeros((v, per, max(self.fns.experts, 1)), jnp.float32)})
+        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, self.vary(g_other0), zero, router0)
+        (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
+        g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
+        g_other = jax.tree.map(lambda m, g: jax.lax.pmax(g, self.axis) if m else jax.lax.psum(g, self.axis),
+                               self.max_other, g_other)
+        if self.data_axes:  # each shard's sums, on a leading dim over the data axes
+            g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
+        # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
+        router_sums = {k: jax.lax.psum(router_sums[k], self.manual) for k in ("aux", "z", "dropped")} | {
+            "tokens": self.data_sum(router_sums["tokens"].reshape(v * per, -1))}
+        return g_layers, g_other, jax.lax.psum(loss_sum, self.manual), router_sums
+
+
+class _Device:
+    """One device's view inside the stage loop: its stage index, its chunks' weights, the shared
+    parameters, its batch, and the two halves of a tick."""
+
+    def __init__(self, loop: _StageLoop, stage, chunks, other, batch, rng, seed, router_seed):
+        self.loop, self.stage, self.chunks, self.other, self.batch = loop, stage, chunks, other, batch
+        self.rng, self.seed, self.router_seed = rng, seed, router_seed
+        p, v = loop.sched.stages, loop.sched.virtual
+        self.tables = jnp.asarray(np.stack([loop.sched.fwd_chunk, loop.sched.fwd_micro, loop.sched.fwd_slot,
+                                            loop.sched.bwd_chunk, loop.sched.bwd_micro, loop.sched.bwd_slot], -1))
+        self.fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
+        self.bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
+        # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
+        self.some_layers = jax.tree.map(lambda a: a[0], chunks)
+        x_shape = jax.eval_shape(lambda: self.embed(other, 0))
+        self.zeros_x = loop.vary(jnp.zeros(x_shape.shape, x_shape.dtype))
+        self.stash0 = loop.vary(jnp.zeros((loop.sched.stash,) + x_shape.shape, x_shape.dtype))
+        self.zero_loss = loop.vary(jnp.zeros((), jnp.float32))
+
+    def micro(self, i):
+        return _index(self.batch, i)
+
+    def keys(self, i):
+        if not self.loop.use_rng:
+            return None, None
+        k = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(self.rng), i), 2)
+        return k[0], k[1]
+
+    def embed(self, o, i):
+        return self.loop.fns.embed({**o, "layers": self.some_layers}, self.micro(i), self.keys(i)[0])
+
+    def head(self, o, y, i):
+        return self.loop.fns.head({**o, "layers": self.some_layers}, y, self.micro(i))
+
+    def run_chunk(self, w, x, c, i):
+        """(y, router) of chunk c on microbatch i (router None for a dense model)."""
+        first_layer = (c * self.loop.sched.stages + self.stage) * self.loop.per
+        return self.loop.fns.layers({**self.other, "layers": w}, x, self.micro(i), self.keys(i)[1], first_layer,
+                                    self.loop.data_sum)
+
+    def forward(self, fc, fm, fs, recv_x, stash):
+        """The forward half: this stage's input (the embedding on the first stage's first chunk,
+        else what the previous stage sent), stashed; the chunk's output for the next stage. The
+        last chunk of the last stage only stashes: its backward recomputes it with the loss."""
+        p, v = self.loop.sched.stages, self.loop.sched.virtual
+        x = jax.lax.cond((self.stage == 0) & (fc == 0), lambda: self.embed(self.other, fm), lambda: recv_x)
+        stash = jax.lax.dynamic_update_index_in_dim(stash, x, fs, 0)
+        last = (self.stage == p - 1) & (fc == v - 1)
+        y = jax.lax.cond(last, lambda: self.zeros_x, lambda: self.run_chunk(_index(self.chunks, fc), x, fc, fm)[0])
+        return y, stash
+
+    def chunk_vjp(self, x, bc, bm, router_sums):
+        """(y, vjp of the chunk's objective from the output's cotangent, router sums + the chunk's)."""
+        w = _index(self.chunks, bc)
+        if self.loop.fns.experts == 0:
+            y, vjp = jax.vjp(lambda w, x: self.run_chunk(w, x, bc, bm)[0], w, x)
+            return y, vjp, router_sums
+
+        def objective(w, x):  # the chunk's router losses are part of the objective
+            y, router = self.run_chunk(w, x, bc, bm)
+            return (y, router["loss"]), {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
+
+        (y, _), vjp, sums = jax.vjp(objective, w, x, has_aux=True)
+        tokens = router_sums["tokens"]
+        router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
+            "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, bc) + sums["tokens"], bc, 0)}
+        return y, lambda g_y: vjp((g_y, self.router_seed)), router_sums
+
+    def backward(self, bc, bm, bs, recv_g, stash, acc):
+        """The backward half: recompute the chunk from its stashed input, take the cotangent of its
+        output (from the loss on the last chunk of the last stage, else from the next stage), and
+        pass the input's cotangent on (through the embedding on the first chunk of stage 0)."""
+        loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
+        g_layers, g_other, loss_sum, router_sums = acc
+        y, vjp, router_sums = self.chunk_vjp(_index(stash, bs), bc, bm, router_sums)
+
+        def from_loss(g_other):
+            loss, head_vjp = jax.vjp(lambda o, y: self.head(o, y, bm), self.other, y)
+            g_o, g_y = head_vjp(self.seed.astype(loss.dtype))
+            return loss, _combine(loop.max_other, g_other, g_o), g_y.astype(y.dtype)
+
+        loss, g_other, g_y = jax.lax.cond((self.stage == p - 1) & (bc == v - 1), from_loss,
+                                          lambda g_other: (self.zero_loss, g_other, recv_g), g_other)
+        g_w, g_x = vjp(g_y)
+
+        def into_embedding(g_other):
+            _, embed_vjp = jax.vjp(lambda o: self.embed(o, bm), self.other)
+            return _combine(loop.max_other, g_other, embed_vjp(g_x)[0])
+
+        g_other = jax.lax.cond((self.stage == 0) & (bc == 0), into_embedding, lambda g: g, g_other)
+        g_layers = jax.tree.map(
+            lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(acc, _combine(m, _index(acc, bc), g), bc, 0),
+            loop.max_layers, g_layers, g_w)
+        return g_x, (g_layers, g_other, loss_sum + loss, router_sums)
+
+    def tick(self, carry, t):
+        loop = self.loop
+        recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
+        fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
+        send_x, stash = jax.lax.cond(fc >= 0, lambda st: self.forward(fc, fm, fs, recv_x, st),
+                                     lambda st: (self.zeros_x, st), stash)
+        send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
+            bc >= 0, lambda acc: self.backward(bc, bm, bs, recv_g, stash, acc), lambda acc: (self.zeros_x, acc),
+            (g_layers, g_other, loss_sum, router_sums))
+        recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
+        recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
+        other_specs = {k: x for k, x in loop.param_specs.items() if k != "layers"}
+        g_layers, g_other = loop.pin(g_layers, loop.param_specs["layers"], lead=1), loop.pin(g_other, other_specs)
+        return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
 
 def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
-    """The token embedding lookup for a model run by pipeline stages: rows of the (vocab-split)
+    """The token embedding lookup, traced inside a pipeline stage: rows of the (vocab-split)
     table, whose gradient is summed by hand inside shard_map over the mesh axes other than
     `pipeline` (each device adds its tokens' cotangents into its own vocabulary rows, then one sum
     over the batch axes). Left to the compiler, the scatter-add of the lookup's gradient inside
@@ -431,6 +464,8 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
     batch_axes = tuple(rules.activations["batch"])
 
     def lookup(table_VxD, ids):
+        if not inside_manual():  # outside a stage: the plain lookup, differentiated by JAX
+            return jnp.take(table_VxD, ids, axis=0)
         shape, dtype = table_VxD.shape, table_VxD.dtype
 
         @jax.custom_vjp
@@ -457,9 +492,8 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
                     jnp.where(mine[..., None], g.astype(dtype), 0), mode="drop")
                 return jax.lax.psum(gt, batch) if batch else gt
 
-            entry = lambda axes: None if not axes else axes[0] if len(axes) == 1 else axes
-            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(entry(batch)), P(entry(batch))),
-                                    out_specs=P(entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
+            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(_entry(batch)), P(_entry(batch))),
+                                    out_specs=P(_entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
             return g_table, None
 
         embed.defvjp(fwd, bwd)
@@ -471,11 +505,6 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
 def sp_axes(spec) -> tuple[str, ...]:
     """The mesh axes a PartitionSpec uses."""
     return tuple(a for e in spec for a in ((e,) if isinstance(e, str) else (e or ())))
-
-
-def _local(spec, manual=(AXIS,)) -> tuple:
-    """A PartitionSpec's entries as seen inside the stage loop: without its manual axes."""
-    return spec_without(spec, manual)
 
 
 @dataclass(frozen=True)

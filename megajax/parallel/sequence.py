@@ -37,15 +37,14 @@ def _entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general,
-                          hand_vjp: bool = False) -> LinearOps:
+def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general) -> LinearOps:
     """LinearOps whose projections and embedding carry Megatron's SP all-gather / reduce-scatter.
 
     Every mesh axis comes from the activation rules table: the tensor-parallel axes are those of
     `heads` (which `mlp` and `vocab` share), the sequence is split as `length` inside tensor-parallel
     regions and as `residual_length` outside, and sequence parallelism gathers / scatters over the
-    axes `residual_length` adds to `length` (the tensor axes, possibly after `context`). `hand_vjp`:
-    inside a pipeline stage (megajax/parallel/manual.py)."""
+    axes `residual_length` adds to `length` (the tensor axes, possibly after `context`). Inside a
+    pipeline stage they are differentiated by hand (megajax/parallel/manual.py)."""
     tp = _entry(rules["heads"])
     sp = _entry(a for a in rules["residual_length"] if a not in rules["length"])
     outer = logical_to_spec(RESIDUAL, rules)  # x[B, S, D] outside tensor-parallel regions
@@ -67,7 +66,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             x = jax.lax.all_gather(x, tp, axis=1, tiled=True)
             return dot_general(x, k, dimension_numbers, **kw)
 
-        return shard_map_fn(local, mesh, (outer, P(*k_spec)), P(*out_spec), hand_vjp=hand_vjp)(x, k)
+        return shard_map_fn(local, mesh, (outer, P(*k_spec)), P(*out_spec))(x, k)
 
     def row(x, k, dimension_numbers, **kw):
         (lc, rc), _ = dimension_numbers
@@ -81,7 +80,7 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             y = dot_general(x, k, dimension_numbers, **kw)
             return jax.lax.psum_scatter(y, tp, scatter_dimension=1, tiled=True)
 
-        return shard_map_fn(local, mesh, (P(*x_spec), P(*k_spec)), outer, hand_vjp=hand_vjp)(x, k)
+        return shard_map_fn(local, mesh, (P(*x_spec), P(*k_spec)), outer)(x, k)
 
     def embed(table, ids):
         def local(table, ids):
@@ -92,7 +91,6 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
             out = jnp.where(valid[..., None], out, jnp.zeros((), out.dtype))
             return jax.lax.psum_scatter(out, tp, scatter_dimension=1, tiled=True)
 
-        return shard_map_fn(local, mesh, (logical_to_spec(("vocab", "embed"), rules), P(bt, inner)), outer,
-                            hand_vjp=hand_vjp)(table, ids)
+        return shard_map_fn(local, mesh, (logical_to_spec(("vocab", "embed"), rules), P(bt, inner)), outer)(table, ids)
 
     return LinearOps(column=column, row=row, embed=embed)

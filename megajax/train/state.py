@@ -24,7 +24,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig
-from megajax.mesh import ShardingRules, tree_shardings
+from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
 from megajax.models import Transformer, param_axes
 from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
@@ -76,20 +76,18 @@ class ModelSpec:
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
     """The model's injected products for this layout (sequence parallel or plain), back end and
-    precision (FP8: the linear layers get stateful FP8 products, see megajax/precision/fp8.py)."""
+    precision (FP8: the linear layers get stateful FP8 products, see megajax/precision/fp8.py).
+    Under a mesh the embedding lookups are the ones a pipeline stage can differentiate (plain
+    lookups outside a stage: megajax/parallel/pipeline.py `stage_embedding`)."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
-    staged = sizes.get("pipeline", 1) > 1  # inside pipeline stages (megajax/parallel/manual.py)
-    if mesh is not None and cfg.parallel.sequence_parallel and sizes["tensor"] > 1:
-        ops = sequence_parallel_ops(mesh, rules.activations, dot, hand_vjp=staged)
-        return dataclasses.replace(ops, embed_positions=stage_embedding(rules, "position")) if staged else ops
+    lookups = {} if mesh is None else dict(embed=stage_embedding(rules), embed_positions=stage_embedding(rules, "position"))
+    if mesh is not None and cfg.parallel.sequence_parallel and mesh_sizes(mesh)["tensor"] > 1:
+        ops = sequence_parallel_ops(mesh, rules.activations, dot)
+        return dataclasses.replace(ops, embed_positions=lookups["embed_positions"])
     fp8 = precision_policy(cfg).fp8  # (refused with sequence parallelism)
     low = {} if fp8 is None else dict(low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
-    if staged:
-        return LinearOps(column=dot, row=dot, embed=stage_embedding(rules),
-                         embed_positions=stage_embedding(rules, "position"), **low)
-    return LinearOps(column=dot, row=dot, **low)
+    return LinearOps(column=dot, row=dot, **lookups, **low)
 
 
 def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable:
@@ -99,14 +97,11 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
     if impl == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention_impl = 'cudnn' needs an NVIDIA GPU; this run's devices are "
                           f"{platform}. Use model.attention_impl=flash or xla.")
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape)) if mesh is not None else {}
-    staged = sizes.get("pipeline", 1) > 1  # inside pipeline stages (megajax/parallel/manual.py)
-    if sizes.get("context", 1) > 1:
-        return context_parallel_attention(BLOCK_ATTENTION[impl], mesh, rules.activations,
-                                          cfg.parallel.context_impl, hand_vjp=staged)
+    if mesh is not None and mesh_sizes(mesh)["context"] > 1:
+        return context_parallel_attention(BLOCK_ATTENTION[impl], mesh, rules.activations, cfg.parallel.context_impl)
     core = make_attention_core(impl, cfg.parallel.recompute)
     if impl != "xla" and mesh is not None and mesh.devices.size > 1:
-        core = sharded_attention(core, mesh, rules.activations, hand_vjp=staged)
+        core = sharded_attention(core, mesh, rules.activations)
     return core
 
 
@@ -116,7 +111,6 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
     m = cfg.model
     if not m.num_experts or mesh is None or mesh.devices.size == 1:
         return None
-    staged = dict(zip(mesh.axis_names, mesh.devices.shape)).get("pipeline", 1) > 1
     platform = mesh.devices.flat[0].platform
     if cfg.parallel.moe_all_to_all == "ragged" and platform == "cpu" and \
             experts.RAGGED_ALL_TO_ALL is jax.lax.ragged_all_to_all:
@@ -125,7 +119,7 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
                           "parallel.moe_all_to_all=padded on CPU.")
     return experts.expert_parallel_dispatch(mesh, rules.activations, activation=m.activation,
                                             num_experts=m.num_experts, capacity_factor=m.moe_expert_capacity_factor,
-                                            hand_vjp=staged, all_to_all=cfg.parallel.moe_all_to_all)
+                                            all_to_all=cfg.parallel.moe_all_to_all)
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,

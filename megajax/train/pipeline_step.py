@@ -1,0 +1,166 @@
+"""Gradients through the pipeline stages: the model in the pieces a stage runs, the train state
+as the stage loop takes it, and the gradient function the train step composes with its finish.
+
+The accumulation microbatches are the pipeline's microbatches; the schedule and the stage loop are
+megajax/parallel/pipeline.py's. What rides along with the parameters into the stages: the FP8
+products' scales (a layer's with its layer, split over `pipeline`; their "gradients" are this
+step's amaxes, max-combined) and the MoE routers' expert bias [layers, E] (no gradient: dropped
+after). A model with dense layers between its MoE layers enters as one stack of groups.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megajax.config import Config
+from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_without, tree_specs
+from megajax.models.layout import EXPERT_BIAS, STACK_NAMES
+from megajax.models.moe import router_losses
+from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
+from megajax.precision.fp8 import HISTORY, scales_of
+from megajax.precision.policy import precision_policy
+from megajax.train.loss import Gradients, StepInputs, cross_entropy, moe_sums
+from megajax.train.state import ModelSpec, TrainState
+
+# Where the MoE routers' expert bias rides in the tree the stages run on.
+EXPERT_BIAS_PATH = tuple(EXPERT_BIAS.split("/"))
+
+
+def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: ShardingRules) -> Callable:
+    """gradients(state, batch, inputs) -> Gradients through the pipeline stages.
+
+    FSDP parameters are gathered once per step, before the stages (experts stay split over
+    `expert`: each device holds its own). The data-parallel axes (and `context`, whose ring or
+    all-gather then runs in place) are taken into the stage loop, which reduces their gradient
+    sums once after it; with dropout the compiler splits the batch inside the loop instead (the
+    masks are drawn for the whole microbatch), reducing every microbatch's gradient there."""
+    sizes, m = mesh_sizes(mesh), cfg.model
+    stage_axis = rules.params["stage"][0]
+    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
+    seq_axes = () if dropout else tuple(a for a in rules.activations["length"] if sizes[a] > 1)
+    data_axes = () if dropout else tuple(a for a in rules.activations["batch"] if sizes[a] > 1) + seq_axes
+    grad_specs, param_specs = (tree_specs(spec.axes, table) for table in (rules.opt_state, rules.params))
+    stage_specs = jax.tree.map(lambda s: P(*spec_without(s, ("data", "fsdp"))), param_specs)
+    fns, grad_dtype, grouped = stage_functions(spec, cfg), precision_policy(cfg).grad_dtype, m.interleaves_dense_layers()
+
+    def constrain(x, s):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
+
+    def gradients(state: TrainState, batch: dict, inputs: StepInputs) -> Gradients:
+        sched = build_schedule(cfg.parallel.pipeline_schedule, sizes[stage_axis], inputs.accum,
+                               cfg.parallel.virtual_stages)
+        params = jax.tree.map(constrain, state.params, stage_specs)
+        tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis)
+        if grouped:  # the stages split the groups [MoE layer, dense layers]
+            tree, maxed, specs = (group_stacks(t, m.moe_layer_freq) for t in (tree, maxed, specs))
+        with activation_sharding(mesh, rules.activations):
+            grads, loss_sum, router = schedule_gradients(
+                fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
+                inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
+                router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes)
+        flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
+        amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
+        flat.pop(EXPERT_BIAS_PATH, None)
+        grads = jax.tree.map(constrain, unflatten_dict(flat), grad_specs)
+        sums = {"loss_sum": loss_sum}
+        if router is not None:
+            sums.update(moe_sums(router["aux"], router["z"], router["dropped"], router["tokens"],
+                                 inputs.accum * m.num_moe_layers()))
+        return Gradients(grads, amaxes, sums)
+
+    return gradients
+
+
+def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str) -> tuple[dict, dict, dict, dict]:
+    """(tree, maxed, specs, scales): the parameters with the FP8 scales and the expert bias beside
+    them (the stacked ones split over the stages like their layers), which of the tree's
+    "gradients" are max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
+    scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
+    bias = {} if state.moe_expert_bias is None else {EXPERT_BIAS_PATH: state.moe_expert_bias}
+    flat = flatten_dict(params)
+    extra = {**scales, **bias}
+    tree = unflatten_dict({**flat, **extra})
+    maxed = unflatten_dict({**{k: False for k in flat}, **{k: k in scales for k in extra}})
+    specs = unflatten_dict({**flatten_dict(specs), **{k: P(stage_axis) if k[0] in STACK_NAMES else P() for k in extra}})
+    return tree, maxed, specs, scales
+
+
+def group_stacks(tree: dict, f: int) -> dict:
+    """A tree of a model with dense layers between its MoE layers (moe_layer_freq f > 1) as the
+    pipeline takes it: one stack over the groups [MoE layer, f - 1 dense layers], `layers` =
+    {"moe": the MoE layers [G, ...], "dense": the dense ones [G, f - 1, ...]} (arrays, bools, or
+    PartitionSpecs given the extra dim)."""
+    def dense(x):
+        if isinstance(x, P):
+            return P(x[0] if len(x) else None, None, *x[1:])
+        return x.reshape((-1, f - 1) + x.shape[1:]) if hasattr(x, "reshape") else x
+    rest = {k: v for k, v in tree.items() if k not in STACK_NAMES}
+    return {**rest, "layers": {"moe": tree["layers"], "dense": jax.tree.map(
+        dense, tree["dense_layers"], is_leaf=lambda x: isinstance(x, P))}}
+
+
+def ungroup_stacks(tree: dict) -> dict:
+    """group_stacks undone (arrays): `layers` and `dense_layers` in model form again."""
+    rest = {k: v for k, v in tree.items() if k != "layers"}
+    return {**rest, "layers": tree["layers"]["moe"],
+            "dense_layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree["layers"]["dense"])}
+
+
+def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
+    """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
+    them) and output layer + loss as a pipeline runs them."""
+    fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
+    history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
+
+    def model(tree):
+        """The model on a parameter tree; under FP8 the tree also holds the products' scales (the
+        amax histories, which the forward pass does not read, are zeros of their shape), and with
+        an expert bias the bias (which `layers` hands to the layer stack)."""
+        flat = flatten_dict(tree)
+        flat.pop(EXPERT_BIAS_PATH, None)
+        if not fp8_paths:
+            return nnx.merge(spec.graphdef, unflatten_dict(flat))
+        fp8 = {}
+        for path in fp8_paths:
+            s = flat.pop(path)
+            h = history[path[:-1] + (HISTORY,)].shape
+            fp8[path] = s
+            fp8[path[:-1] + (HISTORY,)] = jnp.zeros((*s.shape[:-1], *h[-2:]), jnp.float32)
+        return nnx.merge(spec.graphdef, unflatten_dict(flat), unflatten_dict(fp8))
+
+    def positions(m):
+        if m.get("positions") is not None:
+            return m["positions"]
+        b, l = m["tokens"].shape
+        return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+
+    def embed(params, m, key):
+        return model(ungroup_stacks(params) if grouped else params).embed_input(m["tokens"], positions(m), key)
+
+    grouped = cfg.model.interleaves_dense_layers()
+    f = cfg.model.moe_layer_freq if grouped else 1
+
+    def layers(params, x, m, key, first_layer, data_sum):
+        if grouped:  # a chunk of groups (group_stacks); first_layer counts groups
+            params, first_layer = ungroup_stacks(params), first_layer * f
+        bias = flatten_dict(params).get(EXPERT_BIAS_PATH)  # [chunk layers, E] or None
+        x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                             dropout_rng=key, first_layer=first_layer, expert_bias=bias)
+        if stats is None:
+            return x, None
+        # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
+        aux, z = router_losses(stats, data_sum(stats.balance_tokens), data_sum(stats.count), cfg.model)
+        return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
+                   "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
+
+    def head(params, x, m):
+        params = ungroup_stacks(params) if grouped else params
+        return jnp.sum(cross_entropy(model(params).logits(x), m["labels"]) * m["loss_mask"])
+
+    return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)
