@@ -263,7 +263,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         scale = state.loss_scale.scale if state.loss_scale is not None else jnp.float32(1.0)
         step_rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step) if use_dropout else None
-        # FSDP parameters are gathered once per step, before the stages (see README: pipeline).
+        # FSDP parameters are gathered once per step, before the stages (see docs/parallelism.md: pipeline).
         # (Experts stay split over `expert`: each device holds its own experts.)
         stage_specs = jax.tree.map(lambda s: P(*_without(s, ("data", "fsdp"))), pipeline_param_specs)
         params = jax.tree.map(lambda p, s: constrain(p, tuple(s)), state.params, stage_specs)
@@ -286,7 +286,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
             maxed = None if maxed is None else group_stacks(maxed, f)
             specs = group_stacks(specs, f)
         # Dropout's masks keep the batch split inside the stage loop with the compiler (gradients
-        # reduced per microbatch; see README: pipeline).
+        # reduced per microbatch; see docs/parallelism.md: pipeline).
         grads, loss_sum, router = pipeline_gradients(
             stage_functions(spec, cfg), sched, mesh, tree, batch,
             None if step_rng is None else jax.random.key_data(step_rng), scale / num_tokens, policy.grad_dtype,
