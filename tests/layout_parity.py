@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 from megajax.checkpoint.manager import CheckpointSource
 from megajax.train.loop import train
@@ -34,6 +35,16 @@ from megajax.train.loop import train
 STEPS = 4
 PARITY = ["optim.warmup_steps=0", f"optim.decay_steps={STEPS}", "optim.eps=1e-3"]
 RTOL = 1e-5
+# bf16 (activations and products in bf16, fp32 master weights, gradients and reductions). A layout
+# changes where partial results are rounded to bf16 (per shard before a reduction, or once after
+# it), so a value may differ by one bf16 rounding, u = 2^-8 = 3.9e-3 relative. The loss is a mean
+# over 256 tokens whose rounding errors are independent: ~u / sqrt(256) = u / 16. The grad norm
+# gathers one rounding per gradient element; aligned in the worst case, that is u. Measured on the
+# bf16 layouts of tests/test_parity.py: loss within 4e-5, grad norm within 9e-4 of one device's bf16
+# run; bf16 itself moves them from fp32 by up to 9e-5 / 5e-4 (tensor 4 x data 2 with sequence
+# parallelism, tests/test_precision.py: 2e-5 / 5e-4).
+BF16_LOSS_RTOL = 2.0 ** -8 / 16
+BF16_GRAD_NORM_RTOL = 2.0 ** -8
 
 
 def family(name: str) -> list[str]:
@@ -45,9 +56,16 @@ def family(name: str) -> list[str]:
 class Run:
     losses: np.ndarray  # [steps]
     grad_norms: np.ndarray  # [steps], before clipping
-    params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel")
+    params1: dict | None  # parameters after step 1 by name ("layers/attn/q/kernel"); None: not saved
     moe: dict | None = None  # a MoE model's logged metrics per step ("moe_aux_loss": [steps], ...)
     expert_bias: np.ndarray | None = None  # the MoE routers' expert bias after the last step, if any
+    mixture_of_experts: bool = False  # from the run's config (model.num_experts > 0), not from its records
+
+    def first(self, steps: int) -> "Run":
+        """The first `steps` steps of this run (the parameters after step 1 kept; the expert bias, the
+        last step's, dropped)."""
+        moe = None if self.moe is None else {k: v[:steps] for k, v in self.moe.items()}
+        return Run(self.losses[:steps], self.grad_norms[:steps], self.params1, moe, None, self.mixture_of_experts)
 
 
 @contextlib.contextmanager
@@ -65,8 +83,9 @@ def not_persistently_cached():
 def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool = True) -> Run:
     saves = ["checkpoint.every=1", f"checkpoint.keep={steps}"] if params else []
     context = any(o.startswith("mesh.context=") and o != "mesh.context=1" for o in overrides)
+    cfg = small_config(*PARITY, *overrides, *saves, steps=steps)
     with not_persistently_cached() if context else contextlib.nullcontext():
-        result = train(small_config(*PARITY, *overrides, *saves, steps=steps), devices=devices)
+        result = train(cfg, devices=devices)
     grad_norms = np.asarray([r["grad_norm"] for r in result.records])
     assert len(result.losses) == len(grad_norms) == steps
     params1 = None
@@ -75,7 +94,8 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
         params1 = {name: saved.get(name) for name in saved.names()}  # with the expert bias after step 1
     moe = {k: np.asarray([r[k] for r in result.records]) for k in result.records[0] if k.startswith("moe_")}
     bias = result.state.moe_expert_bias
-    return Run(np.asarray(result.losses), grad_norms, params1, moe or None, None if bias is None else np.asarray(bias))
+    return Run(np.asarray(result.losses), grad_norms, params1, moe or None, None if bias is None else np.asarray(bias),
+               mixture_of_experts=cfg.model.num_experts > 0)
 
 
 _references: dict = {}
@@ -103,20 +123,44 @@ def moe_accumulation_reference(small_config, *model: str) -> Run:
 
 
 def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: float | None = None,
-                    params_atol: float = 1e-7) -> None:
+                    params_atol: float = 1e-7, *, params: bool = True, moe: bool | None = None) -> None:
+    """Per-step loss and grad norm; what else is compared is asked for, and a run that lacks it fails:
+
+    params: the parameters after step 1; both runs must have saved them (run(..., params=True)). Pass
+      params=False where a run does not save them.
+    moe: the MoE metrics per step; both runs must have logged them. None: when the reference is a mixture
+      of experts (by its config). Half-precision runs pass moe=False: a rounding may route a token to
+      another expert, moving the expert shares by whole tokens.
+    The expert bias after the last step is compared whenever either run has one (then both must)."""
     assert ref.losses[-1] < ref.losses[0]  # it trains
     np.testing.assert_allclose(got.losses, ref.losses, rtol=rtol, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=grad_norm_rtol or rtol, atol=0,
                                err_msg="grad norm per step")
-    if got.params1 is not None and ref.params1 is not None:
+    if got.mixture_of_experts != ref.mixture_of_experts:
+        pytest.fail(f"comparing a {'MoE' if got.mixture_of_experts else 'dense'} run with a "
+                    f"{'MoE' if ref.mixture_of_experts else 'dense'} reference")
+    if params:
+        _require("params1", "parameters after step 1 (run it with params=True, or pass params=False to "
+                 "assert_same_run)", got, ref)
         assert_same_params(got.params1, ref.params1, rtol, params_atol)
-    if got.moe is not None and ref.moe is not None and rtol == RTOL:  # fp32: the same routing
+    if moe is None:
+        moe = ref.mixture_of_experts
+    if moe:
+        _require("moe", "MoE metrics (moe_* in its records)", got, ref)
         assert sorted(got.moe) == sorted(ref.moe)
         for key, want in ref.moe.items():
             np.testing.assert_allclose(got.moe[key], want, rtol=1e-4, atol=1e-7, err_msg=f"{key} per step")
-    if ref.expert_bias is not None:  # moved by +-rate per step from the token counts: equal counts, equal bias
+    if got.expert_bias is not None or ref.expert_bias is not None:
+        # moved by +-rate per step from the token counts: equal counts, equal bias
+        _require("expert_bias", "expert bias (the other run has one)", got, ref)
         np.testing.assert_allclose(got.expert_bias, ref.expert_bias, rtol=0, atol=1e-7,
                                    err_msg="expert bias after the last step")
+
+
+def _require(field: str, what: str, got: Run, ref: Run) -> None:
+    for side, r in (("run", got), ("reference", ref)):
+        if getattr(r, field) is None:
+            pytest.fail(f"assert_same_run: the {side} has no {what}")
 
 
 def assert_same_params(got: dict, want: dict, rtol: float = RTOL, atol: float = 1e-7) -> None:

@@ -1,12 +1,15 @@
 """Config loading: shipped files, overrides, includes, and one clear message per mistake."""
 
+import math
 
+import jax
 import pytest
 
-from megajax.config import CONFIG_DIR, load_config, parse_override
+from megajax.config import CONFIG_DIR, MESH_AXES, load_config, parse_override
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import make_mesh, mesh_sizes
 from megajax.plan import make_plan
+from megajax.train.state import build_model_spec
 
 SHIPPED = sorted(CONFIG_DIR.rglob("*.yaml"))
 
@@ -19,10 +22,74 @@ def test_configs_are_shipped():
         assert want in names
 
 
+# Each shipped file is layered as a user would run it: a model file on the default mesh, a mesh file
+# under the default (tiny) model, a recipe as it is. A mesh the tiny model cannot split over (tensor 8,
+# its 4 heads) is layered under the shipped model it is written for.
+UNDER = {"mesh/gpu-8-tp.yaml": ["model/llama3-8b.yaml"], "mesh/4x8-gpu.yaml": ["model/llama3-70b.yaml"],
+         "mesh/4x8-gpu-pp.yaml": ["model/llama3-70b.yaml"]}
+# The devices of a file whose mesh fills an axis (-1) from what is there: the hardware it is written
+# for. Other meshes need the product of their sizes (x mesh.dcn), or mesh.cpu_devices; the default
+# mesh (mesh.data=-1) of a model file alone runs on one device.
+DEVICES = {"mesh/gpu-8.yaml": 8, "mesh/gpu-8-tp.yaml": 8, "mesh/mi300x-8.yaml": 8, "mesh/4x8-gpu.yaml": 32,
+           "recipes/llama3-8b-8xh100.yaml": 8}
+# Published parameter counts (GPT-2's with its vocabulary padded from 50257 to 50304 rows).
+PARAMETERS = {"model/llama3-8b.yaml": 8_030_261_248, "model/llama3.1-8b.yaml": 8_030_261_248,
+              "model/llama3-70b.yaml": 70_553_706_496, "model/mixtral-8x7b.yaml": 46_702_792_704,
+              "model/llama-1b.yaml": 1_235_814_400, "model/gpt2-125m.yaml": 124_475_904,
+              "recipes/llama3-8b-8xh100.yaml": 8_030_261_248}
+
+
+def shipped_devices(name: str, cfg) -> int:
+    """The devices the shipped file `name` (layered into `cfg`) is meant to run on."""
+    ici = [getattr(cfg.mesh, a) for a in MESH_AXES]
+    if name in DEVICES:
+        return DEVICES[name]
+    if cfg.mesh.cpu_devices:
+        return cfg.mesh.cpu_devices
+    if -1 in ici and not name.startswith("model/"):
+        pytest.fail(f"{name} fills a mesh axis with -1: add the device count it is written for to DEVICES")
+    return math.prod(max(v, 1) for v in ici) * math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
+
+
+def plan_and_spec(files: list[str], num_devices: int):
+    """make_plan on `num_devices` and the model spec under abstract evaluation (no parameter is made)."""
+    plan = make_plan(load_config(files), num_devices)
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab, mesh=None, rules=None)
+    return plan, spec
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: str(p.relative_to(CONFIG_DIR)))
 def test_every_shipped_config_loads(path):
-    cfg = load_config([str(path)])
+    """Every shipped file loads, plans on the devices it is written for (the mesh divides the model's
+    heads, ffn, hidden size, vocabulary, layers into stages, the batch), and builds its model abstractly."""
+    name = str(path.relative_to(CONFIG_DIR))
+    files = [*UNDER.get(name, []), str(path)]
+    cfg = load_config(files)
     assert cfg.model.head_dim and cfg.model.num_kv_heads  # resolved
+    n = shipped_devices(name, cfg)
+    plan, spec = plan_and_spec(files, n)
+    assert plan.num_devices == n, (plan.mesh_text(), n)
+    leaves = jax.tree.leaves(spec.abstract_params)
+    assert leaves and all(type(x) is jax.ShapeDtypeStruct for x in leaves)  # shapes only: nothing allocated
+    count = sum(math.prod(x.shape) for x in leaves)
+    if name in PARAMETERS:
+        assert count == PARAMETERS[name], (name, count)
+    assert spec.abstract_params["embed"]["embedding"].shape[0] == plan.padded_vocab
+
+
+def test_a_recipe_whose_mesh_does_not_divide_its_model_fails(tmp_path):
+    """The check above can fail: a copy of a shipped recipe with 4 heads on tensor 8 (and one with 30
+    layers over 4 pipeline stages) is refused by make_plan, naming the key."""
+    heads = tmp_path / "heads.yaml"
+    heads.write_text(f"include: {CONFIG_DIR / 'recipes/llama3-8b-8xh100.yaml'}\n"
+                     f"mesh:\n  fsdp: 1\n  tensor: 8\nmodel:\n  num_heads: 4\n  num_kv_heads: 4\n")
+    with pytest.raises(MeshError, match="model.num_heads=4 is not divisible by mesh.tensor=8"):
+        plan_and_spec([str(heads)], 8)
+    layers = tmp_path / "layers.yaml"
+    layers.write_text(f"include:\n  - {CONFIG_DIR / 'model/llama3-70b.yaml'}\n  - {CONFIG_DIR / 'mesh/4x8-gpu-pp.yaml'}\n"
+                      f"model:\n  num_layers: 30\n")
+    with pytest.raises(MeshError, match="model.num_layers=30 does not split into mesh.pipeline=4"):
+        plan_and_spec([str(layers)], 32)
 
 
 def test_presets_have_published_shapes():

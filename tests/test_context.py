@@ -75,7 +75,8 @@ def test_context_parallel_matches_one_device(small_config, short_docs, monkeypat
 @pytest.mark.parametrize("layout", list(FLASH_LAYOUTS))
 def test_flash_kernel_in_the_model_matches_one_device(small_config, short_docs, layout):
     data = data_overrides(short_docs)
-    assert_same_run(run(small_config, *data, *FLASH_LAYOUTS[layout], params=False), reference(small_config, *data))
+    assert_same_run(run(small_config, *data, *FLASH_LAYOUTS[layout], params=False), reference(small_config, *data),
+                    params=False)
 
 
 def test_documents_change_the_loss(small_config, short_docs):

@@ -7,7 +7,6 @@ give back the exact parameters.
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import socket
@@ -23,6 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from random_model import VOCAB, random_model  # noqa: E402
 from megajax.checkpoint.common import model_overrides  # noqa: E402
 from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
 from megajax.checkpoint.megatron import export_megatron, import_megatron  # noqa: E402
@@ -32,29 +32,13 @@ from megajax.data.tokenizer import ByteTokenizer  # noqa: E402
 from megajax.errors import CheckpointError  # noqa: E402
 from megajax.train.state import build_model_spec  # noqa: E402
 
-VOCAB = 257  # the byte tokenizer's
 SEQ = 16
 
 
-@functools.lru_cache(maxsize=None)
 def make_model(family="llama", *overrides, seed=0):
-    """(config, spec, params): a tiny model with the real parameter tree, every entry random (norm scales
-    near 1, biases nonzero) and the vocabulary padding zero as training keeps it. Cached: do not mutate."""
-    heads = ["model.num_kv_heads=4"] if family == "llama" else []
-    cfg = load_config(overrides=[f"model.family={family}", "model.num_layers=2", "model.hidden_size=64",
-                                 "model.num_heads=8", *heads, "model.ffn_hidden_size=128",
-                                 f"model.vocab_size={VOCAB}", "train.seq_len=32", *overrides])
-    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    rng = np.random.default_rng(seed)
-    flat = {}
-    for name, x in flatten(spec.abstract_params):
-        w = rng.normal(0.0, 0.05, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
-        if name == "embed/embedding":
-            w[VOCAB:] = 0
-        if name == "output":
-            w[:, VOCAB:] = 0
-        flat[name] = w
-    return cfg, spec, unflatten(flat)
+    """(config, spec, params): the shared tiny random model (tests/random_model.py: N(0, 0.05), seq_len 32)
+    with `overrides`. Cached: do not mutate."""
+    return random_model(family, *overrides, seed=seed)
 
 
 def tokens(batch=2, seed=1):

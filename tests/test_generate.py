@@ -1,6 +1,5 @@
 """Cached generation: equal to full forward passes, to transformers' generate, and across layouts."""
 
-import functools
 import json
 import os
 
@@ -11,39 +10,23 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from random_model import VOCAB, random_model  # noqa: E402
 from megajax.checkpoint.manager import write_params_checkpoint  # noqa: E402
-from megajax.checkpoint.source import flatten, unflatten  # noqa: E402
 from megajax.cli import main  # noqa: E402
 from megajax.config import load_config  # noqa: E402
 from megajax.inference.generate import Generator  # noqa: E402
 from megajax.inference.load import Source, find_source, generation_config, load_model  # noqa: E402
 from megajax.inference.sampling import Sampling  # noqa: E402
-from megajax.train.state import build_model_spec  # noqa: E402
 
-VOCAB = 257  # the byte tokenizer's
 CONTEXT = 48
 PROMPTS = ([65], [104, 101, 108, 108, 111, 33], list(range(70, 83)))  # ragged: 1, 6 and 13 tokens
 
 
-@functools.lru_cache(maxsize=None)
 def model(family="llama"):
-    """(config, spec, params): a small model (GQA for llama) with random weights large enough for clear
-    argmax margins, vocabulary padding zero. Cached: do not mutate."""
-    heads = ["model.num_kv_heads=4"] if family == "llama" else []
-    cfg = load_config(overrides=[f"model.family={family}", "model.num_layers=2", "model.hidden_size=64",
-                                 "model.num_heads=8", *heads, "model.ffn_hidden_size=128",
-                                 f"model.vocab_size={VOCAB}", f"train.seq_len={CONTEXT}"])
-    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    rng = np.random.default_rng(0)
-    flat = {}
-    for name, x in flatten(spec.abstract_params):
-        w = rng.normal(0.0, 0.08, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
-        if name == "embed/embedding":
-            w[VOCAB:] = 0
-        if name == "output":
-            w[:, VOCAB:] = 0
-        flat[name] = w
-    return cfg, spec, unflatten(flat)
+    """(config, spec, params): the shared small random model (tests/random_model.py; GQA for llama) with
+    weights large enough for clear argmax margins (N(0, 0.08)) and a CONTEXT-token window. Cached: do not
+    mutate."""
+    return random_model(family, std=0.08, seq_len=CONTEXT)
 
 
 def full_forward_greedy(spec, params, prompt, n):
