@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules, logical_to_spec, mesh_sizes
+from megajax.mesh import Rules, logical_to_spec, mesh_sizes, spec_without
 from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
 from megajax.parallel.manual import shard_map_fn
 
@@ -90,7 +90,9 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     ep = math.prod(sizes[a] for a in exp_axes)
     e_local = num_experts // ep  # (the plan checks that the experts split: megajax/plan.py)
     names = EXPERT_KERNELS[activation]
-    kernel_specs = [logical_to_spec(EXPERT_KERNEL_AXES[n], rules) for n in names]  # the model's own layout
+    # The model's own layout of the kernels, without the axes of size 1 (whose collectives the body skips).
+    ones = {a for a, n in sizes.items() if n == 1}
+    kernel_specs = [P(*spec_without(logical_to_spec(EXPERT_KERNEL_AXES[n], rules), ones)) for n in names]
     all_axes = tuple(mesh.axis_names)
     # Devices that hold the same tokens inside the layer (tensor ranks): their drop counts repeat.
     duplicates = math.prod(sizes[a] for a in all_axes
