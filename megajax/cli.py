@@ -54,9 +54,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             distributed.initialize(cfg)  # raises the error naming train.run_dir
         return distributed.supervise(args.argv, plan, cfg.distributed, cfg.train.run_dir)
     distributed.initialize(cfg)  # a multi-process run joins the runtime before JAX touches a device
-    from megajax.train.loop import train
-    result = train(cfg)
+    result = run_training(cfg)
     return 130 if result.stopped_by == "SIGINT" else 0
+
+
+def run_training(cfg, devices: list | None = None):
+    """What `megajax train` runs: the training loop with the memory fit check before the first step
+    (megajax.perf.fit.fit_check) and the greedy sample at the end (megajax.inference.text); the
+    loop's package imports neither, they are handed to it here."""
+    from megajax.inference.text import training_sample
+    from megajax.perf.fit import fit_check
+    from megajax.train.loop import train
+    return train(cfg, devices, check_compiled=fit_check, on_end=[training_sample])
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
