@@ -40,10 +40,9 @@ from megajax.mesh import mesh_sizes
 from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
-from megajax.train.ops import RunOps
+from megajax.train.ops import MOE_RECORD_FIELDS, RunOps
 from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
-from megajax.train.step import MOE_METRIC_KEYS
 
 
 @dataclass
@@ -361,7 +360,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
                     "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
                     "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
                 }
-                record.update({k: float(host[k]) for k in MOE_METRIC_KEYS if k in host})
+                record.update({k: float(host[k]) for k in MOE_RECORD_FIELDS if k in host})
                 if health.settling():
                     record["note"] = "loss scale settling"
                 result.records.append(record)
