@@ -54,9 +54,18 @@ def cmd_train(args: argparse.Namespace) -> int:
             distributed.initialize(cfg)  # raises the error naming train.run_dir
         return distributed.supervise(args.argv, plan, cfg.distributed, cfg.train.run_dir)
     distributed.initialize(cfg)  # a multi-process run joins the runtime before JAX touches a device
-    from megajax.train.loop import train
-    result = train(cfg)
+    result = run_training(cfg)
     return 130 if result.stopped_by == "SIGINT" else 0
+
+
+def run_training(cfg, devices: list | None = None):
+    """What `megajax train` runs: the training loop with the memory fit check before the first step
+    (megajax.perf.fit.fit_check) and the greedy sample at the end (megajax.inference.text); the
+    loop's package imports neither, they are handed to it here."""
+    from megajax.inference.text import training_sample
+    from megajax.perf.fit import fit_check
+    from megajax.train.loop import train
+    return train(cfg, devices, check_compiled=fit_check, on_end=[training_sample])
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
@@ -299,6 +308,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megajax.checkpoint.dtypes import EXPORT_DTYPES  # light: no JAX before the config is read
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(subparsers=sub.choices)
@@ -315,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
+                   help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
                                                      "tokenizer.json or its directory); default: the checkpoint's")
     p.set_defaults(func=cmd_export)

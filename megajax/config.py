@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,8 +25,6 @@ from typing import Any, Literal, Union
 import yaml
 
 from megajax.errors import ConfigError
-
-MESH_AXES = ("pipeline", "data", "fsdp", "expert", "context", "tensor")
 
 # Repository's configs/ directory (editable installs and source checkouts).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -155,8 +154,8 @@ class ModelConfig:
 
 
 @dataclass
-class DcnConfig:
-    """Inter-node (data-centre network) factor of each mesh axis, for multi-host meshes."""
+class AxisSizes:
+    """One size per mesh axis. Its fields are the mesh axes, outermost to innermost (MESH_AXES)."""
     pipeline: int = 1
     data: int = 1
     fsdp: int = 1
@@ -165,15 +164,18 @@ class DcnConfig:
     tensor: int = 1
 
 
+MESH_AXES = tuple(f.name for f in dataclasses.fields(AxisSizes))
+
+
 @dataclass
-class MeshConfig:
+class DcnConfig(AxisSizes):
+    """Inter-node (data-centre network) factor of each mesh axis, for multi-host meshes."""
+
+
+@dataclass
+class MeshConfig(AxisSizes):
     """Mesh axis sizes (per slice/node when `dcn` is set); one may be -1 to take the remaining devices."""
-    pipeline: int = 1
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
-    tensor: int = 1
+    data: int = -1  # (keeps its place among the axes)
     dcn: DcnConfig = field(default_factory=DcnConfig)
     # Number of simulated CPU devices to create when running on CPU (0: leave as is).
     # Ignored when the caller already set --xla_force_host_platform_device_count.
@@ -516,6 +518,22 @@ def finalize(cfg: Config) -> Config:
     return cfg
 
 
+def parse_split(split: str) -> list[float]:
+    """"969,30,1" -> normalised train/valid/test fractions [3] (missing trailing parts are 0): the syntax of
+    data.split (megajax/data/gpt_dataset.py cuts the documents by these fractions)."""
+    parts = [p for p in re.split(r"[,/\s]+", str(split).strip()) if p]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if not 1 <= len(values) <= 3 or any(not v >= 0 for v in values) or sum(values) <= 0:
+        raise ConfigError(f"data split = {split!r}: expected one to three non-negative weights for "
+                          f"train,valid,test with a positive sum, e.g. '969,30,1' or '98,2'.")
+    values += [0.0] * (3 - len(values))
+    total = sum(values)
+    return [v / total for v in values]
+
+
 def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
     if value is None:
         return
@@ -537,7 +555,6 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.keep", cfg.checkpoint.keep)
     _positive("train.eval_steps", t.eval_steps)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
-    from megajax.data.gpt_dataset import parse_split
     try:
         parse_split(cfg.data.split)
     except ConfigError as e:

@@ -125,34 +125,60 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     return dict(zip(mesh.axis_names, mesh.devices.shape))
 
 
+# The mesh axes that split the batch: each of their ranks holds a different part of the global batch.
+# Expert-parallel ranks are data-parallel ranks outside the MoE layers, as in Megatron.
+BATCH_AXES = ("data", "fsdp", "expert")
+
+
 def data_parallel_size(sizes: Mapping[str, int]) -> int:
-    """Ranks that split the batch (each holds a different part of the global batch): expert-parallel
-    ranks are data-parallel ranks outside the MoE layers, as in Megatron."""
-    return sizes["data"] * sizes["fsdp"] * sizes.get("expert", 1)
+    """Ranks that split the batch (the product of BATCH_AXES, the activations' `batch` rule)."""
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
-def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """Checks that the model and the sequence split evenly over mesh axis sizes `sizes`."""
-    s = sizes
-    m, t = cfg.model, cfg.train
-    tp, dp = s["tensor"], data_parallel_size(s)
-    checks = [
-        (m.num_heads, "model.num_heads", tp, "mesh.tensor"),
-        (m.num_kv_heads, "model.num_kv_heads", tp, "mesh.tensor"),
-        (m.ffn_hidden_size, "model.ffn_hidden_size", tp, "mesh.tensor"),
-        (m.hidden_size, "model.hidden_size", s["fsdp"], "mesh.fsdp"),
-    ]
+def model_dims(cfg: Config) -> dict[str, list[tuple[str, int]]]:
+    """The model's sizes by logical dim: {dim: [(config key, size), ...]} for every dim a rules table
+    may split (the padded vocabulary under `vocab`)."""
+    m = cfg.model
+    dims = {"heads": [("model.num_heads", m.num_heads)], "kv_heads": [("model.num_kv_heads", m.num_kv_heads)],
+            "mlp": [("model.ffn_hidden_size", m.ffn_hidden_size)], "embed": [("model.hidden_size", m.hidden_size)]}
     if m.num_experts:
-        checks += [(m.num_experts, "model.num_experts", s["expert"], "mesh.expert"),
-                   (m.moe_ffn_hidden_size, "model.moe_ffn_hidden_size", tp, "mesh.tensor"),
-                   (m.moe_shared_expert_ffn_size, "model.moe_shared_expert_ffn_size", tp, "mesh.tensor")]
-    if cfg.parallel.distributed_optimizer:
-        checks.append((m.hidden_size, "model.hidden_size", dp,
-                       "mesh.data x mesh.fsdp (distributed optimizer)"))
-    for value, key, size, axis in checks:
-        if value % size:
-            raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
-                            f"(sizes that divide it: {_divisors(value, size)}) or {key}.")
+        dims["experts"] = [("model.num_experts", m.num_experts)]
+        dims["mlp"] += [("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+                        ("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)]
+    if m.vocab_size is not None:
+        dims["vocab"] = [("model.vocab_size", m.padded_vocab_size())]
+    return dims
+
+
+def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRules | None" = None) -> None:
+    """Checks that the model and the sequence split evenly over mesh axis sizes `sizes`.
+
+    Which sizes must divide which is read from the rules tables (`rules`, default make_rules(cfg)):
+    every model dim of `model_dims` over the product of the mesh axes its parameter, optimizer-state
+    and activation rules name (e.g. `heads` over mesh.tensor, `embed` over mesh.fsdp, and with the
+    distributed optimizer over mesh.data x mesh.fsdp, `experts` over mesh.expert)."""
+    s = sizes
+    rules = rules or make_rules(cfg)
+    t = cfg.train
+    tp = s["tensor"]
+    tables = (("", rules.params), (" (distributed optimizer)", rules.opt_state), ("", rules.activations))
+    for dim, entries in model_dims(cfg).items():
+        for why, table in tables:
+            axes = [a for a in table.get(dim, ()) if s.get(a, 1) > 1]
+            size = math.prod(s[a] for a in axes)
+            for key, value in entries:
+                if not value % size:
+                    continue
+                axis = " x ".join(f"mesh.{a}" for a in axes) + why
+                if dim == "vocab":
+                    m = cfg.model
+                    multiple = math.lcm(m.make_vocab_size_divisible_by, size)
+                    raise MeshError(f"{axis}={size} does not divide the padded vocabulary {value} "
+                                    f"(model.vocab_size={m.vocab_size} rounded up to a multiple of "
+                                    f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}); set "
+                                    f"model.make_vocab_size_divisible_by to a multiple of {size}, e.g. {multiple}.")
+                raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
+                                f"(sizes that divide it: {_divisors(value, size)}) or {key}.")
     c = s["context"]
     if c > 1 and t.seq_len % (2 * c):
         ok = [k for k in range(1, t.seq_len // 2 + 1) if t.seq_len % (2 * k) == 0][:12]
@@ -163,12 +189,6 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int]) -> None:
     if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
         raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
                         f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
-    if m.vocab_size is not None and m.padded_vocab_size() % tp:
-        raise MeshError(f"mesh.tensor={tp} does not divide the padded vocabulary {m.padded_vocab_size()} "
-                        f"(model.vocab_size={m.vocab_size} rounded up to a multiple of "
-                        f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}); set "
-                        f"model.make_vocab_size_divisible_by to a multiple of {tp}, e.g. "
-                        f"{math.lcm(m.make_vocab_size_divisible_by, tp)}.")
 
 
 def _divisors(value: int, upto: int) -> str:
@@ -200,7 +220,7 @@ def make_rules(cfg: Config) -> ShardingRules:
         opt_state["embed"] = ("data", "fsdp")
     activations = {
         **tensor_dims,
-        "batch": ("data", "fsdp", "expert"),
+        "batch": BATCH_AXES,
         "experts": ("expert",),
         "expert_scores": (),
         "length": ("context",),  # sequence inside tensor-parallel regions

@@ -1,13 +1,18 @@
 """The run plan: everything a run decides before touching a device, resolved once and then frozen.
 
-    config + device count -> RunPlan(cfg, tokenizer, mesh sizes, rules, batch layout, notes)
+    config + device count -> RunPlan(cfg, tokenizer, mesh sizes, rules, batch layout, pipeline, notes)
 
 The plan owns a private, resolved copy of the config: the vocabulary comes
 from the tokenizer when the config leaves it open, user paths (data, tokenizer,
 run directory, checkpoint.load) are made absolute so the saved config works
-from any directory, and the batch arithmetic lives in `BatchLayout` only.
-`megajax train`, `megajax bench` (also for device kinds this machine does not
-have: `--topology`) and the tests build the same plan.
+from any directory. This module is the one home of the resolved sizes, the
+data-parallel size and the batch arithmetic (`BatchLayout`), the pipeline
+schedule choice (`RunPlan.pipeline`) and the pre-flight checks (`plan_layout`:
+the model against the mesh, the batch, the pipeline); the train step, `perf/`
+and `inference/` read a plan and do not check again. `megajax train`,
+`megajax bench` (also for device kinds this machine does not have:
+`--topology`), the fit advice (one plan per candidate change) and the tests
+build plans the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +74,16 @@ class BatchLayout:
 
 
 @dataclass(frozen=True)
+class PipelineChoice:
+    """The pipeline schedule of a run with mesh.pipeline > 1: what
+    megajax.parallel.pipeline.build_schedule(schedule, stages, microbatches, virtual_stages) builds."""
+    schedule: str  # parallel.pipeline_schedule
+    stages: int  # the pipeline axis's total size (inter-node factor included)
+    virtual_stages: int  # parallel.virtual_stages: model chunks per stage
+    microbatches: int  # a step's microbatches (the batch layout's accumulation)
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """A resolved, immutable description of a run (nothing here holds a device)."""
     cfg: Config  # private resolved copy: do not mutate
@@ -96,8 +111,24 @@ class RunPlan:
     def num_devices(self) -> int:
         return math.prod(self.sizes.values())
 
+    @property
+    def pipeline(self) -> PipelineChoice | None:
+        """The pipeline schedule choice; None without pipeline parallelism (mesh.pipeline 1)."""
+        stages = self.sizes["pipeline"]
+        if stages == 1:
+            return None
+        p = self.cfg.parallel
+        return PipelineChoice(schedule=p.pipeline_schedule, stages=stages, virtual_stages=p.virtual_stages,
+                              microbatches=self.batch.accumulation)
+
     def mesh_text(self) -> str:
         return " x ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "1 device"
+
+    def variant(self, cfg: Config, ici: dict[str, int] | None = None) -> "RunPlan":
+        """The plan of `cfg` (a changed copy of this plan's resolved config) on the same devices, per
+        node laid out as `ici` (default: this plan's), with this plan's tokenizer and inter-node
+        factors; every check of `plan_layout` runs again (ConfigError / MeshError)."""
+        return plan_layout(copy.deepcopy(cfg), self.tokenizer, dict(ici or self.ici), dict(self.dcn), self.notes)
 
 
 def default_run_dir() -> str:
@@ -148,15 +179,21 @@ def make_plan(cfg: Config, num_devices: int) -> RunPlan:
     tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     notes = resolve_vocabulary(cfg, tokenizer)
     ici, dcn = axis_sizes(cfg, num_devices)
+    return plan_layout(cfg, tokenizer, ici, dcn, notes)
+
+
+def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int], notes=()) -> RunPlan:
+    """The plan of a resolved config (vocabulary and paths filled in) laid out as per-node sizes `ici`
+    x inter-node factors `dcn`, after every pre-flight check: the model's dims against the mesh
+    (megajax.mesh.validate_for_model), the batch (BatchLayout.resolve) and the pipeline."""
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    validate_for_model(cfg, sizes)
-    dp = data_parallel_size(sizes)
-    where = f"mesh.data={sizes['data']} x mesh.fsdp={sizes['fsdp']}" + (
-        f" x mesh.expert={sizes['expert']}" if sizes["expert"] > 1 else "")
-    batch = BatchLayout.resolve(cfg.train, dp, where)
+    rules = make_rules(cfg)
+    validate_for_model(cfg, sizes, rules)
+    where = " x ".join(f"mesh.{a}={sizes[a]}" for a in rules.activations["batch"]
+                       if sizes[a] > 1 or a in ("data", "fsdp"))
+    batch = BatchLayout.resolve(cfg.train, data_parallel_size(sizes), where)
     validate_pipeline(cfg, sizes, batch)
-    return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=make_rules(cfg), batch=batch,
-                   notes=tuple(notes))
+    return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=rules, batch=batch, notes=tuple(notes))
 
 
 def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> None:

@@ -157,3 +157,20 @@ def test_expert_bias_run_exports_to_megatron_and_back_and_refuses_hf(small_confi
     np.testing.assert_array_equal(CheckpointSource(out).get("layers/mlp/expert_bias"), bias)
     tr = build_trainer(small_config(*moe, f"checkpoint.load={out}"), devices=jax.devices()[:1])
     np.testing.assert_array_equal(np.asarray(tr.state.moe_expert_bias), bias)
+
+
+def test_export_dtypes_are_one_table(capsys):
+    """--dtype's choices, the numpy dtypes, safetensors' codes and torch's dtypes all come from
+    megajax/checkpoint/dtypes.py; a name outside it is refused naming the accepted ones."""
+    from megajax.checkpoint.dtypes import EXPORT_DTYPES, export_dtype, numpy_dtype, safetensors_code, torch_dtype
+    from megajax.errors import CheckpointError
+    assert list(EXPORT_DTYPES) == ["bf16", "fp32"]
+    for name, d in EXPORT_DTYPES.items():
+        assert numpy_dtype(name).name == d.full_name and safetensors_code(numpy_dtype(name)) == d.safetensors
+    with pytest.raises(CheckpointError, match=r"export dtype='fp16' is not supported; accepted: bf16, fp32"):
+        export_dtype("fp16")
+    torch = pytest.importorskip("torch")
+    assert torch_dtype("bf16") == torch.bfloat16 and torch_dtype("fp32") == torch.float32
+    with pytest.raises(SystemExit):
+        main(["export", "--format", "hf", "--checkpoint", "x", "--output", "y", "--dtype", "fp16"])
+    assert "invalid choice: 'fp16' (choose from bf16, fp32)" in capsys.readouterr().err.replace("'bf16', 'fp32'", "bf16, fp32")

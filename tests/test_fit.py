@@ -13,9 +13,9 @@ import pytest
 from conftest import SMALL
 from megajax.cli import main
 from megajax.errors import MeshError
-from megajax.mesh import make_rules
 from megajax.perf.analytic import memory_estimate
 from megajax.perf.fit import advice, check_fit
+from megajax.plan import make_plan
 from megajax.train.state import build_model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,13 +88,13 @@ def test_measured_fit_check_offers_the_change_that_fits(small_config):
     """The measured figure (here: the analytic one plus 1 MiB of XLA overhead) just above the
     capacity: halving the micro batch fits, so it is offered; tensor parallelism is never offered on
     one device, and every offered change fits by its estimate."""
-    cfg = small_config("train.seq_len=128", "model.vocab_size=257")
-    sizes = {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 1, "context": 1, "tensor": 1}
-    micro = cfg.train.global_batch
-    tips = advice(cfg, sizes, micro)
+    plan = make_plan(small_config("train.seq_len=128", "model.vocab_size=257"), 1)
+    micro = plan.cfg.train.global_batch
+    assert plan.batch.micro_batch == micro
+    tips = advice(plan)
     assert tips.variants and not any("mesh." in v.describe() for v in tips.variants)
-    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    needed = memory_estimate(cfg, spec, make_rules(cfg), sizes, micro, cfg.model.padded_vocab_size())["total"] + 2**20
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    needed = memory_estimate(plan, spec)["total"] + 2**20
     half = next(v for v in tips.variants if v.describe() == f"train.micro_batch={micro // 2}")
     capacity = needed + half.delta + 1
     with pytest.raises(MeshError) as e:
@@ -104,3 +104,31 @@ def test_measured_fit_check_offers_the_change_that_fits(small_config):
     for phrase in tips.phrases(needed, capacity):
         after = float(re.search(r", ([\d.]+) GiB\)$", phrase).group(1))
         assert after <= capacity / 2**30 + 0.01, phrase
+
+
+def test_moe_advice_uses_the_plans_micro_batch(small_config):
+    """A MoE run over mesh.expert=2 x mesh.data=4: the data-parallel size is 8 (expert ranks split the
+    batch outside the MoE layers), so global batch 16 is micro batch 2. Each piece of advice must be the
+    difference between the analytic estimates of the plan with the change and the plan without it;
+    taking the data-parallel size as data x fsdp (4) made every variant without its own
+    train.micro_batch use micro batch 4."""
+    moe = ["model.num_experts=4", "model.moe_ffn_hidden_size=64", "mesh.data=4", "mesh.expert=2",
+           "train.global_batch=16"]
+    plan = make_plan(small_config(*moe), 8)
+    assert plan.batch.micro_batch == 2 and plan.batch.data_parallel == 8
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+
+    def estimate(p):
+        return memory_estimate(p, spec)["total"]
+
+    now = estimate(plan)
+    tips = advice(plan, spec=spec)
+    checked = 0
+    for v in tips.variants:
+        if len(v.options) != 1 or v.options[0].kind != "recompute":
+            continue
+        changed = make_plan(small_config(*moe, *v.options[0].overrides), 8)
+        assert changed.batch.micro_batch == 2
+        assert v.delta == estimate(changed) - now, v.describe()
+        checked += 1
+    assert checked == 2  # recompute=selective and recompute=full

@@ -195,9 +195,9 @@ def test_source_is_one_of_checkpoint_or_hf(checkpoint):
 
 
 def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path):
-    from megajax.train.loop import train
+    from megajax.cli import run_training  # the train command's loop, with its end-of-training sample
     cfg = small_config("train.sample_tokens=10", "model.init_std=0.5", steps=2)  # clear argmax margins
-    result = train(cfg)
+    result = run_training(cfg)
     out = tmp_path / "out.json"
     prompt = cfg.train.sample_prompt
     assert main(["generate", "--checkpoint", cfg.train.run_dir, "--prompt", prompt, "--max-new-tokens", "10",

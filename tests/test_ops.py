@@ -147,3 +147,17 @@ def test_watchdog_dumps_every_stack_and_exits_on_a_stalled_step(tmp_path):
     assert "stalled_in_the_data_pipeline" in text and "Thread MainThread" in text  # the stuck thread ...
     assert "megajax-step-watchdog" in text  # ... and every other one
     assert " 8/100 | loss" in p.stdout and " 9/100 | loss" not in p.stdout
+
+
+def test_logged_records_use_the_one_list_of_field_names(small_config):
+    """RECORD_FIELDS names every field a logged record has (and the Prometheus gauges come from it);
+    its MoE fields are the train step's MoE metrics."""
+    import jax
+    from megajax.train.loop import train
+    from megajax.train.ops import GAUGES, MOE_RECORD_FIELDS, RECORD_FIELDS
+    from megajax.train.step import MOE_METRIC_KEYS
+    assert MOE_RECORD_FIELDS == tuple(MOE_METRIC_KEYS)
+    assert set(GAUGES) <= set(RECORD_FIELDS) and all(name.startswith("megajax_") for name, _ in GAUGES.values())
+    result = train(small_config("model.num_experts=4", "model.moe_ffn_hidden_size=32", steps=1), jax.devices()[:1])
+    [record] = result.records
+    assert set(MOE_RECORD_FIELDS) <= set(record) <= set(RECORD_FIELDS), set(record) - set(RECORD_FIELDS)

@@ -17,8 +17,10 @@ from megajax.config import load_config
 from megajax.errors import MeshError
 from megajax.perf import analytic, hlo
 from megajax.perf.bench import communication_table, communication_verdict
+from megajax.cli import run_training
 from megajax.perf.fit import check_fit
-from megajax.train.loop import build_trainer, train
+from megajax.plan import make_plan
+from megajax.train.loop import build_trainer
 
 # ---------------------------------------------------------------------------------------------
 # HLO accounting on hand-built programs with known collectives
@@ -107,7 +109,7 @@ def test_loop_trip_counts_multiply_including_nested_loops(mesh8):
 
 def _trainer(tmp_path, *overrides):
     cfg = load_config(overrides=SMALL + ["train.steps=2", f"train.run_dir={tmp_path / 'run'}", *overrides])
-    tr = build_trainer(cfg, check_memory=False)
+    tr = build_trainer(cfg)
     tr.loader.close()
     return tr.cfg, tr, tr.plan.sizes, tr.plan.batch.micro_batch
 
@@ -118,7 +120,7 @@ def test_tensor_parallel_communication_matches_analytic(tmp_path, sp, recompute)
     cfg, tr, sizes, micro = _trainer(tmp_path, "mesh.tensor=4", "mesh.data=2",
                                      f"parallel.sequence_parallel={str(sp).lower()}",
                                      f"parallel.recompute={recompute}")
-    comm = communication_table(cfg, tr.step_fn, sizes, micro, tr.accumulation, tr.spec, tr.rules)
+    comm = communication_table(tr.plan, tr.step_fn, tr.spec)
     for kind, row in comm.items():
         if row["analytic_bytes"] or row["bytes"]:
             assert 0.9 <= row["ratio"] <= 1.25, (kind, row)
@@ -146,7 +148,7 @@ def test_shared_expert_tensor_parallel_communication_matches_analytic(tmp_path, 
                                      "parallel.sequence_parallel=true", "model.num_experts=8",
                                      "model.moe_ffn_hidden_size=64", "model.moe_shared_expert_ffn_size=96",
                                      f"model.moe_layer_freq={freq}")
-    comm = communication_table(cfg, tr.step_fn, sizes, micro, tr.accumulation, tr.spec, tr.rules)
+    comm = communication_table(tr.plan, tr.step_fn, tr.spec)
     bsh = micro * cfg.train.seq_len * cfg.model.hidden_size * 4
     assert comm["reduce-scatter"]["analytic_bytes"] == (4 * 2 + 2 + 2 * (2 // freq)) * bsh  # 2 layers
     for kind in ("all-gather", "reduce-scatter"):
@@ -160,7 +162,6 @@ def test_shared_expert_tensor_parallel_communication_matches_analytic(tmp_path, 
                          ids=["fsdp8", "tp4-dp2-distopt", "dp2-fsdp2-tp2-distopt"])
 def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
     # The train state exactly as `megajax train` places it (no need to compile the step).
-    from megajax.plan import make_plan
     from megajax.train.setup import build_setup
     cfg = load_config(overrides=SMALL + ["model.vocab_size=300", *layout])
     setup = build_setup(make_plan(cfg, 8))
@@ -179,13 +180,13 @@ def test_analytic_state_memory_equals_actual_shards(tmp_path, layout):
 
 
 def test_activation_formula_orders_policies_and_sequence_parallel():
-    cfg = load_config(overrides=SMALL)
-    sizes = {"data": 2, "fsdp": 1, "tensor": 4, "context": 1, "pipeline": 1, "expert": 1}
     by = {}
     for policy in ("none", "selective", "full"):
         for sp in (False, True):
-            cfg.parallel.recompute, cfg.parallel.sequence_parallel = policy, sp
-            by[policy, sp] = analytic.activation_bytes(cfg, sizes, 4)
+            plan = make_plan(load_config(overrides=SMALL + ["mesh.data=2", "mesh.tensor=4", f"parallel.recompute={policy}",
+                                                            f"parallel.sequence_parallel={str(sp).lower()}"]), 8)
+            assert plan.batch.micro_batch == 4
+            by[policy, sp] = analytic.activation_bytes(plan)
     assert by["none", False] > by["selective", False] > by["full", False]
     assert by["none", True] < by["none", False] and by["full", True] * 4 == pytest.approx(by["full", False], 1e-6)
     s, b, h, a, L = 32, 4, 64, 8, 2  # Korthikanti, tensor 4 + SP, no recompute, x2 for fp32
@@ -199,14 +200,14 @@ def test_activation_formula_orders_policies_and_sequence_parallel():
 def test_fit_check_refuses_with_advice(small_config):
     cfg = small_config("mesh.data=8", "train.device_memory_gib=0.0002", steps=1)
     with pytest.raises(MeshError) as e:
-        train(cfg)
+        run_training(cfg)
     msg = str(e.value)
     assert "GiB per device of 0.00" in msg and "train.device_memory_gib" in msg
     assert "try " in msg and ("parallel.recompute=" in msg or "mesh.fsdp=" in msg) and "GiB est." in msg
 
 
 def test_fit_check_passes_a_config_that_fits(small_config):
-    result = train(small_config("mesh.data=8", "train.device_memory_gib=1", steps=1))
+    result = run_training(small_config("mesh.data=8", "train.device_memory_gib=1", steps=1))
     assert len(result.losses) == 1 and math.isfinite(result.losses[0])
 
 
@@ -293,7 +294,7 @@ def test_gradient_accumulation_reduces_over_data_parallel_devices_once_per_step(
     so the kinds differ and the total is compared.)"""
     cfg, tr, sizes, micro = _trainer(tmp_path, *layout, "train.global_batch=32", "train.micro_batch=1")
     assert tr.accumulation == 4
-    comm = communication_table(cfg, tr.step_fn, sizes, micro, tr.accumulation, tr.spec, tr.rules)
+    comm = communication_table(tr.plan, tr.step_fn, tr.spec)
     assert 0.9 <= comm["total"]["ratio"] <= 1.05, comm
     # No data-parallel collective inside the microbatch loop: every collective of the step runs once.
     assert all(op.count == 1 for op in hlo.parse(tr.step_fn.as_text()).ops), "a collective runs per microbatch"

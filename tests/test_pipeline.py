@@ -179,8 +179,7 @@ def test_data_parallel_gradients_are_reduced_once_per_step():
     compiled, setup = _compiled("mesh.pipeline=2", "mesh.data=4", "train.global_batch=16", devices=8,
                                 with_setup=True)
     assert setup.batch.accumulation == 4
-    comm = communication_table(setup.cfg, compiled, setup.plan.sizes, setup.batch.micro_batch,
-                               setup.batch.accumulation, setup.spec, setup.rules)
+    comm = communication_table(setup.plan, compiled, setup.spec)
     assert 0.9 <= comm["all-reduce"]["ratio"] <= 1.05, comm
     assert comm["collective-permute"]["bytes"] > 0
 

@@ -86,3 +86,13 @@ def test_settings_are_checked_naming_them():
         Sampling(temperature=-1.0).check()
     with pytest.raises(UserError, match="top_k=-2"):
         Sampling(top_k=-2).check()
+
+
+def test_every_range_names_the_setting_and_what_is_accepted():
+    from megajax.inference.sampling import RANGES, SamplingError
+    bad = {"temperature": float("inf"), "top_k": -1, "top_p": 1.5, "seed": 2**63}
+    assert set(bad) == set(RANGES)
+    for field, value in bad.items():
+        with pytest.raises(SamplingError) as e:
+            Sampling(**{field: value}).check({field: f"--{field}"})
+        assert e.value.field == field and str(e.value) == f"--{field}={value}: {RANGES[field][1]}."

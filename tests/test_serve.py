@@ -140,6 +140,11 @@ def test_concurrent_requests_are_decoded_together(server):
     ("POST", "/v1/completions", None, b"{not json", 400, "not valid JSON"),
     ("POST", "/v1/completions", {"max_tokens": 3}, None, 400, "'prompt'"),
     ("POST", "/v1/completions", {"prompt": "x", "temperature": "hot"}, None, 400, "'temperature'"),
+    # The ranges are the sampling module's (one table for the flags and both dialects).
+    ("POST", "/v1/completions", {"prompt": "x", "top_p": 0}, None, 400, "'top_p'=0.0: must be in (0, 1]"),
+    ("POST", "/v1/completions", {"prompt": "x", "top_k": -2}, None, 400, "'top_k'=-2: must be >= 0"),
+    ("PUT", "/api", {"prompts": ["x"], "temperature": -1}, None, 400, "'temperature'=-1.0: must be a finite"),
+    ("PUT", "/api", {"prompts": ["x"], "random_seed": -2}, None, 400, "'random_seed'=-2: must be an integer in"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, f"context length is {CONTEXT}"),
     ("POST", "/v1/completions", {"prompt": "x", "stop": ["\n"]}, None, 400, "'stop'"),
     ("POST", "/v1/completions", {"prompt": [[1, 999]]}, None, 400, "token ids outside"),

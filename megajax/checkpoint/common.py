@@ -12,13 +12,10 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError, ConfigError
 from megajax.models.layout import tensor_shapes
-
-DTYPES = ("bf16", "fp32")
 
 # ModelConfig fields that describe the architecture (what an importer hands back).
 ARCH_FIELDS = (
@@ -52,16 +49,6 @@ def read_fields(get, table: tuple, where: str) -> dict:
         value = default if value is None else value
         out[field] = type(default)(value) if isinstance(default, (bool, float)) else value
     return out
-
-
-def numpy_dtype(dtype: str):
-    """The numpy dtype of an export dtype name ('bf16' is ml_dtypes' bfloat16, which JAX ships)."""
-    if dtype == "fp32":
-        return np.dtype(np.float32)
-    if dtype == "bf16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    raise CheckpointError(f"export dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}.")
 
 
 def check_source(source) -> int:

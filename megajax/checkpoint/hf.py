@@ -29,7 +29,8 @@ from typing import Callable
 import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
+                                       read_fields, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.dtypes import export_dtype, numpy_dtype, safetensors_code
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
                                         linear_rows, norm_rows, rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
@@ -39,8 +40,6 @@ from megajax.models.layout import param_shapes
 
 LLAMA, GPT2, MIXTRAL = "LlamaForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
-TORCH_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
-_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float32": "F32"}
 
 
 # ----------------------------------------------------------------------------
@@ -181,7 +180,7 @@ def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
 def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int | None) -> dict:
     config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[arch]}
     config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
-                  torch_dtype=TORCH_DTYPE[dtype], dtype=TORCH_DTYPE[dtype])
+                  torch_dtype=export_dtype(dtype).full_name, dtype=export_dtype(dtype).full_name)
     if arch == GPT2:
         return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
@@ -219,7 +218,7 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Cal
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, _ in tensors:
         size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPE[dtype.name], "shape": list(shape),
+        header[name] = {"dtype": safetensors_code(dtype), "shape": list(shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()

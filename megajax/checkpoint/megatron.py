@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
-                                       numpy_dtype, read_fields, resolved_model, tokenizer_dir_spec)
+                                       read_fields, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
                                         to_external, to_ours)
 from megajax.checkpoint.source import unflatten
@@ -196,7 +197,7 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
         sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
-        bf16=dtype == "bf16", fp16=False, params_dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+        bf16=torch_dtype(dtype) == torch.bfloat16, fp16=False, params_dtype=torch_dtype(dtype),
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
@@ -265,7 +266,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
-    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    stored = torch_dtype(dtype)
     tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                          padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
@@ -277,7 +278,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
         for s in range(pipeline_parallel):
             for t in range(tensor_parallel):
                 sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
-                                      torch_dtype)
+                                      stored)
                 path = tmp / step_dir / rank_dir(t, s, pipeline_parallel) / CHECKPOINT_FILE
                 path.parent.mkdir(parents=True)
                 torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,

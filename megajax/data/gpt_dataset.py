@@ -32,13 +32,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from megajax.config import parse_split  # noqa: F401  (data.split's syntax is the config's; re-exported)
 from megajax.data.indexed import IndexedDataset
 from megajax.errors import ConfigError, DataError
 
@@ -47,21 +47,6 @@ SEPARATE_LAST_EPOCH_BELOW = 0.80  # a last epoch under 80 % of an epoch's sample
 
 
 # --- splits -----------------------------------------------------------------------------------
-
-def parse_split(split: str) -> list[float]:
-    """"969,30,1" -> normalised train/valid/test fractions [3] (missing trailing parts are 0)."""
-    parts = [p for p in re.split(r"[,/\s]+", str(split).strip()) if p]
-    try:
-        values = [float(p) for p in parts]
-    except ValueError:
-        values = []
-    if not 1 <= len(values) <= 3 or any(not v >= 0 for v in values) or sum(values) <= 0:
-        raise ConfigError(f"data split = {split!r}: expected one to three non-negative weights for "
-                          f"train,valid,test with a positive sum, e.g. '969,30,1' or '98,2'.")
-    values += [0.0] * (3 - len(values))
-    total = float(np.sum(np.array(values, np.float64)))
-    return [v / total for v in values]
-
 
 def split_ranges(split: str, num_documents: int) -> list[tuple[int, int] | None]:
     """[begin, end) document range of each of train/valid/test (None where empty), Megatron's rounding."""

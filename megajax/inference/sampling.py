@@ -19,6 +19,24 @@ import jax.numpy as jnp
 from megajax.errors import UserError
 
 
+# The accepted range of each setting (the one home: `megajax generate`'s flags and both server
+# dialects are checked here): setting -> (test, what is accepted).
+RANGES = {
+    "temperature": (lambda v: 0.0 <= v < float("inf"), "must be a finite number >= 0 (0 is greedy decoding)"),
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 keeps every token)"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1] (1 keeps every token)"),
+    "seed": (lambda v: 0 <= v < 2**63, "must be an integer in [0, 2^63)"),
+}
+
+
+class SamplingError(UserError):
+    """A sampling setting outside its range; `field` names the Sampling field."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one sequence picks its tokens. temperature 0 is greedy (top-k / top-p unused);
@@ -29,17 +47,12 @@ class Sampling:
     seed: int = 0
 
     def check(self, names: dict[str, str] | None = None) -> "Sampling":
-        """Raises UserError naming the setting (as `names` calls it: a flag or a request field)."""
-        n = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed", **(names or {})}
-        if not (self.temperature >= 0.0 and self.temperature < float("inf")):
-            raise UserError(f"{n['temperature']}={self.temperature}: must be a finite number >= 0 "
-                            f"(0 is greedy decoding).")
-        if self.top_k < 0:
-            raise UserError(f"{n['top_k']}={self.top_k}: must be >= 0 (0 keeps every token).")
-        if not 0.0 < self.top_p <= 1.0:
-            raise UserError(f"{n['top_p']}={self.top_p}: must be in (0, 1] (1 keeps every token).")
-        if not 0 <= self.seed < 2**63:
-            raise UserError(f"{n['seed']}={self.seed}: must be an integer in [0, 2^63).")
+        """Raises SamplingError (a UserError) naming the setting (as `names` calls it: a flag or a
+        request field), its value and RANGES' accepted values."""
+        for field, (ok, accepted) in RANGES.items():
+            value = getattr(self, field)
+            if not ok(value):
+                raise SamplingError(f"{(names or {}).get(field, field)}={value}: {accepted}.", field)
         return self
 
 

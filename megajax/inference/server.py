@@ -16,6 +16,7 @@ names the limit).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
 import secrets
@@ -28,7 +29,7 @@ from typing import Any
 
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
-from megajax.inference.sampling import Sampling
+from megajax.inference.sampling import Sampling, SamplingError
 from megajax.inference.text import IncrementalText, completion_text
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -62,6 +63,19 @@ def _get(body: dict, name: str, kind, default=_MISSING, *, check=None, accept: s
 
 def _random_seed() -> int:
     return secrets.randbits(63)
+
+
+# Each dialect's request field of a Sampling setting (the ranges are megajax.inference.sampling.RANGES).
+OPENAI_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
+MEGATRON_FIELDS = {**OPENAI_FIELDS, "seed": "random_seed"}
+
+
+def _checked(sampling: Sampling, fields: dict[str, str]) -> Sampling:
+    """The sampling settings, or a RequestError naming the request field, its value and the range."""
+    try:
+        return sampling.check({k: f"'{name}'" for k, name in fields.items()})
+    except SamplingError as e:
+        raise RequestError(str(e), fields[e.field]) from None
 
 
 class CompletionService:
@@ -146,15 +160,16 @@ class CompletionService:
                 raise RequestError(f"'{key}' = {json.dumps(body[key])[:80]} is not supported by this server.", key)
         prompts = self._encode_prompts(body.get("prompt"), "prompt")
         max_new = _get(body, "max_tokens", int, 16, check=lambda v: v >= 1, accept="an integer >= 1")
-        temperature = _get(body, "temperature", float, 1.0, check=lambda v: v >= 0, accept="a number >= 0")
-        top_p = _get(body, "top_p", float, 1.0, check=lambda v: 0 < v <= 1, accept="a number in (0, 1]")
-        top_k = _get(body, "top_k", int, 0, check=lambda v: v >= -1, accept="an integer >= 0 (-1 or 0: off)")
+        temperature = _get(body, "temperature", float, 1.0, accept="a number")
+        top_p = _get(body, "top_p", float, 1.0, accept="a number")
+        top_k = _get(body, "top_k", int, 0, accept="an integer")
         n = _get(body, "n", int, 1, check=lambda v: v >= 1, accept="an integer >= 1")
-        seed = _get(body, "seed", int, None, check=lambda v: 0 <= v < 2**63, accept="an integer >= 0")
+        seed = _get(body, "seed", int, None, accept="an integer")
         stream = _get(body, "stream", bool, False)
-        seed = _random_seed() if seed is None else seed
-        samplings = [Sampling(temperature, max(top_k, 0), top_p, (seed + i) % 2**63)
-                     for i in range(len(prompts) * n)]
+        # OpenAI's dialect: top_k -1 is off too; no seed: a random one.
+        base = _checked(Sampling(temperature, 0 if top_k == -1 else top_k, top_p,
+                                 _random_seed() if seed is None else seed), OPENAI_FIELDS)
+        samplings = [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(len(prompts) * n)]
         expanded = [p for p in prompts for _ in range(n)]
         jobs, events = self._jobs(expanded, samplings, max_new, stream, "max_tokens")
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
@@ -198,13 +213,14 @@ class CompletionService:
         add_bos = _get(body, "add_BOS", bool, False)
         prompts = self._encode_prompts(prompts_raw, "prompts", add_bos=add_bos)
         max_new = _get(body, "tokens_to_generate", int, 64, check=lambda v: v >= 1, accept="an integer >= 1")
-        temperature = _get(body, "temperature", float, 1.0, check=lambda v: v >= 0, accept="a number >= 0")
-        top_k = _get(body, "top_k", int, 0, check=lambda v: v >= 0, accept="an integer >= 0")
-        top_p = _get(body, "top_p", float, 0.0, check=lambda v: 0 <= v <= 1, accept="a number in [0, 1]")
-        seed = _get(body, "random_seed", int, -1, check=lambda v: -1 <= v < 2**63, accept="an integer >= 0 (-1: random)")
-        seed = _random_seed() if seed == -1 else seed
-        samplings = [Sampling(temperature, top_k, top_p if top_p > 0 else 1.0, (seed + i) % 2**63)
-                     for i in range(len(prompts))]
+        temperature = _get(body, "temperature", float, 1.0, accept="a number")
+        top_k = _get(body, "top_k", int, 0, accept="an integer")
+        top_p = _get(body, "top_p", float, 0.0, accept="a number")
+        seed = _get(body, "random_seed", int, -1, accept="an integer (-1: random)")
+        # Megatron's dialect: top_p 0 is off (1), random_seed -1 a random seed.
+        base = _checked(Sampling(temperature, top_k, 1.0 if top_p == 0 else top_p,
+                                 _random_seed() if seed == -1 else seed), MEGATRON_FIELDS)
+        samplings = [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(len(prompts))]
         jobs, events = self._jobs(prompts, samplings, max_new, False, "tokens_to_generate")
         done = self._wait(jobs, events)
         texts, segments = [], []

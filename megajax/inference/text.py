@@ -1,16 +1,19 @@
 """Text in, text out: prompts encoded and batched, completions decoded (whole, or as a stream).
 
-`complete` serves `megajax generate` and the end-of-training sample; `IncrementalText` turns a
-growing list of token ids into text deltas that never split a character (a byte-level token
-may hold part of one).
+`complete` serves `megajax generate`, `training_sample` the end-of-training sample (a hook
+`megajax train` hands to the training loop); `IncrementalText` turns a growing list of token
+ids into text deltas that never split a character (a byte-level token may hold part of one).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
+
+import jax
 
 from megajax.inference.generate import Completion, Generator
 from megajax.inference.sampling import Sampling
+from megajax.precision.policy import precision_policy
 
 
 def completion_text(tokenizer, completion: Completion) -> str:
@@ -39,6 +42,37 @@ def complete(generator: Generator, tokenizer, prompts: Sequence[str], sampling: 
                         "decode_tokens_per_s": timing.decode_tokens_per_s, "batch_size": timing.batch,
                         "compile_s": timing.compile_s})
     return out
+
+
+def greedy_sample(trainer, params, expert_bias=None) -> str:
+    """The sample prompt and its greedy continuation (cached generation on the run's mesh), up to
+    train.sample_tokens new tokens within the context, stopping at end-of-document.
+
+    `trainer` is a megajax.train.setup.Trainer (read for its config, tokenizer, plan, mesh and rules)."""
+    cfg, tok = trainer.cfg, trainer.tokenizer
+    eod = getattr(tok, "eod_id", None)
+    prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
+    # layer_buffers=False: the scanned layers read the training state's parameters where they are
+    # (per-layer copies would add a model's worth of memory at the end of training).
+    generator = Generator(cfg.model, params, padded_vocab_size=trainer.plan.padded_vocab,
+                          dtype=precision_policy(cfg).inference_dtype, mesh=trainer.mesh,
+                          rules=trainer.rules.activations, eod_id=eod, layer_buffers=False,
+                          expert_bias=None if expert_bias is None else jax.device_get(expert_bias))
+    budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
+    if not prompt or budget < 1:
+        return cfg.train.sample_prompt
+    [done], _ = generator.generate([prompt], Sampling(), budget)
+    return cfg.train.sample_prompt + completion_text(tok, done)
+
+
+def training_sample(trainer, result, say: Callable[[str], None]) -> None:
+    """End-of-training hook (megajax.train.loop.train's `on_end`): with train.sample_tokens > 0 in a
+    one-process run, the greedy sample from the final state, printed and kept in `result.sample`."""
+    if trainer.cfg.train.sample_tokens <= 0 or jax.process_count() != 1:
+        return
+    state = result.state
+    result.sample = greedy_sample(trainer, state.params, state.moe_expert_bias)
+    say("megajax: greedy sample from the trained model:\n" + result.sample)
 
 
 class IncrementalText:

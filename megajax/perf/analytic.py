@@ -14,7 +14,8 @@ Recomputation in Large Transformer Models"), which count 16-bit activations:
 scaled by (activation bytes / 2) for other precisions (the compute dtype's
 bytes, megajax/precision/policy.py; FP8 keeps bf16 activations, its products'
 one-byte copies of their inputs are not counted); b is the micro batch per
-data-parallel rank.
+data-parallel rank. Every figure is of a run plan (megajax/plan.py): its mesh
+sizes, batch layout and pipeline schedule, nothing recomputed here.
 
 Communication per step, Megatron's minimum for the layout (elements x bytes
 of the compute dtype): tensor parallelism all-reduces b*s*h twice per layer
@@ -64,10 +65,10 @@ from dataclasses import dataclass
 import jax
 
 from megajax.checkpoint.source import flatten
-from megajax.config import Config
 from megajax.mesh import Rules, logical_to_spec
+from megajax.parallel.pipeline import build_schedule
+from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
-
 
 
 def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
@@ -93,10 +94,11 @@ def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_op
     return {"params": params, "grads": params, "optimizer": opt}
 
 
-def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
+def activation_bytes(plan: RunPlan) -> int:
     """Korthikanti's per-device activation memory for all layers of one microbatch."""
+    cfg, sizes = plan.cfg, plan.sizes
     m, t = cfg.model, sizes["tensor"]
-    s, b, h, a = cfg.train.seq_len / sizes["context"], micro_batch, m.hidden_size, m.num_heads
+    s, b, h, a = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size, m.num_heads
     sp = cfg.parallel.sequence_parallel and t > 1
     attn = 5 * a * s / h
     policy = cfg.parallel.recompute
@@ -107,59 +109,48 @@ def activation_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int) -> in
     else:
         per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
     scale = precision_policy(cfg).activation_bytes / 2
-    p = sizes.get("pipeline", 1)
-    if p > 1:
-        v = cfg.parallel.virtual_stages
-        stash = pipeline_stash(cfg, sizes, micro_batch)
-        return int((per_layer * m.num_layers / (p * v) + stash * s * b * h / (t if sp else 1)) * scale)
+    pipe = plan.pipeline
+    if pipe is not None:
+        chunks = pipe.stages * pipe.virtual_stages
+        stash = pipeline_stash(plan)
+        return int((per_layer * m.num_layers / chunks + stash * s * b * h / (t if sp else 1)) * scale)
     return int(per_layer * m.num_layers * scale)
 
 
-def pipeline_microbatches(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
-    from megajax.mesh import data_parallel_size
-    return max(1, cfg.train.global_batch // (micro_batch * data_parallel_size(sizes)))
+def pipeline_stash(plan: RunPlan) -> int:
+    """Stage inputs a device keeps for its backward (the plan's schedule's stash slots; 0 without a
+    pipeline)."""
+    c = plan.pipeline
+    if c is None:
+        return 0
+    return build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
 
 
-def pipeline_stash(cfg: Config, sizes: dict[str, int], micro_batch: int) -> int:
-    """Stage inputs a device keeps for its backward (the schedule's stash slots)."""
-    from megajax.parallel.pipeline import build_schedule
-    p, v = sizes["pipeline"], cfg.parallel.virtual_stages
-    m = pipeline_microbatches(cfg, sizes, micro_batch)
-    try:
-        return build_schedule(cfg.parallel.pipeline_schedule, p, m, v).stash
-    except Exception:  # a layout the plan refuses: the bound
-        return m if cfg.parallel.pipeline_schedule == "gpipe" else 2 * v * p - 1
-
-
-def logits_bytes(cfg: Config, sizes: dict[str, int], micro_batch: int, padded_vocab: int) -> int:
+def logits_bytes(plan: RunPlan) -> int:
     """fp32 logits of one microbatch and their gradient, vocabulary-parallel over tensor."""
-    tokens = micro_batch * cfg.train.seq_len / sizes["context"]
-    return int(2 * tokens * padded_vocab / sizes["tensor"] * 4)
+    sizes = plan.sizes
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
+    return int(2 * tokens * plan.padded_vocab / sizes["tensor"] * 4)
 
 
-@dataclass
-class Layout:
-    micro_batch: int  # per data-parallel rank
-    accumulation: int
-    sizes: dict[str, int]
-
-
-def communication_bytes(cfg: Config, layout: Layout, local_param_bytes: int,
-                        expert_param_bytes: int = 0, stage_shared_param_bytes: int = 0) -> dict[str, int]:
+def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
+                        stage_shared_param_bytes: int = 0) -> dict[str, int]:
     """Megatron's minimum bytes per device per step, by collective kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`)."""
-    m, sizes = cfg.model, layout.sizes
+    cfg, sizes = plan.cfg, plan.sizes
+    m = cfg.model
     t = sizes["tensor"]
     act = precision_policy(cfg).activation_bytes
-    tokens = layout.micro_batch * cfg.train.seq_len / sizes["context"]
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
     bsh = tokens * m.hidden_size * act
     out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
-    a = layout.accumulation
-    p = sizes.get("pipeline", 1)
+    a = plan.batch.accumulation
+    pipe = plan.pipeline
+    p = pipe.stages if pipe is not None else 1
     layers = m.num_layers / p
     moe_layers = m.num_moe_layers() / p  # the layers with an all-to-all (and a shared expert)
-    if p > 1:
-        out["collective-permute"] += 2 * a * cfg.parallel.virtual_stages * bsh
+    if pipe is not None:
+        out["collective-permute"] += 2 * a * pipe.virtual_stages * bsh
         out["all-reduce"] += stage_shared_param_bytes
     if t > 1:
         per_step = 4 * layers + 2
@@ -224,11 +215,12 @@ def expert_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Ru
                // shard_factor(names, rules_params, no_data) for k, names in experts.items())
 
 
-def memory_estimate(cfg: Config, spec, rules, sizes: dict[str, int], micro_batch: int,
-                    padded_vocab: int) -> dict[str, int]:
-    """Per-device bytes: parameters, gradients, Adam state, layer activations, logits, total."""
-    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes),
-           "activations": activation_bytes(cfg, sizes, micro_batch),
-           "logits": logits_bytes(cfg, sizes, micro_batch, padded_vocab)}
+def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
+    """Per-device bytes of `plan`'s run: parameters, gradients, Adam state, layer activations, logits,
+    total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
+    rules = plan.rules
+    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes),
+           "activations": activation_bytes(plan),
+           "logits": logits_bytes(plan)}
     est["total"] = sum(est.values())
     return est

@@ -37,9 +37,11 @@ import jax
 
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
+from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic, hlo
-from megajax.precision.policy import precision_policy
 from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
+from megajax.plan import RunPlan, make_plan
+from megajax.precision.policy import precision_policy
 
 KINDS = hlo.KINDS
 
@@ -54,16 +56,15 @@ def _spread(times: list[float]) -> dict[str, Any]:
             "n": len(qs), "all": times}
 
 
-def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, accumulation: int,
-                        spec, rules) -> dict[str, dict[str, Any]]:
+def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, Any]]:
     """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
     measured = hlo.parse(compiled.as_text())
+    rules, sizes = plan.rules, plan.sizes
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-              if sizes.get("pipeline", 1) > 1 else 0)
-    expected = analytic.communication_bytes(cfg, analytic.Layout(micro_batch, accumulation, sizes), local, experts,
-                                            shared)
+              if plan.pipeline is not None else 0)
+    expected = analytic.communication_bytes(plan, local, experts, shared)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
@@ -78,16 +79,15 @@ def communication_table(cfg: Config, compiled, sizes: dict[str, int], micro_batc
     return out
 
 
-def memory_table(cfg: Config, compiled, sizes: dict[str, int], micro_batch: int, spec, rules,
-                 device) -> dict[str, Any]:
-    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro_batch, cfg.model.padded_vocab_size())
+def memory_table(plan: RunPlan, compiled, spec, device) -> dict[str, Any]:
+    est = analytic.memory_estimate(plan, spec)
     comp = compiled_bytes(compiled)
-    capacity, source = device_capacity_bytes(device, cfg.train.device_memory_gib)
+    capacity, source = device_capacity_bytes(device, plan.cfg.train.device_memory_gib)
     needed = comp["total"] if comp else est["total"]
     out = {"compiled": comp, "analytic": est, "capacity": capacity, "capacity_source": source,
            "fits": None if capacity is None else needed <= capacity}
     if out["fits"] is False:
-        out["advice"] = advice(cfg, sizes, micro_batch, spec=spec).phrases(needed, capacity)
+        out["advice"] = advice(plan, spec=spec).phrases(needed, capacity)
     return out
 
 
@@ -106,7 +106,6 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     from megajax.data.loader import build_run_datasets
     from megajax.train.flops import peak_tflops_per_device
     from megajax.train.loop import count_params
-    from megajax.plan import make_plan
     from megajax.train.setup import build_setup
 
     if baseline:  # before anything is built: a baseline that cannot run here fails at once
@@ -172,14 +171,12 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
         "tflops_per_device": tflops,
         "peak_tflops": peak, "peak_source": peak_source,
         "mfu": tflops / peak if peak and not math.isnan(peak) else None,
-        "memory": memory_table(cfg, step_fn, sizes, layout.micro_batch, setup.spec, plan.rules, device),
-        "communication": communication_table(cfg, step_fn, sizes, layout.micro_batch, layout.accumulation,
-                                             setup.spec, plan.rules),
+        "memory": memory_table(plan, step_fn, setup.spec, device),
+        "communication": communication_table(plan, step_fn, setup.spec),
     }
-    if sizes["pipeline"] > 1:
-        from megajax.parallel.pipeline import build_schedule
-        sc = build_schedule(cfg.parallel.pipeline_schedule, sizes["pipeline"], layout.accumulation,
-                            cfg.parallel.virtual_stages)
+    if plan.pipeline is not None:
+        c = plan.pipeline
+        sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
         report["pipeline"] = {"schedule": sc.name, "stages": sc.stages, "virtual_stages": sc.virtual,
                               "microbatches": sc.microbatches, "ticks": sc.ticks,
                               "bubble_fraction": sc.bubble_fraction, "stashed_stage_inputs": sc.stash}
@@ -209,21 +206,19 @@ def parse_topology(text: str) -> tuple[int, str, float]:
 
 def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:
     """Analytic per-device memory of `cfg` on COUNT devices of KIND, and whether it fits."""
-    from megajax.plan import make_plan
     from megajax.train.state import build_model_spec
     count, kind, gib = parse_topology(topology)
     plan = make_plan(cfg, count)
-    cfg, sizes, rules, padded = plan.cfg, plan.sizes, plan.rules, plan.padded_vocab
-    micro = plan.batch.micro_batch
-    spec, _ = build_model_spec(cfg, padded)
-    est = analytic.memory_estimate(cfg, spec, rules, sizes, micro, padded)
+    sizes, micro = plan.sizes, plan.batch.micro_batch
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    est = analytic.memory_estimate(plan, spec)
     cap = int(gib * GIB)
     out = {"topology": topology, "device_kind": kind, "capacity": cap, "mesh": sizes, "micro_batch": micro,
            "analytic": est, "fits": est["total"] <= cap,
            "method": "analytic (parameters, gradients, Adam state for the shardings; Korthikanti activations); "
                      "no compile: XLA compiles for a GPU only with its plugin and a device present"}
     if not out["fits"]:
-        out["advice"] = advice(cfg, sizes, micro, spec=spec).phrases(est["total"], cap)
+        out["advice"] = advice(plan, spec=spec).phrases(est["total"], cap)
     return out
 
 

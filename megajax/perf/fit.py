@@ -9,8 +9,10 @@ Advice only names changes the same devices can run and that fit by the
 analytic estimate (megajax/perf/analytic.py): each candidate (a stronger
 recompute policy, a smaller micro batch, the distributed optimizer, FSDP or
 more tensor parallelism taken from the data axes of a node) is applied to a
-copy of the config, its memory estimated, and the difference from the current
-estimate applied to the measured figure. Single changes that fit are offered
+copy of the config and planned (`RunPlan.variant`: the plan's own checks and
+batch arithmetic; a candidate the plan refuses is not offered), its memory
+estimated, and the difference from the current estimate applied to the
+measured figure. Single changes that fit are offered
 first, cheapest first; when none fits alone, the smallest combination that
 does; when nothing fits, the message says so, with the most any combination
 saves.
@@ -23,10 +25,10 @@ import itertools
 import math
 from dataclasses import dataclass
 
-
-from megajax.config import MESH_AXES, Config
+from megajax.config import Config
 from megajax.errors import MeshError, UserError
 from megajax.perf import analytic
+from megajax.plan import RunPlan
 
 GIB = 2**30
 # Per-device HBM by device kind, used when the runtime does not report a limit.
@@ -132,18 +134,6 @@ def _apply(cfg: Config, option: Option) -> None:
                 (int(value) if name == "micro_batch" else value))
 
 
-def _formable(cfg: Config, sizes: dict[str, int]) -> bool:
-    """Whether the layout is one a run accepts (heads, vocabulary, sequence and batch divide, ...)."""
-    from megajax.mesh import data_parallel_size, validate_for_model
-    from megajax.plan import BatchLayout
-    try:
-        validate_for_model(cfg, sizes)
-        BatchLayout.resolve(cfg.train, data_parallel_size(sizes))
-    except UserError:
-        return False
-    return True
-
-
 class Advice:
     """Every change (alone and combined) the same devices could run, with its analytic effect;
     `phrases(needed, capacity)` picks what to tell the user."""
@@ -188,53 +178,45 @@ class Advice:
         return f"{v.describe()} ({v.delta / GIB:+.2f} GiB est., {(needed + v.delta) / GIB:.2f} GiB)"
 
 
-def advice(cfg: Config, sizes: dict[str, int], micro_batch: int, estimate: dict[str, int] | None = None,
-           spec=None) -> Advice:
-    """The changes that reduce per-device memory for `cfg` laid out as `sizes` (whole-mesh axis
-    sizes, inter-node factors included) with `micro_batch` per data-parallel rank.
+def _variant(plan: RunPlan, options: list[tuple[Option, dict | None]]) -> RunPlan | None:
+    """The plan with the options applied (None when the plan refuses the result)."""
+    alt, per_node = copy.deepcopy(plan.cfg), dict(plan.ici)
+    for option, new_sizes in options:
+        _apply(alt, option)
+        if new_sizes is not None:
+            per_node = new_sizes
+    try:
+        return plan.variant(alt, per_node)
+    except UserError:
+        return None
 
-    `estimate` is unused (kept for callers that pass the current analytic estimate); `spec` is the
-    model spec (built from the config when not given)."""
-    del estimate
+
+def advice(plan: RunPlan, spec=None) -> Advice:
+    """The changes that reduce per-device memory for the run `plan` describes, each planned as a
+    variant of it (`spec`: the model spec, built from the config when not given)."""
     if spec is None:
         from megajax.train.state import build_model_spec
-        spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    from megajax.mesh import make_rules
-    padded = cfg.model.padded_vocab_size()
-    dcn = {a: getattr(cfg.mesh.dcn, a) for a in MESH_AXES}
-    ici = {a: sizes[a] // dcn[a] for a in MESH_AXES}
-    devices = math.prod(sizes.values())
-
-    def total(c: Config, per_node: dict[str, int], micro: int) -> int:
-        s = {a: per_node[a] * dcn[a] for a in MESH_AXES}
-        return analytic.memory_estimate(c, spec, make_rules(c), s, micro, padded)["total"]
-
-    now = total(cfg, ici, micro_batch)
+        spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    cfg, micro_batch = plan.cfg, plan.batch.micro_batch
+    now = analytic.memory_estimate(plan, spec)["total"]
     order = ("none", "selective", "full")
     groups: list[list[tuple[Option, dict | None]]] = [
         [(Option("recompute", "recompute", (f"parallel.recompute={p}",), {"selective": 2.0, "full": 4.0}[p]), None)
          for p in order[order.index(cfg.parallel.recompute) + 1:]],
         [(Option("micro_batch", "micro_batch", (f"train.micro_batch={d}",), 2.0 + 0.2 * math.log2(micro_batch / d)),
           None) for d in sorted((d for d in range(1, micro_batch) if micro_batch % d == 0), reverse=True)],
-        _layout_options(cfg, ici, dcn),
+        _layout_options(cfg, plan.ici, plan.dcn),
     ]
     variants = []
     for picks in itertools.product(*[[None, *g] for g in groups]):
         chosen = [p for p in picks if p is not None]
         if not chosen:
             continue
-        alt, per_node = copy.deepcopy(cfg), dict(ici)
-        for option, new_sizes in chosen:
-            _apply(alt, option)
-            if new_sizes is not None:
-                per_node = new_sizes
-        s = {a: per_node[a] * dcn[a] for a in MESH_AXES}
-        dp = s["data"] * s["fsdp"]
-        micro = alt.train.micro_batch if alt.train.micro_batch is not None else alt.train.global_batch // dp
-        if micro < 1 or not _formable(alt, s):
+        changed = _variant(plan, chosen)
+        if changed is None:
             continue
-        variants.append(Variant(tuple(o for o, _ in chosen), total(alt, per_node, micro) - now))
-    return Advice(variants, devices)
+        variants.append(Variant(tuple(o for o, _ in chosen), analytic.memory_estimate(changed, spec)["total"] - now))
+    return Advice(variants, plan.num_devices)
 
 
 def check_fit(needed: int, capacity: int | None, source: str, tips: Advice | list[str]) -> None:
@@ -248,11 +230,15 @@ def check_fit(needed: int, capacity: int | None, source: str, tips: Advice | lis
                     f"({source}){tip}.")
 
 
-def fit_check(cfg: Config, compiled, mesh, spec, micro_batch: int) -> None:
-    """Stops before the first step when the compiled step cannot fit in device memory."""
-    from megajax.mesh import mesh_sizes
+def fit_check(setup, compiled) -> None:
+    """Stops before the first step when the compiled step cannot fit in device memory.
+
+    `setup` is the run's megajax.train.setup.Setup (its plan, mesh and model spec); the CLI hands
+    this function to the training loop (`train(..., check_compiled=fit_check)`), which calls it
+    with the compiled train step."""
+    plan = setup.plan
     memory = compiled_bytes(compiled)
-    capacity, source = device_capacity_bytes(mesh.devices.flat[0], cfg.train.device_memory_gib)
+    capacity, source = device_capacity_bytes(setup.mesh.devices.flat[0], plan.cfg.train.device_memory_gib)
     if memory is None or capacity is None or memory["total"] <= capacity:
         return
-    check_fit(memory["total"], capacity, source, advice(cfg, mesh_sizes(mesh), micro_batch, spec=spec))
+    check_fit(memory["total"], capacity, source, advice(plan, spec=setup.spec))

@@ -8,6 +8,14 @@ logs. Hooks: `MetricsLogger` (log lines, metrics.jsonl, TensorBoard),
 `Health` (non-finite steps, skips, a loss that does not move), `Validation`,
 `Saves` (checkpoints, including the last finite state when a run stops on a
 non-finite step), `RunOps` (watchdog, Prometheus, profiler).
+
+What the packages above this one add comes in through `train()`'s arguments
+(this package imports neither megajax.perf nor megajax.inference):
+`check_compiled(setup, compiled)` runs once the train step is compiled, before
+the first step (`megajax train` passes megajax.perf.fit.fit_check), and each of
+`on_end(trainer, result, say)` runs after a run that finished its steps
+(`megajax train` passes megajax.inference.text.training_sample, the greedy
+sample). `megajax.cli.run_training` is `train` with both.
 """
 
 from __future__ import annotations
@@ -19,22 +27,22 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
 from megajax.checkpoint.manager import Checkpointer
 from megajax.config import Config
+from megajax.distributed import preemption_sync_point
 from megajax.errors import TrainingError
 from megajax.mesh import mesh_sizes
 from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
-from megajax.train.ops import RunOps
+from megajax.train.ops import MOE_RECORD_FIELDS, RunOps
 from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
-from megajax.train.step import MOE_METRIC_KEYS
 
 
 @dataclass
@@ -47,7 +55,7 @@ class RunResult:
     compile_seconds: float = 0.0
     tokens_per_sec: float = float("nan")
     skipped_steps: int = 0
-    sample: str | None = None
+    sample: str | None = None  # set by an end hook (megajax.inference.text.training_sample)
     state: Any = None
     stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed (or had not started) and stopped
 
@@ -102,7 +110,6 @@ class _StopSignals:
         """Called once per step by every process."""
         if not self.multiprocess:
             return self.received is not None
-        from megajax.distributed import preemption_sync_point
         if preemption_sync_point(step):
             self.received = self.received or signal.SIGTERM
             return True
@@ -241,13 +248,22 @@ def _say(text: str) -> None:
         print(text, flush=True)
 
 
-def train(cfg: Config | RunPlan, devices: list | None = None) -> RunResult:
-    """Trains as configured; resumes from train.run_dir's latest checkpoint when it has one."""
+CheckCompiled = Callable[[Any, Any], None]  # (Setup, compiled train step) -> None, or raises
+EndHook = Callable[[Trainer, "RunResult", Callable[[str], None]], None]  # (trainer, result, say)
+
+
+def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled: CheckCompiled | None = None,
+          on_end: Sequence[EndHook] = ()) -> RunResult:
+    """Trains as configured; resumes from train.run_dir's latest checkpoint when it has one.
+
+    `check_compiled(setup, compiled)` runs before the first step (e.g. megajax.perf.fit.fit_check);
+    the `on_end` hooks run, in order, after a run that finished its steps (not stopped by a signal)
+    with the trainer, the result (its final `state`) and the loop's print function."""
     devices = list(devices if devices is not None else jax.devices())
     with _StopSignals() as stop:
         plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
         run_dir = Path(plan.cfg.train.run_dir)
-        tr = build_trainer(plan, devices, say=_say)
+        tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
         if stop.received is not None and not stop.multiprocess:
             name = signal.Signals(stop.received).name
             _say(f"megajax: {name} received during start-up, before the first step: nothing to save; stopping.")
@@ -256,10 +272,10 @@ def train(cfg: Config | RunPlan, devices: list | None = None) -> RunResult:
         run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start-up leaves nothing behind
         if jax.process_index() == 0:
             (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
-        return _loop(tr, run_dir, stop)
+        return _loop(tr, run_dir, stop, on_end)
 
 
-def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
+def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = ()) -> RunResult:
     cfg, plan = tr.cfg, tr.plan
     dev = jax.devices()[0]
     peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, precision_policy(cfg).peak_flops_key,
@@ -344,7 +360,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
                     "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
                     "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
                 }
-                record.update({k: float(host[k]) for k in MOE_METRIC_KEYS if k in host})
+                record.update({k: float(host[k]) for k in MOE_RECORD_FIELDS if k in host})
                 if health.settling():
                     record["note"] = "loss scale settling"
                 result.records.append(record)
@@ -388,29 +404,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals) -> RunResult:
     log.print(f"megajax: done, {len(result.losses)} steps{skipped}; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
-    if cfg.train.sample_tokens > 0 and result.stopped_by is None and jax.process_count() == 1:
-        result.sample = greedy_sample(tr, state.params, state.moe_expert_bias)
-        log.print("megajax: greedy sample from the trained model:\n" + result.sample)
+    if result.stopped_by is None:
+        for hook in on_end:
+            hook(tr, result, log.print)
     return result
-
-
-def greedy_sample(tr: Trainer, params, expert_bias=None) -> str:
-    """The sample prompt and its greedy continuation (cached generation on the run's mesh), up to
-    train.sample_tokens new tokens within the context, stopping at end-of-document."""
-    from megajax.inference.generate import Generator
-    from megajax.inference.sampling import Sampling
-    from megajax.inference.text import completion_text
-    cfg, tok = tr.cfg, tr.tokenizer
-    eod = getattr(tok, "eod_id", None)
-    prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
-    # layer_buffers=False: the scanned layers read the training state's parameters where they are
-    # (per-layer copies would add a model's worth of memory at the end of training).
-    generator = Generator(cfg.model, params, padded_vocab_size=tr.plan.padded_vocab,
-                          dtype=precision_policy(cfg).inference_dtype, mesh=tr.mesh, rules=tr.rules.activations,
-                          eod_id=eod, layer_buffers=False,
-                          expert_bias=None if expert_bias is None else jax.device_get(expert_bias))
-    budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
-    if not prompt or budget < 1:
-        return cfg.train.sample_prompt
-    [done], _ = generator.generate([prompt], Sampling(), budget)
-    return cfg.train.sample_prompt + completion_text(tok, done)

@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -128,21 +129,40 @@ def exit_on_hang(run_dir: Path, cfg: Config) -> Callable[[int, float, float], No
     return fire
 
 
-GAUGES = {  # record key -> (metric name, help)
-    "step": ("megajax_step", "last logged training step"),
-    "loss": ("megajax_loss", "training loss (mean over the last log interval)"),
-    "lr": ("megajax_learning_rate", "learning rate"),
-    "grad_norm": ("megajax_grad_norm", "global gradient norm"),
-    "tokens_per_sec": ("megajax_tokens_per_second", "training throughput, tokens per second"),
-    "tflops_per_device": ("megajax_tflops_per_device", "model TFLOP/s per device"),
-    "mfu": ("megajax_mfu", "model FLOPs utilisation (0..1)"),
-    "step_time": ("megajax_step_time_seconds", "mean step time over the last log interval"),
-    "moe_aux_loss": ("megajax_moe_aux_loss", "MoE load-balancing loss (mean over MoE layers)"),
-    "moe_z_loss": ("megajax_moe_z_loss", "MoE router z-loss (mean over MoE layers)"),
-    "moe_max_expert_share": ("megajax_moe_max_expert_share", "busiest expert's share of token assignments"),
-    "moe_min_expert_share": ("megajax_moe_min_expert_share", "idlest expert's share of token assignments"),
-    "moe_dropped_fraction": ("megajax_moe_dropped_fraction", "fraction of token assignments dropped by capacity"),
+@dataclass(frozen=True)
+class RecordField:
+    help: str
+    gauge: str | None = None  # its Prometheus gauge (None: not exported as one)
+
+
+# The fields of a logged record (console line, metrics.jsonl, TensorBoard, Prometheus): the one list of
+# their names. The MoE fields are the train step's MoE metrics (train/step.py's MOE_METRIC_KEYS name the
+# same, tests/test_ops.py checks), copied into the record when the step returns them.
+RECORD_FIELDS = {
+    "step": RecordField("last logged training step", "megajax_step"),
+    "loss": RecordField("training loss (mean over the last log interval)", "megajax_loss"),
+    "lr": RecordField("learning rate", "megajax_learning_rate"),
+    "grad_norm": RecordField("global gradient norm", "megajax_grad_norm"),
+    "tokens_per_sec": RecordField("training throughput, tokens per second", "megajax_tokens_per_second"),
+    "tflops_per_device": RecordField("model TFLOP/s per device", "megajax_tflops_per_device"),
+    "mfu": RecordField("model FLOPs utilisation (0..1)", "megajax_mfu"),
+    "step_time": RecordField("mean step time over the last log interval", "megajax_step_time_seconds"),
+    "memory_gib": RecordField("memory in use (GiB): device bytes in use, or host peak RSS on CPU"),
+    "memory_kind": RecordField("what memory_gib measures: device, or host peak RSS"),
+    "skipped_steps": RecordField("steps skipped for non-finite loss or gradients so far"),
+    "loss_scale": RecordField("fp16 dynamic loss scale (null without fp16)"),
+    "note": RecordField("a remark on the interval (e.g. the fp16 loss scale settling)"),
+    "moe_aux_loss": RecordField("MoE load-balancing loss (mean over MoE layers)", "megajax_moe_aux_loss"),
+    "moe_z_loss": RecordField("MoE router z-loss (mean over MoE layers)", "megajax_moe_z_loss"),
+    "moe_max_expert_share": RecordField("busiest expert's share of token assignments",
+                                        "megajax_moe_max_expert_share"),
+    "moe_min_expert_share": RecordField("idlest expert's share of token assignments",
+                                        "megajax_moe_min_expert_share"),
+    "moe_dropped_fraction": RecordField("fraction of token assignments dropped by capacity",
+                                        "megajax_moe_dropped_fraction"),
 }
+MOE_RECORD_FIELDS = tuple(k for k in RECORD_FIELDS if k.startswith("moe_"))
+GAUGES = {key: (f.gauge, f.help) for key, f in RECORD_FIELDS.items() if f.gauge}  # record key -> (name, help)
 
 
 class PrometheusExporter:

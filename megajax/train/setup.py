@@ -26,7 +26,6 @@ from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.mesh import ShardingRules, mesh_from_sizes
 from megajax.parallel.context import load_balanced_order
-from megajax.perf.fit import fit_check
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
@@ -206,7 +205,8 @@ def _quiet(_: str) -> None:
     pass
 
 
-def build_trainer(cfg: Config | RunPlan, devices: list | None = None, check_memory: bool = True,
+def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
+                  check_compiled: Callable[[Setup, jax.stages.Compiled], None] | None = None,
                   say: Callable[[str], None] = _quiet) -> Trainer:
     """Plan (when given a config), setup, initial state, data and the compiled step of a run.
 
@@ -223,8 +223,8 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None, check_memo
     t0 = time.perf_counter()
     compiled = setup.train_step().lower(state, loader.batch(consumed), setup.ok_flag()).compile()
     compile_seconds = time.perf_counter() - t0
-    if check_memory:
-        fit_check(plan.cfg, compiled, setup.mesh, setup.spec, plan.batch.micro_batch)
+    if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
+        check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
                    eval_fn=setup.eval_step(), consumed_samples=consumed, origin=origin, resumed_step=resumed,
                    compile_seconds=compile_seconds, data_report=report)
