@@ -281,11 +281,25 @@ def activation_sharding(mesh: Mesh | None, rules: Rules | None):
         _ACTIVE.reset(token)
 
 
+def spec_entry(axes) -> str | tuple | None:
+    """A PartitionSpec entry for some mesh axes: None, one name or a tuple of names."""
+    axes = tuple(axes or ())
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def spec_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec uses."""
+    return tuple(a for e in spec for a in entry_axes(e))
+
+
 def _drop(entry, axes: set):
     """A PartitionSpec entry without the given mesh axes."""
-    names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    kept = tuple(n for n in names if n not in axes)
-    return None if not kept else kept[0] if len(kept) == 1 else kept
+    return spec_entry(n for n in entry_axes(entry) if n not in axes)
 
 
 def spec_without(spec, axes) -> tuple:

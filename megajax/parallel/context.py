@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from megajax.mesh import Rules, logical_to_spec, mesh_sizes
+from megajax.mesh import Rules, logical_to_spec, mesh_sizes, spec_entry
 from megajax.models.attention import ACT_KV, ACT_Q
 from megajax.parallel.manual import like, shard_map_fn
 
@@ -46,8 +46,7 @@ def _specs(rules: Rules):
 
 def context_axes(rules: Rules):
     """The mesh axes the sequence is split over inside attention (rules['length']): a name or a tuple."""
-    axes = tuple(rules["length"])
-    return axes[0] if len(axes) == 1 else axes
+    return spec_entry(rules["length"])
 
 
 def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:

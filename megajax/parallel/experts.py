@@ -36,20 +36,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules, logical_to_spec, mesh_sizes, spec_without
+from megajax.mesh import Rules, entry_axes, logical_to_spec, mesh_sizes, spec_entry, spec_without
 from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
 from megajax.parallel.manual import shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
-
-
-def _entry(axes) -> str | tuple | None:
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _names(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
@@ -84,7 +75,7 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     route_spec = P(x_spec[0], x_spec[1], None)
     length_inside = set(rules["length"])
     # The axes the body's collectives run over (those of size 1 have nothing to exchange).
-    sp_axes = tuple(a for a in _names(x_spec[1]) if a not in length_inside and sizes[a] > 1)  # sequence-parallel
+    sp_axes = tuple(a for a in entry_axes(x_spec[1]) if a not in length_inside and sizes[a] > 1)  # sequence-parallel
     exp_axes = tuple(a for a in rules["experts"] if sizes[a] > 1)
     mlp_axes = tuple(a for a in rules["mlp"] if sizes[a] > 1)
     ep = math.prod(sizes[a] for a in exp_axes)
@@ -96,14 +87,14 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     all_axes = tuple(mesh.axis_names)
     # Devices that hold the same tokens inside the layer (tensor ranks): their drop counts repeat.
     duplicates = math.prod(sizes[a] for a in all_axes
-                           if a not in _names(x_spec[0]) + _names(x_spec[1]) or a in sp_axes)
+                           if a not in entry_axes(x_spec[0]) + entry_axes(x_spec[1]) or a in sp_axes)
 
     def local(x, ids, weights, kernels):
         if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
-            x, ids, weights = (jax.lax.all_gather(a, _entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
+            x, ids, weights = (jax.lax.all_gather(a, spec_entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
         b, l, d = x.shape
         if capacity_factor is not None:
-            exchange = ((lambda buf: jax.lax.all_to_all(buf, _entry(exp_axes), 0, 0, tiled=True)) if ep > 1
+            exchange = ((lambda buf: jax.lax.all_to_all(buf, spec_entry(exp_axes), 0, 0, tiled=True)) if ep > 1
                         else (lambda buf: buf))
             y, dropped = capacity_dispatch(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
                                            kernels, activation=activation, num_experts=num_experts,
@@ -116,9 +107,9 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
         y = y.reshape(b, l, d)
         if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums
             if sp_axes:
-                y = jax.lax.psum_scatter(y, _entry(sp_axes), scatter_dimension=1, tiled=True)
+                y = jax.lax.psum_scatter(y, spec_entry(sp_axes), scatter_dimension=1, tiled=True)
             else:
-                y = jax.lax.psum(y, _entry(mlp_axes))
+                y = jax.lax.psum(y, spec_entry(mlp_axes))
         return y, dropped.reshape(1)
 
     def by_position(x, ids, weights, *ks):
@@ -152,7 +143,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     src = jnp.take(order, jnp.clip(rank_starts[:, None] + p[None, :], 0, a_count - 1)) // k
     send = jnp.where(valid[..., None], jnp.take(x_TxD, src, axis=0), jnp.zeros((), x_TxD.dtype))  # [ep, A, D]
     if ep > 1:
-        axis = _entry(exp_axes)
+        axis = spec_entry(exp_axes)
         recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=True)  # [ep (source), A, D]
         recv_counts = jax.lax.all_to_all(per_rank, axis, 0, 0, tiled=True)  # [ep (source), E_local]
     else:
@@ -164,7 +155,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     rows = jnp.take(recv.reshape(ep * a_count, -1), order2, axis=0)
     out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation)  # rows past the groups: 0
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0).reshape(ep, a_count, -1)
-    back = jax.lax.all_to_all(out_recv, _entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
+    back = jax.lax.all_to_all(out_recv, spec_entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
     # Assignment a's output sits in slot (its device, its place among that device's assignments).
     rank = ids // e_local
     out = back[rank, inverse - rank_starts[rank]]  # [A, D]
@@ -176,7 +167,7 @@ def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     """_dispatch_tokens with ragged exchanges: only each device's real assignments travel."""
     t, k = ids_TxK.shape
     a_count, d = t * k, x_TxD.shape[1]
-    axis = _entry(exp_axes)
+    axis = spec_entry(exp_axes)
     ids = ids_TxK.reshape(-1)  # [A], assignment a = token a // K
     order, sizes = sort_by_expert(ids, num_experts)
     per_rank = sizes[:num_experts].reshape(ep, e_local)  # [ep, E_local] my assignments to each device's experts

@@ -13,8 +13,7 @@ own collectives transpose as usual (e.g. an all-gather into a reduce-scatter,
 and a replicated weight's gradient is summed over the axes its use varied on).
 The price is one more run of the local forward in the backward.
 
-Whether a call runs inside a stage is read from the context it is traced in (the abstract mesh's
-manual axes, `inside_manual`), so the layout-building code never passes a flag for it.
+Whether a call runs inside a stage is read from its trace context (`inside_manual`), never passed.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import _drop
+from megajax.mesh import _drop, spec_axes
 
 
 def _differentiable(x) -> bool:
@@ -52,7 +51,7 @@ def like(g, *primals):
 
 def _varying_over(x, spec):
     """`x` typed as varying over the mesh axes of `spec` (the manual axes of the current shard_map)."""
-    used = {n for e in spec for n in ((e,) if isinstance(e, str) else (e or ()))}
+    used = set(spec_axes(spec))
     missing = tuple(sorted(used - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import spec_without
+from megajax.mesh import spec_axes, spec_entry, spec_without
 from megajax.parallel.manual import inside_manual, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -225,20 +225,20 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     if order is not None:
         layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
     manual = (axis, *data_axes)
-    loop = _StageLoop(model_fns, sched, axis, tuple(data_axes), num_layers // (p * v), param_specs,
+    loop = _StageLoop(model_fns, sched, axis, tuple(data_axes), manual, num_layers // (p * v), param_specs,
                       max_layers, max_other, grad_dtype, rng is not None)
 
     # The stored layers as the loop takes them: split over the stage axis and any data axis a
     # weight's own spec uses (experts over `expert`); the gradient sums get a leading dim over the
     # other data axes.
-    layer_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(sp_axes(sp)) - set(manual))),
+    layer_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(spec_axes(sp)) - set(manual))),
                             param_specs["layers"], is_leaf=lambda x: isinstance(x, P))
-    layer_out = jax.tree.map(lambda sp: P(_entry([a for a in data_axes if a not in sp_axes(sp)]), *sp)
+    layer_out = jax.tree.map(lambda sp: P(spec_entry([a for a in data_axes if a not in spec_axes(sp)]), *sp)
                              if data_axes else sp, layer_in, is_leaf=lambda x: isinstance(x, P))
-    other_out = jax.tree.map(lambda _: P(_entry(data_axes)) if data_axes else P(), other)
+    other_out = jax.tree.map(lambda _: P(spec_entry(data_axes)) if data_axes else P(), other)
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
-    batch_spec = jax.tree.map(lambda x: P(None, _entry(batch_axes), *((_entry(seq_axes),) if x.ndim > 2 else ())),
-                              batch)
+    seq = lambda x: (spec_entry(seq_axes),) if x.ndim > 2 else ()
+    batch_spec = jax.tree.map(lambda x: P(None, spec_entry(batch_axes), *seq(x)), batch)
     router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(axis)}
     fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, P(), batch_spec, P(), P(), P()),
                        out_specs=(layer_out, other_out, P(), router_out), axis_names=set(manual))
@@ -253,11 +253,6 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
         router_sums["tokens"] = jnp.take(router_sums["tokens"], inverse, axis=0)
     return {**g_other, "layers": g_layers}, loss_sum, router_sums if model_fns.experts > 0 else None
-
-
-def _entry(axes):
-    """A PartitionSpec entry for some mesh axes: None, one name or a tuple."""
-    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
 
 
 def _combine(tree_max, a, b):
@@ -280,6 +275,7 @@ class _StageLoop:
     sched: Schedule
     axis: str
     data_axes: tuple[str, ...]
+    manual: tuple[str, ...]  # the stage axis and the data axes
     per: int  # layers per chunk
     param_specs: dict
     max_layers: dict
@@ -288,8 +284,8 @@ class _StageLoop:
     use_rng: bool
 
     @property
-    def manual(self) -> tuple[str, ...]:
-        return (self.axis, *self.data_axes)
+    def other_specs(self) -> dict:
+        return {k: x for k, x in self.param_specs.items() if k != "layers"}
 
     def data_sum(self, x):
         return jax.lax.psum(x, self.data_axes) if self.data_axes else x
@@ -313,8 +309,7 @@ class _StageLoop:
             x, jax.sharding.NamedSharding(here, P(*((None,) * lead), *spec_without(sp, self.manual)))), tree, specs)
 
     def body(self, layers, other, batch, rng, seed, router_seed):
-        sc, v, per = self.sched, self.sched.virtual, self.per
-        other_specs = {k: x for k, x in self.param_specs.items() if k != "layers"}
+        sc, v, per, other_specs = self.sched, self.sched.virtual, self.per, self.other_specs
         other, batch, seed, layers, router_seed = (self.vary(t) for t in (other, batch, seed, layers, router_seed))
         other = self.pin(other, other_specs)
         chunks = self.pin(jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers),
@@ -360,9 +355,6 @@ class _Device:
         self.stash0 = loop.vary(jnp.zeros((loop.sched.stash,) + x_shape.shape, x_shape.dtype))
         self.zero_loss = loop.vary(jnp.zeros((), jnp.float32))
 
-    def micro(self, i):
-        return _index(self.batch, i)
-
     def keys(self, i):
         if not self.loop.use_rng:
             return None, None
@@ -370,16 +362,16 @@ class _Device:
         return k[0], k[1]
 
     def embed(self, o, i):
-        return self.loop.fns.embed({**o, "layers": self.some_layers}, self.micro(i), self.keys(i)[0])
+        return self.loop.fns.embed({**o, "layers": self.some_layers}, _index(self.batch, i), self.keys(i)[0])
 
     def head(self, o, y, i):
-        return self.loop.fns.head({**o, "layers": self.some_layers}, y, self.micro(i))
+        return self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i))
 
     def run_chunk(self, w, x, c, i):
         """(y, router) of chunk c on microbatch i (router None for a dense model)."""
         first_layer = (c * self.loop.sched.stages + self.stage) * self.loop.per
-        return self.loop.fns.layers({**self.other, "layers": w}, x, self.micro(i), self.keys(i)[1], first_layer,
-                                    self.loop.data_sum)
+        return self.loop.fns.layers({**self.other, "layers": w}, x, _index(self.batch, i), self.keys(i)[1],
+                                    first_layer, self.loop.data_sum)
 
     def forward(self, fc, fm, fs, recv_x, stash):
         """The forward half: this stage's input (the embedding on the first stage's first chunk,
@@ -447,8 +439,7 @@ class _Device:
             (g_layers, g_other, loss_sum, router_sums))
         recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
         recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
-        other_specs = {k: x for k, x in loop.param_specs.items() if k != "layers"}
-        g_layers, g_other = loop.pin(g_layers, loop.param_specs["layers"], lead=1), loop.pin(g_other, other_specs)
+        g_layers, g_other = loop.pin(g_layers, loop.param_specs["layers"], lead=1), loop.pin(g_other, loop.other_specs)
         return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
 
@@ -492,19 +483,14 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
                     jnp.where(mine[..., None], g.astype(dtype), 0), mode="drop")
                 return jax.lax.psum(gt, batch) if batch else gt
 
-            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(_entry(batch)), P(_entry(batch))),
-                                    out_specs=P(_entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
+            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(spec_entry(batch)), P(spec_entry(batch))),
+                                    out_specs=P(spec_entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
             return g_table, None
 
         embed.defvjp(fwd, bwd)
         return embed(table_VxD, ids)
 
     return lookup
-
-
-def sp_axes(spec) -> tuple[str, ...]:
-    """The mesh axes a PartitionSpec uses."""
-    return tuple(a for e in spec for a in ((e,) if isinstance(e, str) else (e or ())))
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules, logical_to_spec
+from megajax.mesh import Rules, logical_to_spec, spec_entry
 from megajax.parallel.manual import shard_map_fn
 from megajax.models.layers import LinearOps
 from megajax.models.transformer import RESIDUAL
-
-
-def _entry(axes):
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.lax.dot_general) -> LinearOps:
@@ -45,8 +40,8 @@ def sequence_parallel_ops(mesh: Mesh, rules: Rules, dot_general: Callable = jax.
     regions and as `residual_length` outside, and sequence parallelism gathers / scatters over the
     axes `residual_length` adds to `length` (the tensor axes, possibly after `context`). Inside a
     pipeline stage they are differentiated by hand (megajax/parallel/manual.py)."""
-    tp = _entry(rules["heads"])
-    sp = _entry(a for a in rules["residual_length"] if a not in rules["length"])
+    tp = spec_entry(rules["heads"])
+    sp = spec_entry(a for a in rules["residual_length"] if a not in rules["length"])
     outer = logical_to_spec(RESIDUAL, rules)  # x[B, S, D] outside tensor-parallel regions
     bt, inner = tuple(logical_to_spec(("batch", "length"), rules))  # batch and sequence inside them
     if sp is None or sp != tp:

@@ -60,7 +60,6 @@ chunk's layer activations at a time.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import jax
 

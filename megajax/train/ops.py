@@ -136,8 +136,8 @@ class RecordField:
 
 
 # The fields of a logged record (console line, metrics.jsonl, TensorBoard, Prometheus): the one list of
-# their names. The MoE fields are the train step's MoE metrics (train/step.py's MOE_METRIC_KEYS name the
-# same, tests/test_ops.py checks), copied into the record when the step returns them.
+# their names. The MoE fields are the train step's MoE metrics (train/step.py's MOE_METRIC_KEYS are these),
+# copied into the record when the step returns them.
 RECORD_FIELDS = {
     "step": RecordField("last logged training step", "megajax_step"),
     "loss": RecordField("training loss (mean over the last log interval)", "megajax_loss"),

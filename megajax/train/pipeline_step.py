@@ -23,6 +23,7 @@ from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_wi
 from megajax.models.layout import EXPERT_BIAS, STACK_NAMES
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
+from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import HISTORY, scales_of
 from megajax.precision.policy import precision_policy
 from megajax.train.loss import Gradients, StepInputs, cross_entropy, moe_sums
@@ -32,8 +33,10 @@ from megajax.train.state import ModelSpec, TrainState
 EXPERT_BIAS_PATH = tuple(EXPERT_BIAS.split("/"))
 
 
-def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: ShardingRules) -> Callable:
-    """gradients(state, batch, inputs) -> Gradients through the pipeline stages.
+def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: ShardingRules,
+                       choice: PipelineChoice) -> Callable:
+    """gradients(state, batch, inputs) -> Gradients through the pipeline stages, on the schedule
+    the plan chose (RunPlan.pipeline).
 
     FSDP parameters are gathered once per step, before the stages (experts stay split over
     `expert`: each device holds its own). The data-parallel axes (and `context`, whose ring or
@@ -52,9 +55,10 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     def constrain(x, s):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
 
+    sched = build_schedule(choice.schedule, choice.stages, choice.microbatches, choice.virtual_stages)
+
     def gradients(state: TrainState, batch: dict, inputs: StepInputs) -> Gradients:
-        sched = build_schedule(cfg.parallel.pipeline_schedule, sizes[stage_axis], inputs.accum,
-                               cfg.parallel.virtual_stages)
+        assert inputs.accum == choice.microbatches, (inputs.accum, choice)
         params = jax.tree.map(constrain, state.params, stage_specs)
         tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis)
         if grouped:  # the stages split the groups [MoE layer, dense layers]

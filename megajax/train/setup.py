@@ -84,7 +84,8 @@ class Setup:
         as it was, so the loop, which checks metrics a step late to keep the device busy, still
         holds the last finite state when it notices."""
         cfg = self.cfg
-        step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules)
+        step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules,
+                               self.plan.pipeline)
         halt = not (cfg.train.skip_nonfinite or precision_policy(cfg).dynamic_loss_scale)
 
         def guarded(state, batch, ok):

@@ -42,13 +42,14 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
-from megajax.mesh import (ShardingRules, activation_sharding, logical_to_spec, mesh_sizes, spec_without,
-                          tree_specs)
+from megajax.mesh import ShardingRules, activation_sharding, logical_to_spec, mesh_sizes, spec_without, tree_specs
 from megajax.models.moe import updated_expert_bias
+from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import scales_of, update_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.loss import Gradients, StepInputs, cross_entropy, microbatch_loss, step_inputs
+from megajax.train.ops import MOE_RECORD_FIELDS
 from megajax.train.optimizer import clip_by_global_norm, update_count
 from megajax.train.pipeline_step import pipeline_gradients
 from megajax.train.state import ModelSpec, TrainState, build_model_spec
@@ -56,11 +57,11 @@ from megajax.train.state import ModelSpec, TrainState, build_model_spec
 BATCH_AXES = (None, "batch", "length")  # [accumulation, batch, seq]
 BATCH_KEYS_OPTIONAL = ("positions", "segment_ids")
 METRIC_KEYS = ("loss", "grad_norm", "lr", "skipped", "loss_scale", "num_tokens")
-# Mixture of experts: losses as defined in router_losses (mean over MoE layers), the busiest and
-# idlest expert's share of the token-expert assignments (over layers; 1/num_experts is balanced),
-# the fraction of assignments dropped by the expert capacity.
-MOE_METRIC_KEYS = ("moe_aux_loss", "moe_z_loss", "moe_max_expert_share", "moe_min_expert_share",
-                   "moe_dropped_fraction")
+# Mixture of experts (the logged records' MoE fields, megajax/train/ops.py): losses as defined in
+# router_losses (mean over MoE layers), the busiest and idlest expert's share of the token-expert
+# assignments (over layers; 1/num_experts is balanced), the fraction of assignments dropped by the
+# expert capacity.
+MOE_METRIC_KEYS = MOE_RECORD_FIELDS
 
 
 def metric_keys(cfg: Config) -> tuple[str, ...]:
@@ -125,9 +126,10 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
 
 def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformation,
                     scaler: DynamicLossScale | None, schedule: Callable,
-                    mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
+                    mesh: Mesh | None = None, rules: ShardingRules | None = None,
+                    pipeline: PipelineChoice | None = None) -> Callable:
     """Returns step(state, batch) -> (state, metrics), not yet jitted: the layout's gradient
-    function (through the pipeline stages when mesh.pipeline > 1), then the finish.
+    function (through the pipeline stages with the plan's `pipeline` choice), then the finish.
 
     FP8 (delayed scaling): the loss is differentiated with respect to the products' scales too;
     those "gradients" are the amaxes each product saw (fp8_linear's custom VJP). They are combined
@@ -137,8 +139,8 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     every device, and never reaches clipping or the optimizer.
     """
     use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
-    if mesh is not None and mesh_sizes(mesh)["pipeline"] > 1:
-        gradients = pipeline_gradients(cfg, spec, mesh, rules)
+    if pipeline is not None:
+        gradients = pipeline_gradients(cfg, spec, mesh, rules, pipeline)
     else:
         gradients = data_parallel_gradients(cfg, spec, mesh, rules)
     finish = make_finish(cfg, tx, scaler, schedule)
