@@ -121,8 +121,9 @@ def emulated_hybrid_mesh(devices: list, ici_shape: tuple[int, ...], dcn_shape: t
     return grid.reshape(tuple(d * i for d, i in zip(dcn_shape, ici_shape)))
 
 
-def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+def mesh_sizes(mesh) -> dict[str, int]:
+    """Axis name -> size of a Mesh or an AbstractMesh (the one in context inside shard_map)."""
+    return dict(zip(mesh.axis_names, mesh.axis_sizes))
 
 
 # The mesh axes that split the batch: each of their ranks holds a different part of the global batch.

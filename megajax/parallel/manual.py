@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import _drop, spec_axes
+from megajax.mesh import _drop, mesh_sizes, spec_axes
 
 
 def _differentiable(x) -> bool:
@@ -74,7 +74,7 @@ def shard_map_fn(local: Callable, mesh, in_specs: tuple, out_specs, *, check_vma
 
         # The enclosing shard_map's axes (already split there) and axes of size 1 (nothing to split:
         # left in a spec beside the outer axes they trip a check of the partitioner) are dropped.
-        outer = set(here.manual_axes) | {a for a, n in zip(here.axis_names, here.axis_sizes) if n == 1}
+        outer = set(here.manual_axes) | {a for a, n in mesh_sizes(here).items() if n == 1}
 
         def strip(spec):
             """A spec (or a tuple of specs: a function's several outputs) without the outer axes."""

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import spec_axes, spec_entry, spec_without
+from megajax.mesh import mesh_sizes, spec_axes, spec_entry, spec_without
 from megajax.parallel.manual import inside_manual, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -468,7 +468,7 @@ def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
 
         def bwd(ids, g):
             mesh = jax.sharding.get_abstract_mesh()
-            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+            sizes = mesh_sizes(mesh)
             vocab = tuple(a for a in vocab_axes if a in sizes and a not in mesh.manual_axes)
             batch = tuple(a for a in batch_axes if a in sizes and a not in mesh.manual_axes)
             rows = shape[0] // int(np.prod([sizes[a] for a in vocab]))

@@ -277,23 +277,15 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
 
 def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = ()) -> RunResult:
     cfg, plan = tr.cfg, tr.plan
-    dev = jax.devices()[0]
-    peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, precision_policy(cfg).peak_flops_key,
-                                               jax.local_device_count(), cfg.train.peak_tflops)
     total, G = cfg.train.steps, plan.batch.global_batch
     state, consumed = tr.state, tr.consumed_samples
     start = int(jax.device_get(state.step))
-    log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                        total_steps=total, start_step=start, resumed=tr.resumed_step is not None)
-    log.print(describe(tr, peak_source))
-    for line in list(plan.notes) + tr.data_report + [f"state: {tr.origin}"]:
-        log.print(line)
+    log, peak = _open_log(tr, run_dir, start)
     result = RunResult(run_dir=run_dir, compile_seconds=tr.compile_seconds)
     saves = Saves(tr, run_dir)
     ops = RunOps(cfg, run_dir)
     health = Health(cfg, log.print)
     validation = Validation(tr, log, result, start)
-    flops_per_step = tr.setup.flops_per_step
     ok = tr.setup.ok_flag()
 
     pending: tuple[int, dict, int] | None = None  # (step, device metrics, consumed samples before it)
@@ -349,20 +341,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
             if step % cfg.train.log_every == 0 or last or stopping:
                 host = settle()
                 step_time = (time.perf_counter() - interval_start - paused) / interval_steps
-                tflops = flops_per_step / step_time / jax.device_count() / 1e12
-                mem, mem_kind = device_memory_gib()
-                record = {
-                    # Like Megatron's log line: the mean loss over the steps since the last log.
-                    "step": step, "loss": float(np.mean(result.losses[-interval_steps:])),
-                    "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
-                    "tokens_per_sec": G * plan.batch.seq_len / step_time, "tflops_per_device": tflops,
-                    "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
-                    "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
-                    "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
-                }
-                record.update({k: float(host[k]) for k in MOE_RECORD_FIELDS if k in host})
-                if health.settling():
-                    record["note"] = "loss scale settling"
+                record = _record(tr, step, host, result.losses[-interval_steps:], step_time, peak, health)
                 result.records.append(record)
                 log.log(record)
                 ops.publish(record)
@@ -395,12 +374,53 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
 
     result.state = state
     result.skipped_steps = health.skipped
+    return _summary(tr, result, interval_rates, log, run_dir, on_end)
+
+
+def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, float]:
+    """(the run's logger, the device's peak TFLOP/s) after the run's opening lines."""
+    cfg, dev = tr.cfg, jax.devices()[0]
+    peak, peak_source = peak_tflops_per_device(dev.device_kind, dev.platform, precision_policy(cfg).peak_flops_key,
+                                               jax.local_device_count(), cfg.train.peak_tflops)
+    log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                        total_steps=cfg.train.steps, start_step=start, resumed=tr.resumed_step is not None)
+    log.print(describe(tr, peak_source))
+    for line in list(tr.plan.notes) + tr.data_report + [f"state: {tr.origin}"]:
+        log.print(line)
+    return log, peak
+
+
+def _record(tr: Trainer, step: int, host: dict, losses: list[float], step_time: float, peak: float,
+            health: Health) -> dict:
+    """The logged record of an interval of steps ending at `step` (`host`: its metrics; `losses`:
+    the interval's)."""
+    plan = tr.plan
+    tflops = tr.setup.flops_per_step / step_time / jax.device_count() / 1e12
+    mem, mem_kind = device_memory_gib()
+    record = {
+        # Like Megatron's log line: the mean loss over the steps since the last log.
+        "step": step, "loss": float(np.mean(losses)),
+        "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
+        "tokens_per_sec": plan.batch.tokens / step_time, "tflops_per_device": tflops,
+        "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
+        "memory_gib": mem, "memory_kind": mem_kind, "skipped_steps": health.skipped,
+        "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
+    }
+    record.update({k: float(host[k]) for k in MOE_RECORD_FIELDS if k in host})
+    if health.settling():
+        record["note"] = "loss scale settling"
+    return record
+
+
+def _summary(tr: Trainer, result: RunResult, interval_rates: list[float], log: MetricsLogger, run_dir: Path,
+             on_end: Sequence[EndHook]) -> RunResult:
+    """The run's closing line, its mean throughput, and the end hooks (after a run that finished)."""
     if not result.losses:
-        log.print(f"megajax: nothing to do; {tr.origin} is already at train.steps={total}.")
+        log.print(f"megajax: nothing to do; {tr.origin} is already at train.steps={tr.cfg.train.steps}.")
         return result
     steady = interval_rates[1:] or interval_rates
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
-    skipped = f" ({health.skipped} skipped)" if health.skipped else ""
+    skipped = f" ({result.skipped_steps} skipped)" if result.skipped_steps else ""
     log.print(f"megajax: done, {len(result.losses)} steps{skipped}; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
