@@ -177,6 +177,48 @@ def test_serve_command_listens_and_stops_on_interrupt(server, tmp_path):
         with urllib.request.urlopen(url + "/health", timeout=60) as r:
             assert json.loads(r.read())["status"] == "ok"
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=60) == 0
+        try:
+            status = p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            status = f"still running 60 s after SIGINT ({_signal_state(p.pid)})"
+        assert status == 0, status
     finally:
         p.kill()
+
+
+IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'megajax.cli', *sys.argv[1:]])")
+
+
+def test_serve_stops_on_sigterm_also_when_started_with_sigint_ignored(server):
+    """A scheduler's SIGTERM stops `megajax serve` with status 0, and so does SIGINT when the server
+    was started as a shell's background job is (SIGINT ignored)."""
+    run = Path(server.service.loaded.path).parent.parent
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGINT ignored, then exec'd into `megajax serve` (an ignored signal stays ignored across exec).
+        p = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "serve", "--checkpoint", str(run), "--port", "0"],
+                             stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            line = ""
+            while "listening on" not in line:
+                line = p.stderr.readline()
+                assert line, "the server exited before listening"
+            p.send_signal(sig)
+            try:
+                status = p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                status = f"still running 60 s after {sig.name} ({_signal_state(p.pid)})"
+            assert status == 0, (sig.name, status)
+        finally:
+            p.kill()
+
+
+def _signal_state(pid: int) -> str:
+    """The ignored, blocked and caught signal masks of a running process (for a failure message)."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "no /proc entry"
+    return ", ".join(x for x in lines if x.startswith(("SigIgn", "SigBlk", "SigCgt")))

@@ -20,6 +20,7 @@ import dataclasses
 import json
 import queue
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -361,9 +362,25 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8)
     print(f"megajax serve: {loaded.path} on {loaded.mesh_text}, context {loaded.generator.context} tokens, up to "
           f"{max_batch} sequences per batch; listening on {server.url} (POST /v1/completions, PUT /api, "
           f"GET /health)", file=sys.stderr, flush=True)
+    previous = _stop_on_signals()
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
         server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _stop_on_signals() -> dict:
+    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's or Kubernetes' stop) end `serve_forever` cleanly,
+    also when the process was started with SIGINT ignored (as a shell's background job is). Returns
+    the handlers replaced (none outside the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
