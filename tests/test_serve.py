@@ -1,6 +1,7 @@
 """`megajax serve` over loopback with a real HTTP client: OpenAI and Megatron endpoints, streaming,
 concurrent requests batched together, malformed requests answered with 400 while serving goes on."""
 
+import contextlib
 import json
 import os
 import re
@@ -163,29 +164,13 @@ def test_malformed_requests_get_an_error_and_serving_goes_on(server, method, pat
 
 def test_serve_command_listens_and_stops_on_interrupt(server, tmp_path):
     """`megajax serve` as a user starts it: the address on stderr, /health answers, Ctrl-C stops it."""
-    run = Path(server.service.loaded.path).parent.parent
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0"],
-                         stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = ""
-        while "listening on" not in line:
-            line = p.stderr.readline()
-            assert line, "the server exited before listening"
-        url = re.search(r"listening on (http://\S+)", line).group(1)
+    with _serving(server, "-m", "megajax.cli") as (p, url):
         with urllib.request.urlopen(url + "/health", timeout=60) as r:
             assert json.loads(r.read())["status"] == "ok"
-        p.send_signal(signal.SIGINT)
-        try:
-            status = p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            status = f"still running 60 s after SIGINT ({_signal_state(p.pid)})"
-        assert status == 0, status
-    finally:
-        p.kill()
+        assert _status_after(p, signal.SIGINT) == 0
 
 
+# SIGINT ignored, then exec'd into `megajax serve` (an ignored signal stays ignored across exec).
 IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
                    "os.execv(sys.executable, [sys.executable, '-m', 'megajax.cli', *sys.argv[1:]])")
 
@@ -193,26 +178,37 @@ IGNORING_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.
 def test_serve_stops_on_sigterm_also_when_started_with_sigint_ignored(server):
     """A scheduler's SIGTERM stops `megajax serve` with status 0, and so does SIGINT when the server
     was started as a shell's background job is (SIGINT ignored)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with _serving(server, "-c", IGNORING_SIGINT) as (p, _):
+            assert _status_after(p, sig) == 0, sig.name
+
+
+@contextlib.contextmanager
+def _serving(server, *launch: str):
+    """(process, url) of `megajax serve` on the fixture's checkpoint, started by `python *launch`,
+    once it says it listens; killed afterwards."""
     run = Path(server.service.loaded.path).parent.parent
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # SIGINT ignored, then exec'd into `megajax serve` (an ignored signal stays ignored across exec).
-        p = subprocess.Popen([sys.executable, "-c", IGNORING_SIGINT, "serve", "--checkpoint", str(run), "--port", "0"],
-                             stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            line = ""
-            while "listening on" not in line:
-                line = p.stderr.readline()
-                assert line, "the server exited before listening"
-            p.send_signal(sig)
-            try:
-                status = p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                status = f"still running 60 s after {sig.name} ({_signal_state(p.pid)})"
-            assert status == 0, (sig.name, status)
-        finally:
-            p.kill()
+    p = subprocess.Popen([sys.executable, *launch, "serve", "--checkpoint", str(run), "--port", "0"],
+                         stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = p.stderr.readline()
+            assert line, "the server exited before listening"
+        yield p, re.search(r"listening on (http://\S+)", line).group(1)
+    finally:
+        p.kill()
+
+
+def _status_after(p: subprocess.Popen, sig: signal.Signals):
+    """The exit status within 60 s of `sig`, or what the process's signal masks were if it still runs."""
+    p.send_signal(sig)
+    try:
+        return p.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"still running 60 s after {sig.name} ({_signal_state(p.pid)})"
 
 
 def _signal_state(pid: int) -> str:
