@@ -606,26 +606,16 @@ def validate(cfg: Config) -> None:
         if m.attention_dropout:
             raise ConfigError(f"model.attention_dropout = {m.attention_dropout} with mesh.context = "
                               f"{cfg.mesh.context}: context-parallel attention has no dropout; set it to 0.")
-        if m.attention_impl == "cudnn":
-            raise ConfigError("model.attention_impl = 'cudnn' with mesh.context > 1: context parallelism "
-                              "merges per-block log-sum-exps, which cuDNN's attention does not return; "
-                              "use model.attention_impl=flash (or xla).")
 
 
 def validate_precision(cfg: Config) -> None:
     p, t = cfg.precision, cfg.train
     _positive("precision.fp8_amax_history_len", p.fp8_amax_history_len)
     _positive("precision.fp8_margin", p.fp8_margin, allow_zero=True)
-    if t.precision != "fp8":
-        if cfg.model.matmul_impl != "xla":
-            raise ConfigError(f"model.matmul_impl = {cfg.model.matmul_impl!r} picks the implementation of the "
-                              f"FP8 products and needs train.precision=fp8 (this run has train.precision="
-                              f"{t.precision}); set train.precision=fp8 or leave model.matmul_impl=xla.")
-        return
-    if cfg.parallel.sequence_parallel:
-        raise ConfigError("train.precision = 'fp8' with parallel.sequence_parallel=true is not available: the "
-                          "FP8 products are not written for sequence parallelism's per-shard products; set "
-                          "parallel.sequence_parallel=false (or use train.precision=bf16).")
+    if t.precision != "fp8" and cfg.model.matmul_impl != "xla":
+        raise ConfigError(f"model.matmul_impl = {cfg.model.matmul_impl!r} picks the implementation of the "
+                          f"FP8 products and needs train.precision=fp8 (this run has train.precision="
+                          f"{t.precision}); set train.precision=fp8 or leave model.matmul_impl=xla.")
 
 
 def validate_moe(cfg: Config) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -320,6 +321,48 @@ def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array
         # Inside shard_map over some axes (a pipeline stage, and its data shard): the constraint
         # names the other axes of the context's mesh.
         manual = set(context.manual_axes)
+        if manual >= set(context.axis_names):  # manual over every axis: each device holds its own shard
+            return x
         spec = P(*(_drop(entry, manual) for entry in spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def load_balanced_order(seq_len: int, size: int) -> np.ndarray:
+    """Context parallelism's token order along the sequence for `size` context devices: the
+    sequence cut into 2 x size chunks, device r holding chunks r and 2 size - 1 - r (so that under
+    causal masking every device does the same work). The loader lays the batch out this way."""
+    chunks = np.arange(seq_len).reshape(2 * size, seq_len // (2 * size))
+    order = [i for r in range(size) for i in (r, 2 * size - 1 - r)]
+    return chunks[order].reshape(-1)
+
+
+def one_device_positions(names: tuple[str | None, ...], shape: tuple[int, ...]):
+    """Where the elements of an activation traced here (logical dims `names`, shape `shape`) sit
+    in the activation one device would compute, by the active activation rules: (that
+    activation's shape, per dim None (the same elements), an int start (a contiguous block: the
+    shard of a manual axis) or int32 indices [n] (context parallelism's load-balanced order,
+    `load_balanced_order`)). None without active rules (one device)."""
+    active = _ACTIVE.get()
+    if active is None:
+        return None
+    mesh, rules = active
+    context = jax.sharding.get_abstract_mesh()
+    manual = set(() if context.empty else context.manual_axes)
+    sizes = mesh_sizes(mesh if context.empty else context)
+    reordering = [a for a in rules["length"] if sizes.get(a, 1) > 1]
+    spec = tuple(logical_to_spec(names, rules))
+    whole, where = [], []
+    for n, entry in zip(shape, spec + (None,) * (len(shape) - len(spec))):
+        axes = [a for a in entry_axes(entry) if sizes.get(a, 1) > 1]
+        block, count = 0, 1
+        for a in axes:  # major to minor
+            if a in manual:
+                block, count = block * sizes[a] + jax.lax.axis_index(a), count * sizes[a]
+        whole.append(n * count)
+        if any(a in reordering for a in axes):
+            order = jnp.asarray(load_balanced_order(n * count, math.prod(sizes[a] for a in reordering)), jnp.int32)
+            where.append(jax.lax.dynamic_slice_in_dim(order, block * n, n) if count > 1 else order)
+        else:
+            where.append(block * n if count > 1 else None)
+    return tuple(whole), tuple(where)

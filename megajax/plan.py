@@ -224,33 +224,3 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
                         f"{batch.global_batch} / (train.micro_batch={micro} x data-parallel size {dp})). Use e.g. "
                         f"train.global_batch={need * micro * dp} or train.micro_batch="
                         f"{max(1, batch.global_batch // (need * dp))} if it divides.")
-    refuse = [
-        (sizes["context"] > 1 and sizes["tensor"] > 1,
-         f"mesh.context={sizes['context']} and mesh.tensor={sizes['tensor']}"),
-        (sizes["context"] > 1 and (m.hidden_dropout > 0 or m.attention_dropout > 0),
-         f"mesh.context={sizes['context']} and dropout (model.hidden_dropout={m.hidden_dropout}, "
-         f"model.attention_dropout={m.attention_dropout})"),
-        (m.attention_impl == "cudnn", f"model.attention_impl={m.attention_impl}"),
-        (m.attention_impl == "flash" and sizes["tensor"] > 1,
-         f"model.attention_impl=flash and mesh.tensor={sizes['tensor']}"),
-    ]
-    if sizes["context"] > 1 and cfg.parallel.context_impl == "ring":
-        raise ConfigError(f"mesh.pipeline={p} with mesh.context={sizes['context']} needs "
-                          f"parallel.context_impl=allgather (this config has ring): the ring's k/v hops are "
-                          f"collective-permutes inside a stage's conditional half-ticks, which devices of an idle "
-                          f"stage never join. Set parallel.context_impl=allgather, or mesh.pipeline=1 for the ring.")
-    inner = [f"mesh.{a}={sizes[a]}" for a in ("tensor", "context") if sizes[a] > 1]
-    if m.num_experts > 0 and inner:
-        raise ConfigError(f"mesh.pipeline={p} with a mixture of experts (model.num_experts={m.num_experts}) and "
-                          f"{' x '.join(inner)} is not available: inside a pipeline stage the expert dispatch's "
-                          f"all-to-all runs over the data-parallel axes only (data, fsdp, expert). Use "
-                          f"mesh.tensor=1 and mesh.context=1 with a MoE pipeline (expert parallelism splits the "
-                          f"experts), or mesh.pipeline=1.")
-    for bad, what in refuse:
-        if bad:
-            raise ConfigError(f"mesh.pipeline={p} with {what} is not available: a pipeline stage runs inside "
-                              f"shard_map over `pipeline`, and this feature's own shard_map cannot be "
-                              f"differentiated there yet. Pipeline composes with data, fsdp, the distributed "
-                              f"optimizer, tensor and sequence parallelism, expert parallelism (MoE), recompute, "
-                              f"bf16/fp16/fp8 and dropout (attention: model.attention_impl=xla, or flash with "
-                              f"mesh.tensor=1); use mesh.pipeline=1 for this run.")

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.fp8_matmul import (
     HYBRID, Fp8Formats, compute_scale, fp8_matmul, fp8_matmul_xla, fp8_max, quantize)
@@ -69,15 +70,35 @@ class _Config:
     interpret: bool | None
 
 
+def _varying(x) -> frozenset:
+    """The shard_map axes a traced value is typed as varying over (empty outside one)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def _max_over(amax, axes):
+    axes = tuple(sorted(axes))
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def _sum_to(ct, primal):
+    """Inside a shard_map: a cotangent summed over the axes it varies over and its primal does not
+    (a weight replicated over `tensor` meeting split activations), as JAX's own rules do."""
+    extra = tuple(sorted(_varying(ct) - _varying(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
+
+
 def _amax(t):
     return jnp.max(jnp.abs(t)).astype(jnp.float32)
 
 
 def _quantize(t, scale, dtype):
-    """(float8 t, scale used, amax of t). A None scale means: scale by t's own amax."""
+    """(float8 t, scale used, amax of t). A None scale means: scale by t's own amax, over the whole
+    tensor where a shard_map holds a part of it (its shards' maximum)."""
     amax = _amax(t)
     if scale is None:
-        scale = compute_scale(amax, fp8_max(dtype))
+        scale = compute_scale(_max_over(amax, _varying(t)), fp8_max(dtype))
     scale = jnp.asarray(scale, jnp.float32).reshape(())
     return quantize(t, scale, dtype), scale, amax
 
@@ -119,10 +140,14 @@ def _fp8_linear_bwd(cfg, res, g):
     dx = _matmul(cfg, g8, w8, sg, sw, cfg.x_dtype, transpose_b=True)
     # dw [K, N] = x^T @ g: x8 [M, K] read as [contracted, out] (transpose_a).
     dw = _matmul(cfg, x8, g8, sx, sg, cfg.w_dtype, transpose_a=True)
-    # The scales' "gradient" is the amaxes, shaped like the scales (None stays None).
-    amaxes = Fp8Scales(*(None if s is None else amax.reshape(jnp.shape(s)).astype(jnp.float32)
+    # The scales' "gradient" is the amaxes, shaped like the scales (None stays None). Inside a
+    # shard_map, over the shards of the tensor a scale is shared by (the axes the tensor varies
+    # over and the scale does not: a weight split over `tensor`, an activation's sequence under
+    # sequence parallelism), as one device would see the whole tensor.
+    amaxes = Fp8Scales(*(None if s is None else
+                         _max_over(amax, _varying(amax) - _varying(s)).reshape(jnp.shape(s)).astype(jnp.float32)
                          for s, amax in zip(scales, (amax_x, amax_w, amax_g))))
-    return dx.reshape(*g.shape[:-1], k), dw, amaxes
+    return _sum_to(dx.reshape(*g.shape[:-1], k), x8), _sum_to(dw, w8), amaxes
 
 
 _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
@@ -157,3 +182,60 @@ def fp8_linear_amax(x, w, scales: Fp8Scales = Fp8Scales(), *, impl: str = "xla",
     cfg = _config(x, w, scales, impl, formats, interpret)
     y, _, (amax_x, amax_w) = _forward(cfg, x, w, scales)
     return y, Fp8Scales(x=amax_x, w=amax_w, g=None)
+
+
+# ----------------------------------------------------------------------------
+# The experts' products: grouped (dropless) and batched (capacity) forms
+# ----------------------------------------------------------------------------
+
+def _expert_product(kind: str, a, b, group_sizes):
+    """grouped: a [M, K] rows sorted by group, b [G, K, N] -> [M, N]; batched: a [G, C, K],
+    b [G, K, N] -> [G, C, N]; fp32 results."""
+    if kind == "grouped":
+        return jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
+    return jnp.einsum("gck,gkn->gcn", a, b, preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_experts(x, w, group_sizes, scales, cfg, kind):
+    return _fp8_experts_fwd(x, w, group_sizes, scales, cfg, kind)[0]
+
+
+def _fp8_experts_fwd(x, w, group_sizes, scales, cfg, kind):
+    x8, sx, amax_x = _quantize(x, scales.x, cfg.fwd)
+    w8, sw, amax_w = _quantize(w, scales.w, cfg.fwd)
+    y = _expert_product(kind, x8.astype(jnp.float32), w8.astype(jnp.float32), group_sizes) / (sx * sw)
+    return y.astype(x.dtype), (x8, w8, sx, sw, group_sizes, scales, amax_x, amax_w)
+
+
+def _fp8_experts_bwd(cfg, kind, res, g):
+    x8, w8, sx, sw, group_sizes, scales, amax_x, amax_w = res
+    g8, sg, amax_g = _quantize(g, scales.g, cfg.bwd)
+    # The products of the float8 values (exact in fp32), then the scales: dx = g w^T, dw = x^T g.
+    _, vjp = jax.vjp(lambda a, b: _expert_product(kind, a, b, group_sizes), x8.astype(jnp.float32),
+                     w8.astype(jnp.float32))
+    dx, dw = vjp(g8.astype(jnp.float32))
+    amaxes = Fp8Scales(*(None if s is None else
+                         _max_over(amax, _varying(amax) - _varying(s)).reshape(jnp.shape(s)).astype(jnp.float32)
+                         for s, amax in zip(scales, (amax_x, amax_w, amax_g))))
+    sizes_ct = None if group_sizes is None else np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return (_sum_to((dx / (sg * sw)).astype(cfg.x_dtype), x8), _sum_to((dw / (sx * sg)).astype(cfg.w_dtype), w8),
+            sizes_ct, amaxes)
+
+
+_fp8_experts.defvjp(_fp8_experts_fwd, _fp8_experts_bwd)
+
+
+def fp8_expert_product(x, w, scales: Fp8Scales = Fp8Scales(), group_sizes=None, *, formats: Fp8Formats = HYBRID):
+    """The experts' product in FP8, with fp8_linear's recipe interface (scales, amaxes as their
+    cotangent): grouped (`group_sizes` given: x [M, K] rows sorted by expert, w [E, K, N] ->
+    [M, N], as jax.lax.ragged_dot) or batched (x [E, C, K], w [E, K, N] -> [E, C, N]). The float8
+    values are multiplied exactly (fp32) and scaled after: XLA has no FP8 grouped GEMM."""
+    grouped = group_sizes is not None
+    if w.ndim != 3 or x.ndim != (2 if grouped else 3) or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"fp8_expert_product takes x [M, K] with group sizes, or [E, C, K], and w [E, K, N]; "
+                         f"got {x.shape=} {w.shape=}")
+    formats = Fp8Formats(*(jnp.dtype(t) for t in formats))
+    cfg = _Config(impl="xla", fwd=formats.fwd, bwd=formats.bwd, x_dtype=jnp.dtype(x.dtype),
+                  w_dtype=jnp.dtype(w.dtype), interpret=None)
+    return _fp8_experts(x, w, group_sizes, scales, cfg, "grouped" if grouped else "batched")

@@ -36,7 +36,8 @@ DEVICES = {"mesh/gpu-8.yaml": 8, "mesh/gpu-8-tp.yaml": 8, "mesh/mi300x-8.yaml": 
 PARAMETERS = {"model/llama3-8b.yaml": 8_030_261_248, "model/llama3.1-8b.yaml": 8_030_261_248,
               "model/llama3-70b.yaml": 70_553_706_496, "model/mixtral-8x7b.yaml": 46_702_792_704,
               "model/llama-1b.yaml": 1_235_814_400, "model/gpt2-125m.yaml": 124_475_904,
-              "recipes/llama3-8b-8xh100.yaml": 8_030_261_248}
+              "recipes/llama3-8b-8xh100.yaml": 8_030_261_248, "recipes/llama3-70b-32xh100.yaml": 70_553_706_496,
+              "recipes/llama3-70b-32xh100-fp8.yaml": 70_553_706_496, "recipes/mixtral-8x7b-32xh100.yaml": 46_702_792_704}
 
 
 def shipped_devices(name: str, cfg) -> int:

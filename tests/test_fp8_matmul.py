@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import (
-    HYBRID, HYBRID_FNUZ, Fp8Scales, compute_scale, fp8_linear, fp8_linear_amax, fp8_matmul,
+    HYBRID, HYBRID_FNUZ, Fp8Scales, compute_scale, fp8_expert_product, fp8_linear, fp8_linear_amax, fp8_matmul,
     fp8_matmul_reference, fp8_matmul_xla, fp8_max, quantize)
 from pallas_kernels.fp8_matmul import (
     E4M3, E4M3_FNUZ, E5M2, E5M2_FNUZ, _widen, default_block_sizes)
@@ -325,6 +325,67 @@ def test_fp8_linear_rejects_bad_arguments():
         fp8_linear(x, w.T)
     with pytest.raises(TypeError, match="Fp8Scales"):
         fp8_linear(x, w, (1.0, 1.0, 1.0))
+
+
+# --------------------------------------------------------------------------- the experts' products
+
+
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "batched"])
+def test_fp8_expert_product_is_the_product_of_the_quantized_operands(grouped):
+    """The experts' FP8 product (grouped: rows sorted by expert; batched: capacity buffers): values
+    and both gradients are the exact products of the e4m3 x, w and e5m2 g with the given scales;
+    the scales' cotangent is the amaxes of x, w and g."""
+    rng = np.random.default_rng(3)
+    e, k, n = 3, 16, 24
+    sizes = jnp.asarray([5, 0, 7], jnp.int32)
+    x = jnp.asarray(rng.normal(size=(12, k) if grouped else (e, 4, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(e, k, n)) * 0.1, jnp.bfloat16)
+    ct = jnp.asarray(rng.normal(size=(12, n) if grouped else (e, 4, n)) * 1e-3, jnp.bfloat16)
+    scales = Fp8Scales(jnp.float32(40.0), jnp.float32(900.0), jnp.float32(3e5))
+
+    def f(x, w, sc):
+        return fp8_expert_product(x, w, sc, sizes if grouped else None)
+
+    y, vjp = jax.vjp(f, x, w, scales)
+    dx, dw, dscales = vjp(ct)
+    q = {name: np.asarray(quantize(t, s, fmt), np.float64) / float(s)
+         for name, t, s, fmt in (("x", x, scales.x, E4M3), ("w", w, scales.w, E4M3), ("g", ct, scales.g, E5M2))}
+    rows = np.repeat(np.arange(e), np.asarray(sizes))
+    if grouped:
+        want_y = np.einsum("mk,mkn->mn", q["x"], q["w"][rows])
+        want_dx = np.einsum("mn,mkn->mk", q["g"], q["w"][rows])
+        want_dw = np.stack([q["x"][rows == i].T @ q["g"][rows == i] for i in range(e)])
+    else:
+        want_y = np.einsum("eck,ekn->ecn", q["x"], q["w"])
+        want_dx = np.einsum("ecn,ekn->eck", q["g"], q["w"])
+        want_dw = np.einsum("eck,ecn->ekn", q["x"], q["g"])
+    for got, want in ((y, want_y), (dx, want_dx), (dw, want_dw)):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -7, atol=1e-6 * np.abs(want).max())
+    amax = lambda t: float(jnp.max(jnp.abs(t.astype(jnp.float32))))
+    assert [float(dscales.x), float(dscales.w), float(dscales.g)] == [amax(x), amax(w), amax(ct)]
+
+
+def test_amaxes_inside_shard_map_are_the_whole_tensors():
+    """Under shard_map (a pipeline stage, a sequence-parallel product) a scale shared by shards
+    gets the amax of the whole tensor (the shards' maximum) as its cotangent, and the input's
+    cotangent is summed where the weight is replicated: the same as one device."""
+    mesh = jax.make_mesh((4,), ("t",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:4])
+    P = jax.sharding.PartitionSpec
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+    scales = Fp8Scales(jnp.float32(50.0), jnp.float32(60.0), jnp.float32(1e4))
+
+    def loss(x, w, sc):  # column-parallel: w split over `t` on its output features
+        y = jax.shard_map(lambda x, w: fp8_linear(x, w, sc), mesh=mesh, in_specs=(P(), P(None, "t")),
+                          out_specs=P(None, "t"))(x, w)
+        return jnp.sum(y * jnp.arange(32.0))
+
+    whole = lambda x, w, sc: jnp.sum(fp8_linear(x, w, sc) * jnp.arange(32.0))
+    got = jax.grad(loss, argnums=(0, 1, 2))(x, w, scales)
+    want = jax.grad(whole, argnums=(0, 1, 2))(x, w, scales)
+    for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-6)
 
 
 # --------------------------------------------------------------------------- GPU lowering

@@ -152,12 +152,12 @@ def _steps(cfg, devices, steps):
     return np.asarray(out), after_one, state.fp8
 
 
-def _assert_tracks(got, got_fp8, one, one_fp8, loss_rtol):
+def _assert_tracks(got, got_fp8, one, one_fp8, loss_rtol, products=8):
     """Per-step (loss, grad norm) of a layout against one device's, and the scaling state after
     step 1: every product's state present, scales and step 1's amaxes within FP8_AMAX_RTOL."""
     np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=loss_rtol)
     np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
-    assert [p for p, _ in _leaves(got_fp8)] == [p for p, _ in _leaves(one_fp8)] and len(_leaves(one_fp8)) == 8
+    assert [p for p, _ in _leaves(got_fp8)] == [p for p, _ in _leaves(one_fp8)] and len(_leaves(one_fp8)) == products
     for (path, x), (_, y) in zip(_leaves(one_fp8), _leaves(got_fp8)):
         if path.endswith(f"['{HISTORY}']"):
             x, y = x[:, 0], y[:, 0]  # step 1's amaxes, [layers, (x, w, g)]
@@ -193,6 +193,49 @@ def test_pipeline_tracks_one_device_with_the_same_amaxes(small_config, layout):
     got, got_fp8, final = _steps(small_config(*common, "mesh.pipeline=2", *layout, "train.micro_batch=1"),
                                  jax.devices(), 3)
     _assert_tracks(got, got_fp8, one, one_fp8, 2 * FP8_LOSS_RTOL)
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.tensor=4", "train.micro_batch=2"],
+                                    ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=1"]],
+                         ids=["data2_tensor4", "1f1b_p2_data2_tensor2"])
+def test_sequence_parallel_tracks_one_device(small_config, layout):
+    """FP8 products under sequence parallelism: a column-parallel product quantizes the input it
+    gathered over `tensor` once, and every amax is the whole tensor's (the maximum over the tensor
+    shards), so every replica holds the same scaling state; with and without pipeline stages."""
+    common = [*FP8, "optim.warmup_steps=0", "model.num_layers=4"]
+    one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
+    got, got_fp8, final = _steps(small_config(*common, *layout, "parallel.sequence_parallel=true"), jax.devices(), 3)
+    _assert_tracks(got, got_fp8, one, one_fp8, 2 * FP8_LOSS_RTOL)
+    _assert_replicated(final)
+
+
+MOE = ["model.num_experts=8", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=64",
+       "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.expert=4", "mesh.tensor=2", "mesh.data=1", "model.moe_expert_capacity_factor=4.0"],
+    ["mesh.pipeline=2", "mesh.expert=2", "mesh.tensor=2", "mesh.data=1", "parallel.sequence_parallel=true",
+     "train.micro_batch=2"],
+], ids=["capacity_expert4_tensor2", "dropless_1f1b_p2_expert2_tensor2_sp"])
+def test_expert_products_in_fp8_track_one_device(small_config, layout):
+    """The experts' products in FP8 with their own scaling state per kernel (gate, up, fc2), in the
+    capacity buffers (a capacity no expert fills: the dropless routing) and in the dropless grouped
+    product through pipeline stages; each expert kernel's amaxes are maxima over the experts'
+    devices and their hidden dim's tensor shards."""
+    common = [*FP8, *MOE, "optim.warmup_steps=0", "model.num_layers=4"]
+    one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)  # dropless
+    got, got_fp8, final = _steps(small_config(*common, *layout), jax.devices(), 3)
+    assert {p.split("']['")[2] for p, _ in _leaves(got_fp8) if "'mlp'" in p} == {
+        "gate_product", "up_product", "fc2_product"}
+    _assert_tracks(got, got_fp8, one, one_fp8, 2 * FP8_LOSS_RTOL, products=10)  # attention's 2, the experts' 3
+    _assert_replicated(final)
+
+
+def _assert_replicated(fp8_state):
+    for path, leaf in jax.tree_util.tree_flatten_with_path(fp8_state)[0]:
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8 and all(np.array_equal(x, shards[0]) for x in shards), path
 
 
 def test_optimizer_state_holds_parameters_only(small_config):
@@ -253,7 +296,6 @@ def test_policy_names_what_each_precision_does(small_config):
     (["precision.fp8_recpie=current"], r"precision.fp8_recpie: unknown key; did you mean precision.fp8_recipe"),
     (["model.matmul_impl=cublas"], r"model.matmul_impl = 'cublas': expected one of xla, pallas"),
     (["train.precision=bf16", "model.matmul_impl=pallas"], r"model.matmul_impl = 'pallas' .* needs train.precision=fp8"),
-    (["parallel.sequence_parallel=true"], r"'fp8' with parallel.sequence_parallel=true is not available"),
 ])
 def test_precision_keys_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -10,8 +10,9 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from megajax.models.attention import xla_attention_with_lse
 from megajax.models.layers import flat_dot_general
-from megajax.parallel.context import context_parallel_attention, load_balanced_order
-from megajax.parallel.sequence import sequence_parallel_ops
+from megajax.mesh import load_balanced_order
+from megajax.parallel.context import context_parallel_attention
+from megajax.parallel.tensor import tensor_parallel_ops
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -126,7 +127,8 @@ def test_context_parallel_attention_gradients(impl, documents):
 def test_sequence_parallel_projections_and_embedding_gradients(mesh_data_tensor, dot):
     rules = {"batch": ("data",), "length": (), "residual_length": ("tensor",), "heads": ("tensor",),
              "vocab": ("tensor",), "embed": ()}
-    ops = sequence_parallel_ops(mesh_data_tensor, rules, flat_dot_general() if dot == "flat" else jax.lax.dot_general)
+    ops = tensor_parallel_ops(mesh_data_tensor, rules, flat_dot_general() if dot == "flat" else jax.lax.dot_general,
+                              sequence_parallel=True)
     x, w_col, h, w_row, table = _normal(3, (4, 16, 12), (12, 8), (4, 16, 8), (8, 12), (40, 12))
     dn = (((2,), (0,)), ((), ()))
     plain = lambda a, b: jnp.einsum("bsk,km->bsm", a, b)

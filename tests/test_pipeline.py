@@ -267,20 +267,6 @@ def test_validation_on_a_pipeline_mesh_matches_one_device(small_config):
     (["parallel.virtual_stages=2"], ConfigError, r"parallel.virtual_stages = 2 needs parallel.pipeline_schedule=interleaved"),
     (["parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2"], ConfigError,
      r"parallel.virtual_stages = 2 needs pipeline parallelism"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1"], ConfigError,
-     r"mesh.pipeline=2 with mesh.context=2 needs parallel.context_impl=allgather \(this config has ring\)"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "mesh.tensor=2", "train.micro_batch=1",
-      "parallel.context_impl=allgather"], ConfigError,
-     r"mesh.pipeline=2 with mesh.context=2 and mesh.tensor=2 is not available"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.context=2", "train.micro_batch=1", "model.hidden_dropout=0.1",
-      "parallel.context_impl=allgather"], ConfigError,
-     r"mesh.pipeline=2 with mesh.context=2 and dropout \(model.hidden_dropout=0.1"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.attention_impl=flash", "train.micro_batch=1"],
-     ConfigError, r"with model.attention_impl=flash and mesh.tensor=2 is not available"),
-    (["model.num_layers=4", "mesh.pipeline=2", "model.attention_impl=cudnn", "train.micro_batch=1"], ConfigError,
-     r"with model.attention_impl=cudnn is not available"),
-    (["model.num_layers=4", "mesh.pipeline=2", "mesh.tensor=2", "model.num_experts=4", "train.micro_batch=1"],
-     ConfigError, r"mesh.pipeline=2 with a mixture of experts \(model.num_experts=4\) and mesh.tensor=2 is not available"),
 ])
 def test_bad_pipeline_settings_are_clear_errors(small_config, overrides, error, message):
     with pytest.raises(error, match=message):

@@ -24,6 +24,10 @@ class AttentionCore(Protocol):
                  causal: bool, dropout_rate: float, dropout_rng: jax.Array | None) -> jax.Array: ...
 
 
+# The attention probabilities [batch, kv heads, group, query, key].
+PROBS = ("batch", "kv_heads", None, "length", None)
+
+
 def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=True,
                   softmax_scale=None, dropout_rate=0.0, dropout_rng=None):
     """Plain-jnp attention: softmax in fp32, causal and document (segment id) masking."""
@@ -43,7 +47,7 @@ def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=T
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1)
-    probs = dropout(probs, dropout_rate, dropout_rng).astype(v_BxTxGxK.dtype)
+    probs = dropout(probs, dropout_rate, dropout_rng, PROBS).astype(v_BxTxGxK.dtype)
     out = jnp.einsum("bgrlt,btgk->blgrk", probs, v_BxTxGxK)
     return out.reshape(b, l, h, d)
 
@@ -98,11 +102,61 @@ def cudnn_attention_core(q, k, v, *, segment_ids=None, causal=True, dropout_rate
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
 
 
+def lse_differentiable(attend: Callable, scale: float) -> Callable:
+    """attend(q, k, v) -> (out [B, L, H, K], lse [B, H, L] fp32) for a kernel whose own VJP ignores
+    lse's cotangent (cuDNN's), made exact in both outputs. The log-sum-exp's part of the gradient,
+    with P the attention probabilities and g [B, H, L] lse's cotangent:
+
+        dq_i += scale g_i sum_j P_ij k_j  (the kernel attending to k as values)
+        dk_j += scale sum_i P_ij g_i q_i  (the kernel's value gradient for an output cotangent g q)
+    """
+    out_of = lambda q, k, v: attend(q, k, v)[0]
+
+    @jax.custom_vjp
+    def block(q, k, v):
+        return attend(q, k, v)
+
+    def fwd(q, k, v):
+        return attend(q, k, v), (q, k, v)
+
+    def bwd(res, cts):
+        q, k, v = res
+        d_out, d_lse = cts
+        _, vjp = jax.vjp(out_of, q, k, v)
+        dq, dk, dv = vjp(d_out.astype(q.dtype))
+        g = jnp.transpose(jnp.where(jnp.isfinite(d_lse), d_lse, 0.0), (0, 2, 1))[..., None]  # [B, L, H, 1]
+        keys_seen = out_of(q, k, k).astype(jnp.float32)
+        _, vjp_v = jax.vjp(lambda v: out_of(q, k, v), v)
+        (dk_lse,) = vjp_v((g * q.astype(jnp.float32)).astype(q.dtype))
+        return ((dq + scale * g * keys_seen).astype(q.dtype), (dk + scale * dk_lse.astype(jnp.float32)).astype(k.dtype),
+                dv)
+
+    block.defvjp(fwd, bwd)
+    return block
+
+
+def cudnn_attention_block(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, causal=True):
+    """(out, lse [B, H, L] fp32) from cuDNN's fused attention (GPU only): the per-block kernel that
+    context parallelism merges. JAX's cuDNN binding returns the log-sum-exp (`return_residual`) but
+    does not differentiate it; `lse_differentiable` adds that part of the gradient."""
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    mask = None if q_segment_ids is None else (q_segment_ids[:, :, None] == kv_segment_ids[:, None, :])[:, None]
+    kind = cudnn.MaskType.CAUSAL if causal else cudnn.MaskType.NO_MASK
+
+    def attend(q, k, v):
+        out, lse = cudnn.dot_product_attention(q, k, v, mask=mask, scale=scale, mask_type=kind, return_residual=True)
+        return out, lse.astype(jnp.float32)
+
+    return lse_differentiable(attend, scale)(q, k, v)
+
+
 # The attention core per model.attention_impl, and the per-block kernel (with log-sum-exp)
 # that context parallelism merges over key blocks.
 ATTENTION_IMPLS: dict[str, Callable] = {"xla": xla_attention, "flash": flash_attention_core,
                                         "cudnn": cudnn_attention_core}
-BLOCK_ATTENTION: dict[str, Callable] = {"xla": xla_attention_with_lse, "flash": flash_attention_block}
+BLOCK_ATTENTION: dict[str, Callable] = {"xla": xla_attention_with_lse, "flash": flash_attention_block,
+                                        "cudnn": cudnn_attention_block}
 
 
 def make_attention_core(impl: str, recompute: str) -> Callable:

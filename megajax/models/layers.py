@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from megajax.mesh import one_device_positions
+
 DotGeneral = Callable[..., jax.Array]
 
 
@@ -107,16 +109,21 @@ class LinearOps:
     parallelism (q/k/v, fc1/gate/up, output layer), `row` those whose input
     features are (o, fc2); `embed` looks rows up in the (vocab-split) table, `embed_positions`
     in the learned position table.
-    The defaults are plain; sequence parallelism supplies others. A layer whose product may be
+    The defaults are plain; tensor and sequence parallelism supply others, and `layout(kind,
+    product)` wraps a per-layer product in their collectives. A layer whose product may be
     replaced by a stateful one (FP8) asks `linear(kind)` for its own.
     """
     column: DotGeneral = jax.lax.dot_general
     row: DotGeneral = jax.lax.dot_general
     embed: Callable[[jax.Array, jax.Array], jax.Array] = take_rows
     embed_positions: Callable[[jax.Array, jax.Array], jax.Array] = take_rows  # learned position table
+    # The layout's collectives around a product of `kind` ("column" or "row"): None when the
+    # products need none (XLA partitions them).
+    layout: Callable[[str, DotGeneral], DotGeneral] | None = None
     # A factory of stateful products (FP8 with its scaling state), one per linear layer that
-    # asks for one; None: the plain products above. `low_precision_output`: the output layer too.
-    low_precision: Callable[[], DotGeneral] | None = None
+    # asks for one, given the layout's wrapper of its local product (or None); None: the plain
+    # products above. `low_precision_output`: the output layer too.
+    low_precision: Callable[[Callable[[DotGeneral], DotGeneral] | None], DotGeneral] | None = None
     low_precision_output: bool = False
 
     def linear(self, kind: str) -> DotGeneral:
@@ -124,7 +131,8 @@ class LinearOps:
         stateful product (its own scaling state) where the ops supply one, else the plain one."""
         assert kind in ("column", "row", "output"), kind
         if self.low_precision is not None and (kind != "output" or self.low_precision_output):
-            return self.low_precision()
+            side = "row" if kind == "row" else "column"
+            return self.low_precision(None if self.layout is None else functools.partial(self.layout, side))
         return self.row if kind == "row" else self.column
 
 
@@ -271,9 +279,23 @@ def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, inv_freq: np.ndar
     return out.astype(x_BxLxHxK.dtype)
 
 
-def dropout(x: jax.Array, rate: float, rng: jax.Array | None) -> jax.Array:
-    """Inverted dropout; the identity when rate is 0 or no rng is given (evaluation)."""
+def dropout(x: jax.Array, rate: float, rng: jax.Array | None, names: tuple[str | None, ...] | None = None) -> jax.Array:
+    """Inverted dropout; the identity when rate is 0 or no rng is given (evaluation).
+
+    The mask is the one a single device draws for the whole activation (logical dims `names`):
+    where a layout holds a part of it (a shard inside the pipeline's stage loop, context
+    parallelism's token order), the mask is taken at those elements, so every layout drops the
+    elements one device drops."""
     if rate == 0.0 or rng is None:
         return x
-    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    layout = None if names is None else one_device_positions(names, x.shape)
+    if layout is None:
+        keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    else:
+        whole, where = layout
+        keep = jax.random.bernoulli(rng, 1.0 - rate, whole)
+        for dim, (n, at) in enumerate(zip(x.shape, where)):
+            if at is not None:
+                keep = (jax.lax.dynamic_slice_in_dim(keep, at, n, axis=dim) if jnp.ndim(at) == 0
+                        else jnp.take(keep, at, axis=dim))
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))

@@ -58,17 +58,21 @@ class RouterStats(NamedTuple):
     dropped: jax.Array  # [] assignments dropped by the expert capacity (0 when dropless)
 
 
-def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activation: str) -> jax.Array:
+def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activation: str,
+               products: dict | None = None) -> jax.Array:
     """Rows of x sorted by expert (group g = rows of expert g; rows past the groups give 0) through
-    their experts' MLPs: [M, D] -> [M, D]. kernels: gate/up/fc1 [G, D, F], fc2 [G, F, D]."""
-    def grouped(a, w):
+    their experts' MLPs: [M, D] -> [M, D]. kernels: gate/up/fc1 [G, D, F], fc2 [G, F, D];
+    `products`: per kernel name, a product with `grouped(x, w, sizes)` (FP8's) or None (ragged_dot)."""
+    def grouped(a, w, name):
+        if products is not None:
+            return products[name].grouped(a, w, group_sizes_G)
         return jax.lax.ragged_dot(a, w, group_sizes_G)
 
     if activation == "swiglu":
-        hidden = jax.nn.silu(grouped(x_MxD, kernels["gate"])) * grouped(x_MxD, kernels["up"])
+        hidden = jax.nn.silu(grouped(x_MxD, kernels["gate"], "gate")) * grouped(x_MxD, kernels["up"], "up")
     else:
-        hidden = jax.nn.gelu(grouped(x_MxD, kernels["fc1"]), approximate=False)
-    return grouped(hidden, kernels["fc2"])
+        hidden = jax.nn.gelu(grouped(x_MxD, kernels["fc1"], "fc1"), approximate=False)
+    return grouped(hidden, kernels["fc2"], "fc2")
 
 
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -95,21 +99,24 @@ def capacity_slots(ids_A: jax.Array, num_experts: int, cap: int) -> tuple[jax.Ar
     return jnp.where(keep, ids_A * cap + rank, num_experts * cap), keep
 
 
-def expert_ffn_buffers(x_GxCxD: jax.Array, kernels: dict, activation: str) -> jax.Array:
-    """Fixed-size buffers (group g = expert g's rows) through their experts: batched products."""
-    def product(a, w):
+def expert_ffn_buffers(x_GxCxD: jax.Array, kernels: dict, activation: str, products: dict | None = None) -> jax.Array:
+    """Fixed-size buffers (group g = expert g's rows) through their experts: batched products
+    (`products`: per kernel name, one with `batched(x, w)`, FP8's, or None)."""
+    def product(a, w, name):
+        if products is not None:
+            return products[name].batched(a, w)
         return jnp.einsum("gcd,gdf->gcf", a, w)
 
     if activation == "swiglu":
-        hidden = jax.nn.silu(product(x_GxCxD, kernels["gate"])) * product(x_GxCxD, kernels["up"])
+        hidden = jax.nn.silu(product(x_GxCxD, kernels["gate"], "gate")) * product(x_GxCxD, kernels["up"], "up")
     else:
-        hidden = jax.nn.gelu(product(x_GxCxD, kernels["fc1"]), approximate=False)
-    return product(hidden, kernels["fc2"])
+        hidden = jax.nn.gelu(product(x_GxCxD, kernels["fc1"], "fc1"), approximate=False)
+    return product(hidden, kernels["fc2"], "fc2")
 
 
 def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
                       activation: str, num_experts: int, capacity_factor: float, ep: int = 1,
-                      exchange: Callable = lambda buf: buf) -> tuple[jax.Array, jax.Array]:
+                      exchange: Callable = lambda buf: buf, products: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """Capacity mode: (y [T, D], dropped assignments []) with fixed [experts, capacity] buffers.
 
     Experts are held by `ep` devices (E / ep each, contiguous); `exchange` is the all-to-all over
@@ -122,7 +129,7 @@ def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
     send = jnp.zeros((e * cap, d), x_TxD.dtype).at[slot].set(rows, mode="drop")
     recv = exchange(send.reshape(ep, e // ep * cap, d))  # [ep (source), E_local x C, D]
     by_expert = recv.reshape(ep, e // ep, cap, d).transpose(1, 0, 2, 3).reshape(e // ep, ep * cap, d)
-    out = expert_ffn_buffers(by_expert, kernels, activation)
+    out = expert_ffn_buffers(by_expert, kernels, activation, products)
     back = exchange(out.reshape(e // ep, ep, cap, d).transpose(1, 0, 2, 3).reshape(ep, e // ep * cap, d))
     out_rows = jnp.take(back.reshape(e * cap, d), slot, axis=0, mode="fill", fill_value=0)  # dropped: 0
     y = jnp.sum(out_rows.reshape(t, k, d).astype(jnp.float32) * weights_TxK[..., None], axis=1)
@@ -130,28 +137,30 @@ def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
 
 
 def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
-                   activation: str, num_experts: int, capacity_factor: float | None) -> tuple[jax.Array, jax.Array]:
+                   activation: str, num_experts: int, capacity_factor: float | None,
+                   products: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """Every token through its top-k experts on this device: (y [T, D], dropped assignments [])."""
     if capacity_factor is not None:
         return capacity_dispatch(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation,
-                                 num_experts=num_experts, capacity_factor=capacity_factor)
+                                 num_experts=num_experts, capacity_factor=capacity_factor, products=products)
     t, k = ids_TxK.shape
     ids = ids_TxK.reshape(-1)  # [A = T K], assignment a = token a // K
     order, sizes = sort_by_expert(ids, num_experts)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
-    out_sorted = expert_ffn(rows, sizes, kernels, activation)
+    out_sorted = expert_ffn(rows, sizes, kernels, activation, products)
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
     y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
 
 
 def make_local_dispatch(activation: str, num_experts: int, capacity_factor: float | None) -> Callable:
-    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped)."""
-    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
+    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels, products=None) -> (y [B, L, D],
+    dropped); `products`: the experts' FP8 products by kernel name, or None."""
+    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels, products=None):
         b, l, d = x_BxLxD.shape
         y, dropped = local_dispatch(x_BxLxD.reshape(b * l, d), ids_BxLxK.reshape(b * l, -1),
                                     weights_BxLxK.reshape(b * l, -1), kernels, activation=activation,
-                                    num_experts=num_experts, capacity_factor=capacity_factor)
+                                    num_experts=num_experts, capacity_factor=capacity_factor, products=products)
         return y.reshape(b, l, d), dropped
     return dispatch
 
@@ -275,6 +284,10 @@ class MoE(nnx.Module):
             shape, std = shapes[name]
             setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=EXPERT_KERNEL_AXES[name]))
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor)
+        # The experts' products with their own scaling state (FP8), one per kernel (`gate_product`, ...).
+        self.fp8_experts = ops.low_precision is not None
+        for name in EXPERT_KERNELS[cfg.activation] if self.fp8_experts else ():
+            setattr(self, f"{name}_product", ops.low_precision(None))
         # Drawn after the experts: a model without one initialises as before.
         self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_ffn_size,
                                                        use_bias=False), dtype=dtype, ops=ops, rngs=rngs)
@@ -294,7 +307,9 @@ class MoE(nnx.Module):
         bias = None if expert_bias_E is None else jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
         ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor, self.groups)
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
-        y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels)
+        products = ({name: getattr(self, f"{name}_product") for name in EXPERT_KERNELS[self.activation]}
+                    if self.fp8_experts else None)
+        y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels, products)
         if self.shared_experts is not None:
             shared = self.shared_experts(x_BxLxD, fused)
             if self.shared_expert_gate is not None:  # a per-token scalar in (0, 1), from fp32 logits

@@ -51,12 +51,12 @@ class Block(nnx.Module):
         rngs = jax.random.split(dropout_rng, 3) if dropout_rng is not None else [None] * 3
         h = self.attn(self.attn_norm(x_BxLxD), positions_BxL=positions_BxL,
                       segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=rngs[0])
-        x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1]), RESIDUAL)
+        x = logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1], RESIDUAL), RESIDUAL)
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp.forward(self.mlp_norm(x), expert_bias_E)
         else:
             h, stats = self.mlp(self.mlp_norm(x)), None
-        return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2]), RESIDUAL), stats
+        return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2], RESIDUAL), RESIDUAL), stats
 
     def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL,
                expert_bias_E=None):
@@ -155,7 +155,7 @@ class Transformer(nnx.Module):
     def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
         """The first layer's input [B, L, D]: embeddings with their dropout (`dropout_rng`: the first
         of __call__'s two dropout keys)."""
-        x = dropout(self.embed_tokens(tokens_BxL, positions_BxL), self.cfg.hidden_dropout, dropout_rng)
+        x = dropout(self.embed_tokens(tokens_BxL, positions_BxL), self.cfg.hidden_dropout, dropout_rng, RESIDUAL)
         return logical_constraint(x, RESIDUAL)
 
     def layer_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
@@ -226,14 +226,18 @@ class Transformer(nnx.Module):
     def rope_inv_freq(self) -> jax.Array | None:
         return None if self.inv_freq is None else jnp.asarray(self.inv_freq, jnp.float32)
 
-    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
-        """Final norm and output layer: logits [B, L, padded vocab]; padding columns hold the dtype's min."""
+    def output_logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Final norm and output layer: logits [B, L, padded vocab], the padding columns as computed."""
         x = self.final_norm(x_BxLxD)
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
             logits = self.output_product(x, self.output[...].astype(self.dtype), (((2,), (0,)), ((), ())))
-        logits = logical_constraint(logits, LOGITS)
+        return logical_constraint(logits, LOGITS)
+
+    def logits(self, x_BxLxD: jax.Array) -> jax.Array:
+        """Final norm and output layer: logits [B, L, padded vocab]; padding columns hold the dtype's min."""
+        logits = self.output_logits(x_BxLxD)
         if self.padded_vocab_size != self.vocab_size:
             real = jnp.arange(self.padded_vocab_size) < self.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)

@@ -58,7 +58,7 @@ def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:
         def local(q, k, v, seg):
             return core(q, k, v, segment_ids=seg, causal=causal, dropout_rate=dropout_rate, dropout_rng=None)
         return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_spec if segment_ids is not None else None),
-                            q_spec, check_vma=False)(q, k, v, segment_ids)
+                            q_spec)(q, k, v, segment_ids)
 
     return attend
 
@@ -288,11 +288,3 @@ def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: 
         return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_in), q_spec, check_vma=False)(q, k, v, segment_ids)
 
     return attend
-
-
-def load_balanced_order(seq_len: int, size: int):
-    """Token order along the sequence for `size` context devices: device r holds chunks r, 2C-1-r."""
-    import numpy as np
-    chunks = np.arange(seq_len).reshape(2 * size, seq_len // (2 * size))
-    order = [i for r in range(size) for i in (r, 2 * size - 1 - r)]
-    return chunks[order].reshape(-1)

@@ -66,7 +66,7 @@ RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
                              capacity_factor: float | None,
                              all_to_all: str = "padded") -> Callable:
-    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels) -> (y [B, L, D], dropped [])
+    """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels, products=None) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
     `experts`, `mlp`), also inside a pipeline stage (megajax/parallel/manual.py).
     `all_to_all`: `padded` (fixed-size buffers) or `ragged` (dropless: only the valid rows move)."""
@@ -85,11 +85,11 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     ones = {a for a, n in sizes.items() if n == 1}
     kernel_specs = [P(*spec_without(logical_to_spec(EXPERT_KERNEL_AXES[n], rules), ones)) for n in names]
     all_axes = tuple(mesh.axis_names)
-    # Devices that hold the same tokens inside the layer (tensor ranks): their drop counts repeat.
-    duplicates = math.prod(sizes[a] for a in all_axes
-                           if a not in entry_axes(x_spec[0]) + entry_axes(x_spec[1]) or a in sp_axes)
+    # Devices that hold the same tokens (tensor ranks without sequence parallelism): their drop
+    # counts repeat.
+    duplicates = math.prod(sizes[a] for a in all_axes if a not in entry_axes(x_spec[0]) + entry_axes(x_spec[1]))
 
-    def local(x, ids, weights, kernels):
+    def local(x, ids, weights, kernels, products):
         if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
             x, ids, weights = (jax.lax.all_gather(a, spec_entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
         b, l, d = x.shape
@@ -98,13 +98,16 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                         else (lambda buf: buf))
             y, dropped = capacity_dispatch(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
                                            kernels, activation=activation, num_experts=num_experts,
-                                           capacity_factor=capacity_factor, ep=ep, exchange=exchange)
+                                           capacity_factor=capacity_factor, ep=ep, exchange=exchange,
+                                           products=products)
         else:
             tokens = _dispatch_ragged if all_to_all == "ragged" and ep > 1 else _dispatch_tokens
             y, dropped = tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
                                 kernels, activation=activation, num_experts=num_experts,
-                                e_local=e_local, ep=ep, exp_axes=exp_axes)
+                                e_local=e_local, ep=ep, exp_axes=exp_axes, products=products)
         y = y.reshape(b, l, d)
+        if sp_axes:  # every tensor rank counted the same gathered tokens: each reports its share
+            dropped = dropped / math.prod(sizes[a] for a in sp_axes)
         if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums
             if sp_axes:
                 y = jax.lax.psum_scatter(y, spec_entry(sp_axes), scatter_dimension=1, tiled=True)
@@ -112,20 +115,22 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                 y = jax.lax.psum(y, spec_entry(mlp_axes))
         return y, dropped.reshape(1)
 
-    def by_position(x, ids, weights, *ks):
-        return local(x, ids, weights, dict(zip(names, ks)))
+    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels, products=None):
+        def by_position(x, ids, weights, *ks):
+            return local(x, ids, weights, dict(zip(names, ks)), products)
 
-    sharded = shard_map_fn(by_position, mesh, (x_spec, route_spec, route_spec, *kernel_specs),
-                           (x_spec, P(all_axes)))
-
-    def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels):
+        sharded = shard_map_fn(by_position, mesh, (x_spec, route_spec, route_spec, *kernel_specs),
+                               (x_spec, P(all_axes)))
         y, dropped = sharded(x_BxLxD, ids_BxLxK, weights_BxLxK, *(kernels[n] for n in names))
-        return y, jnp.sum(dropped) / duplicates
+        # Every device's count (each group of duplicates once), or, run in place inside the manual
+        # stage loop, this device's own.
+        return y, jnp.sum(dropped) / (duplicates if dropped.size > 1 else 1)
 
     return dispatch
 
 
-def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes):
+def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
+                     products=None):
     """Dropless: one device's tokens through their experts on the expert-parallel devices: (y [T, D],
     dropped [] = 0)."""
     t, k = ids_TxK.shape
@@ -153,7 +158,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     expert_of_row = jnp.sum(p[None, :, None] >= bounds[:, None, :], axis=-1)  # [ep, A]; E_local = empty row
     order2, sizes2 = sort_by_expert(expert_of_row.reshape(-1), e_local + 1)
     rows = jnp.take(recv.reshape(ep * a_count, -1), order2, axis=0)
-    out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation)  # rows past the groups: 0
+    out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation, products)  # rows past the groups: 0
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0).reshape(ep, a_count, -1)
     back = jax.lax.all_to_all(out_recv, spec_entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
     # Assignment a's output sits in slot (its device, its place among that device's assignments).
@@ -163,7 +168,8 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
 
 
-def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes):
+def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
+                     products=None):
     """_dispatch_tokens with ragged exchanges: only each device's real assignments travel."""
     t, k = ids_TxK.shape
     a_count, d = t * k, x_TxD.shape[1]
@@ -189,7 +195,7 @@ def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     bounds = jnp.cumsum(recv_per_expert, axis=1)[src]  # [ep x A, E_local]
     expert_of_row = jnp.where(q < recv_ends[-1], jnp.sum((q - recv_offsets[src])[:, None] >= bounds, axis=1), e_local)
     order2, sizes2 = sort_by_expert(expert_of_row, e_local + 1)
-    out_sorted = expert_ffn(jnp.take(recv, order2, axis=0), sizes2[:e_local], kernels, activation)
+    out_sorted = expert_ffn(jnp.take(recv, order2, axis=0), sizes2[:e_local], kernels, activation, products)
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0)  # [ep x A, D] in the receive layout
     back = RAGGED_ALL_TO_ALL(out_recv, jnp.zeros((a_count, d), out_recv.dtype), recv_offsets, recv_sizes,
                              back_offsets, send_sizes, axis_name=axis)  # [A, D] my sorted assignments' outputs

@@ -10,12 +10,20 @@ the last stage the final norm, output layer and loss.
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs
 backward, and which stash slot holds the forward's input until its backward.
-Every stage runs the same program (`shard_map` over `pipeline`, the other
-mesh axes left to the compiler): per tick a forward half and a backward half,
-each a `lax.cond` on the table entry, so an idle half does no work; after each
-half one `ppermute` sends the activation to the next stage (forward) or the
-input cotangent to the previous stage (backward). Both transfers arrive exactly
-when the receiver's table asks for them, so nothing else crosses stages.
+Every device runs the same program: one `shard_map` manual over every mesh
+axis, each device holding its own shards of the weights and of every
+microbatch, with tensor, sequence, context and expert parallelism written as
+explicit collectives (the functions megajax/parallel/ uses outside the stages
+too). Per tick a forward half and a backward half, each a `lax.cond` on
+whether any stage runs that half at that tick: every device takes the same
+branches, so every collective inside a chunk (an all-reduce over `tensor`, a
+ring hop over `context`, an all-to-all over `expert`) is joined by every
+device; a stage with no work of its own in the half computes on zeros and
+drops the result (on GPUs this costs no time: a tick lasts as long as its
+busiest stage). After each half one `ppermute` sends the activation to the
+next stage (forward) or the input cotangent to the previous stage (backward).
+Both transfers arrive exactly when the receiver's table asks for them, so
+nothing else crosses stages.
 
 The backward half recomputes its chunk's forward from the stashed input and
 takes its VJP (the stage iteration is rematerialised); the last stage's
@@ -50,7 +58,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.mesh import mesh_sizes, spec_axes, spec_entry, spec_without
-from megajax.parallel.manual import inside_manual, varying_axes
+from megajax.parallel.manual import like, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -189,23 +197,25 @@ def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None
 def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
-                       maxed: dict | None = None, seq_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array, dict | None]:
+                       maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
+                       token_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array, dict | None]:
     """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
     the loss sum, the router sums or None) of one step's M microbatches through the pipeline.
     `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacked `layers`
     [layers, ...] (split over `axis`, the stage axis of the rules table); `rng` the step's dropout
     key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`: where the
-    parameters (and their gradient sums) live on the other mesh axes during the step.
+    parameters live during the step (split over `axis`, `tensor`, `expert`; not over the
+    data-parallel axes, whose copies are gathered before).
 
-    `data_axes`: the data-parallel mesh axes the batch is split over, taken into the stage loop's
-    shard_map too: each device then runs its own shard of every microbatch and keeps its own
-    gradient sums, and the one data-parallel reduction of the step happens after the loop (an
-    all-reduce, or a reduce-scatter onto the optimizer's shards). Empty: the compiler splits the
-    batch inside the loop and reduces every microbatch's gradient there (the masks of dropout,
-    drawn for the whole microbatch, need this). `seq_axes`: those of them that split the sequence.
-
-    A layer weight split over a data axis (a MoE model's experts over `expert`) enters the loop
-    split: each device holds, and differentiates, its own part.
+    The stage loop is one shard_map, manual over every mesh axis: each device runs its own shard
+    of every microbatch with its own shards of the weights, and every collective inside a stage is
+    explicit (tensor and sequence parallelism: megajax/parallel/tensor.py; context parallelism,
+    fused attention kernels: context.py; expert dispatch: experts.py). `data_axes`: the axes that
+    split the batch (and `seq_axes`, those of them that split the sequence: context); each device
+    keeps its own gradient sums over them, and the one data-parallel reduction of the step happens
+    after the loop (an all-reduce, or a reduce-scatter onto the optimizer's shards). `token_axes`:
+    the axes that split a stage's tokens between the layers besides those (`tensor` under sequence
+    parallelism), over which the router statistics are summed.
 
     A mixture-of-experts model (`model_fns.experts` > 0): each chunk also returns its layers'
     router losses (balancing + z, this shard's share of the whole microbatch's: the chunk sums its
@@ -224,24 +234,25 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     order = stage_order(num_layers, p, v)
     if order is not None:
         layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
-    manual = (axis, *data_axes)
-    loop = _StageLoop(model_fns, sched, axis, tuple(data_axes), manual, num_layers // (p * v), param_specs,
-                      max_layers, max_other, grad_dtype, rng is not None)
+    data_axes = tuple(data_axes)
+    loop = _StageLoop(model_fns, sched, axis, data_axes, (axis, *data_axes), tuple(token_axes),
+                      num_layers // (p * v), max_layers, max_other, grad_dtype, rng is not None)
 
-    # The stored layers as the loop takes them: split over the stage axis and any data axis a
-    # weight's own spec uses (experts over `expert`); the gradient sums get a leading dim over the
-    # other data axes.
-    layer_in = jax.tree.map(lambda sp: P(*spec_without(sp, set(spec_axes(sp)) - set(manual))),
-                            param_specs["layers"], is_leaf=lambda x: isinstance(x, P))
-    layer_out = jax.tree.map(lambda sp: P(spec_entry([a for a in data_axes if a not in spec_axes(sp)]), *sp)
-                             if data_axes else sp, layer_in, is_leaf=lambda x: isinstance(x, P))
-    other_out = jax.tree.map(lambda _: P(spec_entry(data_axes)) if data_axes else P(), other)
+    # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
+    is_spec = lambda x: isinstance(x, P)
+    out_spec = lambda sp: P(spec_entry([a for a in data_axes if a not in spec_axes(sp)]), *sp) if data_axes else sp
+    # Axes of size 1 left out: a value "split" over one is whole on every device (typed invariant).
+    ones = {a for a, n in mesh_sizes(mesh).items() if n == 1}
+    param_specs = jax.tree.map(lambda sp: P(*spec_without(sp, ones)), param_specs, is_leaf=is_spec)
+    layer_in = param_specs["layers"]
+    other_in = {k: x for k, x in param_specs.items() if k != "layers"}
+    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_in))
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
     seq = lambda x: (spec_entry(seq_axes),) if x.ndim > 2 else ()
     batch_spec = jax.tree.map(lambda x: P(None, spec_entry(batch_axes), *seq(x)), batch)
     router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(axis)}
-    fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, P(), batch_spec, P(), P(), P()),
-                       out_specs=(layer_out, other_out, P(), router_out), axis_names=set(manual))
+    fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, other_in, batch_spec, P(), P(), P()),
+                       out_specs=(layer_out, other_out, P(), router_out))
     rng = rng if rng is not None else jnp.zeros((2,), jnp.uint32)
     router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
     g_layers, g_other, loss_sum, router_sums = fn(layers, other, batch, rng, seed, router_seed)
@@ -265,9 +276,17 @@ def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
+def _zeros(struct, dtype=None, axes=()):
+    """Zeros of a ShapeDtypeStruct's shape (and dtype), typed as varying over its manual axes and `axes`."""
+    x = jnp.zeros(struct.shape, dtype or struct.dtype)
+    mat = getattr(struct, "manual_axis_type", None)
+    want = set(getattr(mat, "varying", ()) if mat is not None else getattr(struct, "vma", ())) | set(axes)
+    return jax.lax.pcast(x, tuple(sorted(want)), to="varying") if want else x
+
+
 @dataclass(frozen=True)
 class _StageLoop:
-    """The per-device program of the stage loop (`body`, run under shard_map over the manual axes):
+    """The per-device program of the stage loop (`body`, run under shard_map over every mesh axis):
     one scan over the schedule's ticks, each a forward half and a backward half (see the module
     docstring), carrying the received activation and cotangent, the stash, the gradient sums, the
     loss sum and the router sums."""
@@ -275,55 +294,47 @@ class _StageLoop:
     sched: Schedule
     axis: str
     data_axes: tuple[str, ...]
-    manual: tuple[str, ...]  # the stage axis and the data axes
+    reduced: tuple[str, ...]  # the stage axis and the data axes: per-device sums, reduced after the loop
+    token_axes: tuple[str, ...]  # axes splitting a stage's tokens within the layers (sequence parallelism)
     per: int  # layers per chunk
-    param_specs: dict
     max_layers: dict
     max_other: dict
     grad_dtype: object
     use_rng: bool
 
-    @property
-    def other_specs(self) -> dict:
-        return {k: x for k, x in self.param_specs.items() if k != "layers"}
+    def stage_sum(self, x):
+        """`x`, this device's share of its stage's tokens, summed over the other axes that split
+        them besides the data axes (`token_axes`: `tensor` under sequence parallelism)."""
+        return jax.lax.psum(x, self.token_axes) if self.token_axes else x
 
     def data_sum(self, x):
+        """`x` summed over every device holding a part of the microbatch."""
+        x = self.stage_sum(x)
         return jax.lax.psum(x, self.data_axes) if self.data_axes else x
 
     def vary(self, tree):
-        """`tree` typed as varying over every manual axis: parameters used by every stage (and,
-        with data axes, every data shard) are differentiated as this device's own copy (no
-        implicit sum over stages or shards inside a branch); the copies' gradients are summed once
-        at the end."""
+        """`tree` typed as varying over the stage and data axes: parameters used by every stage
+        (and every data shard) are differentiated as this device's own copy (no implicit sum over
+        stages or shards inside a branch); the copies' gradients are summed once at the end. The
+        tensor axes keep their types, so a weight replicated over them that meets a split one gets
+        its cotangent summed over them inside the chunk, as Megatron's tensor parallelism does."""
         def one(x):
-            missing = tuple(a for a in self.manual if a not in varying_axes(x))
+            missing = tuple(a for a in self.reduced if a not in varying_axes(x))
             return jax.lax.pcast(x, missing, to="varying") if missing else x
         return jax.tree.map(one, tree)
 
-    def pin(self, tree, specs, lead=0):
-        """Keeps `tree` (and, through the scan's carry, its gradient sums) laid out as `specs` on
-        the auto axes: left free, the compiler would carry the optimizer's layout (e.g. the
-        distributed optimizer's) into the stage loop."""
-        here = jax.sharding.get_abstract_mesh()
-        return jax.tree.map(lambda x, sp: jax.lax.with_sharding_constraint(
-            x, jax.sharding.NamedSharding(here, P(*((None,) * lead), *spec_without(sp, self.manual)))), tree, specs)
-
     def body(self, layers, other, batch, rng, seed, router_seed):
-        sc, v, per, other_specs = self.sched, self.sched.virtual, self.per, self.other_specs
+        sc, v, per = self.sched, self.sched.virtual, self.per
         other, batch, seed, layers, router_seed = (self.vary(t) for t in (other, batch, seed, layers, router_seed))
-        other = self.pin(other, other_specs)
-        chunks = self.pin(jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers),
-                          self.param_specs["layers"], lead=1)
+        chunks = jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers)
         dev = _Device(self, jax.lax.axis_index(self.axis), chunks, other, batch, rng, seed, router_seed)
         dtype = lambda m: jnp.float32 if m else self.grad_dtype  # amaxes (maxed) stay fp32
-        g_layers0 = self.pin(self.vary(jax.tree.map(lambda m, w: jnp.zeros(w.shape, dtype(m)), self.max_layers,
-                                                    chunks)), self.param_specs["layers"], lead=1)
-        g_other0 = self.pin(jax.tree.map(lambda m, o: jnp.zeros(o.shape, dtype(m)), self.max_other, other),
-                            other_specs)
+        g_layers0 = jax.tree.map(lambda m, w: like(jnp.zeros(w.shape, dtype(m)), w), self.max_layers, chunks)
+        g_other0 = jax.tree.map(lambda m, o: like(jnp.zeros(o.shape, dtype(m)), o), self.max_other, other)
         zero = self.vary(jnp.zeros((), jnp.float32))
         router0 = self.vary({"aux": zero, "z": zero, "dropped": zero,
                              "tokens": jnp.zeros((v, per, max(self.fns.experts, 1)), jnp.float32)})
-        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, self.vary(g_other0), zero, router0)
+        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, g_other0, zero, router0)
         (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
         g_other = jax.tree.map(lambda m, g: jax.lax.pmax(g, self.axis) if m else jax.lax.psum(g, self.axis),
@@ -331,9 +342,9 @@ class _StageLoop:
         if self.data_axes:  # each shard's sums, on a leading dim over the data axes
             g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
         # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
-        router_sums = {k: jax.lax.psum(router_sums[k], self.manual) for k in ("aux", "z", "dropped")} | {
+        router_sums = {k: jax.lax.psum(router_sums[k], self.reduced) for k in ("aux", "z", "dropped")} | {
             "tokens": self.data_sum(router_sums["tokens"].reshape(v * per, -1))}
-        return g_layers, g_other, jax.lax.psum(loss_sum, self.manual), router_sums
+        return g_layers, g_other, jax.lax.psum(loss_sum, self.reduced), router_sums
 
 
 class _Device:
@@ -346,13 +357,14 @@ class _Device:
         p, v = loop.sched.stages, loop.sched.virtual
         self.tables = jnp.asarray(np.stack([loop.sched.fwd_chunk, loop.sched.fwd_micro, loop.sched.fwd_slot,
                                             loop.sched.bwd_chunk, loop.sched.bwd_micro, loop.sched.bwd_slot], -1))
+        self.uniform = jnp.asarray(uniform_flags(loop.sched))
         self.fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
         self.bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
         # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
         self.some_layers = jax.tree.map(lambda a: a[0], chunks)
-        x_shape = jax.eval_shape(lambda: self.embed(other, 0))
-        self.zeros_x = loop.vary(jnp.zeros(x_shape.shape, x_shape.dtype))
-        self.stash0 = loop.vary(jnp.zeros((loop.sched.stash,) + x_shape.shape, x_shape.dtype))
+        x = jax.eval_shape(lambda: self.embed(other, 0))  # typed as the embedding's output is
+        self.zeros_x = _zeros(x, axes=loop.reduced)
+        self.stash0 = jnp.broadcast_to(self.zeros_x, (loop.sched.stash,) + x.shape)
         self.zero_loss = loop.vary(jnp.zeros((), jnp.float32))
 
     def keys(self, i):
@@ -370,127 +382,109 @@ class _Device:
     def run_chunk(self, w, x, c, i):
         """(y, router) of chunk c on microbatch i (router None for a dense model)."""
         first_layer = (c * self.loop.sched.stages + self.stage) * self.loop.per
-        return self.loop.fns.layers({**self.other, "layers": w}, x, _index(self.batch, i), self.keys(i)[1],
-                                    first_layer, self.loop.data_sum)
+        y, router = self.loop.fns.layers({**self.other, "layers": w}, x, _index(self.batch, i), self.keys(i)[1],
+                                         first_layer, self.loop.data_sum)
+        return y, None if router is None else jax.tree.map(self.loop.stage_sum, router)
 
-    def forward(self, fc, fm, fs, recv_x, stash):
+    def forward(self, t, fc, fm, fs, recv_x, stash):
         """The forward half: this stage's input (the embedding on the first stage's first chunk,
         else what the previous stage sent), stashed; the chunk's output for the next stage. The
-        last chunk of the last stage only stashes: its backward recomputes it with the loss."""
-        p, v = self.loop.sched.stages, self.loop.sched.virtual
-        x = jax.lax.cond((self.stage == 0) & (fc == 0), lambda: self.embed(self.other, fm), lambda: recv_x)
-        stash = jax.lax.dynamic_update_index_in_dim(stash, x, fs, 0)
-        last = (self.stage == p - 1) & (fc == v - 1)
-        y = jax.lax.cond(last, lambda: self.zeros_x, lambda: self.run_chunk(_index(self.chunks, fc), x, fc, fm)[0])
-        return y, stash
+        last chunk of the last stage only stashes: its backward recomputes it with the loss.
 
-    def chunk_vjp(self, x, bc, bm, router_sums):
-        """(y, vjp of the chunk's objective from the output's cotangent, router sums + the chunk's)."""
+        Every device runs the parts some stage needs at tick t (the branches are taken on the
+        tick's row of `uniform`, the same on every device, so that every collective inside a
+        chunk is joined by every device); a stage with nothing of its own to run computes on
+        zeros, and its results are dropped."""
+        p, v = self.loop.sched.stages, self.loop.sched.virtual
+        busy, c, i = fc >= 0, jnp.maximum(fc, 0), jnp.maximum(fm, 0)
+        embedded = jax.lax.cond(self.uniform[t, 1], lambda: self.embed(self.other, i), lambda: self.zeros_x)
+        x = jnp.where((self.stage == 0) & (fc == 0), embedded, recv_x)
+        slot = jnp.maximum(fs, 0)
+        stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(busy, x, _index(stash, slot)), slot, 0)
+        y = jax.lax.cond(self.uniform[t, 2], lambda: self.run_chunk(_index(self.chunks, c), x, c, i)[0],
+                         lambda: self.zeros_x)
+        last = (self.stage == p - 1) & (fc == v - 1)
+        return jnp.where(busy & ~last, y, self.zeros_x), stash
+
+    def chunk_vjp(self, x, bc, bm):
+        """(y, vjp of the chunk's objective from the output's cotangent, the chunk's router sums or None)."""
         w = _index(self.chunks, bc)
         if self.loop.fns.experts == 0:
             y, vjp = jax.vjp(lambda w, x: self.run_chunk(w, x, bc, bm)[0], w, x)
-            return y, vjp, router_sums
+            return y, vjp, None
 
         def objective(w, x):  # the chunk's router losses are part of the objective
             y, router = self.run_chunk(w, x, bc, bm)
             return (y, router["loss"]), {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
 
         (y, _), vjp, sums = jax.vjp(objective, w, x, has_aux=True)
-        tokens = router_sums["tokens"]
-        router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
-            "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, bc) + sums["tokens"], bc, 0)}
-        return y, lambda g_y: vjp((g_y, self.router_seed)), router_sums
+        return y, lambda g_y: vjp((g_y, self.router_seed)), sums
 
-    def backward(self, bc, bm, bs, recv_g, stash, acc):
+    def backward(self, t, bc, bm, bs, recv_g, stash, acc):
         """The backward half: recompute the chunk from its stashed input, take the cotangent of its
         output (from the loss on the last chunk of the last stage, else from the next stage), and
-        pass the input's cotangent on (through the embedding on the first chunk of stage 0)."""
+        pass the input's cotangent on (through the embedding on the first chunk of stage 0). Run
+        by every device as `forward` is, the results of a stage without a backward of its own
+        dropped."""
         loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
         g_layers, g_other, loss_sum, router_sums = acc
-        y, vjp, router_sums = self.chunk_vjp(_index(stash, bs), bc, bm, router_sums)
+        busy, c, i = bc >= 0, jnp.maximum(bc, 0), jnp.maximum(bm, 0)
+        y, vjp, sums = self.chunk_vjp(_index(stash, jnp.maximum(bs, 0)), c, i)
+        zero_other = jax.tree.map(jnp.zeros_like, g_other)
 
-        def from_loss(g_other):
-            loss, head_vjp = jax.vjp(lambda o, y: self.head(o, y, bm), self.other, y)
+        def from_loss():
+            loss, head_vjp = jax.vjp(lambda o, y: self.head(o, y, i), self.other, y)
             g_o, g_y = head_vjp(self.seed.astype(loss.dtype))
-            return loss, _combine(loop.max_other, g_other, g_o), g_y.astype(y.dtype)
+            return loss, g_o, g_y.astype(y.dtype)
 
-        loss, g_other, g_y = jax.lax.cond((self.stage == p - 1) & (bc == v - 1), from_loss,
-                                          lambda g_other: (self.zero_loss, g_other, recv_g), g_other)
-        g_w, g_x = vjp(g_y)
+        loss, g_head, g_y = jax.lax.cond(self.uniform[t, 4], from_loss,
+                                         lambda: (self.zero_loss, zero_other, self.zeros_x))
+        at_head = (self.stage == p - 1) & (bc == v - 1)
+        g_w, g_x = vjp(jnp.where(at_head, g_y, recv_g))
 
-        def into_embedding(g_other):
-            _, embed_vjp = jax.vjp(lambda o: self.embed(o, bm), self.other)
-            return _combine(loop.max_other, g_other, embed_vjp(g_x)[0])
+        def into_embedding():
+            _, embed_vjp = jax.vjp(lambda o: self.embed(o, i), self.other)
+            return embed_vjp(g_x)[0]
 
-        g_other = jax.lax.cond((self.stage == 0) & (bc == 0), into_embedding, lambda g: g, g_other)
+        g_embed = jax.lax.cond(self.uniform[t, 5], into_embedding, lambda: zero_other)
+        keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)
+        g_other = _combine(loop.max_other, g_other, keep(at_head, g_head))
+        g_other = _combine(loop.max_other, g_other, keep((self.stage == 0) & (bc == 0), g_embed))
         g_layers = jax.tree.map(
-            lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(acc, _combine(m, _index(acc, bc), g), bc, 0),
-            loop.max_layers, g_layers, g_w)
-        return g_x, (g_layers, g_other, loss_sum + loss, router_sums)
+            lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(acc, _combine(m, _index(acc, c), g), c, 0),
+            loop.max_layers, g_layers, keep(busy, g_w))
+        if sums is not None:
+            sums = keep(busy, sums)
+            tokens = router_sums["tokens"]
+            router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
+                "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, c) + sums["tokens"], c, 0)}
+        loss_sum = loss_sum + jnp.where(at_head, loss, 0.0)
+        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other, loss_sum, router_sums)
 
     def tick(self, carry, t):
         loop = self.loop
         recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
         fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
-        send_x, stash = jax.lax.cond(fc >= 0, lambda st: self.forward(fc, fm, fs, recv_x, st),
+        send_x, stash = jax.lax.cond(self.uniform[t, 0], lambda st: self.forward(t, fc, fm, fs, recv_x, st),
                                      lambda st: (self.zeros_x, st), stash)
         send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
-            bc >= 0, lambda acc: self.backward(bc, bm, bs, recv_g, stash, acc), lambda acc: (self.zeros_x, acc),
-            (g_layers, g_other, loss_sum, router_sums))
+            self.uniform[t, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
+            lambda acc: (self.zeros_x, acc), (g_layers, g_other, loss_sum, router_sums))
         recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
         recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
-        g_layers, g_other = loop.pin(g_layers, loop.param_specs["layers"], lead=1), loop.pin(g_other, loop.other_specs)
         return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
 
-def stage_embedding(rules, table_axis: str = "vocab") -> Callable:
-    """The token embedding lookup, traced inside a pipeline stage: rows of the (vocab-split)
-    table, whose gradient is summed by hand inside shard_map over the mesh axes other than
-    `pipeline` (each device adds its tokens' cotangents into its own vocabulary rows, then one sum
-    over the batch axes). Left to the compiler, the scatter-add of the lookup's gradient inside
-    the stage loop, with the table split over `tensor` and the tokens over a data axis, fails to
-    compile (an XLA check in the SPMD partitioner) or, on CPU, deadlocks. `table_axis`: the logical
-    axis of the table's rows (`vocab`, or `position` for learned positions)."""
-    vocab_axes = tuple(rules.params[table_axis])
-    batch_axes = tuple(rules.activations["batch"])
-
-    def lookup(table_VxD, ids):
-        if not inside_manual():  # outside a stage: the plain lookup, differentiated by JAX
-            return jnp.take(table_VxD, ids, axis=0)
-        shape, dtype = table_VxD.shape, table_VxD.dtype
-
-        @jax.custom_vjp
-        def embed(table, ids):
-            return jnp.take(table, ids, axis=0)
-
-        def fwd(table, ids):
-            return embed(table, ids), ids
-
-        def bwd(ids, g):
-            mesh = jax.sharding.get_abstract_mesh()
-            sizes = mesh_sizes(mesh)
-            vocab = tuple(a for a in vocab_axes if a in sizes and a not in mesh.manual_axes)
-            batch = tuple(a for a in batch_axes if a in sizes and a not in mesh.manual_axes)
-            rows = shape[0] // int(np.prod([sizes[a] for a in vocab]))
-
-            def local(ids, g):
-                first = 0
-                for a in vocab:  # this device's first vocabulary row (axes major to minor)
-                    first = first * sizes[a] + jax.lax.axis_index(a)
-                index = ids - first * rows
-                mine = (index >= 0) & (index < rows)
-                gt = jnp.zeros((rows, shape[1]), dtype).at[jnp.where(mine, index, rows)].add(
-                    jnp.where(mine[..., None], g.astype(dtype), 0), mode="drop")
-                return jax.lax.psum(gt, batch) if batch else gt
-
-            g_table = jax.shard_map(local, mesh=mesh, in_specs=(P(spec_entry(batch)), P(spec_entry(batch))),
-                                    out_specs=P(spec_entry(vocab)), axis_names=set(vocab) | set(batch))(ids, g)
-            return g_table, None
-
-        embed.defvjp(fwd, bwd)
-        return embed(table_VxD, ids)
-
-    return lookup
+def uniform_flags(sc: Schedule) -> np.ndarray:
+    """[ticks, 6] bools, the same on every device: at tick t, does some stage run a forward half,
+    the embedding, a chunk forward (not the last stage's last chunk, which its backward runs), a
+    backward half, the output layer and loss, the embedding's backward."""
+    p, v = sc.stages, sc.virtual
+    fwd, bwd = sc.fwd_chunk >= 0, sc.bwd_chunk >= 0
+    chunk = fwd.copy()
+    chunk[:, p - 1] &= sc.fwd_chunk[:, p - 1] != v - 1
+    return np.stack([fwd.any(1), sc.fwd_chunk[:, 0] == 0, chunk.any(1), bwd.any(1),
+                     sc.bwd_chunk[:, p - 1] == v - 1, sc.bwd_chunk[:, 0] == 0], axis=-1)
 
 
 @dataclass(frozen=True)

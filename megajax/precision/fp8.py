@@ -57,10 +57,13 @@ class Fp8Dot(nnx.Module):
     Takes what `jax.lax.dot_general` takes for a projection: x's trailing dims contracted with
     any dims of w (w's remaining dims become the output's trailing dims), no batch dims."""
 
-    def __init__(self, policy: Fp8Policy):
+    def __init__(self, policy: Fp8Policy, layout=None):
         from pallas_kernels import default_formats  # the kernels are imported where FP8 is used
         self.policy = policy
         self.formats = default_formats()
+        # The layout's collectives around the local product (tensor / sequence parallelism,
+        # megajax/parallel/tensor.py), or None: layout(product) -> a product.
+        self.layout = layout
         if policy.delayed:
             self.scale = Fp8Meta(jnp.ones((len(TENSORS),), jnp.float32), axes=(None,))
             self.amax_history = Fp8Meta(jnp.zeros((policy.amax_history_len, len(TENSORS)), jnp.float32),
@@ -76,8 +79,23 @@ class Fp8Dot(nnx.Module):
 
     def __call__(self, x: jax.Array, w: jax.Array, dimension_numbers, precision=None,
                  preferred_element_type=None) -> jax.Array:
-        from pallas_kernels import fp8_linear
         assert precision is None and preferred_element_type is None
+        product = self.local if self.layout is None else self.layout(self.local)
+        return product(x, w, dimension_numbers)
+
+    def grouped(self, x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+        """The experts' grouped product (rows sorted by expert, as jax.lax.ragged_dot) in FP8."""
+        from pallas_kernels import fp8_expert_product
+        return fp8_expert_product(x_MxK, w_ExKxN, self.scales(), group_sizes_E, formats=self.formats)
+
+    def batched(self, x_ExCxK: jax.Array, w_ExKxN: jax.Array) -> jax.Array:
+        """The experts' batched product (capacity buffers) in FP8."""
+        from pallas_kernels import fp8_expert_product
+        return fp8_expert_product(x_ExCxK, w_ExKxN, self.scales(), formats=self.formats)
+
+    def local(self, x: jax.Array, w: jax.Array, dimension_numbers) -> jax.Array:
+        """The product of the operands as this device holds them."""
+        from pallas_kernels import fp8_linear
         (lc, rc), (lb, rb) = dimension_numbers
         n_in = len(lc)
         assert not lb and not rb and tuple(lc) == tuple(range(x.ndim - n_in, x.ndim)), dimension_numbers

@@ -23,10 +23,11 @@ from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_wi
 from megajax.models.layout import EXPERT_BIAS, STACK_NAMES
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
+from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import HISTORY, scales_of
 from megajax.precision.policy import precision_policy
-from megajax.train.loss import Gradients, StepInputs, cross_entropy, moe_sums
+from megajax.train.loss import Gradients, StepInputs, moe_sums
 from megajax.train.state import ModelSpec, TrainState
 
 # Where the MoE routers' expert bias rides in the tree the stages run on.
@@ -39,18 +40,20 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     the plan chose (RunPlan.pipeline).
 
     FSDP parameters are gathered once per step, before the stages (experts stay split over
-    `expert`: each device holds its own). The data-parallel axes (and `context`, whose ring or
-    all-gather then runs in place) are taken into the stage loop, which reduces their gradient
-    sums once after it; with dropout the compiler splits the batch inside the loop instead (the
-    masks are drawn for the whole microbatch), reducing every microbatch's gradient there."""
+    `expert`: each device holds its own). The stage loop runs manual over every mesh axis; the
+    gradient sums over the data-parallel axes (and `context`, which splits the sequence) are
+    reduced once after it."""
     sizes, m = mesh_sizes(mesh), cfg.model
     stage_axis = rules.params["stage"][0]
-    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
-    seq_axes = () if dropout else tuple(a for a in rules.activations["length"] if sizes[a] > 1)
-    data_axes = () if dropout else tuple(a for a in rules.activations["batch"] if sizes[a] > 1) + seq_axes
+    seq_axes = tuple(a for a in rules.activations["length"] if sizes[a] > 1)
+    data_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1) + seq_axes
+    token_axes = tuple(a for a in rules.activations["residual_length"]  # sequence parallelism's
+                       if a not in rules.activations["length"] and sizes[a] > 1)
     grad_specs, param_specs = (tree_specs(spec.axes, table) for table in (rules.opt_state, rules.params))
-    stage_specs = jax.tree.map(lambda s: P(*spec_without(s, ("data", "fsdp"))), param_specs)
-    fns, grad_dtype, grouped = stage_functions(spec, cfg), precision_policy(cfg).grad_dtype, m.interleaves_dense_layers()
+    gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
+    stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
+    fns, grad_dtype = stage_functions(spec, cfg, mesh, rules), precision_policy(cfg).grad_dtype
+    grouped = m.interleaves_dense_layers()
 
     def constrain(x, s):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
@@ -67,7 +70,8 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
             grads, loss_sum, router = schedule_gradients(
                 fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
                 inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
-                router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes)
+                router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes,
+                token_axes=token_axes)
         flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)
@@ -116,9 +120,11 @@ def ungroup_stacks(tree: dict) -> dict:
             "dense_layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree["layers"]["dense"])}
 
 
-def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
+def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRules) -> StageFunctions:
     """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
-    them) and output layer + loss as a pipeline runs them."""
+    them) and output layer + loss as a pipeline runs them (on each device's shards: the loss is
+    the vocab-parallel cross entropy)."""
+    ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
     history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
 
@@ -165,6 +171,6 @@ def stage_functions(spec: ModelSpec, cfg: Config) -> StageFunctions:
 
     def head(params, x, m):
         params = ungroup_stacks(params) if grouped else params
-        return jnp.sum(cross_entropy(model(params).logits(x), m["labels"]) * m["loss_mask"])
+        return jnp.sum(ce(model(params).output_logits(x), m["labels"]) * m["loss_mask"])
 
     return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)

@@ -24,8 +24,8 @@ from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_d
                                        restore_params, restore_state)
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
-from megajax.mesh import ShardingRules, mesh_from_sizes
-from megajax.parallel.context import load_balanced_order
+from megajax.errors import ConfigError
+from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.flops import train_flops_per_token
@@ -116,10 +116,18 @@ class Setup:
                       eod_mask_loss=self.cfg.data.eod_mask_loss, prefetch=prefetch, order=order)
 
 
+def check_kernel_platform(impl: str, platform: str) -> None:
+    """A kernel on devices that cannot run it: one clear error naming the key."""
+    if impl == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention_impl = 'cudnn' needs an NVIDIA GPU; this run's devices are "
+                          f"{platform}. Use model.attention_impl=flash or xla.")
+
+
 def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     devices = list(devices if devices is not None else jax.devices())
-    mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     cfg = plan.cfg
+    check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
+    mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)

@@ -14,6 +14,7 @@ replicated on every device).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -32,8 +33,7 @@ from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.parallel.context import context_parallel_attention, sharded_attention
 from megajax.parallel import experts
-from megajax.parallel.pipeline import stage_embedding
-from megajax.parallel.sequence import sequence_parallel_ops
+from megajax.parallel.tensor import tensor_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale, LossScaleState
 from megajax.precision.policy import precision_policy
@@ -75,28 +75,28 @@ class ModelSpec:
 
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
-    """The model's injected products for this layout (sequence parallel or plain), back end and
-    precision (FP8: the linear layers get stateful FP8 products, see megajax/precision/fp8.py).
-    Under a mesh the embedding lookups are the ones a pipeline stage can differentiate (plain
-    lookups outside a stage: megajax/parallel/pipeline.py `stage_embedding`)."""
+    """The model's injected products for this layout, back end and precision (FP8: the linear
+    layers get stateful FP8 products, see megajax/precision/fp8.py). Their collectives are written
+    out (megajax/parallel/tensor.py) under sequence parallelism, and inside the pipeline stages,
+    which run manual over every mesh axis; elsewhere XLA partitions the plain products."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
-    lookups = {} if mesh is None else dict(embed=stage_embedding(rules), embed_positions=stage_embedding(rules, "position"))
-    if mesh is not None and cfg.parallel.sequence_parallel and mesh_sizes(mesh)["tensor"] > 1:
-        ops = sequence_parallel_ops(mesh, rules.activations, dot)
-        return dataclasses.replace(ops, embed_positions=lookups["embed_positions"])
-    fp8 = precision_policy(cfg).fp8  # (refused with sequence parallelism)
-    low = {} if fp8 is None else dict(low_precision=lambda: Fp8Dot(fp8), low_precision_output=fp8.output_layer)
-    return LinearOps(column=dot, row=dot, **lookups, **low)
+    fp8 = precision_policy(cfg).fp8
+    low = {} if fp8 is None else dict(low_precision=lambda layout: Fp8Dot(fp8, layout),
+                                      low_precision_output=fp8.output_layer)
+    sizes = {} if mesh is None else mesh_sizes(mesh)
+    tensor = math.prod(sizes.get(a, 1) for a in (() if rules is None else rules.activations["heads"]))
+    sequence_parallel = cfg.parallel.sequence_parallel and tensor > 1
+    if sequence_parallel or (tensor > 1 and sizes.get("pipeline", 1) > 1):
+        ops = tensor_parallel_ops(mesh, rules.activations, dot, sequence_parallel=sequence_parallel)
+        return dataclasses.replace(ops, **low)
+    return LinearOps(column=dot, row=dot, **low)
 
 
 def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable:
-    """The attention for this layout: the configured kernel, per shard under a mesh, or context-parallel."""
+    """The attention for this layout: the configured kernel, per shard under a mesh, or context-parallel
+    (inside the pipeline stages, the same functions run on each device's shards)."""
     impl = cfg.model.attention_impl
-    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
-    if impl == "cudnn" and platform != "gpu":
-        raise ConfigError(f"model.attention_impl = 'cudnn' needs an NVIDIA GPU; this run's devices are "
-                          f"{platform}. Use model.attention_impl=flash or xla.")
     if mesh is not None and mesh_sizes(mesh)["context"] > 1:
         return context_parallel_attention(BLOCK_ATTENTION[impl], mesh, rules.activations, cfg.parallel.context_impl)
     core = make_attention_core(impl, cfg.parallel.recompute)

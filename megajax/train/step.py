@@ -164,8 +164,9 @@ def per_shard_rules(rules: ShardingRules) -> ShardingRules:
 
 def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, ...]:
     """Mesh axes of the per-shard gradient vmap: where the rules put the batch; none for a MoE
-    model (see the module docstring)."""
-    if cfg.model.num_experts:
+    model (see the module docstring) or with dropout (whose masks are drawn for the whole
+    microbatch, as one device draws them: megajax/models/layers.py `dropout`)."""
+    if cfg.model.num_experts or cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0:
         return ()
     return tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
 
@@ -256,11 +257,10 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
 
             def run_micro(i):
                 micro, rng = micro_of(batch, inputs, i)
-                rngs = None if rng is None else jax.random.split(rng, dp)  # each shard its own masks
-                one = lambda p, m, r: loss_and_grads(shard_spec, p, scales, m, r, inputs, state.fp8,
-                                                     state.moe_expert_bias)
-                (_, sums), (grads, amaxes) = jax.vmap(one, in_axes=(None, 0, 0 if rng is not None else None),
-                                                      spmd_axis_name=dp_axes)(params, micro, rngs)
+                assert rng is None, "dropout runs on the whole batch (vmapped_axes)"
+                one = lambda p, m: loss_and_grads(shard_spec, p, scales, m, None, inputs, state.fp8,
+                                                  state.moe_expert_bias)
+                (_, sums), (grads, amaxes) = jax.vmap(one, in_axes=(None, 0), spmd_axis_name=dp_axes)(params, micro)
                 return grads, amaxes, sums
 
             grads, amaxes, sums = accumulate(run_micro, inputs.accum, policy.grad_dtype, on_own_shard)
