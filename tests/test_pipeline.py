@@ -198,20 +198,29 @@ def test_1f1b_temporaries_stay_flat_while_gpipe_grows():
     assert temps["1f1b", 16] < temps["gpipe", 16] - 8 * stage_input, temps
 
 
-def test_a_four_stage_step_permutes_activations_and_never_gathers_layer_weights():
-    text = _compiled("mesh.pipeline=4", "mesh.data=2", "train.global_batch=8", devices=8).as_text()
+@pytest.mark.parametrize("stages, layout", [(4, ["mesh.data=2"]),
+                                           (2, ["mesh.tensor=2", "mesh.context=2", "parallel.sequence_parallel=true",
+                                                "parallel.context_impl=allgather"])],
+                         ids=["p4_data2", "p2_tensor2_context2_sp"])
+def test_the_step_permutes_activations_and_never_gathers_layer_weights(stages, layout):
+    text = _compiled(f"mesh.pipeline={stages}", "mesh.data=1", *layout, "train.global_batch=8", devices=8).as_text()
     assert len(re.findall(r"collective-permute(-start)?\(", text)) >= 2
-    # Devices are numbered pipeline-major (stage = id // 2): an all-gather over `pipeline` would have a
-    # replica group holding two stages' devices. Layer weights stay on their stage.
+    # Devices are numbered pipeline-major (stage = id // per): an all-gather over `pipeline` would have a
+    # replica group holding two stages' devices. Layer weights stay on their stage; the all-gathers of
+    # tensor, sequence and context parallelism stay inside one.
+    per = 8 // stages
+    gathers = 0
     for line in text.splitlines():
         if re.search(r"all-gather(-start)?\(", line):
+            gathers += 1
             groups = re.search(r"replica_groups=\{(\{[\d,]+\}(?:,\{[\d,]+\})*)\}", line)
             iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[(\d+)\](T\([\d,]+\))?", line)
             if groups:
                 for g in re.findall(r"\{([\d,]+)\}", groups.group(1)):
-                    assert len({int(d) // 2 for d in g.split(",")}) == 1, line
+                    assert len({int(d) // per for d in g.split(",")}) == 1, line
             else:
-                assert iota is not None and iota.group(4) is None and int(iota.group(2)) <= 2, line
+                assert iota is not None and iota.group(4) is None and int(iota.group(2)) <= per, line
+    assert gathers > 0 or stages == 4
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.mesh import Rules, entry_axes, logical_to_spec, mesh_sizes, spec_entry, spec_without
 from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
-from megajax.parallel.manual import shard_map_fn
+from megajax.parallel.manual import like, shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
 
@@ -92,6 +92,10 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     def local(x, ids, weights, kernels, products):
         if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
             x, ids, weights = (jax.lax.all_gather(a, spec_entry(sp_axes), axis=1, tiled=True) for a in (x, ids, weights))
+        else:
+            # Each tensor rank's tokens typed as its own from here, so the gradient of its experts'
+            # inputs is summed over `tensor` once, on the tokens [T, D], not on the exchanged rows.
+            x = like(x, *kernels.values())
         b, l, d = x.shape
         if capacity_factor is not None:
             exchange = ((lambda buf: jax.lax.all_to_all(buf, spec_entry(exp_axes), 0, 0, tiled=True)) if ep > 1

@@ -17,41 +17,51 @@ one-byte copies of their inputs are not counted); b is the micro batch per
 data-parallel rank. Every figure is of a run plan (megajax/plan.py): its mesh
 sizes, batch layout and pipeline schedule, nothing recomputed here.
 
-Communication per step, Megatron's minimum for the layout (elements x bytes
-of the compute dtype): tensor parallelism all-reduces b*s*h twice per layer
+Communication per step and device, by collective kind: the collectives this
+layout's program runs, counted as the compiled HLO counts them (megajax/perf/
+hlo.py), in elements x bytes of the compute dtype (fp32 on CPU, where XLA runs
+16-bit arithmetic in fp32). Tensor parallelism reduces b*s*h twice per layer
 forward (after the attention output and MLP output projections) and twice
-backward (gradients of the q/k/v and MLP inputs), plus, with full
+backward (the gradients of the q/k/v and MLP inputs), plus, with full
 recomputation, the forward ones the backward needs again (the attention
 output's all-reduce; with SP both all-gathers and the attention
-reduce-scatter), plus once for the
-vocabulary-parallel embedding (forward) and once for the output layer's
-input (backward); sequence parallelism replaces each by an all-gather and a
-reduce-scatter of the same b*s*h. Vocabulary-parallel cross-entropy
-all-reduces three fp32 [b, s] rows. Data parallelism all-reduces each
-device's gradient shard once; FSDP all-gathers the parameters and
-reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp
-shard over `data`); the distributed optimizer reduce-scatters the gradients
-and all-gathers the updated parameters over `data`.
+reduce-scatter), plus once for the vocabulary-parallel embedding (forward) and
+once for the output layer's input (backward); sequence parallelism replaces
+each by an all-gather and a reduce-scatter of the same b*s*h.
+Vocabulary-parallel cross-entropy all-reduces three fp32 [b, s] rows. Context
+parallelism moves k and v (the kv heads of a tensor rank) per layer: the ring
+C - 1 hops forward and C hops backward with their fp32 gradients
+(collective-permutes), the all-gather implementation gathers them forward and
+reduce-scatters their gradients. Data parallelism all-reduces each device's
+gradient shard once (and once more over `context` without a pipeline, where
+XLA reduces over it separately); FSDP all-gathers the parameters and
+reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp shard
+over `data`); the distributed optimizer reduce-scatters the gradients and
+all-gathers the updated parameters over `data`.
 
 Mixture of experts over `expert` (ep ranks): each MoE layer sends a device's
 tokens x top-k rows of h to the experts' devices and back, forward and
-backward: 4 all-to-alls of tokens*k*h*(ep-1)/ep per layer and microbatch (a
-balanced routing's bytes leaving the device). The other parameters'
+backward, in fixed buffers with one slot per device (dropless: room for every
+assignment, so ep x the rows; capacity mode: the experts' capacity): 4
+all-to-alls of the buffer per layer and microbatch. The other parameters'
 gradients are also all-reduced over `expert` (a data-parallel axis for them).
 A shared expert is a second tensor-parallel MLP in the layer on the same
 input: its output's and its input gradient's reduction are 2 more b*s*h
 all-reduces (with SP reduce-scatters) per layer; with SP the all-gathers of
 its input and of its output's cotangent are the routed experts' own.
-A MoE model reduces its gradients once per microbatch (megajax/train/step.py),
-except through pipeline stages without dropout (once per step); with a
-pipeline a device's all-to-alls are those of its stage's layers.
+A model run on the whole batch per microbatch (MoE, dropout:
+megajax/train/step.py) reduces its gradients once per microbatch, except
+through pipeline stages (once per step, after the stage loop).
 
-Pipeline parallelism over P stages (V chunks each): a device holds layers/P
-layers, so the per-layer terms count those; the minimum stage-to-stage traffic
-is 2 x microbatches x V stage-boundary activations b*s*h (forward activations
-and backward cotangents, collective-permute); the embedding and output
-layer's gradients (held by every stage) are all-reduced over `pipeline`. Layer
-activations: the stages recompute a chunk's forward in its backward, so a
+Pipeline parallelism over P stages (V chunks each): a device runs its stage's
+chunk of layers/(P V) layers in each tick's forward half and again (recomputed)
+with its backward in the backward half; the compiled loop counts both halves in
+every tick (the HLO does not say which ticks take a half's branch), and the
+figures count them the same way. Each tick sends an activation and a cotangent
+(collective-permute); the embedding and output layer's gradients (held by
+every stage) are all-reduced over `pipeline`, and the interleaved schedule
+moves the layers into its chunk order and their gradients back once per step.
+Layer activations: the stages recompute a chunk's forward in its backward, so a
 device holds its stashed stage inputs (s*b*h each; the schedule's stash:
 M for GPipe, at most 2 V P - 1 for 1F1B and interleaved, whatever M) and one
 chunk's layer activations at a time.
@@ -132,52 +142,95 @@ def logits_bytes(plan: RunPlan) -> int:
     return int(2 * tokens * plan.padded_vocab / sizes["tensor"] * 4)
 
 
+def _passes(plan: RunPlan) -> dict[str, float]:
+    """How often per step a device runs each kind of pass: `fwd` / `bwd` layer passes (layers x
+    microbatches; in a pipeline, its stage's chunk per tick, the backward half also recomputing the
+    forward), `extra` the forward passes full recompute adds in the backward, `moe_*` the same for
+    the MoE layers, `micro` the embedding / output layer / loss passes, `ticks` the stage loop's
+    ticks (0 without a pipeline). A pipeline counts both halves in every tick, as the compiled
+    program's loop does (the HLO does not say which ticks take a half's branch)."""
+    m, pipe = plan.cfg.model, plan.pipeline
+    full = plan.cfg.parallel.recompute == "full"
+    if pipe is None:
+        a = plan.batch.accumulation
+        layers, moe = a * m.num_layers, a * m.num_moe_layers()
+        return {"fwd": layers, "bwd": layers, "extra": layers if full else 0, "moe_fwd": moe, "moe_bwd": moe,
+                "moe_extra": moe if full else 0, "micro": a, "ticks": 0}
+    ticks = build_schedule(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
+    chunks = pipe.stages * pipe.virtual_stages
+    c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
+    return {"fwd": 2 * ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0, "moe_fwd": 2 * ticks * c_moe,
+            "moe_bwd": ticks * c_moe, "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
+
+
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
-                        stage_shared_param_bytes: int = 0) -> dict[str, int]:
-    """Megatron's minimum bytes per device per step, by collective kind (`stage_shared_param_bytes`:
-    the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`)."""
+                        stage_shared_param_bytes: int = 0, platform: str = "gpu") -> dict[str, int]:
+    """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
+    the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`). On
+    `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
-    t = sizes["tensor"]
-    act = precision_policy(cfg).activation_bytes
-    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
+    t, cp = sizes["tensor"], sizes["context"]
+    act = 4 if platform == "cpu" else precision_policy(cfg).activation_bytes
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / cp  # a device's tokens of a microbatch
     bsh = tokens * m.hidden_size * act
+    sp = cfg.parallel.sequence_parallel and t > 1
+    n = _passes(plan)
     out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
-    a = plan.batch.accumulation
     pipe = plan.pipeline
-    p = pipe.stages if pipe is not None else 1
-    layers = m.num_layers / p
-    moe_layers = m.num_moe_layers() / p  # the layers with an all-to-all (and a shared expert)
-    if pipe is not None:
-        out["collective-permute"] += 2 * a * pipe.virtual_stages * bsh
+    if pipe is not None:  # each tick sends an activation forward and a cotangent back
+        out["collective-permute"] += 2 * n["ticks"] * bsh / (t if sp else 1)
         out["all-reduce"] += stage_shared_param_bytes
+        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
+            out["collective-permute"] += 2 * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
-        per_step = 4 * layers + 2
-        shared = 2 * moe_layers if m.num_experts and m.moe_shared_expert_ffn_size else 0  # the shared expert
-        full = cfg.parallel.recompute == "full"
-        # Full recompute re-runs a layer's forward for its backward, but only the collectives whose
-        # results the backward needs: all but the one after the MLP (the layer's output).
-        if cfg.parallel.sequence_parallel:
-            out["all-gather"] += a * (per_step + (2 * layers if full else 0)) * bsh
-            out["reduce-scatter"] += a * (per_step + shared + (layers if full else 0)) * bsh
+        # Per layer 2 products reduce forward and 2 backward (Megatron's f/g); full recompute reruns
+        # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
+        # 2 all-gathers and 1 reduce-scatter); the embedding (forward) and the output layer (its
+        # input's gradient) once per microbatch; a shared expert adds one forward and one backward.
+        shared = n["moe_fwd"] + n["moe_bwd"] if m.num_experts and m.moe_shared_expert_ffn_size else 0
+        if sp:
+            out["all-gather"] += (2 * n["fwd"] + 2 * n["bwd"] + 2 * n["extra"] + 2 * n["micro"]) * bsh
+            out["reduce-scatter"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
         else:
-            out["all-reduce"] += a * (per_step + shared + (layers if full else 0)) * bsh
-        out["all-reduce"] += a * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+            out["all-reduce"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
+        out["all-reduce"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+    if cp > 1:  # attention over the sequence's chunks: k and v (kv heads of this tensor rank)
+        kv = tokens * (m.num_kv_heads / t) * m.head_dim * act
+        kv32 = kv * 4 / act  # their gradients accumulate in fp32
+        fwd = n["fwd"] + n["extra"]
+        if cfg.parallel.context_impl == "ring":  # cp - 1 hops forward; backward cp hops with dk, dv
+            out["collective-permute"] += fwd * (cp - 1) * 2 * kv + n["bwd"] * ((cp - 1) * 2 * (kv + kv32) + 2 * kv32)
+        else:  # all-gather k and v, reduce-scatter their gradients
+            out["all-gather"] += fwd * 2 * cp * kv
+            out["reduce-scatter"] += n["bwd"] * 2 * cp * kv
     ep = sizes.get("expert", 1)
-    # A MoE model reduces its gradients per microbatch, except through pipeline stages (once per
-    # step, after the stage loop) unless dropout keeps the batch split with the compiler there.
-    dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
-    reductions = a if m.num_experts and (p == 1 or dropout) else 1
     if m.num_experts and ep > 1:
-        out["all-to-all"] += a * 4 * moe_layers * tokens * m.moe_router_topk * m.hidden_size * act * (ep - 1) / ep
-        out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
+        # Each MoE layer sends its (sequence-gathered) tokens x top-k rows to the experts' devices and
+        # back, forward and backward, in fixed buffers of one slot per device (dropless: room for every
+        # assignment; capacity: each device's experts' capacity).
+        rows = (tokens * m.moe_router_topk if m.moe_expert_capacity_factor is None else
+                ep * math.ceil(tokens * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
+                * m.num_experts / ep)
+        buffer = (ep if m.moe_expert_capacity_factor is None else 1) * rows * m.hidden_size * act
+        out["all-to-all"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
+    # Data-parallel reductions: once per step (after the accumulation or the stage loop), or per
+    # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py).
+    m_dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
+    reductions = plan.batch.accumulation if (m.num_experts or m_dropout) and pipe is None else 1
     fsdp, data = sizes["fsdp"], sizes["data"]
+    # The other parameters' gradients are reduced over `expert` too (after the stage loop, in the
+    # same reduction as over the data axes when there is one).
+    if m.num_experts and ep > 1 and (pipe is None or data * cp == 1):
+        out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
     shard = local_param_bytes * reductions
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
         out["all-gather"] += shard
         out["reduce-scatter"] += shard
         shard = shard / fsdp
-    if data > 1:
+    if cp > 1 and pipe is None:  # gradients reduced over `context` (a separate all-reduce)
+        out["all-reduce"] += shard
+    if data > 1 or (cp > 1 and pipe is not None):
         if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
             out["reduce-scatter"] += shard
             out["all-gather"] += shard

@@ -12,7 +12,7 @@ step `megajax train` runs and reports:
   recompute policy and tensor/sequence parallel sizes), and whether it fits
   the device;
 - collectives per step read from the compiled HLO (count and bytes per
-  kind) beside Megatron's analytic minimum for the layout, with the ratio;
+  kind) beside the layout's analytic figure (megajax/perf/analytic.py), with the ratio;
 - optionally a peer baseline (Hugging Face transformers on PyTorch, or
   Megatron-Core) timed in the same run, interleaved with megajax's steps so
   that both see the same machine load, and the throughput ratio.
@@ -64,7 +64,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
-    expected = analytic.communication_bytes(plan, local, experts, shared)
+    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend())
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
@@ -291,7 +291,7 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def communication_verdict(comm: dict[str, dict[str, Any]], low: float = 0.9, high: float = 1.25) -> str:
-    """One line: whether every kind is within [low, high] of the analytic minimum."""
+    """One line: whether every kind is within [low, high] of the analytic figure."""
     if all(row["bytes"] == 0 and row["analytic_bytes"] == 0 for row in comm.values()):
         return "no collectives (and none expected)"
     off = []
@@ -304,8 +304,8 @@ def communication_verdict(comm: dict[str, dict[str, Any]], low: float = 0.9, hig
         if r is None or not low <= r <= high:
             off.append(f"{kind} {'inf' if r is not None and math.isinf(r) else f'{r:.2f}'}")
     if not off:
-        return f"every kind within [{low}, {high}] of the analytic minimum"
-    return f"outside [{low}, {high}] of the analytic minimum: " + ", ".join(off)
+        return f"every kind within [{low}, {high}] of the analytic figure"
+    return f"outside [{low}, {high}] of the analytic figure: " + ", ".join(off)
 
 
 def format_topology(r: dict[str, Any]) -> str:
