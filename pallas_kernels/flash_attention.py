@@ -119,7 +119,9 @@ def _same_variance(args: list) -> tuple[list, dict]:
     its outputs the same way (pallas_call cannot infer them); outside one: unchanged, no keywords."""
     union = frozenset().union(*map(_varying, args))
     if not union:
-        return args, {}
+        inside = not jax.sharding.get_abstract_mesh().empty and jax.sharding.get_abstract_mesh().manual_axes
+        # Inside shard_map the outputs are typed even when they vary over no axis.
+        return args, ({"manual_axis_type": jax.typeof(args[0]).manual_axis_type} if inside else {})
     args = [jax.lax.pcast(x, tuple(sorted(union - _varying(x))), to="varying") if union - _varying(x) else x
             for x in args]
     return args, {"manual_axis_type": jax.typeof(args[0]).manual_axis_type}

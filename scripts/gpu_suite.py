@@ -92,6 +92,11 @@ def _fp8_headline(r: dict) -> str:
     return text
 
 
+def _composed_headline(r: dict) -> str:
+    rows = r.get("checks", [])
+    return f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} composed paths agree"
+
+
 def _bench_headline(r: dict) -> str:
     mem = (r.get("memory", {}).get("compiled") or {}).get("total")
     text = (f"{r['tokens_per_sec']:,.0f} tok/s, {r['tflops_per_device']:.1f} TFLOP/s/dev, "
@@ -144,6 +149,11 @@ SECTIONS = [
     Section("fp8", 150, lambda ctx: [ctx.python, "scripts/gpu_check_fp8.py", "--out", str(ctx.out / "fp8"),
                                      "--json", ctx.json("fp8"),
                                      *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60, headline=_fp8_headline),
+    # The composed paths one device runs: the stage loop with flash and with FP8, FP8 through the
+    # sequence-parallel products, cuDNN as context parallelism's block kernel.
+    Section("composed", 120, lambda ctx: [ctx.python, "scripts/gpu_check_composed.py", "--json", ctx.json("composed"),
+                                          *(["--cpu-smoke"] if ctx.smoke else [])],
+            smoke_limit_s=120, headline=_composed_headline),
     Section("bench_llama1b_cudnn", 130, _bench("bench_llama1b_cudnn", "cudnn"), headline=_bench_headline),
     # The same step with train.precision=fp8 (delayed scaling, XLA's FP8 GEMMs): its step time
     # against bench_llama1b_cudnn's bf16 one.

@@ -235,7 +235,8 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     if order is not None:
         layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
     data_axes = tuple(data_axes)
-    loop = _StageLoop(model_fns, sched, axis, data_axes, (axis, *data_axes), tuple(token_axes),
+    reduced = ((axis,) if p > 1 else ()) + data_axes
+    loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes),
                       num_layers // (p * v), max_layers, max_other, grad_dtype, rng is not None)
 
     # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
@@ -327,7 +328,8 @@ class _StageLoop:
         sc, v, per = self.sched, self.sched.virtual, self.per
         other, batch, seed, layers, router_seed = (self.vary(t) for t in (other, batch, seed, layers, router_seed))
         chunks = jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers)
-        dev = _Device(self, jax.lax.axis_index(self.axis), chunks, other, batch, rng, seed, router_seed)
+        stage = jax.lax.axis_index(self.axis) if sc.stages > 1 else 0
+        dev = _Device(self, stage, chunks, other, batch, rng, seed, router_seed)
         dtype = lambda m: jnp.float32 if m else self.grad_dtype  # amaxes (maxed) stay fp32
         g_layers0 = jax.tree.map(lambda m, w: like(jnp.zeros(w.shape, dtype(m)), w), self.max_layers, chunks)
         g_other0 = jax.tree.map(lambda m, o: like(jnp.zeros(o.shape, dtype(m)), o), self.max_other, other)
@@ -470,8 +472,9 @@ class _Device:
         send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
             self.uniform[t, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
             lambda acc: (self.zeros_x, acc), (g_layers, g_other, loss_sum, router_sums))
-        recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
-        recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
+        if loop.sched.stages > 1:
+            recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
+            recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
         return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
 
