@@ -221,15 +221,15 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
     fsdp, data = sizes["fsdp"], sizes["data"]
     # The other parameters' gradients are reduced over `expert` too (after the stage loop, in the
     # same reduction as over the data axes when there is one).
-    if m.num_experts and ep > 1 and (pipe is None or data * cp == 1):
+    if m.num_experts and ep > 1 and data * (1 if pipe is None else cp) == 1:
         out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
     shard = local_param_bytes * reductions
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
         out["all-gather"] += shard
         out["reduce-scatter"] += shard
         shard = shard / fsdp
-    if cp > 1 and pipe is None:  # gradients reduced over `context` (a separate all-reduce)
-        out["all-reduce"] += shard
+    if cp > 1 and pipe is None:  # gradients reduced over `context` per microbatch (a separate all-reduce)
+        out["all-reduce"] += shard / reductions * plan.batch.accumulation
     if data > 1 or (cp > 1 and pipe is not None):
         if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
             out["reduce-scatter"] += shard
