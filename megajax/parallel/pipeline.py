@@ -14,13 +14,14 @@ Every device runs the same program: one `shard_map` manual over every mesh
 axis, each device holding its own shards of the weights and of every
 microbatch, with tensor, sequence, context and expert parallelism written as
 explicit collectives (the functions megajax/parallel/ uses outside the stages
-too). Per tick a forward half and a backward half, each a `lax.cond` on
-whether any stage runs that half at that tick: every device takes the same
-branches, so every collective inside a chunk (an all-reduce over `tensor`, a
-ring hop over `context`, an all-to-all over `expert`) is joined by every
-device; a stage with no work of its own in the half computes on zeros and
-drops the result (on GPUs this costs no time: a tick lasts as long as its
-busiest stage). After each half one `ppermute` sends the activation to the
+too). Per tick a forward half and a backward half, each a `lax.cond`. When
+the chunks hold collectives (an all-reduce over `tensor`, a ring hop over
+`context`, an all-to-all over `expert`), the branches are taken on whether any
+stage runs that half at that tick, alike on every device, so every device
+joins every collective; a stage with no work of its own in the half computes
+on zeros and drops the result (on GPUs this costs no time: a tick lasts as
+long as its busiest stage). Otherwise each stage branches on its own table
+entry, and an idle half does no work. After each half one `ppermute` sends the activation to the
 next stage (forward) or the input cotangent to the previous stage (backward).
 Both transfers arrive exactly when the receiver's table asks for them, so
 nothing else crosses stages.
@@ -198,7 +199,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
-                       token_axes: tuple[str, ...] = ()) -> tuple[dict, jax.Array, dict | None]:
+                       token_axes: tuple[str, ...] = (), lockstep: bool = True) -> tuple[dict, jax.Array, dict | None]:
     """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
     the loss sum, the router sums or None) of one step's M microbatches through the pipeline.
     `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacked `layers`
@@ -215,7 +216,9 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     keeps its own gradient sums over them, and the one data-parallel reduction of the step happens
     after the loop (an all-reduce, or a reduce-scatter onto the optimizer's shards). `token_axes`:
     the axes that split a stage's tokens between the layers besides those (`tensor` under sequence
-    parallelism), over which the router statistics are summed.
+    parallelism), over which the router statistics are summed. `lockstep`: the chunks hold
+    collectives (tensor, context or expert parallelism): every device runs every branch some stage
+    runs at a tick, so each joins them; without, a stage runs only its own work.
 
     A mixture-of-experts model (`model_fns.experts` > 0): each chunk also returns its layers'
     router losses (balancing + z, this shard's share of the whole microbatch's: the chunk sums its
@@ -236,7 +239,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
     data_axes = tuple(data_axes)
     reduced = ((axis,) if p > 1 else ()) + data_axes
-    loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes),
+    loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes), lockstep,
                       num_layers // (p * v), max_layers, max_other, grad_dtype, rng is not None)
 
     # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
@@ -297,6 +300,7 @@ class _StageLoop:
     data_axes: tuple[str, ...]
     reduced: tuple[str, ...]  # the stage axis and the data axes: per-device sums, reduced after the loop
     token_axes: tuple[str, ...]  # axes splitting a stage's tokens within the layers (sequence parallelism)
+    lockstep: bool  # every device runs every branch some stage runs (collectives inside the chunks)
     per: int  # layers per chunk
     max_layers: dict
     max_other: dict
@@ -359,7 +363,7 @@ class _Device:
         p, v = loop.sched.stages, loop.sched.virtual
         self.tables = jnp.asarray(np.stack([loop.sched.fwd_chunk, loop.sched.fwd_micro, loop.sched.fwd_slot,
                                             loop.sched.bwd_chunk, loop.sched.bwd_micro, loop.sched.bwd_slot], -1))
-        self.uniform = jnp.asarray(uniform_flags(loop.sched))
+        self.flags = jnp.asarray(branch_flags(loop.sched, loop.lockstep))
         self.fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
         self.bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
         # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
@@ -393,17 +397,17 @@ class _Device:
         else what the previous stage sent), stashed; the chunk's output for the next stage. The
         last chunk of the last stage only stashes: its backward recomputes it with the loss.
 
-        Every device runs the parts some stage needs at tick t (the branches are taken on the
-        tick's row of `uniform`, the same on every device, so that every collective inside a
-        chunk is joined by every device); a stage with nothing of its own to run computes on
-        zeros, and its results are dropped."""
+        In lockstep every device runs the parts some stage needs at tick t (the branches are
+        taken alike on every device, so that every collective inside a chunk is joined by every
+        device); a stage with no work of its own then computes on zeros, and its results are
+        dropped."""
         p, v = self.loop.sched.stages, self.loop.sched.virtual
         busy, c, i = fc >= 0, jnp.maximum(fc, 0), jnp.maximum(fm, 0)
-        embedded = jax.lax.cond(self.uniform[t, 1], lambda: self.embed(self.other, i), lambda: self.zeros_x)
+        embedded = jax.lax.cond(self.flags[t, self.stage, 1], lambda: self.embed(self.other, i), lambda: self.zeros_x)
         x = jnp.where((self.stage == 0) & (fc == 0), embedded, recv_x)
         slot = jnp.maximum(fs, 0)
         stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(busy, x, _index(stash, slot)), slot, 0)
-        y = jax.lax.cond(self.uniform[t, 2], lambda: self.run_chunk(_index(self.chunks, c), x, c, i)[0],
+        y = jax.lax.cond(self.flags[t, self.stage, 2], lambda: self.run_chunk(_index(self.chunks, c), x, c, i)[0],
                          lambda: self.zeros_x)
         last = (self.stage == p - 1) & (fc == v - 1)
         return jnp.where(busy & ~last, y, self.zeros_x), stash
@@ -439,7 +443,7 @@ class _Device:
             g_o, g_y = head_vjp(self.seed.astype(loss.dtype))
             return loss, g_o, g_y.astype(y.dtype)
 
-        loss, g_head, g_y = jax.lax.cond(self.uniform[t, 4], from_loss,
+        loss, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
                                          lambda: (self.zero_loss, zero_other, self.zeros_x))
         at_head = (self.stage == p - 1) & (bc == v - 1)
         g_w, g_x = vjp(jnp.where(at_head, g_y, recv_g))
@@ -448,7 +452,7 @@ class _Device:
             _, embed_vjp = jax.vjp(lambda o: self.embed(o, i), self.other)
             return embed_vjp(g_x)[0]
 
-        g_embed = jax.lax.cond(self.uniform[t, 5], into_embedding, lambda: zero_other)
+        g_embed = jax.lax.cond(self.flags[t, self.stage, 5], into_embedding, lambda: zero_other)
         keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)
         g_other = _combine(loop.max_other, g_other, keep(at_head, g_head))
         g_other = _combine(loop.max_other, g_other, keep((self.stage == 0) & (bc == 0), g_embed))
@@ -467,10 +471,10 @@ class _Device:
         loop = self.loop
         recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
         fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
-        send_x, stash = jax.lax.cond(self.uniform[t, 0], lambda st: self.forward(t, fc, fm, fs, recv_x, st),
+        send_x, stash = jax.lax.cond(self.flags[t, self.stage, 0], lambda st: self.forward(t, fc, fm, fs, recv_x, st),
                                      lambda st: (self.zeros_x, st), stash)
         send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
-            self.uniform[t, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
+            self.flags[t, self.stage, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
             lambda acc: (self.zeros_x, acc), (g_layers, g_other, loss_sum, router_sums))
         if loop.sched.stages > 1:
             recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
@@ -478,16 +482,20 @@ class _Device:
         return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
 
 
-def uniform_flags(sc: Schedule) -> np.ndarray:
-    """[ticks, 6] bools, the same on every device: at tick t, does some stage run a forward half,
-    the embedding, a chunk forward (not the last stage's last chunk, which its backward runs), a
-    backward half, the output layer and loss, the embedding's backward."""
+def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:
+    """[ticks, stages, 6] bools: at tick t, does stage s run a forward half, the embedding, a chunk
+    forward (not the last stage's last chunk, which its backward runs), a backward half, the
+    output layer and loss, the embedding's backward. `lockstep`: every stage runs what some stage
+    runs (the flags of each tick the same on every device)."""
     p, v = sc.stages, sc.virtual
+    stage = np.arange(p)[None, :]
     fwd, bwd = sc.fwd_chunk >= 0, sc.bwd_chunk >= 0
-    chunk = fwd.copy()
-    chunk[:, p - 1] &= sc.fwd_chunk[:, p - 1] != v - 1
-    return np.stack([fwd.any(1), sc.fwd_chunk[:, 0] == 0, chunk.any(1), bwd.any(1),
-                     sc.bwd_chunk[:, p - 1] == v - 1, sc.bwd_chunk[:, 0] == 0], axis=-1)
+    chunk = fwd & ~((stage == p - 1) & (sc.fwd_chunk == v - 1))
+    flags = np.stack([fwd, (stage == 0) & (sc.fwd_chunk == 0), chunk, bwd,
+                      (stage == p - 1) & (sc.bwd_chunk == v - 1), (stage == 0) & (sc.bwd_chunk == 0)], axis=-1)
+    if lockstep:
+        flags = np.broadcast_to(flags.any(axis=1, keepdims=True), flags.shape)
+    return flags
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,9 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     data_axes = tuple(a for a in rules.activations["batch"] if sizes[a] > 1) + seq_axes
     token_axes = tuple(a for a in rules.activations["residual_length"]  # sequence parallelism's
                        if a not in rules.activations["length"] and sizes[a] > 1)
+    # Collectives inside the chunks (tensor, context, the experts' dispatch and router counts):
+    # every device then takes every branch of a tick (megajax/parallel/pipeline.py).
+    lockstep = m.num_experts > 0 or any(sizes[a] > 1 for a in (*rules.activations["heads"], *seq_axes))
     grad_specs, param_specs = (tree_specs(spec.axes, table) for table in (rules.opt_state, rules.params))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
@@ -71,7 +74,7 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
                 fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
                 inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
                 router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes,
-                token_axes=token_axes)
+                token_axes=token_axes, lockstep=lockstep)
         flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)
