@@ -6,7 +6,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

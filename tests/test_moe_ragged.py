@@ -4,7 +4,6 @@ only the real rows. XLA:CPU has no ragged-all-to-all, so here the exchange is
 dispatch's bookkeeping (offsets, receive layout, the way back) must train exactly as one device."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec as P
