@@ -21,10 +21,10 @@ stage runs that half at that tick, alike on every device, so every device
 joins every collective; a stage with no work of its own in the half computes
 on zeros and drops the result (on GPUs this costs no time: a tick lasts as
 long as its busiest stage). Otherwise each stage branches on its own table
-entry, and an idle half does no work. After each half one `ppermute` sends the activation to the
-next stage (forward) or the input cotangent to the previous stage (backward).
-Both transfers arrive exactly when the receiver's table asks for them, so
-nothing else crosses stages.
+entry, and an idle half does no work. After each half one `ppermute` sends
+the activation to the next stage (forward) or the input cotangent to the
+previous stage (backward). Both transfers arrive exactly when the receiver's
+table asks for them, so nothing else crosses stages.
 
 The backward half recomputes its chunk's forward from the stashed input and
 takes its VJP (the stage iteration is rematerialised); the last stage's
@@ -280,9 +280,9 @@ def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
-def _zeros(struct, dtype=None, axes=()):
-    """Zeros of a ShapeDtypeStruct's shape (and dtype), typed as varying over its manual axes and `axes`."""
-    x = jnp.zeros(struct.shape, dtype or struct.dtype)
+def _zeros(struct, axes=()):
+    """Zeros of a ShapeDtypeStruct's shape and dtype, typed as varying over its manual axes and `axes`."""
+    x = jnp.zeros(struct.shape, struct.dtype)
     mat = getattr(struct, "manual_axis_type", None)
     want = set(getattr(mat, "varying", ()) if mat is not None else getattr(struct, "vma", ())) | set(axes)
     return jax.lax.pcast(x, tuple(sorted(want)), to="varying") if want else x
