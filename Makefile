@@ -22,7 +22,7 @@ bench: install
 	$(VENV)/bin/megajax bench $(ARGS)
 
 test: install
-	$(PY) -m pytest -q --durations=40 tests $(ARGS)
+	$(PY) -m pytest -q --durations=40 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -20,6 +20,7 @@ sample). `megajax.cli.run_training` is `train` with both.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -41,6 +42,7 @@ from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import MOE_RECORD_FIELDS, RunOps
+from megajax.train.run_lock import RunDirInUse, RunDirLock
 from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
 
@@ -263,16 +265,44 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
     with _StopSignals() as stop:
         plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
         run_dir = Path(plan.cfg.train.run_dir)
-        tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
-        if stop.received is not None and not stop.multiprocess:
-            name = signal.Signals(stop.received).name
-            _say(f"megajax: {name} received during start-up, before the first step: nothing to save; stopping.")
-            tr.loader.close()
-            return RunResult(run_dir=run_dir, stopped_by=name, state=tr.state)
-        run_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start-up leaves nothing behind
-        if jax.process_index() == 0:
-            (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
-        return _loop(tr, run_dir, stop, on_end)
+        with _hold_run_dir(run_dir):
+            tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
+            if stop.received is not None and not stop.multiprocess:
+                name = signal.Signals(stop.received).name
+                _say(f"megajax: {name} received during start-up, before the first step: nothing to save; "
+                     f"stopping.")
+                tr.loader.close()
+                return RunResult(run_dir=run_dir, stopped_by=name, state=tr.state)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if jax.process_index() == 0:
+                (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+            return _loop(tr, run_dir, stop, on_end)
+
+
+@contextlib.contextmanager
+def _hold_run_dir(run_dir: Path):
+    """Process 0 holds the run directory's lock for the whole run (see run_lock.py); every process
+    stops when it is refused. A start-up that fails before writing anything leaves no directory."""
+    lock = RunDirLock(run_dir) if jax.process_index() == 0 else None
+    refused: RunDirInUse | None = None
+    try:
+        note = lock.acquire() if lock else None
+    except RunDirInUse as e:
+        refused, note = e, None
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        if int(multihost_utils.broadcast_one_to_all(np.int32(refused is not None))) and refused is None:
+            refused = RunDirInUse(f"train.run_dir {str(run_dir)!r} is in use by another run (process 0 "
+                                  f"was refused the directory's lock).")
+    if refused is not None:
+        raise refused
+    if note:
+        _say(note)
+    try:
+        yield
+    finally:
+        if lock:
+            lock.release()
 
 
 def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = ()) -> RunResult:
