@@ -180,22 +180,27 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
                                     f"model.make_vocab_size_divisible_by={m.make_vocab_size_divisible_by}); set "
                                     f"model.make_vocab_size_divisible_by to a multiple of {size}, e.g. {multiple}.")
                 raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
-                                f"(sizes that divide it: {_divisors(value, size)}) or {key}.")
+                                f"(sizes that divide it and the {math.prod(s.values())} devices: "
+                                f"{_divisors(value, size, math.prod(s.values()))}) or {key}.")
     c = s["context"]
     if c > 1 and t.seq_len % (2 * c):
-        ok = [k for k in range(1, t.seq_len // 2 + 1) if t.seq_len % (2 * k) == 0][:12]
+        devices = math.prod(s.values())
+        ok = [k for k in range(1, min(t.seq_len // 2, devices) + 1)
+              if t.seq_len % (2 * k) == 0 and devices % k == 0 and k != c][:12]
+        lengths = [n for n in ((t.seq_len // (2 * c)) * 2 * c, -(-t.seq_len // (2 * c)) * 2 * c) if n]
         raise MeshError(f"train.seq_len={t.seq_len} does not split over mesh.context={c}: context parallelism "
                         f"cuts the sequence into 2 x context chunks, so seq_len must be a multiple of "
-                        f"{2 * c}. Context sizes that work for this seq_len: {', '.join(map(str, ok))}; or "
-                        f"change train.seq_len.")
+                        f"{2 * c}. Context sizes that work for this seq_len and the {devices} devices: "
+                        f"{', '.join(map(str, ok)) or 'none'}; or train.seq_len="
+                        f"{' or train.seq_len='.join(map(str, lengths))}.")
     if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
         raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
                         f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
 
 
-def _divisors(value: int, upto: int) -> str:
-    """Mesh sizes (up to about 2 x the asked one) that divide `value`."""
-    return ", ".join(str(d) for d in range(1, max(upto, 8) * 2 + 1) if value % d == 0)
+def _divisors(value: int, size: int, devices: int) -> str:
+    """The other mesh sizes that divide both `value` and the device count."""
+    return ", ".join(str(d) for d in range(1, devices + 1) if value % d == 0 and devices % d == 0 and d != size)
 
 
 # ----------------------------------------------------------------------------

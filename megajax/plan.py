@@ -124,6 +124,25 @@ class RunPlan:
     def mesh_text(self) -> str:
         return " x ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "1 device"
 
+    def describe(self) -> str:
+        """The plan in one line: model, mesh, batch arithmetic, precision, recompute, pipeline schedule."""
+        m, b, par = self.model, self.batch, self.cfg.parallel
+        experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
+        flags = "".join(f", {name}" for name, on in (("sequence parallel", par.sequence_parallel),
+                                                     ("distributed optimizer", par.distributed_optimizer)) if on)
+        parts = [f"{m.family} model ({m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
+                 f"{m.num_kv_heads} kv, ffn {m.ffn_hidden_size}{experts}, vocab {m.vocab_size} padded to "
+                 f"{self.padded_vocab})",
+                 f"mesh {self.mesh_text()}{flags}",
+                 f"global batch {b.global_batch} = micro {b.micro_batch} x accumulation {b.accumulation} x "
+                 f"data-parallel {b.data_parallel}, seq {b.seq_len}",
+                 f"precision {self.cfg.train.precision}", f"recompute {par.recompute}"]
+        pipe = self.pipeline
+        if pipe is not None:
+            parts.append(f"pipeline schedule {pipe.schedule} ({pipe.stages} stages x {pipe.virtual_stages} "
+                         f"chunks, {pipe.microbatches} microbatches)")
+        return "; ".join(parts)
+
     def variant(self, cfg: Config, ici: dict[str, int] | None = None) -> "RunPlan":
         """The plan of `cfg` (a changed copy of this plan's resolved config) on the same devices, per
         node laid out as `ici` (default: this plan's), with this plan's tokenizer and inter-node
@@ -210,17 +229,39 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         raise MeshError(f"model.num_layers={m.num_layers} with model.moe_layer_freq={f} is {groups} groups of one MoE "
                         f"and {f - 1} dense layers, and a pipeline stage holds whole groups: mesh.pipeline={p} x "
                         f"parallel.virtual_stages={v} must divide {groups}.")
+    problems = []  # each names its fixes: changes that differ from this run and fit its devices
+    micro, dp, acc, G = batch.micro_batch, batch.data_parallel, batch.accumulation, batch.global_batch
+
+    def batch_fits(stages: int, data_parallel: int) -> bool:
+        mb = micro if cfg.train.micro_batch is not None else G // data_parallel  # unset: no accumulation
+        if not mb or G % (mb * data_parallel):
+            return False
+        n = G // (mb * data_parallel)
+        return n >= stages and (name != "interleaved" or n % stages == 0)
+
     if m.num_layers % (p * v):
-        ok = [d for d in range(2, m.num_layers + 1) if m.num_layers % (d * v) == 0][:8]
-        raise MeshError(f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
-                        f"parallel.virtual_stages={v} chunks of whole layers ({p * v} must divide it); "
-                        f"pipeline sizes that work with virtual_stages={v}: {', '.join(map(str, ok)) or 'none'}.")
-    micro, dp, acc = batch.micro_batch, batch.data_parallel, batch.accumulation
-    if acc < p or (name == "interleaved" and acc % p):
+        fixes = []
+        for d in range(2, m.num_layers + 1):  # another pipeline size, the data axis taking the rest
+            if d == p or m.num_layers % (d * v) or (sizes["data"] * p) % d or not batch_fits(d, dp * p // d):
+                continue
+            data = "" if cfg.mesh.data == -1 else f" mesh.data={sizes['data'] * p // d}"
+            fixes.append(f"mesh.pipeline={d}{data}")
+        below, above = (m.num_layers // (p * v)) * p * v, -(-m.num_layers // (p * v)) * p * v
+        fixes = fixes[:4] + [f"model.num_layers={n}" for n in (below, above) if n]
+        problems.append(f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
+                        f"parallel.virtual_stages={v} chunks of whole layers ({p * v} must divide it); use "
+                        f"{' or '.join(fixes)}.")
+    if not batch_fits(p, dp):
         need = p if acc < p else p * -(-acc // p)
         why = ("at least as many microbatches as stages" if acc < p else
                f"a multiple of mesh.pipeline={p} microbatches (it runs them in groups of {p})")
-        raise MeshError(f"parallel.pipeline_schedule={name} needs {why}; this run has {acc} (train.global_batch="
-                        f"{batch.global_batch} / (train.micro_batch={micro} x data-parallel size {dp})). Use e.g. "
-                        f"train.global_batch={need * micro * dp} or train.micro_batch="
-                        f"{max(1, batch.global_batch // (need * dp))} if it divides.")
+        smaller = [d for d in range(micro - 1, 0, -1) if (G // dp) % d == 0 and G // dp // d >= need
+                   and (name != "interleaved" or (G // dp // d) % p == 0)]
+        keep_micro = "" if cfg.train.micro_batch is not None else f" train.micro_batch={micro}"
+        fixes = [f"train.global_batch={need * micro * dp}{keep_micro}"] + [f"train.micro_batch={d}"
+                                                                           for d in smaller[:1]]
+        problems.append(f"parallel.pipeline_schedule={name} needs {why}; this run has {acc} (train.global_batch="
+                        f"{G} / (train.micro_batch={micro} x data-parallel size {dp})); use "
+                        f"{' or '.join(fixes)}.")
+    if problems:
+        raise MeshError(" Also: ".join(problems))

@@ -28,6 +28,11 @@ def test_default_train_runs_end_to_end(tmp_path):
                 f"train.run_dir={run}")
     assert p.returncode == 0, p.stderr
     assert "step 6/6" in p.stdout and "tok/s" in p.stdout and "MFU" in p.stdout
+    # The first line names the run directory and the plan; the last says which losses it compares.
+    first = p.stdout.splitlines()[0]
+    assert first.startswith(f"megajax: run directory {run};") and "global batch 8 = micro 8 x accumulation 1" in first
+    assert "precision fp32" in first and "mesh 1 device" in first
+    assert "consumed samples 48" in p.stdout and "skipped 0" in p.stdout
     assert "greedy sample" in p.stdout
     assert "data: embedded corpus" in p.stdout and "_text_document" in p.stdout  # the indexed-dataset path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -36,7 +41,11 @@ def test_default_train_runs_end_to_end(tmp_path):
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time"):
         assert all(key in r for r in records if "val_loss" not in r), key
     assert (run / "checkpoints" / "6" / "state").is_dir()
-    assert [r for r in records if "loss" in r][-1]["loss"] < 5.6  # below the uniform byte-level loss ln(257) = 5.55 + noise
+    logged = [r for r in records if "loss" in r]
+    assert logged[-1]["loss"] < 5.6  # below the uniform byte-level loss ln(257) = 5.55 + noise
+    assert [r["consumed_samples"] for r in logged] == [24, 48]
+    assert (f"first logged loss {logged[0]['loss']:.4f} -> last {logged[-1]['loss']:.4f} "
+            f"(validation {records[-1]['val_loss']:.4f})") in p.stdout
     assert (run / "config.yaml").read_text().startswith("model:")
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
@@ -46,7 +55,7 @@ def test_cpu_mesh_preset_simulates_devices(tmp_path):
                 "data.corpus_max_mb=0.2", "train.sample_tokens=0", "train.eval_every=0", f"train.run_dir={tmp_path}",
                 devices=None)
     assert p.returncode == 0, p.stderr
-    assert "8 cpu devices, mesh data=2 x tensor=4" in p.stdout
+    assert "on 8 cpu devices" in p.stdout and "mesh data=2 x tensor=4" in p.stdout
 
 
 @pytest.mark.parametrize("args, words", [

@@ -258,7 +258,7 @@ def test_bench_command_reports_and_writes_json(tmp_path, capsys):
                f"train.run_dir={tmp_path / 'run'}", "--steps", "3", "--warmup", "1", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
-    for words in ("compile", "tokens/s", "TFLOP/s per device", "memory per device", "temporaries",
+    for words in ("compile", "tokens/s", "FLOP/s per device", "memory per device", "temporaries",
                   "reduce-scatter", "every kind within [0.9, 1.25]"):
         assert words in text, words
     r = json.loads(out.read_text())

@@ -1,6 +1,7 @@
 """Run safety as a user meets it: `make test ARGS=...`, busy run directories, what a run says."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -8,14 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--config", "model/tiny", "train.seq_len=32", "model.num_layers=1", "data.corpus_max_mb=0.2",
         "train.sample_tokens=0", "train.eval_every=0", "logging.tensorboard=false"]
 
 
 def _env(devices=1):
-    return dict(os.environ, PYTHONPATH=str(ROOT),
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0")
+    count = f"--xla_force_host_platform_device_count={devices} " if devices else ""  # None: mesh.cpu_devices
+    return dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=count + "--xla_backend_optimization_level=0")
 
 
 def megajax(*args, cwd, devices=1, timeout=600):
@@ -77,3 +80,32 @@ def test_a_failed_start_up_leaves_no_directory(tmp_path):
     p = megajax("train", *TINY, "train.run_dir=new/run", "mesh.tensor=3", cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["mesh.cpu_devices=4", "mesh.pipeline=4", "train.global_batch=2", "train.micro_batch=1"],
+    ["mesh.cpu_devices=4", "mesh.pipeline=4", "train.global_batch=8", "train.micro_batch=4"],
+    ["mesh.cpu_devices=8", "mesh.pipeline=2", "model.num_layers=3"],
+    ["mesh.cpu_devices=8", "mesh.pipeline=4", "model.num_layers=6"],
+])
+def test_advice_offers_only_changes_that_differ_and_fit(tmp_path, args):
+    """Each change the message offers differs from the config and plans on the same devices."""
+    from megajax.config import load_config
+    from megajax.plan import make_plan
+    p = megajax("train", "--config", "model/tiny", *args, cwd=tmp_path, devices=None)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    problems = p.stderr.split("error: ", 1)[1].split(" Also: ")
+    chosen = []
+    for problem in problems:
+        fixes = problem.split("; use ")[-1].rstrip(".\n").split(" or ")
+        assert fixes, p.stderr
+        for fix in fixes:
+            for change in fix.split():
+                assert re.fullmatch(r"[a-z_]+\.[a-z_]+=\d+", change) and change not in args, (change, p.stderr)
+        chosen.append(fixes[0].split())
+    for pick in [[c for fix in chosen for c in fix]] + ([[c for c in f.split()] for f in problems[0]
+                                                         .split("; use ")[-1].rstrip(".\n").split(" or ")]
+                                                        if len(problems) == 1 else []):
+        keys = {c.split("=")[0] for c in pick}
+        kept = [a for a in args if a.split("=")[0] not in keys and not a.startswith("mesh.cpu_devices")]
+        make_plan(load_config(["model/tiny"], kept + pick), int(args[0].split("=")[1]))  # raises if it does not fit

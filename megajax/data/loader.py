@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from megajax.config import Config
+from megajax.config import Config, parse_split
 from megajax.data.blend import BlendedDataset, build_datasets, parse_data_path
 from megajax.data.corpus import stdlib_corpus
 from megajax.data.indexed import IndexedDataset
@@ -62,9 +62,12 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
         raise DataError(f"data.split = {cfg.data.split!r} leaves no documents for training in {path}; "
                         f"give the train split a positive share.")
     if valid is None and cfg.train.eval_every:
-        raise DataError(f"data.split = {cfg.data.split!r} leaves no validation documents in {path} but "
-                        f"train.eval_every = {cfg.train.eval_every}; give the validation split a share "
-                        f"(e.g. 969,30,1) or set train.eval_every=0.")
+        shares = parse_split(cfg.data.split)
+        larger = next((s for s in ("90,10,0", "80,20,0", "50,50,0") if parse_split(s)[1] > shares[1]), None)
+        give = f"a larger share (e.g. data.split={larger})" if larger else "more documents (data.path)"
+        raise DataError(f"data.split = {cfg.data.split!r} leaves no validation documents in {path} "
+                        f"({len(train):,} train samples) but train.eval_every = {cfg.train.eval_every}; give "
+                        f"the validation split {give} or set train.eval_every=0.")
     report = [f"data: {'embedded corpus ' if not cfg.data.path else ''}{path}, split {cfg.data.split}: "
               f"{len(train):,} train samples" + (f", {len(valid):,} validation" if valid else "")]
     if isinstance(train, BlendedDataset):

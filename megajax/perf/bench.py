@@ -42,6 +42,7 @@ from megajax.perf import analytic, hlo
 from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
 from megajax.plan import RunPlan, make_plan
 from megajax.precision.policy import precision_policy
+from megajax.train.metrics import readable_bytes, readable_percent, readable_rate
 
 KINDS = hlo.KINDS
 
@@ -229,6 +230,10 @@ def _gib(x) -> str:
     return "-" if x is None else f"{x / GIB:.3f}"
 
 
+def _scaled(x, scale: float) -> str:
+    return "-" if x is None else f"{x / scale:.3f}"
+
+
 def _mib(x) -> str:
     return "-" if x is None else f"{x / 2**20:.2f}"
 
@@ -252,13 +257,15 @@ def format_report(r: dict[str, Any]) -> str:
         f"step       median {t['median'] * 1e3:.1f} ms (min {t['min'] * 1e3:.1f}, p90 {t['p90'] * 1e3:.1f}, "
         f"max {t['max'] * 1e3:.1f}; {t['n']} steps)",
         f"throughput {r['tokens_per_sec']:,.0f} tokens/s, {r['tokens_per_sec_per_device']:,.0f} per device; "
-        f"{r['tflops_per_device']:.3f} TFLOP/s per device"
-        + (f"; MFU {100 * r['mfu']:.1f}% of {r['peak_tflops']:.4g} ({r['peak_source']})" if r["mfu"] else ""),
-        "",
-        "memory per device (GiB)       compiled   analytic",
+        f"{readable_rate(r['tflops_per_device'] * 1e12)} per device"
+        + (f"; MFU {readable_percent(r['mfu'])} of a {readable_rate(r['peak_tflops'] * 1e12)} peak "
+           f"({r['peak_source']})" if r["mfu"] else ""),
     ]
     mem = r["memory"]
     c, a = mem["compiled"] or {}, mem["analytic"]
+    largest = max([v for v in (c.get("total"), a["total"]) if v is not None] or [0])
+    unit, scale = ("GiB", GIB) if largest >= GIB / 4 else ("MiB", 2**20)
+    lines += ["", f"memory per device ({unit}){' ' * (10 - len(unit))}compiled   analytic"]
     rows = [("parameters", None, a["params"]), ("gradients", None, a["grads"]),
             ("optimizer state", None, a["optimizer"]), ("activations (layers)", None, a["activations"]),
             ("logits + gradient", None, a["logits"]),
@@ -266,9 +273,9 @@ def format_report(r: dict[str, Any]) -> str:
             ("temporaries", c.get("temporaries"), None), ("aliased (donated)", c.get("aliased"), None),
             ("total", c.get("total"), a["total"])]
     for name, comp, ana in rows:
-        lines.append(f"  {name:<28}{_gib(comp):>9}  {_gib(ana):>9}")
+        lines.append(f"  {name:<28}{_scaled(comp, scale):>9}  {_scaled(ana, scale):>9}")
     if mem["capacity"] is not None:
-        lines.append(f"  capacity {_gib(mem['capacity'])} GiB ({mem['capacity_source']}): "
+        lines.append(f"  capacity {readable_bytes(mem['capacity'])} ({mem['capacity_source']}): "
                      f"{'fits' if mem['fits'] else 'does NOT fit'}")
         if mem.get("advice"):
             lines.append("  try " + " or ".join(mem["advice"]))

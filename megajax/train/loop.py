@@ -67,19 +67,10 @@ def count_params(abstract_params: dict) -> int:
 
 
 def describe(tr: Trainer, peak_source: str) -> str:
-    plan, cfg = tr.plan, tr.cfg
-    m, b = plan.model, plan.batch
-    par = [k for k, on in (("sequence parallel", cfg.parallel.sequence_parallel),
-                           ("distributed optimizer", cfg.parallel.distributed_optimizer)) if on]
-    return (f"megajax: {m.family} model, {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters "
-            f"({m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / {m.num_kv_heads} kv, "
-            f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} padded to {plan.padded_vocab}); "
-            f"{jax.device_count()} {jax.devices()[0].platform} devices, mesh {plan.mesh_text()}"
-            f"{'; ' + ', '.join(par) if par else ''}; recompute {cfg.parallel.recompute}; "
-            f"precision {cfg.train.precision}; global batch {b.global_batch} = micro {b.micro_batch} x "
-            f"accumulation {b.accumulation} x data-parallel {b.data_parallel}; seq {b.seq_len}; "
-            f"compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul params + causal attention "
-            f"(lower triangle) per token, no recompute; peak from {peak_source}.")
+    """The line after compilation (the plan itself is the run's first line)."""
+    return (f"megajax: {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters on {jax.device_count()} "
+            f"{jax.devices()[0].platform} devices; compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul "
+            f"params + causal attention (lower triangle) per token, no recompute; peak from {peak_source}.")
 
 
 class _StopSignals:
@@ -266,6 +257,7 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
         plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
         run_dir = Path(plan.cfg.train.run_dir)
         with _hold_run_dir(run_dir):
+            _say(f"megajax: run directory {run_dir}; {plan.describe()}")
             tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
             if stop.received is not None and not stop.multiprocess:
                 name = signal.Signals(stop.received).name
@@ -371,7 +363,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
             if step % cfg.train.log_every == 0 or last or stopping:
                 host = settle()
                 step_time = (time.perf_counter() - interval_start - paused) / interval_steps
-                record = _record(tr, step, host, result.losses[-interval_steps:], step_time, peak, health)
+                record = _record(tr, step, consumed, host, result.losses[-interval_steps:], step_time, peak, health)
                 result.records.append(record)
                 log.log(record)
                 ops.publish(record)
@@ -420,8 +412,8 @@ def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, fl
     return log, peak
 
 
-def _record(tr: Trainer, step: int, host: dict, losses: list[float], step_time: float, peak: float,
-            health: Health) -> dict:
+def _record(tr: Trainer, step: int, consumed: int, host: dict, losses: list[float], step_time: float,
+            peak: float, health: Health) -> dict:
     """The logged record of an interval of steps ending at `step` (`host`: its metrics; `losses`:
     the interval's)."""
     plan = tr.plan
@@ -429,7 +421,7 @@ def _record(tr: Trainer, step: int, host: dict, losses: list[float], step_time: 
     mem, mem_kind = device_memory_gib()
     record = {
         # Like Megatron's log line: the mean loss over the steps since the last log.
-        "step": step, "loss": float(np.mean(losses)),
+        "step": step, "consumed_samples": consumed, "loss": float(np.mean(losses)),
         "lr": float(host["lr"]), "grad_norm": float(host["grad_norm"]),
         "tokens_per_sec": plan.batch.tokens / step_time, "tflops_per_device": tflops,
         "mfu": tflops / peak if math.isfinite(peak) else None, "step_time": step_time,
@@ -451,9 +443,13 @@ def _summary(tr: Trainer, result: RunResult, interval_rates: list[float], log: M
     steady = interval_rates[1:] or interval_rates
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
     skipped = f" ({result.skipped_steps} skipped)" if result.skipped_steps else ""
+    logged = [r["loss"] for r in result.records]
+    losses = f"first logged loss {logged[0]:.4f} -> last {logged[-1]:.4f}" if logged else "no step logged"
+    if result.val_losses:
+        losses += f" (validation {result.val_losses[-1][1]:.4f})"
     log.print(f"megajax: done, {len(result.losses)} steps{skipped}; compile {tr.compile_seconds:.1f}s; "
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
-              f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}; run directory {run_dir}")
+              f"{losses}; run directory {run_dir}")
     if result.stopped_by is None:
         for hook in on_end:
             hook(tr, result, log.print)

@@ -23,21 +23,45 @@ def device_memory_gib() -> tuple[float | None, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "host peak RSS"
 
 
+def readable_rate(flops_per_sec: float) -> str:
+    """FLOP/s with the SI prefix that keeps three significant digits readable: '25.3 GFLOP/s'."""
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(flops_per_sec) >= scale:
+            return f"{flops_per_sec / scale:.3g} {prefix}FLOP/s"
+    return f"{flops_per_sec:.3g} FLOP/s"
+
+
+def readable_bytes(n: float) -> str:
+    """Bytes in binary units with three significant digits: '706 MiB', '1.05 GiB'."""
+    for scale, unit in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def readable_percent(fraction: float) -> str:
+    """A fraction as a percentage that never reads 0.0% when it is not zero: '7.6%', '0.012%'."""
+    pct = 100 * fraction
+    return f"{pct:.1f}%" if pct >= 1 or pct == 0 else f"{pct:.2g}%"
+
+
 def format_line(r: dict, total_steps: int) -> str:
-    parts = [f"step {r['step']:>{len(str(total_steps))}d}/{total_steps}",
-             f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}"]
+    parts = [f"step {r['step']:>{len(str(total_steps))}d}/{total_steps}"]
+    if "consumed_samples" in r:
+        parts.append(f"consumed samples {r['consumed_samples']:,}")
+    parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}"]
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:.0f}")
-    if r.get("skipped_steps"):
-        parts.append(f"skipped {r['skipped_steps']}" + (f" ({r['note']})" if r.get("note") else ""))
+    parts.append(f"skipped {r.get('skipped_steps', 0)}" + (f" ({r['note']})" if r.get("note") else ""))
     if "moe_aux_loss" in r:
         parts.append(f"aux {r['moe_aux_loss']:.4f} z {r['moe_z_loss']:.2e} experts "
                      f"{100 * r['moe_min_expert_share']:.1f}-{100 * r['moe_max_expert_share']:.1f}%"
                      + (f" dropped {100 * r['moe_dropped_fraction']:.2f}%" if r['moe_dropped_fraction'] else ""))
-    parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{r['tflops_per_device']:.3f} TFLOP/s/dev",
-              f"MFU {100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "MFU n/a", f"{1000 * r['step_time']:.1f} ms/step"]
+    parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{readable_rate(r['tflops_per_device'] * 1e12)}/dev",
+              f"MFU {readable_percent(r['mfu'])}" if r.get("mfu") is not None else "MFU n/a",
+              f"{1000 * r['step_time']:.1f} ms/step"]
     if r.get("memory_gib") is not None:
-        parts.append(f"mem {r['memory_gib']:.2f} GiB")
+        parts.append(f"mem {readable_bytes(r['memory_gib'] * 2**30)}")
     return " | ".join(parts)
 
 
