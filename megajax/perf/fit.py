@@ -29,6 +29,7 @@ from megajax.config import Config
 from megajax.errors import MeshError, UserError
 from megajax.perf import analytic
 from megajax.plan import RunPlan
+from megajax.train.metrics import readable_bytes
 
 GIB = 2**30
 # Per-device HBM by device kind, used when the runtime does not report a limit.
@@ -91,6 +92,10 @@ class Variant:
 
     def describe(self) -> str:
         return " + ".join(" ".join(o.overrides) for o in self.options)
+
+
+def _signed(n: int) -> str:
+    return ("-" if n < 0 else "+") + readable_bytes(abs(n))
 
 
 def _divisors(n: int) -> list[int]:
@@ -169,13 +174,13 @@ class Advice:
         text = (f"more devices or a smaller model, batch or sequence: no change of {tried} on {where} "
                 f"fits by the analytic estimate")
         if most is not None and most.delta < 0:
-            text += (f"; the most that helps, {most.describe()} ({most.delta / GIB:+.2f} GiB est.), still "
-                     f"needs {(needed + most.delta) / GIB:.2f} GiB")
+            text += (f"; the most that helps, {most.describe()} ({_signed(most.delta)} est.), still "
+                     f"needs {readable_bytes(needed + most.delta)}")
         return [text]
 
     @staticmethod
     def _phrase(v: Variant, needed: int) -> str:
-        return f"{v.describe()} ({v.delta / GIB:+.2f} GiB est., {(needed + v.delta) / GIB:.2f} GiB)"
+        return f"{v.describe()} ({_signed(v.delta)} est., {readable_bytes(needed + v.delta)})"
 
 
 def _variant(plan: RunPlan, options: list[tuple[Option, dict | None]]) -> RunPlan | None:
@@ -226,8 +231,8 @@ def check_fit(needed: int, capacity: int | None, source: str, tips: Advice | lis
     if isinstance(tips, Advice):
         tips = tips.phrases(needed, capacity)
     tip = ("; try " + " or ".join(tips)) if tips else ""
-    raise MeshError(f"the compiled train step needs {needed / GIB:.2f} GiB per device of {capacity / GIB:.2f} "
-                    f"({source}){tip}.")
+    raise MeshError(f"the compiled train step needs {readable_bytes(needed)} per device of "
+                    f"{readable_bytes(capacity)} ({source}){tip}.")
 
 
 def fit_check(setup, compiled) -> None:
