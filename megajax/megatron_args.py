@@ -123,8 +123,9 @@ FLAGS: tuple[Flag, ...] = (
          note="only with --moe-router-enable-expert-bias"),
     Flag("--moe-router-load-balancing-type", None, STR, {"aux_loss": None},
          note="megajax balances with the auxiliary loss (model.moe_aux_loss_coeff); other types are not mapped"),
-    Flag("--moe-token-dispatcher-type", None, STR, {"alltoall": None},
-         note="megajax exchanges tokens with all-to-all over mesh.expert; other dispatchers are not mapped"),
+    Flag("--moe-token-dispatcher-type", None, STR, {"alltoall": None, "allgather": None},
+         note="megajax exchanges tokens with all-to-all over mesh.expert (the dispatcher changes speed, not "
+              "results); flex is not mapped"),
     _same("--moe-grouped-gemm", "megajax's experts run as one batched product"),
     _same("--moe-permute-fusion", XLA_FUSES),
     # Parallelism
@@ -140,7 +141,8 @@ FLAGS: tuple[Flag, ...] = (
          note="also sets parallel.pipeline_schedule=interleaved"),
     Flag("--num-layers-per-virtual-pipeline-stage", "parallel.virtual_stages",
          note="virtual stages = layers / (pipeline size x this); also the interleaved schedule"),
-    Flag("--cp-comm-type", "parallel.context_impl", STR, {"p2p": "ring", "all_gather": "allgather"}),
+    Flag("--cp-comm-type", "parallel.context_impl", STR, {"p2p": "ring", "allgather": "allgather"},
+         note="one type for every layer; a2a is not mapped"),
     Flag("--recompute-granularity", "parallel.recompute", STR, {"full": "full", "selective": "selective"}),
     Flag("--recompute-activations", "parallel.recompute", SWITCH, "selective"),
     _none("--recompute-method", "megajax's full recompute covers every layer", STR),
@@ -198,7 +200,7 @@ FLAGS: tuple[Flag, ...] = (
     _none("--rampup-batch-size", "megajax keeps one global batch for the whole run", LIST),
     Flag("--seed", "train.seed", default=1234),
     Flag("--log-interval", "train.log_every", default=100),
-    Flag("--eval-interval", "train.eval_every", default=1000),
+    Flag("--eval-interval", "train.eval_every", default=0),
     Flag("--eval-iters", "train.eval_steps", default=100),
     Flag("--profile", "ops.profile_steps", SWITCH, note="[--profile-step-start, --profile-step-end], "
                                                         "Megatron's 10 and 12 when absent"),
