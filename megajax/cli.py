@@ -414,7 +414,8 @@ def megatron_flags(parser: argparse.ArgumentParser, args: list[str]) -> str | No
             continue
         if not eq:
             following = args[i + 1] if i + 1 < len(args) else None
-            value = following if following is not None and not following.startswith("--") else None
+            takes_it = following is not None and not following.startswith("--") and "=" not in following
+            value = following if takes_it else None  # not an option, not a key=value override
         found.append(spell(name, value))
     if not found:
         return None

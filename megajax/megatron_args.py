@@ -288,7 +288,7 @@ def spell(flag: str, value: str | None) -> str:
     if f.key is not None:
         t = translate([f.flag] + ([value] if value is not None and f.takes != SWITCH else []), defaults=False)
         sets = [f"{k}={_text(v)}" for k, (v, _) in t.assignments.items()]
-        if sets and not any(a[0] == f.flag for a in t.unmapped):
+        if sets:
             return f"{f.flag} is Megatron's flag; megajax spells it {' '.join(sets)}"
         shown = f"{f.key}={_text(f.value) if f.takes == SWITCH else value or 'VALUE'}"
         return f"{f.flag} is Megatron's flag; megajax spells it {shown}" + (f" ({f.note})" if f.note else "")
@@ -302,7 +302,7 @@ def spell(flag: str, value: str | None) -> str:
 class Translation:
     """A Megatron argument list in megajax's terms.
 
-    assignments: dotted key -> (value, where it came from), in the order of the table;
+    assignments: dotted key -> (value, where it came from: the flag as given, or Megatron's default);
     needless / unmapped: (the flag as given, why) for flags that set nothing."""
     assignments: dict[str, tuple[Any, str]] = field(default_factory=dict)
     needless: list[tuple[str, str]] = field(default_factory=list)
