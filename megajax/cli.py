@@ -10,6 +10,7 @@
     megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N]
+    megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -307,6 +308,28 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH")
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """`megajax config from-megatron -- ARGS...`: the YAML on stdout (its comments name each key's Megatron
+    flag, and list the flags that needed nothing or were not mapped), checked by megajax's config loader."""
+    from megajax.config import load_config
+    from megajax.errors import ConfigError
+    from megajax.megatron_args import translate
+    if not args.megatron:
+        raise UserError("megajax config from-megatron needs Megatron-LM pretrain_gpt.py arguments after --, "
+                        "e.g. megajax config from-megatron -- --num-layers 32 --hidden-size 4096 --bf16.")
+    t = translate(args.megatron)
+    try:
+        load_config(base=t.tree())
+    except ConfigError as e:
+        raise UserError(f"the Megatron arguments translate to a config megajax refuses: {e} (Megatron flags "
+                        f"behind it: {', '.join(o for _, o in t.assignments.values())}).") from None
+    sys.stdout.write(t.to_yaml())
+    print(f"megajax config: {len(t.assignments)} keys set from {len(args.megatron)} words; "
+          f"{len(t.needless)} flags need nothing in megajax, {len(t.unmapped)} not mapped (both listed in "
+          f"the YAML's comments)", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megajax.checkpoint.dtypes import EXPORT_DTYPES  # light: no JAX before the config is read
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
@@ -369,7 +392,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="concurrent sequences decoded together (default 8)")
     p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
+    p.add_argument("action", choices=("from-megatron",),
+                   help="from-megatron: the arguments after -- are Megatron-LM's; prints the YAML on stdout")
+    p.set_defaults(func=cmd_config)
     return parser
+
+
+def megatron_flags(parser: argparse.ArgumentParser, args: list[str]) -> str | None:
+    """A paragraph for Megatron-LM flags typed as options of a command that takes config overrides, or None."""
+    from megajax.megatron_args import lookup, spell
+    if not any(a.dest == "overrides" for a in parser._actions):
+        return None
+    options = {o for a in parser._actions for o in a.option_strings}
+    found = []
+    for i, token in enumerate(args):
+        if token == "--":
+            break
+        name, eq, value = token.partition("=")
+        if not token.startswith("--") or lookup(name) is None or any(o.startswith(name) for o in options):
+            continue
+        if not eq:
+            following = args[i + 1] if i + 1 < len(args) else None
+            takes_it = following is not None and not following.startswith("--") and "=" not in following
+            value = following if takes_it else None  # not an option, not a key=value override
+        found.append(spell(name, value))
+    if not found:
+        return None
+    return "; ".join(found) + " (or: megajax config from-megatron -- ARGS... prints a megajax YAML for a whole " \
+                              "Megatron-LM argument list)."
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -377,22 +428,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     (`megajax train train.steps=1 --config model/tiny train.seq_len=64`)."""
     parser = build_parser()
     commands = parser.get_default("subparsers")
+    if argv and argv[0] == "config":  # everything after -- (or not an option of its own) is Megatron's
+        cut = argv.index("--") if "--" in argv else len(argv)
+        args, extra = commands["config"].parse_known_args(argv[1:cut])
+        args.megatron, args.command = extra + argv[cut + 1:], "config"
+        return args
     if argv and argv[0] in commands:
+        message = megatron_flags(commands[argv[0]], argv[1:])
+        if message:
+            raise UserError(message)
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
         args.command = argv[0]
         return args
     return parser.parse_args(argv)  # no or unknown command: argparse's usage and error
 
 
+def _paragraph(error: Exception) -> str:
+    return re.sub(r"\s+", " ", str(error)).strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UserError as e:  # Megatron-LM flags typed as options
+        print(f"megajax {argv[0]}: error: {_paragraph(e)}", file=sys.stderr)
+        return 2
     args.argv = argv
     try:
         return args.func(args)
     except UserError as e:
-        message = re.sub(r"\s+", " ", str(e)).strip()
-        print(f"megajax {args.command}: error: {message}", file=sys.stderr)
+        print(f"megajax {args.command}: error: {_paragraph(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"megajax {args.command}: interrupted", file=sys.stderr)

@@ -25,6 +25,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from megajax.errors import ConfigError
+from megajax.megatron_args import hint as megatron_hint
 
 # Repository's configs/ directory (editable installs and source checkouts).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -407,8 +408,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     for key in data:
         if key not in names:
             where = f"{prefix}." if prefix else ""
+            megatron = megatron_hint(str(key))
             close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            hint = f"; did you mean {where}{close[0]}?" if close else ""
+            hint = f"; {megatron}." if megatron else f"; did you mean {where}{close[0]}?" if close else ""
             raise ConfigError(f"config key {where}{key}: unknown key{hint} "
                               f"Accepted keys{' in ' + prefix if prefix else ''}: {', '.join(names)}.")
     kwargs = {}

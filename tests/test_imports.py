@@ -24,6 +24,7 @@ FLOORS = [
     ("precision", "mesh", "distributed"),
     ("data",),
     ("config",),
+    ("megatron_args",),
     ("pallas_kernels", "errors"),
 ]
 LEVEL = {package: i for i, floor in enumerate(FLOORS) for package in floor}
