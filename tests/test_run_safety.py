@@ -109,3 +109,19 @@ def test_advice_offers_only_changes_that_differ_and_fit(tmp_path, args):
         keys = {c.split("=")[0] for c in pick}
         kept = [a for a in args if a.split("=")[0] not in keys and not a.startswith("mesh.cpu_devices")]
         make_plan(load_config(["model/tiny"], kept + pick), int(args[0].split("=")[1]))  # raises if it does not fit
+
+
+def test_a_resume_that_changes_steps_schedule_or_batch_says_so(tmp_path):
+    args = [*TINY, "train.run_dir=runs/r", "optim.warmup_steps=1", "train.log_every=1"]
+    assert megajax("train", *args, "train.steps=2", cwd=tmp_path).returncode == 0
+    p = megajax("train", *args, "train.steps=4", "optim.lr=1e-3", "train.global_batch=4", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    [note] = [line for line in p.stdout.splitlines() if "this resume changes" in line]
+    for words in ("step 2 was saved with", "train.steps 2 -> 4", "reaches its minimum at step 4 instead of 2",
+                  "optim.lr 0.002 -> 0.001", "learning rate of step 3 is", "train.global_batch 8 -> 4",
+                  "continues from sample 16"):
+        assert words in note, note
+    same = megajax("train", *args, "train.steps=4", "optim.lr=1e-3", "train.global_batch=4", "train.steps=5",
+                   cwd=tmp_path)
+    assert same.returncode == 0 and "this resume changes" in same.stdout  # steps 4 -> 5 only
+    assert "optim.lr" not in same.stdout and "global_batch" not in same.stdout, same.stdout

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from megajax.checkpoint.manager import Checkpointer
+from megajax.checkpoint.manager import Checkpointer, read_meta
 from megajax.config import Config
 from megajax.distributed import preemption_sync_point
 from megajax.errors import TrainingError
@@ -42,6 +42,7 @@ from megajax.precision.policy import precision_policy
 from megajax.train.flops import peak_tflops_per_device
 from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import MOE_RECORD_FIELDS, RunOps
+from megajax.train.resume_changes import describe_changes
 from megajax.train.run_lock import RunDirInUse, RunDirLock
 from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
@@ -409,6 +410,12 @@ def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, fl
     log.print(describe(tr, peak_source))
     for line in list(tr.plan.notes) + tr.data_report + [f"state: {tr.origin}"]:
         log.print(line)
+    if tr.resumed_step is not None:
+        meta = read_meta(run_dir / "checkpoints" / str(tr.resumed_step))
+        changes = describe_changes(meta.get("config", {}), meta.get("mesh"), cfg, tr.plan.sizes, start,
+                                   tr.consumed_samples)
+        if changes:
+            log.print(changes)
     return log, peak
 
 
