@@ -151,19 +151,21 @@ def commands(path: Path) -> list[tuple[str, str, list[str]]]:
             for i, t in enumerate(tokens):
                 if t == "megajax" or t.endswith("/megajax"):
                     rest = _until_operator(tokens[i + 1:])
-                    out.append((where, rest[0] if rest else "", rest[1:]))
+                    # A simulated device count in the line's environment (XLA_FLAGS=...device_count=N).
+                    env = re.search(r"device_count=(\d+)", " ".join(tokens[:i]))
+                    out.append((where, rest[0] if rest else "", rest[1:], int(env.group(1)) if env else None))
                     break
                 if t == "make" and i + 1 < len(tokens):
                     rest = _until_operator(tokens[i + 1:])
                     args = [a.split("=", 1)[1] for a in rest[1:] if a.startswith("ARGS=")]
-                    out.append((where, f"make {rest[0]}", shlex.split(args[0]) if args else []))
+                    out.append((where, f"make {rest[0]}", shlex.split(args[0]) if args else [], None))
                     break
                 if t == "sbatch":
                     rest = _until_operator(tokens[i + 1:])
                     script = [j for j, a in enumerate(rest) if a.endswith("train.sbatch")]
                     assert script, f"{where}: an sbatch line without scripts/slurm/train.sbatch"
                     assert (ROOT / rest[script[0]]).is_file(), f"{where}: {rest[script[0]]} does not exist"
-                    out.append((where, "train", rest[script[0] + 1:]))
+                    out.append((where, "train", rest[script[0] + 1:], None))
                     break
     return out
 
@@ -345,13 +347,23 @@ def test_command_lines_are_in_bash_fences():
     assert not stray, f"command lines outside ```bash fences: {stray}"
 
 
-def device_count(cfg: Config, args) -> int:
-    """The devices a documented line asks for: --topology N, mesh.cpu_devices, else the mesh's fixed sizes."""
+# Configs written for GPU clusters: a line naming one plans on the devices its mesh names. Any other line
+# must run as written on a CPU, which has one device unless the line sets mesh.cpu_devices.
+GPU_CONFIGS = ("mesh/gpu-", "mesh/4x8-gpu", "mesh/mi300x", "recipes/")
+
+
+def device_count(cfg: Config, args, simulated: int | None = None) -> int:
+    """The devices a documented line runs on: --topology N, mesh.cpu_devices, the simulated count of its
+    XLA_FLAGS (per process), the mesh's fixed sizes for a line naming a GPU config, else one CPU device."""
     if getattr(args, "topology", None):
         from megajax.perf.bench import parse_topology
         return parse_topology(args.topology)[0]
     if cfg.mesh.cpu_devices:
         return cfg.mesh.cpu_devices
+    if simulated:
+        return simulated * (cfg.distributed.num_processes or 1)
+    if not any(c.startswith(GPU_CONFIGS) for c in (args.config or [])):
+        return 1
     sizes = [getattr(cfg.mesh, a) for a in MESH_AXES]
     return math.prod(s for s in sizes if s != -1) * math.prod(getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
 
@@ -367,7 +379,7 @@ def workspace(tmp_path_factory):
     return root
 
 
-def check_command(where: str, verb: str, args: list[str]) -> str:
+def check_command(where: str, verb: str, args: list[str], simulated: int | None = None) -> str:
     """Parses (and for train/bench plans) one documented line; returns what was checked."""
     from megajax.plan import make_plan
     if verb.startswith("make "):
@@ -397,7 +409,7 @@ def check_command(where: str, verb: str, args: list[str]) -> str:
     for overrides in variants:
         try:
             cfg = load_config(ns.config, overrides)
-            make_plan(cfg, device_count(cfg, ns))
+            make_plan(cfg, device_count(cfg, ns, simulated))
         except UserError as e:
             raise AssertionError(f"{where}: megajax {verb} {' '.join(overrides)}: {e}") from None
     return "planned"
@@ -405,7 +417,7 @@ def check_command(where: str, verb: str, args: list[str]) -> str:
 
 def test_documented_command_lines_parse_and_plan(workspace, monkeypatch):
     monkeypatch.chdir(workspace)
-    checked = [(where, check_command(where, verb, args)) for where, verb, args in ALL_COMMANDS]
+    checked = [(where, check_command(where, verb, args, simulated)) for where, verb, args, simulated in ALL_COMMANDS]
     kinds = [k for _, k in checked]
     assert kinds.count("planned") >= 20 and kinds.count("parsed") >= 10, checked
     # The quick start is a contract: exactly `make train` and `make test`.
@@ -432,6 +444,9 @@ def test_command_checks_catch_mistakes(workspace, monkeypatch, capsys):
         with pytest.raises(AssertionError):
             check_command("test", verb, args)
     assert check_command("test", "train", ["--config", "model/tiny", "mesh.cpu_devices=2"]) == "planned"
+    with pytest.raises(AssertionError):  # on a CPU without simulated devices: one device
+        check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2"])
+    assert check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2"], simulated=8) == "planned"
     assert check_command("test", "make train", ["train.steps=5"]) == "planned"
     assert check_command("test", "serve", ["--checkpoint", "runs/x", "--port", "0"]) == "parsed"
     with pytest.raises(AssertionError):
