@@ -445,8 +445,9 @@ def test_command_checks_catch_mistakes(workspace, monkeypatch, capsys):
             check_command("test", verb, args)
     assert check_command("test", "train", ["--config", "model/tiny", "mesh.cpu_devices=2"]) == "planned"
     with pytest.raises(AssertionError):  # on a CPU without simulated devices: one device
-        check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2"])
-    assert check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2"], simulated=8) == "planned"
+        check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1"])
+    assert check_command("test", "train", ["mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1"],
+                         simulated=8) == "planned"
     assert check_command("test", "make train", ["train.steps=5"]) == "planned"
     assert check_command("test", "serve", ["--checkpoint", "runs/x", "--port", "0"]) == "parsed"
     with pytest.raises(AssertionError):
