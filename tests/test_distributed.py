@@ -209,7 +209,7 @@ def test_two_processes_match_one_process(tmp_path, small_config, reap, compile_c
     for i, p in enumerate(procs):
         assert p.wait(timeout=240) == 0, _output(tmp_path, i)
     out0 = _output(tmp_path, 0)
-    assert "8 cpu devices, mesh data=2 x tensor=4" in out0 and "step 3/3" in out0
+    assert "on 8 cpu devices" in out0 and "mesh data=2 x tensor=4" in out0 and "step 3/3" in out0
     assert "[Gloo]" not in out0 and "[Gloo] Rank 0 is connected" in (run / "logs" / "process_0.log").read_text()
     assert "step 3/3" not in _output(tmp_path, 1)  # process 1 prints nothing of the run ...
     log1 = (run / "logs" / "process_1.log").read_text()
