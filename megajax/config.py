@@ -273,6 +273,8 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
     load: str = ""  # start from these parameters (a run/checkpoint directory), optimizer state fresh
+    # Resume (or load, export, generate, serve) this step instead of the latest (Megatron's --ckpt-step).
+    step: int | None = None
     # Read a checkpoint saved with another vocabulary (tokenizer or model.vocab_size): crop or
     # zero-pad its embedding and output rows (and, on resume, their optimizer state). Off: refused.
     resize_vocab: bool = False
@@ -553,6 +555,7 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("checkpoint.step", cfg.checkpoint.step, allow_zero=True)
     _positive("train.eval_steps", t.eval_steps)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
     try:
