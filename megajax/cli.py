@@ -44,8 +44,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megajax.config import load_config
-    cfg = load_config(args.config, args.overrides)
+    from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
+    cfg = train_config(args.config, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax import distributed
     plan = distributed.plan_processes(cfg.distributed)
@@ -192,7 +192,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     cfg = load_config(base=base)
     step_dir = write_params_checkpoint(params, cfg, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (tokenizer {tokenizer}); fine-tune with "
-          f"checkpoint.load={args.output} and the same model.* settings (saved in its meta).")
+          f"checkpoint.load={args.output} (the model.* settings come from its meta).")
     if warning:
         print(f"megajax import: warning: {warning}", file=sys.stderr)
     return 0

@@ -498,15 +498,21 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def load_config(files: list[str] | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> Config:
-    """Builds, resolves and validates a Config from files, then overrides (later wins)."""
+def merge_sources(files: list[str] | None = None, overrides: list[str] | None = None,
+                  base: dict | None = None) -> dict:
+    """The config tree as set: `base`, then files, then overrides (later wins); nothing filled in."""
     merged: dict = dict(base or {})
     for f in files or []:
         merged = _deep_merge(merged, load_yaml(resolve_config_path(f)))
     for o in overrides or []:
         merged = _deep_merge(merged, parse_override(o))
-    cfg = _build(Config, merged, "")
+    return merged
+
+
+def load_config(files: list[str] | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Builds, resolves and validates a Config from files, then overrides (later wins)."""
+    cfg = _build(Config, merge_sources(files, overrides, base), "")
     finalize(cfg)
     return cfg
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,23 @@ def set_aside_newer(step_dir: Path) -> tuple[list[int], Path]:
 
 
 def _read_failed(step_dir: Path, error: BaseException) -> CheckpointError:
+    _drop_closed_loop_errors()
     return read_failed(Path(step_dir), error, step_dirs(Path(step_dir).parent))
+
+
+def _drop_closed_loop_errors() -> None:
+    """After a failed read, TensorStore still completes the read's other futures, whose callbacks find
+    Orbax's event loop closed and would print 'RuntimeError: Event loop is closed' tracebacks under
+    the user's one-paragraph error. Those alone are dropped (sys.excepthook, which prints them)."""
+    previous = sys.excepthook
+    if getattr(previous, "drops_closed_loop_errors", False):
+        return
+
+    def hook(kind, value, tb):
+        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
+            previous(kind, value, tb)
+    hook.drops_closed_loop_errors = True
+    sys.excepthook = hook
 
 
 def _storage_error(error: BaseException) -> bool:
