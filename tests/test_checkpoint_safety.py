@@ -68,7 +68,7 @@ def test_missing_file_and_unverified_step(copy):
     step_dir = copy / RUN / "checkpoints" / "4"
     victim = _largest_state_file(step_dir)
     victim.unlink()
-    with pytest.raises(CheckpointError, match=rf"checkpoint step 4 .* is damaged: {victim} is missing .*checkpoint\.step=2"):
+    with pytest.raises(CheckpointError, match=rf"step 4 .* is damaged: {victim} is missing .*checkpoint\.step=2"):
         verify_step(step_dir)
     (step_dir / RECORD).unlink()  # no record (e.g. a crash between the commit and the record): read as it is
     assert verify_step(step_dir) == step_dir

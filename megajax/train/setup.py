@@ -22,10 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
-from megajax.errors import CheckpointError
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
-from megajax.errors import ConfigError
+from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
