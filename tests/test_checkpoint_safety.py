@@ -13,7 +13,9 @@ import pytest
 
 from megajax.checkpoint.integrity import RECORD, damage
 from megajax.checkpoint.manager import verify_step
+from megajax.cli import main
 from megajax.errors import CheckpointError
+from megajax.inference.load import find_source, generation_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128",
@@ -115,20 +117,28 @@ def test_unverified_damaged_step_read_error_is_one_paragraph(copy):
     step_dir = copy / RUN / "checkpoints" / "4"
     (step_dir / RECORD).unlink()
     for f in (step_dir / "state").glob("ocdbt.process_*/d/*"):  # whichever holds the parameters
-        os.truncate(f, f.stat().st_size // 2)
+        os.truncate(f, 0)
     err = one_paragraph(megajax(copy, "generate", "--checkpoint", RUN, "--prompt", "def", "--max-new-tokens", "2"),
                         "generate")
     assert "checkpoint step 4" in err and "reading it failed" in err and "checkpoint.step=2" in err, err
 
 
-def test_a_step_that_does_not_exist_lists_those_that_do(trained):
-    for args in (["train", *TINY, f"train.run_dir={RUN}", "train.steps=6"],
-                 ["export", "--format", "hf", "--checkpoint", RUN, "--output", "hf"]):
-        err = one_paragraph(megajax(trained, *args, "checkpoint.step=999"), args[0])
-        assert "checkpoint.step=999" in err and "has steps 2, 4" in err, err
-    err = one_paragraph(megajax(trained, "export", "--format", "hf", "--checkpoint", RUN, "--output", "hf",
-                                "train.steps=3"), "export")
-    assert "train.steps" in err and "checkpoint.step=N" in err, err
+def test_a_step_that_does_not_exist_lists_those_that_do(trained, monkeypatch, capsys):
+    p = megajax(trained, "train", *TINY, f"train.run_dir={RUN}", "train.steps=6", "checkpoint.step=999")
+    err = one_paragraph(p, "train")
+    assert "checkpoint.step=999" in err and "has steps 2, 4" in err, err
+    monkeypatch.chdir(trained)  # the quick refusals in this process
+    export = ["export", "--format", "hf", "--checkpoint", RUN, "--output", "hf"]
+    for extra, words in ((["checkpoint.step=999"], ["checkpoint.step=999", "has steps 2, 4"]),
+                         (["train.steps=3"], ["train.steps", "checkpoint.step=N"])):
+        assert main([*export, *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and all(w in err for w in words), err
+    with pytest.raises(CheckpointError, match="a Hugging Face directory"):
+        find_source(None, "hf", step=2)
+    assert find_source(RUN, None, step=2).step_dir.name == "2"  # generate and serve read step 2
+    cfg = generation_config(find_source(RUN, None, step=2), ["checkpoint.step=2"])
+    assert cfg.model.num_layers == 2 and cfg.checkpoint.load == ""
 
 
 def test_imported_checkpoint_gives_its_model_to_the_run_that_loads_it(trained, tmp_path):

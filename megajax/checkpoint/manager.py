@@ -23,8 +23,11 @@ before Orbax or TensorStore sees them.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -200,23 +203,41 @@ def set_aside_newer(step_dir: Path) -> tuple[list[int], Path]:
 
 
 def _read_failed(step_dir: Path, error: BaseException) -> CheckpointError:
-    _drop_closed_loop_errors()
     return read_failed(Path(step_dir), error, step_dirs(Path(step_dir).parent))
 
 
 def _drop_closed_loop_errors() -> None:
-    """After a failed read, TensorStore still completes the read's other futures, whose callbacks find
-    Orbax's event loop closed and would print 'RuntimeError: Event loop is closed' tracebacks under
-    the user's one-paragraph error. Those alone are dropped (sys.excepthook, which prints them)."""
-    previous = sys.excepthook
-    if getattr(previous, "drops_closed_loop_errors", False):
+    """When a read fails, Orbax closes its event loop while TensorStore still completes the read's
+    other futures: their callbacks print 'RuntimeError: Event loop is closed' tracebacks (through
+    sys.excepthook or threading.excepthook), their coroutines 'Exception ignored in' ones
+    (sys.unraisablehook) and their tasks 'Task exception was never retrieved' (the asyncio logger),
+    around the user's one-paragraph error and even before it is raised. Those alone are dropped;
+    installed before any read."""
+    def stray(error: BaseException | None) -> bool:  # Orbax's read error, TensorStore's ('OUT_OF_RANGE: ...')
+        text = str(error)
+        return (text == "Event loop is closed" or text.startswith("Encountered error while reading array")
+                or re.match(r"[A-Z][A-Z_]+: ", text) is not None)
+
+    if getattr(sys.excepthook, "drops_stray_read_errors", False):
         return
+    previous_hook, previous_unraisable, previous_thread = sys.excepthook, sys.unraisablehook, threading.excepthook
 
     def hook(kind, value, tb):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed"):
-            previous(kind, value, tb)
-    hook.drops_closed_loop_errors = True
-    sys.excepthook = hook
+        if not stray(value):
+            previous_hook(kind, value, tb)
+
+    def unraisable(info):
+        if not stray(info.exc_value):
+            previous_unraisable(info)
+
+    def thread_hook(args):
+        if not stray(args.exc_value):
+            previous_thread(args)
+    def logged(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and stray(record.exc_info[1]))
+    hook.drops_stray_read_errors = True
+    sys.excepthook, sys.unraisablehook, threading.excepthook = hook, unraisable, thread_hook
+    logging.getLogger("asyncio").addFilter(logged)
 
 
 def _storage_error(error: BaseException) -> bool:
@@ -308,6 +329,7 @@ def _restore(step_dir: Path, target: Any, cfg: Config, what: str) -> tuple[Any, 
     args = [ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype,
                                  strict=name not in resized) for name, t in zip(names, leaves)]
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    _drop_closed_loop_errors()
     try:
         restored = checkpointer.restore(_state_dir(step_dir), args=ocp.args.PyTreeRestore(
             item=target, restore_args=jax.tree.unflatten(treedef, args), partial_restore=True))
@@ -417,6 +439,7 @@ class CheckpointSource:
         self._zarr3 = use_zarr3
         self._ocp, self._open = ocp, {}
         _free_large_buffers_eagerly()
+        _drop_closed_loop_errors()
 
     def names(self) -> list[str]:
         return list(self._names)
