@@ -3,7 +3,7 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK]
+    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [checkpoint.step=N]
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
@@ -45,8 +45,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from megajax.config import load_config
-    cfg = load_config(args.config, args.overrides)
+    from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
+    cfg = train_config(args.config, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax import distributed
     plan = distributed.plan_processes(cfg.distributed)
@@ -133,9 +133,32 @@ def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> s
     return spec
 
 
+def _checkpoint_step(overrides: list[str], accept_only: bool = False) -> int | None:
+    """checkpoint.step=N among the key=value overrides of export, generate and serve (None: latest).
+    `accept_only`: no other key is accepted (export reads nothing else from the config)."""
+    from megajax.config import CheckpointConfig, _build, _deep_merge, parse_override
+    merged: dict = {}
+    for o in overrides:
+        merged = _deep_merge(merged, parse_override(o))
+
+    def keys(tree: dict, prefix: str = "") -> list[str]:
+        return [k for name, v in tree.items()
+                for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict) else [f"{prefix}{name}"])]
+    others = [k for k in keys(merged) if k != "checkpoint.step"]
+    if accept_only and others:
+        raise UserError(f"megajax export: {', '.join(others)}: not an option of export; the only key=value it "
+                        f"accepts is checkpoint.step=N (a step other than the latest).")
+    section = merged.get("checkpoint")
+    step = _build(CheckpointConfig, {"step": section.get("step") if isinstance(section, dict) else None},
+                  "checkpoint").step
+    if step is not None and step < 0:
+        raise UserError(f"config key checkpoint.step = {step}: must be >= 0.")
+    return step
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
-    source = CheckpointSource(args.checkpoint)
+    source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
     meta = read_meta(source.step_dir)
     tokenizer = _export_tokenizer(args, meta, source.step_dir)
     if args.format == "hf":
@@ -170,7 +193,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     cfg = load_config(base=base)
     step_dir = write_params_checkpoint(params, cfg, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (tokenizer {tokenizer}); fine-tune with "
-          f"checkpoint.load={args.output} and the same model.* settings (saved in its meta).")
+          f"checkpoint.load={args.output} (the model.* settings come from its meta).")
     if warning:
         print(f"megajax import: warning: {warning}", file=sys.stderr)
     return 0
@@ -258,7 +281,7 @@ def _sampling(args: argparse.Namespace):
 def _load_model(args: argparse.Namespace):
     """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
     from megajax.inference.load import find_source, generation_config
-    source = find_source(args.checkpoint, args.hf)
+    source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides))
     cfg = generation_config(source, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
@@ -305,7 +328,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel "
                                                "with its tokenizer), imported on the fly")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                   help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH")
+                   help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH; "
+                        "checkpoint.step=N reads step N of the run instead of its latest")
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -352,6 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
                                                      "tokenizer.json or its directory); default: the checkpoint's")
+    p.add_argument("overrides", nargs="*", metavar="checkpoint.step=N",
+                   help="export step N of the run instead of its latest")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="turn Hugging Face or Megatron-Core weights into a megajax checkpoint")
     p.add_argument("--format", choices=("hf", "megatron"), required=True)

@@ -274,6 +274,8 @@ class CheckpointConfig:
     keep: int = 3  # most recent checkpoints kept
     async_save: bool = True  # write in the background while training continues
     load: str = ""  # start from these parameters (a run/checkpoint directory), optimizer state fresh
+    # Resume (or load, export, generate, serve) this step instead of the latest (Megatron's --ckpt-step).
+    step: int | None = None
     # Read a checkpoint saved with another vocabulary (tokenizer or model.vocab_size): crop or
     # zero-pad its embedding and output rows (and, on resume, their optimizer state). Off: refused.
     resize_vocab: bool = False
@@ -498,15 +500,21 @@ def parse_override(text: str) -> dict:
     return out
 
 
-def load_config(files: list[str] | None = None, overrides: list[str] | None = None,
-                base: dict | None = None) -> Config:
-    """Builds, resolves and validates a Config from files, then overrides (later wins)."""
+def merge_sources(files: list[str] | None = None, overrides: list[str] | None = None,
+                  base: dict | None = None) -> dict:
+    """The config tree as set: `base`, then files, then overrides (later wins); nothing filled in."""
     merged: dict = dict(base or {})
     for f in files or []:
         merged = _deep_merge(merged, load_yaml(resolve_config_path(f)))
     for o in overrides or []:
         merged = _deep_merge(merged, parse_override(o))
-    cfg = _build(Config, merged, "")
+    return merged
+
+
+def load_config(files: list[str] | None = None, overrides: list[str] | None = None,
+                base: dict | None = None) -> Config:
+    """Builds, resolves and validates a Config from files, then overrides (later wins)."""
+    cfg = _build(Config, merge_sources(files, overrides, base), "")
     finalize(cfg)
     return cfg
 
@@ -555,6 +563,7 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)
+    _positive("checkpoint.step", cfg.checkpoint.step, allow_zero=True)
     _positive("train.eval_steps", t.eval_steps)
     _positive("data.prefetch", cfg.data.prefetch, allow_zero=True)
     try:

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from megajax.checkpoint.integrity import RECORD, damage
 from megajax.checkpoint.manager import CheckpointSource
 from megajax.checkpoint.source import flatten
 from megajax.config import DistributedConfig, load_config
@@ -225,6 +226,9 @@ def test_two_processes_match_one_process(tmp_path, small_config, reap, compile_c
     saved = CheckpointSource(run)
     for name, want in flatten(jax.device_get(one.state.params)):
         np.testing.assert_allclose(saved.get(name), want, rtol=1e-5, atol=1e-7, err_msg=name)
+    # Process 0's record of the step's files lists process 1's too (written before the commit).
+    recorded = json.loads((saved.step_dir / RECORD).read_text())["files"]
+    assert any(n.startswith("state/ocdbt.process_1/") for n in recorded) and damage(saved.step_dir) is None
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_resumes(tmp_path, small_config, reap, compile_cache):

@@ -23,12 +23,18 @@ before Orbax or TensorStore sees them.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import re
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from megajax.checkpoint.integrity import check, read_failed, step_number, write_record
 from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
@@ -66,7 +72,9 @@ def _save_args(ocp, path, x):
 
 
 class Checkpointer:
-    """Saves train states under `directory/<step>` (async), keeps the last `keep`."""
+    """Saves train states under `directory/<step>` (async), keeps the last `keep`, and records each
+    committed step's files (megajax/checkpoint/integrity.py) once its save has finished: at the next
+    save, `wait` or `close`."""
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         import orbax.checkpoint as ocp
@@ -76,6 +84,7 @@ class Checkpointer:
             self.directory, item_names=(STATE, META),
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                  create=True))
+        self._unrecorded: list[int] = []
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -83,17 +92,30 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict, *, wait: bool = False) -> None:
         ocp = self._ocp
         save_args = jax.tree_util.tree_map_with_path(lambda path, x: _save_args(ocp, path, x), state)
+        self.wait()  # Orbax's save waits for the previous one anyway: record it first
         self._manager.save(step, args=ocp.args.Composite(**{
             STATE: ocp.args.StandardSave(state, save_args=save_args), META: ocp.args.JsonSave(meta)}),
             force=True)
+        self._unrecorded.append(step)
         if wait:
-            self._manager.wait_until_finished()
+            self.wait()
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
+        self._record()
+
+    def _record(self) -> None:
+        """Process 0 records the finished saves' files (after Orbax's commit, so every process's)."""
+        steps, self._unrecorded = self._unrecorded, []
+        if jax.process_index() != 0:
+            return
+        for step in steps:
+            step_dir = self.directory / str(step)
+            if (step_dir / STATE).is_dir():  # committed (and not yet removed by checkpoint.keep)
+                write_record(step_dir)
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
 
@@ -109,26 +131,119 @@ def _committed_steps(directory: Path) -> list[int]:
     return sorted(steps)
 
 
-def find_step_dir(path: str | Path) -> Path | None:
-    """A step directory from a run directory (latest step), its checkpoints/ directory, or a step
-    directory; relative paths stay relative (they are made absolute only for reading)."""
+def step_dirs(directory: Path) -> list[Path]:
+    """The committed step directories under a checkpoints/ directory, oldest first."""
+    return [directory / str(s) for s in _committed_steps(directory)]
+
+
+def _is_step_dir(path: Path) -> bool:
+    return (path / STATE).is_dir() and (path / META).is_dir()
+
+
+def find_step_dir(path: str | Path, step: int | None = None) -> Path | None:
+    """A step directory from a run directory (latest step, or `step`), its checkpoints/ directory, or a
+    step directory; relative paths stay relative (they are made absolute only for reading).
+
+    CheckpointError when `step` is given and the directory has no such step (naming those it has)."""
     path = Path(path)
-    if (path / STATE).is_dir() and (path / META).is_dir():
+    if _is_step_dir(path):
+        if step is not None and step_number(path) != step:
+            raise CheckpointError(f"checkpoint.step={step}, but {path} is the directory of step {path.name}; "
+                                  f"name the run directory instead, or drop checkpoint.step.")
         return path
     for directory in (path / "checkpoints", path):
         steps = _committed_steps(directory)
-        if steps:
+        if not steps:
+            continue
+        if step is None:
             return directory / str(steps[-1])
+        if step not in steps:
+            raise CheckpointError(f"checkpoint.step={step}: {directory} has no checkpoint of step {step}; it "
+                                  f"has step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))}.")
+        return directory / str(step)
     return None
 
 
-def require_step_dir(path: str | Path, key: str) -> Path:
-    step_dir = find_step_dir(path)
+def verify_step(step_dir: Path) -> Path:
+    """`step_dir` when its files match the record written at save (or it has none); else the
+    CheckpointError naming the damaged file and the newest intact step (integrity.py)."""
+    check(Path(step_dir), step_dirs(Path(step_dir).parent))
+    return step_dir
+
+
+def require_step_dir(path: str | Path, key: str, step: int | None = None) -> Path:
+    """The (verified) step directory `path` names, or `step` of it; a CheckpointError if none."""
+    step_dir = find_step_dir(path, step)
     if step_dir is None:
         raise CheckpointError(f"{key} = {str(path)!r}: no megajax checkpoint there (expected a run directory "
                               f"with checkpoints/<step>/, a checkpoints/ directory, or one step's directory "
                               f"holding state/ and meta/; relative paths are read from {Path.cwd()}).")
-    return step_dir
+    return verify_step(step_dir)
+
+
+def set_aside_newer(step_dir: Path) -> tuple[list[int], Path]:
+    """Moves the steps newer than `step_dir` (a run resumed from an older step with checkpoint.step) to
+    `<run_dir>/checkpoints.superseded/`, out of the way of the steps the run saves again (Orbax saves
+    no step that exists), kept rather than deleted. Every process calls it; process 0 moves.
+    Returns (the steps moved, where to)."""
+    step_dir = Path(step_dir).absolute()
+    aside = step_dir.parent.parent / "checkpoints.superseded"
+    newer = [d for d in step_dirs(step_dir.parent) if step_number(d) > step_number(step_dir)]
+    if jax.process_index() == 0 and newer:
+        aside.mkdir(exist_ok=True)
+        for d in newer:
+            target = aside / d.name
+            while target.exists():
+                target = target.with_name(target.name + ".old")
+            os.replace(d, target)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("megajax: newer checkpoints set aside")
+    return [int(d.name) for d in newer], aside
+
+
+def _read_failed(step_dir: Path, error: BaseException) -> CheckpointError:
+    return read_failed(Path(step_dir), error, step_dirs(Path(step_dir).parent))
+
+
+def _drop_closed_loop_errors() -> None:
+    """When a read fails, Orbax closes its event loop while TensorStore still completes the read's
+    other futures: their callbacks print 'RuntimeError: Event loop is closed' tracebacks (through
+    sys.excepthook or threading.excepthook), their coroutines 'Exception ignored in' ones
+    (sys.unraisablehook) and their tasks 'Task exception was never retrieved' (the asyncio logger),
+    around the user's one-paragraph error and even before it is raised. Those alone are dropped;
+    installed before any read."""
+    def stray(error: BaseException | None) -> bool:  # Orbax's read error, TensorStore's ('OUT_OF_RANGE: ...')
+        text = str(error)
+        return (text == "Event loop is closed" or text.startswith("Encountered error while reading array")
+                or re.match(r"[A-Z][A-Z_]+: ", text) is not None)
+
+    if getattr(sys.excepthook, "drops_stray_read_errors", False):
+        return
+    previous_hook, previous_unraisable, previous_thread = sys.excepthook, sys.unraisablehook, threading.excepthook
+
+    def hook(kind, value, tb):
+        if not stray(value):
+            previous_hook(kind, value, tb)
+
+    def unraisable(info):
+        if not stray(info.exc_value):
+            previous_unraisable(info)
+
+    def thread_hook(args):
+        if not stray(args.exc_value):
+            previous_thread(args)
+    def logged(record: logging.LogRecord) -> bool:
+        return not (record.exc_info and stray(record.exc_info[1]))
+    hook.drops_stray_read_errors = True
+    sys.excepthook, sys.unraisablehook, threading.excepthook = hook, unraisable, thread_hook
+    logging.getLogger("asyncio").addFilter(logged)
+
+
+def _storage_error(error: BaseException) -> bool:
+    """Orbax and TensorStore report unreadable files as these exact types (not their subclasses, which
+    are programming errors: KeyError, TypeError, ...)."""
+    return type(error) in (Exception, ValueError, RuntimeError) or isinstance(error, OSError)
 
 
 def read_meta(step_dir: Path) -> dict:
@@ -159,8 +274,7 @@ def stored_arrays(step_dir: Path) -> tuple[dict[str, Any], bool]:
     try:
         metadata = ocp.PyTreeCheckpointHandler().metadata(_state_dir(step_dir))
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {step_dir}: cannot read the metadata of {_state_dir(step_dir)} "
-                              f"({e}); the save may not have completed.") from None
+        raise _read_failed(step_dir, e) from None
     tree = getattr(metadata, "tree", metadata)
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
     arrays = {_path_name(path): leaf for path, leaf in leaves if hasattr(leaf, "shape")}
@@ -215,9 +329,14 @@ def _restore(step_dir: Path, target: Any, cfg: Config, what: str) -> tuple[Any, 
     args = [ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype,
                                  strict=name not in resized) for name, t in zip(names, leaves)]
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    _drop_closed_loop_errors()
     try:
         restored = checkpointer.restore(_state_dir(step_dir), args=ocp.args.PyTreeRestore(
             item=target, restore_args=jax.tree.unflatten(treedef, args), partial_restore=True))
+    except Exception as e:
+        if not _storage_error(e):
+            raise
+        raise _read_failed(step_dir, e) from None
     finally:
         checkpointer.close()
     changed = set(resized)
@@ -305,10 +424,10 @@ class CheckpointSource:
     memory stays near one tensor whatever the model size. Export runs in one process, so no
     sharding is involved."""
 
-    def __init__(self, path: str | Path, key: str = "--checkpoint"):
+    def __init__(self, path: str | Path, key: str = "--checkpoint", step: int | None = None):
         import orbax.checkpoint as ocp
         from etils import epath
-        self.step_dir = require_step_dir(path, key)
+        self.step_dir = require_step_dir(path, key, step)
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
         self._names = sorted(n[len("params."):].replace(".", "/") for n in self._arrays if n.startswith("params."))
@@ -320,6 +439,7 @@ class CheckpointSource:
         self._zarr3 = use_zarr3
         self._ocp, self._open = ocp, {}
         _free_large_buffers_eagerly()
+        _drop_closed_loop_errors()
 
     def names(self) -> list[str]:
         return list(self._names)
@@ -343,13 +463,18 @@ class CheckpointSource:
             try:
                 self._open[key] = ts.open(spec, read=True, context=self._context).result()
             except Exception as e:  # TensorStore reports storage problems as ValueError/RuntimeError
-                raise CheckpointError(f"checkpoint {self.step_dir}: cannot open array {key} ({e}).") from None
+                raise _read_failed(self.step_dir, e) from None
         return self._open[key]
 
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
         store = self._store(self._storage(name))
         view = store[layer] if layer is not None else store
-        return np.asarray(view.read().result(), np.float32)
+        try:
+            return np.asarray(view.read().result(), np.float32)
+        except Exception as e:
+            if not _storage_error(e):
+                raise
+            raise _read_failed(self.step_dir, e) from None
 
 
 def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:

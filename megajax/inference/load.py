@@ -41,13 +41,18 @@ class Source:
         return path.name
 
 
-def find_source(checkpoint: str | None, hf: str | None) -> Source:
+def find_source(checkpoint: str | None, hf: str | None, step: int | None = None) -> Source:
+    """The (verified) step directory of --checkpoint (its latest step, or `step`: checkpoint.step), or
+    the Hugging Face directory --hf, imported."""
     from megajax.checkpoint.manager import require_step_dir
     if bool(checkpoint) == bool(hf):
         raise CheckpointError("give the model as --checkpoint DIR (a megajax run or checkpoint directory) or "
                               "--hf DIR (a Hugging Face model directory), one of them.")
     if checkpoint:
-        return Source(step_dir=require_step_dir(checkpoint, "--checkpoint"))
+        return Source(step_dir=require_step_dir(checkpoint, "--checkpoint", step))
+    if step is not None:
+        raise CheckpointError(f"checkpoint.step={step} selects a step of a megajax checkpoint (--checkpoint DIR); "
+                              f"a Hugging Face directory (--hf {hf}) has none.")
     from megajax.checkpoint.hf import import_hf
     d = Path(hf).expanduser()
     if not (d / "config.json").is_file():
@@ -79,7 +84,7 @@ def generation_config(source: Source, overrides: Sequence[str] = ()) -> Config:
     base["mesh"] = {"data": -1, "fsdp": saved.get("fsdp", 1), "tensor": saved.get("tensor", 1),
                     "cpu_devices": saved.get("cpu_devices", 0)}
     base.setdefault("parallel", {})["sequence_parallel"] = False  # one token per step: nothing to split
-    base.setdefault("checkpoint", {})["load"] = ""
+    base.setdefault("checkpoint", {}).update(load="", step=None)  # the run's own, not this read's
     return load_config(base=base, overrides=list(overrides))
 
 

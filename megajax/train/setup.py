@@ -21,10 +21,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
-                                       restore_params, restore_state)
+                                       restore_params, restore_state, set_aside_newer, verify_step)
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
-from megajax.errors import ConfigError
+from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
@@ -189,24 +189,36 @@ class Trainer:
 
 
 def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
-    """(state, consumed samples, description, resumed step): the run directory's latest checkpoint if
-    it has one (resume), else a fresh state, with checkpoint.load's parameters if given (fine-tuning)."""
+    """(state, consumed samples, description, resumed step): the run directory's latest checkpoint (or
+    checkpoint.step) if it has one (resume), else a fresh state, with checkpoint.load's parameters if
+    given (fine-tuning). Resuming from a step older than the run's newest moves the newer steps aside
+    (set_aside_newer), so the run saves its own steps in their place."""
     cfg = setup.cfg
     target = setup.target()
-    resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints")
+    step = cfg.checkpoint.step
+    resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
-        meta = read_meta(resume)
+        meta = read_meta(verify_step(resume))
         state, note = restore_state(resume, target, cfg)
         origin = f"resumed from {resume} (step {meta['step']})" + (f"; {note}" if note else "")
+        if step is not None:
+            newer, aside = set_aside_newer(resume)
+            if newer:
+                origin += (f"; checkpoint.step={step}: the newer checkpoints (step{'s' if len(newer) > 1 else ''} "
+                           f"{', '.join(map(str, newer))}) are moved to {aside}, and metrics.jsonl's records "
+                           f"after step {step} are dropped")
         return state, int(meta["consumed_samples"]), origin, int(meta["step"])
     if cfg.checkpoint.load:
-        source = require_step_dir(cfg.checkpoint.load, "checkpoint.load")
+        source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
         params, note = restore_params(source, target.params, cfg)
         state = setup.fresh_state().replace(params=params)
         bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
         if bias is not None:
             state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
         return state, 0, f"parameters from {source}, optimizer state fresh" + (f"; {note}" if note else ""), None
+    if step is not None:
+        raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints and "
+                              f"checkpoint.load is not set; drop checkpoint.step to start afresh.")
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 

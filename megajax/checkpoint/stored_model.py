@@ -1,0 +1,67 @@
+"""A run's config with `checkpoint.load`: the model is the checkpoint's.
+
+A checkpoint's meta holds the resolved config it was saved with (a training run's, or the one
+`megajax import` wrote from the Hugging Face or Megatron files), so a run loading it needs no
+`model.*` key: those it does not set come from the checkpoint, and so does `data.tokenizer` when
+it is not set (the vocabulary belongs to it). One it sets must agree with the checkpoint, except
+the keys that change how the model trains rather than what its parameters compute
+(TRAINING_KEYS), the vocabulary keys with `checkpoint.resize_vocab=true`, and
+`model.max_position_embeddings` of a RoPE model (no parameter depends on it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megajax.config import Config, ModelConfig, _build, _deep_merge, finalize, merge_sources
+from megajax.errors import CheckpointError
+
+TRAINING_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_std", "attention_impl", "matmul_impl",
+                           "scan_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
+                           "moe_router_bias_update_rate"})
+VOCABULARY_KEYS = frozenset({"vocab_size", "make_vocab_size_divisible_by"})
+
+
+def train_config(files: list[str] | None = None, overrides: list[str] | None = None) -> Config:
+    """`load_config(files, overrides)`, with the model of checkpoint.load's checkpoint under the keys set.
+
+    CheckpointError naming each `model.*` key set that contradicts the checkpoint, with both values."""
+    merged = merge_sources(files, overrides)
+    section = merged.get("checkpoint")
+    load = section.get("load") if isinstance(section, dict) else None
+    if not load:
+        return finalize(_build(Config, merged, ""))
+    from megajax.checkpoint.manager import find_step_dir, read_meta  # JAX: only when a checkpoint is read
+    step_dir = find_step_dir(str(load))  # any step: a run's steps share one model
+    saved = read_meta(step_dir).get("config", {}) if step_dir is not None else {}
+    stored = saved.get("model")
+    if not isinstance(stored, dict):
+        return finalize(_build(Config, merged, ""))
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    stored = {k: v for k, v in stored.items() if k in names}  # keys of older versions dropped
+    user = merged.get("model") if isinstance(merged.get("model"), dict) else {}
+    set_keys = [k for k, v in user.items() if v is not None]
+    inherited: dict = {"model": {**stored, **{k: user[k] for k in set_keys}}}
+    # The vocabulary goes with the tokenizer: the checkpoint's unless the run names another, whose
+    # vocabulary is then compared with the checkpoint's when it is read (checkpoint/vocab.py).
+    data = merged.get("data") if isinstance(merged.get("data"), dict) else {}
+    stored_tokenizer = saved.get("data", {}).get("tokenizer")
+    if data.get("tokenizer") is None and stored_tokenizer:
+        inherited["data"] = {"tokenizer": stored_tokenizer}
+    elif data.get("tokenizer") != stored_tokenizer and "vocab_size" not in set_keys:
+        inherited["model"].pop("vocab_size", None)
+    cfg = _build(Config, _deep_merge(merged, inherited), "")
+    theirs = _build(ModelConfig, stored, "model")
+    free = set(TRAINING_KEYS) | (VOCABULARY_KEYS if cfg.checkpoint.resize_vocab else set())
+    if theirs.position_embedding == "rope":
+        free.add("max_position_embeddings")
+    clashes = [(k, getattr(cfg.model, k), getattr(theirs, k)) for k in set_keys
+               if k in names and k not in free and getattr(cfg.model, k) != getattr(theirs, k)]
+    if clashes:
+        listed = "; ".join(f"model.{k}={mine!r} but the checkpoint has model.{k}={ckpt!r}" for k, mine, ckpt in clashes)
+        vocabulary = any(k in VOCABULARY_KEYS for k, _, _ in clashes)
+        raise CheckpointError(f"checkpoint.load = {str(load)!r} ({step_dir}) holds another model than this run "
+                              f"sets: {listed}. Leave model.* keys out (the model comes from the checkpoint) or "
+                              f"set them to the checkpoint's values"
+                              f"{'; another vocabulary needs checkpoint.resize_vocab=true' if vocabulary else ''}.")
+    return finalize(cfg)
