@@ -573,6 +573,14 @@ def _megatron_defaults(t: Translation, given: dict[str, list[str]]) -> None:
             continue
         t.assignments[f.key] = (f.default, f"Megatron's default (no {f.flag})")
         keys.add(f.key)
+    impl = t.assignments.get("model.attention_impl")
+    dropout = t.assignments.get("model.attention_dropout", (0.0,))[0]
+    if impl and impl[0] in ("flash", "cudnn") and isinstance(dropout, float) and dropout > 0:
+        # Megatron's flash and fused kernels apply attention dropout; megajax's kernels have none.
+        t.assignments["model.attention_impl"] = ("xla", f"{impl[1]} with attention dropout {dropout:g}")
+        t.unmapped.append((impl[1], f"megajax's {impl[0]} attention has no dropout, so attention dropout "
+                                    f"{dropout:g} runs with the XLA attention; add --attention-dropout 0.0 to "
+                                    f"keep the kernel"))
     if fp8 and "fp8_amax_compute_algo" not in given:
         t.unmapped.append(("(no --fp8-amax-compute-algo)", "Megatron's default most_recent; megajax scales by "
                                                            "the amax history's maximum"))

@@ -276,6 +276,13 @@ def test_switches_lists_and_placeholders():
     assert (m.num_kv_heads, m.ffn_hidden_size, m.hidden_dropout) == (4, 256, 0.1)
     assert (cfg.optim.weight_decay, cfg.optim.beta2, cfg.optim.decay_style, cfg.optim.min_lr) == (
         0.01, 0.999, "linear", 0.0)
+    # Flash attention with Megatron's default attention dropout: megajax's kernel has none, so the line runs
+    # with the XLA attention (and says so); without dropout the kernel stays.
+    base = "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --use-flash-attn"
+    t = ma.translate(words(base))
+    assert load_config(base=t.tree()).model.attention_impl == "xla"
+    assert "--attention-dropout 0.0 to keep the kernel" in dict(t.unmapped)["--use-flash-attn"]
+    assert load_config(base=ma.translate(words(base + " --attention-dropout 0.0")).tree()).model.attention_impl == "flash"
 
 
 # ----------------------------------------------------------------------------------------------
