@@ -451,7 +451,8 @@ def _summary(tr: Trainer, result: RunResult, interval_rates: list[float], log: M
     result.tokens_per_sec = float(np.mean(steady)) if steady else float("nan")
     skipped = f" ({result.skipped_steps} skipped)" if result.skipped_steps else ""
     logged = [r["loss"] for r in result.records]
-    losses = f"first logged loss {logged[0]:.4f} -> last {logged[-1]:.4f}" if logged else "no step logged"
+    losses = (f"first logged loss {logged[0]:.4f} -> last {logged[-1]:.4f}" if len(logged) > 1 else
+              f"logged loss {logged[0]:.4f} (one logged step)" if logged else "no step logged")
     if result.val_losses:
         losses += f" (validation {result.val_losses[-1][1]:.4f})"
     log.print(f"megajax: done, {len(result.losses)} steps{skipped}; compile {tr.compile_seconds:.1f}s; "
