@@ -147,7 +147,7 @@ def test_concurrent_requests_are_decoded_together(server):
     ("PUT", "/api", {"prompts": ["x"], "temperature": -1}, None, 400, "'temperature'=-1.0: must be a finite"),
     ("PUT", "/api", {"prompts": ["x"], "random_seed": -2}, None, 400, "'random_seed'=-2: must be an integer in"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, f"context length is {CONTEXT}"),
-    ("POST", "/v1/completions", {"prompt": "x", "stop": ["\n"]}, None, 400, "'stop'"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix'"),
     ("POST", "/v1/completions", {"prompt": [[1, 999]]}, None, 400, "token ids outside"),
     ("PUT", "/api", {"prompts": "x"}, None, 400, "'prompts'"),
     ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": 0}, None, 400, "'tokens_to_generate'"),
