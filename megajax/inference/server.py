@@ -138,8 +138,9 @@ class CompletionService:
         """RequestError for too many sequences, an empty prompt or one that does not fit the context with
         `max_new` new tokens (naming the prompt's field, or the budget's when fewer new tokens would fit)."""
         if sequences > MAX_SEQUENCES:
-            n = " (prompts x n)" if sequences != len(prompts) else ""
-            raise RequestError(f"{sequences} sequences{n} in one request; at most {MAX_SEQUENCES}.", prompt_param)
+            times_n = sequences != len(prompts)
+            raise RequestError(f"{sequences} sequences{' (prompts x n)' * times_n} in one request; at most "
+                               f"{MAX_SEQUENCES}.", "n" if times_n else prompt_param)
         try:
             self.generator.check(prompts, [max_new] * len(prompts))
         except ContextLengthError as e:
@@ -321,6 +322,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             getattr(self, methods[self.command])()
+            self._drain()  # a body the endpoint did not read (GET /health with one)
         except RequestError as e:
             self._error(e.status, str(e), e.param, e.code)
         except (BrokenPipeError, ConnectionResetError):
