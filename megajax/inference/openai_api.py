@@ -30,6 +30,7 @@ from typing import Any, Iterator
 from megajax.inference.batcher import Job
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, TokenScores
+from megajax.inference.request import OPENAI_FIELDS, RequestError, checked, field, random_seed
 from megajax.inference.sampling import Sampling
 from megajax.inference.text import StopText, completion_text, cut_at_stop
 
@@ -43,7 +44,6 @@ CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", 
 
 
 def _fields(body: dict, known: set, endpoint: str) -> None:
-    from megajax.inference.server import RequestError
     unknown = sorted(set(body) - known)
     if unknown:
         raise RequestError(f"unknown field '{unknown[0]}' in {endpoint}" + (f" (also {', '.join(unknown[1:])})"
@@ -52,7 +52,6 @@ def _fields(body: dict, known: set, endpoint: str) -> None:
 
 
 def _refuse_unless(body: dict, name: str, ok) -> None:
-    from megajax.inference.server import RequestError
     if name in body and not ok(body[name]):
         raise RequestError(f"'{name}' = {json.dumps(body[name])[:80]} is not supported by this server.", name)
 
@@ -92,7 +91,6 @@ class Choice:
 
 
 def _stops(body: dict) -> list[str]:
-    from megajax.inference.server import RequestError
     stop = body.get("stop")
     stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -105,15 +103,14 @@ def _stops(body: dict) -> list[str]:
 
 def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, max_tokens: int,
           logprobs: int | None, echo: bool, prompt_param: str = "prompt", budget_param: str = "max_tokens") -> Plan:
-    from megajax.inference.server import OPENAI_FIELDS, RequestError, _checked, _get, _random_seed
-    temperature = _get(body, "temperature", float, 1.0, accept="a number")
-    top_p = _get(body, "top_p", float, 1.0, accept="a number")
-    top_k = _get(body, "top_k", int, 0, accept="an integer")
-    n = _get(body, "n", int, 1, check=lambda v: v >= 1, accept="an integer >= 1")
-    seed = _get(body, "seed", int, None, accept="an integer")
-    stream = _get(body, "stream", bool, False)
-    presence = _get(body, "presence_penalty", float, 0.0, accept="a number")
-    frequency = _get(body, "frequency_penalty", float, 0.0, accept="a number")
+    temperature = field(body, "temperature", float, 1.0, accept="a number")
+    top_p = field(body, "top_p", float, 1.0, accept="a number")
+    top_k = field(body, "top_k", int, 0, accept="an integer")
+    n = field(body, "n", int, 1, check=lambda v: v >= 1, accept="an integer >= 1")
+    seed = field(body, "seed", int, None, accept="an integer")
+    stream = field(body, "stream", bool, False)
+    presence = field(body, "presence_penalty", float, 0.0, accept="a number")
+    frequency = field(body, "frequency_penalty", float, 0.0, accept="a number")
     options = body.get("stream_options")
     if options is not None and (not stream or not isinstance(options, dict) or set(options) - {"include_usage"}):
         raise RequestError("'stream_options' is {\"include_usage\": true|false}, with 'stream': true.",
@@ -122,10 +119,9 @@ def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, ma
         raise RequestError("'user' and 'model' must be strings.", "user" if "user" in body else "model")
     _refuse_unless(body, "logit_bias", lambda v: v in (None, {}))
     # OpenAI's dialect: top_k -1 is off too; no seed: a random one.
-    sampling = _checked(Sampling(temperature, 0 if top_k == -1 else top_k, top_p,
-                                 _random_seed() if seed is None else seed, presence, frequency),
-                        {**OPENAI_FIELDS, "presence_penalty": "presence_penalty",
-                         "frequency_penalty": "frequency_penalty"})
+    sampling = checked(Sampling(temperature, 0 if top_k == -1 else top_k, top_p,
+                                 random_seed() if seed is None else seed, presence, frequency),
+                        OPENAI_FIELDS)
     plan = Plan(prompts, texts, n, max_tokens, sampling, _stops(body), logprobs, echo, stream,
                 bool((options or {}).get("include_usage")))
     service.check_prompts(prompts, max_tokens, prompt_param, budget_param, len(prompts) * n)
@@ -211,13 +207,12 @@ class OpenAIDialect:
 
     def completions(self, body: dict):
         """(answer dict) or, with stream, (a generator of event dicts); raises RequestError."""
-        from megajax.inference.server import RequestError, _get
         _fields(body, COMPLETION_FIELDS, "POST /v1/completions")
         _refuse_unless(body, "suffix", lambda v: v in (None, ""))
-        echo = _get(body, "echo", bool, False)
-        logprobs = _get(body, "logprobs", int, None, check=lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+        echo = field(body, "echo", bool, False)
+        logprobs = field(body, "logprobs", int, None, check=lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                         accept=f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-        max_tokens = _get(body, "max_tokens", int, 16, check=lambda v: v >= 0, accept="an integer >= 0")
+        max_tokens = field(body, "max_tokens", int, 16, check=lambda v: v >= 0, accept="an integer >= 0")
         if max_tokens == 0 and not echo:
             raise RequestError("'max_tokens' = 0 asks for no new tokens; that needs 'echo': true (the prompt "
                                "scored, with 'logprobs').", "max_tokens")
@@ -327,7 +322,6 @@ class OpenAIDialect:
     # ------------------------------------------------------------ chat
 
     def chat_prompt(self, messages: Any, param: str = "messages") -> list[int]:
-        from megajax.inference.server import RequestError
         template = self.service.chat_template
         if template is None:
             raise RequestError("this model's tokenizer has no chat template (no 'chat_template' in its "
@@ -363,7 +357,6 @@ class OpenAIDialect:
                             for t, lp, alts in zip(ids, scores.logprobs, scores.top)]}
 
     def chat(self, body: dict):
-        from megajax.inference.server import RequestError, _get
         _fields(body, CHAT_FIELDS, "POST /v1/chat/completions")
         for name in ("tools", "functions"):
             _refuse_unless(body, name, lambda v: v in (None, []))
@@ -371,14 +364,14 @@ class OpenAIDialect:
             _refuse_unless(body, name, lambda v: v in (None, "none"))
         _refuse_unless(body, "response_format", lambda v: v in (None, {"type": "text"}))
         prompt = self.chat_prompt(body.get("messages"))
-        want_logprobs = _get(body, "logprobs", bool, False)
-        top = _get(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
+        want_logprobs = field(body, "logprobs", bool, False)
+        top = field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                    accept=f"an integer in [0, {MAX_TOP_LOGPROBS}]")
         if top is not None and not want_logprobs:
             raise RequestError("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         room = max(self.service.generator.context - len(prompt), 1)
-        max_tokens = _get(body, name, int, room, check=lambda v: v >= 1, accept="an integer >= 1")
+        max_tokens = field(body, name, int, room, check=lambda v: v >= 1, accept="an integer >= 1")
         plan = _plan(self.service, body, [prompt], [""], max_tokens=max_tokens,
                      logprobs=(top or 0) if want_logprobs else None, echo=False, prompt_param="messages",
                      budget_param=name)
@@ -414,10 +407,9 @@ class OpenAIDialect:
     # ------------------------------------------------------------ tokenizer
 
     def tokenize(self, body: dict) -> dict:
-        from megajax.inference.server import RequestError, _get
         _fields(body, {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"},
                 "POST /tokenize")
-        add_special = _get(body, "add_special_tokens", bool, True)
+        add_special = field(body, "add_special_tokens", bool, True)
         if ("prompt" in body) == ("messages" in body):
             raise RequestError("give 'prompt' (a string) or 'messages' (chat messages), one of them.", "prompt")
         if "messages" in body:
@@ -432,7 +424,6 @@ class OpenAIDialect:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.service.generator.context}
 
     def detokenize(self, body: dict) -> dict:
-        from megajax.inference.server import RequestError
         _fields(body, {"model", "tokens"}, "POST /detokenize")
         tokens = body.get("tokens")
         vocab = self.service.generator.model.vocab_size

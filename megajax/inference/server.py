@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
-import secrets
 import signal
 import sys
 import threading
@@ -32,7 +31,9 @@ from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
 from megajax.inference.chat import find_chat_template
 from megajax.inference.generate import ContextLengthError
-from megajax.inference.sampling import Sampling, SamplingError
+from megajax.inference.openai_api import OpenAIDialect
+from megajax.inference.request import MEGATRON_FIELDS, RequestError, checked, field, random_seed
+from megajax.inference.sampling import Sampling
 from megajax.inference.text import first_stop
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -40,53 +41,10 @@ MAX_DRAIN_BYTES = 64 * 2**20  # a refused body up to this size is read and dropp
 MAX_SEQUENCES = 256  # prompts x n in one request
 
 
-class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.param, self.status, self.code = param, status, code
-
-
-_MISSING = object()
-
-
-def _get(body: dict, name: str, kind, default=_MISSING, *, check=None, accept: str = ""):
-    """body[name] as `kind` (int, float, bool, or a tuple of types), default when absent or null;
-    RequestError naming the field otherwise."""
-    value = body.get(name)
-    if value is None:
-        if default is _MISSING:
-            raise RequestError(f"'{name}' is required.", name)
-        return default
-    ok = {int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          bool: lambda v: isinstance(v, bool)}[kind](value)
-    if not ok or (check is not None and not check(value)):
-        raise RequestError(f"'{name}' = {json.dumps(value)[:80]}: expected {accept or kind.__name__}.", name)
-    return float(value) if kind is float else value
-
-
-def _random_seed() -> int:
-    return secrets.randbits(63)
-
-
-# Each dialect's request field of a Sampling setting (the ranges are megajax.inference.sampling.RANGES).
-OPENAI_FIELDS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed"}
-MEGATRON_FIELDS = {**OPENAI_FIELDS, "seed": "random_seed"}
-
-
-def _checked(sampling: Sampling, fields: dict[str, str]) -> Sampling:
-    """The sampling settings, or a RequestError naming the request field, its value and the range."""
-    try:
-        return sampling.check({k: f"'{name}'" for k, name in fields.items()})
-    except SamplingError as e:
-        raise RequestError(str(e), fields[e.field]) from None
-
-
 class CompletionService:
     """Request parsing and answers, independent of HTTP (the handler below only moves bytes)."""
 
     def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None):
-        from megajax.inference.openai_api import OpenAIDialect
         self.loaded = loaded
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk)
@@ -184,20 +142,20 @@ class CompletionService:
         prompts_raw = body.get("prompts")
         if not isinstance(prompts_raw, list) or not prompts_raw or not all(isinstance(p, str) for p in prompts_raw):
             raise RequestError("'prompts' must be a non-empty list of strings.", "prompts")
-        if _get(body, "logprobs", bool, False):
+        if field(body, "logprobs", bool, False):
             raise RequestError("'logprobs' = true is not supported by this server.", "logprobs")
         if body.get("beam_width") is not None:
             raise RequestError("'beam_width' (beam search) is not supported by this server.", "beam_width")
-        add_bos = _get(body, "add_BOS", bool, False)
+        add_bos = field(body, "add_BOS", bool, False)
         prompts = self.encode_prompts(prompts_raw, "prompts", add_bos=add_bos)
-        max_new = _get(body, "tokens_to_generate", int, 64, check=lambda v: v >= 1, accept="an integer >= 1")
-        temperature = _get(body, "temperature", float, 1.0, accept="a number")
-        top_k = _get(body, "top_k", int, 0, accept="an integer")
-        top_p = _get(body, "top_p", float, 0.0, accept="a number")
-        seed = _get(body, "random_seed", int, -1, accept="an integer (-1: random)")
+        max_new = field(body, "tokens_to_generate", int, 64, check=lambda v: v >= 1, accept="an integer >= 1")
+        temperature = field(body, "temperature", float, 1.0, accept="a number")
+        top_k = field(body, "top_k", int, 0, accept="an integer")
+        top_p = field(body, "top_p", float, 0.0, accept="a number")
+        seed = field(body, "random_seed", int, -1, accept="an integer (-1: random)")
         # Megatron's dialect: top_p 0 is off (1), random_seed -1 a random seed.
-        base = _checked(Sampling(temperature, top_k, 1.0 if top_p == 0 else top_p,
-                                 _random_seed() if seed == -1 else seed), MEGATRON_FIELDS)
+        base = checked(Sampling(temperature, top_k, 1.0 if top_p == 0 else top_p,
+                                 random_seed() if seed == -1 else seed), MEGATRON_FIELDS)
         samplings = [dataclasses.replace(base, seed=(base.seed + i) % 2**63) for i in range(len(prompts))]
         jobs, events = self._jobs(prompts, samplings, max_new, False, "tokens_to_generate")
         done = self.wait(jobs, events)
