@@ -104,10 +104,19 @@ class Batcher:
                 new, job.ended = new[:new.index(eod) + 1], True
             if new:
                 part = slice(job.sent, job.sent + len(new))
-                piece = Piece(new, None if scores is None else Generator._scores(
-                    scores["logprobs"][i, part], scores["top_ids"][i, part], scores["top_logprobs"][i, part]))
+                piece = Piece(new, None if scores is None else TokenScores.of(scores, i, part))
                 job.events.put(("tokens", job.index, piece))
                 job.sent += len(new)
+
+    def _emit_prompt_scores(self, jobs: list[Job], tokens, scores: dict | None) -> None:
+        """Streaming jobs that score their prompt get its scores before their first tokens."""
+        wanted = [j.stream and j.score_prompt for j in jobs]
+        if scores is None or not any(wanted):
+            return
+        prompts = [j.prompt_ids for j in jobs]
+        for job, c, want in zip(jobs, self.generator.completions(prompts, [0] * len(jobs), tokens, 0, scores), wanted):
+            if want:
+                job.events.put(("prompt", job.index, c.prompt_scores))
 
     def _check_stops(self, jobs: list[Job], tokens, done, count: int) -> None:
         eod = self.generator.eod_id
@@ -130,9 +139,7 @@ class Batcher:
             tokens, done, count = g.read(state)
             scores = g.read_scores(state) if streamed_scores else None
             if first:
-                for c, job in zip(g.completions(prompts, [0] * len(jobs), tokens, 0, scores) if scores else [], jobs):
-                    if job.stream and job.score_prompt:
-                        job.events.put(("prompt", job.index, c.prompt_scores))
+                self._emit_prompt_scores(jobs, tokens, scores)
                 first = False
             self._emit(jobs, tokens, count, scores)
             self._check_stops(jobs, tokens, done, count)

@@ -103,6 +103,13 @@ class TokenScores:
     def __getitem__(self, part: slice) -> "TokenScores":
         return TokenScores(self.logprobs[part], self.top[part])
 
+    @classmethod
+    def of(cls, scores: dict[str, np.ndarray], row: int, part: slice, prefix: str = "") -> "TokenScores":
+        """Row `row`, positions `part` of Generator.read_scores' arrays (`prefix` "prompt_": the prompt's)."""
+        ids, lps = scores[prefix + "top_ids"][row, part], scores[prefix + "top_logprobs"][row, part]
+        return cls([float(x) for x in scores[prefix + "logprobs"][row, part]],
+                   [[(int(t), float(v)) for t, v in zip(i, lp)] for i, lp in zip(ids, lps)])
+
 
 @dataclass
 class Completion:
@@ -429,11 +436,6 @@ class Generator:
         return {k: np.asarray(v) for k, v in zip(SCORE_FIELDS, self._gather(tuple(getattr(state, k)
                                                                                    for k in SCORE_FIELDS)))}
 
-    @staticmethod
-    def _scores(logprobs: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray) -> TokenScores:
-        return TokenScores([float(x) for x in logprobs],
-                           [[(int(t), float(v)) for t, v in zip(ids, lps)] for ids, lps in zip(top_ids, top_logprobs)])
-
     def completions(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], tokens: np.ndarray,
                     count: int, scores: dict[str, np.ndarray] | None = None) -> list[Completion]:
         """Each row's new tokens, ended at end-of-document or its budget; with `scores` (read_scores),
@@ -446,15 +448,10 @@ class Generator:
             else:
                 c = Completion(list(ids), new, "length")
             if scores is not None:
-                k = len(c.completion_ids)
-                c.scores = self._scores(scores["logprobs"][i, :k], scores["top_ids"][i, :k],
-                                        scores["top_logprobs"][i, :k])
+                c.scores = TokenScores.of(scores, i, slice(0, len(c.completion_ids)))
                 p = scores["prompt_logprobs"].shape[1]
                 if p:  # padded row: prompt token j of this row sits at p - len(ids) + j
-                    first = p - len(ids) + 1
-                    c.prompt_scores = self._scores(scores["prompt_logprobs"][i, first:],
-                                                   scores["prompt_top_ids"][i, first:],
-                                                   scores["prompt_top_logprobs"][i, first:])
+                    c.prompt_scores = TokenScores.of(scores, i, slice(p - len(ids) + 1, p), "prompt_")
             out.append(c)
         return out
 
