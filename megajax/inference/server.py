@@ -304,8 +304,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _models(self) -> None:
         s = self.service
-        self._send_json(200, {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": 0,
-                                                          "owned_by": "megajax", "max_model_len": s.generator.context}]})
+        model = {"id": s.model_name, "object": "model", "created": 0, "owned_by": "megajax",
+                 "max_model_len": s.generator.context}
+        self._send_json(200, {"object": "list", "data": [model]})
 
     def _megatron(self) -> None:
         self._send_json(200, self.service.megatron(self._body()))
