@@ -304,7 +304,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
         print(r["prompt"] + r["text"])
     first = results[0]
-    print(f"megajax generate: {len(results)} prompts on {loaded.mesh_text} in batches of up to {args.batch_size}; "
+    print(f"megajax generate: {len(results)} prompt{'s' * (len(results) != 1)} on {loaded.mesh_text} in batches of up to {args.batch_size}; "
           f"first batch: time to first token {first['time_to_first_token_s'] * 1e3:.1f} ms, decode "
           f"{first['decode_tokens_per_s']:,.0f} tokens/s, compile {first['compile_s']:.1f} s", file=sys.stderr)
     if args.json:
@@ -316,9 +316,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise UserError(f"--max-batch {args.max_batch}: must be >= 1.")
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"--chat-template {args.chat_template!r}: cannot read it ({e}); give a Jinja chat "
+                            f"template file (the text of a tokenizer_config.json's \"chat_template\").") from None
     loaded = _load_model(args)
     from megajax.inference.server import serve
-    serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch)
+    serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template)
     return 0
 
 
@@ -411,12 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="prompts decoded together (default 16)")
     p.add_argument("--json", metavar="FILE", help="also write the results as a JSON list, one object per prompt")
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("serve", help="HTTP text generation: OpenAI /v1/completions and Megatron's PUT /api")
+    p = sub.add_parser("serve", help="HTTP text generation: OpenAI /v1/completions and /v1/chat/completions, "
+                                     "Megatron's PUT /api")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="concurrent sequences decoded together (default 8)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
+                                                            "(default: the tokenizer's own, from its "
+                                                            "tokenizer_config.json)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

@@ -76,6 +76,11 @@ def test_prompt_over_the_context_is_refused_naming_the_limit():
     gen = Generator(cfg.model, params)
     with pytest.raises(Exception, match=f"context length is {CONTEXT} tokens.*40 tokens and asks for 9"):
         gen.generate([[1] * 40], Sampling(), 9)
+    with pytest.raises(Exception, match="at most 1 new token[.]"):
+        gen.check([[1] * (CONTEXT - 1)], [3])
+    with pytest.raises(Exception, match=f"{CONTEXT} tokens, which leaves no room for a new token"):
+        gen.check([[1] * CONTEXT], [1])
+    gen.check([[1] * CONTEXT], [0])  # a budget of 0 scores the prompt: it only has to fit
 
 
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
@@ -194,7 +199,7 @@ def test_source_is_one_of_checkpoint_or_hf(checkpoint):
     assert isinstance(find_source(str(checkpoint), None), Source)
 
 
-def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path):
+def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path, capsys):
     from megajax.cli import run_training  # the train command's loop, with its end-of-training sample
     cfg = small_config("train.sample_tokens=10", "model.init_std=0.5", steps=2)  # clear argmax margins
     result = run_training(cfg)
@@ -203,3 +208,4 @@ def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path):
     assert main(["generate", "--checkpoint", cfg.train.run_dir, "--prompt", prompt, "--max-new-tokens", "10",
                  "--json", str(out)]) == 0
     assert result.sample == prompt + json.loads(out.read_text())[0]["text"]
+    assert "megajax generate: 1 prompt on" in capsys.readouterr().err

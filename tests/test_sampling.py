@@ -90,9 +90,26 @@ def test_settings_are_checked_naming_them():
 
 def test_every_range_names_the_setting_and_what_is_accepted():
     from megajax.inference.sampling import RANGES, SamplingError
-    bad = {"temperature": float("inf"), "top_k": -1, "top_p": 1.5, "seed": 2**63}
+    bad = {"temperature": float("inf"), "top_k": -1, "top_p": 1.5, "seed": 2**63, "presence_penalty": 2.5,
+           "frequency_penalty": -3.0}
     assert set(bad) == set(RANGES)
     for field, value in bad.items():
         with pytest.raises(SamplingError) as e:
             Sampling(**{field: value}).check({field: f"--{field}"})
         assert e.value.field == field and str(e.value) == f"--{field}={value}: {RANGES[field][1]}."
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_penalties_count_only_the_generated_tokens(jit):
+    """OpenAI's formula: logit - frequency * count - presence * (count > 0), counting the first `count` new
+    tokens; rows without penalties are unchanged."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from megajax.inference.sampling import apply_penalties
+    logits = jnp.zeros((2, 5), jnp.float32)
+    tokens = jnp.array([[1, 1, 3, 4], [2, 2, 2, 2]], jnp.int32)  # [B, S]; step 3 not generated yet
+    fn = jax.jit(apply_penalties) if jit else apply_penalties
+    out = np.asarray(fn(logits, tokens, jnp.int32(3), jnp.array([0.5, 0.0]), jnp.array([1.0, 0.0])))
+    np.testing.assert_allclose(out[0], [0, -2.5, 0, -1.5, 0])
+    np.testing.assert_allclose(out[1], 0)

@@ -147,7 +147,7 @@ def test_concurrent_requests_are_decoded_together(server):
     ("PUT", "/api", {"prompts": ["x"], "temperature": -1}, None, 400, "'temperature'=-1.0: must be a finite"),
     ("PUT", "/api", {"prompts": ["x"], "random_seed": -2}, None, 400, "'random_seed'=-2: must be an integer in"),
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 64}, None, 400, f"context length is {CONTEXT}"),
-    ("POST", "/v1/completions", {"prompt": "x", "stop": ["\n"]}, None, 400, "'stop'"),
+    ("POST", "/v1/completions", {"prompt": "x", "suffix": "y"}, None, 400, "'suffix'"),
     ("POST", "/v1/completions", {"prompt": [[1, 999]]}, None, 400, "token ids outside"),
     ("PUT", "/api", {"prompts": "x"}, None, 400, "'prompts'"),
     ("PUT", "/api", {"prompts": ["x"], "tokens_to_generate": 0}, None, 400, "'tokens_to_generate'"),
@@ -218,3 +218,23 @@ def _signal_state(pid: int) -> str:
     except OSError:
         return "no /proc entry"
     return ", ".join(x for x in lines if x.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
+
+def test_scores_on_the_sharded_mesh_agree_between_prefill_and_decode(server):
+    """On data=2 x tensor=4 (the vocabulary split over tensor): the log-probabilities of generated tokens
+    (decode steps) equal those of the same tokens scored as a prompt (the prefill's every position), and
+    penalties and stop sequences run there too."""
+    prompt = list(b"def main():")
+    gen = ok(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 2})
+    lp = gen["choices"][0]["logprobs"]
+    new = direct(server, "def main():", 5)[1].completion_ids[:3]  # the same greedy tokens, as ids
+    scored = ok(server, "POST", "/v1/completions", {"prompt": prompt + new, "max_tokens": 0, "echo": True,
+                                                    "logprobs": 2, "temperature": 0})
+    slp = scored["choices"][0]["logprobs"]
+    assert slp["token_logprobs"][0] is None and len(slp["tokens"]) == len(prompt) + 3
+    assert abs(sum(slp["token_logprobs"][len(prompt):]) - sum(lp["token_logprobs"][:3])) < 1e-4
+    top, want = slp["top_logprobs"][len(prompt)], lp["top_logprobs"][0]
+    assert top.keys() == want.keys() and all(abs(top[k] - want[k]) < 1e-4 for k in top)
+    penalised = ok(server, "POST", "/v1/completions", {"prompt": "ab", "max_tokens": 12, "temperature": 0,
+                                                       "frequency_penalty": 2.0, "stop": ["zz"], "n": 2})
+    assert len(penalised["choices"]) == 2

@@ -18,6 +18,11 @@ to its own slots, so it computes what it would alone. Decoding is one `lax.while
 round trip per token) over a donated cache, stopping each row at end-of-document or its token
 budget; `advance` may be called in chunks (a server streams that way).
 
+Every new token comes with its log-probability under the model's own distribution (a log-softmax of
+the logits before temperature, filters and penalties), and, when a batch asks (`top_n`), the
+`top_n` most likely tokens at its step; a prefill asked to (`score_prompt`) scores the prompt's
+tokens the same way (OpenAI's `logprobs` and `echo`).
+
 Sharded like training: the batch over the data axes, kv_heads (and heads, mlp, vocab) over
 `tensor`, through the rules table (`batch`, `cache_length`, ...). Shapes are bucketed (batch
 to a power of two times the data-parallel size, prompt and new-token room to powers of two) so
@@ -40,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import ModelConfig
 from megajax.errors import UserError
-from megajax.inference.sampling import Sampling, next_tokens, seed_key_data
+from megajax.inference.sampling import Sampling, apply_penalties, next_tokens, seed_key_data
 from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
 from megajax.models import Transformer, param_axes
 from megajax.models.attention import ACT_CACHE, make_attention_core
@@ -49,6 +54,7 @@ from megajax.models.layers import LinearOps
 from megajax.parallel.context import sharded_attention
 
 MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
+MAX_TOP_LOGPROBS = 20  # the most likely tokens a step can report (a batch computes all of them or none)
 
 
 class ContextLengthError(UserError):
@@ -68,11 +74,41 @@ class DecodeState:
     top_k: jax.Array  # i32 [B]
     top_p: jax.Array  # f32 [B]
     keys: jax.Array  # u32 [B, 2]: each row's threefry key data
+    presence: jax.Array  # f32 [B]: presence penalty
+    frequency: jax.Array  # f32 [B]: frequency penalty
+    logprobs: jax.Array  # f32 [B, S]: log p of each new token (the model's distribution)
+    top_ids: jax.Array  # i32 [B, S, N]: the N (top_n, 0 or MAX_TOP_LOGPROBS) most likely tokens at each step
+    top_logprobs: jax.Array  # f32 [B, S, N]
+    prompt_logprobs: jax.Array  # f32 [B, P'] (P' = P when the prompt is scored, else 0): log p of prompt token j
+    prompt_top_ids: jax.Array  # i32 [B, P', N]: the most likely tokens at prompt position j (column 0 unused)
+    prompt_top_logprobs: jax.Array  # f32 [B, P', N]
 
 
 STATE_AXES = dict(tokens=("batch", None), count=(), done=("batch",),
                   pad=("batch",), budget=("batch",), temperature=("batch",), top_k=("batch",),
-                  top_p=("batch",), keys=("batch", None))
+                  top_p=("batch",), keys=("batch", None), presence=("batch",), frequency=("batch",),
+                  logprobs=("batch", None), top_ids=("batch", None, None), top_logprobs=("batch", None, None),
+                  prompt_logprobs=("batch", None), prompt_top_ids=("batch", None, None),
+                  prompt_top_logprobs=("batch", None, None))
+SCORE_FIELDS = ("logprobs", "top_ids", "top_logprobs", "prompt_logprobs", "prompt_top_ids", "prompt_top_logprobs")
+
+
+@dataclass
+class TokenScores:
+    """Log-probabilities of a run of tokens under the model's distribution: `logprobs[i]` of token i,
+    `top[i]` the most likely (id, logprob) pairs at its position, best first (empty when not asked)."""
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]
+
+    def __getitem__(self, part: slice) -> "TokenScores":
+        return TokenScores(self.logprobs[part], self.top[part])
+
+    @classmethod
+    def of(cls, scores: dict[str, np.ndarray], row: int, part: slice, prefix: str = "") -> "TokenScores":
+        """Row `row`, positions `part` of Generator.read_scores' arrays (`prefix` "prompt_": the prompt's)."""
+        ids, lps = scores[prefix + "top_ids"][row, part], scores[prefix + "top_logprobs"][row, part]
+        return cls([float(x) for x in scores[prefix + "logprobs"][row, part]],
+                   [[(int(t), float(v)) for t, v in zip(i, lp)] for i, lp in zip(ids, lps)])
 
 
 @dataclass
@@ -80,6 +116,8 @@ class Completion:
     prompt_ids: list[int]
     completion_ids: list[int]  # ends with the end-of-document id when finish_reason is "stop"
     finish_reason: str  # "stop" (end of document) or "length" (token budget)
+    scores: TokenScores | None = None  # of completion_ids
+    prompt_scores: TokenScores | None = None  # of prompt_ids[1:] (the first token has no context), when asked
 
 
 @dataclass
@@ -128,6 +166,18 @@ def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attentio
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     return graphdef, param_axes(abstract), nnx.to_pure_dict(state)
+
+
+def token_scores(logits: jax.Array, tokens: jax.Array, top_n: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(log p of `tokens`, ids and log p of the `top_n` most likely tokens) under log_softmax(logits),
+    in fp32: logits [..., V], tokens [...] -> [...], [..., top_n], [..., top_n]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    if not top_n:
+        empty = logp[..., :0]
+        return chosen, empty.astype(jnp.int32), empty
+    top_logp, top_ids = jax.lax.top_k(logp, top_n)
+    return chosen, top_ids.astype(jnp.int32), top_logp
 
 
 def generation_rules(activations: Rules) -> Rules:
@@ -203,7 +253,8 @@ class Generator:
             self._replicated = NamedSharding(mesh, P())
         else:
             self._state_sh = self._replicated = None
-        self._prefill = jax.jit(self._prefill_fn, static_argnames=("room",), out_shardings=self._state_sh)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("room", "top_n", "score_prompt"),
+                                out_shardings=self._state_sh)
         self._advance = jax.jit(self._advance_fn, donate_argnums=(1,), out_shardings=self._state_sh)
         self._gather = jax.jit(lambda x: x, out_shardings=self._replicated)
 
@@ -239,8 +290,8 @@ class Generator:
     def _is_eod(self, tokens):
         return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
 
-    def _prefill_fn(self, params, tokens_BxP, pad_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2, *,
-                    room: int) -> DecodeState:
+    def _prefill_fn(self, params, tokens_BxP, pad_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2,
+                    presence_B, frequency_B, *, room: int, top_n: int, score_prompt: bool) -> DecodeState:
         with activation_sharding(self.mesh, self.rules):
             model, layers = self._model(params)
             b, p = tokens_BxP.shape
@@ -250,12 +301,26 @@ class Generator:
             key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
             logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,
                                                     key_mask_BxT=key_mask, layer_params=layers,
-                                                    expert_bias=self._expert_bias())
+                                                    expert_bias=self._expert_bias(), all_positions=score_prompt)
+            if score_prompt:  # logits [B, P, V]: position j - 1 predicts prompt token j
+                prompt = token_scores(logits[:, :-1], tokens_BxP[:, 1:], top_n)
+                prompt = [jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1) for x in prompt]  # [B, P, ...]
+                logits = logits[:, -1]
+            else:
+                prompt = [jnp.zeros((b, 0), jnp.float32), jnp.zeros((b, 0, top_n), jnp.int32),
+                          jnp.zeros((b, 0, top_n), jnp.float32)]
             first = next_tokens(logits, keys_Bx2, jnp.int32(0), temperature_B, top_k_B, top_p_B)
+            chosen, top_ids, top_logp = token_scores(logits, first, top_n)
             tokens = jnp.zeros((b, room), jnp.int32).at[:, 0].set(first)
+            logprobs = jnp.zeros((b, room), jnp.float32).at[:, 0].set(chosen)
+            top_ids = jnp.zeros((b, room, top_n), jnp.int32).at[:, 0].set(top_ids)
+            top_logp = jnp.zeros((b, room, top_n), jnp.float32).at[:, 0].set(top_logp)
             return DecodeState(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=jnp.int32(1),
                                done=(budget_B <= 1) | self._is_eod(first), pad=pad_B, budget=budget_B,
-                               temperature=temperature_B, top_k=top_k_B, top_p=top_p_B, keys=keys_Bx2)
+                               temperature=temperature_B, top_k=top_k_B, top_p=top_p_B, keys=keys_Bx2,
+                               presence=presence_B, frequency=frequency_B, logprobs=logprobs, top_ids=top_ids,
+                               top_logprobs=top_logp, prompt_logprobs=prompt[0], prompt_top_ids=prompt[1],
+                               prompt_top_logprobs=prompt[2])
 
     def _advance_fn(self, params, state: DecodeState, stop) -> DecodeState:
         room = state.tokens.shape[1]
@@ -263,6 +328,7 @@ class Generator:
         t = p + room
         fill = self.eod_id if self.eod_id is not None else 0
         limit = jnp.minimum(stop, room)
+        top_n = state.top_ids.shape[-1]
 
         def cond(s: DecodeState):
             return (s.count < limit) & ~jnp.all(s.done)
@@ -276,28 +342,43 @@ class Generator:
                 logits, cache_k, cache_v = model.extend(last, (slot - s.pad)[:, None], s.cache_k, s.cache_v,
                                                         start=slot, key_mask_BxT=key_mask, layer_params=layers,
                                                         expert_bias=self._expert_bias())
-                tok = next_tokens(logits, s.keys, s.count, s.temperature, s.top_k, s.top_p)
+                penalised = apply_penalties(logits, s.tokens, s.count, s.presence, s.frequency)
+                tok = next_tokens(penalised, s.keys, s.count, s.temperature, s.top_k, s.top_p)
                 tok = jnp.where(s.done, fill, tok)
-                tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok[:, None], s.count, axis=1)
+                chosen, top_ids, top_logp = token_scores(logits, tok, top_n)
+
+                def put(buffer, x):  # x [B, ...] into buffer [B, S, ...] at step `count`
+                    return jax.lax.dynamic_update_slice_in_dim(buffer, x[:, None], s.count, axis=1)
+
                 done = s.done | self._is_eod(tok) | (s.count + 1 >= s.budget)
-                return s.replace(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=s.count + 1, done=done)
+                return s.replace(cache_k=cache_k, cache_v=cache_v, tokens=put(s.tokens, tok), count=s.count + 1,
+                                 done=done, logprobs=put(s.logprobs, chosen), top_ids=put(s.top_ids, top_ids),
+                                 top_logprobs=put(s.top_logprobs, top_logp))
 
         return jax.lax.while_loop(cond, body, state)
 
     # ------------------------------------------------------------------ host
 
     def check(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int]) -> None:
-        """ContextLengthError / UserError for a prompt that is empty or does not fit with its budget."""
+        """ContextLengthError / UserError for a prompt that is empty or does not fit with its budget.
+        A budget of 0 scores the prompt only (the prompt must fit the context)."""
         for i, (ids, n) in enumerate(zip(prompts, budgets)):
             if not len(ids):
                 raise UserError(f"prompt {i} is empty (0 tokens); generation needs at least one prompt token.")
-            if n < 1:
-                raise UserError(f"the number of new tokens must be >= 1 (got {n} for prompt {i}).")
-            if len(ids) + n > self.context:
+            if n < 0:
+                raise UserError(f"the number of new tokens must be >= 0 (got {n} for prompt {i}).")
+            if len(ids) + n <= self.context:
+                continue
+            room = self.context - len(ids)
+            if room <= 0:
                 raise ContextLengthError(
-                    f"this model's context length is {self.context} tokens, but prompt {i} has {len(ids)} tokens "
-                    f"and asks for {n} new ones ({len(ids) + n}); shorten the prompt or ask for at most "
-                    f"{max(self.context - len(ids), 0)} new tokens.")
+                    f"this model's context length is {self.context} tokens, but prompt {i} has {len(ids)} tokens"
+                    + (" (over the context by itself)" if room < 0 else ", which leaves no room for a new token")
+                    + "; shorten the prompt.")
+            raise ContextLengthError(
+                f"this model's context length is {self.context} tokens, but prompt {i} has {len(ids)} tokens "
+                f"and asks for {n} new one{'s' * (n != 1)} ({len(ids) + n}); shorten the prompt or ask for at most "
+                f"{room} new token{'s' * (room != 1)}.")
 
     def _put(self, x: np.ndarray, axes: tuple) -> jax.Array:
         if self.mesh is None:
@@ -312,8 +393,10 @@ class Generator:
         return self._compiled[key]
 
     def start(self, prompts: Sequence[Sequence[int]], samplings: Sequence[Sampling],
-              budgets: Sequence[int]) -> DecodeState:
-        """Prefill `prompts` (token ids, ragged) and pick each one's first new token.
+              budgets: Sequence[int], *, top_n: int = 0, score_prompt: bool = False) -> DecodeState:
+        """Prefill `prompts` (token ids, ragged) and pick each one's first new token (a budget of 0
+        picks one that `completions` drops). `top_n`: the most likely tokens each step reports (0 or
+        MAX_TOP_LOGPROBS: a few compilations); `score_prompt`: score the prompts' tokens too.
 
         Rows beyond len(prompts) (batch bucketing) are one-token dummies, done from the start."""
         self.check(prompts, budgets)
@@ -322,21 +405,25 @@ class Generator:
         pad = np.full((b,), p - 1, np.int32)
         budget = np.ones((b,), np.int32)
         temperature, top_p = np.zeros((b,), np.float32), np.ones((b,), np.float32)
+        presence, frequency = np.zeros((b,), np.float32), np.zeros((b,), np.float32)
         top_k = np.zeros((b,), np.int32)
         keys = np.zeros((b, 2), np.uint32)
         for i, (ids, s, nb) in enumerate(zip(prompts, samplings, budgets)):
             tokens[i, p - len(ids):] = ids
             pad[i], budget[i] = p - len(ids), nb
             temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            presence[i], frequency[i] = s.presence_penalty, s.frequency_penalty
             keys[i] = seed_key_data(s.seed)
         args = (self.params, self._put(tokens, ("batch", None)), *(self._put(x, ("batch",)) for x in
-                (pad, budget, temperature, top_k, top_p)), self._put(keys, ("batch", None)))
-        return self._compile(("prefill", b, p, room), self._prefill, *args, room=room)(*args)
+                (pad, budget, temperature, top_k, top_p)), self._put(keys, ("batch", None)),
+                *(self._put(x, ("batch",)) for x in (presence, frequency)))
+        static = dict(room=room, top_n=top_n, score_prompt=score_prompt)
+        return self._compile(("prefill", b, p, room, top_n, score_prompt), self._prefill, *args, **static)(*args)
 
     def advance(self, state: DecodeState, stop: int | None = None) -> DecodeState:
         """Decodes until `stop` new tokens (default: the room) or every row is done; `state` is consumed."""
         stop = jnp.int32(state.tokens.shape[1] if stop is None else stop)
-        key = ("advance", self._prompt_room(state)) + tuple(state.tokens.shape)
+        key = ("advance", self._prompt_room(state), state.top_ids.shape, state.prompt_logprobs.shape)
         return self._compile(key, self._advance, self.params, state, stop)(self.params, state, stop)
 
     def read(self, state: DecodeState) -> tuple[np.ndarray, np.ndarray, int]:
@@ -344,15 +431,28 @@ class Generator:
         tokens, done, count = self._gather((state.tokens, state.done, state.count))
         return np.asarray(tokens), np.asarray(done), int(count)
 
+    def read_scores(self, state: DecodeState) -> dict[str, np.ndarray]:
+        """The state's log-probability arrays (SCORE_FIELDS) on the host."""
+        return {k: np.asarray(v) for k, v in zip(SCORE_FIELDS, self._gather(tuple(getattr(state, k)
+                                                                                   for k in SCORE_FIELDS)))}
+
     def completions(self, prompts: Sequence[Sequence[int]], budgets: Sequence[int], tokens: np.ndarray,
-                    count: int) -> list[Completion]:
+                    count: int, scores: dict[str, np.ndarray] | None = None) -> list[Completion]:
+        """Each row's new tokens, ended at end-of-document or its budget; with `scores` (read_scores),
+        their log-probabilities and, when the prefill scored the prompts, the prompts'."""
         out = []
         for i, (ids, n) in enumerate(zip(prompts, budgets)):
             new = [int(x) for x in tokens[i, :min(n, count)]]
             if self.eod_id is not None and self.eod_id in new:
-                out.append(Completion(list(ids), new[:new.index(self.eod_id) + 1], "stop"))
+                c = Completion(list(ids), new[:new.index(self.eod_id) + 1], "stop")
             else:
-                out.append(Completion(list(ids), new, "length"))
+                c = Completion(list(ids), new, "length")
+            if scores is not None:
+                c.scores = TokenScores.of(scores, i, slice(0, len(c.completion_ids)))
+                p = scores["prompt_logprobs"].shape[1]
+                if p:  # padded row: prompt token j of this row sits at p - len(ids) + j
+                    c.prompt_scores = TokenScores.of(scores, i, slice(p - len(ids) + 1, p), "prompt_")
+            out.append(c)
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], samplings: Sampling | Sequence[Sampling] = Sampling(),
@@ -379,7 +479,7 @@ class Generator:
     def _shapes(self, prompts, budgets) -> tuple[int, int, int]:
         """(rows, padded prompt length P, new-token room S) a batch runs with."""
         return (batch_bucket(len(prompts), self.data_parallel), length_bucket(max(len(x) for x in prompts)),
-                length_bucket(max(budgets)))
+                length_bucket(max(*budgets, 1)))
 
     def _warm(self, prompts, samplings, budgets) -> None:
         """Compiles the prefill and decode programs for this batch's shapes (when not yet cached)."""

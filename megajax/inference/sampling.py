@@ -6,7 +6,8 @@ keeps the smallest set of highest-probability tokens, computed on the top-k-filt
 distribution, whose probability reaches p (the most likely token is always kept). Every row
 has its own settings (a server batches requests that differ), and its own random key: the
 draw at step s uses fold_in(key, s), so a seeded sequence is reproducible whatever batch it
-shares.
+shares. Presence and frequency penalties (OpenAI's) lower the logits of tokens already generated
+before any of that, greedy decoding included.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ RANGES = {
     "top_k": (lambda v: v >= 0, "must be >= 0 (0 keeps every token)"),
     "top_p": (lambda v: 0.0 < v <= 1.0, "must be in (0, 1] (1 keeps every token)"),
     "seed": (lambda v: 0 <= v < 2**63, "must be an integer in [0, 2^63)"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2] (0 is off)"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "must be in [-2, 2] (0 is off)"),
 }
 
 
@@ -40,11 +43,13 @@ class SamplingError(UserError):
 @dataclass(frozen=True)
 class Sampling:
     """How one sequence picks its tokens. temperature 0 is greedy (top-k / top-p unused);
-    top_k 0 and top_p 1 switch those filters off."""
+    top_k 0 and top_p 1 switch those filters off; penalties 0 are off."""
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def check(self, names: dict[str, str] | None = None) -> "Sampling":
         """Raises SamplingError (a UserError) naming the setting (as `names` calls it: a flag or a
@@ -76,6 +81,22 @@ def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array)
     smallest_kept = jnp.take_along_axis(desc, (kept - 1)[:, None], axis=-1)  # [B, 1]
     keep_all = (logits_BxV >= kth) & (logits_BxV >= smallest_kept)
     return jnp.where(keep_all, logits_BxV, -jnp.inf)
+
+
+def apply_penalties(logits_BxV: jax.Array, tokens_BxS: jax.Array, count: jax.Array, presence_B: jax.Array,
+                    frequency_B: jax.Array) -> jax.Array:
+    """OpenAI's penalties: logit[j] - frequency * c[j] - presence * (c[j] > 0), where c[j] counts token j
+    among the first `count` generated tokens (`tokens_BxS`; the prompt does not count). Computed only
+    when some row has a penalty."""
+    def penalised():
+        b, s = tokens_BxS.shape
+        generated = (jnp.arange(s)[None, :] < count).astype(jnp.float32)  # [B, S]
+        counts = jnp.zeros(logits_BxV.shape, jnp.float32).at[jnp.arange(b)[:, None], tokens_BxS].add(generated)
+        return (logits_BxV - frequency_B[:, None] * counts
+                - presence_B[:, None] * (counts > 0).astype(jnp.float32)).astype(logits_BxV.dtype)
+
+    on = jnp.any((presence_B != 0) | (frequency_B != 0))
+    return jax.lax.cond(on, penalised, lambda: logits_BxV)
 
 
 def next_tokens(logits_BxV: jax.Array, keys_Bx2: jax.Array, step: jax.Array, temperature_B: jax.Array,

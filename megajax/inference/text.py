@@ -92,3 +92,56 @@ class IncrementalText:
             return ""
         delta, self.sent = text[len(self.sent):], text
         return delta
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the earliest stop sequence begins in `text`, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of `text` may begin a stop sequence (a stream keeps them back)."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+def cut_at_stop(tokenizer, ids: Sequence[int], stops: Sequence[str]) -> tuple[str, int] | None:
+    """(the text before the first stop sequence, the number of tokens that reach the end of that stop
+    sequence) for completion tokens `ids`, or None when no stop sequence occurs. Stop sequences match
+    the decoded text, across token boundaries."""
+    text = tokenizer.decode(ids)
+    cut = first_stop(text, stops)
+    if cut is None:
+        return None
+    lo, hi = 1, len(ids)  # the smallest prefix whose text holds a stop sequence (monotone in the length)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if first_stop(tokenizer.decode(ids[:mid]), stops) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    return text[:cut], lo
+
+
+class StopText:
+    """IncrementalText cut at the first stop sequence: deltas never hand out text that may begin a stop
+    sequence, and nothing after one. `stopped` turns True once a stop sequence appeared."""
+
+    def __init__(self, tokenizer, stop_id: int | None, stops: Sequence[str]):
+        self.text = IncrementalText(tokenizer, stop_id)
+        self.stops = list(stops)
+        self.full, self.sent, self.stopped = "", 0, False
+
+    def add(self, ids: Sequence[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.full += self.text.add(ids, final)
+        cut = first_stop(self.full, self.stops)
+        if cut is not None:
+            self.stopped, end = True, cut
+        else:
+            end = len(self.full) if final else len(self.full) - held_back(self.full, self.stops)
+        delta = self.full[self.sent:max(end, self.sent)]
+        self.sent = max(end, self.sent)
+        return delta

@@ -245,7 +245,7 @@ class Transformer(nnx.Module):
 
     def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: int | jax.Array,
                key_mask_BxT: jax.Array, layer_params: list | None = None,
-               expert_bias: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
+               expert_bias: jax.Array | None = None, all_positions: bool = False) -> tuple[jax.Array, Any, Any]:
         """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
 
         The KV cache is, for k and for v, either one array [layers, B, kv_heads, T, head_dim]
@@ -256,7 +256,8 @@ class Transformer(nnx.Module):
         False), and a new token sees those up to its own slot. A prompt is prefilled in one call
         (L = its padded length, start the Python int 0: the injected attention core runs on the
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
-        (logits [B, padded vocab] of the last new token, cache_k, cache_v); the same parameters and
+        (logits [B, padded vocab] of the last new token, or [B, L, padded vocab] of every new token with
+        `all_positions` (a prefill that scores its prompt), cache_k, cache_v); the same parameters and
         products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None)."""
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
@@ -311,6 +312,8 @@ class Transformer(nnx.Module):
                 group, x, (block_state, per_group(dense_state), per_group(cache_k), per_group(cache_v), expert_bias),
                 unroll=unroll)
             cache_k, cache_v = (c.reshape((-1,) + c.shape[2:]) for c in (cache_k, cache_v))
+        if all_positions:
+            return self.logits(x), cache_k, cache_v
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
 
 
