@@ -146,7 +146,7 @@ def test_watchdog_dumps_every_stack_and_exits_on_a_stalled_step(tmp_path):
     assert "step 9 has run" in text
     assert "stalled_in_the_data_pipeline" in text and "Thread MainThread" in text  # the stuck thread ...
     assert "megajax-step-watchdog" in text  # ... and every other one
-    assert " 8/100 | loss" in p.stdout and " 9/100 | loss" not in p.stdout
+    assert " 8/100 | consumed samples" in p.stdout and " 9/100 | consumed samples" not in p.stdout
 
 
 def test_logged_records_use_the_one_list_of_field_names(small_config):

@@ -140,6 +140,7 @@ class RecordField:
 # copied into the record when the step returns them.
 RECORD_FIELDS = {
     "step": RecordField("last logged training step", "megajax_step"),
+    "consumed_samples": RecordField("samples consumed so far (the data position)", "megajax_consumed_samples"),
     "loss": RecordField("training loss (mean over the last log interval)", "megajax_loss"),
     "lr": RecordField("learning rate", "megajax_learning_rate"),
     "grad_norm": RecordField("global gradient norm", "megajax_grad_norm"),
