@@ -121,7 +121,4 @@ def test_a_resume_that_changes_steps_schedule_or_batch_says_so(tmp_path):
                   "optim.lr 0.002 -> 0.001", "learning rate of step 3 is", "train.global_batch 8 -> 4",
                   "continues from sample 16"):
         assert words in note, note
-    same = megajax("train", *args, "train.steps=4", "optim.lr=1e-3", "train.global_batch=4", "train.steps=5",
-                   cwd=tmp_path)
-    assert same.returncode == 0 and "this resume changes" in same.stdout  # steps 4 -> 5 only
-    assert "optim.lr" not in same.stdout and "global_batch" not in same.stdout, same.stdout
+    assert "micro_batch" not in note and "mesh" not in note, note  # only what changed
