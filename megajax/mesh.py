@@ -132,6 +132,11 @@ def mesh_sizes(mesh) -> dict[str, int]:
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def mesh_text(sizes: Mapping[str, int]) -> str:
+    """Axis sizes as a user reads them: 'data=2 x tensor=4' (axes of size 1 left out), or '1 device'."""
+    return " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+
+
 def data_parallel_size(sizes: Mapping[str, int]) -> int:
     """Ranks that split the batch (the product of BATCH_AXES, the activations' `batch` rule)."""
     return math.prod(sizes.get(a, 1) for a in BATCH_AXES)

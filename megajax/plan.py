@@ -27,7 +27,7 @@ from typing import Any
 from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, MeshError
-from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, validate_for_model
+from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, mesh_text, validate_for_model
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class RunPlan:
                               microbatches=self.batch.accumulation)
 
     def mesh_text(self) -> str:
-        return " x ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "1 device"
+        return mesh_text(self.sizes)
 
     def describe(self) -> str:
         """The plan in one line: model, mesh, batch arithmetic, precision, recompute, pipeline schedule."""

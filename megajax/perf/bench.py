@@ -38,6 +38,7 @@ import jax
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
 from megajax.parallel.pipeline import build_schedule
+from megajax.mesh import mesh_text
 from megajax.perf import analytic, hlo
 from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
 from megajax.plan import RunPlan, make_plan
@@ -240,7 +241,7 @@ def _mib(x) -> str:
 
 def format_report(r: dict[str, Any]) -> str:
     lay, mod, t = r["layout"], r["model"], r["step_seconds"]
-    mesh = " x ".join(f"{a}={n}" for a, n in lay["mesh"].items() if n > 1) or "1 device"
+    mesh = mesh_text(lay["mesh"])
     lines = [
         f"model      {mod['family']} {mod['parameters'] / 1e6:.2f}M params, {mod['layers']} layers, hidden "
         f"{mod['hidden']}, heads {mod['heads']}/{mod['kv_heads']}, ffn {mod['ffn']}, vocab {mod['vocab']}",
@@ -317,7 +318,7 @@ def communication_verdict(comm: dict[str, dict[str, Any]], low: float = 0.9, hig
 
 def format_topology(r: dict[str, Any]) -> str:
     a = r["analytic"]
-    mesh = " x ".join(f"{k}={n}" for k, n in r["mesh"].items() if n > 1) or "1 device"
+    mesh = mesh_text(r["mesh"])
     lines = [f"topology   {r['topology']} (mesh {mesh}, micro batch {r['micro_batch']}); {r['method']}",
              f"per device params {_gib(a['params'])} + grads {_gib(a['grads'])} + optimizer {_gib(a['optimizer'])} "
              f"+ activations {_gib(a['activations'])} + logits {_gib(a['logits'])} = {_gib(a['total'])} GiB of {_gib(r['capacity'])}: "

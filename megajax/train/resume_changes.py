@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 from megajax.config import Config, OptimConfig, _build
+from megajax.mesh import mesh_text
 from megajax.train.optimizer import lr_schedule
 
 SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
@@ -17,10 +18,6 @@ SCHEDULE_KEYS = ("lr", "min_lr", "warmup_steps", "decay_style", "decay_steps")
 
 def _lr_at(optim: OptimConfig, steps: int, step: int) -> float:
     return float(lr_schedule(optim, steps)(step))
-
-
-def _mesh_text(sizes: dict[str, int]) -> str:
-    return " x ".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
 
 
 def describe_changes(saved: dict, saved_mesh: dict[str, int] | None, cfg: Config, mesh: dict[str, int],
@@ -51,7 +48,7 @@ def describe_changes(saved: dict, saved_mesh: dict[str, int] | None, cfg: Config
             parts.append(f"train.{key} {old} -> {new}: {what}")
     if saved_mesh is not None and {a: n for a, n in saved_mesh.items() if n > 1} != {
             a: n for a, n in mesh.items() if n > 1}:
-        parts.append(f"mesh {_mesh_text(saved_mesh)} -> {_mesh_text(mesh)}: the checkpoint is resharded onto "
+        parts.append(f"mesh {mesh_text(saved_mesh)} -> {mesh_text(mesh)}: the checkpoint is resharded onto "
                      f"the new mesh (same values)")
     if not parts:
         return None
