@@ -34,6 +34,9 @@ class Job:
     top_logprobs: int = 0  # the most likely tokens each step reports (> 0: the batch computes MAX_TOP_LOGPROBS)
     score_prompt: bool = False  # the prompt's log-probabilities too (echo)
     stopped: Callable[[list[int]], bool] | None = None  # the new tokens so far hold a stop sequence
+    request_id: str = ""  # the request's id (request logs), shared by its jobs
+    submitted: float = field(default_factory=time.monotonic)  # when it was made (time to first token)
+    cancelled: bool = field(default=False, init=False)  # its client is gone: drop it at the next step
     sent: int = field(default=0, init=False)  # tokens already handed out
     ended: bool = field(default=False, init=False)  # the end-of-document token was handed out
     halted: bool = field(default=False, init=False)  # `stopped` said so
