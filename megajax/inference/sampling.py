@@ -86,11 +86,11 @@ def filter_logits(logits_BxV: jax.Array, top_k_B: jax.Array, top_p_B: jax.Array)
 def apply_penalties(logits_BxV: jax.Array, tokens_BxS: jax.Array, count: jax.Array, presence_B: jax.Array,
                     frequency_B: jax.Array) -> jax.Array:
     """OpenAI's penalties: logit[j] - frequency * c[j] - presence * (c[j] > 0), where c[j] counts token j
-    among the first `count` generated tokens (`tokens_BxS`; the prompt does not count). Computed only
+    among the first `count` ([] or per row [B]) generated tokens (`tokens_BxS`; the prompt does not count). Computed only
     when some row has a penalty."""
     def penalised():
         b, s = tokens_BxS.shape
-        generated = (jnp.arange(s)[None, :] < count).astype(jnp.float32)  # [B, S]
+        generated = (jnp.arange(s)[None, :] < jnp.reshape(count, (-1, 1))).astype(jnp.float32)  # [B, S]
         counts = jnp.zeros(logits_BxV.shape, jnp.float32).at[jnp.arange(b)[:, None], tokens_BxS].add(generated)
         return (logits_BxV - frequency_B[:, None] * counts
                 - presence_B[:, None] * (counts > 0).astype(jnp.float32)).astype(logits_BxV.dtype)
@@ -103,7 +103,8 @@ def next_tokens(logits_BxV: jax.Array, keys_Bx2: jax.Array, step: jax.Array, tem
                 top_k_B: jax.Array, top_p_B: jax.Array) -> jax.Array:
     """Token ids [B] int32: argmax where temperature is 0, else a draw from the filtered softmax.
 
-    `keys_Bx2` is each row's raw threefry key data (uint32); `step` the sequence's token index.
+    `keys_Bx2` is each row's raw threefry key data (uint32); `step` the sequence's token index ([] or
+    per row [B]).
     The sort that top-k / top-p need runs only when some row asks for them."""
     logits = logits_BxV.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -113,7 +114,8 @@ def next_tokens(logits_BxV: jax.Array, keys_Bx2: jax.Array, step: jax.Array, tem
         scaled = logits / jnp.where(sampling, temperature_B, 1.0)[:, None]
         filtering = jnp.any(sampling & ((top_k_B > 0) | (top_p_B < 1.0)))
         scaled = jax.lax.cond(filtering, lambda: filter_logits(scaled, top_k_B, top_p_B), lambda: scaled)
-        keys = jax.vmap(lambda k: jax.random.fold_in(jax.random.wrap_key_data(k), step))(keys_Bx2)
+        steps = jnp.broadcast_to(step, keys_Bx2.shape[:1])
+        keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.wrap_key_data(k), s))(keys_Bx2, steps)
         return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(sampling), draw, lambda: greedy)

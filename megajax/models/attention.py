@@ -12,7 +12,7 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
@@ -198,6 +198,44 @@ def cached_attention(q_BxLxHxK, k_BxGxTxK, v_BxGxTxK, mask_BxLxT):
     return out.reshape(b, l, h, d)
 
 
+# One layer's k (or v) block pool: [kv_heads, pool slots, head_dim] (slots = blocks x block size).
+ACT_POOL = ("kv_heads", None, "head_dim")
+
+
+@struct.dataclass
+class PagedCache:
+    """One layer's k (or v) cache as a pool of fixed-size blocks shared by every sequence, and where
+    this call writes and reads it (continuous batching, megajax/inference/engine.py).
+
+    `write_BxL` is the pool slot of each new token (table[pos // block] * block + pos % block; a slot
+    outside the pool drops the write: padding); `read_BxT` the pool slot of each of the sequence's
+    positions 0..T-1 through its block table (positions not held yet read any slot: the mask hides them)."""
+    pool_GxNxK: jax.Array
+    write_BxL: jax.Array
+    read_BxT: jax.Array
+
+    def write(self, new_BxLxGxK: jax.Array) -> "PagedCache":
+        g, _, k = self.pool_GxNxK.shape
+        new = new_BxLxGxK.astype(self.pool_GxNxK.dtype).transpose(2, 0, 1, 3).reshape(g, -1, k)  # [G, B*L, K]
+        pool = self.pool_GxNxK.at[:, self.write_BxL.reshape(-1)].set(new, mode="drop")
+        return self.replace(pool_GxNxK=logical_constraint(pool, ACT_POOL))
+
+    def view(self) -> jax.Array:
+        """The sequences' caches [B, kv_heads, T, head_dim] gathered through their tables."""
+        return logical_constraint(jnp.take(self.pool_GxNxK, self.read_BxT, axis=1).swapaxes(0, 1), ACT_CACHE)
+
+
+def write_cache(cache, new_BxLxGxK: jax.Array, start):
+    """(the cache with L new k or v rows at slots [start, start + L), its [B, kv_heads, T, head_dim] view):
+    a dense per-sequence cache is written in place; a PagedCache through its block tables."""
+    if isinstance(cache, PagedCache):
+        cache = cache.write(new_BxLxGxK)
+        return cache, cache.view()
+    cache = jax.lax.dynamic_update_slice(cache, new_BxLxGxK.swapaxes(1, 2).astype(cache.dtype), (0, 0, start, 0))
+    cache = logical_constraint(cache, ACT_CACHE)
+    return cache, cache
+
+
 ACT_Q = ("batch", "length", "heads", "head_dim")
 ACT_KV = ("batch", "length", "kv_heads", "head_dim")
 
@@ -258,21 +296,19 @@ class Attention(nnx.Module):
         injected core (the configured kernel) on the new tokens alone, which is the same attention;
         a decode step runs plain jnp over the cache. The same parameters as __call__; q, k and v are
         three products reading their kernels in place (`qkv`'s fused product would copy all three
-        on every call)."""
+        on every call). The cache is a dense [B, kv_heads, T, head_dim] array or a PagedCache (then
+        `start` only shapes the mask, and the tables say where to write)."""
         q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
         if inv_freq is not None:
             q = apply_rope(q, positions_BxL, inv_freq)
             k = apply_rope(k, positions_BxL, inv_freq)
-        at = (0, 0, start, 0)
-        cache_k = jax.lax.dynamic_update_slice(cache_k_BxGxTxK, k.swapaxes(1, 2).astype(cache_k_BxGxTxK.dtype), at)
-        cache_v = jax.lax.dynamic_update_slice(cache_v_BxGxTxK, v.swapaxes(1, 2).astype(cache_v_BxGxTxK.dtype), at)
-        cache_k = logical_constraint(cache_k, ACT_CACHE)
-        cache_v = logical_constraint(cache_v, ACT_CACHE)
+        cache_k, keys = write_cache(cache_k_BxGxTxK, k, start)
+        cache_v, values = write_cache(cache_v_BxGxTxK, v, start)
         if segment_ids_BxL is not None:
             k, v = logical_constraint(k, ACT_KV), logical_constraint(v, ACT_KV)
             out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True, dropout_rate=0.0, dropout_rng=None)
         else:
-            out = cached_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), mask_BxLxT)
+            out = cached_attention(q, keys.astype(q.dtype), values.astype(q.dtype), mask_BxLxT)
         out = logical_constraint(out, ACT_Q)
         return self.o(out), cache_k, cache_v

@@ -258,12 +258,15 @@ class Transformer(nnx.Module):
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, or [B, L, padded vocab] of every new token with
         `all_positions` (a prefill that scores its prompt), cache_k, cache_v); the same parameters and
-        products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None)."""
+        products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None).
+
+        Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
+        `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
-        slots = start + jnp.arange(l)
-        causal = jnp.arange(key_mask_BxT.shape[1])[None, :] <= slots[:, None]  # [L, T]
-        mask = key_mask_BxT[:, None, :] & causal[None]
+        slots = jnp.asarray(start)[..., None] + jnp.arange(l)  # [L], or [B, L] for a per-row start
+        causal = jnp.arange(key_mask_BxT.shape[1]) <= slots[..., None]  # [(B,) L, T]
+        mask = key_mask_BxT[:, None, :] & causal
         prefill = isinstance(start, int) and start == 0
         segment_ids = key_mask_BxT[:, :l].astype(jnp.int32) if prefill else None
         inv_freq = self.rope_inv_freq()

@@ -1,0 +1,477 @@
+"""Continuous batching over a paged KV cache: sequences join the running batch at the next step and
+leave when they end.
+
+    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk)
+      .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
+      .ready          both programs compiled (the engine's thread compiles them at start)
+      .stats()        running, waiting, kv_blocks_used, kv_blocks_total
+
+The KV cache is, per layer, a k and a v pool `[kv_heads, num_blocks * block_size, head_dim]`
+(kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block). A
+host-side `BlockPool` hands out blocks from a free list; each running sequence has a block table,
+and its position p lives at pool slot `table[p // block_size] * block_size + p % block_size`.
+A sequence is admitted only when the pool can hold its prompt plus its whole token budget, so a
+running sequence never runs out of blocks (a full pool makes new requests wait; nothing is
+preempted); its blocks go back to the pool the moment it ends, is stopped or is cancelled.
+
+Each iteration of the engine's thread admits waiting jobs into free rows, runs one prefill chunk
+(`prefill_chunk` tokens of up to `data-parallel size` prompts, so a long prompt does not stall the
+running decodes), then one decode step for every decoding row, hands out the new tokens (streaming
+jobs get a piece per step), checks end-of-document, budgets and stop callbacks, and frees finished
+rows. Both programs have fixed shapes (max_batch rows, the chunk length, context / block_size
+table entries) and are compiled once, before `ready`: a new prompt length never compiles while
+clients wait. Rows never mix (every product and the attention are per row), so a sequence's
+tokens do not depend on what else runs: greedy output under any interleaving equals the sequential
+output. Per-row positions, step counts (sampling keys fold in the sequence's own step) and
+penalties make sampled output independent of the interleaving too.
+
+Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
+layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
+calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megajax.errors import UserError
+from megajax.inference.batcher import Job, Piece
+from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, Generator, TokenScores
+from megajax.inference.observer import Observer
+from megajax.inference.sampling import apply_penalties, next_tokens, seed_key_data
+from megajax.mesh import activation_sharding, logical_to_spec
+from megajax.models.attention import ACT_POOL, PagedCache
+
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PREFILL_CHUNK = 128
+
+
+class BlockPool:
+    """The KV pool's blocks on the host: a free list; a sequence's blocks are its table."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._free = collections.deque(range(num_blocks))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` blocks, or None when fewer are free."""
+        if count > len(self._free):
+            return None
+        return [self._free.popleft() for _ in range(count)]
+
+    def release(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+@dataclass
+class _Sequence:
+    """A job in a row: its blocks, prefill progress and new tokens with their scores."""
+    job: Job
+    row: int
+    blocks: list[int]
+    prefilled: int = 0  # prompt tokens written to the cache
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt token j + 1, for j = 0, 1, ...
+    prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
+    last: float = 0.0  # when its previous tokens were handed out
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.job.prompt_ids)
+
+
+def _top(ids, lps, wanted: bool) -> list[tuple[int, float]]:
+    return [(int(t), float(v)) for t, v in zip(ids, lps)] if wanted else []
+
+
+class Engine:
+    """Runs every request's jobs on one Generator's model, `max_batch` sequences at a time, over a
+    pool of `num_blocks` KV blocks of `block_size` positions (default: room for max_batch sequences
+    of the full context)."""
+
+    def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
+                 num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 observer: Observer | None = None, quiet: bool = True):
+        g = generator
+        if not g.layer_buffers:
+            raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
+        check_engine_sizes(g.context, max_batch, block_size, num_blocks, prefill_chunk)
+        self.generator, self.max_batch, self.block_size = g, max_batch, block_size
+        self.max_blocks = -(-g.context // block_size)  # table entries per sequence
+        self.num_blocks = num_blocks if num_blocks is not None else max_batch * self.max_blocks
+        self.chunk = min(prefill_chunk, g.context)
+        self.observer = observer or Observer()
+        self.quiet = quiet
+        dp = g.data_parallel
+        self.rows = -(-max_batch // dp) * dp  # decode rows: max_batch, a multiple of the data-parallel size
+        self.prefill_rows = dp  # prompts advanced by one chunk per iteration (one per data shard)
+        self.pool = BlockPool(self.num_blocks, block_size)
+        self.batches = 0  # engine iterations run so far
+        self.sequences = 0  # sequences ended so far
+        self.compile_s: float | None = None  # seconds the two programs took to compile (None: not yet)
+        self.ready = False
+        self.error: str | None = None  # why the engine could not start
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: dict[int, _Sequence] = {}  # row -> sequence
+        self._closing = False
+        self._lock = threading.Lock()  # stats() reads what the engine's thread changes
+        self._thread = threading.Thread(target=self._run, name="megajax-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ interface
+
+    def submit(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._queue.put(job)
+
+    def close(self) -> None:
+        """Finishes the jobs already submitted, then stops the engine's thread."""
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def fits(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Whether the pool can ever hold a sequence of this size."""
+        return self.pool.blocks_for(prompt_tokens + max_new_tokens) <= self.num_blocks
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting) + self._queue.qsize(),
+                    "kv_blocks_used": self.num_blocks - self.pool.free, "kv_blocks_total": self.num_blocks}
+
+    # ------------------------------------------------------------ traced
+
+    def _caches(self, pools, write_BxL, read_BxT):
+        return [PagedCache(p, write_BxL, read_BxT) for p in pools]
+
+    def _slots(self, table_BxM, positions):
+        """Pool slots of `positions` [B, ...] through the rows' block tables [B, M]."""
+        bs = self.block_size
+        block = jnp.take_along_axis(table_BxM, (positions // bs).reshape(positions.shape[0], -1), axis=1)
+        return block.reshape(positions.shape) * bs + positions % bs
+
+    def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, all_positions):
+        """The model over L new tokens per row at positions start..start+L-1, writing the valid ones to
+        the pools: (logits, pools_k, pools_v)."""
+        g = self.generator
+        model, layers = g._model(params)
+        b, l = tokens_BxL.shape
+        t = self.max_blocks * self.block_size
+        positions = jnp.minimum(start_B[:, None] + jnp.arange(l), g.context - 1)  # padding past the end: clamped
+        drop = self.num_blocks * self.block_size  # outside the pool: the write is dropped
+        write = jnp.where(valid_BxL, self._slots(table_BxM, positions), drop)
+        read = self._slots(table_BxM, jnp.broadcast_to(jnp.arange(t), (b, t)))
+        logits, caches_k, caches_v = model.extend(
+            tokens_BxL, positions, self._caches(pools_k, write, read), self._caches(pools_v, write, read),
+            start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
+            expert_bias=g._expert_bias(), all_positions=all_positions)
+        return logits, [c.pool_GxNxK for c in caches_k], [c.pool_GxNxK for c in caches_v]
+
+    @staticmethod
+    def _scores(logits, tokens, want_top):
+        """(log p of `tokens`, top ids, top log p) with MAX_TOP_LOGPROBS alternatives when `want_top`
+        (zeros otherwise: the top-k runs only when some row asks)."""
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+        shape = logp.shape[:-1] + (MAX_TOP_LOGPROBS,)
+
+        def top():
+            lp, ids = jax.lax.top_k(logp, MAX_TOP_LOGPROBS)
+            return ids.astype(jnp.int32), lp
+
+        ids, lp = jax.lax.cond(want_top, top, lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)))
+        return chosen, ids, lp
+
+    def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, targets_RxC, table_RxM,
+                    temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt):
+        """One chunk of up to R prompts: their k/v written, the scores of the next prompt tokens
+        (`targets`, when `want_prompt`), and the first new token of each row (used for a row whose
+        prompt ends in this chunk)."""
+        with activation_sharding(self.generator.mesh, self.generator.rules):
+            valid = jnp.arange(tokens_RxC.shape[1])[None, :] < length_R[:, None]
+            logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, tokens_RxC, start_R, valid,
+                                                     table_RxM, all_positions=True)  # [R, C, V]
+            last = jnp.take_along_axis(logits, jnp.maximum(length_R - 1, 0)[:, None, None], axis=1)[:, 0]
+            first = next_tokens(last, keys_Rx2, jnp.int32(0), temperature_R, top_k_R, top_p_R)
+            shape = tokens_RxC.shape
+            prompt = jax.lax.cond(want_prompt, lambda: self._scores(logits, targets_RxC, want_top),
+                                  lambda: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (MAX_TOP_LOGPROBS,), jnp.int32),
+                                           jnp.zeros(shape + (MAX_TOP_LOGPROBS,), jnp.float32)))
+            return pools_k, pools_v, (first, *self._scores(last, first, want_top), *prompt)
+
+    def _decode_fn(self, params, pools_k, pools_v, last_B, position_B, active_B, table_BxM, generated_BxS,
+                   count_B, temperature_B, top_k_B, top_p_B, keys_Bx2, presence_B, frequency_B, want_top):
+        """One decode step of every row: the input token `last_B` at `position_B` written (active
+        rows), the next token sampled at the row's own step `count_B` after its penalties."""
+        with activation_sharding(self.generator.mesh, self.generator.rules):
+            logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, last_B[:, None], position_B,
+                                                     active_B[:, None], table_BxM, all_positions=False)
+            penalised = apply_penalties(logits, generated_BxS, count_B, presence_B, frequency_B)
+            tok = next_tokens(penalised, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B)
+            return pools_k, pools_v, (tok, *self._scores(logits, tok, want_top))
+
+    # ------------------------------------------------------------ host: programs
+
+    def _put(self, x: np.ndarray, axes: tuple) -> jax.Array:
+        g = self.generator
+        if g.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(g.mesh, logical_to_spec(axes, g.rules)))
+
+    def _rows(self, *arrays) -> list[jax.Array]:
+        """Host arrays with a leading row dim, placed with the rows over the data axes."""
+        return [self._put(a, ("batch",) + (None,) * (a.ndim - 1)) for a in arrays]
+
+    def _start(self) -> None:
+        """The pools and both programs, compiled (on example inputs of the fixed shapes)."""
+        g, m = self.generator, self.generator.model
+        t0 = time.perf_counter()
+        shape = (m.num_kv_heads, self.num_blocks * self.block_size, m.head_dim)
+        if g.mesh is not None:
+            pool_sh = NamedSharding(g.mesh, logical_to_spec(ACT_POOL, g.rules))
+            make = jax.jit(lambda: jnp.zeros(shape, g.dtype), out_shardings=pool_sh)
+            pools = [list(make() for _ in range(m.num_layers)) for _ in "kv"]
+            replicated = NamedSharding(g.mesh, P())
+            out = ([pool_sh] * m.num_layers, [pool_sh] * m.num_layers, replicated)
+        else:
+            pools = [[jnp.zeros(shape, g.dtype) for _ in range(m.num_layers)] for _ in "kv"]
+            out = None
+        self._pools_k, self._pools_v = pools
+        prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), out_shardings=out)
+        decode = jax.jit(self._decode_fn, donate_argnums=(1, 2), out_shardings=out)
+        self._prefill = prefill.lower(g.params, self._pools_k, self._pools_v, *self._prefill_inputs([])).compile()
+        self._decode = decode.lower(g.params, self._pools_k, self._pools_v, *self._decode_inputs([])).compile()
+        self.compile_s = time.perf_counter() - t0
+        if not self.quiet:
+            print(f"megajax serve: continuous batching compiled its prefill-chunk program ({self.prefill_rows} x "
+                  f"{self.chunk} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
+                  f"KV pool {self.num_blocks} blocks x {self.block_size} positions", file=sys.stderr, flush=True)
+
+    def _table(self, seqs: list[_Sequence], rows: int) -> np.ndarray:
+        table = np.zeros((rows, self.max_blocks), np.int32)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.blocks)] = s.blocks
+        return table
+
+    def _sampling(self, jobs: list[Job], rows: int) -> list[np.ndarray]:
+        temperature, top_p = np.zeros((rows,), np.float32), np.ones((rows,), np.float32)
+        top_k, keys = np.zeros((rows,), np.int32), np.zeros((rows, 2), np.uint32)
+        presence, frequency = np.zeros((rows,), np.float32), np.zeros((rows,), np.float32)
+        for i, job in enumerate(jobs):
+            s = job.sampling
+            temperature[i], top_k[i], top_p[i] = s.temperature, s.top_k, s.top_p
+            presence[i], frequency[i] = s.presence_penalty, s.frequency_penalty
+            keys[i] = seed_key_data(s.seed)
+        return [temperature, top_k, top_p, keys, presence, frequency]
+
+    def _prefill_inputs(self, seqs: list[_Sequence]) -> tuple:
+        r, c = self.prefill_rows, self.chunk
+        tokens, targets = np.zeros((r, c), np.int32), np.zeros((r, c), np.int32)
+        start, length = np.zeros((r,), np.int32), np.zeros((r,), np.int32)
+        for i, s in enumerate(seqs):
+            prompt, a = s.job.prompt_ids, s.prefilled
+            piece = prompt[a:a + c]
+            tokens[i, :len(piece)], start[i], length[i] = piece, a, len(piece)
+            nxt = prompt[a + 1:a + 1 + c]
+            targets[i, :len(nxt)] = nxt
+        temperature, top_k, top_p, keys, _, _ = self._sampling([s.job for s in seqs], r)
+        want_top = any(s.job.top_logprobs for s in seqs)
+        want_prompt = any(s.job.score_prompt for s in seqs)
+        return (*self._rows(tokens, start, length, targets, self._table(seqs, r), temperature, top_k, top_p, keys),
+                jnp.bool_(want_top), jnp.bool_(want_prompt))
+
+    def _decode_inputs(self, seqs: list[_Sequence]) -> tuple:
+        b = self.rows
+        last, position, count = np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        active = np.zeros((b,), bool)
+        generated = np.zeros((b, self.generator.context), np.int32)
+        for i, s in enumerate(seqs):
+            last[i], position[i] = s.tokens[-1], len(s.job.prompt_ids) + len(s.tokens) - 1
+            active[i], count[i] = True, len(s.tokens)
+            generated[i, :len(s.tokens)] = s.tokens
+        sampling = self._sampling([s.job for s in seqs], b)
+        want_top = any(s.job.top_logprobs for s in seqs)
+        return (*self._rows(last, position, active, self._table(seqs, b), generated, count, *sampling),
+                jnp.bool_(want_top))
+
+    # ------------------------------------------------------------ host: the loop
+
+    def _run(self) -> None:
+        try:
+            self._start()
+            self.ready = True
+        except Exception as e:  # the server answers liveness; every request fails with the reason
+            traceback.print_exc()
+            self.error = f"{type(e).__name__}: {e}"
+        while True:
+            self._take()
+            if self._closing and not self._running and not self._waiting:
+                return
+            if self.error is not None:
+                for job in self._waiting:
+                    job.events.put(("error", job.index, f"the engine did not start ({self.error})"))
+                self._waiting.clear()
+                continue
+            try:
+                self._step()
+            except Exception as e:  # the server keeps serving; the running sequences fail
+                traceback.print_exc()
+                for s in list(self._running.values()):
+                    s.job.events.put(("error", s.job.index, f"{type(e).__name__}: {e}"))
+                    self._end(s, "error", event=False)
+
+    def _take(self) -> None:
+        """Moves submitted jobs to the waiting line (blocking while there is nothing to do)."""
+        idle = not self._running and not self._waiting and not self._closing
+        while True:
+            try:
+                job = self._queue.get(timeout=None) if idle else self._queue.get_nowait()
+            except queue.Empty:
+                return
+            idle = False
+            if job is None:
+                self._closing = True
+            else:
+                with self._lock:
+                    self._waiting.append(job)
+
+    def _step(self) -> None:
+        self._drop_cancelled()
+        self._admit()
+        prefilling = sorted((s for s in self._running.values() if not s.decoding), key=lambda s: s.job.submitted)
+        if prefilling:
+            self._prefill_chunk(prefilling[:self.prefill_rows])
+        decoding = [s for s in self._running.values() if s.decoding and s.tokens]
+        if decoding:
+            self._decode_step(decoding)
+        self.batches += 1
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.cancelled]:
+            with self._lock:
+                self._waiting.remove(job)
+            self.observer.finished(job, "cancelled", 0)
+        for s in [s for s in self._running.values() if s.job.cancelled]:
+            self._end(s, "cancelled", event=False)
+
+    def _admit(self) -> None:
+        """Waiting jobs into free rows, first come first served, while the pool holds their blocks."""
+        while self._waiting and len(self._running) < self.max_batch:
+            job = self._waiting[0]
+            need = self.pool.blocks_for(len(job.prompt_ids) + job.max_new_tokens)
+            if need > self.num_blocks:
+                with self._lock:
+                    self._waiting.popleft()
+                job.events.put(("error", job.index, f"the sequence needs {need} KV blocks; the pool has "
+                                                    f"{self.num_blocks} (--num-kv-blocks)"))
+                self.observer.finished(job, "error", 0)
+                continue
+            with self._lock:
+                blocks = self.pool.allocate(need)
+                if blocks is None:
+                    return  # the pool is full: wait for running sequences to free theirs
+                self._waiting.popleft()
+                row = min(set(range(self.rows)) - set(self._running))
+                self._running[row] = _Sequence(job, row, blocks)
+            self.observer.admitted(job)
+
+    def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
+        self._pools_k, self._pools_v, out = self._prefill(self.generator.params, self._pools_k, self._pools_v,
+                                                          *self._prefill_inputs(seqs))
+        first, lp, top_ids, top_lp, p_lp, p_ids, p_top = (np.asarray(x) for x in out)
+        for i, s in enumerate(seqs):
+            job, prompt = s.job, s.job.prompt_ids
+            start, length = s.prefilled, min(self.chunk, len(prompt) - s.prefilled)
+            if job.score_prompt:  # position j predicts prompt token j + 1
+                for j in range(min(length, len(prompt) - 1 - start)):
+                    s.prompt_logprobs.append(float(p_lp[i, j]))
+                    s.prompt_top.append(_top(p_ids[i, j], p_top[i, j], job.top_logprobs > 0))
+            s.prefilled += length
+            if not s.decoding:
+                continue
+            if job.stream and job.score_prompt:
+                job.events.put(("prompt", job.index, TokenScores(s.prompt_logprobs, s.prompt_top)))
+            if job.max_new_tokens == 0:  # scored only
+                self._end(s, "length")
+                continue
+            now = time.monotonic()
+            self.observer.first_token(job, now - job.submitted)
+            s.last = now
+            self._add(s, int(first[i]), float(lp[i]), _top(top_ids[i], top_lp[i], job.top_logprobs > 0))
+
+    def _decode_step(self, seqs: list[_Sequence]) -> None:
+        self._pools_k, self._pools_v, out = self._decode(self.generator.params, self._pools_k, self._pools_v,
+                                                         *self._decode_inputs(seqs))
+        tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
+        now = time.monotonic()
+        for i, s in enumerate(seqs):
+            self.observer.tokens(s.job, 1, now - s.last)
+            s.last = now
+            self._add(s, int(tok[i]), float(lp[i]), _top(top_ids[i], top_lp[i], s.job.top_logprobs > 0))
+
+    def _add(self, s: _Sequence, token: int, logprob: float, top: list) -> None:
+        """A sequence's new token: streamed, then the checks that end it."""
+        job, eod = s.job, self.generator.eod_id
+        s.tokens.append(token)
+        s.logprobs.append(logprob)
+        s.top.append(top)
+        if job.stream:
+            job.events.put(("tokens", job.index, Piece([token], TokenScores([logprob], [top]))))
+            job.sent += 1
+        if eod is not None and token == eod:
+            job.ended = True
+            self._end(s, "stop")
+        elif len(s.tokens) >= job.max_new_tokens:
+            self._end(s, "length")
+        elif job.stopped is not None and job.stopped([t for t in s.tokens if t != eod]):
+            job.halted = True
+            self._end(s, "length")
+
+    def _end(self, s: _Sequence, reason: str, event: bool = True) -> None:
+        """Frees the sequence's row and blocks; with `event`, its ("done", Completion)."""
+        with self._lock:
+            del self._running[s.row]
+            self.pool.release(s.blocks)
+        job = s.job
+        if event:
+            c = Completion(list(job.prompt_ids), list(s.tokens), "stop" if reason == "stop" else "length",
+                           scores=TokenScores(s.logprobs, s.top))
+            if job.score_prompt:
+                c.prompt_scores = TokenScores(s.prompt_logprobs, s.prompt_top)
+            job.events.put(("done", job.index, c))
+        self.sequences += 1
+        self.observer.finished(job, reason, len(s.tokens))
+
+
+def check_engine_sizes(context: int, max_batch: int, block_size: int, num_blocks: int | None,
+                       prefill_chunk: int) -> None:
+    """UserError naming the flag, its value and what is accepted."""
+    if max_batch < 1:
+        raise UserError(f"--max-batch {max_batch}: must be >= 1.")
+    if not 1 <= block_size <= context:
+        raise UserError(f"--block-size {block_size}: must be in [1, {context}] (the model's context).")
+    if num_blocks is not None and num_blocks < 1:
+        raise UserError(f"--num-kv-blocks {num_blocks}: must be >= 1 (default: room for --max-batch sequences "
+                        f"of the whole context, {max_batch * -(-context // block_size)} blocks of {block_size}).")
+    if prefill_chunk < 1:
+        raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 1 (tokens of a prompt prefilled per step).")
