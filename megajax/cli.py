@@ -10,6 +10,7 @@
     megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N]
+                  [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
     megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -316,6 +317,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise UserError(f"--max-batch {args.max_batch}: must be >= 1.")
+    from megajax.inference.engine import check_engine_sizes
+    # The ranges that need no model now; --block-size against the context once the model is loaded.
+    check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk)
     template = None
     if args.chat_template:
         try:
@@ -325,7 +329,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             f"template file (the text of a tokenizer_config.json's \"chat_template\").") from None
     loaded = _load_model(args)
     from megajax.inference.server import serve
-    serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template)
+    serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
+          batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+          prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -428,6 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
                                                             "(default: the tokenizer's own, from its "
                                                             "tokenizer_config.json)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous (default): sequences join and leave the running batch at every step, over a "
+                        "paged KV cache; static: a batch runs to its end while new requests wait")
+    p.add_argument("--block-size", type=int, default=16, metavar="N",
+                   help="positions per KV cache block (continuous batching; default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks in the pool (continuous batching; default: room for --max-batch "
+                        "sequences of the whole context)")
+    p.add_argument("--prefill-chunk", type=int, default=128, metavar="N",
+                   help="prompt tokens prefilled per step, so a long prompt does not stall running decodes "
+                        "(continuous batching; default 128, at most the context)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

@@ -19,6 +19,7 @@ import pytest
 from megajax.checkpoint.manager import write_params_checkpoint
 from megajax.config import load_config
 from megajax.inference.load import find_source, generation_config, load_model
+from megajax.inference.observer import Observer
 from megajax.inference.sampling import Sampling
 from megajax.inference.server import CompletionServer
 from megajax.inference.text import completion_text
@@ -120,7 +121,7 @@ def test_megatron_api(server):
 def test_concurrent_requests_are_decoded_together(server):
     prompts = [f"item {i}: " for i in range(6)]
     want = [direct(server, p, 12)[0] for p in prompts]
-    before = server.service.batcher.batches
+    server.service.batcher.observer = together = Together()
     barrier, answers = threading.Barrier(len(prompts)), {}
 
     def client(i):
@@ -134,7 +135,22 @@ def test_concurrent_requests_are_decoded_together(server):
     for t in threads:
         t.join(timeout=300)
     assert [answers[i] for i in range(len(prompts))] == want
-    assert server.service.batcher.batches - before < len(prompts)  # at most 4 per batch, several together
+    server.service.batcher.observer = Observer()
+    assert together.most > 1 and together.running == 0  # several sequences decoded together
+
+
+class Together(Observer):
+    """The most sequences running at once (between admitted and finished)."""
+
+    def __init__(self):
+        self.running = self.most = 0
+
+    def admitted(self, job):
+        self.running += 1
+        self.most = max(self.most, self.running)
+
+    def finished(self, job, reason, tokens):
+        self.running -= 1
 
 
 @pytest.mark.parametrize("method,path,body,raw,status,words", [

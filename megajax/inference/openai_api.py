@@ -79,6 +79,13 @@ class Plan:
         return out
 
 
+def _cancel_unless(complete: bool, jobs: list[Job]) -> None:
+    """A stream its consumer left early (the client disconnected): its jobs are dropped at the next step."""
+    if not complete:
+        for job in jobs:
+            job.cancelled = True
+
+
 @dataclass
 class Choice:
     """One finished sequence as the answer gives it."""
@@ -299,6 +306,7 @@ class OpenAIDialect:
                 offsets[index] = sum(len(t) for t in lp["tokens"])
             return chunk(index, plan.prompt_texts[index // plan.n], lp, None)
 
+        complete = False
         try:
             for kind, index, delta, ids, scores, finish in self._stream_events(plan, jobs, events):
                 if kind == "usage":
@@ -316,8 +324,11 @@ class OpenAIDialect:
                     offsets[index] += sum(len(t) for t in lp["tokens"])
                 if delta or finish or lp:
                     yield chunk(index, delta, lp, finish)
+            complete = True
         except RuntimeError as e:
             yield {**head, "error": {"message": f"generation failed: {e}", "type": "server_error"}}
+        finally:
+            _cancel_unless(complete, jobs)
 
     # ------------------------------------------------------------ chat
 
@@ -390,9 +401,10 @@ class OpenAIDialect:
         def chunk(index, delta, lp, finish):
             return {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
 
-        for i in range(len(jobs)):
-            yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+        complete = False
         try:
+            for i in range(len(jobs)):
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
             for kind, index, delta, ids, scores, finish in self._stream_events(plan, jobs, events):
                 if kind == "usage":
                     if plan.include_usage:
@@ -401,8 +413,11 @@ class OpenAIDialect:
                 lp = self._chat_logprobs(ids, scores, plan.logprobs) if scores is not None and ids else None
                 if delta or finish or lp:
                     yield chunk(index, {"content": delta} if delta else {}, lp, finish)
+            complete = True
         except RuntimeError as e:
             yield {**head, "error": {"message": f"generation failed: {e}", "type": "server_error"}}
+        finally:
+            _cancel_unless(complete, jobs)
 
     # ------------------------------------------------------------ tokenizer
 

@@ -8,7 +8,9 @@
 
 Built on the standard library's ThreadingHTTPServer (a thread per connection; server-sent
 events are plain chunks on a kept-open response), so it runs wherever megajax does; the work is
-in one Batcher thread (megajax/inference/batcher.py) that decodes concurrent requests together.
+in one batcher thread that decodes concurrent requests together: the continuous engine
+(megajax/inference/engine.py, the default: sequences join and leave the running batch at every step,
+over a paged KV cache) or the static Batcher (megajax/inference/batcher.py, `--batching static`).
 A malformed request gets an HTTP 4xx with OpenAI's error object {"error": {"message", "type",
 "param", "code"}} and the server keeps serving; so does a request whose prompt plus new tokens
 exceeds the context (the message names the limit). Every answer, errors included, reads the
@@ -30,6 +32,7 @@ from typing import Any
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
 from megajax.inference.chat import find_chat_template
+from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
 from megajax.inference.generate import ContextLengthError
 from megajax.inference.openai_api import OpenAIDialect
 from megajax.inference.request import MEGATRON_FIELDS, RequestError, checked, field, random_seed
@@ -44,10 +47,18 @@ MAX_SEQUENCES = 256  # prompts x n in one request
 class CompletionService:
     """Request parsing and answers, independent of HTTP (the handler below only moves bytes)."""
 
-    def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None):
+    def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None,
+                 batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, quiet: bool = True):
         self.loaded = loaded
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
-        self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk)
+        if batching == "continuous":
+            self.batcher = Engine(self.generator, max_batch, block_size=block_size, num_blocks=num_kv_blocks,
+                                  prefill_chunk=prefill_chunk, quiet=quiet)
+        elif batching == "static":
+            self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk)
+        else:
+            raise UserError(f"--batching {batching!r}: must be continuous or static.")
         self.model_name = loaded.name or "megajax"
         self.max_batch = max_batch
         # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused).
@@ -107,6 +118,15 @@ class CompletionService:
                                code="context_length_exceeded") from None
         except UserError as e:
             raise RequestError(str(e), prompt_param) from None
+        fits = getattr(self.batcher, "fits", None)  # the continuous engine's KV pool
+        longest = max(len(p) for p in prompts)
+        if fits is not None and not fits(longest, max_new):
+            e = self.batcher
+            raise RequestError(
+                f"a prompt of {longest} tokens plus {max_new} new tokens needs "
+                f"{e.pool.blocks_for(longest + max_new)} KV blocks of {e.block_size} positions, but the server's "
+                f"pool holds {e.num_blocks} (--num-kv-blocks); shorten the prompt or ask for fewer new tokens.",
+                budget_param, code="context_length_exceeded")
 
     def submit(self, plan) -> tuple[list[Job], queue.Queue]:
         """An OpenAI request plan's jobs (megajax.inference.openai_api.Plan), queued on the batcher (with
@@ -130,12 +150,17 @@ class CompletionService:
     @staticmethod
     def wait(jobs: list[Job], events: queue.Queue) -> list:
         results: list = [None] * len(jobs)
-        while any(r is None for r in results):
-            kind, index, payload = events.get()
-            if kind == "error":
-                raise RequestError(f"generation failed: {payload}", status=500)
-            if kind == "done":
-                results[index] = payload
+        try:
+            while any(r is None for r in results):
+                kind, index, payload = events.get()
+                if kind == "error":
+                    raise RequestError(f"generation failed: {payload}", status=500)
+                if kind == "done":
+                    results[index] = payload
+        finally:  # left early (an error, the caller gone): the other sequences are dropped at the next step
+            if any(r is None for r in results):
+                for job in jobs:
+                    job.cancelled = True
         return results
 
     def megatron(self, body: dict) -> dict:
@@ -337,19 +362,24 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        for event in answer:
-            self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        try:
+            for event in answer:
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
-        self.wfile.write(b"data: [DONE]\n\n")
-        self.wfile.flush()
+        finally:  # the client gone (BrokenPipe, ConnectionReset): the stream's jobs are cancelled now
+            answer.close()
 
 
 class CompletionServer:
     """The HTTP server and its service; `start()` serves from a background thread (tests, notebooks)."""
 
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
-                 quiet: bool = False, chat_template: str | None = None):
-        self.service = CompletionService(loaded, max_batch=max_batch, chunk=chunk, chat_template=chat_template)
+                 quiet: bool = False, chat_template: str | None = None, **batching):
+        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk."""
+        self.service = CompletionService(loaded, max_batch=max_batch, chunk=chunk, chat_template=chat_template,
+                                         quiet=quiet, **batching)
         handler = type("Handler", (_Handler,), {"service": self.service, "quiet": quiet})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
@@ -376,10 +406,11 @@ class CompletionServer:
 
 
 def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-          chat_template: str | None = None) -> None:
-    """Serves until interrupted."""
+          chat_template: str | None = None, **batching) -> None:
+    """Serves until interrupted; `batching`: CompletionService's batching options."""
     try:
-        server = CompletionServer(loaded, host=host, port=port, max_batch=max_batch, chat_template=chat_template)
+        server = CompletionServer(loaded, host=host, port=port, max_batch=max_batch, chat_template=chat_template,
+                                  **batching)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host.") from None
     # The handlers go in before the address is printed: whoever reads it may signal at once.

@@ -1,0 +1,277 @@
+"""The continuous engine (megajax/inference/engine.py): interleaved arrivals give the sequential
+tokens, long prompts are prefilled in chunks while others decode, a full KV pool queues requests,
+a disconnect frees its blocks, everything is compiled before `ready`; and the same over HTTP on
+data=2 x tensor=4."""
+
+import http.client
+import json
+import queue
+import threading
+import time
+
+import jax
+import pytest
+
+from random_model import random_model
+from megajax.checkpoint.manager import write_params_checkpoint
+from megajax.cli import main
+from megajax.config import load_config
+from megajax.inference.batcher import Job
+from megajax.inference.engine import Engine
+from megajax.inference.generate import Generator
+from megajax.inference.load import find_source, generation_config, load_model
+from megajax.inference.observer import Observer
+from megajax.inference.sampling import Sampling
+from megajax.inference.server import CompletionServer
+
+CONTEXT = 48
+PROMPTS = ([65], [104, 101, 108, 108, 111, 33], list(range(70, 83)))  # 1, 6 and 13 tokens
+
+
+class Log(Observer):
+    """Every observer call, in order: (what, job index, ...)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def admitted(self, job):
+        self.calls.append(("admitted", job.index))
+
+    def first_token(self, job, seconds):
+        self.calls.append(("first", job.index))
+
+    def tokens(self, job, count, seconds):
+        self.calls.append(("tokens", job.index, count))
+
+    def finished(self, job, reason, tokens):
+        self.calls.append(("finished", job.index, reason, tokens))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """(generator, engine): the shared random llama model, an engine of 3 rows over 16 blocks of 4
+    positions with 8-token prefill chunks; `ready` checked right after it was made."""
+    cfg, _, params = random_model("llama", std=0.08, seq_len=CONTEXT)
+    gen = Generator(cfg.model, params, eod_id=None)
+    engine = Engine(gen, 3, block_size=4, num_blocks=16, prefill_chunk=8)
+    assert not engine.ready and engine.compile_s is None  # compiling in its thread
+    early = run(engine, [PROMPTS[1]], 3)  # submitted before ready: waits, then runs
+    assert engine.ready and engine.compile_s > 0
+    yield gen, engine, early
+    engine.close()
+
+
+def run(engine, prompts, n, samplings=None, stagger=False, **job):
+    """Completions of `prompts` (n new tokens each); `stagger`: each job submitted once the previous
+    one has streamed its first token (so it joins a running batch)."""
+    events = queue.Queue()
+    samplings = samplings or [Sampling()] * len(prompts)
+    jobs = [Job(list(p), s, n, i, events, stream=stagger, **job) for i, (p, s) in enumerate(zip(prompts, samplings))]
+    done = {}
+    for job in jobs:
+        engine.submit([job])
+        while stagger and job.sent == 0 and job.index not in done:
+            kind, i, payload = events.get(timeout=120)
+            if kind == "done":
+                done[i] = payload
+            assert kind != "error", payload
+    while len(done) < len(jobs):
+        kind, i, payload = events.get(timeout=120)
+        assert kind != "error", payload
+        if kind == "done":
+            done[i] = payload
+    return [done[i] for i in range(len(jobs))]
+
+
+def ids(completions):
+    return [c.completion_ids for c in completions]
+
+
+def test_ready_only_after_compiling_and_a_job_submitted_before_runs(setup):
+    gen, engine, early = setup
+    [want], _ = gen.generate([PROMPTS[1]], Sampling(), 3)
+    assert early[0].completion_ids == want.completion_ids
+
+
+def test_interleaved_arrivals_equal_sequential_and_the_static_generator(setup):
+    gen, engine, _ = setup
+    prompts = PROMPTS + (list(range(100, 130)),)  # 30 tokens: 4 prefill chunks
+    static, _ = gen.generate(prompts, Sampling(), 10)
+    alone = [run(engine, [p], 10)[0] for p in prompts]
+    together = run(engine, prompts, 10)  # 4 jobs on 3 rows, 13 + 4 + 6 + 10 blocks > 16: some wait
+    staggered = run(engine, prompts[::-1], 10, stagger=True)[::-1]
+    assert ids(alone) == ids(together) == ids(staggered) == ids(static)
+    hot = [Sampling(temperature=1.2, top_p=0.9, seed=s, frequency_penalty=0.5) for s in (1, 2, 3, 4)]
+    sampled_alone = [run(engine, [p], 10, [s])[0] for p, s in zip(prompts, hot)]
+    sampled = run(engine, prompts, 10, hot, stagger=True)
+    assert ids(sampled) == ids(sampled_alone)
+    assert engine.stats() == {"running": 0, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 16}
+
+
+def test_scores_and_score_only_jobs(setup):
+    gen, engine, _ = setup
+    [c] = run(engine, [PROMPTS[2]], 4, top_logprobs=5, score_prompt=True)
+    [ref] = gen.completions([PROMPTS[2]], [4], *_read(gen, gen.start([PROMPTS[2]], [Sampling()], [4], top_n=20,
+                                                                      score_prompt=True)))
+    assert len(c.prompt_scores.logprobs) == len(PROMPTS[2]) - 1  # the first token has none
+    assert max(abs(a - b) for a, b in zip(c.prompt_scores.logprobs, ref.prompt_scores.logprobs)) < 1e-4
+    assert c.completion_ids[0] == ref.completion_ids[0] and abs(c.scores.logprobs[0] - ref.scores.logprobs[0]) < 1e-4
+    assert [t for t, _ in c.prompt_scores.top[3]] == [t for t, _ in ref.prompt_scores.top[3]]
+    [scored] = run(engine, [PROMPTS[2]], 0, score_prompt=True)  # max_tokens 0: the prompt scored only
+    assert scored.completion_ids == [] and scored.prompt_scores.logprobs == c.prompt_scores.logprobs
+
+
+def _read(gen, state):
+    tokens, _, count = gen.read(state)
+    return tokens, count, gen.read_scores(state)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_decodes(setup):
+    gen, engine, _ = setup
+    engine.observer = log = Log()
+    try:
+        events = queue.Queue()
+        short = Job(list(PROMPTS[1]), Sampling(), 30, 0, events, stream=True)
+        long = Job(list(range(100, 140)), Sampling(), 2, 1, events)  # 40 tokens: 5 chunks of 8
+        engine.submit([short])
+        while events.get(timeout=120)[0] != "tokens":
+            pass
+        engine.submit([long])
+        done = 0
+        while done < 2:
+            done += events.get(timeout=120)[0] == "done"
+    finally:
+        engine.observer = Observer()
+    calls = log.calls
+    between = calls[calls.index(("admitted", 1)):calls.index(("first", 1))]
+    assert sum(c[:2] == ("tokens", 0) for c in between) >= 4  # a decode step between each two chunks
+    assert ("finished", 0, "length", 30) in calls and ("finished", 1, "length", 2) in calls
+
+
+def test_a_full_pool_queues_requests_and_every_one_finishes(setup):
+    gen, engine, _ = setup
+    engine.observer = log = Log()
+    prompts = [list(range(10 + i, 20 + i)) for i in range(3)]  # 10 + 14 new: 6 blocks each, 18 > 16
+    seen = []
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen.append(engine.stats())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        together = run(engine, prompts, 14)
+    finally:
+        stop.set()
+        watcher.join()
+        engine.observer = Observer()
+    assert ids(together) == ids(gen.generate(prompts, Sampling(), 14)[0])
+    assert any(s["running"] == 2 and s["waiting"] == 1 and s["kv_blocks_used"] == 12 for s in seen)
+    assert all(s["kv_blocks_used"] <= 16 for s in seen)
+    assert [c[2] for c in log.calls if c[0] == "finished"] == ["length"] * 3  # nothing failed
+    third = log.calls.index(("admitted", 2))
+    assert third > min(i for i, c in enumerate(log.calls) if c[0] == "finished")  # admitted after one ended
+
+
+def test_a_cancelled_job_is_dropped_and_its_blocks_freed(setup):
+    gen, engine, _ = setup
+    engine.observer = log = Log()
+    try:
+        events = queue.Queue()
+        job = Job(list(PROMPTS[2]), Sampling(), 30, 0, events, stream=True)
+        engine.submit([job])
+        while events.get(timeout=120)[0] != "tokens":
+            pass
+        assert engine.stats()["kv_blocks_used"] == 11  # 13 + 30 positions
+        job.cancelled = True
+        deadline = time.monotonic() + 60
+        while engine.stats()["kv_blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.observer = Observer()
+    assert engine.pool.free == engine.num_blocks == 16
+    [(_, _, reason, tokens)] = [c for c in log.calls if c[0] == "finished"]
+    assert reason == "cancelled" and tokens < 30
+
+
+def test_serve_flags_are_checked_naming_the_flag(capsys):
+    for flags, words in ((["--block-size", "0"], "--block-size 0: must be in [1,"),
+                         (["--num-kv-blocks", "-3"], "--num-kv-blocks -3: must be >= 1"),
+                         (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1")):
+        assert main(["serve", "--checkpoint", "nowhere", *flags]) == 2
+        assert words in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- over HTTP, data=2 x tensor=4
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    cfg = load_config(overrides=["model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
+                                 "model.num_kv_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=257",
+                                 "train.seq_len=64", "model.init_std=0.1"])
+    from megajax.train.state import build_model_spec
+    _, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    out = tmp_path_factory.mktemp("engine") / "run"
+    write_params_checkpoint(jax.jit(init)(), cfg, out)
+    source = find_source(str(out), None)
+    loaded = load_model(generation_config(source, ["mesh.data=2", "mesh.tensor=4"]), source, user_mesh=True)
+    srv = CompletionServer(loaded, port=0, max_batch=4, quiet=True, block_size=8, num_kv_blocks=6,
+                           prefill_chunk=16).start()
+    yield srv
+    srv.close()
+
+
+def post(srv, body):
+    host, port = srv.httpd.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    return conn, conn.getresponse()
+
+
+def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_frees_blocks(server):
+    engine = server.service.batcher
+    while not engine.ready:
+        time.sleep(0.05)
+    tok, gen = server.service.tokenizer, server.service.generator
+    assert engine.rows == 4 and engine.prefill_rows == 2  # rows split over data=2
+    spec = engine._pools_k[0].sharding.spec
+    assert spec[0] == "tensor" and all(s is None for s in spec[1:])  # kv heads over tensor
+    prompts = ["def f(x):", "hello there, general", "a"]
+    want = [tok.decode(c.completion_ids) for c in gen.generate([tok.encode(p) for p in prompts], Sampling(), 8)[0]]
+    answers = {}
+
+    def client(i):
+        conn, r = post(server, {"prompt": prompts[i], "max_tokens": 8, "temperature": 0})
+        answers[i] = json.loads(r.read())["choices"][0]["text"]
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [answers[i] for i in range(len(prompts))] == want
+
+    engine.observer = log = Log()
+    try:
+        conn, r = post(server, {"prompt": "stream me", "max_tokens": 38, "temperature": 0, "stream": True})
+        assert r.readline().startswith(b"data: ")
+        conn.sock.close()  # the client goes away mid-stream
+        conn.close()
+        deadline = time.monotonic() + 60
+        while not any(c[0] == "finished" for c in log.calls) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.observer = Observer()
+    [(_, _, reason, tokens)] = [c for c in log.calls if c[0] == "finished"]
+    assert reason == "cancelled" and tokens < 38
+    assert engine.pool.free == engine.num_blocks == 6 and engine.stats()["kv_blocks_used"] == 0
+
+    conn, r = post(server, {"prompt": "x" * 40, "max_tokens": 16})  # 56 positions: 7 blocks of 8 > 6
+    body = json.loads(r.read())
+    conn.close()
+    assert r.status == 400 and body["error"]["param"] == "max_tokens"
+    assert "needs 7 KV blocks of 8 positions" in body["error"]["message"] and "--num-kv-blocks" in body["error"]["message"]
