@@ -16,9 +16,10 @@ preempted); its blocks go back to the pool the moment it ends, is stopped or is 
 
 Each iteration of the engine's thread admits waiting jobs into free rows, runs one prefill chunk
 (`prefill_chunk` tokens of up to `data-parallel size` prompts, so a long prompt does not stall the
-running decodes), then one decode step for every decoding row, hands out the new tokens (streaming
-jobs get a piece per step), checks end-of-document, budgets and stop callbacks, and frees finished
-rows. Both programs have fixed shapes (max_batch rows, the chunk length, context / block_size
+running decodes), then `decode_steps` decode steps for every decoding row in one program call (one
+host round trip per few tokens; a row stops at its end-of-document or budget on the device), hands
+out the new tokens (streaming jobs get a piece per step), checks stop callbacks (tokens past a stop
+are dropped), and frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk length, context / block_size
 table entries) and are compiled once, before `ready`: a new prompt length never compiles while
 clients wait. Rows never mix (every product and the attention are per row), so a sequence's
 tokens do not depend on what else runs: greedy output under any interleaving equals the sequential
@@ -111,7 +112,7 @@ class Engine:
 
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 observer: Observer | None = None, quiet: bool = True):
+                 decode_steps: int = 4, observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
@@ -120,6 +121,7 @@ class Engine:
         self.max_blocks = -(-g.context // block_size)  # table entries per sequence
         self.num_blocks = num_blocks if num_blocks is not None else max_batch * self.max_blocks
         self.chunk = min(prefill_chunk, g.context)
+        self.decode_steps = decode_steps  # decode steps per engine iteration (one program call, one host sync)
         self.observer = observer or Observer()
         self.quiet = quiet
         dp = g.data_parallel
@@ -220,27 +222,43 @@ class Engine:
             return pools_k, pools_v, (first, *self._scores(last, first, want_top), *prompt)
 
     def _decode_fn(self, params, pools_k, pools_v, last_B, position_B, active_B, table_BxM, generated_BxS,
-                   count_B, temperature_B, top_k_B, top_p_B, keys_Bx2, presence_B, frequency_B, want_top):
-        """One decode step of every row: the input token `last_B` at `position_B` written (active
-        rows), the next token sampled at the row's own step `count_B` after its penalties."""
-        with activation_sharding(self.generator.mesh, self.generator.rules):
-            logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, last_B[:, None], position_B,
-                                                     active_B[:, None], table_BxM, all_positions=False)
-            penalised = apply_penalties(logits, generated_BxS, count_B, presence_B, frequency_B)
-            tok = next_tokens(penalised, keys_Bx2, count_B, temperature_B, top_k_B, top_p_B)
-            return pools_k, pools_v, (tok, *self._scores(logits, tok, want_top))
+                   count_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2, presence_B, frequency_B, want_top):
+        """Up to `decode_steps` decode steps of every row (fewer when every row is done): each writes
+        the input token `last` at `position` (rows not done) and samples the next one at the row's own
+        step `count` after its penalties; a row is done at end-of-document or its budget. Returns the
+        pools and (tokens [B, S], their log p, top ids, top log p, new tokens per row [B])."""
+        g, b, steps, n = self.generator, last_B.shape[0], self.decode_steps, MAX_TOP_LOGPROBS
+        rows = jnp.arange(b)
+
+        def step(c):
+            i, pools_k, pools_v, last, position, done, generated, count, out = c
+            logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, last[:, None], position,
+                                                     ~done[:, None], table_BxM, all_positions=False)
+            penalised = apply_penalties(logits, generated, count, presence_B, frequency_B)
+            tok = next_tokens(penalised, keys_Bx2, count, temperature_B, top_k_B, top_p_B)
+            out = [o.at[:, i].set(x) for o, x in zip(out, (tok, *self._scores(logits, tok, want_top)))]
+            generated = generated.at[rows, jnp.where(done, generated.shape[1], count)].set(tok, mode="drop")
+            more = jnp.where(done, 0, 1)
+            ended = done | (count + 1 >= budget_B) | g._is_eod(tok)
+            return (i + 1, pools_k, pools_v, jnp.where(done, last, tok), position + more, ended, generated,
+                    count + more, out)
+
+        with activation_sharding(g.mesh, g.rules):
+            out = [jnp.zeros((b, steps), jnp.int32), jnp.zeros((b, steps), jnp.float32),
+                   jnp.zeros((b, steps, n), jnp.int32), jnp.zeros((b, steps, n), jnp.float32)]
+            c = (jnp.int32(0), pools_k, pools_v, last_B, position_B, ~active_B, generated_BxS, count_B, out)
+            c = jax.lax.while_loop(lambda c: (c[0] < steps) & ~jnp.all(c[5]), step, c)
+            return c[1], c[2], (*c[8], c[7] - count_B)
 
     # ------------------------------------------------------------ host: programs
 
-    def _put(self, x: np.ndarray, axes: tuple) -> jax.Array:
+    def _rows(self, *arrays) -> list[jax.Array]:
+        """Host arrays with a leading row dim, placed with the rows over the data axes (one transfer)."""
         g = self.generator
         if g.mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(g.mesh, logical_to_spec(axes, g.rules)))
-
-    def _rows(self, *arrays) -> list[jax.Array]:
-        """Host arrays with a leading row dim, placed with the rows over the data axes."""
-        return [self._put(a, ("batch",) + (None,) * (a.ndim - 1)) for a in arrays]
+            return jax.device_put(list(arrays))
+        return jax.device_put(list(arrays), [NamedSharding(g.mesh, logical_to_spec(("batch",) + (None,) * (a.ndim - 1),
+                                                                                 g.rules)) for a in arrays])
 
     def _start(self) -> None:
         """The pools and both programs, compiled (on example inputs of the fixed shapes)."""
@@ -303,15 +321,15 @@ class Engine:
     def _decode_inputs(self, seqs: list[_Sequence]) -> tuple:
         b = self.rows
         last, position, count = np.zeros((b,), np.int32), np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        active = np.zeros((b,), bool)
+        active, budget = np.zeros((b,), bool), np.zeros((b,), np.int32)
         generated = np.zeros((b, self.generator.context), np.int32)
         for i, s in enumerate(seqs):
             last[i], position[i] = s.tokens[-1], len(s.job.prompt_ids) + len(s.tokens) - 1
-            active[i], count[i] = True, len(s.tokens)
+            active[i], count[i], budget[i] = True, len(s.tokens), s.job.max_new_tokens
             generated[i, :len(s.tokens)] = s.tokens
         sampling = self._sampling([s.job for s in seqs], b)
         want_top = any(s.job.top_logprobs for s in seqs)
-        return (*self._rows(last, position, active, self._table(seqs, b), generated, count, *sampling),
+        return (*self._rows(last, position, active, self._table(seqs, b), generated, count, budget, *sampling),
                 jnp.bool_(want_top))
 
     # ------------------------------------------------------------ host: the loop
@@ -422,12 +440,15 @@ class Engine:
     def _decode_step(self, seqs: list[_Sequence]) -> None:
         self._pools_k, self._pools_v, out = self._decode(self.generator.params, self._pools_k, self._pools_v,
                                                          *self._decode_inputs(seqs))
-        tok, lp, top_ids, top_lp = (np.asarray(x) for x in out)
+        tok, lp, top_ids, top_lp, new = (np.asarray(x) for x in out)
         now = time.monotonic()
         for i, s in enumerate(seqs):
-            self.observer.tokens(s.job, 1, now - s.last)
+            self.observer.tokens(s.job, int(new[i]), now - s.last)
             s.last = now
-            self._add(s, int(tok[i]), float(lp[i]), _top(top_ids[i], top_lp[i], s.job.top_logprobs > 0))
+            for j in range(int(new[i])):
+                if self._running.get(s.row) is not s:  # ended at a stop sequence: the rest is dropped
+                    break
+                self._add(s, int(tok[i, j]), float(lp[i, j]), _top(top_ids[i, j], top_lp[i, j], s.job.top_logprobs > 0))
 
     def _add(self, s: _Sequence, token: int, logprob: float, top: list) -> None:
         """A sequence's new token: streamed, then the checks that end it."""
