@@ -396,12 +396,18 @@ class Engine:
         """Waiting jobs into free rows, first come first served, while the pool holds their blocks."""
         while self._waiting and len(self._running) < self.max_batch:
             job = self._waiting[0]
-            need = self.pool.blocks_for(len(job.prompt_ids) + job.max_new_tokens)
-            if need > self.num_blocks:
+            size = len(job.prompt_ids) + job.max_new_tokens
+            need = self.pool.blocks_for(size)
+            wrong = None
+            if not job.prompt_ids or size > self.generator.context:  # the service checks these first
+                wrong = f"a prompt of {len(job.prompt_ids)} tokens plus {job.max_new_tokens} new ones does not " \
+                        f"fit the context ({self.generator.context} tokens)"
+            elif need > self.num_blocks:
+                wrong = f"the sequence needs {need} KV blocks; the pool has {self.num_blocks} (--num-kv-blocks)"
+            if wrong is not None:
                 with self._lock:
                     self._waiting.popleft()
-                job.events.put(("error", job.index, f"the sequence needs {need} KV blocks; the pool has "
-                                                    f"{self.num_blocks} (--num-kv-blocks)"))
+                job.events.put(("error", job.index, wrong))
                 self.observer.finished(job, "error", 0)
                 continue
             with self._lock:
@@ -416,7 +422,7 @@ class Engine:
     def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
         self._pools_k, self._pools_v, out = self._prefill(self.generator.params, self._pools_k, self._pools_v,
                                                           *self._prefill_inputs(seqs))
-        first, lp, top_ids, top_lp, p_lp, p_ids, p_top = (np.asarray(x) for x in out)
+        first, lp, top_ids, top_lp, p_lp, p_ids, p_top = jax.device_get(out)
         for i, s in enumerate(seqs):
             job, prompt = s.job, s.job.prompt_ids
             start, length = s.prefilled, min(self.chunk, len(prompt) - s.prefilled)
@@ -440,7 +446,7 @@ class Engine:
     def _decode_step(self, seqs: list[_Sequence]) -> None:
         self._pools_k, self._pools_v, out = self._decode(self.generator.params, self._pools_k, self._pools_v,
                                                          *self._decode_inputs(seqs))
-        tok, lp, top_ids, top_lp, new = (np.asarray(x) for x in out)
+        tok, lp, top_ids, top_lp, new = jax.device_get(out)
         now = time.monotonic()
         for i, s in enumerate(seqs):
             self.observer.tokens(s.job, int(new[i]), now - s.last)
