@@ -6,7 +6,7 @@ leave when they end.
       .ready          both programs compiled (the engine's thread compiles them at start)
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total
 
-The KV cache is, per layer, a k and a v pool `[kv_heads, num_blocks * block_size, head_dim]`
+The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
 (kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block). A
 host-side `BlockPool` hands out blocks from a free list; each running sequence has a block table,
 and its position p lives at pool slot `table[p // block_size] * block_size + p % block_size`.
@@ -163,8 +163,8 @@ class Engine:
 
     # ------------------------------------------------------------ traced
 
-    def _caches(self, pools, write_BxL, read_BxT):
-        return [PagedCache(p, write_BxL, read_BxT) for p in pools]
+    def _caches(self, pools, write_BxL, table_BxM):
+        return [PagedCache(p, write_BxL, table_BxM, self.block_size) for p in pools]
 
     def _slots(self, table_BxM, positions):
         """Pool slots of `positions` [B, ...] through the rows' block tables [B, M]."""
@@ -182,12 +182,11 @@ class Engine:
         positions = jnp.minimum(start_B[:, None] + jnp.arange(l), g.context - 1)  # padding past the end: clamped
         drop = self.num_blocks * self.block_size  # outside the pool: the write is dropped
         write = jnp.where(valid_BxL, self._slots(table_BxM, positions), drop)
-        read = self._slots(table_BxM, jnp.broadcast_to(jnp.arange(t), (b, t)))
         logits, caches_k, caches_v = model.extend(
-            tokens_BxL, positions, self._caches(pools_k, write, read), self._caches(pools_v, write, read),
+            tokens_BxL, positions, self._caches(pools_k, write, table_BxM), self._caches(pools_v, write, table_BxM),
             start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
             expert_bias=g._expert_bias(), all_positions=all_positions)
-        return logits, [c.pool_GxNxK for c in caches_k], [c.pool_GxNxK for c in caches_v]
+        return logits, [c.pool_NxGxK for c in caches_k], [c.pool_NxGxK for c in caches_v]
 
     @staticmethod
     def _scores(logits, tokens, want_top):
@@ -264,7 +263,7 @@ class Engine:
         """The pools and both programs, compiled (on example inputs of the fixed shapes)."""
         g, m = self.generator, self.generator.model
         t0 = time.perf_counter()
-        shape = (m.num_kv_heads, self.num_blocks * self.block_size, m.head_dim)
+        shape = (self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
         if g.mesh is not None:
             pool_sh = NamedSharding(g.mesh, logical_to_spec(ACT_POOL, g.rules))
             make = jax.jit(lambda: jnp.zeros(shape, g.dtype), out_shardings=pool_sh)

@@ -198,8 +198,9 @@ def cached_attention(q_BxLxHxK, k_BxGxTxK, v_BxGxTxK, mask_BxLxT):
     return out.reshape(b, l, h, d)
 
 
-# One layer's k (or v) block pool: [kv_heads, pool slots, head_dim] (slots = blocks x block size).
-ACT_POOL = ("kv_heads", None, "head_dim")
+# One layer's k (or v) block pool: [pool slots, kv_heads, head_dim] (slots = blocks x block size;
+# slot-major, so that a position's write and a block's read are contiguous).
+ACT_POOL = (None, "kv_heads", "head_dim")
 
 
 @struct.dataclass
@@ -208,21 +209,25 @@ class PagedCache:
     this call writes and reads it (continuous batching, megajax/inference/engine.py).
 
     `write_BxL` is the pool slot of each new token (table[pos // block] * block + pos % block; a slot
-    outside the pool drops the write: padding); `read_BxT` the pool slot of each of the sequence's
-    positions 0..T-1 through its block table (positions not held yet read any slot: the mask hides them)."""
-    pool_GxNxK: jax.Array
+    outside the pool drops the write: padding); `table_BxM` each sequence's blocks, in position order
+    (entries past the sequence's end name any block: the mask hides what they hold)."""
+    pool_NxGxK: jax.Array
     write_BxL: jax.Array
-    read_BxT: jax.Array
+    table_BxM: jax.Array
+    block_size: int = struct.field(pytree_node=False)
 
     def write(self, new_BxLxGxK: jax.Array) -> "PagedCache":
-        g, _, k = self.pool_GxNxK.shape
-        new = new_BxLxGxK.astype(self.pool_GxNxK.dtype).transpose(2, 0, 1, 3).reshape(g, -1, k)  # [G, B*L, K]
-        pool = self.pool_GxNxK.at[:, self.write_BxL.reshape(-1)].set(new, mode="drop")
-        return self.replace(pool_GxNxK=logical_constraint(pool, ACT_POOL))
+        _, g, k = self.pool_NxGxK.shape
+        new = new_BxLxGxK.astype(self.pool_NxGxK.dtype).reshape(-1, g, k)  # [B*L, G, K]
+        pool = self.pool_NxGxK.at[self.write_BxL.reshape(-1)].set(new, mode="drop")
+        return self.replace(pool_NxGxK=logical_constraint(pool, ACT_POOL))
 
     def view(self) -> jax.Array:
-        """The sequences' caches [B, kv_heads, T, head_dim] gathered through their tables."""
-        return logical_constraint(jnp.take(self.pool_GxNxK, self.read_BxT, axis=1).swapaxes(0, 1), ACT_CACHE)
+        """The sequences' caches [B, kv_heads, T, head_dim] (T = M x block size), gathered block by block."""
+        n, g, k = self.pool_NxGxK.shape
+        b, m = self.table_BxM.shape
+        blocks = self.pool_NxGxK.reshape(n // self.block_size, self.block_size, g, k)[self.table_BxM]  # [B, M, bs, G, K]
+        return logical_constraint(blocks.reshape(b, m * self.block_size, g, k).swapaxes(1, 2), ACT_CACHE)
 
 
 def write_cache(cache, new_BxLxGxK: jax.Array, start):
