@@ -98,6 +98,8 @@ def test_interleaved_arrivals_equal_sequential_and_the_static_generator(setup):
     together = run(engine, prompts, 10)  # 4 jobs on 3 rows, 13 + 4 + 6 + 10 blocks > 16: some wait
     staggered = run(engine, prompts[::-1], 10, stagger=True)[::-1]
     assert ids(alone) == ids(together) == ids(staggered) == ids(static)
+    logprobs = [[c.scores.logprobs for c in run] for run in (alone, together, staggered)]
+    assert logprobs[0] == logprobs[1] == logprobs[2]  # bit for bit: a row's arithmetic ignores the other rows
     hot = [Sampling(temperature=1.2, top_p=0.9, seed=s, frequency_penalty=0.5) for s in (1, 2, 3, 4)]
     sampled_alone = [run(engine, [p], 10, [s])[0] for p, s in zip(prompts, hot)]
     sampled = run(engine, prompts, 10, hot, stagger=True)
