@@ -130,8 +130,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_decodes(set
     engine.observer = log = Log()
     try:
         events = queue.Queue()
-        short = Job(list(PROMPTS[1]), Sampling(), 20, 0, events, stream=True)  # 7 blocks
-        long = Job(list(range(100, 132)), Sampling(), 2, 1, events)  # 32 tokens, 4 chunks of 8: 9 blocks
+        short = Job(list(PROMPTS[1]), Sampling(), 30, 0, events, stream=True)  # 9 blocks
+        long = Job(list(range(100, 124)), Sampling(), 2, 1, events)  # 24 tokens, 3 chunks of 8: 7 blocks
         engine.submit([short])
         while events.get(timeout=120)[0] != "tokens":
             pass
@@ -143,8 +143,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_decodes(set
         engine.observer = Observer()
     calls = log.calls
     between = calls[calls.index(("admitted", 1)):calls.index(("first", 1))]
-    assert sum(c[:2] == ("tokens", 0) for c in between) >= 3  # a decode step between each two chunks
-    assert ("finished", 0, "length", 20) in calls and ("finished", 1, "length", 2) in calls
+    assert sum(c[:2] == ("tokens", 0) for c in between) >= 2  # decode steps between each two chunks
+    assert ("finished", 0, "length", 30) in calls and ("finished", 1, "length", 2) in calls
 
 
 def test_a_full_pool_queues_requests_and_every_one_finishes(setup):

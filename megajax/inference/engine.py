@@ -112,7 +112,7 @@ class Engine:
 
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 decode_steps: int = 4, observer: Observer | None = None, quiet: bool = True):
+                 decode_steps: int = 8, observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
