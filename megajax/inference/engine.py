@@ -148,7 +148,8 @@ class Engine:
             self._queue.put(job)
 
     def close(self) -> None:
-        """Finishes the jobs already submitted, then stops the engine's thread."""
+        """Finishes the jobs already submitted, then stops the engine's thread (while it compiles, after
+        the compilation: a process that exits with XLA compiling in a thread aborts)."""
         self._queue.put(None)
         self._thread.join(timeout=60)
 
