@@ -279,4 +279,5 @@ def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_fre
     body = json.loads(r.read())
     conn.close()
     assert r.status == 400 and body["error"]["param"] == "max_tokens"
-    assert "needs 7 KV blocks of 8 positions" in body["error"]["message"] and "--num-kv-blocks" in body["error"]["message"]
+    message = body["error"]["message"]
+    assert "needs 7 KV blocks of 8 positions" in message and "--num-kv-blocks" in message

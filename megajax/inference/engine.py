@@ -19,9 +19,9 @@ Each iteration of the engine's thread admits waiting jobs into free rows, runs o
 running decodes), then `decode_steps` decode steps for every decoding row in one program call (one
 host round trip per few tokens; a row stops at its end-of-document or budget on the device), hands
 out the new tokens (streaming jobs get a piece per step), checks stop callbacks (tokens past a stop
-are dropped), and frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk length, context / block_size
-table entries) and are compiled once, before `ready`: a new prompt length never compiles while
-clients wait. Rows never mix (every product and the attention are per row), so a sequence's
+are dropped), and frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk
+length, context / block_size table entries) and are compiled once, before `ready`: a new prompt
+length never compiles while clients wait. Rows never mix (every product and the attention are per row), so a sequence's
 tokens do not depend on what else runs: greedy output under any interleaving equals the sequential
 output. Per-row positions, step counts (sampling keys fold in the sequence's own step) and
 penalties make sampled output independent of the interleaving too.
@@ -215,10 +215,10 @@ class Engine:
                                                      table_RxM, all_positions=True)  # [R, C, V]
             last = jnp.take_along_axis(logits, jnp.maximum(length_R - 1, 0)[:, None, None], axis=1)[:, 0]
             first = next_tokens(last, keys_Rx2, jnp.int32(0), temperature_R, top_k_R, top_p_R)
-            shape = tokens_RxC.shape
+            shape, top = tokens_RxC.shape, tokens_RxC.shape + (MAX_TOP_LOGPROBS,)
             prompt = jax.lax.cond(want_prompt, lambda: self._scores(logits, targets_RxC, want_top),
-                                  lambda: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (MAX_TOP_LOGPROBS,), jnp.int32),
-                                           jnp.zeros(shape + (MAX_TOP_LOGPROBS,), jnp.float32)))
+                                  lambda: (jnp.zeros(shape, jnp.float32), jnp.zeros(top, jnp.int32),
+                                           jnp.zeros(top, jnp.float32)))
             return pools_k, pools_v, (first, *self._scores(last, first, want_top), *prompt)
 
     def _decode_fn(self, params, pools_k, pools_v, last_B, position_B, active_B, table_BxM, generated_BxS,

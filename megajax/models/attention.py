@@ -226,7 +226,8 @@ class PagedCache:
         """The sequences' caches [B, kv_heads, T, head_dim] (T = M x block size), gathered block by block."""
         n, g, k = self.pool_NxGxK.shape
         b, m = self.table_BxM.shape
-        blocks = self.pool_NxGxK.reshape(n // self.block_size, self.block_size, g, k)[self.table_BxM]  # [B, M, bs, G, K]
+        pool = self.pool_NxGxK.reshape(n // self.block_size, self.block_size, g, k)
+        blocks = pool[self.table_BxM]  # [B, M, block_size, G, K]
         return logical_constraint(blocks.reshape(b, m * self.block_size, g, k).swapaxes(1, 2), ACT_CACHE)
 
 
