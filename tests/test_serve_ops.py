@@ -25,7 +25,7 @@ from megajax.inference.batcher import Batcher, Job
 from megajax.inference.load import find_source, generation_config, load_model
 from megajax.inference.observer import Observer
 from megajax.inference.sampling import Sampling
-from megajax.inference.server import CompletionServer
+from megajax.inference.server import CompletionServer, RequestContext, _stop_on_signals
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
@@ -140,6 +140,29 @@ def test_without_prometheus_client_metrics_says_what_to_install(server, monkeypa
     assert call(server, "POST", "/v1/completions", {"prompt": "hello", "max_tokens": 20, "temperature": 0})[0] == 200
 
 
+def test_repeated_observations_bucket_as_prometheus_clients_histogram_does():
+    """The inter-token histogram takes n equal gaps at once; its exposition equals n observe() calls of
+    prometheus_client's own Histogram (bounds inclusive: a gap equal to a bound is in that bucket)."""
+    import prometheus_client as prom
+    registry = prom.CollectorRegistry()
+    reference = prom.Histogram("h_seconds", "h", buckets=serve_metrics.ITL_BUCKETS, registry=registry)
+    mine = serve_metrics.ServeMetrics()
+    for gap, n in [(0.005, 3), (0.0051, 2), (0.0, 1), (7.0, 4), (0.25, 1)]:
+        mine.itl.observe(gap, n)
+        for _ in range(n):
+            reference.observe(gap)
+
+    def samples(text, name):
+        return {(s.name.rsplit("_", 1)[-1], s.labels.get("le")): s.value
+                for f in prometheus_parser.text_string_to_metric_families(text) if f.name == name for s in f.samples
+                if not s.name.endswith("_created")}
+
+    want = samples(prom.generate_latest(registry).decode(), "h_seconds")
+    got = samples(mine.exposition()[0].decode(), serve_metrics.INTER_TOKEN_LATENCY)
+    assert got.pop(("sum", None)) == pytest.approx(want.pop(("sum", None)), rel=1e-12)
+    assert got == want and got[("count", None)] == 11 and got[("bucket", "0.005")] == 4
+
+
 class Scripted:
     """A generator stand-in: each prompt's tokens are scripted (keyed by its first id); `start` waits for `gate`."""
     eod_id = 9
@@ -238,7 +261,7 @@ def test_request_ids_come_back_reach_the_jobs_and_start_the_log_line(server, cap
                                                                      "temperature": 0})
     answer = json.loads(text)
     assert status == 200 and headers["X-Request-Id"] == answer["id"] and answer["id"].startswith("cmpl-")
-    status, headers, text = call(server, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 4},
+    status, headers, text = call(server, "POST", "/v1/completions", {"prompt": "abc", "max_tokens": 20},
                                  headers={"X-Request-Id": "client-42"})
     assert status == 200 and headers["X-Request-Id"] == "client-42"
     assert [j.request_id for j in submitted] == [answer["id"]] * 2 + ["client-42"]
@@ -247,7 +270,7 @@ def test_request_ids_come_back_reach_the_jobs_and_start_the_log_line(server, cap
     err = call(server, "POST", "/v1/completions", {"prompt": "x", "n": 0}, headers={"X-Request-Id": "bad-1"})
     assert err[0] == 400 and err[1]["X-Request-Id"] == "bad-1"
 
-    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("megajax serve: ")]
+    lines = log_lines(capfd, "megajax serve: bad-1 ")
     first = next(x for x in lines if answer["id"] in x)
     pattern = (r"megajax serve: (\S+) POST /v1/completions 200 prompt_tokens=(\d+) new_tokens=(\d+) "
                r"ttft_s=([\d.]+) total_s=([\d.]+) finish=(\S+)$")
@@ -263,8 +286,22 @@ def test_request_ids_come_back_reach_the_jobs_and_start_the_log_line(server, cap
     assert not any("/metrics" in x or "/health" in x for x in lines)  # probes and scrapes are not logged
 
     monkeypatch.setattr(server.httpd.RequestHandlerClass, "log_requests", False)  # --disable-log-requests
-    call(server, "POST", "/v1/completions", {"prompt": "q", "max_tokens": 2}, headers={"X-Request-Id": "quiet-1"})
-    assert "quiet-1" not in capfd.readouterr().err
+    call(server, "POST", "/v1/completions", {"prompt": "q", "max_tokens": 20}, headers={"X-Request-Id": "quiet-1"})
+    call(server, "GET", "/v1/models", headers={"X-Request-Id": "after-quiet"})
+    monkeypatch.undo()
+    call(server, "GET", "/v1/models", headers={"X-Request-Id": "loud-again"})
+    assert not any("quiet-1" in x or "after-quiet" in x for x in log_lines(capfd, "megajax serve: loud-again "))
+
+
+def log_lines(capfd, last: str) -> list[str]:
+    """The request log's lines on stderr up to the one starting with `last` (written just after its answer)."""
+    lines: list[str] = []
+    for _ in range(100):
+        lines += [x for x in capfd.readouterr().err.splitlines() if x.startswith("megajax serve: ")]
+        if any(x.startswith(last) for x in lines):
+            return lines
+        threading.Event().wait(0.05)
+    raise AssertionError(f"no log line {last!r} in {lines}")
 
 
 @pytest.mark.parametrize("given", ["has space", "x" * 129, "caf\u00e9"])
@@ -303,6 +340,38 @@ def test_readiness_and_liveness(server, monkeypatch):
 
 
 # ---------------------------------------------------------------- SIGTERM
+
+
+def test_drain_timeout_cuts_what_is_still_running(server, capfd):
+    """A request that outlasts the drain timeout is cut: reported by id, its jobs marked cancelled."""
+    service = server.service
+    stuck = RequestContext("stuck-1", "req-stuck", 0.0, False)
+    stuck.jobs.append(Job([1, 2], Sampling(), 4, 0, queue.Queue()))
+    assert service.enter(stuck)
+    try:
+        capfd.readouterr()
+        assert server.drain(0.2) == [stuck]
+        assert stuck.jobs[0].cancelled and not service.enter(RequestContext("late", "req-late", 0.0, False))
+        err = capfd.readouterr().err
+        assert "draining: 1 request in progress stuck-1" in err and "0 finished, 1 cut stuck-1" in err
+    finally:
+        service.leave(stuck)
+        service.draining = False
+
+
+def test_a_second_signal_stops_at_once(server):
+    stopping = threading.Event()
+    previous = _stop_on_signals(server.service, stopping)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopping.wait(10) and stopping.why == "SIGTERM" and server.service.draining
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            threading.Event().wait(10)  # the handler runs here, in the main thread
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.service.draining = False
 
 
 def test_sigterm_drains_a_stream_refuses_new_work_and_exits_0(server, tmp_path):

@@ -65,9 +65,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
-@dataclass
+@dataclass(eq=False)
 class RequestContext:
-    """One HTTP request while it is answered: its id, its answer's id, its jobs and their tally."""
+    """One HTTP request while it is answered: its id, its answer's id, its jobs and their tally (compared by
+    identity)."""
     id: str
     response_id: str
     started: float  # time.monotonic()
@@ -387,6 +388,7 @@ class _Handler(BaseHTTPRequestHandler):
         request = self._request = RequestContext(given or answer_id, answer_id, time.monotonic(), path in OPS_PATHS)
         self._status = 0
         self.service._local.request = request
+        entered = False
         try:
             if given is not None and not (0 < len(given) <= MAX_REQUEST_ID and given.isascii() and given.isprintable()
                                           and " " not in given):
@@ -396,20 +398,19 @@ class _Handler(BaseHTTPRequestHandler):
                             f"one made here.", code="invalid_request_id")
             elif request.ops:
                 self._route(path)
-            elif not self.service.enter(request):
+            elif not (entered := self.service.enter(request)):
                 self.close_connection = True
                 self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down and takes no new requests; "
                             "retry (another replica, or this one once restarted).", code="server_shutting_down",
                             headers={"Retry-After": str(RETRY_AFTER_S)})
             else:
-                try:
-                    self._route(path)
-                finally:
-                    self.service.leave(request)
-                    if self.service.draining:
-                        self.close_connection = True
+                self._route(path)
         finally:
-            self._finish(request, path)
+            self._finish(request, path)  # before leaving: a drain waits for the log line too
+            if entered:
+                self.service.leave(request)
+                if self.service.draining:
+                    self.close_connection = True
 
     def _finish(self, request: RequestContext, path: str) -> None:
         """Ends the request's tally and duration, and writes its log line."""
