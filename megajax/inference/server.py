@@ -566,18 +566,21 @@ class CompletionServer:
               f"{' ...' * (len(running) > 8)}; new ones get 503; waiting up to {timeout:g} s (--drain-timeout; a "
               f"second SIGTERM or Ctrl-C stops at once)", file=sys.stderr, flush=True)
         started = time.monotonic()
-        left = running
+        left, how = running, "drained"
         try:
             while left and time.monotonic() - started < timeout:
                 time.sleep(0.05)
                 left = self.service.in_progress()
+        except KeyboardInterrupt:
+            how = "stopped by a second signal"
+            raise
         finally:
             left = self.service.in_progress()
             for request in left:
                 for job in request.jobs:
                     job.cancelled = True
-            print(f"megajax serve: drained in {time.monotonic() - started:.1f} s: {len(running) - len(left)} finished, "
-                  f"{len(left)} cut{''.join(' ' + r.id for r in left[:8])}{' ...' * (len(left) > 8)}",
+            print(f"megajax serve: {how} after {time.monotonic() - started:.1f} s: {len(running) - len(left)} "
+                  f"finished, {len(left)} cut{''.join(' ' + r.id for r in left[:8])}{' ...' * (len(left) > 8)}",
                   file=sys.stderr, flush=True)
         return left
 
@@ -606,9 +609,9 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
             while not stopping.wait(1.0):
                 pass
             cut = server.drain(drain_timeout, stopping.why)
-    except KeyboardInterrupt:  # the second signal, or an interrupt without our handlers
+    except KeyboardInterrupt:  # the second signal (drain() said so), or an interrupt without our handlers
         cut = server.service.in_progress()
-        if cut:
+        if cut and not stopping.is_set():
             print(f"megajax serve: stopping at once: {len(cut)} request{'s' * (len(cut) != 1)} cut",
                   file=sys.stderr, flush=True)
     finally:
