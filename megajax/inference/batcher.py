@@ -83,10 +83,9 @@ class Batcher:
         for job in jobs:
             self._queue.put(job)
 
-    def close(self, timeout: float = 60) -> None:
-        """Ends the thread after the batches queued (waits up to `timeout` seconds for it)."""
+    def close(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=timeout)
+        self._thread.join(timeout=60)
 
     def stats(self) -> dict:
         """Sequences running (in the batch, not ended) and waiting; no block pool (observer.py's contract)."""

@@ -97,8 +97,10 @@ class CompletionService:
         self.openai = OpenAIDialect(self)
 
     def close(self, wait: bool = True) -> None:
-        """Stops the batcher (without `wait`, a batch still running is left to the process's exit)."""
-        self.batcher.close(timeout=60 if wait else 0)
+        """Stops the batcher after the jobs submitted; without `wait`, leaves them and its thread to the
+        process's exit (requests cut by a drain)."""
+        if wait:
+            self.batcher.close()
 
     # -------------------------------------------------------------- operations
 
