@@ -9,7 +9,7 @@
                   [--sweep key=v1,v2,...] [--topology 8xH100]
     megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
-    megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N]
+    megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
     megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
@@ -317,6 +317,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         raise UserError(f"--max-batch {args.max_batch}: must be >= 1.")
+    if not 0 <= args.drain_timeout < float("inf"):
+        raise UserError(f"--drain-timeout {args.drain_timeout:g}: must be a number of seconds >= 0 (0: cut the "
+                        f"requests in progress at once).")
     from megajax.inference.engine import check_engine_sizes
     # The ranges that need no model now; --block-size against the context once the model is loaded.
     check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk)
@@ -330,6 +333,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = _load_model(args)
     from megajax.inference.server import serve
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
+          drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk)
     return 0
@@ -434,6 +438,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
                                                             "(default: the tokenizer's own, from its "
                                                             "tokenizer_config.json)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in progress may take to finish while new "
+                        "ones are refused (default 30: Kubernetes' grace period)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per request on stderr")
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous (default): sequences join and leave the running batch at every step, over a "
                         "paged KV cache; static: a batch runs to its end while new requests wait")

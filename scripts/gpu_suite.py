@@ -130,6 +130,25 @@ def _bench(name: str, impl: str, *extra: str) -> Callable[[Context], list[str]]:
     return command
 
 
+def _serve_headline(r: dict) -> str:
+    modes = r.get("modes", {})
+    parts = []
+    for name, m in modes.items():
+        top = max(m.get("concurrency", []), key=lambda c: c["clients"], default=None)
+        if top:
+            parts.append(f"{name} {top['tokens_per_s']:,.0f} tok/s at {top['clients']} clients, "
+                         f"TTFT p99 {top['ttft_p99_s']:.2f} s")
+    return "; ".join(parts)
+
+
+# `megajax serve` under concurrent streaming clients, static batching against continuous batching.
+SERVE_GPU = ["--config", "model/gpt2-125m", "--clients", "1", "4", "16", "--requests", "2", "--new-tokens", "128",
+             "--max-batch", "16"]
+SERVE_SMOKE = ["--config", "model/tiny", "--override", "model.num_layers=2", "model.hidden_size=64",
+               "model.num_heads=4", "model.ffn_hidden_size=128", "train.seq_len=128", "--clients", "1", "4",
+               "--requests", "1", "--new-tokens", "8", "--long-tokens", "32", "--short", "2", "--max-batch", "4"]
+
+
 def _megatron_missing(ctx: Context) -> str | None:
     from megajax.errors import UserError
     from megajax.perf.baseline import check_baseline
@@ -163,6 +182,9 @@ SECTIONS = [
     # JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.
     Section("bench_llama1b_megatron", 150, _bench("bench_llama1b_megatron", "cudnn", "--baseline", "megatron"),
             skip=_megatron_missing, headline=_bench_headline, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
+    Section("serve", 150, lambda ctx: [ctx.python, "scripts/bench_serve.py", *(SERVE_SMOKE if ctx.smoke else SERVE_GPU),
+                                       "--json", ctx.json("serve")], smoke_limit_s=120, headline=_serve_headline,
+            env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),  # the bench process and its server share the GPU
 ]
 
 

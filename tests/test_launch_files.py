@@ -1,5 +1,6 @@
 """The cluster launch files: the SLURM script runs (with a stand-in srun), the Kubernetes manifests
-are consistent with each other and with megajax's detection, and the Dockerfile is well formed."""
+are consistent with each other and with megajax's detection (training) or its server (serving), and
+the Dockerfile is well formed."""
 
 import re
 import shlex
@@ -12,6 +13,8 @@ import yaml
 from megajax.cli import parse_args
 from megajax.config import DistributedConfig, load_config
 from megajax.distributed import plan_processes
+from megajax.inference.serve_metrics import GAUGES, REQUESTS_WAITING
+from megajax.inference.server import _Handler
 
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
@@ -95,6 +98,65 @@ def test_kubernetes_manifests_fit_together():
     plan = plan_processes(DistributedConfig(), env=pod_env)
     assert (plan.process_id, plan.num_processes, plan.coordinator_address) == (
         1, spec["completions"], env["JAX_COORDINATOR_ADDRESS"])
+
+
+def _port(container: dict, port) -> int:
+    """A probe's or Service's port (a number, or the name of one of the container's ports) as a number."""
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+
+
+def test_kubernetes_serve_manifest_fits_the_server():
+    """serve.yaml's Deployment runs a command megajax's own parser accepts, on the port its probes, Service
+    and scrape annotations use; the probe paths are the server's routes; the autoscaler's metric is one the
+    server exports; the grace period outlasts the drain."""
+    docs = [d for d in yaml.safe_load_all((K8S / "serve.yaml").read_text()) if d]
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Deployment", "Service", "HorizontalPodAutoscaler"}
+    deployment, service, hpa = kinds["Deployment"], kinds["Service"], kinds["HorizontalPodAutoscaler"]
+    assert (deployment["apiVersion"], service["apiVersion"], hpa["apiVersion"]) == ("apps/v1", "v1", "autoscaling/v2")
+    template = deployment["spec"]["template"]
+    labels = template["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["megajax", "serve"]
+    args = parse_args(container["command"][1:] + container["args"])
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.checkpoint
+    assert _port(container, "http") == args.port
+    assert container["resources"]["limits"]["nvidia.com/gpu"] >= 1
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert args.checkpoint.startswith(mounts["runs"] + "/")
+    claim = next(v for v in pod["volumes"] if v["name"] == "runs")["persistentVolumeClaim"]["claimName"]
+    assert yaml.safe_load((K8S / "pvc.yaml").read_text())["metadata"]["name"] == claim
+
+    routes = _Handler.ROUTES
+    probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    for kind, probe in probes.items():
+        assert "GET" in routes[probe["path"]] and _port(container, probe["port"]) == args.port, kind
+    assert probes["readinessProbe"]["path"] == "/health" and probes["livenessProbe"]["path"] == "/health/live"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # loading a large checkpoint
+    notes = template["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == args.port
+    assert "GET" in routes[notes["prometheus.io/path"]]
+    (port,) = service["spec"]["ports"]
+    assert _port(container, port["targetPort"]) == args.port
+
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] > args.drain_timeout + float(pre_stop[1])
+
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", deployment["metadata"]["name"])
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods" and metric["pods"]["target"]["type"] == "AverageValue"
+    assert metric["pods"]["metric"]["name"] == REQUESTS_WAITING and REQUESTS_WAITING in GAUGES  # exported
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
 
 
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",

@@ -8,6 +8,8 @@ after each chunk: the batch ends once every sequence has ended or stopped), to t
 Jobs that arrive meanwhile wait for the next batch. Every job reports through its request's event
 queue: while streaming ("prompt", index, TokenScores) when it scores its prompt, then ("tokens",
 index, Piece) per chunk; finally ("done", index, Completion) or ("error", index, text).
+The batcher reports each job's admission, tokens and end to its `Observer` (the server's metrics
+and request log) as soon as it reads them; a job marked `cancelled` counts as ended.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Generator, TokenScores
+from megajax.inference.observer import Observer
 from megajax.inference.sampling import Sampling
 
 
@@ -49,14 +54,28 @@ class Piece:
     scores: TokenScores | None
 
 
+class _Progress:
+    """What the observer has been told of one batch's jobs: new tokens so far, when, and which ended."""
+
+    def __init__(self, jobs: list[Job]):
+        self.seen = [0] * len(jobs)
+        self.last = [job.submitted for job in jobs]
+        self.ended = [False] * len(jobs)
+
+
 class Batcher:
     """Runs the jobs of every request on one Generator, up to `max_batch` sequences at a time."""
 
-    def __init__(self, generator: Generator, max_batch: int = 8, chunk: int = 16, gather_s: float = 0.01):
+    ready = True  # nothing to compile before serving: a new shape compiles when it first comes
+
+    def __init__(self, generator: Generator, max_batch: int = 8, chunk: int = 16, gather_s: float = 0.01,
+                 observer: Observer | None = None):
         self.generator, self.max_batch, self.chunk, self.gather_s = generator, max_batch, chunk, gather_s
+        self.observer = observer if observer is not None else Observer()
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self.batches = 0  # batches run so far
         self.sequences = 0  # sequences completed so far
+        self._progress: tuple[list[Job], _Progress] | None = None  # the batch running now
         self._thread = threading.Thread(target=self._run, name="megajax-batcher", daemon=True)
         self._thread.start()
 
@@ -67,6 +86,12 @@ class Batcher:
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=60)
+
+    def stats(self) -> dict:
+        """Sequences running (in the batch, not ended) and waiting; no block pool (observer.py's contract)."""
+        current = self._progress
+        running = 0 if current is None else current[1].ended.count(False)
+        return {"running": running, "waiting": self._queue.qsize(), "kv_blocks_used": 0, "kv_blocks_total": 0}
 
     def _take(self) -> list[Job] | None:
         first = self._queue.get()
@@ -87,19 +112,54 @@ class Batcher:
 
     def _run(self) -> None:
         while (jobs := self._take()) is not None:
+            progress = _Progress(jobs)
+            self._progress = jobs, progress
             try:
-                self._run_batch(jobs)
+                self._run_batch(jobs, progress)
             except Exception as e:  # the server keeps serving; the requests of this batch fail
                 traceback.print_exc()
-                for job in jobs:
+                for i, job in enumerate(jobs):
+                    self._end(job, i, progress, "error")
                     job.events.put(("error", job.index, f"{type(e).__name__}: {e}"))
+            self._progress = None
             self.batches += 1
+
+    def _end(self, job: Job, i: int, progress: _Progress, reason: str) -> None:
+        if not progress.ended[i]:
+            progress.ended[i] = True
+            self.observer.finished(job, "cancelled" if job.cancelled else reason, progress.seen[i])
+
+    def _observe(self, jobs: list[Job], tokens, done, count: int, progress: _Progress) -> None:
+        """Reports each job's new tokens since the last read (through its end-of-document token, up to its
+        budget), and its end: at end-of-document or a stop sequence ("stop"), its budget ("length"), or
+        its client gone ("cancelled")."""
+        now, eod = time.monotonic(), self.generator.eod_id
+        for i, job in enumerate(jobs):
+            if progress.ended[i]:
+                continue
+            n = min(count, job.max_new_tokens)
+            hits = np.flatnonzero(np.asarray(tokens[i, :n]) == eod) if eod is not None else ()
+            n = int(hits[0]) + 1 if len(hits) else n
+            new = n - progress.seen[i]
+            if new > 0:
+                if progress.seen[i] == 0:
+                    self.observer.first_token(job, now - job.submitted)
+                    new -= 1
+                if new:
+                    self.observer.tokens(job, new, now - progress.last[i])
+                progress.seen[i], progress.last[i] = n, now
+            if len(hits) or job.halted:
+                self._end(job, i, progress, "stop")
+            elif job.cancelled:
+                self._end(job, i, progress, "cancelled")
+            elif done[i] or n >= job.max_new_tokens:
+                self._end(job, i, progress, "length")
 
     def _emit(self, jobs: list[Job], tokens, count: int, scores: dict | None) -> None:
         """Hands each streaming job its tokens from `sent` to `count` (up to its end-of-document)."""
         eod = self.generator.eod_id
         for i, job in enumerate(jobs):
-            if not job.stream or job.ended:
+            if not job.stream or job.ended or job.cancelled:
                 continue
             end = min(count, job.max_new_tokens)
             new = [int(t) for t in tokens[i, job.sent:end]]
@@ -128,8 +188,10 @@ class Batcher:
                 new = [int(t) for t in tokens[i, :min(count, job.max_new_tokens)] if t != eod]
                 job.halted = job.stopped(new)
 
-    def _run_batch(self, jobs: list[Job]) -> None:
+    def _run_batch(self, jobs: list[Job], progress: _Progress) -> None:
         g = self.generator
+        for job in jobs:
+            self.observer.admitted(job)
         prompts = [j.prompt_ids for j in jobs]
         budgets = [j.max_new_tokens for j in jobs]
         state = g.start(prompts, [j.sampling for j in jobs], budgets,
@@ -146,10 +208,13 @@ class Batcher:
                 first = False
             self._emit(jobs, tokens, count, scores)
             self._check_stops(jobs, tokens, done, count)
-            finished = [bool(d) or j.halted for d, j in zip(done, jobs)]
+            self._observe(jobs, tokens, done, count, progress)
+            finished = [bool(d) or j.halted or j.cancelled for d, j in zip(done, jobs)]
             if all(finished) or count >= max(budgets):
                 break
             state = g.advance(state, count + self.chunk if chunked else None)
+        for i, job in enumerate(jobs):  # every job has ended by now; those not reported ran to their budget
+            self._end(job, i, progress, "length")
         scores = g.read_scores(state)
         for job, c in zip(jobs, g.completions(prompts, budgets, tokens, count, scores)):
             job.events.put(("done", job.index, c))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
-import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -152,7 +151,7 @@ class OpenAIDialect:
         return text
 
     def _head(self, prefix: str, kind: str) -> dict:
-        return {"id": f"{prefix}-{secrets.token_hex(12)}", "object": kind, "created": int(time.time()),
+        return {"id": self.service.response_id(prefix), "object": kind, "created": int(time.time()),
                 "model": self.service.model_name}
 
     def _top(self, alternatives: list[tuple[int, float]], token: int, logprob: float, count: int) -> dict:

@@ -4,7 +4,11 @@
     GET /tokenizer_info    OpenAI's dialect (megajax/inference/openai_api.py)
     PUT  /api              Megatron's text generation server: prompts, tokens_to_generate,
                            temperature, top_k, top_p, random_seed, add_BOS -> {"text": [...], "segments"}
-    GET  /health           {"status": "ok", ...};  GET /v1/models: the one model
+    GET  /v1/models        the one model
+    GET  /health           readiness: 200 {"status": "ok", ...} when the batcher is ready (compiled) and the
+                           server is not draining; else 503 {"status": "compiling" | "draining", "message"}
+    GET  /health/live      liveness: 200 whenever the process answers HTTP
+    GET  /metrics          Prometheus metrics (megajax/inference/serve_metrics.py)
 
 Built on the standard library's ThreadingHTTPServer (a thread per connection; server-sent
 events are plain chunks on a kept-open response), so it runs wherever megajax does; the work is
@@ -15,6 +19,13 @@ A malformed request gets an HTTP 4xx with OpenAI's error object {"error": {"mess
 "param", "code"}} and the server keeps serving; so does a request whose prompt plus new tokens
 exceeds the context (the message names the limit). Every answer, errors included, reads the
 request's whole body first, so a kept-alive connection's next request parses.
+
+Every request has an id: the client's X-Request-Id header, else one made here (a completion's
+is its answer's `id`); it comes back in the X-Request-Id header, is set on the request's jobs,
+and starts its log line on stderr (one per finished request: id, method, path, status, prompt and
+new tokens, time to first token, total seconds, finish reasons). SIGTERM or Ctrl-C drains: new work
+is refused with 503 and Retry-After, /health answers 503, the requests in progress finish (up to a
+drain timeout), then the server closes; a second signal closes at once.
 """
 
 from __future__ import annotations
@@ -22,9 +33,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import secrets
 import signal
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -37,11 +51,33 @@ from megajax.inference.generate import ContextLengthError
 from megajax.inference.openai_api import OpenAIDialect
 from megajax.inference.request import MEGATRON_FIELDS, RequestError, checked, field, random_seed
 from megajax.inference.sampling import Sampling
+from megajax.inference.serve_metrics import ServeMetrics, Tally, request_line
 from megajax.inference.text import first_stop
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_DRAIN_BYTES = 64 * 2**20  # a refused body up to this size is read and dropped; a larger one closes the connection
 MAX_SEQUENCES = 256  # prompts x n in one request
+OPS_PATHS = ("/health", "/health/live", "/metrics")  # answered while draining; not logged or counted as errors
+RETRY_AFTER_S = 1  # what a refused request's Retry-After says (another replica takes it meanwhile)
+MAX_REQUEST_ID = 128
+# The id prefix of each endpoint's answer (OpenAI's), and of the others' request ids.
+ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+@dataclass(eq=False)
+class RequestContext:
+    """One HTTP request while it is answered: its id, its answer's id, its jobs and their tally (compared by
+    identity)."""
+    id: str
+    response_id: str
+    started: float  # time.monotonic()
+    ops: bool  # a probe or a scrape
+    tally: Tally = dataclasses.field(default_factory=Tally)
+    jobs: list = dataclasses.field(default_factory=list)
 
 
 class CompletionService:
@@ -52,21 +88,83 @@ class CompletionService:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, quiet: bool = True):
         self.loaded = loaded
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
+        self.metrics = ServeMetrics()
         if batching == "continuous":
             self.batcher = Engine(self.generator, max_batch, block_size=block_size, num_blocks=num_kv_blocks,
-                                  prefill_chunk=prefill_chunk, quiet=quiet)
+                                  prefill_chunk=prefill_chunk, observer=self.metrics, quiet=quiet)
         elif batching == "static":
-            self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk)
+            self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk, observer=self.metrics)
         else:
             raise UserError(f"--batching {batching!r}: must be continuous or static.")
+        self.metrics.bind(self.batcher.stats)
+        self.draining = False
+        self._local = threading.local()  # .request: the RequestContext the handler thread answers
+        self._lock = threading.Lock()
+        self._active: list[RequestContext] = []  # requests in progress (not probes or scrapes)
         self.model_name = loaded.name or "megajax"
         self.max_batch = max_batch
         # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused).
         self.chat_template = chat_template or find_chat_template(self.tokenizer)
         self.openai = OpenAIDialect(self)
 
-    def close(self) -> None:
-        self.batcher.close()
+    def close(self, wait: bool = True) -> None:
+        """Stops the batcher after the jobs submitted; without `wait`, leaves them and its thread to the
+        process's exit (requests cut by a drain)."""
+        if wait:
+            self.batcher.close()
+
+    # -------------------------------------------------------------- operations
+
+    def readiness(self) -> str | None:
+        """None when ready for work; else why not ("draining", or "compiling" while the batcher is not ready)."""
+        if self.draining:
+            return "draining"
+        if not getattr(self.batcher, "ready", True):
+            return "compiling"
+        return None
+
+    def enter(self, request: RequestContext) -> bool:
+        """Counts `request` in progress; False (refuse it) once draining."""
+        with self._lock:
+            if self.draining:
+                return False
+            self._active.append(request)
+            return True
+
+    def leave(self, request: RequestContext) -> None:
+        with self._lock:
+            if request in self._active:
+                self._active.remove(request)
+
+    def start_draining(self) -> list[RequestContext]:
+        """Refuses new work from now on; returns the requests in progress."""
+        with self._lock:
+            self.draining = True
+            return list(self._active)
+
+    def in_progress(self) -> list[RequestContext]:
+        with self._lock:
+            return list(self._active)
+
+    def current(self) -> RequestContext | None:
+        return getattr(self._local, "request", None)
+
+    def response_id(self, prefix: str) -> str:
+        """The id of an answer made on this thread: its request's (when made for it), else a new one."""
+        request = self.current()
+        if request is not None and request.response_id.startswith(prefix + "-"):
+            return request.response_id
+        return new_id(prefix)
+
+    def _track(self, jobs: list[Job]) -> None:
+        """Gives `jobs` the current request's id and tallies them for its log line."""
+        request = self.current()
+        if request is None:
+            return
+        for job in jobs:
+            job.request_id = request.id
+        request.jobs.extend(jobs)
+        self.metrics.watch(jobs, request.tally)
 
     def health(self) -> dict:
         return {"status": "ok", "model": self.model_name, "context_length": self.generator.context,
@@ -136,6 +234,7 @@ class CompletionService:
         if plan.stops:
             for job in jobs:
                 job.stopped = lambda ids: first_stop(self.tokenizer.decode(ids), plan.stops) is not None
+        self._track(jobs)
         self.batcher.submit(jobs)
         return jobs, events
 
@@ -144,6 +243,7 @@ class CompletionService:
         self.check_prompts(prompts, max_new, "prompts", param, len(samplings))
         events: queue.Queue = queue.Queue()
         jobs = [Job(ids, s, max_new, i, events, stream) for i, (ids, s) in enumerate(zip(prompts, samplings))]
+        self._track(jobs)
         self.batcher.submit(jobs)
         return jobs, events
 
@@ -197,8 +297,12 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "megajax"
     service: CompletionService  # set on the subclass the server makes
     quiet = False
+    log_requests = True  # one line per finished request on stderr (not for probes and scrapes)
+    _request: RequestContext | None = None
+    _status = 0
     # path -> {method: name of the handler method}
-    ROUTES = {"/health": {"GET": "_health"}, "/v1/models": {"GET": "_models"},
+    ROUTES = {"/health": {"GET": "_health"}, "/health/live": {"GET": "_live"}, "/metrics": {"GET": "_metrics"},
+              "/v1/models": {"GET": "_models"},
               "/v1/completions": {"POST": "_completions"}, "/v1/chat/completions": {"POST": "_chat"},
               "/tokenize": {"POST": "_tokenize"}, "/detokenize": {"POST": "_detokenize"},
               "/tokenizer_info": {"GET": "_tokenizer_info"}, "/api": {"PUT": "_megatron"}}
@@ -206,6 +310,19 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         if not self.quiet:
             super().log_message(format, *args)
+
+    def log_request(self, code="-", size="-"):
+        """Nothing: the request log's line (_finish) replaces the standard library's access line."""
+
+    def send_response(self, code, message=None):
+        """The status line, then the request's id (X-Request-Id); an error status is counted."""
+        super().send_response(code, message)
+        self._status = int(code)
+        request = self._request
+        if request is not None:
+            self.send_header("X-Request-Id", request.id)
+        if request is None or not request.ops:
+            self.service.metrics.http_status(int(code))
 
     def _send_json(self, status: int, obj: dict, headers: dict | None = None) -> None:
         data = json.dumps(obj).encode()
@@ -293,6 +410,50 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         self._start_body()
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        given = self.headers.get("X-Request-Id")
+        answer_id = new_id(ID_PREFIXES.get(path, "req"))
+        request = self._request = RequestContext(given or answer_id, answer_id, time.monotonic(), path in OPS_PATHS)
+        self._status = 0
+        self.service._local.request = request
+        entered = False
+        try:
+            if given is not None and not (0 < len(given) <= MAX_REQUEST_ID and given.isascii() and given.isprintable()
+                                          and " " not in given):
+                request.id = answer_id
+                self._error(HTTPStatus.BAD_REQUEST, f"X-Request-Id {given[:MAX_REQUEST_ID]!r}: a request id is 1 to "
+                            f"{MAX_REQUEST_ID} visible ASCII characters (no spaces); leave the header out to get "
+                            f"one made here.", code="invalid_request_id")
+            elif request.ops:
+                self._route(path)
+            elif not (entered := self.service.enter(request)):
+                self.close_connection = True
+                self._error(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down and takes no new requests; "
+                            "retry (another replica, or this one once restarted).", code="server_shutting_down",
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+            else:
+                self._route(path)
+        finally:
+            self._finish(request, path)  # before leaving: a drain waits for the log line too
+            if entered:
+                self.service.leave(request)
+                if self.service.draining:
+                    self.close_connection = True
+
+    def _finish(self, request: RequestContext, path: str) -> None:
+        """Ends the request's tally and duration, and writes its log line."""
+        self._request = None
+        self.service._local.request = None
+        seconds = time.monotonic() - request.started
+        metrics = self.service.metrics
+        metrics.release(request.jobs)
+        if request.jobs and self._status == 200:
+            metrics.request_done(seconds)
+        if self.log_requests and not request.ops:
+            line = request_line(request.id, self.command, path, self._status, request.tally if request.jobs else None,
+                                seconds)
+            print(line, file=sys.stderr, flush=True)
+
+    def _route(self, path: str) -> None:
         methods = self.ROUTES.get(path)
         if methods is None:
             self._error(HTTPStatus.NOT_FOUND, f"no endpoint {path}; the endpoints are "
@@ -325,7 +486,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
     def _health(self) -> None:
-        self._send_json(200, self.service.health())
+        why = self.service.readiness()
+        if why is None:
+            self._send_json(200, self.service.health())
+            return
+        message = ("the server is shutting down (draining the requests in progress)" if why == "draining" else
+                   "the batcher is compiling the shapes it will run; ready when that is done")
+        self._send_json(HTTPStatus.SERVICE_UNAVAILABLE, {"status": why, "message": message})
+
+    def _live(self) -> None:
+        self._send_json(200, {"status": "alive"})
+
+    def _metrics(self) -> None:
+        try:
+            data, kind = self.service.metrics.exposition()
+        except RuntimeError as e:
+            self._error(HTTPStatus.NOT_IMPLEMENTED, str(e), code="metrics_unavailable")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _models(self) -> None:
         s = self.service
@@ -376,11 +558,12 @@ class CompletionServer:
     """The HTTP server and its service; `start()` serves from a background thread (tests, notebooks)."""
 
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
-                 quiet: bool = False, chat_template: str | None = None, **batching):
+                 quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
         """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk."""
         self.service = CompletionService(loaded, max_batch=max_batch, chunk=chunk, chat_template=chat_template,
                                          quiet=quiet, **batching)
-        handler = type("Handler", (_Handler,), {"service": self.service, "quiet": quiet})
+        handler = type("Handler", (_Handler,), {"service": self.service, "quiet": quiet,
+                                                "log_requests": log_requests and not quiet})
         self.httpd = ThreadingHTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -398,45 +581,94 @@ class CompletionServer:
     def serve_forever(self) -> None:
         self.httpd.serve_forever()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stops serving; without `wait`, a batch still running is not waited for (the process is ending)."""
         if self._thread is not None:  # serving from start()'s thread: stop its loop (shutdown() would wait
             self.httpd.shutdown()     # forever for a loop that never ran, or that an interrupt already ended)
         self.httpd.server_close()
-        self.service.close()
+        self.service.close(wait=wait)
+
+    def drain(self, timeout: float, why: str = "") -> list[RequestContext]:
+        """Refuses new work and waits up to `timeout` seconds for the requests in progress to finish (a
+        KeyboardInterrupt ends the wait); says on stderr what it waits for and how it went. Returns the
+        requests still in progress (cut): their jobs are marked cancelled."""
+        running = self.service.start_draining()
+        print(f"megajax serve: {why + ': ' if why else ''}draining: {len(running)} request"
+              f"{'s' * (len(running) != 1)} in progress{''.join(' ' + r.id for r in running[:8])}"
+              f"{' ...' * (len(running) > 8)}; new ones get 503; waiting up to {timeout:g} s (--drain-timeout; a "
+              f"second SIGTERM or Ctrl-C stops at once)", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        left, how = running, "drained"
+        try:
+            while left and time.monotonic() - started < timeout:
+                time.sleep(0.05)
+                left = self.service.in_progress()
+        except KeyboardInterrupt:
+            how = "stopped by a second signal"
+            raise
+        finally:
+            left = self.service.in_progress()
+            for request in left:
+                for job in request.jobs:
+                    job.cancelled = True
+            print(f"megajax serve: {how} after {time.monotonic() - started:.1f} s: {len(running) - len(left)} "
+                  f"finished, {len(left)} cut{''.join(' ' + r.id for r in left[:8])}{' ...' * (len(left) > 8)}",
+                  file=sys.stderr, flush=True)
+        return left
 
 
 def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
-          chat_template: str | None = None, **batching) -> None:
-    """Serves until interrupted; `batching`: CompletionService's batching options."""
+          chat_template: str | None = None, drain_timeout: float = 30.0, log_requests: bool = True,
+          **batching) -> None:
+    """Serves until SIGTERM or Ctrl-C, then drains (up to `drain_timeout` seconds) and closes; `batching`:
+    CompletionService's batching options."""
     try:
         server = CompletionServer(loaded, host=host, port=port, max_batch=max_batch, chat_template=chat_template,
-                                  **batching)
+                                  log_requests=log_requests, **batching)
     except OSError as e:
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host.") from None
     # The handlers go in before the address is printed: whoever reads it may signal at once.
-    previous = _stop_on_signals()
+    stopping = threading.Event()
+    previous = _stop_on_signals(server.service, stopping)
+    cut: list = []
     try:
         print(f"megajax serve: {loaded.path} on {loaded.mesh_text}, context {loaded.generator.context} tokens, "
               f"up to {max_batch} sequences per batch; listening on {server.url} (POST /v1/completions, "
               f"POST /v1/chat/completions{'' if server.service.chat_template else ' (no chat template)'}, PUT /api, "
-              f"GET /health)", file=sys.stderr, flush=True)
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+              f"GET /health, GET /health/live, GET /metrics)", file=sys.stderr, flush=True)
+        if not previous:  # not the main thread: no signals here, serve until interrupted
+            server.serve_forever()
+        else:
+            server.start()
+            while not stopping.wait(1.0):
+                pass
+            cut = server.drain(drain_timeout, stopping.why)
+    except KeyboardInterrupt:  # the second signal (drain() said so), or an interrupt without our handlers
+        cut = server.service.in_progress()
+        if cut and not stopping.is_set():
+            print(f"megajax serve: stopping at once: {len(cut)} request{'s' * (len(cut) != 1)} cut",
+                  file=sys.stderr, flush=True)
     finally:
-        server.close()
+        server.close(wait=not cut)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _stop_on_signals() -> dict:
-    """Ctrl-C (SIGINT) and SIGTERM (a scheduler's or Kubernetes' stop) end `serve_forever` cleanly,
-    also when the process was started with SIGINT ignored (as a shell's background job is). Returns
-    the handlers replaced (none outside the main thread, where signals cannot be handled)."""
+def _stop_on_signals(service: CompletionService, stopping: threading.Event) -> dict:
+    """The first Ctrl-C (SIGINT) or SIGTERM (a scheduler's or Kubernetes' stop) starts draining: `service`
+    refuses new work at once and `stopping` is set (its `why` names the signal); a second one raises
+    KeyboardInterrupt (stop at once). Also when the process was started with SIGINT ignored (as a shell's
+    background job is). Returns the handlers replaced (none outside the main thread, where signals cannot be
+    handled)."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    stopping.why = ""
 
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        if stopping.is_set():
+            raise KeyboardInterrupt
+        service.start_draining()
+        stopping.why = signal.Signals(signum).name
+        stopping.set()
 
     return {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
