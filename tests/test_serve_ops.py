@@ -112,8 +112,10 @@ def test_metrics_move_by_what_the_requests_did(server):
         assert delta(after, before, "megajax_serve_requests_finished_total", reason=reason) == reasons.count(reason)
     assert delta(after, before, "megajax_serve_http_errors_total", status="400") == 1
     assert delta(after, before, "megajax_serve_http_errors_total", status="404") == 1
-    for name in ("requests_running", "requests_waiting", "kv_blocks_used", "kv_blocks_capacity"):
-        assert after[(f"megajax_serve_{name}", ())] == 0  # idle now; the static batcher has no block pool
+    for name in ("requests_running", "requests_waiting", "kv_blocks_used"):
+        assert after[(f"megajax_serve_{name}", ())] == 0  # idle now: every block back in the pool
+    pool = server.service.batcher.stats()["kv_blocks_total"]  # the continuous engine's (the static batcher: 0)
+    assert after[("megajax_serve_kv_blocks_capacity", ())] == pool == server.service.batcher.num_blocks > 0
     # Every name the module lists is exported (the Kubernetes autoscaler's metric among them).
     families = {n for n, _ in after} | {n.rsplit("_", 1)[0] for n, _ in after}
     assert serve_metrics.metric_names() <= families | {n + "_total" for n in families}
