@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -67,8 +68,21 @@ def direct(srv, prompt, n):
     return completion_text(service.tokenizer, c), c
 
 
+def ready_health(url: str) -> dict:
+    """/health once it answers 200: 503 "compiling" until the continuous engine has compiled its programs."""
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=60) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and json.loads(e.read())["status"] == "compiling"
+            assert time.monotonic() < deadline, "not ready after 120 s"
+            time.sleep(0.1)
+
+
 def test_health_and_models(server):
-    health = ok(server, "GET", "/health")
+    health = ready_health(server.url)
     assert health["status"] == "ok" and health["context_length"] == CONTEXT and health["max_batch"] == 4
     assert health["mesh"] == "data=2 x tensor=4"
     assert ok(server, "GET", "/v1/models")["data"][0]["id"] == health["model"]
@@ -181,8 +195,7 @@ def test_malformed_requests_get_an_error_and_serving_goes_on(server, method, pat
 def test_serve_command_listens_and_stops_on_interrupt(server, tmp_path):
     """`megajax serve` as a user starts it: the address on stderr, /health answers, Ctrl-C stops it."""
     with _serving(server, "-m", "megajax.cli") as (p, url):
-        with urllib.request.urlopen(url + "/health", timeout=60) as r:
-            assert json.loads(r.read())["status"] == "ok"
+        assert ready_health(url)["status"] == "ok"
         assert _status_after(p, signal.SIGINT) == 0
 
 
