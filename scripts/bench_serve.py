@@ -4,7 +4,7 @@ per batching mode, the modes side by side in the same run.
 
     PYTHONPATH=. python scripts/bench_serve.py [--config model/tiny] [--checkpoint DIR]
         [--batching static continuous] [--clients 1 4 16] [--requests 2] [--prompt-len 32]
-        [--new-tokens 64] [--long-tokens 256] [--short 8] [--max-batch 16] [--json FILE]
+        [--new-tokens 64] [--long-tokens 256] [--short 8] [--stagger 0.02] [--max-batch 16] [--json FILE]
         [--serve-arg=--block-size=16 ...]
 
 Without --checkpoint the model config's own random initialisation (train.seed) is written to a
@@ -17,7 +17,7 @@ Scenarios, for each mode:
                aggregate new tokens/s (all completion tokens / wall time), time to first token
                (TTFT) and whole-request latency, p50 and p99 over all requests.
   staggered    one request of --long-tokens new tokens; once its first token arrives, --short
-               requests of 16 new tokens, 0.1 s apart, each with a prompt length not used before
+               requests of 16 new tokens, --stagger seconds apart, each with a prompt length not used before
                (a static server compiles a new length bucket while everyone waits). Reported: how
                many short requests finished before the long one was half done (its token
                --long-tokens/2 arrived), and the longest gap between two chunks of the long stream
@@ -185,7 +185,7 @@ def concurrency(url: str, clients: int, requests: int, prompts: list[list[int]],
             "latency_p99_s": round(percentile(lat, 99), 4)}
 
 
-def staggered(url: str, vocab: int, long_tokens: int, short: int, prompt_len: int, rng) -> dict:
+def staggered(url: str, vocab: int, long_tokens: int, short: int, prompt_len: int, stagger: float, rng) -> dict:
     """One long stream, then `short` short requests of unseen prompt lengths once it has started."""
     long_prompt = [int(x) for x in rng.integers(1, vocab, prompt_len)]
     holder: dict = {}
@@ -213,7 +213,7 @@ def staggered(url: str, vocab: int, long_tokens: int, short: int, prompt_len: in
         t = threading.Thread(target=run_short, args=(i,))
         t.start()
         threads.append(t)
-        time.sleep(0.1)
+        time.sleep(stagger)
     for t in threads:
         t.join()
     long_thread.join()
@@ -238,6 +238,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--long-tokens", type=int, default=256)
     ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--stagger", type=float, default=0.02, help="seconds between the short requests' arrivals")
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `megajax serve` argument (repeat)")
     ap.add_argument("--skip-staggered", action="store_true")
@@ -274,7 +275,7 @@ def main() -> int:
                       f"p99 {r['ttft_p99_s']:.3f} s, latency p50 {r['latency_p50_s']:.2f} s "
                       f"p99 {r['latency_p99_s']:.2f} s", flush=True)
             if not args.skip_staggered:
-                s = staggered(server.url, vocab, args.long_tokens, args.short, args.prompt_len, rng)
+                s = staggered(server.url, vocab, args.long_tokens, args.short, args.prompt_len, args.stagger, rng)
                 row["staggered"] = s
                 print(f"staggered: {s['short_finished_before_half']}/{s['short']} short requests done before the "
                       f"long one was half done ({s['long_half_done_s']:.2f} s); longest stall of the long stream "
