@@ -145,8 +145,9 @@ def _serve_headline(r: dict) -> str:
 SERVE_GPU = ["--config", "model/gpt2-125m", "--clients", "1", "4", "16", "--requests", "2", "--new-tokens", "128",
              "--max-batch", "16"]
 SERVE_SMOKE = ["--config", "model/tiny", "--override", "model.num_layers=2", "model.hidden_size=64",
-               "model.num_heads=4", "model.ffn_hidden_size=128", "train.seq_len=128", "--clients", "1", "4",
-               "--requests", "1", "--new-tokens", "8", "--long-tokens", "32", "--short", "2", "--max-batch", "4"]
+               "model.num_heads=4", "model.ffn_hidden_size=128", "train.seq_len=64", "--batching", "continuous",
+               "--clients", "1", "2", "--requests", "1", "--new-tokens", "4", "--max-batch", "2", "--skip-staggered",
+               "--serve-arg=--prefill-chunk=32"]
 
 
 def _megatron_missing(ctx: Context) -> str | None:

@@ -56,8 +56,8 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     assert status == {"env": "ok", "attention": "ok", "fp8": "ok", "composed": "ok", "bench_llama1b_cudnn": "ok",
                       "bench_llama1b_fp8": "ok",
                       "bench_llama1b_flash": "ok",
-                      "bench_llama1b_megatron": "skipped"}, summary
-    megatron = summary["sections"][-1]["headline"]
+                      "bench_llama1b_megatron": "skipped", "serve": "ok"}, summary
+    megatron = next(r["headline"] for r in summary["sections"] if r["section"] == "bench_llama1b_megatron")
     assert "megatron.core" in megatron or "NVIDIA GPU" in megatron, megatron  # skipped for a stated reason
     for name in status:
         assert (out / f"{name}.txt").is_file() and json.loads((out / f"{name}.json").read_text())
@@ -71,6 +71,9 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
         precision = "fp8" if impl == "fp8" else "bf16"
         assert bench["tokens_per_sec"] > 0 and "mfu" in bench and bench["layout"]["precision"] == precision
         assert bench["model"]["kv_heads"] == 2 and bench["layout"]["accumulation"] == 2
+    serve = json.loads((out / "serve.json").read_text())  # megajax serve under 1 and 2 streaming clients
+    assert [c["clients"] for c in serve["modes"]["continuous"]["concurrency"]] == [1, 2]
+    assert all(c["tokens"] > 0 and c["tokens_per_s"] > 0 for c in serve["modes"]["continuous"]["concurrency"])
     assert "section" in p.stdout and "total" in p.stdout.splitlines()[-1]  # the closing table
     # The contract: under 3 minutes on a 2-core machine (the suite's own budget enforces it).
     assert summary["total_s"] < 180 and wall < 200, (summary["total_s"], wall)
