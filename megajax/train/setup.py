@@ -10,7 +10,6 @@ run's starting point, what the loop in megajax/train/loop.py iterates.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
+from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.errors import CheckpointError, ConfigError
@@ -237,13 +237,18 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
     setup = build_setup(plan, devices)
     say("megajax: preparing data (a first run indexes the dataset) ...")
     train_ds, valid_ds, report = build_run_datasets(plan.cfg, plan.tokenizer)
-    state, consumed, origin, resumed = initial_state(setup)
+    with CompileWatch() as watch:
+        state, consumed, origin, resumed = initial_state(setup)
+        jax.block_until_ready(state)
+    say(f"megajax: train state ready in {watch.seconds:.1f} s ({watch.source()})")
     loader = setup.loader(train_ds, plan.cfg.data.prefetch)
     valid_loader = (setup.loader(valid_ds, 0) if valid_ds is not None and plan.cfg.train.eval_every else None)
     say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
-    t0 = time.perf_counter()
-    compiled = setup.train_step().lower(state, loader.batch(consumed), setup.ok_flag()).compile()
-    compile_seconds = time.perf_counter() - t0
+    batch, ok = loader.batch(consumed), setup.ok_flag()
+    with CompileWatch() as watch:
+        compiled = setup.train_step().lower(state, batch, ok).compile()
+    compile_seconds = watch.seconds
+    say(f"megajax: compiled the train step in {compile_seconds:.1f} s ({watch.source()})")
     if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
         check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
