@@ -64,7 +64,8 @@ def enable(setting: bool | str) -> Path | None:
 
 
 class CompileWatch:
-    """Counts the compiles that consulted the persistent cache, and its hits, while the block runs.
+    """Counts the compiles that consulted the persistent cache, and its hits, while the block runs on
+    this thread.
 
         with CompileWatch() as watch:
             compiled = jitted.lower(...).compile()
@@ -79,13 +80,17 @@ class CompileWatch:
         self.requests = 0  # compiles that looked in the cache
         self.hits = 0  # ... and found their program there
         self.seconds = 0.0
+        self._thread = threading.get_ident()
 
     @classmethod
     def _listen(cls, event: str, **_) -> None:
         if event not in (_HIT, _REQUEST):
             return
+        thread = threading.get_ident()  # JAX reports a compile on the thread that asked for it
         with cls._lock:
             for watch in cls._active:
+                if watch._thread != thread:
+                    continue
                 if event == _HIT:
                     watch.hits += 1
                 else:

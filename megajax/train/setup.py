@@ -10,6 +10,7 @@ run's starting point, what the loop in megajax/train/loop.py iterates.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -70,7 +71,7 @@ class Setup:
 
     def target(self) -> TrainState:
         """The state as ShapeDtypeStructs carrying their shardings (what restores read into)."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
                             self.abstract_state, self.state_shardings)
 
     def fresh_state(self) -> TrainState:
@@ -222,6 +223,12 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
+def _starts_fresh(cfg: Config) -> bool:
+    """The run initialises its state (no checkpoint to resume, checkpoint.load or checkpoint.step)."""
+    return (cfg.checkpoint.step is None and not cfg.checkpoint.load
+            and find_step_dir(Path(cfg.train.run_dir) / "checkpoints", None) is None)
+
+
 def _quiet(_: str) -> None:
     pass
 
@@ -237,18 +244,38 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
     setup = build_setup(plan, devices)
     say("megajax: preparing data (a first run indexes the dataset) ...")
     train_ds, valid_ds, report = build_run_datasets(plan.cfg, plan.tokenizer)
-    with CompileWatch() as watch:
-        state, consumed, origin, resumed = initial_state(setup)
-        jax.block_until_ready(state)
-    say(f"megajax: train state ready in {watch.seconds:.1f} s ({watch.source()})")
     loader = setup.loader(train_ds, plan.cfg.data.prefetch)
     valid_loader = (setup.loader(valid_ds, 0) if valid_ds is not None and plan.cfg.train.eval_every else None)
-    say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
-    batch, ok = loader.batch(consumed), setup.ok_flag()
-    with CompileWatch() as watch:
-        compiled = setup.train_step().lower(state, batch, ok).compile()
-    compile_seconds = watch.seconds
-    say(f"megajax: compiled the train step in {compile_seconds:.1f} s ({watch.source()})")
+
+    def make_state() -> tuple[tuple, CompileWatch]:
+        with CompileWatch() as watch:
+            made = initial_state(setup)
+            jax.block_until_ready(made[0])
+        return made, watch
+
+    # A fresh state is initialised on a second thread while this one compiles the train step: XLA
+    # compiles each program on one core, outside Python's lock. (A restore stays ahead of the compile,
+    # so a checkpoint that does not fit says so at once; several processes keep one order.)
+    fresh = jax.process_count() == 1 and _starts_fresh(setup.cfg)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-init") if fresh else None
+    try:
+        pending = pool.submit(make_state) if pool else None
+        if pending is None:
+            made, state_watch = make_state()
+            say(f"megajax: train state ready in {state_watch.seconds:.1f} s ({state_watch.source()})")
+        say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
+        ok = setup.ok_flag()
+        with CompileWatch() as watch:
+            compiled = setup.train_step().lower(setup.target(), loader.abstract_batch(), ok).compile()
+        compile_seconds = watch.seconds
+        say(f"megajax: compiled the train step in {compile_seconds:.1f} s ({watch.source()})")
+        if pending is not None:
+            made, state_watch = pending.result()
+            say(f"megajax: train state ready in {state_watch.seconds:.1f} s ({state_watch.source()})")
+    finally:
+        if pool:
+            pool.shutdown(wait=True)
+    state, consumed, origin, resumed = made
     if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
         check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
