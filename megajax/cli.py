@@ -49,7 +49,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     cfg = train_config(args.config, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
-    from megajax import distributed
+    from megajax import compile_cache, distributed
+    compile_cache.enable(cfg.ops.compile_cache)  # before the first compile
     plan = distributed.plan_processes(cfg.distributed)
     if plan is not None and not os.environ.get(distributed.SUPERVISED_ENV):
         if not cfg.train.run_dir:

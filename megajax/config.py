@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -29,6 +30,14 @@ from megajax.megatron_args import hint as megatron_hint
 
 # Repository's configs/ directory (editable installs and source checkouts).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def user_cache_dir() -> Path:
+    """megajax's cache directory (the embedded corpus, compiled programs): $MEGAJAX_CACHE, else
+    $XDG_CACHE_HOME/megajax, else ~/.cache/megajax."""
+    if os.environ.get("MEGAJAX_CACHE"):
+        return Path(os.environ["MEGAJAX_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megajax"
 
 
 # ----------------------------------------------------------------------------
@@ -314,6 +323,9 @@ class OpsConfig:
     hang_timeout: float = 600.0  # seconds
     prometheus_port: int = 0  # serve metrics at http://<process 0>:port/metrics (0: off)
     profile_steps: list | None = None  # [first, last]: a JAX profiler trace of these steps in <run_dir>/profile
+    # JAX's persistent compilation cache (megajax/compile_cache.py): true: <megajax cache dir>/jax (see
+    # user_cache_dir; $JAX_COMPILATION_CACHE_DIR wins when set); a directory; false or "": off.
+    compile_cache: Union[bool, str] = True
 
 
 @dataclass

@@ -15,15 +15,15 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and _OPT not in os.environ["XLA_FLAGS"]:
 if "MEGAJAX_CACHE" not in os.environ:
     import tempfile
     os.environ["MEGAJAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-test-cache-")
-
-import jax  # noqa: E402  (after XLA_FLAGS)
-
-# Many tests compile the same small programs: share compilations within the session.
+# Many tests compile the same small programs, in this process and in the `megajax` commands they
+# run: one persistent compilation cache for the session, given through the environment so the
+# subprocesses inherit it (it is where `megajax train`'s own cache, ops.compile_cache, goes then).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    import tempfile as _tempfile
-    jax.config.update("jax_compilation_cache_dir", _tempfile.mkdtemp(prefix="megajax-test-jit-"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(os.environ["MEGAJAX_CACHE"], "jax")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import jax  # noqa: E402  (after XLA_FLAGS and the cache's variables)
 import pytest  # noqa: E402
 
 from megajax.config import load_config  # noqa: E402

@@ -21,7 +21,7 @@ FLOORS = [
     ("checkpoint", "parallel"),
     ("models",),
     ("plan",),
-    ("precision", "mesh", "distributed"),
+    ("precision", "mesh", "distributed", "compile_cache"),
     ("data",),
     ("config",),
     ("megatron_args",),

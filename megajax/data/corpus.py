@@ -4,8 +4,10 @@ Present on every machine with Python, so `megajax train` needs no download.
 Each .py file is one document; files are taken in sorted path order until
 the size cap is reached, so the corpus is deterministic for a given Python.
 It is preprocessed once, like any user corpus, into a Megatron indexed
-dataset in the cache directory (`$MEGAJAX_CACHE`, default ~/.cache/megajax),
-and trained on through the same dataset and loader code.
+dataset in the cache directory (megajax.config.user_cache_dir: `$MEGAJAX_CACHE`,
+else `$XDG_CACHE_HOME/megajax`, else ~/.cache/megajax), and trained on through
+the same dataset and loader code. Every run lists the files again (sizes
+included) to find its dataset, so a changed standard library gets a new one.
 """
 
 from __future__ import annotations
@@ -16,20 +18,32 @@ import sys
 import sysconfig
 from pathlib import Path
 
+from megajax.config import user_cache_dir
 from megajax.data.indexed import exists
 
 
+SKIPPED = ("site-packages", "test", "tests", "idlelib", "lib2to3")  # directories left out
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("MEGAJAX_CACHE") or Path.home() / ".cache" / "megajax")
+    return user_cache_dir()
 
 
 def stdlib_files(max_bytes: int) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """The standard library's .py files outside SKIPPED, in sorted path order, up to `max_bytes`.
+
+    The walk prunes the skipped directories instead of listing them (site-packages can hold far
+    more files than the library itself: 0.9-2.5 s with a full listing, 0.02 s pruned)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found: list[tuple[str, ...]] = []  # paths relative to root, as parts (Path's sort order)
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = [d for d in subdirs if d not in SKIPPED]
+        rel = os.path.relpath(directory, root)
+        parts = () if rel == "." else tuple(rel.split(os.sep))
+        found += [parts + (f,) for f in files if f.endswith(".py")]
     out, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in ("site-packages", "test", "tests", "idlelib", "lib2to3") for p in rel):
-            continue
+    for parts in sorted(found):
+        path = Path(root, *parts)
         try:
             size = path.stat().st_size
         except OSError:

@@ -110,6 +110,11 @@ class Loader:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-loader") if prefetch else None
         self._ahead: collections.OrderedDict = collections.OrderedDict()
 
+    def abstract_batch(self) -> dict:
+        """A batch's shapes, dtypes and shardings (what compiling a step needs), as ShapeDtypeStructs."""
+        return {k: jax.ShapeDtypeStruct(self.shape, np.float32 if k == "loss_mask" else np.int32, sharding=sh)
+                for k, sh in self.shardings.items()}
+
     def _rows(self, start: int, micro: slice, rows: slice) -> dict[str, np.ndarray]:
         """Samples [micro, rows, seq + 1] of the batch at `start`, one array per field."""
         b = self.shape[1]

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint.manager import Checkpointer, read_meta
+from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.distributed import preemption_sync_point
 from megajax.errors import TrainingError
@@ -184,6 +185,7 @@ class Validation:
         every = tr.cfg.train.eval_every
         self.every = every
         self.count = start // every if every else 0
+        self.compiled = False
 
     def due(self, step: int, last: bool) -> bool:
         return self.tr.valid_loader is not None and (step % self.every == 0 or last)
@@ -193,7 +195,14 @@ class Validation:
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
             batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
-            l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
+            if not self.compiled:  # the first call compiles the evaluation step
+                with CompileWatch() as watch:
+                    l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
+                self.compiled = True
+                self.log.print(f"megajax: compiled and ran the first evaluation batch in {watch.seconds:.1f} s "
+                               f"({watch.source()})")
+            else:
+                l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
             loss_sum, count = loss_sum + float(l), count + float(c)
         self.count += 1
         val = loss_sum / max(count, 1.0)

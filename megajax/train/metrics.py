@@ -90,10 +90,29 @@ def truncate_records(path: Path, last_step: int) -> None:
         os.replace(tmp, path)
 
 
+def _import_summary_writer():
+    """tensorboardX's SummaryWriter, imported without PyTorch.
+
+    tensorboardX imports PyTorch whenever it is installed (2.5-4 s before a run's first step on a
+    2-core CPU), only to accept torch tensors as values; megajax logs Python floats. While
+    tensorboardX loads, `import torch` is answered with ImportError (tensorboardX's own fallback
+    for a machine without PyTorch), unless PyTorch is already loaded."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` -> ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 def summary_writer(logdir: Path, say) -> object | None:
     """tensorboardX's SummaryWriter, or None (after one line through `say`) when it is not installed."""
     try:
-        from tensorboardX import SummaryWriter
+        SummaryWriter = _import_summary_writer()
     except ImportError:
         say("megajax: note: TensorBoard event files need tensorboardX (pip install tensorboardX); this run "
             "logs to metrics.jsonl only. Set logging.tensorboard=false to silence this note.")

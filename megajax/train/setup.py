@@ -10,7 +10,7 @@ run's starting point, what the loop in megajax/train/loop.py iterates.
 
 from __future__ import annotations
 
-import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
+from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
 from megajax.errors import CheckpointError, ConfigError
@@ -70,7 +71,7 @@ class Setup:
 
     def target(self) -> TrainState:
         """The state as ShapeDtypeStructs carrying their shardings (what restores read into)."""
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
                             self.abstract_state, self.state_shardings)
 
     def fresh_state(self) -> TrainState:
@@ -222,6 +223,12 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
+def _starts_fresh(cfg: Config) -> bool:
+    """The run initialises its state (no checkpoint to resume, checkpoint.load or checkpoint.step)."""
+    return (cfg.checkpoint.step is None and not cfg.checkpoint.load
+            and find_step_dir(Path(cfg.train.run_dir) / "checkpoints", None) is None)
+
+
 def _quiet(_: str) -> None:
     pass
 
@@ -237,13 +244,38 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
     setup = build_setup(plan, devices)
     say("megajax: preparing data (a first run indexes the dataset) ...")
     train_ds, valid_ds, report = build_run_datasets(plan.cfg, plan.tokenizer)
-    state, consumed, origin, resumed = initial_state(setup)
     loader = setup.loader(train_ds, plan.cfg.data.prefetch)
     valid_loader = (setup.loader(valid_ds, 0) if valid_ds is not None and plan.cfg.train.eval_every else None)
-    say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
-    t0 = time.perf_counter()
-    compiled = setup.train_step().lower(state, loader.batch(consumed), setup.ok_flag()).compile()
-    compile_seconds = time.perf_counter() - t0
+
+    def make_state() -> tuple[tuple, CompileWatch]:
+        with CompileWatch() as watch:
+            made = initial_state(setup)
+            jax.block_until_ready(made[0])
+        return made, watch
+
+    # A fresh state is initialised on a second thread while this one compiles the train step: XLA
+    # compiles each program on one core, outside Python's lock. (A restore stays ahead of the compile,
+    # so a checkpoint that does not fit says so at once; several processes keep one order.)
+    fresh = jax.process_count() == 1 and _starts_fresh(setup.cfg)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-init") if fresh else None
+    try:
+        pending = pool.submit(make_state) if pool else None
+        if pending is None:
+            made, state_watch = make_state()
+            say(f"megajax: train state ready in {state_watch.seconds:.1f} s ({state_watch.source()})")
+        say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
+        ok = setup.ok_flag()
+        with CompileWatch() as watch:
+            compiled = setup.train_step().lower(setup.target(), loader.abstract_batch(), ok).compile()
+        compile_seconds = watch.seconds
+        say(f"megajax: compiled the train step in {compile_seconds:.1f} s ({watch.source()})")
+        if pending is not None:
+            made, state_watch = pending.result()
+            say(f"megajax: train state ready in {state_watch.seconds:.1f} s ({state_watch.source()})")
+    finally:
+        if pool:
+            pool.shutdown(wait=True)
+    state, consumed, origin, resumed = made
     if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
         check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
