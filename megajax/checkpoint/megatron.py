@@ -44,7 +44,8 @@ from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
                                         to_external, to_ours)
 from megajax.checkpoint.source import unflatten
-from megajax.checkpoint.torch_dist import DistCheckpoint, is_torch_dist, layer_keys, read_common
+from megajax.checkpoint.torch_dist import (COMMON_FILE, METADATA, DistCheckpoint, is_torch_dist, layer_keys,
+                                           read_common)
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
@@ -587,7 +588,11 @@ class _DistStateDict(Mapping):
 def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
     ckpt = DistCheckpoint(step)
     common = _torch_dist_common(step, ckpt, allow_pickle)
-    m = resolved_model(_overrides_from_args(common["args"]))
+    try:
+        m = resolved_model(_overrides_from_args(common["args"]))
+    except CheckpointError as e:
+        where = step / COMMON_FILE if (step / COMMON_FILE).is_file() else step / METADATA
+        raise CheckpointError(f"{str(where)!r}: {e}") from None
     shapes = tensor_shapes(m)
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     embedding = "embedding.word_embeddings.weight"
