@@ -4,6 +4,7 @@
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [checkpoint.step=N]
+        (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
