@@ -4,6 +4,7 @@
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [checkpoint.step=N]
+        (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
@@ -158,11 +159,33 @@ def _checkpoint_step(overrides: list[str], accept_only: bool = False) -> int | N
     return step
 
 
+def _megatron_export_source(args: argparse.Namespace):
+    """(source, tokenizer, its place) of a Megatron checkpoint as an export source: --tokenizer, else
+    the tokenizer its args name (a Hugging Face tokenizer folder)."""
+    from megajax.checkpoint.megatron import megatron_source, megatron_tokenizer
+    from megajax.errors import CheckpointError
+    if _checkpoint_step(args.overrides, accept_only=True) is not None:
+        raise UserError("megajax export: checkpoint.step=N selects a step of a megajax run; a Megatron checkpoint "
+                        "names its iteration by its tracker file, or pass --checkpoint DIR/iter_NNNNNNN.")
+    found, said = megatron_tokenizer(args.checkpoint)
+    tokenizer = args.tokenizer or found
+    if tokenizer is None:
+        raise CheckpointError(f"Megatron checkpoint {args.checkpoint} names no tokenizer megajax can find "
+                              f"({said}); pass --tokenizer TOK ('byte', a Hugging Face tokenizer.json, or a "
+                              f"directory containing one).")
+    return megatron_source(args.checkpoint), tokenizer, Path(args.checkpoint)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
-    source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
-    meta = read_meta(source.step_dir)
-    tokenizer = _export_tokenizer(args, meta, source.step_dir)
+    from megajax.checkpoint.megatron import is_megatron_checkpoint
+    if is_megatron_checkpoint(args.checkpoint):
+        source, tokenizer, where = _megatron_export_source(args)
+        meta = {}
+    else:
+        source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
+        meta, where = read_meta(source.step_dir), source.step_dir
+        tokenizer = _export_tokenizer(args, meta, source.step_dir)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
@@ -172,7 +195,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                               pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
                               iteration=step if step >= 1 else None, tokenizer_spec=tokenizer)
-    print(f"megajax export: {source.step_dir} -> {out} ({args.format}, {args.dtype}, tokenizer {tokenizer})")
+    print(f"megajax export: {where} -> {out} ({args.format}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 
 

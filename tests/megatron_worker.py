@@ -30,13 +30,7 @@ import torch.distributed as dist
 
 
 def main(step_dir, tokens_file, out_file, rank, world, port):
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    init(rank, world, port)
 
     def rank_file(stage):
         name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
@@ -46,9 +40,33 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
     args = torch.load(first, weights_only=False)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     assert tp == world, (tp, world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    stages = []
+    for s in range(pp):
+        model = build_model(args, tp, pp, s)
+        state = torch.load(rank_file(s), weights_only=False)["model"]
+        state = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        model.load_state_dict(state, strict=True)
+        stages.append(model.eval())
+    save_logits(stages, tokens_file, out_file, rank)
+
+
+def init(rank, world, port):
+    """A gloo process group of `world` CPU processes and megatron-core's parallel state (TP = world)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's save calls it unconditionally
+
+
+def build_model(args, tp, pp, s):
+    """Megatron-Core's GPTModel for pipeline stage s of the architecture `args` describe (local spec, fp32)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
     moe = {}
     if getattr(args, "num_experts", None):
         import megatron.core.transformer.moe.moe_utils as moe_utils
@@ -77,28 +95,26 @@ def main(step_dir, tokens_file, out_file, rank, world, port):
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **moe)
-    stages = []
-    for s in range(pp):
-        if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-            assert pp == 1, "the worker builds interleaved dense layers on one pipeline stage"
-            layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                                    normalization=args.normalization)
-        else:
-            layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
-                                                  normalization=args.normalization)
-        model = GPTModel(
-            config=config, transformer_layer_spec=layer_spec,
-            vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
-            pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
-        state = torch.load(rank_file(s), weights_only=False)["model"]
-        state = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        model.load_state_dict(state, strict=True)
-        stages.append(model.eval())
+    if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        assert pp == 1, "the worker builds interleaved dense layers on one pipeline stage"
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                                normalization=args.normalization)
+    else:
+        layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
+                                              normalization=args.normalization)
+    model = GPTModel(
+        config=config, transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
+    return model
 
+
+def save_logits(stages, tokens_file, out_file, rank):
+    """Runs the stages one after another on the tokens; rank 0 saves the logits."""
     tokens = torch.from_numpy(np.load(tokens_file)).long()
     b, l = tokens.shape
     positions = torch.arange(l)[None].expand(b, l)

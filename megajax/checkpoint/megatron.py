@@ -33,6 +33,7 @@ import pickle
 import re
 import warnings
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,8 @@ from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
                                         to_external, to_ours)
 from megajax.checkpoint.source import unflatten
+from megajax.checkpoint.torch_dist import (COMMON_FILE, METADATA, DistCheckpoint, is_torch_dist, layer_keys,
+                                           read_common)
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
@@ -298,10 +301,10 @@ def _step_dir(d: Path) -> Path:
         return d
     tracker = d / TRACKER
     if not tracker.is_file():
-        if (d / "metadata.json").is_file() or any(d.glob("*.distcp")):
-            raise CheckpointError(f"{str(d)!r} is a Megatron distributed (torch_dist) checkpoint; megajax reads "
-                                  f"the legacy torch format (save with --ckpt-format torch, or convert).")
-        raise CheckpointError(f"{str(d)!r} is not a Megatron checkpoint: no {TRACKER} and no mp_rank_* folders.")
+        if is_torch_dist(d):
+            return d
+        raise CheckpointError(f"{str(d)!r} is not a Megatron checkpoint: no {TRACKER}, no mp_rank_* folders "
+                              f"and no torch_dist files (.metadata, *.distcp).")
     text = tracker.read_text().strip()
     if text == "release":
         step = d / "release"
@@ -311,9 +314,6 @@ def _step_dir(d: Path) -> Path:
         raise CheckpointError(f"{str(tracker)!r} holds {text!r}; expected an iteration number or 'release'.")
     if not step.is_dir():
         raise CheckpointError(f"{str(tracker)!r} names {step.name}, but {str(step)!r} does not exist.")
-    if (step / "metadata.json").is_file() or any(step.glob("*.distcp")):
-        raise CheckpointError(f"{str(step)!r} is a Megatron distributed (torch_dist) checkpoint; megajax reads "
-                              f"the legacy torch format (save with --ckpt-format torch, or convert).")
     return step
 
 
@@ -333,18 +333,22 @@ def _safe_globals(with_megatron: bool) -> list:
     return out
 
 
-def _load(path: Path, allow_pickle: bool) -> dict:
-    """torch.load of a rank file (memory-mapped when it is a zip archive), weights-only unless allowed."""
+def _load(path, allow_pickle: bool, name: str | None = None) -> dict:
+    """torch.load of a rank file (memory-mapped when it is a zip archive) or of an open file (`name` says
+    what it is in messages), weights-only unless allowed."""
     torch = _torch()
-    kwargs = dict(map_location="cpu", mmap=zipfile.is_zipfile(path))
+    kwargs = dict(map_location="cpu", mmap=isinstance(path, Path) and zipfile.is_zipfile(path))
+    source, path = path, path if name is None else name
     try:
         if allow_pickle:
-            return torch.load(path, weights_only=False, **kwargs)
+            return torch.load(source, weights_only=False, **kwargs)
         error = None
         for with_megatron in (False, True):  # megatron-core's list only when needed: importing it is slow
             try:
                 with torch.serialization.safe_globals(_safe_globals(with_megatron)):
-                    return torch.load(path, weights_only=True, **kwargs)
+                    if not isinstance(source, Path):
+                        source.seek(0)
+                    return torch.load(source, weights_only=True, **kwargs)
             except pickle.UnpicklingError as e:
                 error = e
         raise error
@@ -515,6 +519,9 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
     model.padded_vocab_size(). Files are read with torch's weights-only
     unpickler; `allow_pickle=True` lifts that for checkpoints you trust.
     """
+    d = Path(in_dir).expanduser()
+    if d.is_dir() and is_torch_dist(_step_dir(d)):
+        return _import_torch_dist(_step_dir(d), allow_pickle)
     step, ranks, first = _open(in_dir, allow_pickle)
     args = first["args"]
     tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
@@ -546,6 +553,75 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
+class _DistStateDict(Mapping):
+    """A torch_dist checkpoint's model tensors under their legacy TP-1 names, each read when asked for
+    (one layer, one expert); SwiGLU's `_w` / `_v` halves as one [w; v] tensor."""
+
+    def __init__(self, ckpt: DistCheckpoint, num_layers: int):
+        self._ckpt, self._names = ckpt, layer_keys(ckpt, num_layers)
+        for name in [n for n in self._names if n.endswith("_w") and n[:-1] + "v" in self._names]:
+            self._names[name[:-2]] = (name, name[:-1] + "v")
+            del self._names[name], self._names[name[:-1] + "v"]
+        self._last = (None, None)
+
+    def _layer(self, key: str, i: int | None) -> np.ndarray:
+        if self._last[0] != (key, i):  # the experts of one layer come from one read
+            self._last = ((key, i), self._ckpt.read(key, i))
+        return self._last[1]
+
+    def __getitem__(self, name: str):
+        torch = _torch()
+        where = self._names[name]
+        if isinstance(where[0], str) and len(where) == 2:  # the halves of a SwiGLU linear_fc1
+            return torch.cat([self[h] for h in where])
+        key, i, j = self._names[name] if len(where) == 3 else where
+        x = self._layer(key, i)
+        return torch.from_numpy(np.ascontiguousarray(x if j is None else x[j]))
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self):
+        return len(self._names)
+
+
+def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
+    ckpt = DistCheckpoint(step)
+    common = _torch_dist_common(step, ckpt, allow_pickle)
+    try:
+        m = resolved_model(_overrides_from_args(common["args"]))
+    except CheckpointError as e:
+        where = step / COMMON_FILE if (step / COMMON_FILE).is_file() else step / METADATA
+        raise CheckpointError(f"{str(where)!r}: {e}") from None
+    shapes = tensor_shapes(m)
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    embedding = "embedding.word_embeddings.weight"
+    vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+    state = _DistStateDict(ckpt, m.num_layers)
+    _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
+                flat_params)
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def _torch_dist_common(step: Path, ckpt: DistCheckpoint, allow_pickle: bool) -> dict:
+    common = read_common(step, ckpt, lambda f, name=None: _load(f, allow_pickle, name))
+    if not isinstance(common.get("args"), argparse.Namespace):
+        raise CheckpointError(f"{str(step)!r}: its common state holds no args Namespace (the architecture is "
+                              f"read from the saved args).")
+    return common
+
+
+def _args(in_dir, allow_pickle: bool) -> tuple[Path, argparse.Namespace]:
+    """(step directory, saved args) of a Megatron checkpoint of either format."""
+    d = Path(in_dir).expanduser()
+    if d.is_dir() and is_torch_dist(_step_dir(d)):
+        step = _step_dir(d)
+        return step, _torch_dist_common(step, DistCheckpoint(step), allow_pickle)["args"]
+    step, _, first = _open(in_dir, allow_pickle)
+    return step, first["args"]
+
+
 def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path], dict]:
     """(step directory, rank files by (tp, pp), rank 0's loaded file) of a Megatron checkpoint."""
     d = Path(in_dir).expanduser()
@@ -567,11 +643,27 @@ def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path]
     return step, ranks, first
 
 
+def is_megatron_checkpoint(path) -> bool:
+    """Whether `path` is a Megatron save directory (its tracker file) or one step's directory (legacy
+    mp_rank_* folders, or torch_dist files)."""
+    d = Path(path).expanduser()
+    return d.is_dir() and ((d / TRACKER).is_file() or is_torch_dist(d) or
+                           any(_RANK_DIR.match(p.name) for p in d.iterdir() if p.is_dir()))
+
+
+def megatron_source(path, *, allow_pickle: bool = False):
+    """A TensorSource over a Megatron checkpoint of either format (for `megajax export`): its
+    parameters imported into memory (float32), then handed out tensor by tensor."""
+    from megajax.checkpoint.source import DictSource
+    overrides, params = import_megatron(path, allow_pickle=allow_pickle)
+    return DictSource(params, resolved_model(overrides))
+
+
 def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | None, str]:
     """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it): the
     HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model."""
-    step, _, first = _open(in_dir, allow_pickle)
-    said = {k: _arg(first["args"], k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    step, args = _args(in_dir, allow_pickle)
+    said = {k: _arg(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     places = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
     if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
         places.append(Path(str(said["tokenizer_model"])))

@@ -1,0 +1,167 @@
+"""Megatron-Core torch_dist checkpoints, written by megatron-core's own dist_checkpointing.save, read by
+megajax: exact parameters, and one command to a Hugging Face export whose transformers logits equal
+megatron-core's."""
+
+import io
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from random_model import VOCAB, random_model  # noqa: E402
+from megajax.checkpoint.common import model_overrides  # noqa: E402
+from megajax.checkpoint.megatron import export_megatron, import_megatron  # noqa: E402
+from megajax.checkpoint.source import DictSource, flatten  # noqa: E402
+from megajax.cli import main  # noqa: E402
+from megajax.errors import CheckpointError  # noqa: E402
+
+WORKER = str(Path(__file__).with_name("megatron_dist_worker.py"))
+MOE = ("model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=32")
+CASES = {"dense": (), "moe": MOE}  # llama (GQA, SwiGLU, RMSNorm, RoPE, untied); + SequentialMLP experts [L, E, ...]
+SEQ = 16
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """{case: (cfg, params, save dir, tokens, megatron-core's logits)}: each random model written as a
+    legacy checkpoint, loaded into megatron-core's GPTModel and saved by its dist_checkpointing (one
+    process for both cases)."""
+    pytest.importorskip("megatron.core")
+    root = tmp_path_factory.mktemp("torch_dist")
+    toks = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ)).astype(np.int64)
+    np.save(root / "tokens.npy", toks)
+    pairs, out = [], {}
+    for case, overrides in CASES.items():
+        cfg, _, params = random_model("llama", *overrides)
+        export_megatron(DictSource(params, cfg.model), root / f"{case}-legacy", dtype="fp32", iteration=7)
+        pairs += [str(root / f"{case}-legacy" / "iter_0000007"), str(root / case)]
+        out[case] = (cfg, params, root / case, toks)
+    with open(root / "worker.log", "w") as log:  # a file, not a pipe: no wait on what the worker spawned
+        proc = subprocess.run([sys.executable, WORKER, "save", str(root / "tokens.npy"), "0", "1",
+                               str(free_port()), *pairs], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+                              stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 0, (root / "worker.log").read_text()[-3000:]
+    return {case: (*v, np.load(v[2] / "logits.npy")) for case, v in out.items()}
+
+
+def assert_same_params(got, want):
+    got, want = dict(flatten(got)), dict(flatten(want))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_core_torch_dist_imports_exactly(saved, case):
+    cfg, params, save, _, _ = saved[case]
+    step = save / "iter_0000007"
+    assert {p.name for p in step.iterdir()} >= {".metadata", "common.pt", "metadata.json", "__0_0.distcp"}
+    for where in (save, step):  # the save directory (its tracker) or the iteration's directory
+        overrides, got = import_megatron(where)
+        assert overrides == model_overrides(cfg.model)
+        assert_same_params(got, params)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_torch_dist_to_hugging_face_in_one_command(saved, case, tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    _, _, save, toks, theirs = saved[case]
+    assert main(["export", "--format", "hf", "--checkpoint", str(save), "--output", str(tmp_path / "hf"),
+                 "--tokenizer", "byte", "--dtype", "fp32"]) == 0
+    assert str(save) in capsys.readouterr().out
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(model).__name__ == ("MixtralForCausalLM" if case == "moe" else "LlamaForCausalLM")
+    with torch.no_grad():
+        logits = model(torch.from_numpy(toks)).logits.numpy()
+    np.testing.assert_allclose(logits, theirs[..., :VOCAB], atol=1e-4, rtol=1e-4)
+
+
+def to_common_state_form(step: Path, out: Path) -> Path:
+    """A copy of `step` in megatron-core 0.19's form: no common.pt, the common state a bytes entry
+    `common_state/shard_0_1` of the shards (torch.save of [state], as its ShardedObject is written)."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+    shutil.copytree(step, out)
+    common = torch.load(out / "common.pt", weights_only=False)
+    (out / "common.pt").unlink()
+    buffer = io.BytesIO()
+    torch.save([common], buffer)
+    (out / "__0_9.distcp").write_bytes(buffer.getvalue())
+    md = pickle.loads((out / ".metadata").read_bytes())
+    key = "common_state/shard_0_1"
+    md.state_dict_metadata[key] = BytesStorageMetadata()
+    md.storage_data[MetadataIndex(key)] = _StorageInfo("__0_9.distcp", 0, len(buffer.getvalue()))
+    (out / ".metadata").write_bytes(pickle.dumps(md))
+    (out / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    return out
+
+
+def test_common_state_form_of_megatron_core_0_19(saved, tmp_path):
+    cfg, params, save, _, _ = saved["moe"]
+    step = to_common_state_form(save / "iter_0000007", tmp_path / "iter_0000007")
+    overrides, got = import_megatron(step)
+    assert overrides == model_overrides(cfg.model)
+    assert_same_params(got, params)
+
+
+def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
+    import torch
+    save = saved["dense"][2]
+
+    def copy(name):
+        shutil.copytree(save, tmp_path / name)
+        return tmp_path / name
+
+    d = copy("no-tracker")
+    (d / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(CheckpointError, match=r"no-tracker'.*no latest_checkpointed_iteration.txt"):
+        import_megatron(d)
+    d = copy("wrong-tracker")
+    (d / "latest_checkpointed_iteration.txt").write_text("9")
+    with pytest.raises(CheckpointError, match=r"latest_checkpointed_iteration.txt' names iter_0000009.*does not"):
+        import_megatron(d)
+
+    d = copy("missing-shard")
+    (d / "iter_0000007" / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"shard file '.*missing-shard/iter_0000007/__0_0.distcp' is missing"):
+        import_megatron(d)
+    assert main(["import", "--format", "megatron", "--input", str(d), "--output", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err
+    assert "__0_0.distcp' is missing" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+    d = copy("truncated-shard")
+    shard = d / "iter_0000007" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"shard file '.*truncated-shard/iter_0000007/__0_0.distcp' is "
+                                              r"truncated"):
+        import_megatron(d)
+
+    d = copy("qk-layernorm")
+    common = torch.load(d / "iter_0000007" / "common.pt", weights_only=False)
+    common["args"].qk_layernorm = True
+    torch.save(common, d / "iter_0000007" / "common.pt")
+    with pytest.raises(CheckpointError, match=r"qk-layernorm/iter_0000007/common.pt'.*qk_layernorm=True cannot be "
+                                              r"represented"):
+        import_megatron(d)
+
+    d = copy("foreign-pickle")
+    (d / "iter_0000007" / ".metadata").write_bytes(pickle.dumps(os.system))
+    with pytest.raises(CheckpointError, match=r"foreign-pickle/iter_0000007/.metadata' holds a Python object "
+                                              r"outside .*posix.system"):
+        import_megatron(d)
