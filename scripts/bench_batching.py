@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("batching", nargs="*", default=["continuous", "static"])
     parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE", help="model overrides")
     parser.add_argument("--decode-steps", type=int, default=8, help="the engine's decode steps per iteration")
+    parser.add_argument("--prefill-rows", type=int, default=None, help="the engine's prompts per prefill call")
     args = parser.parse_args()
     cfg, _, params = random_model("llama", *args.model, std=0.08, seq_len=256)
     generator = Generator(cfg.model, params, eod_id=None)
@@ -69,7 +70,7 @@ def main() -> None:
         t0 = time.perf_counter()
         if kind == "continuous":
             batcher = Engine(generator, 8, block_size=16, prefill_chunk=64, decode_steps=args.decode_steps,
-                             quiet=False)
+                             prefill_rows=args.prefill_rows, quiet=False)
             while not batcher.ready:
                 time.sleep(0.01)
         else:

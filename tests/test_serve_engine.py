@@ -171,6 +171,8 @@ def test_a_full_pool_queues_requests_and_every_one_finishes(setup):
     assert any(s["running"] == 2 and s["waiting"] == 1 and s["kv_blocks_used"] == 12 for s in seen)
     assert all(s["kv_blocks_used"] <= 16 for s in seen)
     assert [c[2] for c in log.calls if c[0] == "finished"] == ["length"] * 3  # nothing failed
+    first = log.calls.index(("first", 0))
+    assert log.calls[first + 1] == ("first", 1)  # the two admitted prompts were prefilled in the same calls
     third = log.calls.index(("admitted", 2))
     assert third > min(i for i, c in enumerate(log.calls) if c[0] == "finished")  # admitted after one ended
 
@@ -199,7 +201,8 @@ def test_a_cancelled_job_is_dropped_and_its_blocks_freed(setup):
 def test_serve_flags_are_checked_naming_the_flag(capsys):
     for flags, words in ((["--block-size", "0"], "--block-size 0: must be in [1,"),
                          (["--num-kv-blocks", "-3"], "--num-kv-blocks -3: must be >= 1"),
-                         (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1")):
+                         (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1"),
+                         (["--max-batch", "4", "--prefill-rows", "5"], "--prefill-rows 5: must be in [1, 4]")):
         assert main(["serve", "--checkpoint", "nowhere", *flags]) == 2
         assert words in capsys.readouterr().err
 
@@ -234,7 +237,7 @@ def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_fre
     engine = server.service.batcher
     while not engine.ready:
         time.sleep(0.05)
-    assert engine.rows == 4 and engine.prefill_rows == 2  # rows split over data=2
+    assert engine.rows == 4 and engine.prefill_rows == 4  # rows split over data=2; default 4 per shard, capped
     spec = engine._pools_k[0].sharding.spec
     assert tuple(spec) == (None, "tensor", None) or tuple(spec) == (None, "tensor")  # kv heads over tensor
     prompts = ["def f(x):", "hello there, general", "a"]
