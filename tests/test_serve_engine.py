@@ -284,3 +284,29 @@ def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_fre
     assert r.status == 400 and body["error"]["param"] == "max_tokens"
     message = body["error"]["message"]
     assert "needs 7 KV blocks of 8 positions" in message and "--num-kv-blocks" in message
+
+
+def test_paged_attention_reads_the_blocks_in_use_and_a_row_ignores_the_trip_count():
+    """The online softmax over blocks equals the whole-table gather (within fp32 rounding), and extra
+    trips over blocks a row cannot see leave its output bit for bit unchanged."""
+    import jax.numpy as jnp
+    from megajax.models.attention import PagedCache, cached_attention, paged_attention
+    bs, g, r, d, b, l, m = 4, 2, 2, 8, 3, 2, 6
+    keys = jax.random.split(jax.random.key(0), 3)
+    pool_k, pool_v = (jax.random.normal(k, (20 * bs, g, d)) for k in keys[:2])
+    q = jax.random.normal(keys[2], (b, l, g * r, d))
+    table = jnp.array([[3, 7, 1, 0, 0, 0], [5, 2, 9, 11, 4, 0], [8, 0, 0, 0, 0, 0]], jnp.int32)
+    last = jnp.array([10, 18, 2])  # the rows' last positions: 3, 5 and 1 blocks in use
+    mask = jnp.arange(m * bs)[None, None, :] <= (last[:, None] - jnp.arange(l)[::-1])[:, :, None]
+    gathered = PagedCache(pool_k, jnp.zeros((b, l), jnp.int32), table, bs)
+    ref = cached_attention(q, gathered.view(), gathered.replace(pool_NxGxK=pool_v).view(), mask)
+    outs = {}
+    for used in (5, 6):
+        for step in (1, 4):
+            ck = PagedCache(pool_k, jnp.zeros((b, l), jnp.int32), table, bs, jnp.int32(used), step)
+            outs[used, step] = paged_attention(q, ck, ck.replace(pool_NxGxK=pool_v), mask)
+            assert float(jnp.max(jnp.abs(outs[used, step] - ref))) < 1e-5
+    assert (outs[5, 1] == outs[6, 1]).all()  # one more trip, over a block no row sees
+    short = PagedCache(pool_k, jnp.zeros((1, l), jnp.int32), table[2:], bs, jnp.int32(1), 1)
+    alone = paged_attention(q[2:], short, short.replace(pool_NxGxK=pool_v), mask[2:])
+    assert (alone == outs[5, 1][2:]).all()  # the 1-block row alone (1 trip) = with the others (5 trips)
