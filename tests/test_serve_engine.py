@@ -291,6 +291,7 @@ def test_paged_attention_reads_the_blocks_in_use_and_a_row_ignores_the_trip_coun
     trips over blocks a row cannot see leave its output bit for bit unchanged."""
     import jax.numpy as jnp
     from megajax.models.attention import PagedCache, cached_attention, paged_attention
+    paged_attention = jax.jit(paged_attention)  # one program for any trip count (blocks_used is traced)
     bs, g, r, d, b, l, m = 4, 2, 2, 8, 3, 2, 6
     keys = jax.random.split(jax.random.key(0), 3)
     pool_k, pool_v = (jax.random.normal(k, (20 * bs, g, d)) for k in keys[:2])
