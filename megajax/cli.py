@@ -12,6 +12,7 @@
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
+                  [--prefill-rows N]
     megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -346,7 +347,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         f"requests in progress at once).")
     from megajax.inference.engine import check_engine_sizes
     # The ranges that need no model now; --block-size against the context once the model is loaded.
-    check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk)
+    check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk,
+                       args.prefill_rows)
     template = None
     if args.chat_template:
         try:
@@ -359,7 +361,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
           drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-          prefill_chunk=args.prefill_chunk)
+          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
     return 0
 
 
@@ -478,6 +480,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=128, metavar="N",
                    help="prompt tokens prefilled per step, so a long prompt does not stall running decodes "
                         "(continuous batching; default 128, at most the context)")
+    p.add_argument("--prefill-rows", type=int, default=None, metavar="N",
+                   help="prompts prefilled together per step, so many arriving requests start in a few steps "
+                        "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
+                        "multiple of the data-parallel size)")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

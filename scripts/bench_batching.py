@@ -1,6 +1,7 @@
 """Static Batcher vs continuous Engine on a random model, in one process, without HTTP.
 
     PYTHONPATH=. python scripts/bench_batching.py [continuous] [static] [--model key=value ...]
+        [--decode-steps 8] [--prefill-rows N] [--attention-blocks 4]
 
 Default model: tests/random_model.py's 2-layer llama (hidden 64) with a 256-token context, 8 rows.
 Reports per batcher: start time (the engine compiles everything; the static batcher is warmed on
@@ -62,6 +63,9 @@ def main() -> None:
     parser.add_argument("batching", nargs="*", default=["continuous", "static"])
     parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE", help="model overrides")
     parser.add_argument("--decode-steps", type=int, default=8, help="the engine's decode steps per iteration")
+    parser.add_argument("--prefill-rows", type=int, default=None, help="the engine's prompts per prefill call")
+    parser.add_argument("--attention-blocks", type=int, default=4,
+                        help="the engine's KV blocks per attention trip (0: every row gathers its whole table)")
     args = parser.parse_args()
     cfg, _, params = random_model("llama", *args.model, std=0.08, seq_len=256)
     generator = Generator(cfg.model, params, eod_id=None)
@@ -69,7 +73,8 @@ def main() -> None:
         t0 = time.perf_counter()
         if kind == "continuous":
             batcher = Engine(generator, 8, block_size=16, prefill_chunk=64, decode_steps=args.decode_steps,
-                             quiet=False)
+                             prefill_rows=args.prefill_rows,
+                             attention_blocks=args.attention_blocks or None, quiet=False)
             while not batcher.ready:
                 time.sleep(0.01)
         else:

@@ -171,6 +171,8 @@ def test_a_full_pool_queues_requests_and_every_one_finishes(setup):
     assert any(s["running"] == 2 and s["waiting"] == 1 and s["kv_blocks_used"] == 12 for s in seen)
     assert all(s["kv_blocks_used"] <= 16 for s in seen)
     assert [c[2] for c in log.calls if c[0] == "finished"] == ["length"] * 3  # nothing failed
+    first = log.calls.index(("first", 0))
+    assert log.calls[first + 1] == ("first", 1)  # the two admitted prompts were prefilled in the same calls
     third = log.calls.index(("admitted", 2))
     assert third > min(i for i, c in enumerate(log.calls) if c[0] == "finished")  # admitted after one ended
 
@@ -199,7 +201,8 @@ def test_a_cancelled_job_is_dropped_and_its_blocks_freed(setup):
 def test_serve_flags_are_checked_naming_the_flag(capsys):
     for flags, words in ((["--block-size", "0"], "--block-size 0: must be in [1,"),
                          (["--num-kv-blocks", "-3"], "--num-kv-blocks -3: must be >= 1"),
-                         (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1")):
+                         (["--prefill-chunk", "0"], "--prefill-chunk 0: must be >= 1"),
+                         (["--max-batch", "4", "--prefill-rows", "5"], "--prefill-rows 5: must be in [1, 4]")):
         assert main(["serve", "--checkpoint", "nowhere", *flags]) == 2
         assert words in capsys.readouterr().err
 
@@ -234,7 +237,7 @@ def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_fre
     engine = server.service.batcher
     while not engine.ready:
         time.sleep(0.05)
-    assert engine.rows == 4 and engine.prefill_rows == 2  # rows split over data=2
+    assert engine.rows == 4 and engine.prefill_rows == 4  # rows split over data=2; default 4 per shard, capped
     spec = engine._pools_k[0].sharding.spec
     assert tuple(spec) == (None, "tensor", None) or tuple(spec) == (None, "tensor")  # kv heads over tensor
     prompts = ["def f(x):", "hello there, general", "a"]
@@ -281,3 +284,30 @@ def test_on_the_mesh_concurrent_answers_equal_the_generator_and_a_disconnect_fre
     assert r.status == 400 and body["error"]["param"] == "max_tokens"
     message = body["error"]["message"]
     assert "needs 7 KV blocks of 8 positions" in message and "--num-kv-blocks" in message
+
+
+def test_paged_attention_reads_the_blocks_in_use_and_a_row_ignores_the_trip_count():
+    """The online softmax over blocks equals the whole-table gather (within fp32 rounding), and extra
+    trips over blocks a row cannot see leave its output bit for bit unchanged."""
+    import jax.numpy as jnp
+    from megajax.models.attention import PagedCache, cached_attention, paged_attention
+    paged_attention = jax.jit(paged_attention)  # one program for any trip count (blocks_used is traced)
+    bs, g, r, d, b, l, m = 4, 2, 2, 8, 3, 2, 6
+    keys = jax.random.split(jax.random.key(0), 3)
+    pool_k, pool_v = (jax.random.normal(k, (20 * bs, g, d)) for k in keys[:2])
+    q = jax.random.normal(keys[2], (b, l, g * r, d))
+    table = jnp.array([[3, 7, 1, 0, 0, 0], [5, 2, 9, 11, 4, 0], [8, 0, 0, 0, 0, 0]], jnp.int32)
+    last = jnp.array([10, 18, 2])  # the rows' last positions: 3, 5 and 1 blocks in use
+    mask = jnp.arange(m * bs)[None, None, :] <= (last[:, None] - jnp.arange(l)[::-1])[:, :, None]
+    gathered = PagedCache(pool_k, jnp.zeros((b, l), jnp.int32), table, bs)
+    ref = cached_attention(q, gathered.view(), gathered.replace(pool_NxGxK=pool_v).view(), mask)
+    outs = {}
+    for used in (5, 6):
+        for step in (1, 4):
+            ck = PagedCache(pool_k, jnp.zeros((b, l), jnp.int32), table, bs, jnp.int32(used), step)
+            outs[used, step] = paged_attention(q, ck, ck.replace(pool_NxGxK=pool_v), mask)
+            assert float(jnp.max(jnp.abs(outs[used, step] - ref))) < 1e-5
+    assert (outs[5, 1] == outs[6, 1]).all()  # one more trip, over a block no row sees
+    short = PagedCache(pool_k, jnp.zeros((1, l), jnp.int32), table[2:], bs, jnp.int32(1), 1)
+    alone = paged_attention(q[2:], short, short.replace(pool_NxGxK=pool_v), mask[2:])
+    assert (alone == outs[5, 1][2:]).all()  # the 1-block row alone (1 trip) = with the others (5 trips)

@@ -1,7 +1,7 @@
 """Continuous batching over a paged KV cache: sequences join the running batch at the next step and
 leave when they end.
 
-    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk)
+    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
       .ready          both programs compiled (the engine's thread compiles them at start)
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total
@@ -15,16 +15,25 @@ running sequence never runs out of blocks (a full pool makes new requests wait; 
 preempted); its blocks go back to the pool the moment it ends, is stopped or is cancelled.
 
 Each iteration of the engine's thread admits waiting jobs into free rows, runs one prefill chunk
-(`prefill_chunk` tokens of up to `data-parallel size` prompts, so a long prompt does not stall the
-running decodes), then `decode_steps` decode steps for every decoding row in one program call (one
-host round trip per few tokens; a row stops at its end-of-document or budget on the device), hands
-out the new tokens (streaming jobs get a piece per step), checks stop callbacks (tokens past a stop
-are dropped), and frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk
-length, context / block_size table entries) and are compiled once, before `ready`: a new prompt
-length never compiles while clients wait. Rows never mix (every product and the attention are per row), so a sequence's
-tokens do not depend on what else runs: greedy output under any interleaving equals the sequential
-output. Per-row positions, step counts (sampling keys fold in the sequence's own step) and
-penalties make sampled output independent of the interleaving too.
+(`prefill_chunk` tokens of up to `prefill_rows` prompts, default 4 per data shard: a long prompt
+does not stall the running decodes, and many arriving prompts start within a few iterations), then
+`decode_steps` decode steps for every decoding row in one program call (one host round trip per
+few tokens; a row stops at its end-of-document or budget on the device), hands out the new tokens
+(streaming jobs get a piece per step), checks stop callbacks (tokens past a stop are dropped), and
+frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk length,
+context / block_size table entries) and are compiled once, before `ready`: a new prompt length
+never compiles while clients wait.
+
+Attention reads only the blocks in use: an online softmax over the table's first entries,
+`attention_blocks` blocks per loop trip, for as many trips as the longest row of the call needs
+(a traced count: no recompiles); see megajax/models/attention.py's paged_attention. A trip over
+blocks a row cannot see leaves its numbers exactly unchanged (masked scores are -inf), so rows
+never mix (every product and the attention are per row), and a sequence's tokens do not depend on
+what else runs: greedy output under any interleaving equals the sequential output, bit for bit.
+Per-row positions, step counts (sampling keys fold in the sequence's own step) and penalties make
+sampled output independent of the interleaving too. (`attention_blocks=None` gathers every row's
+whole table instead, as a [rows, kv_heads, context, head_dim] view: about half the tokens/s on
+this CPU, scripts/bench_batching.py --attention-blocks 0.)
 
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
@@ -56,6 +65,7 @@ from megajax.models.attention import ACT_POOL, PagedCache
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PREFILL_ROWS_PER_SHARD = 4  # prompts per prefill call and data shard (--prefill-rows default)
 
 
 class BlockPool:
@@ -112,21 +122,26 @@ class Engine:
 
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 decode_steps: int = 8, observer: Observer | None = None, quiet: bool = True):
+                 prefill_rows: int | None = None, decode_steps: int = 8, attention_blocks: int | None = 4,
+                 observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
-        check_engine_sizes(g.context, max_batch, block_size, num_blocks, prefill_chunk)
+        check_engine_sizes(g.context, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
         self.generator, self.max_batch, self.block_size = g, max_batch, block_size
         self.max_blocks = -(-g.context // block_size)  # table entries per sequence
         self.num_blocks = num_blocks if num_blocks is not None else max_batch * self.max_blocks
         self.chunk = min(prefill_chunk, g.context)
         self.decode_steps = decode_steps  # decode steps per engine iteration (one program call, one host sync)
+        # KV blocks per trip of the attention over the blocks in use (None: every row gathers its whole table)
+        self.attention_blocks = attention_blocks
         self.observer = observer or Observer()
         self.quiet = quiet
         dp = g.data_parallel
         self.rows = -(-max_batch // dp) * dp  # decode rows: max_batch, a multiple of the data-parallel size
-        self.prefill_rows = dp  # prompts advanced by one chunk per iteration (one per data shard)
+        # prompts advanced by one chunk per iteration: a multiple of the data-parallel size, at most the rows
+        wanted = prefill_rows if prefill_rows is not None else DEFAULT_PREFILL_ROWS_PER_SHARD * dp
+        self.prefill_rows = min(-(-wanted // dp) * dp, self.rows)
         self.pool = BlockPool(self.num_blocks, block_size)
         self.batches = 0  # engine iterations run so far
         self.sequences = 0  # sequences ended so far
@@ -164,8 +179,10 @@ class Engine:
 
     # ------------------------------------------------------------ traced
 
-    def _caches(self, pools, write_BxL, table_BxM):
-        return [PagedCache(p, write_BxL, table_BxM, self.block_size) for p in pools]
+    def _caches(self, pools, write_BxL, table_BxM, used):
+        if self.attention_blocks is None:
+            return [PagedCache(p, write_BxL, table_BxM, self.block_size) for p in pools]
+        return [PagedCache(p, write_BxL, table_BxM, self.block_size, used, self.attention_blocks) for p in pools]
 
     def _slots(self, table_BxM, positions):
         """Pool slots of `positions` [B, ...] through the rows' block tables [B, M]."""
@@ -183,8 +200,10 @@ class Engine:
         positions = jnp.minimum(start_B[:, None] + jnp.arange(l), g.context - 1)  # padding past the end: clamped
         drop = self.num_blocks * self.block_size  # outside the pool: the write is dropped
         write = jnp.where(valid_BxL, self._slots(table_BxM, positions), drop)
+        used = (jnp.max(start_B) + l + self.block_size - 1) // self.block_size  # table entries any row reads
         logits, caches_k, caches_v = model.extend(
-            tokens_BxL, positions, self._caches(pools_k, write, table_BxM), self._caches(pools_v, write, table_BxM),
+            tokens_BxL, positions, self._caches(pools_k, write, table_BxM, used),
+            self._caches(pools_v, write, table_BxM, used),
             start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
             expert_bias=g._expert_bias(), all_positions=all_positions)
         return logits, [c.pool_NxGxK for c in caches_k], [c.pool_NxGxK for c in caches_v]
@@ -491,7 +510,7 @@ class Engine:
 
 
 def check_engine_sizes(context: int, max_batch: int, block_size: int, num_blocks: int | None,
-                       prefill_chunk: int) -> None:
+                       prefill_chunk: int, prefill_rows: int | None = None) -> None:
     """UserError naming the flag, its value and what is accepted."""
     if max_batch < 1:
         raise UserError(f"--max-batch {max_batch}: must be >= 1.")
@@ -502,3 +521,6 @@ def check_engine_sizes(context: int, max_batch: int, block_size: int, num_blocks
                         f"of the whole context, {max_batch * -(-context // block_size)} blocks of {block_size}).")
     if prefill_chunk < 1:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 1 (tokens of a prompt prefilled per step).")
+    if prefill_rows is not None and not 1 <= prefill_rows <= max_batch:
+        raise UserError(f"--prefill-rows {prefill_rows}: must be in [1, {max_batch}] (--max-batch; prompts "
+                        f"prefilled together per step, default {DEFAULT_PREFILL_ROWS_PER_SHARD} per data shard).")

@@ -210,11 +210,16 @@ class PagedCache:
 
     `write_BxL` is the pool slot of each new token (table[pos // block] * block + pos % block; a slot
     outside the pool drops the write: padding); `table_BxM` each sequence's blocks, in position order
-    (entries past the sequence's end name any block: the mask hides what they hold)."""
+    (entries past the sequence's end name any block: the mask hides what they hold). With
+    `blocks_used` (a traced int32 scalar: how many leading table entries any row of this call uses),
+    the attention reads only those blocks, `step_blocks` at a time (paged_attention); without it,
+    every row gathers its whole table (`view`)."""
     pool_NxGxK: jax.Array
     write_BxL: jax.Array
     table_BxM: jax.Array
     block_size: int = struct.field(pytree_node=False)
+    blocks_used: jax.Array | None = None
+    step_blocks: int = struct.field(pytree_node=False, default=1)
 
     def write(self, new_BxLxGxK: jax.Array) -> "PagedCache":
         _, g, k = self.pool_NxGxK.shape
@@ -229,6 +234,49 @@ class PagedCache:
         pool = self.pool_NxGxK.reshape(n // self.block_size, self.block_size, g, k)
         blocks = pool[self.table_BxM]  # [B, M, block_size, G, K]
         return logical_constraint(blocks.reshape(b, m * self.block_size, g, k).swapaxes(1, 2), ACT_CACHE)
+
+
+def paged_attention(q_BxLxHxK, cache_k: PagedCache, cache_v: PagedCache, mask_BxLxT):
+    """cached_attention over a PagedCache's blocks in use only: an online softmax over the table's
+    first `blocks_used` entries, `step_blocks` blocks per loop trip, in table order (the trip count
+    is traced: one compiled program for any length).
+
+    Each row's numbers do not depend on the trip count (that is, on the other rows): masked scores
+    are -inf, so a trip whose keys a row cannot see leaves its running max (max(m, -inf) = m), its
+    normaliser (x * exp(0) + 0) and its accumulator (x * 1 + 0) exactly as they were. Scores, the
+    normaliser and the accumulator are fp32; a row that sees no key gets zeros (padding)."""
+    b, l, h, d = q_BxLxHxK.shape
+    n, g, k = cache_k.pool_NxGxK.shape
+    bs, step, m = cache_k.block_size, cache_k.step_blocks, cache_k.table_BxM.shape[1]
+    trips_max = -(-m // step)
+    table = jnp.pad(cache_k.table_BxM, ((0, 0), (0, trips_max * step - m)))  # padded entries: masked below
+    mask = jnp.pad(mask_BxLxT, ((0, 0), (0, 0), (0, trips_max * step * bs - mask_BxLxT.shape[2])))
+    q = q_BxLxHxK.reshape(b, l, g, h // g, d)
+    pools = [c.pool_NxGxK.reshape(n // bs, bs, g, k) for c in (cache_k, cache_v)]
+    span = step * bs
+
+    def trip(i, carry):
+        top, total, acc = carry  # [B, G, R, L], [B, G, R, L], [B, G, R, L, K]
+        blocks = jax.lax.dynamic_slice_in_dim(table, i * step, step, axis=1)  # [B, step]
+        keys, values = (logical_constraint(p[blocks].reshape(b, span, g, k), ACT_KV) for p in pools)
+        seen = jax.lax.dynamic_slice_in_dim(mask, i * span, span, axis=2)  # [B, L, span]
+        scores = jnp.einsum("blgrk,btgk->bgrlt", q, keys.astype(q.dtype), preferred_element_type=jnp.float32)
+        scores = jnp.where(seen[:, None, None], scores / math.sqrt(d), -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)  # nothing seen yet: exp(-inf - 0) = 0 below
+        keep = jnp.exp(top - shift)
+        probs = jnp.exp(scores - shift[..., None])
+        total = total * keep + jnp.sum(probs, axis=-1)
+        acc = acc * keep[..., None] + jnp.einsum("bgrlt,btgk->bgrlk", probs, values.astype(jnp.float32))
+        return new_top, total, acc
+
+    shape = (b, g, h // g, l)
+    carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (d,), jnp.float32))
+    trips = (jnp.minimum(cache_k.blocks_used, m) + step - 1) // step
+    _, total, acc = jax.lax.fori_loop(0, trips, trip, carry)
+    out = acc / jnp.where(total == 0.0, 1.0, total)[..., None]  # [B, G, R, L, K]
+    return jnp.moveaxis(out, 3, 1).reshape(b, l, h, d).astype(q_BxLxHxK.dtype)
 
 
 def write_cache(cache, new_BxLxGxK: jax.Array, start):
@@ -303,12 +351,17 @@ class Attention(nnx.Module):
         a decode step runs plain jnp over the cache. The same parameters as __call__; q, k and v are
         three products reading their kernels in place (`qkv`'s fused product would copy all three
         on every call). The cache is a dense [B, kv_heads, T, head_dim] array or a PagedCache (then
-        `start` only shapes the mask, and the tables say where to write)."""
+        `start` only shapes the mask, and the tables say where to write; with its `blocks_used`, the
+        attention is paged_attention over the blocks in use, prefill chunks included)."""
         q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
         if inv_freq is not None:
             q = apply_rope(q, positions_BxL, inv_freq)
             k = apply_rope(k, positions_BxL, inv_freq)
+        if isinstance(cache_k_BxGxTxK, PagedCache) and cache_k_BxGxTxK.blocks_used is not None:
+            cache_k, cache_v = cache_k_BxGxTxK.write(k), cache_v_BxGxTxK.write(v)
+            out = logical_constraint(paged_attention(q, cache_k, cache_v, mask_BxLxT), ACT_Q)
+            return self.o(out), cache_k, cache_v
         cache_k, keys = write_cache(cache_k_BxGxTxK, k, start)
         cache_v, values = write_cache(cache_v_BxGxTxK, v, start)
         if segment_ids_BxL is not None:
