@@ -11,7 +11,7 @@
     megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
-                  [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N] [--prefill-rows N]
+                  [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N]
     megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
