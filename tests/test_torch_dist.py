@@ -165,3 +165,32 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"foreign-pickle/iter_0000007/.metadata' holds a Python object "
                                               r"outside .*posix.system"):
         import_megatron(d)
+
+
+def test_checkpoint_load_takes_a_torch_dist_checkpoint(saved, tmp_path, capsys):
+    """checkpoint.load=SAVE_DIR of megatron-core's torch_dist save: the model from its args, its parameters
+    and the first step's loss those of the same checkpoint imported with `megajax import` first."""
+    from conftest import SMALL
+    from megajax.checkpoint.stored_model import train_config
+    from megajax.train.loop import train
+    cfg, _, save, _, _ = saved["dense"]
+    assert main(["import", "--format", "megatron", "--input", str(save), "--output", str(tmp_path / "mj")]) == 0
+    capsys.readouterr()
+    run = [o for o in SMALL if not o.startswith("model.")] + ["train.steps=1", "data.tokenizer=byte"]
+    direct = train_config(overrides=run + [f"checkpoint.load={save}", f"train.run_dir={tmp_path / 'a'}"])
+    imported = train_config(overrides=run + [f"checkpoint.load={tmp_path / 'mj'}", f"train.run_dir={tmp_path / 'b'}"])
+    assert model_overrides(direct.model) == model_overrides(imported.model) == model_overrides(cfg.model)
+    import jax
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup, initial_state
+    state, consumed, origin, _ = initial_state(build_setup(make_plan(direct, len(jax.devices()))))
+    assert origin == f"parameters from the Megatron checkpoint {save}, optimizer state fresh" and consumed == 0
+    assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])  # its weights, not an init
+    first = train(direct)
+    assert f"parameters from the Megatron checkpoint {save}" in capsys.readouterr().out
+    second = train(imported)
+    assert np.isfinite(first.losses[0]) and first.losses[0] > 4.0  # a random model, not a trivial loss
+    assert first.losses[0] == second.losses[0]
+
+    with pytest.raises(CheckpointError, match=r"model.hidden_size=128 but the checkpoint has model.hidden_size=64"):
+        train_config(overrides=run + [f"checkpoint.load={save}", "model.hidden_size=128"])

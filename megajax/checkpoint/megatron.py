@@ -669,3 +669,18 @@ def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | Non
         places.append(Path(str(said["tokenizer_model"])))
     found = next((spec for spec in map(tokenizer_dir_spec, places) if spec is not None), None)
     return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")
+
+
+def megatron_config(in_dir, *, allow_pickle: bool = False) -> tuple[dict, str | None]:
+    """(the model's `model.*` values from a Megatron checkpoint's saved args, the tokenizer they name or
+    None; a run then keeps the checkpoint's vocabulary with the data.tokenizer it sets): what `checkpoint.load` of a Megatron checkpoint takes as the run's model. No tensor is read."""
+    step, args = _args(in_dir, allow_pickle)
+    try:
+        m = resolved_model(_overrides_from_args(args))
+    except CheckpointError as e:
+        raise CheckpointError(f"{str(step)!r}: {e}") from None
+    from megajax.data.tokenizer import ByteTokenizer
+    found, _ = megatron_tokenizer(in_dir, allow_pickle=allow_pickle)
+    if found is None and m.vocab_size == ByteTokenizer.vocab_size:  # as `megajax import` records it
+        found = "byte"
+    return model_overrides(m), found
