@@ -214,7 +214,8 @@ def megatron_core_logits(step: Path, tokens: Path, world: int, out: Path) -> np.
 def test_torch_dist_export_loads_in_megatron_core(saved, case, tp, tmp_path, capsys):
     """megajax export --format megatron (torch_dist, the default) of a model; megatron-core's own
     dist_checkpointing.load fills a GPTModel built from the written args at TP 1 and, resharding the
-    global tensors, at TP 2: its logits equal those of the model the export came from."""
+    global tensors, at TP 2: its logits equal megatron-core's from the model the export came from, and
+    megajax's."""
     _, _, save, toks, theirs = saved[case]
     out = tmp_path / "mcore"
     assert main(["export", "--format", "megatron", "--checkpoint", str(save), "--output", str(out),
@@ -229,6 +230,11 @@ def test_torch_dist_export_loads_in_megatron_core(saved, case, tp, tmp_path, cap
     np.save(tmp_path / "tokens.npy", toks)
     logits = megatron_core_logits(step, tmp_path / "tokens.npy", tp, tmp_path / "logits.npy")
     np.testing.assert_allclose(logits, theirs, atol=1e-4, rtol=1e-4)
+    from megajax.train.state import build_model_spec
+    cfg, params = saved[case][:2]
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    ours = np.asarray(spec.apply(params, toks))
+    np.testing.assert_allclose(logits[..., :VOCAB], ours[..., :VOCAB], atol=1e-4, rtol=1e-4)  # megajax's own
 
 
 @pytest.mark.parametrize("version", ["0.16", "0.19"])
