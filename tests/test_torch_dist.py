@@ -169,8 +169,9 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
 
 
 def test_checkpoint_load_takes_a_torch_dist_checkpoint(saved, tmp_path, capsys):
-    """checkpoint.load=SAVE_DIR of megatron-core's torch_dist save: the model from its args, its parameters
-    and the first step's loss those of the same checkpoint imported with `megajax import` first."""
+    """checkpoint.load=SAVE_DIR of megatron-core's torch_dist save (or of a legacy checkpoint): the model
+    from its args, its parameters, and the first step's loss that of the same checkpoint imported with
+    `megajax import` first."""
     from conftest import SMALL
     from megajax.checkpoint.stored_model import train_config
     from megajax.train.loop import train
@@ -187,6 +188,12 @@ def test_checkpoint_load_takes_a_torch_dist_checkpoint(saved, tmp_path, capsys):
     state, consumed, origin, _ = initial_state(build_setup(make_plan(direct, len(jax.devices()))))
     assert origin == f"parameters from the Megatron checkpoint {save}, optimizer state fresh" and consumed == 0
     assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])  # its weights, not an init
+    legacy = save.parent / "dense-legacy"  # the legacy checkpoint megatron-core loaded before saving torch_dist
+    state, _, origin, _ = initial_state(build_setup(make_plan(
+        train_config(overrides=run + [f"checkpoint.load={legacy}", f"train.run_dir={tmp_path / 'c'}"]),
+        len(jax.devices()))))
+    assert origin.startswith(f"parameters from the Megatron checkpoint {legacy}")
+    assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])
     first = train(direct)
     assert f"parameters from the Megatron checkpoint {save}" in capsys.readouterr().out
     second = train(imported)
