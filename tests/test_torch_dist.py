@@ -193,6 +193,9 @@ def test_checkpoint_load_takes_a_torch_dist_checkpoint(saved, tmp_path, capsys):
         train_config(overrides=run + [f"checkpoint.load={legacy}", f"train.run_dir={tmp_path / 'c'}"]),
         len(jax.devices()))))
     assert origin.startswith(f"parameters from the Megatron checkpoint {legacy}")
+    with pytest.raises(CheckpointError, match=r"checkpoint.step=3: .* is a Megatron checkpoint"):
+        initial_state(build_setup(make_plan(train_config(overrides=run + [
+            f"checkpoint.load={legacy}", "checkpoint.step=3", f"train.run_dir={tmp_path / 'd'}"]), 1)))
     assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])
     first = train(direct)
     assert f"parameters from the Megatron checkpoint {save}" in capsys.readouterr().out

@@ -791,7 +791,8 @@ def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | Non
 
 def megatron_config(in_dir, *, allow_pickle: bool = False) -> tuple[dict, str | None]:
     """(the model's `model.*` values from a Megatron checkpoint's saved args, the tokenizer they name or
-    None; a run then keeps the checkpoint's vocabulary with the data.tokenizer it sets): what `checkpoint.load` of a Megatron checkpoint takes as the run's model. No tensor is read."""
+    None: a run then keeps the checkpoint's vocabulary with the data.tokenizer it sets), what
+    `checkpoint.load` of a Megatron checkpoint takes as the run's model. No tensor is read."""
     step, args = _args(in_dir, allow_pickle)
     try:
         m = resolved_model(_overrides_from_args(args))

@@ -212,6 +212,11 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                            f"after step {step} are dropped")
         return state, int(meta["consumed_samples"]), origin, int(meta["step"])
     if cfg.checkpoint.load and is_megatron_load(str(cfg.checkpoint.load)):
+        if step is not None:
+            raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints, "
+                                  f"and checkpoint.load={cfg.checkpoint.load} is a Megatron checkpoint, whose "
+                                  f"iteration its tracker file names (or name one iter_NNNNNNN directory); drop "
+                                  f"checkpoint.step.")
         return _megatron_state(setup, target, str(cfg.checkpoint.load)), 0, \
             f"parameters from the Megatron checkpoint {cfg.checkpoint.load}, optimizer state fresh", None
     if cfg.checkpoint.load:
