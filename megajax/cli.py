@@ -190,13 +190,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+        fmt = args.format
     else:
-        from megajax.checkpoint.megatron import export_megatron
+        from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist
         step = int(meta.get("step", 0))
-        out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
-                              pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
-                              iteration=step if step >= 1 else None, tokenizer_spec=tokenizer)
-    print(f"megajax export: {where} -> {out} ({args.format}, {args.dtype}, tokenizer {tokenizer})")
+        iteration = step if step >= 1 else None
+        if args.ckpt_format == "torch":
+            out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
+                                  pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
+                                  iteration=iteration, tokenizer_spec=tokenizer)
+            fmt = "megatron, legacy torch format"
+        else:
+            if (args.tensor_parallel, args.pipeline_parallel) != (1, 1):
+                raise UserError("megajax export: --tensor-parallel and --pipeline-parallel split a legacy "
+                                "(--ckpt-format torch) checkpoint; a torch_dist one holds global tensors that "
+                                "megatron-core loads at any TP/PP, so it takes neither.")
+            form = common_state_form(args.megatron_version)
+            out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
+                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version)
+            fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
+                   + ("in common.pt" if form == "common.pt" else "as common_state in the shards"))
+    print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 
 
@@ -399,6 +413,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from megajax.checkpoint.dtypes import EXPORT_DTYPES  # light: no JAX before the config is read
+    from megajax.checkpoint.torch_dist import MEGATRON_VERSIONS as MEGATRON_FORMS, NEWEST_MEGATRON as MEGATRON_NEWEST
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     parser.set_defaults(subparsers=sub.choices)
@@ -415,6 +430,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
+    p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
+                   help="megatron: torch_dist (global tensors, any TP/PP; default) or the legacy per-rank torch")
+    p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",
+                   help=f"megatron, torch_dist: the megatron-core whose common-state form to write "
+                        f"({', '.join(MEGATRON_FORMS)}; default {MEGATRON_NEWEST})")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
                    help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "

@@ -245,13 +245,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save", "train.run_dir", STR, note="checkpoints go to <train.run_dir>/checkpoints; a rerun resumes"),
     Flag("--load", "checkpoint.load", STR,
          note="the same directory as --save: resume (nothing to set); another: fine-tune from its parameters "
-              "(a Megatron checkpoint needs megajax import --format megatron first)"),
+              "(a Megatron checkpoint, legacy or torch_dist, is read directly)"),
     Flag("--save-interval", "checkpoint.every"),
     Flag("--async-save", "checkpoint.async_save", SWITCH, True),
     _same("--no-load-optim", "checkpoint.load starts the optimizer fresh"),
     _same("--no-load-rng", "checkpoint.load starts the optimizer fresh"),
     _same("--finetune", "checkpoint.load starts from parameters alone"),
-    _same("--ckpt-format", "megajax saves Orbax checkpoints; megajax export --format megatron writes Megatron's", STR),
+    _same("--ckpt-format", "megajax saves Orbax checkpoints; megajax export --format megatron --ckpt-format torch_dist or torch writes Megatron's", STR),
     _same("--use-dist-ckpt", "megajax's checkpoints are sharded and restore onto any mesh"),
 )
 

@@ -157,8 +157,8 @@ def test_export_from_a_relative_checkpoint_path(small_config, tmp_path, monkeypa
     source = CheckpointSource("runs/a/checkpoints/1")
     np.testing.assert_array_equal(source.get("layers/mlp/up/kernel", layer=1),
                                   np.asarray(run.state.params["layers"]["mlp"]["up"]["kernel"][1]))
-    assert main(["export", "--format", "megatron", "--checkpoint", "runs/a/checkpoints/1", "--output",
-                 "out/mcore"]) == 0
+    assert main(["export", "--format", "megatron", "--ckpt-format", "torch", "--checkpoint", "runs/a/checkpoints/1",
+                 "--output", "out/mcore"]) == 0
     assert any(Path("out/mcore").rglob("model_optim_rng.pt"))
 
 

@@ -39,7 +39,7 @@ def test_export_import_round_trip_through_the_cli(small_config, tmp_path, capsys
     assert tok("def f():")["input_ids"] == list(b"def f():")
 
     assert main(["export", "--format", "megatron", "--checkpoint", str(run.run_dir), "--output",
-                 str(tmp_path / "mg"), "--tensor-parallel", "2"]) == 0
+                 str(tmp_path / "mg"), "--ckpt-format", "torch", "--tensor-parallel", "2"]) == 0
     assert sorted(p.name for p in (tmp_path / "mg" / "iter_0000002").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
     for fmt, src in (("hf", tmp_path / "hf"), ("megatron", tmp_path / "mg")):

@@ -3,6 +3,7 @@ megajax: exact parameters, and one command to a Hugging Face export whose transf
 megatron-core's."""
 
 import io
+import json
 import os
 import pickle
 import shutil
@@ -165,3 +166,103 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
     with pytest.raises(CheckpointError, match=r"foreign-pickle/iter_0000007/.metadata' holds a Python object "
                                               r"outside .*posix.system"):
         import_megatron(d)
+
+
+def test_checkpoint_load_takes_a_torch_dist_checkpoint(saved, tmp_path, capsys):
+    """checkpoint.load=SAVE_DIR of megatron-core's torch_dist save (or of a legacy checkpoint): the model
+    from its args, its parameters, and the first step's loss that of the same checkpoint imported with
+    `megajax import` first."""
+    from conftest import SMALL
+    from megajax.checkpoint.stored_model import train_config
+    from megajax.train.loop import train
+    cfg, _, save, _, _ = saved["dense"]
+    assert main(["import", "--format", "megatron", "--input", str(save), "--output", str(tmp_path / "mj")]) == 0
+    capsys.readouterr()
+    run = [o for o in SMALL if not o.startswith("model.")] + ["train.steps=1", "data.tokenizer=byte"]
+    direct = train_config(overrides=run + [f"checkpoint.load={save}", f"train.run_dir={tmp_path / 'a'}"])
+    imported = train_config(overrides=run + [f"checkpoint.load={tmp_path / 'mj'}", f"train.run_dir={tmp_path / 'b'}"])
+    assert model_overrides(direct.model) == model_overrides(imported.model) == model_overrides(cfg.model)
+    import jax
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup, initial_state
+    state, consumed, origin, _ = initial_state(build_setup(make_plan(direct, len(jax.devices()))))
+    assert origin == f"parameters from the Megatron checkpoint {save}, optimizer state fresh" and consumed == 0
+    assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])  # its weights, not an init
+    legacy = save.parent / "dense-legacy"  # the legacy checkpoint megatron-core loaded before saving torch_dist
+    state, _, origin, _ = initial_state(build_setup(make_plan(
+        train_config(overrides=run + [f"checkpoint.load={legacy}", f"train.run_dir={tmp_path / 'c'}"]),
+        len(jax.devices()))))
+    assert origin.startswith(f"parameters from the Megatron checkpoint {legacy}")
+    with pytest.raises(CheckpointError, match=r"checkpoint.step=3: .* is a Megatron checkpoint"):
+        initial_state(build_setup(make_plan(train_config(overrides=run + [
+            f"checkpoint.load={legacy}", "checkpoint.step=3", f"train.run_dir={tmp_path / 'd'}"]), 1)))
+    assert_same_params(jax.tree.map(np.asarray, state.params), saved["dense"][1])
+    first = train(direct)
+    assert f"parameters from the Megatron checkpoint {save}" in capsys.readouterr().out
+    second = train(imported)
+    assert np.isfinite(first.losses[0]) and first.losses[0] > 4.0  # a random model, not a trivial loss
+    assert first.losses[0] == second.losses[0]
+
+    with pytest.raises(CheckpointError, match=r"model.hidden_size=128 but the checkpoint has model.hidden_size=64"):
+        train_config(overrides=run + [f"checkpoint.load={save}", "model.hidden_size=128"])
+
+
+def megatron_core_logits(step: Path, tokens: Path, world: int, out: Path) -> np.ndarray:
+    """Rank 0's logits of megatron-core's GPTModel at TP = world, filled by its dist_checkpointing.load
+    from the torch_dist step directory `step` (world gloo processes)."""
+    port = str(free_port())
+    with open(out.with_suffix(".log"), "w") as log:
+        procs = [subprocess.Popen([sys.executable, WORKER, "load", str(step), str(tokens), str(out), str(rank),
+                                   str(world), port], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
+                                  stderr=subprocess.STDOUT) for rank in range(world)]
+        codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0] * world, out.with_suffix(".log").read_text()[-3000:]
+    return np.load(out)
+
+
+@pytest.mark.parametrize("case,tp", [("dense", 1), ("moe", 2)])
+def test_torch_dist_export_loads_in_megatron_core(saved, case, tp, tmp_path, capsys):
+    """megajax export --format megatron (torch_dist, the default) of a model; megatron-core's own
+    dist_checkpointing.load fills a GPTModel built from the written args at TP 1 and, resharding the
+    global tensors, at TP 2: its logits equal megatron-core's from the model the export came from, and
+    megajax's."""
+    _, _, save, toks, theirs = saved[case]
+    out = tmp_path / "mcore"
+    assert main(["export", "--format", "megatron", "--checkpoint", str(save), "--output", str(out),
+                 "--tokenizer", "byte", "--dtype", "fp32", "--megatron-version", "0.16"]) == 0
+    assert "torch_dist for megatron-core 0.16: common state in common.pt" in capsys.readouterr().out
+    step = out / "release"
+    assert (out / "latest_checkpointed_iteration.txt").read_text() == "release"
+    assert {p.name for p in step.iterdir()} == {".metadata", "__0_0.distcp", "common.pt", "metadata.json"}
+    assert json.loads((step / "metadata.json").read_text()) == {
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+        "common_backend_version": 1}
+    np.save(tmp_path / "tokens.npy", toks)
+    logits = megatron_core_logits(step, tmp_path / "tokens.npy", tp, tmp_path / "logits.npy")
+    np.testing.assert_allclose(logits, theirs, atol=1e-4, rtol=1e-4)
+    from megajax.train.state import build_model_spec
+    cfg, params = saved[case][:2]
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    ours = np.asarray(spec.apply(params, toks))
+    np.testing.assert_allclose(logits[..., :VOCAB], ours[..., :VOCAB], atol=1e-4, rtol=1e-4)  # megajax's own
+
+
+@pytest.mark.parametrize("version", ["0.16", "0.19"])
+def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
+    """megajax -> torch_dist (either common-state form) -> megajax: the same parameters, bit for bit, and
+    the tensors under the names and global shapes megatron-core's own save gave them."""
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    for case in CASES:
+        cfg, params, save, _, _ = saved[case]
+        out = export_torch_dist(DictSource(params, cfg.model), tmp_path / case, dtype="fp32", iteration=3,
+                                megatron_version=version)
+        step = out / "iter_0000003"
+        assert (step / "common.pt").is_file() == (version == "0.16")
+        overrides, got = import_megatron(out)
+        assert overrides == model_overrides(cfg.model)
+        assert_same_params(got, params)
+        ours, theirs = DistCheckpoint(step), DistCheckpoint(save / "iter_0000007")
+        assert {k: ours.shape(k) for k in ours.keys()} == {k: theirs.shape(k) for k in theirs.keys()}
+        assert set(ours.byte_keys()) == set(theirs.byte_keys()) | (
+            {"common_state/shard_0_1"} if version == "0.19" else set())

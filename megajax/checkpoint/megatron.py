@@ -44,8 +44,8 @@ from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
                                         to_external, to_ours)
 from megajax.checkpoint.source import unflatten
-from megajax.checkpoint.torch_dist import (COMMON_FILE, METADATA, DistCheckpoint, is_torch_dist, layer_keys,
-                                           read_common)
+from megajax.checkpoint.torch_dist import (COMMON_FILE, COMMON_KEY, MEGATRON_VERSIONS, METADATA, NEWEST_MEGATRON,
+                                           DistCheckpoint, is_torch_dist, layer_keys, read_common)
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
@@ -287,6 +287,124 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
                 torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
                             "iteration": iteration or 0, "args": args}, path)
                 del sd
+        (tmp / TRACKER).write_text("release" if iteration is None else str(iteration))
+    return Path(out_dir)
+
+
+def common_state_form(version: str) -> str:
+    """Where megatron-core `version` keeps a torch_dist checkpoint's common state: 'common.pt' (<= 0.18)
+    or 'common_state' (an object in the shards, 0.19)."""
+    if version not in MEGATRON_VERSIONS:
+        raise CheckpointError(f"--megatron-version {version}: megajax writes torch_dist checkpoints for "
+                              f"megatron-core {', '.join(MEGATRON_VERSIONS)}.")
+    return COMMON_KEY if version == "0.19" else COMMON_FILE
+
+
+# The names megatron-core's GPTModel gives its layer norms in a sharded state dict (those of Transformer
+# Engine's fused norm + linear, whichever spec built it).
+_DIST_NORMS = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
+
+
+def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
+    """torch_dist's global tensors from a TP-1 legacy state dict: `decoder.layers.{i}.X` stacked into
+    `decoder.layers.X [L, ...]`, the experts' `local_experts.{j}.Y` into `mlp.experts.experts.Y
+    [L, E, ...]`, and each layer's `_extra_state` as the object Megatron-Core stores per layer (and
+    expert): `KEY/shard_{i}_{L}`, `KEY/shard_{i}.{j}_{L}.{E}`."""
+    torch = _torch()
+    out: dict = {}
+    stacks: dict[str, dict] = {}
+    L, E = m.num_layers, m.num_experts
+    for name, x in sd.items():
+        if not name.startswith("decoder.layers."):
+            if x is not None:
+                out[name] = x
+            continue
+        i, _, rest = name[len("decoder.layers."):].partition(".")
+        norm, _, part = rest.partition(".")
+        if norm in _DIST_NORMS:  # the layer norms under the linear they precede, as GPTModel names them
+            rest = f"{_DIST_NORMS[norm]}.layer_norm_{part}"
+        expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
+        if x is None:  # an _extra_state: one object per layer (and expert)
+            key = (f"decoder.layers.mlp.experts.experts.{expert.group(2)}/shard_{i}.{expert.group(1)}_{L}.{E}"
+                   if expert else f"decoder.layers.{rest}/shard_{i}_{L}")
+            out[key] = [None]  # PyTorch DCP stores an object as its torch.save bytes
+            continue
+        if expert:
+            stacks.setdefault(f"decoder.layers.mlp.experts.experts.{expert.group(2)}", {})[
+                (int(i), int(expert.group(1)))] = x
+        else:
+            stacks.setdefault(f"decoder.layers.{rest}", {})[int(i)] = x
+    for key, parts in stacks.items():
+        if len(parts) != (L * E if "experts.experts." in key else L):
+            raise CheckpointError(f"cannot export to torch_dist: {key} is on {len(parts)} of the layers; "
+                                  f"megajax writes torch_dist for models whose layers are all alike (write "
+                                  f"--ckpt-format torch for the others).")
+        if "experts.experts." in key:
+            out[key] = torch.stack([torch.stack([parts[(i, j)] for j in range(E)]) for i in range(L)])
+        else:
+            out[key] = torch.stack([parts[i] for i in range(L)])
+    return out
+
+
+def _writer(dcp, step: Path):
+    """PyTorch DCP's file writer, recording the checkpoint's place as a string (as Megatron-Core does;
+    a pathlib object in .metadata is outside what readers with an allow-list unpickle)."""
+    class Writer(dcp.FileSystemWriter):
+        def storage_meta(self):
+            meta = super().storage_meta()
+            if meta is not None:
+                meta.checkpoint_id = str(meta.checkpoint_id)
+            return meta
+    return Writer(str(step), thread_count=1)
+
+
+def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
+                      tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON) -> Path:
+    """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
+    `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
+    Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
+    them at any TP), the common state (args, checkpoint_version, iteration) as megatron-core
+    `megatron_version` keeps it (common.pt up to 0.18, a `common_state` object in the shards from 0.19).
+    The whole model is held in memory once (float32 source tensors cast to `dtype`)."""
+    import json
+    from megajax.data.tokenizer import save_hf_tokenizer
+    torch = _torch()
+    import torch.distributed.checkpoint as dcp
+    form = common_state_form(megatron_version)
+    m = source.model
+    numpy_dtype(dtype)
+    if iteration is not None and iteration < 1:
+        raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
+                              f"(or none, for a release checkpoint).")
+    _check_exportable(m, 1, 1)
+    shapes = tensor_shapes(m, check_source(source))
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
+    padded = m.megatron_padded_vocab_size(1)
+    tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
+    args = megatron_args(m, tensor_parallel=1, pipeline_parallel=1, padded_vocab_size=padded, dtype=dtype,
+                         iteration=iteration or 0, tokenizer_model=tokenizer_model)
+    args.ckpt_format = "torch_dist"
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
+    step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
+    with atomic_output_dir(out_dir) as tmp:
+        if tok is not None:
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
+        state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype)), m)
+        step = tmp / step_dir
+        step.mkdir()
+        backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+        if form == COMMON_FILE:
+            torch.save(common, step / COMMON_FILE)
+            backend.update(common_backend="torch", common_backend_version=1)
+        else:
+            state[f"{COMMON_KEY}/shard_0_1"] = [common]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's notes on saving without a process group
+            # Unflattened: each object (a list, as Megatron-Core's ShardedObjects are) is one bytes entry.
+            dcp.save(state, storage_writer=_writer(dcp, step), no_dist=True,
+                     planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+        (step / "metadata.json").write_text(json.dumps(backend))
         (tmp / TRACKER).write_text("release" if iteration is None else str(iteration))
     return Path(out_dir)
 
@@ -669,3 +787,19 @@ def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | Non
         places.append(Path(str(said["tokenizer_model"])))
     found = next((spec for spec in map(tokenizer_dir_spec, places) if spec is not None), None)
     return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")
+
+
+def megatron_config(in_dir, *, allow_pickle: bool = False) -> tuple[dict, str | None]:
+    """(the model's `model.*` values from a Megatron checkpoint's saved args, the tokenizer they name or
+    None: a run then keeps the checkpoint's vocabulary with the data.tokenizer it sets), what
+    `checkpoint.load` of a Megatron checkpoint takes as the run's model. No tensor is read."""
+    step, args = _args(in_dir, allow_pickle)
+    try:
+        m = resolved_model(_overrides_from_args(args))
+    except CheckpointError as e:
+        raise CheckpointError(f"{str(step)!r}: {e}") from None
+    from megajax.data.tokenizer import ByteTokenizer
+    found, _ = megatron_tokenizer(in_dir, allow_pickle=allow_pickle)
+    if found is None and m.vocab_size == ByteTokenizer.vocab_size:  # as `megajax import` records it
+        found = "byte"
+    return model_overrides(m), found

@@ -22,6 +22,14 @@ TRAINING_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_std", "a
 VOCABULARY_KEYS = frozenset({"vocab_size", "make_vocab_size_divisible_by"})
 
 
+def is_megatron_load(load: str) -> bool:
+    """Whether checkpoint.load names a Megatron checkpoint (legacy or torch_dist) rather than a megajax one."""
+    from pathlib import Path
+    from megajax.checkpoint.manager import find_step_dir
+    from megajax.checkpoint.megatron import is_megatron_checkpoint
+    return find_step_dir(load) is None and Path(load).expanduser().is_dir() and is_megatron_checkpoint(load)
+
+
 def train_config(files: list[str] | None = None, overrides: list[str] | None = None) -> Config:
     """`load_config(files, overrides)`, with the model of checkpoint.load's checkpoint under the keys set.
 
@@ -34,6 +42,10 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
     from megajax.checkpoint.manager import find_step_dir, read_meta  # JAX: only when a checkpoint is read
     step_dir = find_step_dir(str(load))  # any step: a run's steps share one model
     saved = read_meta(step_dir).get("config", {}) if step_dir is not None else {}
+    if step_dir is None and is_megatron_load(str(load)):  # the model from its saved args
+        from megajax.checkpoint.megatron import megatron_config
+        model, tokenizer = megatron_config(str(load))
+        saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, f"a Megatron checkpoint's args"
     stored = saved.get("model")
     if not isinstance(stored, dict):
         return finalize(_build(Config, merged, ""))
@@ -48,7 +60,7 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
     stored_tokenizer = saved.get("data", {}).get("tokenizer")
     if data.get("tokenizer") is None and stored_tokenizer:
         inherited["data"] = {"tokenizer": stored_tokenizer}
-    elif data.get("tokenizer") != stored_tokenizer and "vocab_size" not in set_keys:
+    elif data.get("tokenizer") != stored_tokenizer and "vocab_size" not in set_keys and stored_tokenizer is not None:
         inherited["model"].pop("vocab_size", None)
     cfg = _build(Config, _deep_merge(merged, inherited), "")
     theirs = _build(ModelConfig, stored, "model")

@@ -32,6 +32,8 @@ from megajax.errors import CheckpointError
 METADATA = ".metadata"
 COMMON_FILE = "common.pt"
 COMMON_KEY = "common_state"
+MEGATRON_VERSIONS = ("0.16", "0.17", "0.18", "0.19")  # the megatron-core forms megajax writes (common state)
+NEWEST_MEGATRON = MEGATRON_VERSIONS[-1]
 NOT_MODEL = ("optimizer.", "rng_state", "rerun_state_machine", COMMON_KEY)
 _DCP = "torch.distributed.checkpoint."
 _ALLOWED = {

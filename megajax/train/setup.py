@@ -17,11 +17,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
+from megajax.checkpoint.stored_model import is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets
@@ -209,6 +211,14 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                            f"{', '.join(map(str, newer))}) are moved to {aside}, and metrics.jsonl's records "
                            f"after step {step} are dropped")
         return state, int(meta["consumed_samples"]), origin, int(meta["step"])
+    if cfg.checkpoint.load and is_megatron_load(str(cfg.checkpoint.load)):
+        if step is not None:
+            raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints, "
+                                  f"and checkpoint.load={cfg.checkpoint.load} is a Megatron checkpoint, whose "
+                                  f"iteration its tracker file names (or name one iter_NNNNNNN directory); drop "
+                                  f"checkpoint.step.")
+        return _megatron_state(setup, target, str(cfg.checkpoint.load)), 0, \
+            f"parameters from the Megatron checkpoint {cfg.checkpoint.load}, optimizer state fresh", None
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
         params, note = restore_params(source, target.params, cfg)
@@ -221,6 +231,29 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints and "
                               f"checkpoint.load is not set; drop checkpoint.step to start afresh.")
     return setup.fresh_state(), 0, "fresh initialisation", None
+
+
+def _megatron_state(setup: Setup, target: TrainState, load: str) -> TrainState:
+    """A fresh state with the parameters (and MoE expert bias) of the Megatron checkpoint `load`, read
+    by import_megatron (either format) and placed with the run's shardings."""
+    from megajax.checkpoint.megatron import import_megatron
+    from megajax.models.layout import split_expert_bias
+    _, imported = import_megatron(load)
+    params, bias = split_expert_bias(imported)
+    want = jax.tree_util.tree_flatten_with_path(target.params)[0]
+    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    mismatched = [(jax.tree_util.keystr(p), tuple(t.shape), None if p not in got else tuple(got[p].shape))
+                  for p, t in want if p not in got or tuple(got[p].shape) != tuple(t.shape)]
+    if mismatched or len(got) != len(want):
+        listed = "; ".join(f"{n}: the run expects {w}, the checkpoint has {g}" for n, w, g in mismatched[:4])
+        raise CheckpointError(f"checkpoint.load = {load!r}: the Megatron checkpoint's tensors do not fit this "
+                              f"run's model ({listed or 'another set of tensors'}).")
+    params = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.params)
+    state = setup.fresh_state().replace(params=params)
+    if bias is not None:
+        state = state.replace(moe_expert_bias=jax.device_put(np.asarray(bias, np.float32),
+                                                             setup.state_shardings.moe_expert_bias))
+    return state
 
 
 def _starts_fresh(cfg: Config) -> bool:
