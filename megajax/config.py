@@ -94,8 +94,9 @@ class ModelConfig:
     moe_router_topk: int = 2  # experts per token
     moe_ffn_hidden_size: int | None = None  # each expert's hidden size; None: ffn_hidden_size
     # Every Nth layer is MoE (Megatron's integer form: layer i is MoE when i % N == 0), the others
-    # dense MLPs of ffn_hidden_size; 1: all layers.
-    moe_layer_freq: int = 1
+    # dense MLPs of ffn_hidden_size; 1: all layers. Or Megatron's list form, one 0 (dense) or 1 (MoE)
+    # per layer; accepted when the dense layers come first (DeepSeek-V3's [0]*3 + [1]*58).
+    moe_layer_freq: int | list[int] = 1
     moe_aux_loss_coeff: float = 1e-2  # Switch/GShard load-balancing loss
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else tokens per expert x this
@@ -116,6 +117,16 @@ class ModelConfig:
     # Aux-loss-free balancing (DeepSeek-V3): > 0 gives each router a per-expert bias, added to the
     # scores for the top-k choice only and moved by this much per step toward balance (sigmoid only).
     moe_router_bias_update_rate: float = 0.0
+    # Multi-latent attention (DeepSeek-V2/V3; Megatron-Core's names, megajax/models/mla.py): q through
+    # a q_lora_rank latent (None: a plain q projection), k/v through a kv_lora_rank latent, per-head
+    # q/k of qk_head_dim without position + qk_pos_emb_head_dim rotary (one rope key shared by the
+    # heads), v of v_head_dim. num_kv_heads must equal num_heads; head_dim is unused.
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -136,7 +147,16 @@ class ModelConfig:
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (from 0) has a mixture of experts (Megatron's pattern)."""
+        if isinstance(self.moe_layer_freq, list):
+            return bool(self.num_experts) and bool(self.moe_layer_freq[layer])
         return bool(self.num_experts) and layer % self.moe_layer_freq == 0
+
+    def dense_first_layers(self) -> int:
+        """The dense layers before the first MoE layer of a model whose moe_layer_freq is the list
+        form (they are a second stack, `dense_layers`, megajax/models/layout.py); 0 otherwise."""
+        if not self.num_experts or not isinstance(self.moe_layer_freq, list):
+            return 0
+        return self.num_layers - sum(self.moe_layer_freq)
 
     def num_moe_layers(self) -> int:
         """The layers with a mixture of experts (0 for a dense model)."""
@@ -145,7 +165,7 @@ class ModelConfig:
     def interleaves_dense_layers(self) -> bool:
         """A MoE model whose MoE layers alternate with dense ones (moe_layer_freq > 1): its dense
         blocks are a second stack, `dense_layers` (megajax/models/layout.py)."""
-        return bool(self.num_experts) and self.moe_layer_freq > 1
+        return bool(self.num_experts) and not isinstance(self.moe_layer_freq, list) and self.moe_layer_freq > 1
 
     def padded_vocab_size(self) -> int:
         """The vocabulary padded to a multiple of make_vocab_size_divisible_by (128).
@@ -620,6 +640,7 @@ def validate(cfg: Config) -> None:
                           f"parallel.pipeline_schedule=interleaved (this config has "
                           f"{cfg.parallel.pipeline_schedule!r}); set virtual_stages=1 or use the interleaved schedule.")
     validate_moe(cfg)
+    validate_mla(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
@@ -678,8 +699,11 @@ def validate_moe(cfg: Config) -> None:
                           f"model.moe_router_score_function=sigmoid (this config has "
                           f"{m.moe_router_score_function!r}): the expert bias is added to sigmoid scores, as in "
                           f"Megatron-Core. Set moe_router_score_function=sigmoid or moe_router_bias_update_rate=0.")
-    _positive("model.moe_layer_freq", m.moe_layer_freq)
-    if m.num_layers % m.moe_layer_freq:
+    if isinstance(m.moe_layer_freq, list):
+        _check_dense_first(cfg)
+    else:
+        _positive("model.moe_layer_freq", m.moe_layer_freq)
+    if not isinstance(m.moe_layer_freq, list) and m.num_layers % m.moe_layer_freq:
         ok = [n for n in range(1, m.num_layers + 1) if m.num_layers % n == 0]
         raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} does not divide model.num_layers = "
                           f"{m.num_layers}: the layers run in groups of one MoE layer and moe_layer_freq - 1 "
@@ -692,6 +716,50 @@ def validate_moe(cfg: Config) -> None:
     if m.use_bias:
         raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
                           "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")
+
+
+def _check_dense_first(cfg: Config) -> None:
+    """moe_layer_freq's list form: one 0/1 per layer, the dense layers (0) first."""
+    m, freq = cfg.model, cfg.model.moe_layer_freq
+    k = sum(1 for f in freq if f == 0)
+    if len(freq) != m.num_layers or any(f not in (0, 1) for f in freq) or freq != [0] * k + [1] * (m.num_layers - k):
+        raise ConfigError(f"model.moe_layer_freq = {freq}: the list form needs one 0 (dense) or 1 (MoE) per layer "
+                          f"(model.num_layers = {m.num_layers}), the dense layers first, e.g. [0, 1, 1] (DeepSeek-V3's "
+                          f"first_k_dense_replace); other patterns: use the integer form (every Nth layer is MoE).")
+    if k == m.num_layers:
+        raise ConfigError(f"model.moe_layer_freq = {freq} has no MoE layer; use model.num_experts=0 for a dense model.")
+    if cfg.mesh.pipeline * cfg.mesh.dcn.pipeline != 1:
+        raise ConfigError(f"model.moe_layer_freq = {freq} (dense layers first) with mesh.pipeline = {cfg.mesh.pipeline}: "
+                          f"pipeline stages of a dense-first model are not implemented yet; use mesh.pipeline=1 or "
+                          f"the integer form of moe_layer_freq.")
+
+
+def validate_mla(cfg: Config) -> None:
+    """Multi-latent attention's keys and what it does not run with yet (refused by name)."""
+    m = cfg.model
+    if not m.multi_latent_attention:
+        return
+    for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"model.qk_pos_emb_head_dim = {m.qk_pos_emb_head_dim} must be even (rotary pairs).")
+    if m.num_kv_heads != m.num_heads:
+        raise ConfigError(f"model.multi_latent_attention = true with model.num_kv_heads = {m.num_kv_heads} != "
+                          f"model.num_heads = {m.num_heads}: every head has its own k and v from the latent; "
+                          f"leave num_kv_heads unset.")
+    if m.position_embedding != "rope" or m.use_bias:
+        raise ConfigError("model.multi_latent_attention = true needs rotary positions and no biases "
+                          "(model.family=llama, position_embedding=rope, use_bias=false).")
+    if m.attention_impl != "xla":
+        raise ConfigError(f"model.multi_latent_attention = true with model.attention_impl = {m.attention_impl!r}: "
+                          f"its q/k head dim (qk_head_dim + qk_pos_emb_head_dim) differs from v_head_dim, which "
+                          f"the {m.attention_impl} kernel does not take yet; use model.attention_impl=xla.")
+    if cfg.mesh.context * cfg.mesh.dcn.context != 1:
+        raise ConfigError(f"model.multi_latent_attention = true with mesh.context = {cfg.mesh.context}: "
+                          f"context-parallel multi-latent attention is not implemented yet; use mesh.context=1.")
+    if cfg.train.precision == "fp8":
+        raise ConfigError("model.multi_latent_attention = true with train.precision = fp8 is not implemented yet "
+                          "(the latent projections have no FP8 products); use bf16.")
 
 
 def _check_router_groups(m: ModelConfig) -> None:

@@ -49,7 +49,7 @@ def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=T
     probs = jax.nn.softmax(scores, axis=-1)
     probs = dropout(probs, dropout_rate, dropout_rng, PROBS).astype(v_BxTxGxK.dtype)
     out = jnp.einsum("bgrlt,btgk->blgrk", probs, v_BxTxGxK)
-    return out.reshape(b, l, h, d)
+    return out.reshape(b, l, h, v_BxTxGxK.shape[-1])  # v's head dim may differ from q's (multi-latent)
 
 
 def xla_attention_with_lse(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, q_segment_ids=None, kv_segment_ids=None,

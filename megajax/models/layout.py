@@ -15,7 +15,9 @@ Names are the '/'-joined paths of the pure parameter dict; tensors under
     layers/mlp/shared_expert_gate [L, D]       its gate (model.moe_shared_expert_gate)
     dense_layers/...          [L - L/R, ...]   model.moe_layer_freq R > 1: the dense layers (the paths
                                                of a dense model's `layers/`); `layers/` then holds the
-                                               L/R MoE layers (see layer_slots)
+                                               L/R MoE layers (see layer_slots); with the list
+                                               form (dense layers first) the first dense ones
+    layers/attn/q_down|q_up|kv_down|kv_up|o/kernel, q_norm|kv_norm/scale   multi-latent attention
     final_norm/scale          [D]              (+ bias)
     output                    [D, Vp]          untied embeddings only
 
@@ -38,7 +40,7 @@ from megajax.config import ModelConfig
 @functools.lru_cache(maxsize=64)
 def _shapes(fields: tuple, padded_vocab_size: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from megajax.models.transformer import Transformer
-    m = ModelConfig(*fields)
+    m = ModelConfig(*(list(f) if isinstance(f, tuple) else f for f in fields))
     abstract = nnx.eval_shape(lambda: Transformer(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     return tuple(sorted((name, tuple(x.shape)) for name, x in traverse_util.flatten_dict(params, sep="/").items()))
@@ -51,7 +53,8 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
     with another padding passes its own.
     """
     padded = padded_vocab_size or m.padded_vocab_size()
-    return dict(_shapes(dataclasses.astuple(m), padded))
+    fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))  # hashable
+    return dict(_shapes(fields, padded))
 
 
 # The MoE routers' expert bias (aux-loss-free balancing) is training state, not a parameter
@@ -66,6 +69,9 @@ def layer_slots(m: ModelConfig) -> list[tuple[str, int]]:
     """For each model layer (from 0), the stack holding it and its index there: ("layers/", n) for
     every layer, or, with model.moe_layer_freq R > 1 (layer n is MoE when n % R == 0), the MoE
     layers in `layers/` and the dense ones in `dense_layers/`, each stack in model order."""
+    k = m.dense_first_layers()
+    if k:  # moe_layer_freq's list form, the dense layers first
+        return [("dense_layers/", n) if n < k else ("layers/", n - k) for n in range(m.num_layers)]
     if not m.interleaves_dense_layers():
         return [("layers/", n) for n in range(m.num_layers)]
     r = m.moe_layer_freq

@@ -25,6 +25,7 @@ from megajax.mesh import logical_constraint
 from megajax.models.attention import Attention, make_attention_core
 from megajax.models.layers import (Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
+from megajax.models.mla import MultiLatentAttention
 from megajax.models.mlp import MLP
 from megajax.models.moe import MoE
 
@@ -37,7 +38,10 @@ class Block(nnx.Module):
                  rngs: nnx.Rngs, expert_dispatch: Callable | None = None, moe: bool | None = None):
         """`moe`: a mixture-of-experts MLP (default: when cfg.num_experts > 0), else a dense one."""
         self.attn_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
-        self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
+        if cfg.multi_latent_attention:
+            self.attn = MultiLatentAttention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
+        else:
+            self.attn = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         self.mlp_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         if bool(cfg.num_experts) if moe is None else moe:
             self.mlp = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs, ops=ops)
@@ -113,7 +117,11 @@ class Transformer(nnx.Module):
             return blocks
 
         self.interleaved = cfg.interleaves_dense_layers()
-        if self.interleaved:
+        self.dense_first = cfg.dense_first_layers()
+        if self.dense_first:  # moe_layer_freq's list form: the dense layers, then the MoE ones
+            self.dense_layers = make_blocks(self.dense_first, False)
+            self.layers = make_blocks(cfg.num_layers - self.dense_first, True)
+        elif self.interleaved:
             self.layers = make_blocks(cfg.num_moe_layers(), True)
             self.dense_layers = make_blocks(cfg.num_layers - cfg.num_moe_layers(), False)
         else:
@@ -128,7 +136,7 @@ class Transformer(nnx.Module):
                 axes=("embed", "vocab"))
         if cfg.position_embedding == "rope":
             self.inv_freq = tuple(float(f) for f in rope_inv_freq(
-                cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+                cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
                 cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position))
         else:
             self.inv_freq = None
@@ -166,10 +174,23 @@ class Transformer(nnx.Module):
         dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
         masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None."""
         inv_freq = self.rope_inv_freq()
+        if self.dense_first:
+            x_BxLxD, _ = self._scan(self.dense_layers, x_BxLxD, positions_BxL=positions_BxL,
+                                    segment_ids_BxL=segment_ids_BxL, dropout_rng=dropout_rng,
+                                    first_layer=first_layer, expert_bias=None)
+            return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                              dropout_rng=dropout_rng, first_layer=first_layer + self.dense_first,
+                              expert_bias=expert_bias)
         if self.interleaved:
             return self._grouped_stack(x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                                        dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
-        block_def, block_state = nnx.split(self.layers)
+        return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                          dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
+
+    def _scan(self, blocks, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
+        """One stack of blocks, scanned from model layer `first_layer`: (x, router stats or None)."""
+        inv_freq = self.rope_inv_freq()
+        block_def, block_state = nnx.split(blocks)
         count = jax.tree.leaves(block_state)[0].shape[0]
 
         def body(x, layer):
@@ -262,6 +283,9 @@ class Transformer(nnx.Module):
 
         Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
         `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
+        if self.dense_first:
+            raise NotImplementedError("generation of a model with dense-first layers (moe_layer_freq's list form) "
+                                      "is not implemented yet")
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         slots = jnp.asarray(start)[..., None] + jnp.arange(l)  # [L], or [B, L] for a per-row start
