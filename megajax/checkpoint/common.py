@@ -32,6 +32,9 @@ ARCH_FIELDS = (
 MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
               "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk")
+# Multi-latent attention's fields (only when model.multi_latent_attention).
+MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+              "v_head_dim")
 
 
 REQUIRED = object()  # a config field an importer cannot do without
@@ -97,6 +100,8 @@ def model_overrides(m: ModelConfig) -> dict:
     elif not m.moe_shared_expert_ffn_size:
         out.pop("moe_shared_expert_ffn_size")
         out.pop("moe_shared_expert_gate")
+    if m.multi_latent_attention:
+        out.update({k: getattr(m, k) for k in MLA_FIELDS})
     return out
 
 

@@ -36,9 +36,10 @@ from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_la
 from megajax.checkpoint.source import unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
-from megajax.models.layout import param_shapes
+from megajax.models.layout import EXPERT_BIAS, param_shapes, tensor_shapes
 
 LLAMA, GPT2, MIXTRAL = "LlamaForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 
 
@@ -86,7 +87,39 @@ GPT2_ROWS = (
     *norm_rows("transformer.ln_f", "final_norm"),
 )  # lm_head is tied to wte
 
-TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS}
+# DeepSeek-V3: multi-latent attention (q_a/q_b or q_proj, kv_a_proj_with_mqa = [latent; rope key],
+# kv_b_proj = per head [k_nope; v]); dense MLPs in the first layers (`dense_layers/`), then a
+# sigmoid router with its expert bias (`e_score_correction_bias`), per-expert SwiGLU MLPs in the Hub's
+# layout and the shared experts as one MLP.
+_ATT, _MLP = f"{_L}.self_attn", f"{_L}.mlp"
+DEEPSEEK_V3_ROWS = (
+    Row("model.embed_tokens.weight", same("embed/embedding"), vocab=True),
+    *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm"),
+    Row(f"{_ATT}.q_proj.weight", linear("layers/attn/q/kernel")),
+    Row(f"{_ATT}.q_a_proj.weight", linear("layers/attn/q_down/kernel")),
+    *norm_rows(f"{_ATT}.q_a_layernorm", "layers/attn/q_norm"),
+    Row(f"{_ATT}.q_b_proj.weight", linear("layers/attn/q_up/kernel")),
+    Row(f"{_ATT}.kv_a_proj_with_mqa.weight", linear("layers/attn/kv_down/kernel")),
+    *norm_rows(f"{_ATT}.kv_a_layernorm", "layers/attn/kv_norm"),
+    Row(f"{_ATT}.kv_b_proj.weight", linear("layers/attn/kv_up/kernel")),
+    Row(f"{_ATT}.o_proj.weight", linear("layers/attn/o/kernel", n_in=2)),
+    *norm_rows(f"{_L}.post_attention_layernorm", "layers/mlp_norm"),
+    Row(f"{_MLP}.gate_proj.weight", linear("layers/mlp/gate/kernel")),
+    Row(f"{_MLP}.up_proj.weight", linear("layers/mlp/up/kernel")),
+    Row(f"{_MLP}.down_proj.weight", linear("layers/mlp/fc2/kernel")),
+    Row(f"{_MLP}.gate.weight", linear("layers/mlp/router")),
+    Row(f"{_MLP}.gate.e_score_correction_bias", same(EXPERT_BIAS)),
+    Row(f"{_MLP}.experts.{{j}}.gate_proj.weight", linear("layers/mlp/gate", experts=True)),
+    Row(f"{_MLP}.experts.{{j}}.up_proj.weight", linear("layers/mlp/up", experts=True)),
+    Row(f"{_MLP}.experts.{{j}}.down_proj.weight", linear("layers/mlp/fc2", experts=True)),
+    Row(f"{_MLP}.shared_experts.gate_proj.weight", linear("layers/mlp/shared_experts/gate/kernel")),
+    Row(f"{_MLP}.shared_experts.up_proj.weight", linear("layers/mlp/shared_experts/up/kernel")),
+    Row(f"{_MLP}.shared_experts.down_proj.weight", linear("layers/mlp/shared_experts/fc2/kernel")),
+    *norm_rows("model.norm", "final_norm"),
+    Row("lm_head.weight", linear("output"), vocab=True),
+)
+
+TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS, DEEPSEEK_V3: DEEPSEEK_V3_ROWS}
 
 
 def _ignored(name: str) -> bool:
@@ -110,6 +143,8 @@ _ARCH_TRAITS = {
 
 def architecture(m: ModelConfig) -> str:
     """The Hugging Face class a model exports to; CheckpointError naming every trait it cannot express."""
+    if m.multi_latent_attention:
+        return _deepseek_v3_architecture(m)
     arch = {"llama": MIXTRAL if m.num_experts else LLAMA, "gpt": GPT2}[m.family]
     wrong = [f"{k}={getattr(m, k)} (needs {v})" for k, v in _ARCH_TRAITS[arch].items() if getattr(m, k) != v]
     if arch == GPT2:
@@ -141,6 +176,46 @@ def architecture(m: ModelConfig) -> str:
                               f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
                               f"train it with the family's traits.")
     return arch
+
+
+def _deepseek_v3_architecture(m: ModelConfig) -> str:
+    """DEEPSEEK_V3 for a multi-latent attention model it can express (with transformers' numerics);
+    CheckpointError naming every trait it cannot."""
+    wrong = [f"{k}={getattr(m, k)} (needs {v})" for k, v in _ARCH_TRAITS[MIXTRAL].items() if getattr(m, k) != v]
+    if m.norm_eps != 1e-6:
+        wrong.append(f"norm_eps={m.norm_eps} (needs 1e-6: {DEEPSEEK_V3}'s q_a_layernorm and kv_a_layernorm use "
+                     f"1e-6 whatever rms_norm_eps says)")
+    if m.rope_scaling != "none":
+        wrong.append(f"rope_scaling={m.rope_scaling} (needs none)")
+    if not m.num_experts:
+        wrong.append("num_experts=0 (needs a mixture of experts)")
+    else:
+        if m.moe_router_score_function != "sigmoid":
+            wrong.append(f"moe_router_score_function={m.moe_router_score_function} (needs sigmoid)")
+        if not m.moe_router_bias_update_rate > 0:
+            wrong.append("moe_router_bias_update_rate=0 (needs > 0: the router's expert bias, e_score_correction_bias)")
+        shared, size = m.moe_shared_expert_ffn_size, m.moe_ffn_hidden_size
+        if not shared or shared % size:
+            wrong.append(f"moe_shared_expert_ffn_size={shared} (needs a positive multiple of moe_ffn_hidden_size="
+                         f"{size}: n_shared_experts experts of that size)")
+        if m.moe_shared_expert_gate:
+            wrong.append("moe_shared_expert_gate=true (needs false)")
+        if not isinstance(m.moe_layer_freq, list) and m.moe_layer_freq != 1:
+            wrong.append(f"moe_layer_freq={m.moe_layer_freq} (needs 1 or the list form with the dense layers first: "
+                         f"first_k_dense_replace)")
+        groups, pick = m.moe_router_num_groups or 1, m.moe_router_group_topk or 1
+        if m.num_experts // groups < 2:
+            wrong.append(f"moe_router_num_groups={groups} (transformers scores a group by its best 2 experts: needs "
+                         f"at least 2 experts per group)")
+        elif pick < groups and m.moe_router_topk // pick != 2:
+            wrong.append(f"moe_router_topk={m.moe_router_topk} / moe_router_group_topk={pick} (megajax and "
+                         f"Megatron-Core score a group by its best topk // group_topk experts, transformers by its "
+                         f"best 2: they agree when that ratio is 2 or every group is kept)")
+    if wrong:
+        raise CheckpointError(f"model.multi_latent_attention=true exports to Hugging Face {DEEPSEEK_V3}, which cannot "
+                              f"express {'; '.join(wrong)}. Change these keys, or export with --format megatron "
+                              f"where that format holds the model.")
+    return DEEPSEEK_V3
 
 
 # ----------------------------------------------------------------------------
@@ -178,12 +253,15 @@ def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
 
 
 def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int | None) -> dict:
-    config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[arch]}
+    config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[LLAMA if arch == DEEPSEEK_V3 else arch]}
     config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
                   torch_dtype=export_dtype(dtype).full_name, dtype=export_dtype(dtype).full_name)
     if arch == GPT2:
         return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+    if arch == DEEPSEEK_V3:
+        config = {k: v for k, v in config.items() if k not in ("head_dim", "num_key_value_heads")}
+        return dict(config, **_deepseek_v3_config(m))
     scaling, parameters = _rope(m)
     if arch == MIXTRAL:
         config.update(model_type="mixtral", hidden_act="silu", rope_theta=m.rope_theta, rope_parameters=parameters,
@@ -193,6 +271,74 @@ def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int 
     config.update(model_type="llama", hidden_act="silu", mlp_bias=m.use_bias, rope_theta=m.rope_theta,
                   rope_parameters=parameters, pretraining_tp=1)
     return dict(config, rope_scaling=scaling) if scaling else config
+
+
+def _deepseek_v3_config(m: ModelConfig) -> dict:
+    """DeepseekV3Config's keys of a model _deepseek_v3_architecture accepts. norm_topk_prob is k > 1:
+    megajax (as Megatron-Core) renormalises sigmoid weights over the top-k whenever k > 1."""
+    return dict(
+        model_type="deepseek_v3", hidden_act="silu", num_key_value_heads=m.num_heads,
+        moe_intermediate_size=m.moe_ffn_hidden_size, n_routed_experts=m.num_experts,
+        num_experts_per_tok=m.moe_router_topk, n_shared_experts=m.moe_shared_expert_ffn_size // m.moe_ffn_hidden_size,
+        first_k_dense_replace=m.dense_first_layers(), routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0,
+        n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
+        norm_topk_prob=m.moe_router_topk > 1, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+        rope_interleave=True, rope_theta=m.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, attention_bias=False,
+        num_nextn_predict_layers=0, pretraining_tp=1)
+
+
+def _deepseek_v3_overrides(c: dict) -> dict:
+    """ModelConfig fields of a DeepseekV3Config; CheckpointError for what megajax cannot run alike."""
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("rope_interleave", True)):
+        if c.get(key, want) != want:
+            raise CheckpointError(f"config.json {key}={c[key]!r}: megajax's DeepSeek-V3 needs {key}={want}.")
+    rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported for DeepSeek-V3 yet (yarn is "
+                              f"later work); accepted: default.")
+    if c.get("rms_norm_eps", 1e-6) != 1e-6:
+        raise CheckpointError(f"config.json rms_norm_eps={c['rms_norm_eps']}: megajax's latent norms use "
+                              f"model.norm_eps like the others, transformers' use 1e-6; accepted: 1e-6.")
+    n = c.get("num_hidden_layers")
+    k = c.get("first_k_dense_replace", 0) or 0
+    shared, size = c.get("n_shared_experts", 0) or 0, c.get("moe_intermediate_size")
+    routed, pick = c.get("num_experts_per_tok", 1), c.get("topk_group", 1) or 1
+    groups = c.get("n_group", 1) or 1
+    if not shared:
+        raise CheckpointError("config.json n_shared_experts=0: megajax's DeepSeek-V3 needs a shared expert.")
+    if pick < groups and routed // pick != 2:
+        raise CheckpointError(f"config.json num_experts_per_tok={routed} / topk_group={pick}: transformers scores a "
+                              f"group by its best 2 experts, megajax by its best topk // group_topk; they agree only "
+                              f"when that ratio is 2 or every group is kept.")
+    if bool(c.get("norm_topk_prob", True)) != (routed > 1):
+        raise CheckpointError(f"config.json norm_topk_prob={c.get('norm_topk_prob')} with num_experts_per_tok={routed}: "
+                              f"megajax renormalises the sigmoid weights exactly when top-k > 1.")
+    if c.get("num_key_value_heads") not in (None, c.get("num_attention_heads")):
+        raise CheckpointError("config.json num_key_value_heads differs from num_attention_heads: multi-latent "
+                              "attention has one k and v per head.")
+    scale = c.get("routed_scaling_factor", 1.0)
+    out = read_fields(c.get, (
+        ("num_hidden_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
+        ("num_attention_heads", "num_heads", REQUIRED), ("intermediate_size", "ffn_hidden_size", REQUIRED),
+        ("vocab_size", "vocab_size", REQUIRED), ("max_position_embeddings", "max_position_embeddings", 2048),
+        ("tie_word_embeddings", "tie_embeddings", False), ("attention_dropout", "attention_dropout", 0.0),
+        ("initializer_range", "init_std", 0.02), ("moe_intermediate_size", "moe_ffn_hidden_size", REQUIRED),
+        ("n_routed_experts", "num_experts", REQUIRED), ("num_experts_per_tok", "moe_router_topk", REQUIRED),
+        ("kv_lora_rank", "kv_lora_rank", REQUIRED), ("q_lora_rank", "q_lora_rank", None),
+        ("qk_nope_head_dim", "qk_head_dim", REQUIRED), ("qk_rope_head_dim", "qk_pos_emb_head_dim", REQUIRED),
+        ("v_head_dim", "v_head_dim", REQUIRED)), "config.json")
+    return dict(out, family="llama", norm_eps=1e-6, use_bias=False, multi_latent_attention=True,
+                rope_theta=float(rope.get("rope_theta", c.get("rope_theta") or 10000.0)),
+                moe_shared_expert_ffn_size=shared * size, moe_router_score_function="sigmoid",
+                # transformers has no bias update rate: DeepSeek-V3's 1e-3 (the bias itself is imported)
+                moe_router_bias_update_rate=1e-3,
+                moe_router_topk_scaling_factor=None if scale == 1.0 else float(scale),
+                moe_router_num_groups=None if groups == 1 else groups,
+                moe_router_group_topk=None if groups == 1 else pick,
+                moe_layer_freq=[0] * k + [1] * (n - k) if k else 1)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -273,7 +419,7 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     m = source.model
     np_dtype = numpy_dtype(dtype)
     arch = architecture(m)
-    shapes = param_shapes(m, check_source(source))
+    shapes = tensor_shapes(m, check_source(source))  # DeepSeek-V3's routers keep their expert bias
     rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
@@ -393,16 +539,18 @@ def import_hf(in_dir) -> tuple[dict, dict]:
         arch, overrides = LLAMA, _llama_overrides(c)
     elif arch == MIXTRAL or (arch is None and model_type == "mixtral"):
         arch, overrides = MIXTRAL, _mixtral_overrides(c)
+    elif arch == DEEPSEEK_V3 or (arch is None and model_type == "deepseek_v3"):
+        arch, overrides = DEEPSEEK_V3, _deepseek_v3_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
         arch, overrides = GPT2, _gpt2_overrides(c)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-                              f"megajax imports {LLAMA}, {MIXTRAL} and {GPT2}.")
+                              f"megajax imports {LLAMA}, {MIXTRAL}, {DEEPSEEK_V3} and {GPT2}.")
     m = resolved_model(overrides)
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
                               f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-    shapes = param_shapes(m)
+    shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     with ExitStack() as files:
         weights, used = _weight_files(d, files), set()

@@ -1,0 +1,141 @@
+"""DeepSeek-V3: multi-latent attention, dense-first layers, its router and shared expert, judged by
+transformers' DeepseekV3ForCausalLM (export loads strictly with the same logits; what its
+save_pretrained writes imports with them), and the full-size preset's parameter counts."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from megajax.checkpoint.common import model_overrides  # noqa: E402
+from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from megajax.checkpoint.source import DictSource, flatten, unflatten  # noqa: E402
+from megajax.config import load_config  # noqa: E402
+from megajax.errors import CheckpointError, ConfigError  # noqa: E402
+from megajax.models.layout import EXPERT_BIAS, split_expert_bias  # noqa: E402
+from megajax.train.state import build_model_spec  # noqa: E402
+
+VOCAB = 257  # the byte tokenizer's
+
+
+def tiny(*overrides):
+    return load_config(["model/tiny-deepseek-v3"], [f"model.vocab_size={VOCAB}", "train.seq_len=32", *overrides])
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(config, spec, params with the expert bias as exporters name it): tiny-deepseek-v3, random weights."""
+    cfg = tiny()
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    rng = np.random.default_rng(0)
+    flat = {}
+    for name, x in flatten(spec.abstract_params):
+        w = rng.normal(0.0, 0.05, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
+        if name == "embed/embedding":
+            w[VOCAB:] = 0
+        if name == "output":
+            w[:, VOCAB:] = 0
+        flat[name] = w
+    flat[EXPERT_BIAS] = rng.normal(0.0, 0.05, (cfg.model.num_moe_layers(), cfg.model.num_experts)).astype(np.float32)
+    return cfg, spec, unflatten(flat)
+
+
+def logits_of(spec, params, toks):
+    weights, bias = split_expert_bias(params)
+    return np.asarray(spec.apply(weights, toks, expert_bias=bias))[..., :VOCAB]
+
+
+def hf_model(path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info  # strict: nothing missing, unexpected or mismatched
+    return hf.eval()
+
+
+def hf_logits(hf, toks):
+    import torch
+    with torch.no_grad():
+        return hf(torch.from_numpy(toks).long()).logits.numpy()
+
+
+TOKS = np.random.default_rng(1).integers(0, VOCAB, (2, 16)).astype(np.int32)
+
+
+def test_tiny_preset_shape():
+    m = tiny().model
+    assert (m.num_layers, m.dense_first_layers(), m.num_moe_layers(), m.num_experts, m.moe_router_topk) == (3, 1, 2, 8, 2)
+    assert m.multi_latent_attention and m.moe_shared_expert_ffn_size == m.moe_ffn_hidden_size
+
+
+def test_hf_export_matches_transformers_and_imports_back(model, tmp_path):
+    cfg, spec, params = model
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32")
+    hf = hf_model(out)
+    assert (hf.config.first_k_dense_replace, hf.config.n_group, hf.config.topk_group, hf.config.norm_topk_prob) == (
+        1, 2, 1, True)
+    want, got = logits_of(spec, params, TOKS), hf_logits(hf, TOKS)
+    diff = float(np.abs(got - want).max())
+    print(f"max |logits - transformers| = {diff:.2e}")
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # greedy continuation: transformers' generate against megajax's argmax, token for token
+    import torch
+    prompt = TOKS[:1, :6]
+    with torch.no_grad():
+        theirs = hf.generate(torch.from_numpy(prompt).long(), max_new_tokens=6, do_sample=False).numpy()[0, 6:]
+    seq = prompt
+    for _ in range(6):
+        seq = np.concatenate([seq, logits_of(spec, params, seq)[:, -1:].argmax(-1).astype(np.int32)], axis=1)
+    np.testing.assert_array_equal(seq[0, 6:], theirs)
+
+    overrides, back = import_hf(out)
+    assert overrides == model_overrides(cfg.model)
+    got_flat, want_flat = dict(flatten(back)), dict(flatten(params))
+    assert sorted(got_flat) == sorted(want_flat)
+    for name in want_flat:
+        np.testing.assert_array_equal(got_flat[name], want_flat[name], err_msg=name)
+
+
+def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=24, routed_scaling_factor=2.5, max_position_embeddings=64)
+    hf = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # a nonzero expert bias and router (initialised to zeros)
+        for layer in hf.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+            layer.mlp.gate.weight.normal_(0, 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    overrides, params = import_hf(tmp_path / "hf")
+    assert overrides["q_lora_rank"] is None and overrides["moe_layer_freq"] == [0, 1, 1]
+    cfg = load_config(base={"model": overrides}, overrides=["train.seq_len=32"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    np.testing.assert_allclose(logits_of(spec, params, TOKS), hf_logits(hf_model(tmp_path / "hf"), TOKS),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path):
+    cfg, _, params = model
+    m = tiny("model.norm_eps=1e-5", "model.moe_router_num_groups=4", "model.moe_router_group_topk=2",
+             "model.moe_router_topk=2").model
+    with pytest.raises(CheckpointError, match=r"norm_eps=1e-05 \(needs 1e-6.*moe_router_topk=2 / "
+                                              r"moe_router_group_topk=2.*best 2"):
+        export_hf(DictSource(params, m), tmp_path / "hf", tokenizer_spec="byte")
+
+
+def test_config_refuses_what_multi_latent_attention_does_not_run_with():
+    with pytest.raises(ConfigError, match="attention_impl = 'flash'"):
+        tiny("model.attention_impl=flash")
+    with pytest.raises(ConfigError, match="mesh.context"):
+        tiny("mesh.context=2")
+    with pytest.raises(ConfigError, match="dense layers first"):
+        tiny("model.moe_layer_freq=[1,0,1]")
