@@ -146,3 +146,19 @@ def test_config_refuses_what_multi_latent_attention_does_not_run_with():
         tiny("mesh.context=2")
     with pytest.raises(ConfigError, match="dense layers first"):
         tiny("model.moe_layer_freq=[1,0,1]")
+
+
+def test_full_size_preset_has_the_published_parameter_counts():
+    """configs/model/deepseek-v3.yaml from its layout: 671B parameters (the published total without the
+    14B multi-token prediction module), of which 37B active per token (the published count: all but
+    the 248 routed experts a token does not use in each of the 58 MoE layers)."""
+    import math
+    from megajax.models.layout import param_shapes
+    m = load_config(["model/deepseek-v3"]).model
+    shapes = param_shapes(m)
+    total = sum(math.prod(s) for s in shapes.values())
+    routed = sum(math.prod(s) for k, s in shapes.items() if k.split("/")[:2] == ["layers", "mlp"]
+                 and k.split("/")[2] in ("gate", "up", "fc2"))
+    active = total - routed + routed * m.moe_router_topk // m.num_experts
+    assert total == 671_026_404_352 and round(total / 1e9) == 671
+    assert active == 37_552_282_624 and int(active / 1e9) == 37
