@@ -183,3 +183,15 @@ def test_tiny_deepseek_v3_layout_matches_one_device(small_config):
     ref = reference(small_config, *preset_overrides(), steps=2, params=False)
     got = run(small_config, *preset_overrides(), *DSV3_LAYOUT, devices=jax.devices(), steps=2, params=False)
     assert_same_run(got, ref, params=False)
+
+
+def test_flops_count_multi_latent_attention_by_hand():
+    from megajax.train.flops import train_flops_per_token
+    m = tiny().model
+    h, heads, n, p, v = 128, 4, 32, 16, 32
+    attention = h * 64 + 64 * heads * (n + p) + h * (32 + p) + 32 * heads * (n + v) + heads * v * h
+    dense, moe = 3 * h * 256, h * 8 + 2 * 3 * h * 64 + 3 * h * 64  # router, top-2 of the experts, shared
+    matmuls = 3 * attention + dense + 2 * moe + h * 384  # + the output layer (vocabulary padded to 384)
+    seq = 32
+    by_hand = 6 * matmuls + 3 * 3 * seq * heads * (n + p + v)  # causal QK^T (n + p dims) and AV (v dims)
+    assert train_flops_per_token(m, seq, 384) == by_hand

@@ -42,7 +42,10 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> float:
-    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.head_dim
+    # Multi-latent attention: QK^T over qk_head_dim + qk_pos_emb_head_dim dims, AV over v_head_dim.
+    dims = ((cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) / 2 if cfg.multi_latent_attention
+            else cfg.head_dim)
+    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * dims
     return 6.0 * matmul_params(cfg, padded_vocab) + attention
 
 
