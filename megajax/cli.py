@@ -188,8 +188,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         meta, where = read_meta(source.step_dir), source.step_dir
         tokenizer = _export_tokenizer(args, meta, source.step_dir)
     if args.format == "hf":
-        from megajax.checkpoint.hf import export_hf
+        from megajax.checkpoint.hf import export_hf, mtp_left_out
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+        if mtp_left_out(source.model):
+            print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
         fmt = args.format
     else:
         from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist

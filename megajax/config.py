@@ -127,6 +127,12 @@ class ModelConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Multi-token prediction (DeepSeek-V3; Megatron-Core's names): this many extra blocks after the
+    # model, block k predicting the token k + 1 places ahead from the previous depth's hidden state and
+    # the next token's embedding, through the shared output layer; their mean cross entropy, times
+    # mtp_loss_scaling_factor, is added to the objective (logged as `mtp_loss`). 0: none.
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -641,6 +647,7 @@ def validate(cfg: Config) -> None:
                           f"{cfg.parallel.pipeline_schedule!r}); set virtual_stages=1 or use the interleaved schedule.")
     validate_moe(cfg)
     validate_mla(cfg)
+    validate_mtp(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
@@ -732,6 +739,21 @@ def _check_dense_first(cfg: Config) -> None:
         raise ConfigError(f"model.moe_layer_freq = {freq} (dense layers first) with mesh.pipeline = {cfg.mesh.pipeline}: "
                           f"pipeline stages of a dense-first model are not implemented yet; use mesh.pipeline=1 or "
                           f"the integer form of moe_layer_freq.")
+
+
+def validate_mtp(cfg: Config) -> None:
+    m = cfg.model
+    _positive("model.mtp_num_layers", m.mtp_num_layers, allow_zero=True)
+    _positive("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, allow_zero=True)
+    if not m.mtp_num_layers:
+        return
+    for axis in ("pipeline", "context"):
+        if getattr(cfg.mesh, axis) * getattr(cfg.mesh.dcn, axis) != 1:
+            raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with mesh.{axis} = {getattr(cfg.mesh, axis)}: "
+                              f"multi-token prediction on {axis} parallelism is not implemented yet; use mesh.{axis}=1.")
+    if cfg.train.precision == "fp8":
+        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with train.precision = fp8 is not implemented "
+                          f"yet; use bf16.")
 
 
 def validate_mla(cfg: Config) -> None:

@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -75,6 +76,7 @@ def test_tiny_preset_shape():
     m = tiny().model
     assert (m.num_layers, m.dense_first_layers(), m.num_moe_layers(), m.num_experts, m.moe_router_topk) == (3, 1, 2, 8, 2)
     assert m.multi_latent_attention and m.moe_shared_expert_ffn_size == m.moe_ffn_hidden_size
+    assert m.mtp_num_layers == 1
 
 
 def test_hf_export_matches_transformers_and_imports_back(model, tmp_path):
@@ -101,7 +103,8 @@ def test_hf_export_matches_transformers_and_imports_back(model, tmp_path):
 
     overrides, back = import_hf(out)
     assert overrides == model_overrides(cfg.model)
-    got_flat, want_flat = dict(flatten(back)), dict(flatten(params))
+    got_flat = dict(flatten(back))
+    want_flat = {k: v for k, v in flatten(params) if not k.startswith("mtp/")}  # transformers has no MTP
     assert sorted(got_flat) == sorted(want_flat)
     for name in want_flat:
         np.testing.assert_array_equal(got_flat[name], want_flat[name], err_msg=name)
@@ -191,7 +194,40 @@ def test_flops_count_multi_latent_attention_by_hand():
     h, heads, n, p, v = 128, 4, 32, 16, 32
     attention = h * 64 + 64 * heads * (n + p) + h * (32 + p) + 32 * heads * (n + v) + heads * v * h
     dense, moe = 3 * h * 256, h * 8 + 2 * 3 * h * 64 + 3 * h * 64  # router, top-2 of the experts, shared
-    matmuls = 3 * attention + dense + 2 * moe + h * 384  # + the output layer (vocabulary padded to 384)
+    # 3 layers, the MTP depth (its projection [2h, h], attention, a dense MLP), the output layer twice
+    # (the model's and the MTP depth's; vocabulary padded to 384)
+    matmuls = 4 * attention + 2 * dense + 2 * moe + 2 * h * h + 2 * h * 384
     seq = 32
-    by_hand = 6 * matmuls + 3 * 3 * seq * heads * (n + p + v)  # causal QK^T (n + p dims) and AV (v dims)
+    by_hand = 6 * matmuls + 4 * 3 * seq * heads * (n + p + v)  # causal QK^T (n + p dims) and AV (v dims)
     assert train_flops_per_token(m, seq, 384) == by_hand
+
+
+def test_multi_token_prediction_objective(model):
+    """The objective is the next-token cross entropy + mtp_loss_scaling_factor x the MTP depth's cross
+    entropy against the labels one place further on (numpy); `loss_sum` stays the next-token one."""
+    from megajax.train.loss import StepInputs, cross_entropy, microbatch_loss
+    cfg, spec, params = model
+    weights, bias = split_expert_bias(params)
+    labels = np.roll(TOKS, -1, axis=1)
+    mask = np.ones(TOKS.shape, np.float32)
+    mask[:, -1] = 0
+    micro = {"tokens": TOKS, "labels": labels, "loss_mask": mask}
+    inputs = StepInputs(num_tokens=jnp.float32(mask.sum()), scale=jnp.float32(1.0), rng=None, accum=1)
+    loss, sums = jax.jit(lambda w, b: microbatch_loss(cfg)(spec, w, {}, micro, None, inputs, None, b))(weights, bias)
+    logits, _, mtp = spec.apply(weights, TOKS, expert_bias=bias, mtp=True)
+    assert mtp.shape[0] == 1
+    ce = np.asarray(cross_entropy(logits, labels))
+    np.testing.assert_allclose(sums["loss_sum"], np.sum(ce * mask), rtol=1e-5)
+    mtp_ce = np.asarray(cross_entropy(mtp[0], np.roll(labels, -1, axis=1)))[:, :-2]  # labels inside the sequence
+    np.testing.assert_allclose(sums["mtp_loss_sum"], mtp_ce.sum(), rtol=1e-5)
+    aux = 0.0  # moe_aux_loss_coeff and moe_z_loss_coeff are 0 in the preset
+    np.testing.assert_allclose(loss, (np.sum(ce * mask) + 0.3 * mtp_ce.sum()) / mask.sum() + aux, rtol=1e-5)
+
+
+def test_multi_token_prediction_is_logged_and_left_out_of_the_hf_export(small_config, tmp_path):
+    from megajax.checkpoint.hf import mtp_left_out
+    from megajax.train.loop import train
+    result = train(small_config(*preset_overrides(), steps=1), devices=jax.devices()[:1])
+    record = result.records[-1]
+    assert np.isfinite(record["mtp_loss"]) and record["mtp_loss"] != record["loss"]
+    assert "leaves its layers out" in mtp_left_out(tiny().model)

@@ -406,6 +406,14 @@ def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConf
                     {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
+def mtp_left_out(m: ModelConfig) -> str | None:
+    """What a Hugging Face export says of a model with multi-token prediction (left out), or None."""
+    if not m.mtp_num_layers:
+        return None
+    return (f"model.mtp_num_layers = {m.mtp_num_layers}: transformers has no multi-token prediction; the export "
+            f"leaves its layers out (the model's own logits are unchanged)")
+
+
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
@@ -420,6 +428,8 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     np_dtype = numpy_dtype(dtype)
     arch = architecture(m)
     shapes = tensor_shapes(m, check_source(source))  # DeepSeek-V3's routers keep their expert bias
+    # transformers has no multi-token prediction: its depths (`mtp/`) are left out (mtp_left_out)
+    shapes = {k: v for k, v in shapes.items() if not k.startswith("mtp/")}
     rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")

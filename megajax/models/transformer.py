@@ -23,7 +23,7 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.attention import Attention, make_attention_core
-from megajax.models.layers import (Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
+from megajax.models.layers import (Dense, Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
 from megajax.models.mla import MultiLatentAttention
 from megajax.models.mlp import MLP
@@ -72,6 +72,21 @@ class Block(nnx.Module):
         x = logical_constraint(x_BxLxD + h, RESIDUAL)
         mlp_kwargs = {} if expert_bias_E is None else {"expert_bias_E": expert_bias_E}
         return logical_constraint(x + self.mlp(self.mlp_norm(x), fused=False, **mlp_kwargs), RESIDUAL), cache_k, cache_v
+
+
+class MTPLayer(nnx.Module):
+    """One multi-token prediction depth (Megatron-Core's MTP): the previous depth's hidden state and
+    the embedding of the token one place further ahead, each normalised, concatenated and projected
+    back to the hidden size, then one (dense) transformer block and its own final norm; the model's
+    output layer gives the logits."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.embed_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
+        self.hidden_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
+        self.proj = Dense(2 * h, h, axes=(None, "embed"), init_std=cfg.init_std, dtype=dtype, rngs=rngs)
+        self.block = Block(cfg, dtype=dtype, attention_core=attention_core, ops=ops, rngs=rngs, moe=False)
+        self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
 
 
 def _add_layers_axis(module: nnx.Module) -> None:
@@ -126,6 +141,13 @@ class Transformer(nnx.Module):
             self.dense_layers = make_blocks(cfg.num_layers - cfg.num_moe_layers(), False)
         else:
             self.layers = make_blocks(cfg.num_layers, bool(cfg.num_experts))
+        if cfg.mtp_num_layers:  # multi-token prediction depths, stacked like the layers
+            @nnx.split_rngs(splits=cfg.mtp_num_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.mtp_num_layers)
+            def make_mtp(rngs):
+                return MTPLayer(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs)
+            self.mtp = make_mtp(rngs)
+            _add_layers_axis(self.mtp)
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.ops = ops
@@ -144,7 +166,7 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None,
                  dropout_rng: jax.Array | None = None, router_stats: bool = False,
-                 expert_bias: jax.Array | None = None):
+                 expert_bias: jax.Array | None = None, mtp: bool = False):
         """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min.
 
         `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
@@ -158,7 +180,26 @@ class Transformer(nnx.Module):
         x, stats = self.layer_stack(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                                     dropout_rng=rngs[1], expert_bias=expert_bias)
         logits = self.logits(x)
+        if mtp:  # (logits, router stats, the MTP depths' logits [depths, B, L, padded vocab])
+            return logits, stats, self.mtp_logits(tokens_BxL, x, positions_BxL, segment_ids_BxL)
         return (logits, stats) if router_stats else logits
+
+    def mtp_logits(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL) -> jax.Array:
+        """Multi-token prediction: depth k (from 1) predicts the token k + 1 places ahead of each
+        position, from depth k - 1's hidden state (the model's last one for k = 1) and the embedding of
+        the tokens shifted k places left (the last k positions see wrapped tokens: the loss masks them).
+        No dropout. [depths, B, L, padded vocab]."""
+        graphdef, state = nnx.split(self.mtp)
+        inv_freq, h, tokens, out = self.rope_inv_freq(), x_BxLxD, tokens_BxL, []
+        for k in range(self.cfg.mtp_num_layers):
+            layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
+            tokens = jnp.roll(tokens, -1, axis=1)
+            emb = layer.embed_norm(self.embed_tokens(tokens, positions_BxL))
+            h = layer.proj(jnp.concatenate([emb, layer.hidden_norm(h)], axis=-1))
+            h, _ = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,
+                               segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=None)
+            out.append(self._mask_padding(self._output_layer(layer.final_norm(h))))
+        return jnp.stack(out)
 
     def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
         """The first layer's input [B, L, D]: embeddings with their dropout (`dropout_rng`: the first
@@ -249,7 +290,9 @@ class Transformer(nnx.Module):
 
     def output_logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """Final norm and output layer: logits [B, L, padded vocab], the padding columns as computed."""
-        x = self.final_norm(x_BxLxD)
+        return self._output_layer(self.final_norm(x_BxLxD))
+
+    def _output_layer(self, x: jax.Array) -> jax.Array:
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:
@@ -258,7 +301,9 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """Final norm and output layer: logits [B, L, padded vocab]; padding columns hold the dtype's min."""
-        logits = self.output_logits(x_BxLxD)
+        return self._mask_padding(self.output_logits(x_BxLxD))
+
+    def _mask_padding(self, logits: jax.Array) -> jax.Array:
         if self.padded_vocab_size != self.vocab_size:
             real = jnp.arange(self.padded_vocab_size) < self.vocab_size
             logits = jnp.where(real, logits, jnp.finfo(logits.dtype).min)

@@ -38,14 +38,15 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
         experts = sum(math.prod(s) for name, s in shapes.items() if name.startswith("layers/mlp/")
                       and name.count("/") == 2 and name != "layers/mlp/router")
         kernels += experts * cfg.moe_router_topk // cfg.num_experts + math.prod(shapes["layers/mlp/router"])
-    return kernels + math.prod(shapes.get("output", shapes["embed/embedding"]))
+    # the output layer, once more per multi-token prediction depth
+    return kernels + (1 + cfg.mtp_num_layers) * math.prod(shapes.get("output", shapes["embed/embedding"]))
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> float:
     # Multi-latent attention: QK^T over qk_head_dim + qk_pos_emb_head_dim dims, AV over v_head_dim.
     dims = ((cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) / 2 if cfg.multi_latent_attention
             else cfg.head_dim)
-    attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * dims
+    attention = 6 * (cfg.num_layers + cfg.mtp_num_layers) * seq_len * cfg.num_heads * dims
     return 6.0 * matmul_params(cfg, padded_vocab) + attention
 
 

@@ -445,6 +445,8 @@ def _record(tr: Trainer, step: int, consumed: int, host: dict, losses: list[floa
         "loss_scale": float(host["loss_scale"]) if health.fp16 else None,
     }
     record.update({k: float(host[k]) for k in MOE_RECORD_FIELDS if k in host})
+    if "mtp_loss" in host:
+        record["mtp_loss"] = float(host["mtp_loss"])
     if health.settling():
         record["note"] = "loss scale settling"
     return record

@@ -66,22 +66,43 @@ def moe_sums(aux: jax.Array, z: jax.Array, dropped: jax.Array, tokens: jax.Array
     return {"moe_aux_loss": aux / per, "moe_z_loss": z / per, "moe_tokens": tokens, "moe_dropped": dropped}
 
 
+def mtp_loss_sum(mtp_logits_DxBxLxV: jax.Array, labels_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
+    """Multi-token prediction's cross entropy summed over tokens, averaged over the depths: depth k
+    (from 1) is scored on the labels k places further on, where the loss mask (shifted alike) keeps
+    them and they are inside the sequence (Megatron-Core's rolled labels and mask)."""
+    depths, _, length = mtp_logits_DxBxLxV.shape[:3]
+    total = 0.0
+    for k in range(1, depths + 1):
+        labels = jnp.roll(labels_BxL, -k, axis=1)
+        mask = jnp.roll(loss_mask_BxL, -k, axis=1) * (jnp.arange(length) < length - k)
+        total = total + jnp.sum(cross_entropy(mtp_logits_DxBxLxV[k - 1], labels) * mask)
+    return total / depths
+
+
 def microbatch_loss(cfg: Config) -> Callable:
     """loss(model, params, fp8 scales, micro, rng, inputs, fp8, expert bias) -> (scaled loss to
     differentiate, metric sums) of one microbatch (of one data-parallel shard inside the vmap).
     `model` is a ModelSpec, `fp8` the scaling state whose scales are replaced by the argument (so
     their "gradients" are the amaxes), `expert_bias` the routers' (or None)."""
     moe = cfg.model.num_experts > 0
+    depths = cfg.model.mtp_num_layers
 
     def loss_fn(model: ModelSpec, params, fp8_scales, micro, rng, inputs: StepInputs, fp8, expert_bias):
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
         bias = {} if expert_bias is None else {"expert_bias": expert_bias}
         out = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                          dropout_rng=rng, fp8=fp8, router_stats=moe, **bias)
-        logits, stats = out if moe else (out, None)
+                          dropout_rng=rng, fp8=fp8, router_stats=moe, **bias, **({"mtp": True} if depths else {}))
+        if depths:
+            logits, stats, mtp_logits = out
+        else:
+            logits, stats = out if moe else (out, None)
         loss_sum = jnp.sum(cross_entropy(logits, micro["labels"]) * micro["loss_mask"])
         sums = {"loss_sum": loss_sum}
         loss = loss_sum / inputs.num_tokens
+        if depths:
+            mtp_sum = mtp_loss_sum(mtp_logits, micro["labels"], micro["loss_mask"])
+            sums["mtp_loss_sum"] = mtp_sum
+            loss = loss + cfg.model.mtp_loss_scaling_factor * mtp_sum / inputs.num_tokens
         if moe:
             # The model runs on the whole microbatch (vmapped_axes): its statistics are global.
             aux, z = router_losses(stats, stats.balance_tokens, stats.count, cfg.model)

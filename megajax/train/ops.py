@@ -153,6 +153,8 @@ RECORD_FIELDS = {
     "skipped_steps": RecordField("steps skipped for non-finite loss or gradients so far"),
     "loss_scale": RecordField("fp16 dynamic loss scale (null without fp16)"),
     "note": RecordField("a remark on the interval (e.g. the fp16 loss scale settling)"),
+    "mtp_loss": RecordField("multi-token prediction's cross entropy (mean over its depths; model.mtp_num_layers)",
+                            "megajax_mtp_loss"),
     "moe_aux_loss": RecordField("MoE load-balancing loss (mean over MoE layers)", "megajax_moe_aux_loss"),
     "moe_z_loss": RecordField("MoE router z-loss (mean over MoE layers)", "megajax_moe_z_loss"),
     "moe_max_expert_share": RecordField("busiest expert's share of token assignments",

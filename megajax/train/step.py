@@ -65,7 +65,8 @@ MOE_METRIC_KEYS = MOE_RECORD_FIELDS
 
 
 def metric_keys(cfg: Config) -> tuple[str, ...]:
-    return METRIC_KEYS + (MOE_METRIC_KEYS if cfg.model.num_experts else ())
+    return (METRIC_KEYS + (MOE_METRIC_KEYS if cfg.model.num_experts else ())
+            + (("mtp_loss",) if cfg.model.mtp_num_layers else ()))
 
 
 def batch_shardings(mesh: Mesh, rules: ShardingRules, keys) -> dict:
@@ -119,6 +120,8 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
                    "loss_scale": inputs.scale, "num_tokens": inputs.num_tokens}
         if moe:
             metrics.update(moe_metrics(g.sums, cfg.model.moe_router_topk))
+        if "mtp_loss_sum" in g.sums:  # multi-token prediction's cross entropy (not in `loss`)
+            metrics["mtp_loss"] = g.sums["mtp_loss_sum"] / inputs.num_tokens
         return new_state, metrics
 
     return finish
