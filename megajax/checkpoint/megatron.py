@@ -170,6 +170,14 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
         problems.append(f"llama3 rope scaling with rope_low_freq_factor={m.rope_low_freq_factor}, "
                         f"rope_high_freq_factor={m.rope_high_freq_factor}, rope_original_max_position="
                         f"{m.rope_original_max_position}: Megatron-Core fixes them at 1, 4 and 8192")
+    if isinstance(m.moe_layer_freq, list) and m.num_experts:
+        problems.append(f"model.moe_layer_freq={m.moe_layer_freq} (the list form, dense layers first) is not "
+                        f"exported to Megatron yet")
+    if m.multi_latent_attention:
+        problems.append("model.multi_latent_attention=true is not exported to Megatron yet")
+    if m.mtp_num_layers:
+        problems.append(f"model.mtp_num_layers={m.mtp_num_layers} (multi-token prediction) is not exported to "
+                        f"Megatron yet")
     if problems:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {'; '.join(problems)}.")
 
