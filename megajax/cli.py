@@ -239,6 +239,30 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megajax.config import load_config
+    from megajax.perf import planner
+    cfg = load_config(args.config, args.overrides)
+    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
+    print(planner.format_plan(report, args.top))
+    if args.json:
+        from megajax.perf.bench import write_json
+        write_json({**report, "ranked": [planner.asdict(c) for c in report["ranked"][:args.top]],
+                    "smallest": [planner.asdict(c) for c in report["smallest"]]}, args.json)
+    if args.output:
+        if not report["ranked"]:
+            print(f"megajax plan: nothing fits {args.cluster}; {args.output} not written", file=sys.stderr)
+            return 1
+        best = report["ranked"][0]
+        command = " ".join(["megajax plan", *(f"--config {c}" for c in args.config), "--cluster", args.cluster,
+                            *args.overrides])
+        header = (f"{command}\nestimated {best.step_seconds:.3f} s/step, MFU {best.mfu:.1%}, "
+                  f"{best.memory['total'] / planner.GIB:.1f} GiB per device: {best.label()}")
+        Path(args.output).write_text(planner.mesh_yaml(best, header))
+        print(f"wrote {args.output}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from megajax.config import load_config
     cfg = load_config(args.config, args.overrides)
@@ -461,6 +485,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
                                                        "(e.g. 8xH100) and say whether the config fits")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("plan", help="choose a mesh for a cluster: every layout estimated (memory, step time), "
+                                    "ranked; the best written as a mesh config")
+    _add_config_args(p)
+    p.add_argument("--cluster", required=True, metavar="NxKIND", help="the devices, e.g. 32xH100 (8 per node)")
+    p.add_argument("--output", metavar="FILE.yaml", help="write the best layout as a mesh config "
+                                                        "(configs/mesh/*.yaml's form)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--device-kinds", metavar="FILE.yaml", help="more device kinds, or other figures for known "
+                                                              "ones (memory_gib, peak_tflops, node_size, "
+                                                              "intra_node_gbps, inter_node_gbps, efficiency)")
+    p.add_argument("--json", metavar="FILE", help="also write the ranked layouts as JSON")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")
     _add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
