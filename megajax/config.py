@@ -575,6 +575,10 @@ def validate(cfg: Config) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         _positive(f"model.{key}", getattr(m, key))
+    if m.qk_norm and m.norm != "rmsnorm":
+        raise ConfigError(f"model.qk_norm = true with model.norm = {m.norm!r}: the q/k norms are RMSNorms, like "
+                          f"the model's other norms in Megatron's qk_layernorm. Set model.norm=rmsnorm or "
+                          f"model.qk_norm=false.")
     for key in ("steps", "seq_len", "global_batch", "micro_batch", "log_every", "loss_scale_window",
                 "hysteresis", "max_skipped_steps"):
         _positive(f"train.{key}", getattr(t, key))

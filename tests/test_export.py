@@ -289,6 +289,9 @@ MEGATRON_CASES = {
         "model.ffn_hidden_size=96", "model.moe_layer_freq=2", "model.moe_router_num_groups=4",
         "model.moe_router_group_topk=2", "model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"],
         2, 1),
+    # Qwen3-MoE: q_layernorm / k_layernorm (head_dim 16, replicated over tensor ranks), pre-softmax routing,
+    # layer 0 MoE and layer 1 dense
+    "qwen3-moe-tp2": ("llama", list(HF_CASES["qwen3-moe"][1]), 2, 1),
 }
 
 

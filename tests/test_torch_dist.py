@@ -153,11 +153,11 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
                                               r"truncated"):
         import_megatron(d)
 
-    d = copy("qk-layernorm")
+    d = copy("rotary-interleaved")
     common = torch.load(d / "iter_0000007" / "common.pt", weights_only=False)
-    common["args"].qk_layernorm = True
+    common["args"].rotary_interleaved = True
     torch.save(common, d / "iter_0000007" / "common.pt")
-    with pytest.raises(CheckpointError, match=r"qk-layernorm/iter_0000007/common.pt'.*qk_layernorm=True cannot be "
+    with pytest.raises(CheckpointError, match=r"rotary-interleaved/iter_0000007/common.pt'.*rotary_interleaved=True cannot be "
                                               r"represented"):
         import_megatron(d)
 
