@@ -153,11 +153,11 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
                                               r"truncated"):
         import_megatron(d)
 
-    d = copy("qk-layernorm")
+    d = copy("rotary-interleaved")
     common = torch.load(d / "iter_0000007" / "common.pt", weights_only=False)
-    common["args"].qk_layernorm = True
+    common["args"].rotary_interleaved = True
     torch.save(common, d / "iter_0000007" / "common.pt")
-    with pytest.raises(CheckpointError, match=r"qk-layernorm/iter_0000007/common.pt'.*qk_layernorm=True cannot be "
+    with pytest.raises(CheckpointError, match=r"rotary-interleaved/iter_0000007/common.pt'.*rotary_interleaved=True cannot be "
                                               r"represented"):
         import_megatron(d)
 
@@ -266,3 +266,30 @@ def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
         assert {k: ours.shape(k) for k in ours.keys()} == {k: theirs.shape(k) for k in theirs.keys()}
         assert set(ours.byte_keys()) == set(theirs.byte_keys()) | (
             {"common_state/shard_0_1"} if version == "0.19" else set())
+
+
+def test_torch_dist_round_trips_qk_layernorm_and_pre_softmax_routing(tmp_path):
+    """A Qwen3-MoE-style model (q/k norms, pre-softmax routing; every layer MoE: torch_dist export takes
+    uniform layers) through torch_dist: megatron-core's dist_checkpointing.load fills a GPTModel built with
+    qk_layernorm at TP 2 that computes megajax's logits; back in megajax, the same parameters bit for bit."""
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    cfg, _, params = random_model("llama", "model.qk_norm=true", "model.head_dim=16", "model.num_experts=4",
+                                  "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                                  "model.moe_router_pre_softmax=true")
+    out = export_torch_dist(DictSource(params, cfg.model), tmp_path / "qwen3", dtype="fp32", iteration=3,
+                            megatron_version="0.16")
+    overrides, got = import_megatron(out)
+    assert overrides == model_overrides(cfg.model) and overrides["qk_norm"] and overrides["moe_router_pre_softmax"]
+    assert_same_params(got, params)
+    saved = DistCheckpoint(out / "iter_0000003")
+    assert {k: saved.shape(k) for k in saved.keys() if "layernorm" in k and "self_attention" in k} == {
+        "decoder.layers.self_attention.q_layernorm.weight": (2, 16),
+        "decoder.layers.self_attention.k_layernorm.weight": (2, 16)}
+    toks = np.random.default_rng(1).integers(0, VOCAB, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", toks)
+    logits = megatron_core_logits(out / "iter_0000003", tmp_path / "tokens.npy", 2, tmp_path / "logits.npy")
+    from megajax.train.state import build_model_spec
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    np.testing.assert_allclose(logits[..., :VOCAB], np.asarray(spec.apply(params, toks))[..., :VOCAB],
+                               atol=1e-4, rtol=1e-4)

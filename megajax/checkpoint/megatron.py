@@ -88,6 +88,9 @@ MEGATRON_ROWS = (
     Row(f"{_L}.self_attention.linear_qkv.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv"),
         groups="kv_heads", split="column"),
     *linear_rows(f"{_L}.self_attention.linear_proj", "layers/attn/o", n_in=2, split="row"),
+    # Per-head q/k norms (qk_layernorm; model.qk_norm): one [head_dim] weight each, on every rank.
+    *norm_rows(f"{_L}.self_attention.q_layernorm", "layers/attn/q_norm"),
+    *norm_rows(f"{_L}.self_attention.k_layernorm", "layers/attn/k_norm"),
     *norm_rows(f"{_L}.pre_mlp_layernorm", "layers/mlp_norm",
                aliases=(f"{_L}.mlp.linear_fc1.layer_norm_weight", f"{_L}.mlp.linear_fc1.layer_norm_bias")),
     Row(f"{_L}.mlp.linear_fc1.weight", linear("layers/mlp/gate/kernel"), linear("layers/mlp/up/kernel"),
@@ -195,7 +198,7 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
-        add_qkv_bias=m.use_bias, qk_layernorm=False,
+        add_qkv_bias=m.use_bias, qk_layernorm=m.qk_norm,
         apply_residual_connection_post_layernorm=False, **_moe_args(m),
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
@@ -214,7 +217,7 @@ def _moe_args(m: ModelConfig) -> dict:
         return dict(num_experts=None)
     return dict(num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
-                moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
+                moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=m.moe_router_pre_softmax, moe_grouped_gemm=False,
                 moe_layer_freq=m.moe_layer_freq, moe_router_score_function=m.moe_router_score_function,
                 moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
                 moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
@@ -494,19 +497,18 @@ def _overrides_from_args(args) -> dict:
     def reject(name, value, accepted):
         raise CheckpointError(f"Megatron args {name}={value!r} cannot be represented in megajax; accepted: {accepted}.")
 
-    for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "qk_layernorm", "rotary_interleaved",
+    for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "rotary_interleaved",
                  "apply_residual_connection_post_layernorm", "multi_latent_attention"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
     moe = {}
     if _arg(args, "num_experts"):
-        for name, accepted in (("moe_router_pre_softmax", False),):
-            value = getattr(args, name, None)
-            if value is not None and value != accepted:
-                reject(name, value, repr(accepted))
         score = _arg(args, "moe_router_score_function", "softmax")
         if score not in ("softmax", "sigmoid"):
             reject("moe_router_score_function", score, "softmax, sigmoid")
+        pre_softmax = bool(_arg(args, "moe_router_pre_softmax", False))
+        if pre_softmax and score != "softmax":
+            reject("moe_router_pre_softmax", True, "True only with moe_router_score_function=softmax")
         rate = 0.0
         if _arg(args, "moe_router_enable_expert_bias", False):
             rate = float(_arg(args, "moe_router_bias_update_rate", 1e-3))
@@ -522,7 +524,8 @@ def _overrides_from_args(args) -> dict:
                    moe_router_num_groups=_arg(args, "moe_router_num_groups"),
                    moe_router_group_topk=_arg(args, "moe_router_group_topk"),
                    moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)),
-                   moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)))
+                   moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)),
+                   moe_router_pre_softmax=pre_softmax)
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
     if _arg(args, "rotary_percent", 1.0) != 1.0:
@@ -535,6 +538,9 @@ def _overrides_from_args(args) -> dict:
     normalization = _arg(args, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
+    qk_norm = bool(_arg(args, "qk_layernorm", False))
+    if qk_norm and normalization != "RMSNorm":
+        reject("qk_layernorm", True, "True only with normalization=RMSNorm (megajax's q/k norms are RMSNorms)")
     out = read_fields(lambda key: getattr(args, key, None), _ARGS, "Megatron args")
     if out["use_bias"] is False and _arg(args, "add_qkv_bias", False):
         reject("add_qkv_bias", True, "add_qkv_bias only together with add_bias_linear (one model.use_bias)")
@@ -549,7 +555,7 @@ def _overrides_from_args(args) -> dict:
                position_embedding="rope" if position == "rope" else "learned",
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-               rope_theta=float(_arg(args, "rotary_base", 10000)))
+               rope_theta=float(_arg(args, "rotary_base", 10000)), qk_norm=qk_norm)
     if moe:
         moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
         out.update(moe)
