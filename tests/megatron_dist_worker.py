@@ -12,11 +12,23 @@ megatron-core 0.18 writes it) and SAVE_DIR/latest_checkpointed_iteration.txt.
 load: builds GPTModel at TP = WORLD from the args of a torch_dist step directory (common.pt or the
 common state dist_checkpointing.load_common_state_dict finds), fills it with
 dist_checkpointing.load(model.sharded_state_dict(), STEP_DIR) and saves rank 0's logits.
+
+    python megatron_dist_worker.py step STEP_DIR TOKENS.npy OUT_DIR LR PORT
+
+step (one process, TP 1): GPTModel and megatron-core's Adam (get_megatron_optimizer, fp32: its
+FP32Optimizer over torch's AdamW) loaded from a torch_dist checkpoint with optimizer state
+(dist_checkpointing.load of the model's and the optimizer's sharded state dicts, then
+optimizer.load_state_dict); writes what it loaded as OUT_DIR/loaded/ (dist_checkpointing.save of
+both), takes one step on TOKENS (next-token cross entropy, learning rate LR and weight decay
+args.weight_decay x each group's wd_mult, as megatron's scheduler sets them; no clipping) and
+writes the gradients as a legacy checkpoint OUT_DIR/grads/ and the state after the step as
+OUT_DIR/stepped/.
 """
 
 import os
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -61,6 +73,73 @@ def load(step, tokens_file, out_file, rank, world, port):
     save_logits([model.eval()], tokens_file, out_file, rank)
 
 
+def on_cpu():
+    """megatron-core's optimizers make small tensors on 'cuda' unconditionally: made on the CPU here."""
+    def wrap(make):
+        def made(*a, **k):
+            if str(k.get("device", "")).startswith("cuda"):
+                k["device"] = "cpu"
+            return make(*a, **k)
+        return made
+    for name in ("tensor", "zeros", "empty", "ones"):
+        setattr(torch, name, wrap(getattr(torch, name)))
+
+
+def save_with_optimizer(save_dir, model, optimizer, args, iteration):
+    """SAVE_DIR/iter_{iteration:07d} with the model and optimizer, as Megatron-LM writes them."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    step = os.path.join(save_dir, f"iter_{iteration:07d}")
+    os.makedirs(step)
+    state = {"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(model.sharded_state_dict()),
+             "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    dist_checkpointing.save(state, step, TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(iteration))
+
+
+def step(step_dir, tokens_file, out_dir, lr, port):
+    init(0, 1, port)
+    on_cpu()
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    common = dist_checkpointing.load_common_state_dict(step_dir)
+    args, iteration = common["args"], int(common["iteration"])
+    model = build_model(args, 1, 1, 0)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, bf16=False, fp16=False, clip_grad=0.0), [ddp])
+    state = dist_checkpointing.load({"model": model.sharded_state_dict(), "optimizer": optimizer.sharded_state_dict(
+        model.sharded_state_dict(), is_loading=True)}, step_dir)
+    model.load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    save_with_optimizer(os.path.join(out_dir, "loaded"), model, optimizer, args, iteration)
+    for group in optimizer.param_groups:  # OptimizerParamScheduler's part
+        group["lr"], group["weight_decay"] = lr, args.weight_decay * group["wd_mult"]
+    tokens = torch.from_numpy(np.load(tokens_file)).long()
+    b, l = tokens.shape
+    positions = torch.arange(l)[None].expand(b, l)
+    mask = torch.triu(torch.ones(l, l, dtype=torch.bool), 1)[None, None]
+    optimizer.zero_grad()
+    ddp.zero_grad_buffer()
+    logits = ddp(tokens, positions, mask)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    ddp.finish_grad_sync()
+    grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
+    ok, _, _ = optimizer.step()
+    assert ok
+    legacy = os.path.join(out_dir, "grads", "iter_0000001", "mp_rank_00")
+    os.makedirs(legacy)
+    torch.save({"model": grads, "args": args, "checkpoint_version": 3.0, "iteration": 1},
+               os.path.join(legacy, "model_optim_rng.pt"))
+    with open(os.path.join(out_dir, "grads", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+    save_with_optimizer(os.path.join(out_dir, "stepped"), model, optimizer, args, iteration + 1)
+
+
 if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "save":
@@ -71,6 +150,9 @@ if __name__ == "__main__":
                 os.makedirs(out)
             dist.barrier()
             save(legacy, out, toks, int(rank), int(world))
+    elif mode == "step":
+        directory, toks, out, lr, port = rest
+        step(directory, toks, out, float(lr), int(port))
     else:
         step, toks, out, rank, world, port = rest
         load(step, toks, out, int(rank), int(world), int(port))

@@ -266,3 +266,105 @@ def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
         assert {k: ours.shape(k) for k in ours.keys()} == {k: theirs.shape(k) for k in theirs.keys()}
         assert set(ours.byte_keys()) == set(theirs.byte_keys()) | (
             {"common_state/shard_0_1"} if version == "0.19" else set())
+
+
+ADAM_STEP = 5
+
+
+@pytest.fixture(scope="module")
+def trained(saved, tmp_path_factory):
+    """(cfg, params, (mu, nu), save dir): a megajax checkpoint of step ADAM_STEP holding the dense model's
+    parameters and an Adam state as training leaves it (optax adamw's, moments drawn at random, both
+    counts ADAM_STEP), saved as the train state's `params` and `opt_state` are."""
+    import jax
+    from megajax.checkpoint.manager import Checkpointer
+    from megajax.train.optimizer import make_optimizer
+    cfg, params = saved["dense"][:2]
+    rng = np.random.default_rng(2)
+    mu = jax.tree.map(lambda x: rng.normal(0, 1e-2, x.shape).astype(np.float32), params)
+    nu = jax.tree.map(lambda x: (rng.normal(0, 1e-2, x.shape) ** 2).astype(np.float32), params)
+    for moments in (mu, nu):  # the vocabulary padding gets no gradient
+        moments["embed"]["embedding"][VOCAB:] = 0
+        moments["output"][:, VOCAB:] = 0
+    opt = make_optimizer(cfg.optim, cfg.train.steps).init(params)
+    count = np.int32(ADAM_STEP)
+    opt = (opt[0]._replace(count=count, mu=mu, nu=nu), opt[1], opt[2]._replace(count=count))
+    run = tmp_path_factory.mktemp("adam")
+    ckpt = Checkpointer(run / "checkpoints", keep=1, async_save=False)
+    state = jax.tree.map(jax.numpy.asarray, {"step": count, "params": params, "opt_state": opt})
+    ckpt.save(ADAM_STEP, state, {"step": ADAM_STEP, "consumed_samples": 40, "config": cfg.to_dict()}, wait=True)
+    ckpt.close()
+    return cfg, params, (mu, nu), run
+
+
+def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, tmp_path, capsys):
+    """megajax export --with-optimizer: megatron-core 0.16.1's get_megatron_optimizer (FP32Optimizer over
+    torch's AdamW) loads the Adam moments bit for bit, and its next step equals optax's from the same
+    state and gradients (the step count carried over: bias correction); megajax reads its moments and
+    step back, and megajax -> torch_dist -> megajax is exact in both common-state forms."""
+    import optax
+    from megajax.checkpoint.megatron import export_torch_dist, import_megatron_adam
+    from megajax.checkpoint.megatron_optimizer import checkpoint_adam
+    from megajax.checkpoint.manager import CheckpointSource, find_step_dir, read_meta
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    from megajax.config import OptimConfig
+    from megajax.train.optimizer import make_optimizer
+    cfg, params, (mu, nu), run = trained
+    out = tmp_path / "mcore"
+    assert main(["export", "--format", "megatron", "--checkpoint", str(run), "--output", str(out), "--dtype", "fp32",
+                 "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    assert f"with the optimizer state (Adam moments, step {ADAM_STEP})" in capsys.readouterr().out
+    step = out / f"iter_{ADAM_STEP:07d}"
+    ours, theirs = DistCheckpoint(step), DistCheckpoint(save_dir := saved["dense"][2] / "iter_0000007")
+    model_keys = {k: theirs.shape(k) for k in theirs.keys()}
+    assert {k: ours.shape(k) for k in ours.keys()} == {**model_keys, **{
+        f"optimizer.state.{s}.{k}": v for k, v in model_keys.items() for s in ("exp_avg", "exp_avg_sq")}}
+    got = import_megatron_adam(out)
+    assert got["count"] == ADAM_STEP and got["params"] is None
+    assert_same_params(got["mu"], mu)
+    assert_same_params(got["nu"], nu)
+    step_dir = find_step_dir(run)
+    for version in ("0.19",):  # the common state inside the shards; with bf16 weights, fp32 main parameters
+        back = import_megatron_adam(export_torch_dist(
+            CheckpointSource(step_dir), tmp_path / version, dtype="bf16", iteration=ADAM_STEP,
+            megatron_version=version, adam=checkpoint_adam(step_dir, read_meta(step_dir))))
+        assert back["count"] == ADAM_STEP
+        for name, want in (("mu", mu), ("nu", nu), ("params", params)):
+            assert_same_params(back[name], want)
+
+    lr = 1e-3
+    np.save(tmp_path / "tokens.npy", saved["dense"][3])
+    with open(tmp_path / "step.log", "w") as log:
+        proc = subprocess.run([sys.executable, WORKER, "step", str(step), str(tmp_path / "tokens.npy"),
+                               str(tmp_path / "step"), str(lr), str(free_port())],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=300)
+    assert proc.returncode == 0, (tmp_path / "step.log").read_text()[-3000:]
+    loaded = import_megatron_adam(tmp_path / "step" / "loaded")  # what megatron-core's optimizer holds
+    assert loaded["count"] == ADAM_STEP
+    assert_same_params(loaded["mu"], mu)
+    assert_same_params(loaded["nu"], nu)
+    grads = import_megatron(tmp_path / "step" / "grads")[1]
+    theirs_params = import_megatron(tmp_path / "step" / "stepped")[1]
+    theirs_adam = import_megatron_adam(tmp_path / "step" / "stepped")
+    o = cfg.optim
+    tx = make_optimizer(OptimConfig(lr=lr, min_lr=lr, warmup_steps=0, decay_style="constant",
+                                    weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps), 100)
+    state = tx.init(params)
+    state = (state[0]._replace(count=np.int32(ADAM_STEP), mu=mu, nu=nu), state[1],
+             state[2]._replace(count=np.int32(ADAM_STEP)))
+    updates, state = tx.update(grads, state, params)
+    ours_params = optax.apply_updates(params, updates)
+    assert theirs_adam["count"] == ADAM_STEP + 1 == int(state[0].count)
+    for name, a, b in (("params", theirs_params, ours_params), ("mu", theirs_adam["mu"], state[0].mu),
+                       ("nu", theirs_adam["nu"], state[0].nu)):
+        a, b = dict(flatten(a)), dict(flatten(jax_tree_numpy(b)))
+        for k in b:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7 if name != "nu" else 1e-10,
+                                       err_msg=f"{name} {k}")
+    assert not np.array_equal(dict(flatten(theirs_params))["output"], dict(flatten(params))["output"])
+
+
+def jax_tree_numpy(tree):
+    import jax
+    return jax.tree.map(np.asarray, tree)
