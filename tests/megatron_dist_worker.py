@@ -18,8 +18,8 @@ dist_checkpointing.load(model.sharded_state_dict(), STEP_DIR) and saves rank 0's
 step (one process, TP 1): GPTModel and megatron-core's Adam (get_megatron_optimizer, fp32: its
 FP32Optimizer over torch's AdamW) loaded from a torch_dist checkpoint with optimizer state
 (dist_checkpointing.load of the model's and the optimizer's sharded state dicts, then
-optimizer.load_state_dict); writes what it loaded as OUT_DIR/loaded/ (dist_checkpointing.save of
-both), takes one step on TOKENS (next-token cross entropy, learning rate LR and weight decay
+optimizer.load_state_dict); writes the moments it loaded as legacy checkpoints
+OUT_DIR/loaded/exp_avg/ and .../exp_avg_sq/ (torch AdamW's state per parameter), takes one step on TOKENS (next-token cross entropy, learning rate LR and weight decay
 args.weight_decay x each group's wd_mult, as megatron's scheduler sets them; no clipping) and
 writes the gradients as a legacy checkpoint OUT_DIR/grads/ and the state after the step as
 OUT_DIR/stepped/.
@@ -98,6 +98,17 @@ def save_with_optimizer(save_dir, model, optimizer, args, iteration):
         f.write(str(iteration))
 
 
+def save_legacy(save_dir, tensors, args):
+    """{parameter name: tensor} as a legacy (TP 1) checkpoint SAVE_DIR/iter_0000001, which megajax's
+    import reads into its own layout."""
+    rank = os.path.join(save_dir, "iter_0000001", "mp_rank_00")
+    os.makedirs(rank)
+    torch.save({"model": {n: t.detach().clone() for n, t in tensors.items()}, "args": args,
+                "checkpoint_version": 3.0, "iteration": 1}, os.path.join(rank, "model_optim_rng.pt"))
+    with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("1")
+
+
 def step(step_dir, tokens_file, out_dir, lr, port):
     init(0, 1, port)
     on_cpu()
@@ -115,7 +126,10 @@ def step(step_dir, tokens_file, out_dir, lr, port):
         model.sharded_state_dict(), is_loading=True)}, step_dir)
     model.load_state_dict(state["model"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
-    save_with_optimizer(os.path.join(out_dir, "loaded"), model, optimizer, args, iteration)
+    inner = optimizer.chained_optimizers[0].optimizer  # torch's AdamW
+    for what in ("exp_avg", "exp_avg_sq"):  # what it loaded, as legacy checkpoints
+        save_legacy(os.path.join(out_dir, "loaded", what), {n: inner.state[p][what] for n, p in model.named_parameters()},
+                    args)
     for group in optimizer.param_groups:  # OptimizerParamScheduler's part
         group["lr"], group["weight_decay"] = lr, args.weight_decay * group["wd_mult"]
     tokens = torch.from_numpy(np.load(tokens_file)).long()
@@ -131,12 +145,7 @@ def step(step_dir, tokens_file, out_dir, lr, port):
     grads = {n: p.main_grad.detach().clone() for n, p in model.named_parameters()}
     ok, _, _ = optimizer.step()
     assert ok
-    legacy = os.path.join(out_dir, "grads", "iter_0000001", "mp_rank_00")
-    os.makedirs(legacy)
-    torch.save({"model": grads, "args": args, "checkpoint_version": 3.0, "iteration": 1},
-               os.path.join(legacy, "model_optim_rng.pt"))
-    with open(os.path.join(out_dir, "grads", "latest_checkpointed_iteration.txt"), "w") as f:
-        f.write("1")
+    save_legacy(os.path.join(out_dir, "grads"), grads, args)
     save_with_optimizer(os.path.join(out_dir, "stepped"), model, optimizer, args, iteration + 1)
 
 

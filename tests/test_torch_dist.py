@@ -297,7 +297,28 @@ def trained(saved, tmp_path_factory):
     return cfg, params, (mu, nu), run
 
 
-def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, tmp_path, capsys):
+LR = 1e-3
+
+
+@pytest.fixture(scope="module")
+def continued(trained, saved, tmp_path_factory):
+    """(export, worker dir): `trained` exported with --with-optimizer (fp32, megatron-core 0.16's form),
+    and megatron-core's step from it (megatron_dist_worker.py step: loaded/, grads/, stepped/)."""
+    root = tmp_path_factory.mktemp("continued")
+    out = root / "mcore"
+    assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output", str(out),
+                 "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    np.save(root / "tokens.npy", saved["dense"][3])
+    with open(root / "step.log", "w") as log:
+        proc = subprocess.run([sys.executable, WORKER, "step", str(out / f"iter_{ADAM_STEP:07d}"),
+                               str(root / "tokens.npy"), str(root / "step"), str(LR), str(free_port())],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=300)
+    assert proc.returncode == 0, (root / "step.log").read_text()[-3000:]
+    return out, root / "step"
+
+
+def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, continued, tmp_path, capsys):
     """megajax export --with-optimizer: megatron-core 0.16.1's get_megatron_optimizer (FP32Optimizer over
     torch's AdamW) loads the Adam moments bit for bit, and its next step equals optax's from the same
     state and gradients (the step count carried over: bias correction); megajax reads its moments and
@@ -310,11 +331,9 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
     from megajax.config import OptimConfig
     from megajax.train.optimizer import make_optimizer
     cfg, params, (mu, nu), run = trained
-    out = tmp_path / "mcore"
-    assert main(["export", "--format", "megatron", "--checkpoint", str(run), "--output", str(out), "--dtype", "fp32",
-                 "--with-optimizer", "--megatron-version", "0.16"]) == 0
-    assert f"with the optimizer state (Adam moments, step {ADAM_STEP})" in capsys.readouterr().out
+    out, worker = continued
     step = out / f"iter_{ADAM_STEP:07d}"
+    assert json.loads((step / "metadata.json").read_text())["common_backend"] == "torch"
     ours, theirs = DistCheckpoint(step), DistCheckpoint(save_dir := saved["dense"][2] / "iter_0000007")
     model_keys = {k: theirs.shape(k) for k in theirs.keys()}
     assert {k: ours.shape(k) for k in ours.keys()} == {**model_keys, **{
@@ -332,23 +351,13 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
         for name, want in (("mu", mu), ("nu", nu), ("params", params)):
             assert_same_params(back[name], want)
 
-    lr = 1e-3
-    np.save(tmp_path / "tokens.npy", saved["dense"][3])
-    with open(tmp_path / "step.log", "w") as log:
-        proc = subprocess.run([sys.executable, WORKER, "step", str(step), str(tmp_path / "tokens.npy"),
-                               str(tmp_path / "step"), str(lr), str(free_port())],
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
-                              timeout=300)
-    assert proc.returncode == 0, (tmp_path / "step.log").read_text()[-3000:]
-    loaded = import_megatron_adam(tmp_path / "step" / "loaded")  # what megatron-core's optimizer holds
-    assert loaded["count"] == ADAM_STEP
-    assert_same_params(loaded["mu"], mu)
-    assert_same_params(loaded["nu"], nu)
-    grads = import_megatron(tmp_path / "step" / "grads")[1]
-    theirs_params = import_megatron(tmp_path / "step" / "stepped")[1]
-    theirs_adam = import_megatron_adam(tmp_path / "step" / "stepped")
+    for what, want in (("exp_avg", mu), ("exp_avg_sq", nu)):  # what megatron-core's optimizer holds
+        assert_same_params(import_megatron(worker / "loaded" / what)[1], want)
+    grads = import_megatron(worker / "grads")[1]
+    theirs_params = import_megatron(worker / "stepped")[1]
+    theirs_adam = import_megatron_adam(worker / "stepped")
     o = cfg.optim
-    tx = make_optimizer(OptimConfig(lr=lr, min_lr=lr, warmup_steps=0, decay_style="constant",
+    tx = make_optimizer(OptimConfig(lr=LR, min_lr=LR, warmup_steps=0, decay_style="constant",
                                     weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps), 100)
     state = tx.init(params)
     state = (state[0]._replace(count=np.int32(ADAM_STEP), mu=mu, nu=nu), state[1],
@@ -368,3 +377,48 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
 def jax_tree_numpy(tree):
     import jax
     return jax.tree.map(np.asarray, tree)
+
+
+def test_checkpoint_load_restores_megatron_optimizer_state(continued, tmp_path):
+    """checkpoint.load of the torch_dist checkpoint megatron-core saved after its step (model and
+    optimizer): the run starts from its parameters, Adam moments and step count (Adam's and the
+    schedule's), and says so."""
+    import jax
+    from conftest import SMALL
+    from megajax.checkpoint.megatron import import_megatron_adam
+    from megajax.checkpoint.stored_model import train_config
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup, initial_state
+    save = continued[1] / "stepped"
+    run = [o for o in SMALL if not o.startswith("model.")] + ["train.steps=1", "data.tokenizer=byte"]
+    cfg = train_config(overrides=run + [f"checkpoint.load={save}", f"train.run_dir={tmp_path / 'a'}"])
+    state, consumed, origin, resumed = initial_state(build_setup(make_plan(cfg, len(jax.devices()))))
+    assert origin == (f"parameters from the Megatron checkpoint {save}, optimizer state from it (Adam moments, "
+                      f"step count {ADAM_STEP + 1})") and consumed == 0 and resumed is None
+    theirs = import_megatron_adam(save)
+    assert_same_params(jax.tree.map(np.asarray, state.opt_state[0].mu), theirs["mu"])
+    assert_same_params(jax.tree.map(np.asarray, state.opt_state[0].nu), theirs["nu"])
+    assert int(state.opt_state[0].count) == int(state.opt_state[2].count) == ADAM_STEP + 1
+
+
+def test_with_optimizer_needs_optimizer_state(saved, tmp_path, capsys):
+    """--with-optimizer of a checkpoint without optimizer state (an import) or of a mixture-of-experts
+    model: one paragraph naming what is missing."""
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.megatron_optimizer import AdamState
+    cfg, params = saved["dense"][:2]
+    step_dir = write_params_checkpoint(params, cfg, tmp_path / "imported", step=3)
+    assert main(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "imported"), "--output",
+                 str(tmp_path / "out"), "--tokenizer", "byte", "--with-optimizer"]) != 0
+    err = capsys.readouterr().err
+    assert f"--with-optimizer: checkpoint {step_dir} holds no optimizer state (written by `megajax import`" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "imported"), "--output",
+                 str(tmp_path / "hf"), "--tokenizer", "byte", "--with-optimizer"]) != 0
+    assert "--with-optimizer writes megatron-core's optimizer state into a torch_dist" in capsys.readouterr().err
+    moe_cfg, moe_params = saved["moe"][:2]
+    with pytest.raises(CheckpointError, match=r"--with-optimizer: megajax writes megatron-core's optimizer state "
+                                              r"for dense models"):
+        export_torch_dist(DictSource(moe_params, moe_cfg.model), tmp_path / "moe", iteration=3,
+                          adam=AdamState(None, None, 3, {}, {}, 0))

@@ -270,10 +270,11 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
         return jax.device_put(np.asarray(adam["count"], c.dtype), c.sharding)
     opt = []
     for part in state.opt_state:  # optax adamw: (Adam's moments and count, weight decay, the schedule's count)
-        if hasattr(part, "mu"):
+        fields = getattr(part, "_fields", ())
+        if "mu" in fields:
             part = part._replace(count=count(part.count), mu=placed(adam["mu"], part.mu, "Adam moments"),
                                  nu=placed(adam["nu"], part.nu, "Adam moments"))
-        elif hasattr(part, "count"):
+        elif "count" in fields:
             part = part._replace(count=count(part.count))
         opt.append(part)
     state = state.replace(opt_state=type(state.opt_state)(opt))
