@@ -2,6 +2,7 @@
 megatron-core's own dist_checkpointing, on CPU over gloo (used by test_torch_dist.py).
 
     python megatron_dist_worker.py save TOKENS.npy RANK WORLD PORT LEGACY_STEP_DIR SAVE_DIR [LEGACY SAVE ...]
+        [--step STEP_DIR OUT_DIR LR]   (WORLD 1: then `step` below, in the same process)
     python megatron_dist_worker.py load STEP_DIR TOKENS.npy OUT.npy RANK WORLD PORT
 
 save: for each pair, builds GPTModel (local spec) from a legacy checkpoint's args at TP = WORLD, loads
@@ -109,8 +110,9 @@ def save_legacy(save_dir, tensors, args):
         f.write("1")
 
 
-def step(step_dir, tokens_file, out_dir, lr, port):
-    init(0, 1, port)
+def step(step_dir, tokens_file, out_dir, lr, port=None):
+    if port is not None:
+        init(0, 1, port)
     on_cpu()
     from megatron.core import dist_checkpointing
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -153,12 +155,16 @@ if __name__ == "__main__":
     mode, *rest = sys.argv[1:]
     if mode == "save":
         toks, rank, world, port, *pairs = rest
+        then = pairs[pairs.index("--step") + 1:] if "--step" in pairs else None
+        pairs = pairs[:pairs.index("--step")] if then else pairs
         init(int(rank), int(world), int(port))
         for legacy, out in zip(pairs[::2], pairs[1::2]):
             if int(rank) == 0:
                 os.makedirs(out)
             dist.barrier()
             save(legacy, out, toks, int(rank), int(world))
+        if then:  # in the same process (one megatron-core start-up for all)
+            step(then[0], toks, then[1], float(then[2]))
     elif mode == "step":
         directory, toks, out, lr, port = rest
         step(directory, toks, out, float(lr), int(port))

@@ -28,6 +28,8 @@ WORKER = str(Path(__file__).with_name("megatron_dist_worker.py"))
 MOE = ("model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=32")
 CASES = {"dense": (), "moe": MOE}  # llama (GQA, SwiGLU, RMSNorm, RoPE, untied); + SequentialMLP experts [L, E, ...]
 SEQ = 16
+ADAM_STEP = 5  # the update count of the Adam state exported with --with-optimizer
+LR = 1e-3  # megatron-core's step from it
 
 
 def free_port():
@@ -37,10 +39,11 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{case: (cfg, params, save dir, tokens, megatron-core's logits)}: each random model written as a
-    legacy checkpoint, loaded into megatron-core's GPTModel and saved by its dist_checkpointing (one
-    process for both cases)."""
+def megatron_core_runs(trained, tmp_path_factory):
+    """(root, {case: (cfg, params, save dir, tokens)}): one megatron-core process (megatron_dist_worker.py
+    save) for all: each random model written as a legacy checkpoint, loaded into megatron-core's GPTModel
+    and saved by its dist_checkpointing; and its Adam step from `trained` exported with --with-optimizer
+    (fp32, megatron-core 0.16's form; step: loaded/, grads/, stepped/ under root/step)."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("torch_dist")
     toks = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ)).astype(np.int64)
@@ -51,12 +54,21 @@ def saved(tmp_path_factory):
         export_megatron(DictSource(params, cfg.model), root / f"{case}-legacy", dtype="fp32", iteration=7)
         pairs += [str(root / f"{case}-legacy" / "iter_0000007"), str(root / case)]
         out[case] = (cfg, params, root / case, toks)
+    assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output", str(root / "adam"),
+                 "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    step = ["--step", str(root / "adam" / f"iter_{ADAM_STEP:07d}"), str(root / "step"), str(LR)]
     with open(root / "worker.log", "w") as log:  # a file, not a pipe: no wait on what the worker spawned
         proc = subprocess.run([sys.executable, WORKER, "save", str(root / "tokens.npy"), "0", "1",
-                               str(free_port()), *pairs], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                              stderr=subprocess.STDOUT, timeout=300)
+                               str(free_port()), *pairs, *step], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              stdout=log, stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, (root / "worker.log").read_text()[-3000:]
-    return {case: (*v, np.load(v[2] / "logits.npy")) for case, v in out.items()}
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def saved(megatron_core_runs):
+    """{case: (cfg, params, save dir, tokens, megatron-core's logits)} (megatron_core_runs)."""
+    return {case: (*v, np.load(v[2] / "logits.npy")) for case, v in megatron_core_runs[1].items()}
 
 
 def assert_same_params(got, want):
@@ -268,18 +280,15 @@ def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
             {"common_state/shard_0_1"} if version == "0.19" else set())
 
 
-ADAM_STEP = 5
-
-
 @pytest.fixture(scope="module")
-def trained(saved, tmp_path_factory):
+def trained(tmp_path_factory):
     """(cfg, params, (mu, nu), save dir): a megajax checkpoint of step ADAM_STEP holding the dense model's
     parameters and an Adam state as training leaves it (optax adamw's, moments drawn at random, both
     counts ADAM_STEP), saved as the train state's `params` and `opt_state` are."""
     import jax
     from megajax.checkpoint.manager import Checkpointer
     from megajax.train.optimizer import make_optimizer
-    cfg, params = saved["dense"][:2]
+    cfg, _, params = random_model("llama", *CASES["dense"])
     rng = np.random.default_rng(2)
     mu = jax.tree.map(lambda x: rng.normal(0, 1e-2, x.shape).astype(np.float32), params)
     nu = jax.tree.map(lambda x: (rng.normal(0, 1e-2, x.shape) ** 2).astype(np.float32), params)
@@ -297,25 +306,11 @@ def trained(saved, tmp_path_factory):
     return cfg, params, (mu, nu), run
 
 
-LR = 1e-3
-
-
 @pytest.fixture(scope="module")
-def continued(trained, saved, tmp_path_factory):
-    """(export, worker dir): `trained` exported with --with-optimizer (fp32, megatron-core 0.16's form),
-    and megatron-core's step from it (megatron_dist_worker.py step: loaded/, grads/, stepped/)."""
-    root = tmp_path_factory.mktemp("continued")
-    out = root / "mcore"
-    assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output", str(out),
-                 "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
-    np.save(root / "tokens.npy", saved["dense"][3])
-    with open(root / "step.log", "w") as log:
-        proc = subprocess.run([sys.executable, WORKER, "step", str(out / f"iter_{ADAM_STEP:07d}"),
-                               str(root / "tokens.npy"), str(root / "step"), str(LR), str(free_port())],
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
-                              timeout=300)
-    assert proc.returncode == 0, (root / "step.log").read_text()[-3000:]
-    return out, root / "step"
+def continued(megatron_core_runs):
+    """(the --with-optimizer export, the directory of megatron-core's step from it)."""
+    root = megatron_core_runs[0]
+    return root / "adam", root / "step"
 
 
 def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, continued, tmp_path, capsys):
