@@ -2,6 +2,7 @@
 megajax: exact parameters, and one command to a Hugging Face export whose transformers logits equal
 megatron-core's."""
 
+import contextlib
 import io
 import json
 import os
@@ -54,8 +55,11 @@ def megatron_core_runs(trained, tmp_path_factory):
         export_megatron(DictSource(params, cfg.model), root / f"{case}-legacy", dtype="fp32", iteration=7)
         pairs += [str(root / f"{case}-legacy" / "iter_0000007"), str(root / case)]
         out[case] = (cfg, params, root / case, toks)
-    assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output", str(root / "adam"),
-                 "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output",
+                     str(root / "adam"), "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    assert f"common state in common.pt; with the optimizer state (Adam moments, step {ADAM_STEP})" in said.getvalue()
     step = ["--step", str(root / "adam" / f"iter_{ADAM_STEP:07d}"), str(root / "step"), str(LR)]
     with open(root / "worker.log", "w") as log:  # a file, not a pipe: no wait on what the worker spawned
         proc = subprocess.run([sys.executable, WORKER, "save", str(root / "tokens.npy"), "0", "1",

@@ -769,7 +769,7 @@ def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
     d = Path(in_dir).expanduser()
     step = _step_dir(d) if d.is_dir() else d
     if not is_torch_dist(step):
-        return "a legacy checkpoint; megajax reads optimizer state from torch_dist ones"
+        return "megajax reads optimizer state from torch_dist checkpoints, not legacy ones"
     ckpt = DistCheckpoint(step)
     keys = set(ckpt.keys())
     held = [s for s in (*STATES, FP32_PARAM) if any(k.startswith(f"{PREFIX}{s}.") for k in keys)]
