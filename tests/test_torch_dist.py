@@ -317,11 +317,12 @@ def continued(megatron_core_runs):
     return root / "adam", root / "step"
 
 
-def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, continued, tmp_path, capsys):
+def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, continued, tmp_path):
     """megajax export --with-optimizer: megatron-core 0.16.1's get_megatron_optimizer (FP32Optimizer over
     torch's AdamW) loads the Adam moments bit for bit, and its next step equals optax's from the same
     state and gradients (the step count carried over: bias correction); megajax reads its moments and
     step back, and megajax -> torch_dist -> megajax is exact in both common-state forms."""
+    import jax
     import optax
     from megajax.checkpoint.megatron import export_torch_dist, import_megatron_adam
     from megajax.checkpoint.megatron_optimizer import checkpoint_adam
@@ -333,7 +334,7 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
     out, worker = continued
     step = out / f"iter_{ADAM_STEP:07d}"
     assert json.loads((step / "metadata.json").read_text())["common_backend"] == "torch"
-    ours, theirs = DistCheckpoint(step), DistCheckpoint(save_dir := saved["dense"][2] / "iter_0000007")
+    ours, theirs = DistCheckpoint(step), DistCheckpoint(saved["dense"][2] / "iter_0000007")
     model_keys = {k: theirs.shape(k) for k in theirs.keys()}
     assert {k: ours.shape(k) for k in ours.keys()} == {**model_keys, **{
         f"optimizer.state.{s}.{k}": v for k, v in model_keys.items() for s in ("exp_avg", "exp_avg_sq")}}
@@ -342,13 +343,14 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
     assert_same_params(got["mu"], mu)
     assert_same_params(got["nu"], nu)
     step_dir = find_step_dir(run)
-    for version in ("0.19",):  # the common state inside the shards; with bf16 weights, fp32 main parameters
-        back = import_megatron_adam(export_torch_dist(
-            CheckpointSource(step_dir), tmp_path / version, dtype="bf16", iteration=ADAM_STEP,
-            megatron_version=version, adam=checkpoint_adam(step_dir, read_meta(step_dir))))
-        assert back["count"] == ADAM_STEP
-        for name, want in (("mu", mu), ("nu", nu), ("params", params)):
-            assert_same_params(back[name], want)
+    # megatron-core 0.19's form (the common state inside the shards), bf16 weights: fp32 main parameters too
+    back = import_megatron_adam(export_torch_dist(
+        CheckpointSource(step_dir), tmp_path / "0.19", dtype="bf16", iteration=ADAM_STEP, megatron_version="0.19",
+        adam=checkpoint_adam(step_dir, read_meta(step_dir))))
+    assert back["count"] == ADAM_STEP
+    assert "optimizer.state.fp32_param.output_layer.weight" in DistCheckpoint(tmp_path / "0.19" / step.name).keys()
+    for name, want in (("mu", mu), ("nu", nu), ("params", params)):
+        assert_same_params(back[name], want)
 
     for what, want in (("exp_avg", mu), ("exp_avg_sq", nu)):  # what megatron-core's optimizer holds
         assert_same_params(import_megatron(worker / "loaded" / what)[1], want)
@@ -366,16 +368,11 @@ def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, 
     assert theirs_adam["count"] == ADAM_STEP + 1 == int(state[0].count)
     for name, a, b in (("params", theirs_params, ours_params), ("mu", theirs_adam["mu"], state[0].mu),
                        ("nu", theirs_adam["nu"], state[0].nu)):
-        a, b = dict(flatten(a)), dict(flatten(jax_tree_numpy(b)))
+        a, b = dict(flatten(a)), dict(flatten(jax.tree.map(np.asarray, b)))
         for k in b:
             np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7 if name != "nu" else 1e-10,
                                        err_msg=f"{name} {k}")
     assert not np.array_equal(dict(flatten(theirs_params))["output"], dict(flatten(params))["output"])
-
-
-def jax_tree_numpy(tree):
-    import jax
-    return jax.tree.map(np.asarray, tree)
 
 
 def test_checkpoint_load_restores_megatron_optimizer_state(continued, tmp_path):
