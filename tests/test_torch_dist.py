@@ -295,7 +295,9 @@ def trained(tmp_path_factory):
     cfg, _, params = random_model("llama", *CASES["dense"])
     rng = np.random.default_rng(2)
     mu = jax.tree.map(lambda x: rng.normal(0, 1e-2, x.shape).astype(np.float32), params)
-    nu = jax.tree.map(lambda x: (rng.normal(0, 1e-2, x.shape) ** 2).astype(np.float32), params)
+    # |mu| <= sqrt(nu), as Adam's moments are: updates of about lr, not lr / sqrt(a tiny nu)
+    nu = jax.tree.map(lambda m: (m.astype(np.float64) ** 2 * rng.uniform(1, 4, m.shape) + 1e-8).astype(np.float32),
+                      mu)
     for moments in (mu, nu):  # the vocabulary padding gets no gradient
         moments["embed"]["embedding"][VOCAB:] = 0
         moments["output"][:, VOCAB:] = 0
