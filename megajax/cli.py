@@ -3,7 +3,8 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [checkpoint.step=N]
+    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [--with-optimizer]
+        [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
@@ -180,7 +181,14 @@ def _megatron_export_source(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
+    if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
+        raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
+                        "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
     if is_megatron_checkpoint(args.checkpoint):
+        if args.with_optimizer:
+            raise UserError(f"megajax export: --with-optimizer writes the optimizer state of a megajax run's "
+                            f"checkpoint; {args.checkpoint} is a Megatron checkpoint (continue it in Megatron-LM "
+                            f"as it is).")
         source, tokenizer, where = _megatron_export_source(args)
         meta = {}
     else:
@@ -206,10 +214,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                                 "(--ckpt-format torch) checkpoint; a torch_dist one holds global tensors that "
                                 "megatron-core loads at any TP/PP, so it takes neither.")
             form = common_state_form(args.megatron_version)
+            adam = None
+            if args.with_optimizer:
+                from megajax.checkpoint.megatron_optimizer import checkpoint_adam
+                adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
-                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version)
+                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
-                   + ("in common.pt" if form == "common.pt" else "as common_state in the shards"))
+                   + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
+                   + ("" if adam is None else f"; with the optimizer state (Adam moments"
+                      f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
     print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 
@@ -459,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",
                    help=f"megatron, torch_dist: the megatron-core whose common-state form to write "
                         f"({', '.join(MEGATRON_FORMS)}; default {MEGATRON_NEWEST})")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="megatron, torch_dist: also write the run's Adam state (moments, step count; fp32 main "
+                        "parameters for bf16/fp16) as megatron-core's optimizer loads it")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
                    help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "

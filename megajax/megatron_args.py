@@ -246,10 +246,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save", "train.run_dir", STR, note="checkpoints go to <train.run_dir>/checkpoints; a rerun resumes"),
     Flag("--load", "checkpoint.load", STR,
          note="the same directory as --save: resume (nothing to set); another: fine-tune from its parameters "
-              "(a Megatron checkpoint, legacy or torch_dist, is read directly)"),
+              "(a Megatron checkpoint, legacy or torch_dist, is read directly, with its Adam state where a "
+              "torch_dist one holds it)"),
     Flag("--save-interval", "checkpoint.every"),
     Flag("--async-save", "checkpoint.async_save", SWITCH, True),
-    _same("--no-load-optim", "checkpoint.load starts the optimizer fresh"),
+    _same("--no-load-optim", "checkpoint.load starts the optimizer fresh (of a torch_dist Megatron checkpoint "
+                             "holding Adam state: takes it)"),
     _same("--no-load-rng", "checkpoint.load starts the optimizer fresh"),
     _same("--finetune", "checkpoint.load starts from parameters alone"),
     _same("--ckpt-format", "megajax saves Orbax checkpoints; megajax export --format megatron --ckpt-format torch_dist or torch writes Megatron's", STR),

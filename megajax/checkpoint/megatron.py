@@ -361,14 +361,40 @@ def _writer(dcp, step: Path):
     return Writer(str(step), thread_count=1)
 
 
+def _dist_adam(adam, source, rows: list[Row], m: ModelConfig, padded: int, dtype: str) -> dict:
+    """megatron-core's optimizer tensors for `adam` (megatron_optimizer.AdamState): each moment (and,
+    for bf16/fp16 weights, the fp32 main parameters) laid out as the parameters are, under
+    `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<parameter key>`, in float32."""
+    from megajax.checkpoint.megatron_optimizer import FP32_PARAM, PREFIX, STATES
+    torch = _torch()
+    params = sorted(n for n in source.names() if n != EXPERT_BIAS)
+    for what, moment in zip(STATES, (adam.mu, adam.nu)):
+        if sorted(moment.names()) != params:
+            raise CheckpointError(f"--with-optimizer: the checkpoint's Adam {what} holds {len(moment.names())} "
+                                  f"tensors, its parameters {len(params)}: not the optimizer of these parameters.")
+    moment_rows = [r for r in rows if all(p.path != EXPERT_BIAS for p in r.parts)]  # a buffer: no Adam state
+    parts = list(zip(STATES, (adam.mu, adam.nu))) + ([(FP32_PARAM, source)] if dtype != "fp32" else [])
+    out = {}
+    for what, tensors in parts:
+        sd = _dist_state_dict(_rank_state_dict(tensors, moment_rows, m, 1, 1, 0, 0, padded, torch.float32), m)
+        out.update({f"{PREFIX}{what}.{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
 def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
-                      tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON) -> Path:
+                      tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON,
+                      adam=None) -> Path:
     """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
     `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
     Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
     them at any TP), the common state (args, checkpoint_version, iteration) as megatron-core
     `megatron_version` keeps it (common.pt up to 0.18, a `common_state` object in the shards from 0.19).
-    The whole model is held in memory once (float32 source tensors cast to `dtype`)."""
+    The whole model is held in memory once (float32 source tensors cast to `dtype`).
+
+    `adam` (megatron_optimizer.AdamState) adds the optimizer state megatron-core's optimizer loads:
+    Adam's moments (and fp32 main parameters for bf16/fp16 weights) as global tensors, its step
+    count, param groups and LR scheduler in the common state (megatron_optimizer.py); the model and
+    its optimizer state then take about three (four) times the model's float32 size in memory."""
     import json
     from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
@@ -380,6 +406,13 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, 1, 1)
+    if adam is not None and m.num_experts:
+        raise CheckpointError("--with-optimizer: megajax writes megatron-core's optimizer state for dense models; "
+                              "megatron-core keeps a mixture-of-experts model's expert parameters in a second "
+                              "(chained) optimizer, which megajax does not write. Export without --with-optimizer.")
+    if adam is not None and iteration is None:
+        raise CheckpointError("--with-optimizer: the checkpoint is of step 0; Megatron-LM loads no optimizer state "
+                              "from a release checkpoint (written for step 0). Export without --with-optimizer.")
     shapes = tensor_shapes(m, check_source(source))
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
@@ -389,11 +422,17 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
                          iteration=iteration or 0, tokenizer_model=tokenizer_model)
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
+    if adam is not None:
+        from megajax.checkpoint.megatron_optimizer import adam_args, common_optimizer, scheduler_state
+        adam_args(args, adam)
+        common.update(optimizer=common_optimizer(adam, torch), opt_param_scheduler=scheduler_state(adam))
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
             save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype)), m)
+        if adam is not None:
+            state.update(_dist_adam(adam, source, rows, m, padded, dtype))
         step = tmp / step_dir
         step.mkdir()
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -726,6 +765,44 @@ def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
     _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
                 flat_params)
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
+    """The Adam state of a Megatron checkpoint in megajax's layout: {"mu", "nu": parameter trees,
+    "count": the step count, "params": the fp32 main parameters or None}; or, when it has none megajax
+    reads, a few words saying why (megatron_optimizer.py: the torch_dist keys read)."""
+    from megajax.checkpoint.megatron_optimizer import FP32_PARAM, PREFIX, STATES, PrefixedCheckpoint, common_step
+    d = Path(in_dir).expanduser()
+    step = _step_dir(d) if d.is_dir() else d
+    if not is_torch_dist(step):
+        return "megajax reads optimizer state from torch_dist checkpoints, not legacy ones"
+    ckpt = DistCheckpoint(step)
+    keys = set(ckpt.keys())
+    held = [s for s in (*STATES, FP32_PARAM) if any(k.startswith(f"{PREFIX}{s}.") for k in keys)]
+    if not set(STATES) <= set(held):
+        if any(k.startswith("optimizer.") for k in ckpt.meta):
+            return (f"its optimizer state has no {PREFIX}exp_avg.* / exp_avg_sq.* tensors (a distributed "
+                    f"optimizer's per-rank form, which megajax does not read)")
+        return "the checkpoint holds none"
+    common = _torch_dist_common(step, ckpt, allow_pickle)
+    count = common_step(common)
+    if count is None:
+        return "its common state has no optimizer step (optimizer.state.common_step)"
+    m = resolved_model(_overrides_from_args(common["args"]))
+    shapes = {k: v for k, v in tensor_shapes(m).items() if k != EXPERT_BIAS}  # a buffer: no Adam state
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    embedding = "embedding.word_embeddings.weight"
+    vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
+    out = {"count": count, "params": None}
+    for what, name in zip((*STATES, FP32_PARAM), ("mu", "nu", "params")):
+        if what not in held:
+            continue
+        flat = {n: np.zeros(shape, np.float32) for n, shape in shapes.items()}
+        state = _DistStateDict(PrefixedCheckpoint(ckpt, f"{PREFIX}{what}."), m.num_layers)
+        _fill_stage([state], f"{step} ({PREFIX}{what}.*)", rows, shapes, m, True, True, list(range(m.num_layers)),
+                    0, vocab_padded, flat)
+        out[name] = unflatten(dict(sorted(flat.items())))
+    return out
 
 
 def _torch_dist_common(step: Path, ckpt: DistCheckpoint, allow_pickle: bool) -> dict:
