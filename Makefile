@@ -4,6 +4,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 ARGS   ?=
+# Test processes (pytest-xdist): one per core, at most 4 (each holds 8 simulated devices); 0 runs in this process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 .PHONY: install train test bench clean
 
@@ -22,7 +24,7 @@ bench: install
 	$(VENV)/bin/megajax bench $(ARGS)
 
 test: install
-	$(PY) -m pytest -q --durations=40 $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=40 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

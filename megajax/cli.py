@@ -3,7 +3,8 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [checkpoint.step=N]
+    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [--with-optimizer]
+        [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron --input DIR --output DIR
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
@@ -180,7 +181,14 @@ def _megatron_export_source(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
+    if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
+        raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
+                        "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
     if is_megatron_checkpoint(args.checkpoint):
+        if args.with_optimizer:
+            raise UserError(f"megajax export: --with-optimizer writes the optimizer state of a megajax run's "
+                            f"checkpoint; {args.checkpoint} is a Megatron checkpoint (continue it in Megatron-LM "
+                            f"as it is).")
         source, tokenizer, where = _megatron_export_source(args)
         meta = {}
     else:
@@ -208,10 +216,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                                 "(--ckpt-format torch) checkpoint; a torch_dist one holds global tensors that "
                                 "megatron-core loads at any TP/PP, so it takes neither.")
             form = common_state_form(args.megatron_version)
+            adam = None
+            if args.with_optimizer:
+                from megajax.checkpoint.megatron_optimizer import checkpoint_adam
+                adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
-                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version)
+                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
-                   + ("in common.pt" if form == "common.pt" else "as common_state in the shards"))
+                   + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
+                   + ("" if adam is None else f"; with the optimizer state (Adam moments"
+                      f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
     print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 
@@ -238,6 +252,30 @@ def cmd_import(args: argparse.Namespace) -> int:
           f"checkpoint.load={args.output} (the model.* settings come from its meta).")
     if warning:
         print(f"megajax import: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from megajax.config import load_config
+    from megajax.perf import planner
+    cfg = load_config(args.config, args.overrides)
+    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
+    print(planner.format_plan(report, args.top))
+    if args.json:
+        from megajax.perf.bench import write_json
+        write_json({**report, "ranked": [planner.asdict(c) for c in report["ranked"][:args.top]],
+                    "smallest": [planner.asdict(c) for c in report["smallest"]]}, args.json)
+    if args.output:
+        if not report["ranked"]:
+            print(f"megajax plan: nothing fits {args.cluster}; {args.output} not written", file=sys.stderr)
+            return 1
+        best = report["ranked"][0]
+        command = " ".join(["megajax plan", *(f"--config {c}" for c in args.config), "--cluster", args.cluster,
+                            *args.overrides])
+        header = (f"{command}\nestimated {best.step_seconds:.3f} s/step, MFU {best.mfu:.1%}, "
+                  f"{best.memory['total'] / planner.GIB:.1f} GiB per device: {best.label()}")
+        Path(args.output).write_text(planner.mesh_yaml(best, header))
+        print(f"wrote {args.output}")
     return 0
 
 
@@ -437,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",
                    help=f"megatron, torch_dist: the megatron-core whose common-state form to write "
                         f"({', '.join(MEGATRON_FORMS)}; default {MEGATRON_NEWEST})")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="megatron, torch_dist: also write the run's Adam state (moments, step count; fp32 main "
+                        "parameters for bf16/fp16) as megatron-core's optimizer loads it")
     p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
                    help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
@@ -463,6 +504,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
                                                        "(e.g. 8xH100) and say whether the config fits")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("plan", help="choose a mesh for a cluster: every layout estimated (memory, step time), "
+                                    "ranked; the best written as a mesh config")
+    _add_config_args(p)
+    p.add_argument("--cluster", required=True, metavar="NxKIND", help="the devices, e.g. 32xH100 (8 per node)")
+    p.add_argument("--output", metavar="FILE.yaml", help="write the best layout as a mesh config "
+                                                        "(configs/mesh/*.yaml's form)")
+    p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--device-kinds", metavar="FILE.yaml", help="more device kinds, or other figures for known "
+                                                              "ones (memory_gib, peak_tflops, node_size, "
+                                                              "intra_node_gbps, inter_node_gbps, efficiency)")
+    p.add_argument("--json", metavar="FILE", help="also write the ranked layouts as JSON")
+    p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")
     _add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")

@@ -62,6 +62,9 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: = num_heads (no grouped-query attention)
     head_dim: int | None = None  # None: hidden_size // num_heads
+    # Per-head RMSNorm of q and k (weights [head_dim], shared by the heads) after their projections,
+    # before rope (Megatron's qk_layernorm; Qwen3's q_norm / k_norm). Its eps is norm_eps.
+    qk_norm: bool = False
     ffn_hidden_size: int = 1024
     vocab_size: int | None = None  # None: the tokenizer's vocabulary
     make_vocab_size_divisible_by: int = 128  # padded to a multiple of this (mesh.tensor must divide it)
@@ -108,6 +111,10 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     # Router scores: softmax over the top-k logits (Mixtral) | sigmoid of each logit (DeepSeek-V3).
     moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    # Softmax routing only: softmax over all experts, then the top-k of those probabilities, not
+    # renormalised (Megatron's moe_router_pre_softmax; Qwen-MoE's norm_topk_prob=false). Off: the
+    # top-k weights sum to 1 (softmax over the k logits, the same as renormalising the top-k).
+    moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: float | None = None  # multiplies the routing weights; None: 1
     # Group-limited routing (DeepSeek-V2/V3 device/node-limited): the experts form num_groups groups of
     # consecutive ids; each token picks its group_topk best groups (by the sum of each group's
@@ -594,6 +601,10 @@ def validate(cfg: Config) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         _positive(f"model.{key}", getattr(m, key))
+    if m.qk_norm and m.norm != "rmsnorm":
+        raise ConfigError(f"model.qk_norm = true with model.norm = {m.norm!r}: the q/k norms are RMSNorms, like "
+                          f"the model's other norms in Megatron's qk_layernorm. Set model.norm=rmsnorm or "
+                          f"model.qk_norm=false.")
     for key in ("steps", "seq_len", "global_batch", "micro_batch", "log_every", "loss_scale_window",
                 "hysteresis", "max_skipped_steps"):
         _positive(f"train.{key}", getattr(t, key))
@@ -706,6 +717,10 @@ def validate_moe(cfg: Config) -> None:
                           f"model.moe_router_score_function=sigmoid (this config has "
                           f"{m.moe_router_score_function!r}): the expert bias is added to sigmoid scores, as in "
                           f"Megatron-Core. Set moe_router_score_function=sigmoid or moe_router_bias_update_rate=0.")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        raise ConfigError(f"model.moe_router_pre_softmax = true is softmax routing (softmax over all experts, "
+                          f"then top-k), but model.moe_router_score_function = {m.moe_router_score_function!r}. "
+                          f"Set moe_router_score_function=softmax or moe_router_pre_softmax=false.")
     if isinstance(m.moe_layer_freq, list):
         _check_dense_first(cfg)
     else:
@@ -763,6 +778,10 @@ def validate_mla(cfg: Config) -> None:
         return
     for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "q_lora_rank"):
         _positive(f"model.{key}", getattr(m, key))
+    if m.qk_norm:
+        raise ConfigError("model.multi_latent_attention = true with model.qk_norm = true: multi-latent attention "
+                          "normalises its q and kv latents (always); per-head q/k norms are not part of it. "
+                          "Set model.qk_norm=false.")
     if m.qk_pos_emb_head_dim % 2:
         raise ConfigError(f"model.qk_pos_emb_head_dim = {m.qk_pos_emb_head_dim} must be even (rotary pairs).")
     if m.num_kv_heads != m.num_heads:

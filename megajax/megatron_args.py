@@ -95,12 +95,12 @@ FLAGS: tuple[Flag, ...] = (
          {"flash": "flash", "fused": "cudnn", "unfused": "xla", "local": "xla", "auto": None},
          note="flash: the Pallas kernel, fused: cuDNN, unfused/local: plain XLA; auto: megajax's default"),
     Flag("--use-flash-attn", "model.attention_impl", SWITCH, "flash"),
+    Flag("--qk-layernorm", "model.qk_norm", SWITCH, True, note="per-head RMSNorm of q and k (with --normalization RMSNorm)"),
     _same("--use-mcore-models", "megajax has one model implementation"),
     _same("--transformer-impl", "megajax's layers are its own (no Transformer Engine)", STR),
     _same("--no-position-embedding", "the position embedding follows --position-embedding-type"),
     _none("--rotary-percent", "megajax rotates the whole head (only 1.0 is the same)", FLOAT),
     _none("--apply-layernorm-1p", "megajax stores the norm scale itself, not a zero-centred offset"),
-    _none("--qk-layernorm", "megajax has no query/key normalization"),
     _none("--squared-relu", "megajax's activations are gelu and swiglu"),
     _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", FLOAT),
     # Mixture of experts
@@ -115,6 +115,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--moe-router-score-function", "model.moe_router_score_function", STR,
          {"softmax": "softmax", "sigmoid": "sigmoid"}),
     Flag("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor", FLOAT),
+    Flag("--moe-router-pre-softmax", "model.moe_router_pre_softmax", SWITCH, True),
     Flag("--moe-router-num-groups", "model.moe_router_num_groups"),
     Flag("--moe-router-group-topk", "model.moe_router_group_topk"),
     Flag("--moe-router-enable-expert-bias", "model.moe_router_bias_update_rate", SWITCH, 1e-3,
@@ -245,10 +246,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save", "train.run_dir", STR, note="checkpoints go to <train.run_dir>/checkpoints; a rerun resumes"),
     Flag("--load", "checkpoint.load", STR,
          note="the same directory as --save: resume (nothing to set); another: fine-tune from its parameters "
-              "(a Megatron checkpoint, legacy or torch_dist, is read directly)"),
+              "(a Megatron checkpoint, legacy or torch_dist, is read directly, with its Adam state where a "
+              "torch_dist one holds it)"),
     Flag("--save-interval", "checkpoint.every"),
     Flag("--async-save", "checkpoint.async_save", SWITCH, True),
-    _same("--no-load-optim", "checkpoint.load starts the optimizer fresh"),
+    _same("--no-load-optim", "checkpoint.load starts the optimizer fresh (of a torch_dist Megatron checkpoint "
+                             "holding Adam state: takes it)"),
     _same("--no-load-rng", "checkpoint.load starts the optimizer fresh"),
     _same("--finetune", "checkpoint.load starts from parameters alone"),
     _same("--ckpt-format", "megajax saves Orbax checkpoints; megajax export --format megatron --ckpt-format torch_dist or torch writes Megatron's", STR),

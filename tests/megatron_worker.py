@@ -81,7 +81,8 @@ def build_model(args, tp, pp, s):
                    moe_router_bias_update_rate=getattr(args, "moe_router_bias_update_rate", None) or 1e-3,
                    moe_layer_freq=getattr(args, "moe_layer_freq", None) or 1,
                    moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
-                   moe_router_group_topk=getattr(args, "moe_router_group_topk", None))
+                   moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+                   moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False))
 
     config = TransformerConfig(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,
@@ -94,6 +95,7 @@ def build_model(args, tp, pp, s):
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         gradient_accumulation_fusion=False, **moe)
     if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -102,7 +104,8 @@ def build_model(args, tp, pp, s):
                                                 normalization=args.normalization)
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
-                                              normalization=args.normalization)
+                                              normalization=args.normalization,
+                                              qk_layernorm=getattr(args, "qk_layernorm", False))
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,

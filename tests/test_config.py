@@ -37,7 +37,9 @@ PARAMETERS = {"model/llama3-8b.yaml": 8_030_261_248, "model/llama3.1-8b.yaml": 8
               "model/llama3-70b.yaml": 70_553_706_496, "model/mixtral-8x7b.yaml": 46_702_792_704,
               "model/llama-1b.yaml": 1_235_814_400, "model/gpt2-125m.yaml": 124_475_904,
               "recipes/llama3-8b-8xh100.yaml": 8_030_261_248, "recipes/llama3-70b-32xh100.yaml": 70_553_706_496,
-              "recipes/llama3-70b-32xh100-fp8.yaml": 70_553_706_496, "recipes/mixtral-8x7b-32xh100.yaml": 46_702_792_704}
+              "recipes/llama3-70b-32xh100-fp8.yaml": 70_553_706_496, "recipes/mixtral-8x7b-32xh100.yaml": 46_702_792_704,
+              # Qwen3-8B "8.19B" and Qwen3-30B-A3B "30.5B" (the Hub's safetensors totals)
+              "model/qwen3-8b.yaml": 8_190_735_360, "model/qwen3-30b-a3b.yaml": 30_532_122_624}
 
 
 def shipped_devices(name: str, cfg) -> int:

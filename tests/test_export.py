@@ -52,7 +52,8 @@ def megajax_logits(spec, params, toks):
 def hf_logits(path, toks):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
     model.eval()
     with torch.no_grad():
         return model(torch.from_numpy(toks).long()).logits.numpy()
@@ -94,6 +95,13 @@ HF_CASES = {
     # Every layer is MoE: the dense ffn size is unused, and an import sets it to the experts'.
     "mixtral": ("llama", ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
                           "model.ffn_hidden_size=32"]),
+    # Qwen3: q/k norms, head_dim 16 (not hidden / heads = 8), tied embeddings (as Qwen3-0.6B).
+    "qwen3": ("llama", ["model.qk_norm=true", "model.head_dim=16", "model.tie_embeddings=true"]),
+    # Qwen3-MoE: layer 0 MoE, layer 1 dense (Qwen's mlp_only_layers), pre-softmax routing
+    # (norm_topk_prob=false).
+    "qwen3-moe": ("llama", ["model.qk_norm=true", "model.head_dim=16", "model.num_experts=4",
+                            "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.moe_layer_freq=2",
+                            "model.moe_router_pre_softmax=true"]),
 }
 
 
@@ -281,6 +289,9 @@ MEGATRON_CASES = {
         "model.ffn_hidden_size=96", "model.moe_layer_freq=2", "model.moe_router_num_groups=4",
         "model.moe_router_group_topk=2", "model.moe_shared_expert_ffn_size=48", "model.moe_shared_expert_gate=true"],
         2, 1),
+    # Qwen3-MoE: q_layernorm / k_layernorm (head_dim 16, replicated over tensor ranks), pre-softmax routing,
+    # layer 0 MoE and layer 1 dense
+    "qwen3-moe-tp2": ("llama", list(HF_CASES["qwen3-moe"][1]), 2, 1),
 }
 
 
@@ -490,6 +501,51 @@ def test_transformers_saved_mixtral_imports_with_its_logits(tmp_path):
     toks = tokens()
     np.testing.assert_allclose(megajax_logits(spec, params, toks), hf_logits(tmp_path / "hf", toks),
                                atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_saved_qwen3_moe_imports_with_its_logits_and_round_trips(tmp_path):
+    """A Qwen3MoeForCausalLM saved by transformers itself (per-expert tensors, norm_topk_prob, head_dim
+    other than hidden / heads) imports with transformers' logits, and exports back to the same tensors."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+                                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # norms away from 1, so that a dropped q/k norm shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in saved  # the Hub's per-expert layout
+    overrides, params = import_hf(tmp_path / "hf")
+    assert (overrides["qk_norm"], overrides["head_dim"], overrides["moe_layer_freq"],
+            overrides["moe_router_pre_softmax"], overrides["moe_ffn_hidden_size"]) == (True, 16, 1, False, 16)
+    cfg = load_config(base={"model": overrides}, overrides=["train.seq_len=32"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    toks = tokens()
+    np.testing.assert_allclose(megajax_logits(spec, params, toks), hf_logits(tmp_path / "hf", toks),
+                               atol=1e-4, rtol=1e-4)
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "back", tokenizer_spec="byte", dtype="fp32")
+    back = load_file(str(out / "model.safetensors"))
+    assert sorted(back) == sorted(saved)
+    for name, x in saved.items():
+        np.testing.assert_array_equal(back[name], x, err_msg=name)
+
+
+def test_qwen3_moe_import_refuses_a_layer_pattern_moe_layer_freq_cannot_express(tmp_path):
+    """Qwen's decoder_sparse_step=2 makes layers 1, 3 MoE; megajax's moe_layer_freq makes 0, 2: refused by name."""
+    cfg, _, params = make_model("llama", *HF_CASES["qwen3-moe"][1])
+    out = export_hf(DictSource(params, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["mlp_only_layers"], config["decoder_sparse_step"], config["norm_topk_prob"]) == ([1], 1, False)
+    (out / "config.json").write_text(json.dumps(dict(config, mlp_only_layers=[], decoder_sparse_step=2)))
+    with pytest.raises(CheckpointError, match=r"decoder_sparse_step=2, mlp_only_layers=\[\] make layers \[1\]"):
+        import_hf(out)
 
 
 # DeepSeek-V3 style routing: sigmoid scores, an expert bias steering the top-k, scaled weights.

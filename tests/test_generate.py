@@ -209,3 +209,32 @@ def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path, 
                  "--json", str(out)]) == 0
     assert result.sample == prompt + json.loads(out.read_text())[0]["text"]
     assert "megajax generate: 1 prompt on" in capsys.readouterr().err
+
+
+# Qwen3-MoE-style: q/k norms (their scales drawn around 1 like every norm), head_dim 16 (not hidden /
+# heads = 8), layer 0 MoE with pre-softmax routing, layer 1 dense.
+QWEN3_MOE = ("model.qk_norm=true", "model.head_dim=16", "model.num_experts=4", "model.moe_router_topk=2",
+             "model.moe_ffn_hidden_size=32", "model.moe_layer_freq=2", "model.moe_router_pre_softmax=true")
+
+
+def test_qwen3_moe_cached_greedy_equals_full_forward_and_transformers(tmp_path):
+    """The KV-cache path normalises q and k like the full forward (cached greedy = uncached), and the
+    Hugging Face export (Qwen3MoeForCausalLM) generates the same tokens in transformers."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from megajax.checkpoint.hf import export_hf
+    from megajax.checkpoint.source import DictSource
+    cfg, spec, params = random_model("llama", *QWEN3_MOE, std=0.08, seq_len=CONTEXT)
+    done, _ = Generator(cfg.model, params, eod_id=None).generate(PROMPTS, Sampling(), 10)
+    out = tmp_path / "hf"
+    export_hf(DictSource(params, cfg.model), out, tokenizer_spec="byte", dtype="fp32")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    for prompt, c in zip(PROMPTS, done):
+        want, margin = full_forward_greedy(spec, params, prompt, 10)
+        assert margin > 1e-4 and c.completion_ids == want
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert c.completion_ids == hf_ids

@@ -291,3 +291,41 @@ def test_shared_expert_gate_scales_it_per_token_by_a_sigmoid():
     score = 1 / (1 + np.exp(-(np.asarray(x, np.float64) @ (w * 20))))
     assert score.min() < 0.2 and score.max() > 0.8
     np.testing.assert_allclose(y_gated, np.asarray(y_routed) + score[..., None] * shared, rtol=1e-5, atol=1e-6)
+
+
+def test_qwen3_30b_a3b_counts_its_published_parameters():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (8 of the 128 experts per token); the FLOP count's
+    active products are those less the input embedding table and the norms' scales."""
+    import math
+    from megajax.models.layout import param_shapes
+    from megajax.train.flops import matmul_params
+    m = load_config(["model/qwen3-30b-a3b"]).model
+    shapes = param_shapes(m)
+    total = sum(math.prod(s) for s in shapes.values())
+    experts = sum(math.prod(shapes[f"layers/mlp/{k}"]) for k in ("gate", "up", "fc2"))
+    active = total - experts * (m.num_experts - m.moe_router_topk) // m.num_experts
+    assert (total, active) == (30_532_122_624, 3_353_032_704)  # 30.5B, 3.3B published
+    norms = 48 * (2 * 2048 + 2 * 128) + 2048  # attn, mlp, q, k norms per layer; the final norm
+    assert matmul_params(m, m.padded_vocab_size()) == active - 151936 * 2048 - norms
+
+
+def test_pre_softmax_routing_takes_the_top_k_of_all_experts_probabilities():
+    """moe_router_pre_softmax: softmax over all experts, the top-k of it, not renormalised; without it the
+    top-k weights are the same probabilities renormalised over the k."""
+    from megajax.models.moe import route
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(5, 8)), jnp.float32)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1))
+    want_ids = np.argsort(-probs, axis=-1)[:, :2]
+    want = np.take_along_axis(probs, want_ids, axis=-1)
+    ids, weights = route(logits, 2, pre_softmax=True)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want, rtol=1e-6)
+    ids, weights = route(logits, 2)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want / want.sum(-1, keepdims=True), rtol=1e-6)
+
+
+def test_pre_softmax_needs_softmax_scores():
+    with pytest.raises(ConfigError, match="moe_router_pre_softmax = true is softmax routing"):
+        load_config(overrides=["model.num_experts=4", "model.moe_router_pre_softmax=true",
+                               "model.moe_router_score_function=sigmoid"])

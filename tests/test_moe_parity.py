@@ -121,3 +121,16 @@ def test_expert_bias_resumes_exactly(small_config, tmp_path):
         return CheckpointSource(Path(run_dir) / "checkpoints" / str(step)).get(EXPERT_BIAS)
     assert np.abs(bias(d, 2)).max() > 0
     np.testing.assert_array_equal(bias(d, 3), bias(ref.run_dir, 3))
+
+
+
+def test_qwen3_moe_on_expert_tensor_sp_data_matches_one_device(small_config):
+    """Qwen3-MoE's blocks: per-head q/k norms (head_dim 16; their scales replicated over `tensor`),
+    pre-softmax routing (softmax over all experts, top-k not renormalised), layer 0 MoE and layer 1
+    dense, on expert 2 x tensor 2 (sequence parallel) x data 2."""
+    qwen3 = ["model.qk_norm=true", "model.head_dim=16", "model.moe_router_pre_softmax=true", "model.moe_layer_freq=2"]
+    ref = reference(small_config, *MOE, *qwen3)
+    got = run(small_config, *MOE, *qwen3, "mesh.data=2", "mesh.expert=2", "mesh.tensor=2",
+              "parallel.sequence_parallel=true", devices=jax.devices())
+    assert_same_run(got, ref)
+    assert "dense_layers/attn/k_norm/scale" in ref.params1

@@ -59,3 +59,18 @@ def test_bf16_layout_matches_one_device(small_config, layout):
     ref = reference(small_config, "train.precision=bf16", params=False)
     got = run(small_config, "train.precision=bf16", *BF16_LAYOUTS[layout], devices=jax.devices(), params=False)
     assert_same_run(got, ref, rtol=BF16_LOSS_RTOL, grad_norm_rtol=BF16_GRAD_NORM_RTOL, params=False)
+
+
+
+# Qwen3's attention (per-head q/k norms, head_dim 16 other than hidden / heads = 8) on pipeline 2 x
+# fsdp 2 x context 2, against one device with the same microbatches (2 sequences each); tensor
+# parallelism with sequence parallelism and the data axis: tests/test_moe_parity.py's Qwen3-MoE case.
+QWEN3 = ["model.qk_norm=true", "model.head_dim=16"]
+
+
+def test_qk_norm_on_pipeline_fsdp_context_matches_one_device(small_config):
+    ref = reference(small_config, *QWEN3, "train.micro_batch=2")
+    got = run(small_config, *QWEN3, "mesh.pipeline=2", "mesh.data=1", "mesh.fsdp=2", "mesh.context=2",
+              "parallel.context_impl=allgather", "train.micro_batch=1", devices=jax.devices())
+    assert_same_run(got, ref)
+    assert ref.params1["layers/attn/q_norm/scale"].shape == (2, 16)

@@ -2,6 +2,7 @@
 megajax: exact parameters, and one command to a Hugging Face export whose transformers logits equal
 megatron-core's."""
 
+import contextlib
 import io
 import json
 import os
@@ -28,6 +29,8 @@ WORKER = str(Path(__file__).with_name("megatron_dist_worker.py"))
 MOE = ("model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.ffn_hidden_size=32")
 CASES = {"dense": (), "moe": MOE}  # llama (GQA, SwiGLU, RMSNorm, RoPE, untied); + SequentialMLP experts [L, E, ...]
 SEQ = 16
+ADAM_STEP = 5  # the update count of the Adam state exported with --with-optimizer
+LR = 1e-3  # megatron-core's step from it
 
 
 def free_port():
@@ -37,10 +40,11 @@ def free_port():
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{case: (cfg, params, save dir, tokens, megatron-core's logits)}: each random model written as a
-    legacy checkpoint, loaded into megatron-core's GPTModel and saved by its dist_checkpointing (one
-    process for both cases)."""
+def megatron_core_runs(trained, tmp_path_factory):
+    """(root, {case: (cfg, params, save dir, tokens)}): one megatron-core process (megatron_dist_worker.py
+    save) for all: each random model written as a legacy checkpoint, loaded into megatron-core's GPTModel
+    and saved by its dist_checkpointing; and its Adam step from `trained` exported with --with-optimizer
+    (fp32, megatron-core 0.16's form; step: loaded/, grads/, stepped/ under root/step)."""
     pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("torch_dist")
     toks = np.random.default_rng(1).integers(0, VOCAB, (2, SEQ)).astype(np.int64)
@@ -51,12 +55,24 @@ def saved(tmp_path_factory):
         export_megatron(DictSource(params, cfg.model), root / f"{case}-legacy", dtype="fp32", iteration=7)
         pairs += [str(root / f"{case}-legacy" / "iter_0000007"), str(root / case)]
         out[case] = (cfg, params, root / case, toks)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        assert main(["export", "--format", "megatron", "--checkpoint", str(trained[3]), "--output",
+                     str(root / "adam"), "--dtype", "fp32", "--with-optimizer", "--megatron-version", "0.16"]) == 0
+    assert f"common state in common.pt; with the optimizer state (Adam moments, step {ADAM_STEP})" in said.getvalue()
+    step = ["--step", str(root / "adam" / f"iter_{ADAM_STEP:07d}"), str(root / "step"), str(LR)]
     with open(root / "worker.log", "w") as log:  # a file, not a pipe: no wait on what the worker spawned
         proc = subprocess.run([sys.executable, WORKER, "save", str(root / "tokens.npy"), "0", "1",
-                               str(free_port()), *pairs], env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                              stderr=subprocess.STDOUT, timeout=300)
+                               str(free_port()), *pairs, *step], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                              stdout=log, stderr=subprocess.STDOUT, timeout=300)
     assert proc.returncode == 0, (root / "worker.log").read_text()[-3000:]
-    return {case: (*v, np.load(v[2] / "logits.npy")) for case, v in out.items()}
+    return root, out
+
+
+@pytest.fixture(scope="module")
+def saved(megatron_core_runs):
+    """{case: (cfg, params, save dir, tokens, megatron-core's logits)} (megatron_core_runs)."""
+    return {case: (*v, np.load(v[2] / "logits.npy")) for case, v in megatron_core_runs[1].items()}
 
 
 def assert_same_params(got, want):
@@ -153,11 +169,11 @@ def test_bad_torch_dist_inputs_name_the_file(saved, tmp_path, capsys):
                                               r"truncated"):
         import_megatron(d)
 
-    d = copy("qk-layernorm")
+    d = copy("rotary-interleaved")
     common = torch.load(d / "iter_0000007" / "common.pt", weights_only=False)
-    common["args"].qk_layernorm = True
+    common["args"].rotary_interleaved = True
     torch.save(common, d / "iter_0000007" / "common.pt")
-    with pytest.raises(CheckpointError, match=r"qk-layernorm/iter_0000007/common.pt'.*qk_layernorm=True cannot be "
+    with pytest.raises(CheckpointError, match=r"rotary-interleaved/iter_0000007/common.pt'.*rotary_interleaved=True cannot be "
                                               r"represented"):
         import_megatron(d)
 
@@ -266,3 +282,168 @@ def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
         assert {k: ours.shape(k) for k in ours.keys()} == {k: theirs.shape(k) for k in theirs.keys()}
         assert set(ours.byte_keys()) == set(theirs.byte_keys()) | (
             {"common_state/shard_0_1"} if version == "0.19" else set())
+
+
+def test_torch_dist_round_trips_qk_layernorm_and_pre_softmax_routing(tmp_path):
+    """A Qwen3-MoE-style model (q/k norms, pre-softmax routing; every layer MoE: torch_dist export takes
+    uniform layers) through torch_dist: megatron-core's dist_checkpointing.load fills a GPTModel built with
+    qk_layernorm at TP 2 that computes megajax's logits; back in megajax, the same parameters bit for bit."""
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    cfg, _, params = random_model("llama", "model.qk_norm=true", "model.head_dim=16", "model.num_experts=4",
+                                  "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+                                  "model.moe_router_pre_softmax=true")
+    out = export_torch_dist(DictSource(params, cfg.model), tmp_path / "qwen3", dtype="fp32", iteration=3,
+                            megatron_version="0.16")
+    overrides, got = import_megatron(out)
+    assert overrides == model_overrides(cfg.model) and overrides["qk_norm"] and overrides["moe_router_pre_softmax"]
+    assert_same_params(got, params)
+    saved = DistCheckpoint(out / "iter_0000003")
+    assert {k: saved.shape(k) for k in saved.keys() if "layernorm" in k and "self_attention" in k} == {
+        "decoder.layers.self_attention.q_layernorm.weight": (2, 16),
+        "decoder.layers.self_attention.k_layernorm.weight": (2, 16)}
+    toks = np.random.default_rng(1).integers(0, VOCAB, (2, 16)).astype(np.int32)
+    np.save(tmp_path / "tokens.npy", toks)
+    logits = megatron_core_logits(out / "iter_0000003", tmp_path / "tokens.npy", 2, tmp_path / "logits.npy")
+    from megajax.train.state import build_model_spec
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    np.testing.assert_allclose(logits[..., :VOCAB], np.asarray(spec.apply(params, toks))[..., :VOCAB],
+                               atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(cfg, params, (mu, nu), save dir): a megajax checkpoint of step ADAM_STEP holding the dense model's
+    parameters and an Adam state as training leaves it (optax adamw's, moments drawn at random, both
+    counts ADAM_STEP), saved as the train state's `params` and `opt_state` are."""
+    import jax
+    from megajax.checkpoint.manager import Checkpointer
+    from megajax.train.optimizer import make_optimizer
+    cfg, _, params = random_model("llama", *CASES["dense"])
+    rng = np.random.default_rng(2)
+    mu = jax.tree.map(lambda x: rng.normal(0, 1e-2, x.shape).astype(np.float32), params)
+    # |mu| <= sqrt(nu), as Adam's moments are: updates of about lr, not lr / sqrt(a tiny nu)
+    nu = jax.tree.map(lambda m: (m.astype(np.float64) ** 2 * rng.uniform(1, 4, m.shape) + 1e-8).astype(np.float32),
+                      mu)
+    for moments in (mu, nu):  # the vocabulary padding gets no gradient
+        moments["embed"]["embedding"][VOCAB:] = 0
+        moments["output"][:, VOCAB:] = 0
+    opt = make_optimizer(cfg.optim, cfg.train.steps).init(params)
+    count = np.int32(ADAM_STEP)
+    opt = (opt[0]._replace(count=count, mu=mu, nu=nu), opt[1], opt[2]._replace(count=count))
+    run = tmp_path_factory.mktemp("adam")
+    ckpt = Checkpointer(run / "checkpoints", keep=1, async_save=False)
+    state = jax.tree.map(jax.numpy.asarray, {"step": count, "params": params, "opt_state": opt})
+    ckpt.save(ADAM_STEP, state, {"step": ADAM_STEP, "consumed_samples": 40, "config": cfg.to_dict()}, wait=True)
+    ckpt.close()
+    return cfg, params, (mu, nu), run
+
+
+@pytest.fixture(scope="module")
+def continued(megatron_core_runs):
+    """(the --with-optimizer export, the directory of megatron-core's step from it)."""
+    root = megatron_core_runs[0]
+    return root / "adam", root / "step"
+
+
+def test_export_with_optimizer_round_trips_and_megatron_core_continues(trained, saved, continued, tmp_path):
+    """megajax export --with-optimizer: megatron-core 0.16.1's get_megatron_optimizer (FP32Optimizer over
+    torch's AdamW) loads the Adam moments bit for bit, and its next step equals optax's from the same
+    state and gradients (the step count carried over: bias correction); megajax reads its moments and
+    step back, and megajax -> torch_dist -> megajax is exact in both common-state forms."""
+    import jax
+    import optax
+    from megajax.checkpoint.megatron import export_torch_dist, import_megatron_adam
+    from megajax.checkpoint.megatron_optimizer import checkpoint_adam
+    from megajax.checkpoint.manager import CheckpointSource, find_step_dir, read_meta
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    from megajax.config import OptimConfig
+    from megajax.train.optimizer import make_optimizer
+    cfg, params, (mu, nu), run = trained
+    out, worker = continued
+    step = out / f"iter_{ADAM_STEP:07d}"
+    assert json.loads((step / "metadata.json").read_text())["common_backend"] == "torch"
+    ours, theirs = DistCheckpoint(step), DistCheckpoint(saved["dense"][2] / "iter_0000007")
+    model_keys = {k: theirs.shape(k) for k in theirs.keys()}
+    assert {k: ours.shape(k) for k in ours.keys()} == {**model_keys, **{
+        f"optimizer.state.{s}.{k}": v for k, v in model_keys.items() for s in ("exp_avg", "exp_avg_sq")}}
+    got = import_megatron_adam(out)
+    assert got["count"] == ADAM_STEP and got["params"] is None
+    assert_same_params(got["mu"], mu)
+    assert_same_params(got["nu"], nu)
+    step_dir = find_step_dir(run)
+    # megatron-core 0.19's form (the common state inside the shards), bf16 weights: fp32 main parameters too
+    back = import_megatron_adam(export_torch_dist(
+        CheckpointSource(step_dir), tmp_path / "0.19", dtype="bf16", iteration=ADAM_STEP, megatron_version="0.19",
+        adam=checkpoint_adam(step_dir, read_meta(step_dir))))
+    assert back["count"] == ADAM_STEP
+    assert "optimizer.state.fp32_param.output_layer.weight" in DistCheckpoint(tmp_path / "0.19" / step.name).keys()
+    for name, want in (("mu", mu), ("nu", nu), ("params", params)):
+        assert_same_params(back[name], want)
+
+    for what, want in (("exp_avg", mu), ("exp_avg_sq", nu)):  # what megatron-core's optimizer holds
+        assert_same_params(import_megatron(worker / "loaded" / what)[1], want)
+    grads = import_megatron(worker / "grads")[1]
+    theirs_params = import_megatron(worker / "stepped")[1]
+    theirs_adam = import_megatron_adam(worker / "stepped")
+    o = cfg.optim
+    tx = make_optimizer(OptimConfig(lr=LR, min_lr=LR, warmup_steps=0, decay_style="constant",
+                                    weight_decay=o.weight_decay, beta1=o.beta1, beta2=o.beta2, eps=o.eps), 100)
+    state = tx.init(params)
+    state = (state[0]._replace(count=np.int32(ADAM_STEP), mu=mu, nu=nu), state[1],
+             state[2]._replace(count=np.int32(ADAM_STEP)))
+    updates, state = tx.update(grads, state, params)
+    ours_params = optax.apply_updates(params, updates)
+    assert theirs_adam["count"] == ADAM_STEP + 1 == int(state[0].count)
+    for name, a, b in (("params", theirs_params, ours_params), ("mu", theirs_adam["mu"], state[0].mu),
+                       ("nu", theirs_adam["nu"], state[0].nu)):
+        a, b = dict(flatten(a)), dict(flatten(jax.tree.map(np.asarray, b)))
+        for k in b:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7 if name != "nu" else 1e-10,
+                                       err_msg=f"{name} {k}")
+    assert not np.array_equal(dict(flatten(theirs_params))["output"], dict(flatten(params))["output"])
+
+
+def test_checkpoint_load_restores_megatron_optimizer_state(continued, tmp_path):
+    """checkpoint.load of the torch_dist checkpoint megatron-core saved after its step (model and
+    optimizer): the run starts from its parameters, Adam moments and step count (Adam's and the
+    schedule's), and says so."""
+    import jax
+    from conftest import SMALL
+    from megajax.checkpoint.megatron import import_megatron_adam
+    from megajax.checkpoint.stored_model import train_config
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup, initial_state
+    save = continued[1] / "stepped"
+    run = [o for o in SMALL if not o.startswith("model.")] + ["train.steps=1", "data.tokenizer=byte"]
+    cfg = train_config(overrides=run + [f"checkpoint.load={save}", f"train.run_dir={tmp_path / 'a'}"])
+    state, consumed, origin, resumed = initial_state(build_setup(make_plan(cfg, len(jax.devices()))))
+    assert origin == (f"parameters from the Megatron checkpoint {save}, optimizer state from it (Adam moments, "
+                      f"step count {ADAM_STEP + 1})") and consumed == 0 and resumed is None
+    theirs = import_megatron_adam(save)
+    assert_same_params(jax.tree.map(np.asarray, state.opt_state[0].mu), theirs["mu"])
+    assert_same_params(jax.tree.map(np.asarray, state.opt_state[0].nu), theirs["nu"])
+    assert int(state.opt_state[0].count) == int(state.opt_state[2].count) == ADAM_STEP + 1
+
+
+def test_with_optimizer_needs_optimizer_state(saved, tmp_path, capsys):
+    """--with-optimizer of a checkpoint without optimizer state (an import) or of a mixture-of-experts
+    model: one paragraph naming what is missing."""
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.megatron_optimizer import AdamState
+    cfg, params = saved["dense"][:2]
+    step_dir = write_params_checkpoint(params, cfg, tmp_path / "imported", step=3)
+    assert main(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "imported"), "--output",
+                 str(tmp_path / "out"), "--tokenizer", "byte", "--with-optimizer"]) != 0
+    err = capsys.readouterr().err
+    assert f"--with-optimizer: checkpoint {step_dir} holds no optimizer state (written by `megajax import`" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "imported"), "--output",
+                 str(tmp_path / "hf"), "--tokenizer", "byte", "--with-optimizer"]) != 0
+    assert "--with-optimizer writes megatron-core's optimizer state into a torch_dist" in capsys.readouterr().err
+    moe_cfg, moe_params = saved["moe"][:2]
+    with pytest.raises(CheckpointError, match=r"--with-optimizer: megajax writes megatron-core's optimizer state "
+                                              r"for dense models"):
+        export_torch_dist(DictSource(moe_params, moe_cfg.model), tmp_path / "moe", iteration=3,
+                          adam=AdamState(None, None, 3, {}, {}, 0))

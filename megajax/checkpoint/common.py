@@ -19,7 +19,7 @@ from megajax.models.layout import tensor_shapes
 
 # ModelConfig fields that describe the architecture (what an importer hands back).
 ARCH_FIELDS = (
-    "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+    "family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "qk_norm", "ffn_hidden_size",
     "vocab_size", "max_position_embeddings", "norm", "activation", "position_embedding", "use_bias",
     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
@@ -28,10 +28,12 @@ ARCH_FIELDS = (
     "moe_shared_expert_ffn_size",  # only when > 0
     "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
     "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_pre_softmax",
 )
 MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
-              "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk")
+              "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
+              "moe_router_pre_softmax")
 # Multi-latent attention's fields (only when model.multi_latent_attention).
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim")

@@ -5,7 +5,8 @@
         tokenizer.json, tokenizer_config.json, special_tokens_map.json
     import_hf(in_dir)  ->  (model overrides, parameter tree of float32 numpy arrays)
 
-The llama family maps to `LlamaForCausalLM`, the gpt family to `GPT2LMHeadModel`;
+The llama family maps to `LlamaForCausalLM` (`MixtralForCausalLM` with experts; with model.qk_norm
+`Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`), the gpt family to `GPT2LMHeadModel`;
 LLAMA_ROWS and GPT2_ROWS (megajax/checkpoint/mapping.py) name each tensor both
 ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
 [in, out] and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v).
@@ -39,6 +40,7 @@ from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, param_shapes, tensor_shapes
 
 LLAMA, GPT2, MIXTRAL = "LlamaForCausalLM", "GPT2LMHeadModel", "MixtralForCausalLM"
+QWEN3, QWEN3_MOE = "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # Hugging Face's default shard size (5 GB)
 
@@ -73,6 +75,22 @@ MIXTRAL_ROWS = tuple(r for r in LLAMA_ROWS if ".mlp." not in r.name) + (
     Row(f"{_MOE}.experts.{{j}}.w3.weight", linear("layers/mlp/up", experts=True)),
     Row(f"{_MOE}.experts.{{j}}.w2.weight", linear("layers/mlp/fc2", experts=True)),
 )
+
+# Qwen3: Llama's tensors and the per-head q/k norms (model.qk_norm), one [head_dim] weight each.
+_QK_NORMS = (*norm_rows(f"{_L}.self_attn.q_norm", "layers/attn/q_norm"),
+             *norm_rows(f"{_L}.self_attn.k_norm", "layers/attn/k_norm"))
+QWEN3_ROWS = LLAMA_ROWS[:9] + _QK_NORMS + LLAMA_ROWS[9:]
+
+# Qwen3-MoE: Qwen3's attention and norms; per MoE layer a router (`mlp.gate`) and per-expert SwiGLU
+# MLPs in the Hub's layout; the dense layers between them (model.moe_layer_freq > 1, Qwen's
+# mlp_only_layers) keep Llama's MLP rows, read from `dense_layers/`.
+_QMOE = f"{_L}.mlp"
+QWEN3_MOE_ROWS = QWEN3_ROWS[:-3] + (
+    Row(f"{_QMOE}.gate.weight", linear("layers/mlp/router")),
+    Row(f"{_QMOE}.experts.{{j}}.gate_proj.weight", linear("layers/mlp/gate", experts=True)),
+    Row(f"{_QMOE}.experts.{{j}}.up_proj.weight", linear("layers/mlp/up", experts=True)),
+    Row(f"{_QMOE}.experts.{{j}}.down_proj.weight", linear("layers/mlp/fc2", experts=True)),
+) + QWEN3_ROWS[-3:]
 
 GPT2_ROWS = (
     Row("transformer.wte.weight", same("embed/embedding"), vocab=True),
@@ -119,7 +137,8 @@ DEEPSEEK_V3_ROWS = (
     Row("lm_head.weight", linear("output"), vocab=True),
 )
 
-TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS, DEEPSEEK_V3: DEEPSEEK_V3_ROWS}
+TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS, QWEN3: QWEN3_ROWS, QWEN3_MOE: QWEN3_MOE_ROWS,
+          DEEPSEEK_V3: DEEPSEEK_V3_ROWS}
 
 
 def _ignored(name: str) -> bool:
@@ -138,6 +157,8 @@ _ARCH_TRAITS = {
     MIXTRAL: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
     GPT2: dict(norm="layernorm", activation="gelu", position_embedding="learned", use_bias=True,
                tie_embeddings=True),
+    QWEN3: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
+    QWEN3_MOE: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
 }
 
 
@@ -145,7 +166,12 @@ def architecture(m: ModelConfig) -> str:
     """The Hugging Face class a model exports to; CheckpointError naming every trait it cannot express."""
     if m.multi_latent_attention:
         return _deepseek_v3_architecture(m)
-    arch = {"llama": MIXTRAL if m.num_experts else LLAMA, "gpt": GPT2}[m.family]
+    if m.family == "llama" and m.qk_norm:  # per-head q/k norms: Qwen3
+        arch = QWEN3_MOE if m.num_experts else QWEN3
+    else:
+        arch = {"llama": MIXTRAL if m.num_experts else LLAMA, "gpt": GPT2}[m.family]
+    if m.qk_norm and arch not in (QWEN3, QWEN3_MOE):
+        return _refuse(m, arch, [f"qk_norm={m.qk_norm} (needs false: {arch} has no q/k norms)"])
     wrong = [f"{k}={getattr(m, k)} (needs {v})" for k, v in _ARCH_TRAITS[arch].items() if getattr(m, k) != v]
     if arch == GPT2:
         if m.num_kv_heads != m.num_heads:
@@ -157,9 +183,12 @@ def architecture(m: ModelConfig) -> str:
     if m.num_experts and m.family != "llama":
         wrong.append(f"num_experts={m.num_experts} (Hugging Face's mixture of experts is {MIXTRAL}: family llama)")
     if m.moe_shared_expert_ffn_size:
-        wrong.append(f"model.moe_shared_expert_ffn_size={m.moe_shared_expert_ffn_size} (needs 0: {MIXTRAL} has no "
+        wrong.append(f"model.moe_shared_expert_ffn_size={m.moe_shared_expert_ffn_size} (needs 0: {arch} has no "
                      f"shared expert; a Megatron-Core export keeps it)")
-    if m.num_experts:  # Mixtral: softmax over the top-k logits, weights summing to 1, no expert bias
+    if arch == MIXTRAL and m.moe_router_pre_softmax:
+        wrong.append(f"moe_router_pre_softmax={m.moe_router_pre_softmax} (needs false: {MIXTRAL} renormalises "
+                     f"the top-k weights)")
+    if m.num_experts:  # softmax over the top-k logits (or all, pre-softmax: Qwen3-MoE), no expert bias
         if m.moe_router_score_function != "softmax":
             wrong.append(f"moe_router_score_function={m.moe_router_score_function} (needs softmax)")
         if m.moe_router_topk_scaling_factor is not None:
@@ -169,13 +198,15 @@ def architecture(m: ModelConfig) -> str:
         if m.moe_router_group_topk:
             wrong.append(f"moe_router_num_groups={m.moe_router_num_groups} / moe_router_group_topk="
                          f"{m.moe_router_group_topk} (group-limited routing; needs none)")
-        if m.moe_layer_freq != 1:
+        if m.moe_layer_freq != 1 and arch == MIXTRAL:
             wrong.append(f"moe_layer_freq={m.moe_layer_freq} (needs 1: every {MIXTRAL} layer is a mixture of experts)")
-    if wrong:
-        raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
-                              f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
-                              f"train it with the family's traits.")
-    return arch
+    return _refuse(m, arch, wrong) if wrong else arch
+
+
+def _refuse(m: ModelConfig, arch: str, wrong: list[str]):
+    raise CheckpointError(f"model.family={m.family} exports to Hugging Face {arch}, which cannot express "
+                          f"{'; '.join(wrong)}. Export this model with --format megatron instead, or "
+                          f"train it with the family's traits.")
 
 
 def _deepseek_v3_architecture(m: ModelConfig) -> str:
@@ -236,6 +267,10 @@ _CONFIG_FIELDS = {
            ("resid_pdrop", "hidden_dropout", 0.0), ("attn_pdrop", "attention_dropout", 0.0),
            ("initializer_range", "init_std", 0.02), ("tie_word_embeddings", "tie_embeddings", True)),
 }
+_CONFIG_FIELDS[QWEN3] = _CONFIG_FIELDS[LLAMA]
+_CONFIG_FIELDS[QWEN3_MOE] = _CONFIG_FIELDS[LLAMA] + (
+    ("moe_intermediate_size", "moe_ffn_hidden_size", REQUIRED), ("num_experts", "num_experts", REQUIRED),
+    ("num_experts_per_tok", "moe_router_topk", REQUIRED))
 _CONFIG_FIELDS[MIXTRAL] = tuple(
     ("intermediate_size", "moe_ffn_hidden_size", REQUIRED) if key == "intermediate_size" else (key, field, default)
     for key, field, default in _CONFIG_FIELDS[LLAMA] if key != "attention_bias") + (
@@ -267,6 +302,16 @@ def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int 
         config.update(model_type="mixtral", hidden_act="silu", rope_theta=m.rope_theta, rope_parameters=parameters,
                       sliding_window=None, router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=False,
                       router_jitter_noise=0.0)
+        return dict(config, rope_scaling=scaling) if scaling else config
+    if arch in (QWEN3, QWEN3_MOE):
+        config.update(model_type="qwen3" if arch == QWEN3 else "qwen3_moe", hidden_act="silu",
+                      rope_theta=m.rope_theta, rope_parameters=parameters, use_sliding_window=False,
+                      sliding_window=None, max_window_layers=m.num_layers,
+                      layer_types=["full_attention"] * m.num_layers)
+        if arch == QWEN3_MOE:  # the dense layers by name; every other layer is MoE
+            config.update(decoder_sparse_step=1, norm_topk_prob=not m.moe_router_pre_softmax,
+                          mlp_only_layers=[i for i in range(m.num_layers) if not m.is_moe_layer(i)],
+                          router_aux_loss_coef=m.moe_aux_loss_coeff, output_router_logits=False)
         return dict(config, rope_scaling=scaling) if scaling else config
     config.update(model_type="llama", hidden_act="silu", mlp_bias=m.use_bias, rope_theta=m.rope_theta,
                   rope_parameters=parameters, pretraining_tp=1)
@@ -481,6 +526,28 @@ def _mixtral_overrides(c: dict) -> dict:
     return dict(out, ffn_hidden_size=out["moe_ffn_hidden_size"], use_bias=False)
 
 
+def _qwen3_overrides(c: dict, arch: str) -> dict:
+    if c.get("use_sliding_window") or any(t != "full_attention" for t in c.get("layer_types") or ()):
+        raise CheckpointError(f"config.json use_sliding_window={c.get('use_sliding_window')} (layer_types "
+                              f"{c.get('layer_types')}): megajax's attention is full causal; accepted: "
+                              f"use_sliding_window=false.")
+    # Qwen3's MLPs have no biases: attention_bias=true is refused as a mismatch with the MLP's.
+    # transformers writes num_experts as num_local_experts (its attribute map).
+    c = dict(c, mlp_bias=False, num_experts=c.get("num_experts", c.get("num_local_experts")))
+    out = _llama_overrides(c, arch)
+    out["qk_norm"] = True
+    if arch == QWEN3:
+        return out
+    n, step, dense = out["num_layers"], int(c.get("decoder_sparse_step") or 1), set(c.get("mlp_only_layers") or ())
+    moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+    freq = next((f for f in range(1, n + 1) if n % f == 0 and moe == list(range(0, n, f))), None)
+    if freq is None:
+        raise CheckpointError(f"config.json decoder_sparse_step={step}, mlp_only_layers={sorted(dense)} make layers "
+                              f"{moe} mixtures of experts; megajax's model.moe_layer_freq F makes every layer i "
+                              f"with i % F == 0 one (F dividing num_hidden_layers={n}).")
+    return dict(out, moe_layer_freq=freq, moe_router_pre_softmax=not c.get("norm_topk_prob", False))
+
+
 def _gpt2_overrides(c: dict) -> dict:
     act = c.get("activation_function", "gelu_new")
     if act != "gelu":
@@ -553,9 +620,12 @@ def import_hf(in_dir) -> tuple[dict, dict]:
         arch, overrides = DEEPSEEK_V3, _deepseek_v3_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
         arch, overrides = GPT2, _gpt2_overrides(c)
+    elif arch in (QWEN3, QWEN3_MOE) or (arch is None and model_type in ("qwen3", "qwen3_moe")):
+        arch = arch or {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}[model_type]
+        overrides = _qwen3_overrides(c, arch)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-                              f"megajax imports {LLAMA}, {MIXTRAL}, {DEEPSEEK_V3} and {GPT2}.")
+                              f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3} and {GPT2}.")
     m = resolved_model(overrides)
     if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
         raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "

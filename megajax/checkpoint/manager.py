@@ -424,14 +424,18 @@ class CheckpointSource:
     memory stays near one tensor whatever the model size. Export runs in one process, so no
     sharding is involved."""
 
-    def __init__(self, path: str | Path, key: str = "--checkpoint", step: int | None = None):
+    def __init__(self, path: str | Path, key: str = "--checkpoint", step: int | None = None,
+                 prefix: str = "params."):
+        """`prefix`: the stored subtree served (`opt_state.0.mu.`: Adam's first moments, named like
+        the parameters)."""
         import orbax.checkpoint as ocp
         from etils import epath
         self.step_dir = require_step_dir(path, key, step)
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
-        self._names = sorted(n[len("params."):].replace(".", "/") for n in self._arrays if n.startswith("params."))
-        if EXPERT_BIAS_STORED in self._arrays:  # the routers' expert bias, beside the parameters
+        self._prefix = prefix
+        self._names = sorted(n[len(prefix):].replace(".", "/") for n in self._arrays if n.startswith(prefix))
+        if prefix == "params." and EXPERT_BIAS_STORED in self._arrays:  # the routers' expert bias
             self._names.append(EXPERT_BIAS)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
@@ -448,10 +452,22 @@ class CheckpointSource:
         return tuple(self._arrays[self._storage(name)].shape)
 
     def _storage(self, name: str) -> str:
-        key = EXPERT_BIAS_STORED if name == EXPERT_BIAS else "params." + name.replace("/", ".")
+        key = EXPERT_BIAS_STORED if name == EXPERT_BIAS else self._prefix + name.replace("/", ".")
         if key not in self._arrays:
-            raise CheckpointError(f"checkpoint {self.step_dir}: has no parameter {name}.")
+            what = "parameter " + name if self._prefix == "params." else self._prefix + name.replace("/", ".")
+            raise CheckpointError(f"checkpoint {self.step_dir}: has no {what}.")
         return key
+
+    def stored(self, key: str) -> np.ndarray | None:
+        """The whole stored array `key` (an Orbax storage name, e.g. `opt_state.0.count`), or None."""
+        if key not in self._arrays:
+            return None
+        try:
+            return np.asarray(self._store(key).read().result())
+        except Exception as e:
+            if not _storage_error(e):
+                raise
+            raise _read_failed(self.step_dir, e) from None
 
     def _store(self, key: str):
         if key not in self._open:

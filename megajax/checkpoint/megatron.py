@@ -88,6 +88,9 @@ MEGATRON_ROWS = (
     Row(f"{_L}.self_attention.linear_qkv.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv"),
         groups="kv_heads", split="column"),
     *linear_rows(f"{_L}.self_attention.linear_proj", "layers/attn/o", n_in=2, split="row"),
+    # Per-head q/k norms (qk_layernorm; model.qk_norm): one [head_dim] weight each, on every rank.
+    *norm_rows(f"{_L}.self_attention.q_layernorm", "layers/attn/q_norm"),
+    *norm_rows(f"{_L}.self_attention.k_layernorm", "layers/attn/k_norm"),
     *norm_rows(f"{_L}.pre_mlp_layernorm", "layers/mlp_norm",
                aliases=(f"{_L}.mlp.linear_fc1.layer_norm_weight", f"{_L}.mlp.linear_fc1.layer_norm_bias")),
     Row(f"{_L}.mlp.linear_fc1.weight", linear("layers/mlp/gate/kernel"), linear("layers/mlp/up/kernel"),
@@ -203,7 +206,7 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
-        add_qkv_bias=m.use_bias, qk_layernorm=False,
+        add_qkv_bias=m.use_bias, qk_layernorm=m.qk_norm,
         apply_residual_connection_post_layernorm=False, **_moe_args(m),
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
@@ -222,7 +225,7 @@ def _moe_args(m: ModelConfig) -> dict:
         return dict(num_experts=None)
     return dict(num_experts=m.num_experts, moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
                 moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_z_loss_coeff=m.moe_z_loss_coeff or None,
-                moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=False, moe_grouped_gemm=False,
+                moe_router_load_balancing_type="aux_loss", moe_router_pre_softmax=m.moe_router_pre_softmax, moe_grouped_gemm=False,
                 moe_layer_freq=m.moe_layer_freq, moe_router_score_function=m.moe_router_score_function,
                 moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
                 moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=m.moe_router_group_topk,
@@ -366,14 +369,40 @@ def _writer(dcp, step: Path):
     return Writer(str(step), thread_count=1)
 
 
+def _dist_adam(adam, source, rows: list[Row], m: ModelConfig, padded: int, dtype: str) -> dict:
+    """megatron-core's optimizer tensors for `adam` (megatron_optimizer.AdamState): each moment (and,
+    for bf16/fp16 weights, the fp32 main parameters) laid out as the parameters are, under
+    `optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<parameter key>`, in float32."""
+    from megajax.checkpoint.megatron_optimizer import FP32_PARAM, PREFIX, STATES
+    torch = _torch()
+    params = sorted(n for n in source.names() if n != EXPERT_BIAS)
+    for what, moment in zip(STATES, (adam.mu, adam.nu)):
+        if sorted(moment.names()) != params:
+            raise CheckpointError(f"--with-optimizer: the checkpoint's Adam {what} holds {len(moment.names())} "
+                                  f"tensors, its parameters {len(params)}: not the optimizer of these parameters.")
+    moment_rows = [r for r in rows if all(p.path != EXPERT_BIAS for p in r.parts)]  # a buffer: no Adam state
+    parts = list(zip(STATES, (adam.mu, adam.nu))) + ([(FP32_PARAM, source)] if dtype != "fp32" else [])
+    out = {}
+    for what, tensors in parts:
+        sd = _dist_state_dict(_rank_state_dict(tensors, moment_rows, m, 1, 1, 0, 0, padded, torch.float32), m)
+        out.update({f"{PREFIX}{what}.{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
 def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
-                      tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON) -> Path:
+                      tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON,
+                      adam=None) -> Path:
     """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
     `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
     Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
     them at any TP), the common state (args, checkpoint_version, iteration) as megatron-core
     `megatron_version` keeps it (common.pt up to 0.18, a `common_state` object in the shards from 0.19).
-    The whole model is held in memory once (float32 source tensors cast to `dtype`)."""
+    The whole model is held in memory once (float32 source tensors cast to `dtype`).
+
+    `adam` (megatron_optimizer.AdamState) adds the optimizer state megatron-core's optimizer loads:
+    Adam's moments (and fp32 main parameters for bf16/fp16 weights) as global tensors, its step
+    count, param groups and LR scheduler in the common state (megatron_optimizer.py); the model and
+    its optimizer state then take about three (four) times the model's float32 size in memory."""
     import json
     from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
@@ -385,6 +414,13 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, 1, 1)
+    if adam is not None and m.num_experts:
+        raise CheckpointError("--with-optimizer: megajax writes megatron-core's optimizer state for dense models; "
+                              "megatron-core keeps a mixture-of-experts model's expert parameters in a second "
+                              "(chained) optimizer, which megajax does not write. Export without --with-optimizer.")
+    if adam is not None and iteration is None:
+        raise CheckpointError("--with-optimizer: the checkpoint is of step 0; Megatron-LM loads no optimizer state "
+                              "from a release checkpoint (written for step 0). Export without --with-optimizer.")
     shapes = tensor_shapes(m, check_source(source))
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
@@ -394,11 +430,17 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
                          iteration=iteration or 0, tokenizer_model=tokenizer_model)
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
+    if adam is not None:
+        from megajax.checkpoint.megatron_optimizer import adam_args, common_optimizer, scheduler_state
+        adam_args(args, adam)
+        common.update(optimizer=common_optimizer(adam, torch), opt_param_scheduler=scheduler_state(adam))
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
             save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype)), m)
+        if adam is not None:
+            state.update(_dist_adam(adam, source, rows, m, padded, dtype))
         step = tmp / step_dir
         step.mkdir()
         backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
@@ -502,19 +544,18 @@ def _overrides_from_args(args) -> dict:
     def reject(name, value, accepted):
         raise CheckpointError(f"Megatron args {name}={value!r} cannot be represented in megajax; accepted: {accepted}.")
 
-    for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "qk_layernorm", "rotary_interleaved",
+    for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "rotary_interleaved",
                  "apply_residual_connection_post_layernorm", "multi_latent_attention"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
     moe = {}
     if _arg(args, "num_experts"):
-        for name, accepted in (("moe_router_pre_softmax", False),):
-            value = getattr(args, name, None)
-            if value is not None and value != accepted:
-                reject(name, value, repr(accepted))
         score = _arg(args, "moe_router_score_function", "softmax")
         if score not in ("softmax", "sigmoid"):
             reject("moe_router_score_function", score, "softmax, sigmoid")
+        pre_softmax = bool(_arg(args, "moe_router_pre_softmax", False))
+        if pre_softmax and score != "softmax":
+            reject("moe_router_pre_softmax", True, "True only with moe_router_score_function=softmax")
         rate = 0.0
         if _arg(args, "moe_router_enable_expert_bias", False):
             rate = float(_arg(args, "moe_router_bias_update_rate", 1e-3))
@@ -530,7 +571,8 @@ def _overrides_from_args(args) -> dict:
                    moe_router_num_groups=_arg(args, "moe_router_num_groups"),
                    moe_router_group_topk=_arg(args, "moe_router_group_topk"),
                    moe_shared_expert_ffn_size=int(_arg(args, "moe_shared_expert_intermediate_size", 0)),
-                   moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)))
+                   moe_shared_expert_gate=bool(_arg(args, "moe_shared_expert_gate", False)),
+                   moe_router_pre_softmax=pre_softmax)
     if _arg(args, "virtual_pipeline_model_parallel_size"):
         reject("virtual_pipeline_model_parallel_size", args.virtual_pipeline_model_parallel_size, "None")
     if _arg(args, "rotary_percent", 1.0) != 1.0:
@@ -543,6 +585,9 @@ def _overrides_from_args(args) -> dict:
     normalization = _arg(args, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
+    qk_norm = bool(_arg(args, "qk_layernorm", False))
+    if qk_norm and normalization != "RMSNorm":
+        reject("qk_layernorm", True, "True only with normalization=RMSNorm (megajax's q/k norms are RMSNorms)")
     out = read_fields(lambda key: getattr(args, key, None), _ARGS, "Megatron args")
     if out["use_bias"] is False and _arg(args, "add_qkv_bias", False):
         reject("add_qkv_bias", True, "add_qkv_bias only together with add_bias_linear (one model.use_bias)")
@@ -557,7 +602,7 @@ def _overrides_from_args(args) -> dict:
                position_embedding="rope" if position == "rope" else "learned",
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
-               rope_theta=float(_arg(args, "rotary_base", 10000)))
+               rope_theta=float(_arg(args, "rotary_base", 10000)), qk_norm=qk_norm)
     if moe:
         moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
         out.update(moe)
@@ -728,6 +773,44 @@ def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
     _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
                 flat_params)
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
+    """The Adam state of a Megatron checkpoint in megajax's layout: {"mu", "nu": parameter trees,
+    "count": the step count, "params": the fp32 main parameters or None}; or, when it has none megajax
+    reads, a few words saying why (megatron_optimizer.py: the torch_dist keys read)."""
+    from megajax.checkpoint.megatron_optimizer import FP32_PARAM, PREFIX, STATES, PrefixedCheckpoint, common_step
+    d = Path(in_dir).expanduser()
+    step = _step_dir(d) if d.is_dir() else d
+    if not is_torch_dist(step):
+        return "megajax reads optimizer state from torch_dist checkpoints, not legacy ones"
+    ckpt = DistCheckpoint(step)
+    keys = set(ckpt.keys())
+    held = [s for s in (*STATES, FP32_PARAM) if any(k.startswith(f"{PREFIX}{s}.") for k in keys)]
+    if not set(STATES) <= set(held):
+        if any(k.startswith("optimizer.") for k in ckpt.meta):
+            return (f"its optimizer state has no {PREFIX}exp_avg.* / exp_avg_sq.* tensors (a distributed "
+                    f"optimizer's per-rank form, which megajax does not read)")
+        return "the checkpoint holds none"
+    common = _torch_dist_common(step, ckpt, allow_pickle)
+    count = common_step(common)
+    if count is None:
+        return "its common state has no optimizer step (optimizer.state.common_step)"
+    m = resolved_model(_overrides_from_args(common["args"]))
+    shapes = {k: v for k, v in tensor_shapes(m).items() if k != EXPERT_BIAS}  # a buffer: no Adam state
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    embedding = "embedding.word_embeddings.weight"
+    vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
+    out = {"count": count, "params": None}
+    for what, name in zip((*STATES, FP32_PARAM), ("mu", "nu", "params")):
+        if what not in held:
+            continue
+        flat = {n: np.zeros(shape, np.float32) for n, shape in shapes.items()}
+        state = _DistStateDict(PrefixedCheckpoint(ckpt, f"{PREFIX}{what}."), m.num_layers)
+        _fill_stage([state], f"{step} ({PREFIX}{what}.*)", rows, shapes, m, True, True, list(range(m.num_layers)),
+                    0, vocab_padded, flat)
+        out[name] = unflatten(dict(sorted(flat.items())))
+    return out
 
 
 def _torch_dist_common(step: Path, ckpt: DistCheckpoint, allow_pickle: bool) -> dict:

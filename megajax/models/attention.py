@@ -16,7 +16,7 @@ from flax import nnx, struct
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.layers import Dense, LinearOps, apply_rope, dropout
+from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, dropout
 
 
 class AttentionCore(Protocol):
@@ -306,6 +306,12 @@ class Attention(nnx.Module):
         self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
                        init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
         self.qkv_product = ops.linear("column")  # the fused q/k/v product (`qkv`)
+        # model.qk_norm: per-head RMSNorm of q and k (one [head_dim] scale each, replicated over heads).
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, dtype=dtype, axis="head_dim")
+            self.k_norm = RMSNorm(hd, eps=cfg.norm_eps, dtype=dtype, axis="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
         self.core = core
         self.dropout_rate = cfg.attention_dropout
 
@@ -326,14 +332,21 @@ class Attention(nnx.Module):
         b, l = out.shape[:2]
         return out[:, :, :, :r].reshape(b, l, h, k_dim), out[:, :, :, r], out[:, :, :, r + 1]
 
+    def positioned(self, q, k, positions_BxL, inv_freq):
+        """q and k after the projections: their per-head norms (model.qk_norm), then rope."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if inv_freq is not None:
+            q = apply_rope(q, positions_BxL, inv_freq)
+            k = apply_rope(k, positions_BxL, inv_freq)
+        return q, k
+
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
         q, k, v = self.qkv(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
         k = logical_constraint(k, ACT_KV)
         v = logical_constraint(v, ACT_KV)
-        if inv_freq is not None:
-            q = apply_rope(q, positions_BxL, inv_freq)
-            k = apply_rope(k, positions_BxL, inv_freq)
+        q, k = self.positioned(q, k, positions_BxL, inv_freq)
         out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True,
                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                         dropout_rng=dropout_rng)
@@ -355,9 +368,7 @@ class Attention(nnx.Module):
         attention is paged_attention over the blocks in use, prefill chunks included)."""
         q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
         q = logical_constraint(q, ACT_Q)
-        if inv_freq is not None:
-            q = apply_rope(q, positions_BxL, inv_freq)
-            k = apply_rope(k, positions_BxL, inv_freq)
+        q, k = self.positioned(q, k, positions_BxL, inv_freq)
         if isinstance(cache_k_BxGxTxK, PagedCache) and cache_k_BxGxTxK.blocks_used is not None:
             cache_k, cache_v = cache_k_BxGxTxK.write(k), cache_v_BxGxTxK.write(v)
             out = logical_constraint(paged_attention(q, cache_k, cache_v, mask_BxLxT), ACT_Q)

@@ -214,8 +214,11 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32):
-        self.scale = nnx.Param(jnp.ones((features,), param_dtype), axes=("embed",))
+    """RMSNorm over the last dim; `axis` names its scale's logical axis (`head_dim` for q/k norms)."""
+
+    def __init__(self, features: int, *, eps: float, dtype=jnp.float32, param_dtype=jnp.float32,
+                 axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((features,), param_dtype), axes=(axis,))
         self.eps, self.dtype = eps, dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:

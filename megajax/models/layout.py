@@ -8,6 +8,7 @@ Names are the '/'-joined paths of the pure parameter dict; tensors under
     layers/attn_norm/scale    [L, D]           (+ bias for LayerNorm); mlp_norm the same
     layers/attn/q/kernel      [L, D, H, hd]    k, v: [L, D, KV, hd]    o: [L, H, hd, D]
     layers/attn/q/bias        [L, H, hd]       k, v: [L, KV, hd]       o: [L, D]
+    layers/attn/q_norm/scale  [L, hd]          k_norm the same (model.qk_norm)
     layers/mlp/gate|up/kernel [L, D, F]        (swiglu)    fc1/kernel [L, D, F] (gelu)
     layers/mlp/fc2/kernel     [L, F, D]        biases: gate|up|fc1 [L, F], fc2 [L, D]
     layers/mlp/router         [L, D, E]        MoE: experts gate|up|fc1 [L, E, D, F], fc2 [L, E, F, D]

@@ -3,7 +3,8 @@
     x [B, L, D] -> router logits [B, L, E] (fp32) -> top-k -> softmax over the k -> weights [B, L, K]
     y = sum_k weights_k * expert_{id_k}(x)
 
-Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, renormalise", or
+Routing is "top-k then softmax over the k", equal to Mixtral's "softmax, top-k, renormalise"; with
+model.moe_router_pre_softmax "softmax over all experts, top-k" without renormalising; or
 with model.moe_router_score_function=sigmoid (DeepSeek-V3) the top-k of sigmoid(logits) weighted
 by those scores renormalised over the k. Sigmoid routing can add a per-expert bias to the scores
 for the choice alone (aux-loss-free balancing): the bias is training state beside the parameters,
@@ -190,18 +191,25 @@ def group_limited(scores_TxE: jax.Array, topk: int, num_groups: int, group_topk:
 
 
 def route(logits_TxE: jax.Array, topk: int, score_function: str = "softmax", expert_bias_E: jax.Array | None = None,
-          scaling_factor: float | None = None, groups: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+          scaling_factor: float | None = None, groups: tuple[int, int] | None = None,
+          pre_softmax: bool = False) -> tuple[jax.Array, jax.Array]:
     """(expert ids [..., K] int32, weights [..., K] fp32) from fp32 router logits.
 
     softmax: the top-k logits, softmax over the k. sigmoid: scores sigmoid(logits); the top-k of
     scores + `expert_bias_E` (the bias steers the choice only), weighted by their unbiased scores,
     normalised to sum 1 when k > 1. `scaling_factor` (None: 1) multiplies the weights. `groups`
     (num_groups, group_topk): the top-k is taken within each token's best groups (group_limited
-    of what the top-k is taken of), as Megatron-Core's moe_router_num_groups / group_topk."""
+    of what the top-k is taken of), as Megatron-Core's moe_router_num_groups / group_topk.
+    `pre_softmax` (softmax only): the top-k of softmax over all experts, weighted by those
+    probabilities as they are (Megatron-Core's moe_router_pre_softmax)."""
     def topk_ids(x):
         return _topk_ids(x if groups is None else group_limited(x, topk, *groups), topk)
 
-    if score_function == "softmax":
+    if score_function == "softmax" and pre_softmax:
+        probs = jax.nn.softmax(logits_TxE, axis=-1)
+        ids = topk_ids(probs)
+        weights = jnp.take_along_axis(probs, ids, axis=-1)
+    elif score_function == "softmax":
         ids = topk_ids(logits_TxE)
         weights = jax.nn.softmax(jnp.take_along_axis(logits_TxE, ids, axis=-1), axis=-1)
     else:
@@ -276,6 +284,7 @@ class MoE(nnx.Module):
         self.topk, self.activation, self.dtype = cfg.moe_router_topk, cfg.activation, dtype
         self.score_function, self.scaling_factor = cfg.moe_router_score_function, cfg.moe_router_topk_scaling_factor
         self.groups = (cfg.moe_router_num_groups, cfg.moe_router_group_topk) if cfg.moe_router_group_topk else None
+        self.pre_softmax = cfg.moe_router_pre_softmax
         self.router = nnx.Param(normal_init(rngs.params(), (d, e), cfg.init_std), axes=("embed", "expert_scores"))
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         shapes = {"gate": ((e, d, f), cfg.init_std), "up": ((e, d, f), cfg.init_std),
@@ -305,7 +314,8 @@ class MoE(nnx.Module):
         b, l, d = x_BxLxD.shape
         logits = jnp.einsum("bld,de->ble", x_BxLxD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         bias = None if expert_bias_E is None else jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
-        ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor, self.groups)
+        ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor, self.groups,
+                             self.pre_softmax)
         kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
         products = ({name: getattr(self, f"{name}_product") for name in EXPERT_KERNELS[self.activation]}
                     if self.fp8_experts else None)

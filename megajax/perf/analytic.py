@@ -70,6 +70,7 @@ chunk's layer activations at a time.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import jax
 
@@ -163,11 +164,32 @@ def _passes(plan: RunPlan) -> dict[str, float]:
             "moe_bwd": ticks * c_moe, "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
 
 
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu") -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`). On
     `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
+    out = dict.fromkeys(COLLECTIVES, 0.0)
+    for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
+                                           stage_shared_param_bytes, platform).items():
+        out[kind] += v
+    return {k: int(v) for k, v in out.items()}
+
+
+def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
+                          stage_shared_param_bytes: int = 0, platform: str = "gpu") -> dict[tuple[str, str], int]:
+    """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
+    over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
+    runs over both axes; it is counted under `data`."""
+    return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
+                                                 stage_shared_param_bytes, platform).items()}
+
+
+def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
+                   stage_shared_param_bytes: int, platform: str) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -176,13 +198,13 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
     bsh = tokens * m.hidden_size * act
     sp = cfg.parallel.sequence_parallel and t > 1
     n = _passes(plan)
-    out = {k: 0.0 for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")}
+    out: dict[tuple[str, str], float] = defaultdict(float)  # (kind, axis) -> bytes
     pipe = plan.pipeline
     if pipe is not None:  # each tick sends an activation forward and a cotangent back
-        out["collective-permute"] += 2 * n["ticks"] * bsh / (t if sp else 1)
-        out["all-reduce"] += stage_shared_param_bytes
+        out["collective-permute", "pipeline"] += 2 * n["ticks"] * bsh / (t if sp else 1)
+        out["all-reduce", "pipeline"] += stage_shared_param_bytes
         if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
-            out["collective-permute"] += 2 * (local_param_bytes - stage_shared_param_bytes)
+            out["collective-permute", "pipeline"] += 2 * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
         # Per layer 2 products reduce forward and 2 backward (Megatron's f/g); full recompute reruns
         # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
@@ -190,20 +212,20 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
         # input's gradient) once per microbatch; a shared expert adds one forward and one backward.
         shared = n["moe_fwd"] + n["moe_bwd"] if m.num_experts and m.moe_shared_expert_ffn_size else 0
         if sp:
-            out["all-gather"] += (2 * n["fwd"] + 2 * n["bwd"] + 2 * n["extra"] + 2 * n["micro"]) * bsh
-            out["reduce-scatter"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
+            out["all-gather", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + 2 * n["extra"] + 2 * n["micro"]) * bsh
+            out["reduce-scatter", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
         else:
-            out["all-reduce"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
-        out["all-reduce"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+            out["all-reduce", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
+        out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     if cp > 1:  # attention over the sequence's chunks: k and v (kv heads of this tensor rank)
         kv = tokens * (m.num_kv_heads / t) * m.head_dim * act
         kv32 = kv * 4 / act  # their gradients accumulate in fp32
         fwd = n["fwd"] + n["extra"]
         if cfg.parallel.context_impl == "ring":  # cp - 1 hops forward; backward cp hops with dk, dv
-            out["collective-permute"] += fwd * (cp - 1) * 2 * kv + n["bwd"] * ((cp - 1) * 2 * (kv + kv32) + 2 * kv32)
+            out["collective-permute", "context"] += fwd * (cp - 1) * 2 * kv + n["bwd"] * ((cp - 1) * 2 * (kv + kv32) + 2 * kv32)
         else:  # all-gather k and v, reduce-scatter their gradients
-            out["all-gather"] += fwd * 2 * cp * kv
-            out["reduce-scatter"] += n["bwd"] * 2 * cp * kv
+            out["all-gather", "context"] += fwd * 2 * cp * kv
+            out["reduce-scatter", "context"] += n["bwd"] * 2 * cp * kv
     ep = sizes.get("expert", 1)
     if m.num_experts and ep > 1:
         # Each MoE layer sends its (sequence-gathered) tokens x top-k rows to the experts' devices and
@@ -213,7 +235,7 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
                 ep * math.ceil(tokens * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
                 * m.num_experts / ep)
         buffer = (ep if m.moe_expert_capacity_factor is None else 1) * rows * m.hidden_size * act
-        out["all-to-all"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
+        out["all-to-all", "expert"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
     # Data-parallel reductions: once per step (after the accumulation or the stage loop), or per
     # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py).
     m_dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
@@ -222,21 +244,21 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
     # The other parameters' gradients are reduced over `expert` too (after the stage loop, in the
     # same reduction as over the data axes when there is one).
     if m.num_experts and ep > 1 and data * (1 if pipe is None else cp) == 1:
-        out["all-reduce"] += reductions * (local_param_bytes - expert_param_bytes)
+        out["all-reduce", "expert"] += reductions * (local_param_bytes - expert_param_bytes)
     shard = local_param_bytes * reductions
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
-        out["all-gather"] += shard
-        out["reduce-scatter"] += shard
+        out["all-gather", "fsdp"] += shard
+        out["reduce-scatter", "fsdp"] += shard
         shard = shard / fsdp
     if cp > 1 and pipe is None:  # gradients reduced over `context` per microbatch (a separate all-reduce)
-        out["all-reduce"] += shard / reductions * plan.batch.accumulation
+        out["all-reduce", "context"] += shard / reductions * plan.batch.accumulation
     if data > 1 or (cp > 1 and pipe is not None):
         if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
-            out["reduce-scatter"] += shard
-            out["all-gather"] += shard
+            out["reduce-scatter", "data"] += shard
+            out["all-gather", "data"] += shard
         else:
-            out["all-reduce"] += shard
-    return {k: int(v) for k, v in out.items()}
+            out["all-reduce", "data"] += shard
+    return dict(out)
 
 
 def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,

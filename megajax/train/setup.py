@@ -217,8 +217,8 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                                   f"and checkpoint.load={cfg.checkpoint.load} is a Megatron checkpoint, whose "
                                   f"iteration its tracker file names (or name one iter_NNNNNNN directory); drop "
                                   f"checkpoint.step.")
-        return _megatron_state(setup, target, str(cfg.checkpoint.load)), 0, \
-            f"parameters from the Megatron checkpoint {cfg.checkpoint.load}, optimizer state fresh", None
+        state, optimizer = _megatron_state(setup, target, str(cfg.checkpoint.load))
+        return state, 0, f"parameters from the Megatron checkpoint {cfg.checkpoint.load}, {optimizer}", None
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
         params, note = restore_params(source, target.params, cfg)
@@ -233,27 +233,53 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
-def _megatron_state(setup: Setup, target: TrainState, load: str) -> TrainState:
-    """A fresh state with the parameters (and MoE expert bias) of the Megatron checkpoint `load`, read
-    by import_megatron (either format) and placed with the run's shardings."""
-    from megajax.checkpoint.megatron import import_megatron
+def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainState, str]:
+    """(a fresh state with the parameters (and MoE expert bias) of the Megatron checkpoint `load`, read
+    by import_megatron (either format) and placed with the run's shardings, and with its Adam state
+    (import_megatron_adam: the moments and the step count, which the schedule's count follows, as on
+    a resume; its fp32 main parameters where it stores them) when it has one; what became of the
+    optimizer state, in words)."""
+    from megajax.checkpoint.megatron import import_megatron, import_megatron_adam
     from megajax.models.layout import split_expert_bias
     _, imported = import_megatron(load)
     params, bias = split_expert_bias(imported)
-    want = jax.tree_util.tree_flatten_with_path(target.params)[0]
-    got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
-    mismatched = [(jax.tree_util.keystr(p), tuple(t.shape), None if p not in got else tuple(got[p].shape))
-                  for p, t in want if p not in got or tuple(got[p].shape) != tuple(t.shape)]
-    if mismatched or len(got) != len(want):
-        listed = "; ".join(f"{n}: the run expects {w}, the checkpoint has {g}" for n, w, g in mismatched[:4])
-        raise CheckpointError(f"checkpoint.load = {load!r}: the Megatron checkpoint's tensors do not fit this "
-                              f"run's model ({listed or 'another set of tensors'}).")
-    params = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.params)
-    state = setup.fresh_state().replace(params=params)
+    adam = import_megatron_adam(load)
+    if not isinstance(adam, str) and adam["params"] is not None:
+        params = adam["params"]  # the fp32 main parameters of bf16/fp16 weights
+
+    def placed(tree, like, what):
+        want = jax.tree_util.tree_flatten_with_path(like)[0]
+        got = dict(jax.tree_util.tree_flatten_with_path(tree)[0])
+        mismatched = [(jax.tree_util.keystr(p), tuple(t.shape), None if p not in got else tuple(got[p].shape))
+                      for p, t in want if p not in got or tuple(got[p].shape) != tuple(t.shape)]
+        if mismatched or len(got) != len(want):
+            listed = "; ".join(f"{n}: the run expects {w}, the checkpoint has {g}" for n, w, g in mismatched[:4])
+            raise CheckpointError(f"checkpoint.load = {load!r}: the Megatron checkpoint's {what} do not fit this "
+                                  f"run's model ({listed or 'another set of tensors'}).")
+        return jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), tree, like)
+
+    state = setup.fresh_state()
+    state = state.replace(params=placed(params, target.params, "tensors"))
     if bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(np.asarray(bias, np.float32),
                                                              setup.state_shardings.moe_expert_bias))
-    return state
+    if isinstance(adam, str):
+        return state, "optimizer state fresh" + ("" if adam == "the checkpoint holds none" else f" ({adam})")
+
+    def count(c):
+        return jax.device_put(np.asarray(adam["count"], c.dtype), c.sharding)
+    opt = []
+    for part in state.opt_state:  # optax adamw: (Adam's moments and count, weight decay, the schedule's count)
+        fields = getattr(part, "_fields", ())
+        if "mu" in fields:
+            part = part._replace(count=count(part.count), mu=placed(adam["mu"], part.mu, "Adam moments"),
+                                 nu=placed(adam["nu"], part.nu, "Adam moments"))
+        elif "count" in fields:
+            part = part._replace(count=count(part.count))
+        opt.append(part)
+    state = state.replace(opt_state=type(state.opt_state)(opt))
+    fp32 = ", fp32 main parameters" if adam["params"] is not None else ""
+    return state, f"optimizer state from it (Adam moments{fp32}, step count {adam['count']})"
 
 
 def _starts_fresh(cfg: Config) -> bool:

@@ -1,0 +1,346 @@
+"""`megajax plan`: a mesh for a cluster, chosen by estimate instead of by hand.
+
+    megajax plan --config model/llama3-70b --cluster 32xH100 train.global_batch=256 --output mesh.yaml
+
+Every layout of the cluster's devices is enumerated: tensor parallelism inside a
+node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
+or interleaved with 2 or 4 chunks per stage), and the rest of the devices as
+data parallelism (plain, with the distributed optimizer, or FSDP); for each, every
+recompute policy and micro batch. Each is planned exactly as `megajax train`
+would plan it (megajax/plan.py: a layout the run would refuse is never offered)
+and estimated:
+
+- memory per device: the analytic model (megajax/perf/analytic.py, the figure
+  `megajax bench` prints beside XLA's compiled one), against the device's
+  memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
+- step time: the model FLOPs of a step (megajax/train/flops.py) plus what
+  recompute adds, at a per-device-kind fraction of the peak (`efficiency`),
+  stretched by the pipeline bubble of the plan's own schedule; plus each
+  axis's collectives (the analytic bytes `megajax bench` checks against the
+  compiled HLO, split by axis) over that axis's links: NVLink (or the
+  vendor's equivalent) when the axis lies inside a node, the inter-node
+  network when it crosses nodes. A ring all-reduce moves 2(n-1)/n of its
+  buffer per device, an all-gather, reduce-scatter or all-to-all (n-1)/n, a
+  collective-permute all of it. The data-parallel reductions (data, FSDP, and
+  the gradients' reductions over expert and context) overlap the backward
+  pass (Megatron's --overlap-grad-reduce / --overlap-param-gather; XLA's
+  asynchronous collectives): only what exceeds the backward's compute time
+  counts. Tensor, context, expert and pipeline transfers sit on the critical
+  path and count whole.
+
+The layouts that fit are ranked by estimated step time (then by memory); the
+top few are printed with the parts of their time, and `--output FILE.yaml`
+writes the best as a mesh config (the form of configs/mesh/*.yaml: `mesh:`
+with `dcn:` for the inter-node factors, and the `parallel:` and `train:` keys
+the layout sets). The device table below is extended or overridden with
+`--device-kinds FILE.yaml` (a mapping of kind name to the same fields).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megajax.config import MESH_AXES, Config
+from megajax.errors import ConfigError, UserError
+from megajax.mesh import data_parallel_size
+from megajax.perf import analytic
+from megajax.plan import RunPlan, make_plan, plan_layout
+from megajax.train.flops import PEAK_TFLOPS, train_flops_per_token
+
+GIB = 2**30
+HEADROOM = 0.9  # the share of a device's memory a plan may fill
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A device kind's figures: memory, dense peak TFLOP/s by precision, devices per node, and the
+    per-device bandwidth (GB/s, one direction) inside a node and across nodes."""
+    memory_gib: float
+    peak_tflops: dict[str, float]
+    node_size: int = 8
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    efficiency: float = 0.5  # share of the peak the model's matmuls reach in a step
+    link_efficiency: float = 0.7  # share of the links' bandwidth collectives reach
+
+
+# Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
+# (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways).
+DEVICE_KINDS: dict[str, DeviceKind] = {
+    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0),
+    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0),
+    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0),
+    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4),
+}
+
+_CLUSTER = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
+_DATA_PARALLEL = ("data", "fsdp")  # axes whose reductions overlap the backward
+_PLACEMENT = ("tensor", "context", "expert", "fsdp", "data", "pipeline")  # innermost (inside a node) first
+
+
+def load_device_kinds(path: str | None) -> dict[str, DeviceKind]:
+    """The built-in table, extended by a YAML file of {KIND: {memory_gib, peak_tflops: {bf16: ...}, ...}}."""
+    kinds = dict(DEVICE_KINDS)
+    if not path:
+        return kinds
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--device-kinds {path}: cannot read it as YAML ({e}).") from None
+    fields = set(DeviceKind.__dataclass_fields__)
+    for name, entry in data.items():
+        if not isinstance(entry, dict) or set(entry) - fields:
+            raise ConfigError(f"--device-kinds {path}: kind {name!r} must be a mapping of "
+                              f"{', '.join(sorted(fields))}; got {entry!r}.")
+        base = kinds.get(str(name).upper())
+        try:
+            kinds[str(name).upper()] = replace(base, **entry) if base else DeviceKind(**entry)
+        except TypeError as e:
+            raise ConfigError(f"--device-kinds {path}: kind {name!r}: {e} (memory_gib and peak_tflops are "
+                              f"needed for a new kind).") from None
+    return kinds
+
+
+def parse_cluster(text: str, kinds: dict[str, DeviceKind]) -> tuple[int, str, DeviceKind]:
+    m = _CLUSTER.match(text.strip())
+    names = ", ".join(kinds)
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"--cluster {text!r}: expected COUNTxKIND such as 32xH100 (kinds: {names}).")
+    count, name = int(m.group(1)), m.group(2).upper()
+    if name not in kinds:
+        raise ConfigError(f"--cluster {text!r}: unknown device kind {m.group(2)!r}; known kinds: {names} "
+                          f"(add one with --device-kinds FILE.yaml).")
+    kind = kinds[name]
+    if count > kind.node_size and count % kind.node_size:
+        raise ConfigError(f"--cluster {text!r}: {count} devices are not whole nodes of {kind.node_size} {name}.")
+    return count, name, kind
+
+
+@dataclass
+class Candidate:
+    """One layout with its estimate."""
+    sizes: dict[str, int]
+    ici: dict[str, int]
+    dcn: dict[str, int]
+    parallel: dict[str, Any]
+    micro_batch: int
+    memory: dict[str, int]
+    fits: bool
+    step_seconds: float = math.inf
+    parts: dict[str, float] = field(default_factory=dict)
+    mfu: float = 0.0
+    bubble: float = 0.0
+
+    def label(self) -> str:
+        axes = [f"{a} {self.sizes[a]}" for a in ("tensor", "context", "expert", "pipeline", "fsdp", "data")
+                if self.sizes[a] > 1]
+        extra = []
+        if self.parallel.get("virtual_stages", 1) > 1:
+            extra.append(f"{self.parallel['virtual_stages']} chunks/stage")
+        if self.parallel.get("distributed_optimizer"):
+            extra.append("distributed optimizer")
+        extra.append(f"recompute {self.parallel['recompute']}")
+        extra.append(f"micro batch {self.micro_batch}")
+        return " x ".join(axes or ["1 device"]) + "; " + ", ".join(extra)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _place(sizes: dict[str, int], node: int) -> tuple[dict[str, int], dict[str, int]] | None:
+    """Per-node (ici) and inter-node (dcn) factors: tensor innermost, then context, expert, fsdp,
+    data, pipeline outermost, each filling what is left of a node."""
+    ici, dcn, left = {}, {}, node
+    for a in _PLACEMENT:
+        ici[a] = math.gcd(sizes[a], left)
+        dcn[a] = sizes[a] // ici[a]
+        left //= ici[a]
+    if left != 1:
+        return None
+    return {a: ici[a] for a in MESH_AXES}, {a: dcn[a] for a in MESH_AXES}
+
+
+def pinned_axes(cfg: Config) -> dict[str, int]:
+    """Mesh sizes the config sets (other than 1, or data's -1): the plan keeps them, so
+    `mesh.tensor=8 mesh.pipeline=4` estimates that layout family against the free choice."""
+    pins = {a: getattr(cfg.mesh, a) * getattr(cfg.mesh.dcn, a) for a in MESH_AXES
+            if getattr(cfg.mesh, a) not in (1, -1) or getattr(cfg.mesh.dcn, a) != 1}
+    return pins
+
+
+def _layouts(cfg: Config, devices: int, node: int):
+    """(sizes, parallel keys) of every layout worth estimating (those with the pinned sizes)."""
+    m = cfg.model
+    pins = pinned_axes(cfg)
+    seq = cfg.train.seq_len
+    for t in _divisors(min(node, devices)):
+        for c in (d for d in _divisors(devices // t) if d == 1 or (seq // d >= 1024 and seq % (2 * d) == 0)):
+            experts = [e for e in _divisors(devices // (t * c)) if m.num_experts and m.num_experts % e == 0] or [1]
+            for e in experts:
+                for p in (d for d in _divisors(devices // (t * c * e)) if m.num_layers % d == 0):
+                    chunks = [1] + [v for v in (2, 4) if p > 1 and m.num_layers % (p * v) == 0]
+                    for v in chunks:
+                        rest = devices // (t * c * e * p)
+                        dps = [(rest, 1, False)] + ([(rest, 1, True), (1, rest, False)] if rest > 1 else [])
+                        for data, fsdp, dist_opt in dps:
+                            sizes = {"pipeline": p, "data": data, "fsdp": fsdp, "expert": e, "context": c, "tensor": t}
+                            if any(sizes[a] != n for a, n in pins.items()):
+                                continue
+                            yield sizes, {"sequence_parallel": t > 1, "distributed_optimizer": dist_opt,
+                                          "pipeline_schedule": "interleaved" if v > 1 else "1f1b",
+                                          "virtual_stages": v}
+
+
+def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, micro: int) -> Config:
+    cfg = copy.deepcopy(base)
+    for a in MESH_AXES:
+        setattr(cfg.mesh, a, ici[a])
+        setattr(cfg.mesh.dcn, a, dcn[a])
+    for k, v in parallel.items():
+        setattr(cfg.parallel, k, v)
+    cfg.parallel.recompute = recompute
+    cfg.train.micro_batch = micro
+    return cfg
+
+
+def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[float, dict[str, float], float, float]:
+    """(step seconds, seconds by part, MFU, pipeline bubble) of a plan on `kind`."""
+    cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
+    precision = cfg.train.precision
+    peak = kind.peak_tflops.get(precision) or kind.peak_tflops.get("bf16")
+    tokens = plan.batch.global_batch * plan.batch.seq_len
+    per_token = train_flops_per_token(m, plan.batch.seq_len, plan.padded_vocab)
+    attention = 6 * m.num_layers * plan.batch.seq_len * m.num_heads * m.head_dim
+    layers = per_token - attention  # (with the output layer: a slight overcount of what recompute redoes)
+    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
+    flops = tokens * per_token / devices
+    compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
+    bubble = 0.0
+    if plan.pipeline is not None:
+        from megajax.parallel.pipeline import build_schedule
+        c = plan.pipeline
+        bubble = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).bubble_fraction
+    busy = compute / (1 - bubble)
+    rules = plan.rules
+    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+              if plan.pipeline is not None else 0)
+    parts = {"compute": compute, "bubble": busy - compute}
+    overlapped = 0.0
+    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared).items():
+        n = sizes[axis]
+        if n <= 1 or nbytes <= 0:
+            continue
+        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind_name, (n - 1) / n)
+        bw = kind.inter_node_gbps if plan.dcn[axis] > 1 else kind.intra_node_gbps
+        seconds = nbytes * factor / (bw * 1e9 * kind.link_efficiency)
+        if axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name):  # overlaps the backward
+            overlapped += seconds
+            parts[f"{axis} (overlapped)"] = parts.get(f"{axis} (overlapped)", 0.0) + seconds
+            continue
+        parts[axis] = parts.get(axis, 0.0) + seconds
+    exposed = max(0.0, overlapped - compute * 2 / 3)
+    critical = sum(v for k, v in parts.items() if k not in ("compute", "bubble") and "overlapped" not in k)
+    step = busy + critical + exposed
+    return step, parts, flops / (step * peak * 1e12), bubble
+
+
+def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
+    """The all-reduces over expert (the other parameters' gradients) and context (the gradients,
+    without a pipeline) are data-parallel reductions; context's other transfers are attention's."""
+    return kind_name == "all-reduce" and axis in ("expert", "context")
+
+
+def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top: int = 5) -> dict[str, Any]:
+    """Every layout of `cfg` on the cluster, estimated and ranked; the report `megajax plan` prints."""
+    from megajax.train.state import build_model_spec
+    kinds = load_device_kinds(device_kinds)
+    devices, kind_name, kind = parse_cluster(cluster, kinds)
+    node = min(kind.node_size, devices)
+    pins = pinned_axes(cfg)
+    base = make_plan(_candidate_config(cfg, {**{a: 1 for a in MESH_AXES}, "data": devices},
+                                       {a: 1 for a in MESH_AXES}, {}, cfg.parallel.recompute, 1), devices)
+    spec, _ = build_model_spec(base.cfg, base.padded_vocab)
+    capacity = int(kind.memory_gib * GIB * HEADROOM)
+    candidates: list[Candidate] = []
+    refused = 0
+    base.cfg.mesh = copy.deepcopy(cfg.mesh)  # the pins
+    for sizes, parallel in _layouts(base.cfg, devices, node):
+        placed = _place(sizes, node)
+        if placed is None:
+            continue
+        ici, dcn = placed
+        per_rank = base.cfg.train.global_batch // data_parallel_size(sizes)
+        for recompute in ("none", "selective", "full"):
+            for micro in (d for d in _divisors(max(per_rank, 1)) if d <= 16):
+                c = _candidate_config(base.cfg, ici, dcn, parallel, recompute, micro)
+                try:
+                    plan = plan_layout(c, base.tokenizer, ici, dcn)
+                except UserError:
+                    refused += 1
+                    continue
+                mem = analytic.memory_estimate(plan, spec)
+                cand = Candidate(sizes=dict(plan.sizes), ici=ici, dcn=dcn, parallel=dict(parallel, recompute=recompute),
+                                 micro_batch=plan.batch.micro_batch, memory=mem, fits=mem["total"] <= capacity)
+                cand.step_seconds, cand.parts, cand.mfu, cand.bubble = _step_time(plan, spec, kind, devices)
+                candidates.append(cand)
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (round(c.step_seconds, 6), -c.micro_batch,
+                                                                       c.memory["total"]))
+    smallest = sorted(candidates, key=lambda c: c.memory["total"])[:top]
+    return {"cluster": cluster, "devices": devices, "device_kind": kind_name, "kind": asdict(kind),
+            "capacity": capacity, "evaluated": len(candidates), "refused": refused,
+            "model": {"parameters": sum(math.prod(x.shape) for x in _leaves(spec.abstract_params)),
+                      "global_batch": base.cfg.train.global_batch, "seq_len": base.cfg.train.seq_len,
+                      "precision": base.cfg.train.precision},
+            "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins}
+
+
+def _leaves(tree):
+    from megajax.checkpoint.source import flatten
+    return [v for _, v in flatten(tree)]
+
+
+def reasons(c: Candidate) -> str:
+    """Where a candidate's estimated step time goes, largest part first."""
+    parts = sorted(((k, v) for k, v in c.parts.items() if v > 0), key=lambda kv: -kv[1])
+    return ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in parts)
+
+
+def format_plan(report: dict[str, Any], top: int = 5) -> str:
+    mod = report["model"]
+    lines = [f"cluster    {report['cluster']}: {report['devices']} {report['device_kind']} "
+             f"({report['kind']['memory_gib']:g} GiB, {report['kind']['node_size']} per node); model "
+             f"{mod['parameters'] / 1e9:.2f}B parameters, global batch {mod['global_batch']} x seq "
+             f"{mod['seq_len']}, {mod['precision']}",
+             f"estimated  {report['evaluated']} layouts ({report['refused']} more refused by the run's own checks)"
+             + (f" with {' '.join(f'mesh.{a}={n}' for a, n in report['pinned'].items())} kept" if report["pinned"] else "")
+             + f"; {len(report['ranked'])} fit in {report['capacity'] / GIB:.1f} GiB ({HEADROOM:.0%} of the device)"]
+    if not report["ranked"]:
+        lines.append("nothing fits; the smallest per-device memory:")
+        for c in report["smallest"]:
+            lines.append(f"  {c.memory['total'] / GIB:8.1f} GiB  {c.label()}")
+        return "\n".join(lines)
+    for i, c in enumerate(report["ranked"][:top], 1):
+        lines.append(f"{i:>2}. {c.step_seconds:8.3f} s/step  MFU {c.mfu:5.1%}  {c.memory['total'] / GIB:6.1f} GiB  "
+                     f"{c.label()}")
+        lines.append(f"    {reasons(c)}" + (f"; bubble {c.bubble:.1%}" if c.bubble else ""))
+    return "\n".join(lines)
+
+
+def mesh_yaml(c: Candidate, header: str) -> str:
+    """The candidate as a mesh config (configs/mesh/*.yaml's form)."""
+    mesh: dict[str, Any] = {a: c.ici[a] for a in MESH_AXES}
+    dcn = {a: c.dcn[a] for a in MESH_AXES if c.dcn[a] > 1}
+    if dcn:
+        mesh["dcn"] = dcn
+    doc = {"mesh": mesh, "parallel": dict(c.parallel), "train": {"micro_batch": c.micro_batch}}
+    return "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(doc, sort_keys=False)
