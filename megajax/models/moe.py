@@ -134,41 +134,39 @@ def _expert_kernels(kernels: dict, g: jax.Array) -> dict:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_N, activation):
-    """Tile n's rows through expert tile_group[n]'s MLP, 0 where not live: [N, T, D] -> [N, T, D]."""
-    def body(_, tile_in):
-        x_TxD, g, on = tile_in
-        y = jax.lax.cond(on, lambda: _tile_mlp(x_TxD, _expert_kernels(kernels, g), activation),
-                         lambda: jnp.zeros_like(x_TxD))
-        return None, y
-    return jax.lax.scan(body, None, (x_NxTxD, tile_group_N, live_N))[1]
+def _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_tiles, activation):
+    """Tile n < live_tiles through expert tile_group[n]'s MLP, 0 past them: [N, T, D] -> [N, T, D].
+    A loop over the live tiles alone (its trip count is data: the custom vjp keeps autodiff out)."""
+    def body(n, y_NxTxD):
+        x_TxD = jax.lax.dynamic_index_in_dim(x_NxTxD, n, keepdims=False)
+        y_TxD = _tile_mlp(x_TxD, _expert_kernels(kernels, tile_group_N[n]), activation)
+        return jax.lax.dynamic_update_index_in_dim(y_NxTxD, y_TxD, n, 0)
+    return jax.lax.fori_loop(0, live_tiles, body, jnp.zeros_like(x_NxTxD))
 
 
-def _tiles_fwd(x_NxTxD, kernels, tile_group_N, live_N, activation):
-    return _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_N, activation), \
-        (x_NxTxD, kernels, tile_group_N, live_N)
+def _tiles_fwd(x_NxTxD, kernels, tile_group_N, live_tiles, activation):
+    return _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_tiles, activation), \
+        (x_NxTxD, kernels, tile_group_N, live_tiles)
 
 
 def _tiles_bwd(activation, res, dy_NxTxD):
     """Per live tile: its forward again and its vjp; the kernels' gradients accumulate in place into
-    their expert's slice (autodiff of the scan would add a whole [E, D, F] gradient per tile)."""
-    x_NxTxD, kernels, tile_group_N, live_N = res
+    their expert's slice (autodiff of a loop would add a whole [E, D, F] gradient per tile)."""
+    x_NxTxD, kernels, tile_group_N, live_tiles = res
 
-    def body(dw, tile_in):
-        x_TxD, dy_TxD, g, on = tile_in
-
-        def run(dw):
-            _, vjp = jax.vjp(lambda x, w: _tile_mlp(x, w, activation), x_TxD, _expert_kernels(kernels, g))
-            dx, dw_g = vjp(dy_TxD)
-            dw = {name: jax.lax.dynamic_update_index_in_dim(
-                acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dw_g[name], g, 0)
-                for name, acc in dw.items()}
-            return dw, dx
-
-        return jax.lax.cond(on, run, lambda dw: (dw, jnp.zeros_like(x_TxD)), dw)
+    def body(n, carry):
+        dx_NxTxD, dw = carry
+        g = tile_group_N[n]
+        x_TxD, dy_TxD = (jax.lax.dynamic_index_in_dim(a, n, keepdims=False) for a in (x_NxTxD, dy_NxTxD))
+        _, vjp = jax.vjp(lambda x, w: _tile_mlp(x, w, activation), x_TxD, _expert_kernels(kernels, g))
+        dx_TxD, dw_g = vjp(dy_TxD)
+        dw = {name: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dw_g[name], g, 0)
+            for name, acc in dw.items()}
+        return jax.lax.dynamic_update_index_in_dim(dx_NxTxD, dx_TxD, n, 0), dw
 
     dw0 = {name: jnp.zeros_like(k) for name, k in kernels.items()}
-    dw, dx_NxTxD = jax.lax.scan(body, dw0, (x_NxTxD, dy_NxTxD, tile_group_N, live_N))
+    dx_NxTxD, dw = jax.lax.fori_loop(0, live_tiles, body, (jnp.zeros_like(x_NxTxD), dw0))
     return dx_NxTxD, dw, None, None
 
 
@@ -185,12 +183,14 @@ def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, 
     n = tile_group.shape[0]
     # Inside a shard_map: rows, kernels and the layout typed alike (their gradients' sums over the
     # axes only some vary over happen outside the custom vjp).
-    tile_group, live = (like(a, x_MxD, *kernels.values()) for a in (tile_group, live))
+    live_tiles = jnp.sum(live).astype(jnp.int32)
+    tile_group, live_tiles = (like(a, x_MxD, *kernels.values()) for a in (tile_group, live_tiles))
     x_MxD = like(x_MxD, *kernels.values())
     kernels = {name: like(k, x_MxD) for name, k in kernels.items()}
     x_NxTxD = jnp.take(x_MxD, src, axis=0, mode="fill", fill_value=0).reshape(n, tile, d)
-    y_NxTxD = _tiles_through_experts(x_NxTxD, kernels, tile_group, live, activation)
+    y_NxTxD = _tiles_through_experts(x_NxTxD, kernels, tile_group, live_tiles, activation)
     return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
+
 
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(order [A]: assignments sorted by expert, stable; group sizes [E] int32)."""
