@@ -103,6 +103,11 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 1e-2  # Switch/GShard load-balancing loss
     moe_z_loss_coeff: float = 0.0  # router z-loss (ST-MoE)
     moe_expert_capacity_factor: float | None = None  # None: dropless; else tokens per expert x this
+    # The dropless experts' grouped products (Megatron's moe_grouped_gemm): jax.lax.ragged_dot (a
+    # grouped GEMM on GPU/TPU) | tiled (rows padded per expert to 64-row tiles, a loop of batched
+    # products: XLA:CPU, whose ragged_dot computes every group over all rows) | auto (tiled on CPU,
+    # ragged_dot elsewhere). FP8 runs its own grouped product either way.
+    moe_grouped_gemm_impl: Literal["auto", "ragged_dot", "tiled"] = "auto"
     # A dense MLP of this hidden size every token of a MoE layer also goes through, added to the routed
     # experts' output (Megatron's moe_shared_expert_intermediate_size, no gate); 0: none.
     moe_shared_expert_ffn_size: int = 0

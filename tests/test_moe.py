@@ -329,3 +329,33 @@ def test_pre_softmax_needs_softmax_scores():
     with pytest.raises(ConfigError, match="moe_router_pre_softmax = true is softmax routing"):
         load_config(overrides=["model.num_experts=4", "model.moe_router_pre_softmax=true",
                                "model.moe_router_score_function=sigmoid"])
+
+
+@pytest.mark.parametrize("activation, sizes, rows", [
+    ("swiglu", [3, 0, 9, 1], 13),   # uneven, an empty group
+    ("swiglu", [0, 20, 0, 0], 20),  # one group holds every row
+    ("gelu", [0, 5, 0, 2], 13),     # rows past the groups (the expert-parallel receive buffer): 0
+])
+def test_tiled_grouped_products_equal_ragged_dot(activation, sizes, rows):
+    """model.moe_grouped_gemm_impl=tiled (the rows padded per expert to tiles, a loop of batched
+    products, a custom vjp) against jax.lax.ragged_dot: outputs and gradients for rows and kernels."""
+    from megajax.models.moe import EXPERT_KERNELS, expert_ffn, expert_ffn_tiled
+    g, d, f = len(sizes), 16, 24
+    keys = iter(jax.random.split(jax.random.key(0), 5))
+    x = jax.random.normal(next(keys), (rows, d))
+    kernels = {n: 0.3 * jax.random.normal(next(keys), (g, f, d) if n == "fc2" else (g, d, f))
+               for n in EXPERT_KERNELS[activation]}
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    cotangent = jax.random.normal(next(keys), (rows, d))
+
+    def loss(ffn):
+        return jax.jit(jax.value_and_grad(lambda x, k: jnp.sum(ffn(x, k) * cotangent), argnums=(0, 1)))
+
+    want_v, (want_x, want_k) = loss(lambda x, k: expert_ffn(x, group_sizes, k, activation, impl="ragged_dot"))(x, kernels)
+    got_v, (got_x, got_k) = loss(lambda x, k: expert_ffn_tiled(x, group_sizes, k, activation, tile=8))(x, kernels)
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-5)
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-5)
+    for name in kernels:
+        np.testing.assert_allclose(got_k[name], want_k[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    if sum(sizes) < rows:
+        assert not np.asarray(got_x[sum(sizes):]).any()

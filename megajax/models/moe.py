@@ -32,6 +32,7 @@ its tokens (`RouterStats`) and the train step combines them over the whole batch
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -42,6 +43,7 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.models.layers import LinearOps, normal_init
 from megajax.models.mlp import MLP
+from megajax.parallel.manual import like
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
 # The expert kernels' logical axes: [E, D, F] in, [E, F, D] out.
@@ -60,10 +62,14 @@ class RouterStats(NamedTuple):
 
 
 def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activation: str,
-               products: dict | None = None) -> jax.Array:
+               products: dict | None = None, impl: str = "auto") -> jax.Array:
     """Rows of x sorted by expert (group g = rows of expert g; rows past the groups give 0) through
     their experts' MLPs: [M, D] -> [M, D]. kernels: gate/up/fc1 [G, D, F], fc2 [G, F, D];
-    `products`: per kernel name, a product with `grouped(x, w, sizes)` (FP8's) or None (ragged_dot)."""
+    `products`: per kernel name, a product with `grouped(x, w, sizes)` (FP8's: it runs its own grouped
+    product whatever `impl`) or None; `impl`: model.moe_grouped_gemm_impl (ragged_dot | tiled | auto)."""
+    if products is None and grouped_gemm_impl(impl) == "tiled":
+        return expert_ffn_tiled(x_MxD, group_sizes_G, kernels, activation)
+
     def grouped(a, w, name):
         if products is not None:
             return products[name].grouped(a, w, group_sizes_G)
@@ -74,6 +80,116 @@ def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activa
     else:
         hidden = jax.nn.gelu(grouped(x_MxD, kernels["fc1"], "fc1"), approximate=False)
     return grouped(hidden, kernels["fc2"], "fc2")
+
+
+# Rows per tile of the tiled grouped product (`moe_grouped_gemm_impl=tiled`): each expert's rows are
+# padded to a multiple of this, so every tile is one expert's.
+GROUPED_GEMM_TILE = 64
+
+
+def grouped_gemm_impl(impl: str) -> str:
+    """model.moe_grouped_gemm_impl resolved: `auto` is `tiled` on XLA:CPU (whose ragged_dot runs every
+    group's product over all rows) and `ragged_dot` elsewhere (a grouped GEMM on GPU and TPU)."""
+    if impl == "auto":
+        return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
+    return impl
+
+
+def tile_layout(group_sizes_G: jax.Array, rows: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Rows sorted by group, each group padded to whole tiles, N = ceil(rows / tile) + G tiles (the
+    most any group sizes summing to <= rows need): (src [N x tile]: the row each padded slot holds,
+    `rows` for padding; dest [rows]: each row's slot, N x tile for rows past the groups; tile's group
+    [N]; tile live [N]: holds rows of a group)."""
+    g = group_sizes_G.shape[0]
+    n = -(-rows // tile) + g
+    sizes = group_sizes_G.astype(jnp.int32)
+    tiles = (sizes + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    row_end = jnp.cumsum(sizes)
+    row_start = row_end - sizes
+    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n), side="right"), g - 1).astype(jnp.int32)
+    live = jnp.arange(n) < tile_end[-1]
+    slot = jnp.arange(n * tile)
+    grp = tile_group[slot // tile]
+    offset = slot - tile_start[grp] * tile
+    src = jnp.where(live[slot // tile] & (offset < sizes[grp]), row_start[grp] + offset, rows)
+    r = jnp.arange(rows)
+    row_group = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), g - 1)
+    dest = jnp.where(r < row_end[-1], tile_start[row_group] * tile + r - row_start[row_group], n * tile)
+    return src, dest, tile_group, live
+
+
+def _tile_mlp(x_TxD: jax.Array, w: dict, activation: str) -> jax.Array:
+    """One tile's rows through one expert's MLP (w: that expert's kernels)."""
+    if activation == "swiglu":
+        hidden = jax.nn.silu(x_TxD @ w["gate"]) * (x_TxD @ w["up"])
+    else:
+        hidden = jax.nn.gelu(x_TxD @ w["fc1"], approximate=False)
+    return (hidden @ w["fc2"]).astype(x_TxD.dtype)
+
+
+def _expert_kernels(kernels: dict, g: jax.Array) -> dict:
+    return {name: jax.lax.dynamic_index_in_dim(k, g, keepdims=False) for name, k in kernels.items()}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_tiles, activation):
+    """Tile n < live_tiles through expert tile_group[n]'s MLP, 0 past them: [N, T, D] -> [N, T, D].
+    A loop over the live tiles alone (its trip count is data: the custom vjp keeps autodiff out)."""
+    def body(n, y_NxTxD):
+        x_TxD = jax.lax.dynamic_index_in_dim(x_NxTxD, n, keepdims=False)
+        y_TxD = _tile_mlp(x_TxD, _expert_kernels(kernels, tile_group_N[n]), activation)
+        return jax.lax.dynamic_update_index_in_dim(y_NxTxD, y_TxD, n, 0)
+    return jax.lax.fori_loop(0, live_tiles, body, jnp.zeros_like(x_NxTxD))
+
+
+def _tiles_fwd(x_NxTxD, kernels, tile_group_N, live_tiles, activation):
+    return _tiles_through_experts(x_NxTxD, kernels, tile_group_N, live_tiles, activation), \
+        (x_NxTxD, kernels, tile_group_N, live_tiles)
+
+
+def _tiles_bwd(activation, res, dy_NxTxD):
+    """Per live tile: its forward again and its vjp; the kernels' gradients accumulate in place into
+    their expert's slice (autodiff of a loop would add a whole [E, D, F] gradient per tile)."""
+    x_NxTxD, kernels, tile_group_N, live_tiles = res
+
+    def body(n, carry):
+        dx_NxTxD, dw = carry
+        g = tile_group_N[n]
+        x_TxD, dy_TxD = (jax.lax.dynamic_index_in_dim(a, n, keepdims=False) for a in (x_NxTxD, dy_NxTxD))
+        _, vjp = jax.vjp(lambda x, w: _tile_mlp(x, w, activation), x_TxD, _expert_kernels(kernels, g))
+        dx_TxD, dw_g = vjp(dy_TxD)
+        dw = {name: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dw_g[name], g, 0)
+            for name, acc in dw.items()}
+        return jax.lax.dynamic_update_index_in_dim(dx_NxTxD, dx_TxD, n, 0), dw
+
+    dw0 = {name: jnp.zeros_like(k) for name, k in kernels.items()}
+    dx_NxTxD, dw = jax.lax.fori_loop(0, live_tiles, body, (jnp.zeros_like(x_NxTxD), dw0))
+    return dx_NxTxD, dw, None, None
+
+
+_tiles_through_experts.defvjp(_tiles_fwd, _tiles_bwd)
+
+
+def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activation: str,
+                     tile: int = GROUPED_GEMM_TILE) -> jax.Array:
+    """expert_ffn by tiles: the rows padded so that every `tile` rows are one expert's, then a loop over
+    the tiles, each through its expert's MLP (kernels indexed in place, no per-tile copies; tiles
+    past the groups skipped): batched-matmul work, rows + G x (tile - 1) rows at most."""
+    m, d = x_MxD.shape
+    src, dest, tile_group, live = tile_layout(group_sizes_G, m, tile)
+    n = tile_group.shape[0]
+    # Inside a shard_map: rows, kernels and the layout typed alike (their gradients' sums over the
+    # axes only some vary over happen outside the custom vjp).
+    live_tiles = jnp.sum(live).astype(jnp.int32)
+    tile_group, live_tiles = (like(a, x_MxD, *kernels.values()) for a in (tile_group, live_tiles))
+    x_MxD = like(x_MxD, *kernels.values())
+    kernels = {name: like(k, x_MxD) for name, k in kernels.items()}
+    x_NxTxD = jnp.take(x_MxD, src, axis=0, mode="fill", fill_value=0).reshape(n, tile, d)
+    y_NxTxD = _tiles_through_experts(x_NxTxD, kernels, tile_group, live_tiles, activation)
+    return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
 
 
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
@@ -139,7 +255,7 @@ def capacity_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
 
 def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
                    activation: str, num_experts: int, capacity_factor: float | None,
-                   products: dict | None = None) -> tuple[jax.Array, jax.Array]:
+                   products: dict | None = None, grouped_impl: str = "auto") -> tuple[jax.Array, jax.Array]:
     """Every token through its top-k experts on this device: (y [T, D], dropped assignments [])."""
     if capacity_factor is not None:
         return capacity_dispatch(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation,
@@ -148,20 +264,22 @@ def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array,
     ids = ids_TxK.reshape(-1)  # [A = T K], assignment a = token a // K
     order, sizes = sort_by_expert(ids, num_experts)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
-    out_sorted = expert_ffn(rows, sizes, kernels, activation, products)
+    out_sorted = expert_ffn(rows, sizes, kernels, activation, products, grouped_impl)
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
     y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
 
 
-def make_local_dispatch(activation: str, num_experts: int, capacity_factor: float | None) -> Callable:
+def make_local_dispatch(activation: str, num_experts: int, capacity_factor: float | None,
+                        grouped_impl: str = "auto") -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels, products=None) -> (y [B, L, D],
     dropped); `products`: the experts' FP8 products by kernel name, or None."""
     def dispatch(x_BxLxD, ids_BxLxK, weights_BxLxK, kernels, products=None):
         b, l, d = x_BxLxD.shape
         y, dropped = local_dispatch(x_BxLxD.reshape(b * l, d), ids_BxLxK.reshape(b * l, -1),
                                     weights_BxLxK.reshape(b * l, -1), kernels, activation=activation,
-                                    num_experts=num_experts, capacity_factor=capacity_factor, products=products)
+                                    num_experts=num_experts, capacity_factor=capacity_factor, products=products,
+                                    grouped_impl=grouped_impl)
         return y.reshape(b, l, d), dropped
     return dispatch
 
@@ -292,7 +410,8 @@ class MoE(nnx.Module):
         for name in EXPERT_KERNELS[cfg.activation]:
             shape, std = shapes[name]
             setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=EXPERT_KERNEL_AXES[name]))
-        self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor)
+        self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor,
+                                                            cfg.moe_grouped_gemm_impl)
         # The experts' products with their own scaling state (FP8), one per kernel (`gate_product`, ...).
         self.fp8_experts = ops.low_precision is not None
         for name in EXPERT_KERNELS[cfg.activation] if self.fp8_experts else ():

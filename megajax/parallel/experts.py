@@ -65,7 +65,7 @@ RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
                              capacity_factor: float | None,
-                             all_to_all: str = "padded") -> Callable:
+                             all_to_all: str = "padded", grouped_impl: str = "auto") -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels, products=None) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
     `experts`, `mlp`), also inside a pipeline stage (megajax/parallel/manual.py).
@@ -108,7 +108,8 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
             tokens = _dispatch_ragged if all_to_all == "ragged" and ep > 1 else _dispatch_tokens
             y, dropped = tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
                                 kernels, activation=activation, num_experts=num_experts,
-                                e_local=e_local, ep=ep, exp_axes=exp_axes, products=products)
+                                e_local=e_local, ep=ep, exp_axes=exp_axes, products=products,
+                                grouped_impl=grouped_impl)
         y = y.reshape(b, l, d)
         if sp_axes:  # every tensor rank counted the same gathered tokens: each reports its share
             dropped = dropped / math.prod(sizes[a] for a in sp_axes)
@@ -134,7 +135,7 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
 
 
 def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
-                     products=None):
+                     products=None, grouped_impl="auto"):
     """Dropless: one device's tokens through their experts on the expert-parallel devices: (y [T, D],
     dropped [] = 0)."""
     t, k = ids_TxK.shape
@@ -162,7 +163,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     expert_of_row = jnp.sum(p[None, :, None] >= bounds[:, None, :], axis=-1)  # [ep, A]; E_local = empty row
     order2, sizes2 = sort_by_expert(expert_of_row.reshape(-1), e_local + 1)
     rows = jnp.take(recv.reshape(ep * a_count, -1), order2, axis=0)
-    out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation, products)  # rows past the groups: 0
+    out_sorted = expert_ffn(rows, sizes2[:e_local], kernels, activation, products, grouped_impl)  # rows past the groups: 0
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0).reshape(ep, a_count, -1)
     back = jax.lax.all_to_all(out_recv, spec_entry(exp_axes), 0, 0, tiled=True) if ep > 1 else out_recv
     # Assignment a's output sits in slot (its device, its place among that device's assignments).
@@ -173,7 +174,7 @@ def _dispatch_tokens(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
 
 
 def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
-                     products=None):
+                     products=None, grouped_impl="auto"):
     """_dispatch_tokens with ragged exchanges: only each device's real assignments travel."""
     t, k = ids_TxK.shape
     a_count, d = t * k, x_TxD.shape[1]
@@ -199,7 +200,8 @@ def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
     bounds = jnp.cumsum(recv_per_expert, axis=1)[src]  # [ep x A, E_local]
     expert_of_row = jnp.where(q < recv_ends[-1], jnp.sum((q - recv_offsets[src])[:, None] >= bounds, axis=1), e_local)
     order2, sizes2 = sort_by_expert(expert_of_row, e_local + 1)
-    out_sorted = expert_ffn(jnp.take(recv, order2, axis=0), sizes2[:e_local], kernels, activation, products)
+    out_sorted = expert_ffn(jnp.take(recv, order2, axis=0), sizes2[:e_local], kernels, activation, products,
+                            grouped_impl)
     out_recv = jnp.take(out_sorted, jnp.argsort(order2), axis=0)  # [ep x A, D] in the receive layout
     back = RAGGED_ALL_TO_ALL(out_recv, jnp.zeros((a_count, d), out_recv.dtype), recv_offsets, recv_sizes,
                              back_offsets, send_sizes, axis_name=axis)  # [A, D] my sorted assignments' outputs

@@ -119,7 +119,8 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
                           "parallel.moe_all_to_all=padded on CPU.")
     return experts.expert_parallel_dispatch(mesh, rules.activations, activation=m.activation,
                                             num_experts=m.num_experts, capacity_factor=m.moe_expert_capacity_factor,
-                                            all_to_all=cfg.parallel.moe_all_to_all)
+                                            all_to_all=cfg.parallel.moe_all_to_all,
+                                            grouped_impl=m.moe_grouped_gemm_impl)
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,
