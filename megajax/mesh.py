@@ -376,3 +376,22 @@ def one_device_positions(names: tuple[str | None, ...], shape: tuple[int, ...]):
         else:
             where.append(block * n if count > 1 else None)
     return tuple(whole), tuple(where)
+
+
+# Inside shard_map: the manual axes a value varies over (the MoE products and parallel/ use these).
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes a traced value is typed as varying over (empty outside shard_map)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(t, "vma", ()))
+
+
+def like(g, *primals):
+    """`g` typed as varying over the manual mesh axes any of `primals` varies over (inside a
+    shard_map, values built from constants are typed invariant; a branch's outputs must match)."""
+    want = set().union(*(varying_axes(p) for p in primals))
+    missing = tuple(sorted(want - varying_axes(g)))
+    return jax.lax.pcast(g, missing, to="varying") if missing else g

@@ -41,9 +41,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.config import ModelConfig
+from megajax.mesh import like
 from megajax.models.layers import LinearOps, normal_init
 from megajax.models.mlp import MLP
-from megajax.parallel.manual import like
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
 # The expert kernels' logical axes: [E, D, F] in, [E, F, D] out.

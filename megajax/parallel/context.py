@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from megajax.mesh import Rules, logical_to_spec, mesh_sizes, spec_entry
+from megajax.mesh import Rules, like, logical_to_spec, mesh_sizes, spec_entry
 from megajax.models.attention import ACT_KV, ACT_Q
-from megajax.parallel.manual import like, shard_map_fn
+from megajax.parallel.manual import shard_map_fn
 
 SEG_AXES = ("batch", "length")
 

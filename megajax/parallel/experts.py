@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megajax.mesh import Rules, entry_axes, logical_to_spec, mesh_sizes, spec_entry, spec_without
+from megajax.mesh import Rules, entry_axes, like, logical_to_spec, mesh_sizes, spec_entry, spec_without
 from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
-from megajax.parallel.manual import like, shard_map_fn
+from megajax.parallel.manual import shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
 

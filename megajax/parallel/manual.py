@@ -19,23 +19,6 @@ import jax
 from megajax.mesh import mesh_sizes
 
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes a traced value is typed as varying over (empty outside shard_map)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(getattr(mat, "varying", ()))
-    return frozenset(getattr(t, "vma", ()))
-
-
-def like(g, *primals):
-    """`g` typed as varying over the manual mesh axes any of `primals` varies over (inside a
-    shard_map, values built from constants are typed invariant; a branch's outputs must match)."""
-    want = set().union(*(varying_axes(p) for p in primals))
-    missing = tuple(sorted(want - varying_axes(g)))
-    return jax.lax.pcast(g, missing, to="varying") if missing else g
-
-
 def manual_everywhere() -> bool:
     """Whether the code being traced runs inside a shard_map manual over every mesh axis of size > 1
     (the pipeline's stage loop)."""

@@ -58,8 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import mesh_sizes, spec_axes, spec_entry, spec_without
-from megajax.parallel.manual import like, varying_axes
+from megajax.mesh import like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
