@@ -299,6 +299,9 @@ def test_request_ids_come_back_reach_the_jobs_and_start_the_log_line(server, cap
 def log_lines(capfd, last: str) -> list[str]:
     """The request log's lines on stderr up to the one starting with `last` (written just after its answer)."""
     lines: list[str] = []
+    # capfd's read-then-truncate drops a line written between the two: let the handler's thread write
+    # its line (just after the answer) before the first read.
+    threading.Event().wait(0.5)
     for _ in range(100):
         lines += [x for x in capfd.readouterr().err.splitlines() if x.startswith("megajax serve: ")]
         if any(x.startswith(last) for x in lines):

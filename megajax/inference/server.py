@@ -76,6 +76,7 @@ class RequestContext:
     response_id: str
     started: float  # time.monotonic()
     ops: bool  # a probe or a scrape
+    logged: bool = True  # gets a log line (--disable-log-requests read when the request arrives)
     tally: Tally = dataclasses.field(default_factory=Tally)
     jobs: list = dataclasses.field(default_factory=list)
 
@@ -413,7 +414,8 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         given = self.headers.get("X-Request-Id")
         answer_id = new_id(ID_PREFIXES.get(path, "req"))
-        request = self._request = RequestContext(given or answer_id, answer_id, time.monotonic(), path in OPS_PATHS)
+        request = self._request = RequestContext(given or answer_id, answer_id, time.monotonic(), path in OPS_PATHS,
+                                                     logged=self.log_requests)
         self._status = 0
         self.service._local.request = request
         entered = False
@@ -449,7 +451,7 @@ class _Handler(BaseHTTPRequestHandler):
         metrics.release(request.jobs)
         if request.jobs and self._status == 200:
             metrics.request_done(seconds)
-        if self.log_requests and not request.ops:
+        if request.logged and not request.ops:
             line = request_line(request.id, self.command, path, self._status, request.tally if request.jobs else None,
                                 seconds)
             print(line, file=sys.stderr, flush=True)
