@@ -39,6 +39,7 @@ the layout sets). The device table below is extended or overridden with
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 from dataclasses import asdict, dataclass, field, replace
@@ -50,6 +51,7 @@ import yaml
 from megajax.config import MESH_AXES, Config
 from megajax.errors import ConfigError, UserError
 from megajax.mesh import data_parallel_size
+from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic
 from megajax.plan import RunPlan, make_plan, plan_layout
 from megajax.train.flops import PEAK_TFLOPS, train_flops_per_token
@@ -225,9 +227,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
     bubble = 0.0
     if plan.pipeline is not None:
-        from megajax.parallel.pipeline import build_schedule
         c = plan.pipeline
-        bubble = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).bubble_fraction
+        bubble = _bubble(c.schedule, c.stages, c.microbatches, c.virtual_stages)
     busy = compute / (1 - bubble)
     rules = plan.rules
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -252,6 +253,12 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     critical = sum(v for k, v in parts.items() if k not in ("compute", "bubble") and "overlapped" not in k)
     step = busy + critical + exposed
     return step, parts, flops / (step * peak * 1e12), bubble
+
+
+@functools.lru_cache(maxsize=None)
+def _bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
+    """The schedule's bubble, built once per shape (every recompute policy of a layout shares it)."""
+    return build_schedule(schedule, stages, microbatches, virtual).bubble_fraction
 
 
 def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
