@@ -28,7 +28,7 @@ import re
 import sys
 from pathlib import Path
 
-from megajax.errors import UserError
+from megajax.errors import ConfigError, UserError
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -274,7 +274,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             *args.overrides])
         header = (f"{command}\nestimated {best.step_seconds:.3f} s/step, MFU {best.mfu:.1%}, "
                   f"{best.memory['total'] / planner.GIB:.1f} GiB per device: {best.label()}")
-        Path(args.output).write_text(planner.mesh_yaml(best, header))
+        try:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output).write_text(planner.mesh_yaml(best, header))
+        except OSError as e:
+            raise ConfigError(f"--output {args.output}: cannot write the mesh config there ({e.strerror}).") from None
         print(f"wrote {args.output}")
     return 0
 

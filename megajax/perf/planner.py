@@ -274,8 +274,10 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
     devices, kind_name, kind = parse_cluster(cluster, kinds)
     node = min(kind.node_size, devices)
     pins = pinned_axes(cfg)
-    base = make_plan(_candidate_config(cfg, {**{a: 1 for a in MESH_AXES}, "data": devices},
-                                       {a: 1 for a in MESH_AXES}, {}, cfg.parallel.recompute, 1), devices)
+    # The resolved config, tokenizer and vocabulary, planned on one device: the candidates bring the batch
+    # checks (a global batch that does not split over every device is no error here).
+    ones = {a: 1 for a in MESH_AXES}
+    base = make_plan(_candidate_config(cfg, ones, ones, {}, cfg.parallel.recompute, 1), 1)
     spec, _ = build_model_spec(base.cfg, base.padded_vocab)
     capacity = int(kind.memory_gib * GIB * HEADROOM)
     candidates: list[Candidate] = []
