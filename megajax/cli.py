@@ -264,7 +264,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         from megajax.perf.bench import write_json
         write_json({**report, "ranked": [planner.asdict(c) for c in report["ranked"][:args.top]],
-                    "smallest": [planner.asdict(c) for c in report["smallest"]]}, args.json)
+                    "smallest": [planner.asdict(c) for c in report["smallest"]],
+                    "alternatives": {a: planner.asdict(c) for a, c in report["alternatives"].items()}}, args.json)
     if args.output:
         if not report["ranked"]:
             print(f"megajax plan: nothing fits {args.cluster}; {args.output} not written", file=sys.stderr)

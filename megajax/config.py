@@ -755,10 +755,6 @@ def _check_dense_first(cfg: Config) -> None:
                           f"first_k_dense_replace); other patterns: use the integer form (every Nth layer is MoE).")
     if k == m.num_layers:
         raise ConfigError(f"model.moe_layer_freq = {freq} has no MoE layer; use model.num_experts=0 for a dense model.")
-    if cfg.mesh.pipeline * cfg.mesh.dcn.pipeline != 1:
-        raise ConfigError(f"model.moe_layer_freq = {freq} (dense layers first) with mesh.pipeline = {cfg.mesh.pipeline}: "
-                          f"pipeline stages of a dense-first model are not implemented yet; use mesh.pipeline=1 or "
-                          f"the integer form of moe_layer_freq.")
 
 
 def validate_mtp(cfg: Config) -> None:
@@ -767,7 +763,7 @@ def validate_mtp(cfg: Config) -> None:
     _positive("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, allow_zero=True)
     if not m.mtp_num_layers:
         return
-    for axis in ("pipeline", "context"):
+    for axis in ("context",):
         if getattr(cfg.mesh, axis) * getattr(cfg.mesh.dcn, axis) != 1:
             raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with mesh.{axis} = {getattr(cfg.mesh, axis)}: "
                               f"multi-token prediction on {axis} parallelism is not implemented yet; use mesh.{axis}=1.")

@@ -18,7 +18,9 @@ these tables:
 - expert parallel: MoE kernels' `experts` over `expert`; outside the MoE layers
   `expert` splits the batch like `data` (token dispatch: megajax/parallel/experts.py);
 - pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
-  a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py).
+  a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py);
+  the `stack`s (a dense-first model's dense layers, the multi-token prediction
+  depths) are whole on every stage.
 """
 
 from __future__ import annotations
@@ -223,7 +225,7 @@ class ShardingRules:
 def make_rules(cfg: Config) -> ShardingRules:
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",)}
-    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "position": (),
+    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "experts": ("expert",), "expert_scores": (), "stage": ("pipeline",)}
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         params["layers"] = ("pipeline",)

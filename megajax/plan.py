@@ -229,6 +229,14 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         raise MeshError(f"model.num_layers={m.num_layers} with model.moe_layer_freq={f} is {groups} groups of one MoE "
                         f"and {f - 1} dense layers, and a pipeline stage holds whole groups: mesh.pipeline={p} x "
                         f"parallel.virtual_stages={v} must divide {groups}.")
+    k = m.dense_first_layers()
+    if k and (m.num_layers - k) % (p * v):
+        moe = m.num_layers - k
+        ok = [d for d in range(2, moe + 1) if moe % (d * v) == 0]
+        raise MeshError(f"model.moe_layer_freq={m.moe_layer_freq}: the {k} dense layers run on the first stage with "
+                        f"the embedding, and the pipeline splits the {moe} MoE layers: mesh.pipeline={p} x "
+                        f"parallel.virtual_stages={v} must divide {moe}; accepted mesh.pipeline: "
+                        f"{', '.join(map(str, ok)) or 'none (use mesh.pipeline=1)'}.")
     problems = []  # each names its fixes: changes that differ from this run and fit its devices
     micro, dp, acc, G = batch.micro_batch, batch.data_parallel, batch.accumulation, batch.global_batch
 
@@ -239,7 +247,7 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         n = G // (mb * data_parallel)
         return n >= stages and (name != "interleaved" or n % stages == 0)
 
-    if m.num_layers % (p * v):
+    if not k and m.num_layers % (p * v):
         fixes = []
         for d in range(2, m.num_layers + 1):  # another pipeline size, the data axis taking the rest
             if d == p or m.num_layers % (d * v) or (sizes["data"] * p) % d or not batch_fits(d, dp * p // d):

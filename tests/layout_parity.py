@@ -60,12 +60,14 @@ class Run:
     moe: dict | None = None  # a MoE model's logged metrics per step ("moe_aux_loss": [steps], ...)
     expert_bias: np.ndarray | None = None  # the MoE routers' expert bias after the last step, if any
     mixture_of_experts: bool = False  # from the run's config (model.num_experts > 0), not from its records
+    mtp_losses: np.ndarray | None = None  # multi-token prediction's loss per step (model.mtp_num_layers), if any
 
     def first(self, steps: int) -> "Run":
         """The first `steps` steps of this run (the parameters after step 1 kept; the expert bias, the
         last step's, dropped)."""
         moe = None if self.moe is None else {k: v[:steps] for k, v in self.moe.items()}
-        return Run(self.losses[:steps], self.grad_norms[:steps], self.params1, moe, None, self.mixture_of_experts)
+        mtp = None if self.mtp_losses is None else self.mtp_losses[:steps]
+        return Run(self.losses[:steps], self.grad_norms[:steps], self.params1, moe, None, self.mixture_of_experts, mtp)
 
 
 @contextlib.contextmanager
@@ -94,8 +96,9 @@ def run(small_config, *overrides, devices=None, steps: int = STEPS, params: bool
         params1 = {name: saved.get(name) for name in saved.names()}  # with the expert bias after step 1
     moe = {k: np.asarray([r[k] for r in result.records]) for k in result.records[0] if k.startswith("moe_")}
     bias = result.state.moe_expert_bias
+    mtp = np.asarray([r["mtp_loss"] for r in result.records]) if cfg.model.mtp_num_layers else None
     return Run(np.asarray(result.losses), grad_norms, params1, moe or None, None if bias is None else np.asarray(bias),
-               mixture_of_experts=cfg.model.num_experts > 0)
+               mixture_of_experts=cfg.model.num_experts > 0, mtp_losses=mtp)
 
 
 _references: dict = {}
@@ -131,7 +134,8 @@ def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: floa
     moe: the MoE metrics per step; both runs must have logged them. None: when the reference is a mixture
       of experts (by its config). Half-precision runs pass moe=False: a rounding may route a token to
       another expert, moving the expert shares by whole tokens.
-    The expert bias after the last step is compared whenever either run has one (then both must)."""
+    The expert bias after the last step, and multi-token prediction's loss per step, are compared whenever
+    either run has them (then both must)."""
     assert ref.losses[-1] < ref.losses[0]  # it trains
     np.testing.assert_allclose(got.losses, ref.losses, rtol=rtol, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=grad_norm_rtol or rtol, atol=0,
@@ -150,6 +154,9 @@ def assert_same_run(got: Run, ref: Run, rtol: float = RTOL, grad_norm_rtol: floa
         assert sorted(got.moe) == sorted(ref.moe)
         for key, want in ref.moe.items():
             np.testing.assert_allclose(got.moe[key], want, rtol=1e-4, atol=1e-7, err_msg=f"{key} per step")
+    if got.mtp_losses is not None or ref.mtp_losses is not None:
+        _require("mtp_losses", "multi-token prediction loss (the other run has one)", got, ref)
+        np.testing.assert_allclose(got.mtp_losses, ref.mtp_losses, rtol=rtol, atol=0, err_msg="mtp_loss per step")
     if got.expert_bias is not None or ref.expert_bias is not None:
         # moved by +-rate per step from the token counts: equal counts, equal bias
         _require("expert_bias", "expert bias (the other run has one)", got, ref)

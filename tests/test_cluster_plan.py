@@ -34,10 +34,23 @@ def test_llama3_70b_on_32_h100_and_megatrons_tp8_pp4():
     assert slowest_part == "tensor" and "tensor" in planner.reasons(tp8)
 
 
-def test_mixtral_plans_with_expert_parallelism_on_offer():
-    r = _plan("model/mixtral-8x7b", "32xH100", "train.global_batch=64", "mesh.expert=8", "mesh.data=-1")
-    assert r["ranked"] and all(c.sizes["expert"] == 8 for c in r["ranked"])
-    assert any("expert" in c.parts for c in r["ranked"])  # the all-to-alls are timed
+def test_mixtral_plan_uses_expert_parallelism_or_says_why_not():
+    """Free, the plan either chooses expert parallelism or names the fastest layout that uses it, with
+    the all-to-alls among its timed parts; pinned (mesh.expert=8), every layout keeps it."""
+    r = _plan("model/mixtral-8x7b", "32xH100", "train.global_batch=64")
+    best = r["ranked"][0]
+    if best.sizes["expert"] == 1:
+        alt = r["alternatives"]["expert"]
+        assert alt.sizes["expert"] > 1 and alt.fits and alt.step_seconds >= best.step_seconds
+        assert "expert" in alt.parts  # the all-to-alls are timed
+        text = planner.format_plan(r)
+        assert "not chosen" in text and f"expert {alt.sizes['expert']}" in text.split("not chosen")[1]
+    for axis, alt in r["alternatives"].items():  # one per axis the best leaves out, the fastest with it
+        assert best.sizes[axis] == 1 and alt.sizes[axis] > 1
+        assert alt is next(c for c in r["ranked"] if c.sizes[axis] > 1)
+    pinned = _plan("model/mixtral-8x7b", "32xH100", "train.global_batch=64", "mesh.expert=8", "mesh.data=-1")
+    assert pinned["ranked"] and all(c.sizes["expert"] == 8 for c in pinned["ranked"])
+    assert "expert" not in pinned["alternatives"]
 
 
 def test_the_written_mesh_config_plans_to_the_chosen_layout(tmp_path, capsys):

@@ -191,6 +191,31 @@ def test_tiny_deepseek_v3_layout_matches_one_device(small_config):
     assert_same_run(got, ref, params=False)
 
 
+# Pipeline stages: the dense layer runs on the first stage with the embedding, the MTP depth on the last
+# with the loss (both stacks whole on every stage); the two MoE layers split over 2 stages, each with
+# multi-latent attention's heads over `tensor`; 2 microbatches of 2 sequences per data shard.
+DSV3_PIPELINE = ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=2"]
+
+
+def test_tiny_deepseek_v3_pipeline_matches_one_device(small_config):
+    from layout_parity import assert_same_run, reference, run
+    ref = reference(small_config, *preset_overrides(), steps=2, params=False)
+    got = run(small_config, *preset_overrides(), *DSV3_PIPELINE, devices=jax.devices(), steps=2, params=False)
+    assert ref.mtp_losses is not None and got.mtp_losses is not None
+    assert_same_run(got, ref, params=False)
+
+
+def test_pipeline_splits_the_moe_layers_of_a_dense_first_model(small_config):
+    """The dense-first layers run on the first stage: the pipeline splits the MoE layers alone."""
+    from megajax.errors import MeshError
+    from megajax.plan import make_plan
+    make_plan(small_config(*preset_overrides(), "model.num_layers=5", "model.moe_layer_freq=[0,1,1,1,1]",
+                           "mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1"), 8)
+    with pytest.raises(MeshError, match=r"the 1 dense layers run on the first stage .* splits the 2 MoE layers: "
+                                        r"mesh.pipeline=4 .* must divide 2; accepted mesh.pipeline: 2"):
+        make_plan(small_config(*preset_overrides(), "mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1"), 8)
+
+
 def test_flops_count_multi_latent_attention_by_hand():
     from megajax.train.flops import train_flops_per_token
     m = tiny().model

@@ -89,11 +89,14 @@ class MTPLayer(nnx.Module):
         self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
 
 
-def _add_layers_axis(module: nnx.Module) -> None:
-    """Stacked parameters get a leading `layers` logical axis."""
+def _add_layers_axis(module: nnx.Module, name: str = "layers") -> None:
+    """Stacked parameters get a leading logical axis: `layers` (split over `pipeline` by its
+    stages), or `stack` for the stacks every pipeline stage holds whole (a dense-first model's
+    dense layers, run with the embedding on the first stage; the multi-token prediction depths,
+    run with the loss on the last)."""
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Variable):
-            node.set_metadata(axes=("layers",) + tuple(node.get_metadata()["axes"]))
+            node.set_metadata(axes=(name,) + tuple(node.get_metadata()["axes"]))
 
 
 class Transformer(nnx.Module):
@@ -121,20 +124,20 @@ class Transformer(nnx.Module):
                 axes=("position", "embed"))
         core = attention_core or make_attention_core(cfg.attention_impl, recompute)
 
-        def make_blocks(count: int, moe: bool):
+        def make_blocks(count: int, moe: bool, axis: str = "layers"):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
             def make(rngs):
                 return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
                              expert_dispatch=expert_dispatch, moe=moe)
             blocks = make(rngs)
-            _add_layers_axis(blocks)
+            _add_layers_axis(blocks, axis)
             return blocks
 
         self.interleaved = cfg.interleaves_dense_layers()
         self.dense_first = cfg.dense_first_layers()
         if self.dense_first:  # moe_layer_freq's list form: the dense layers, then the MoE ones
-            self.dense_layers = make_blocks(self.dense_first, False)
+            self.dense_layers = make_blocks(self.dense_first, False, "stack")
             self.layers = make_blocks(cfg.num_layers - self.dense_first, True)
         elif self.interleaved:
             self.layers = make_blocks(cfg.num_moe_layers(), True)
@@ -147,7 +150,7 @@ class Transformer(nnx.Module):
             def make_mtp(rngs):
                 return MTPLayer(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs)
             self.mtp = make_mtp(rngs)
-            _add_layers_axis(self.mtp)
+            _add_layers_axis(self.mtp, "stack")
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.ops = ops
@@ -189,6 +192,12 @@ class Transformer(nnx.Module):
         position, from depth k - 1's hidden state (the model's last one for k = 1) and the embedding of
         the tokens shifted k places left (the last k positions see wrapped tokens: the loss masks them).
         No dropout. [depths, B, L, padded vocab]."""
+        hidden = self.mtp_hidden(tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL)
+        return jnp.stack([self._mask_padding(self.output_layer(h)) for h in hidden])
+
+    def mtp_hidden(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL) -> list[jax.Array]:
+        """The multi-token prediction depths' outputs after their final norms, each [B, L, D] (what
+        the output layer takes: mtp_logits)."""
         graphdef, state = nnx.split(self.mtp)
         inv_freq, h, tokens, out = self.rope_inv_freq(), x_BxLxD, tokens_BxL, []
         for k in range(self.cfg.mtp_num_layers):
@@ -198,8 +207,8 @@ class Transformer(nnx.Module):
             h = layer.proj(jnp.concatenate([emb, layer.hidden_norm(h)], axis=-1))
             h, _ = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,
                                segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=None)
-            out.append(self._mask_padding(self._output_layer(layer.final_norm(h))))
-        return jnp.stack(out)
+            out.append(layer.final_norm(h))
+        return out
 
     def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
         """The first layer's input [B, L, D]: embeddings with their dropout (`dropout_rng`: the first
@@ -209,16 +218,18 @@ class Transformer(nnx.Module):
 
     def layer_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
                     dropout_rng: jax.Array | None, first_layer: int | jax.Array = 0,
-                    expert_bias: jax.Array | None = None):
+                    expert_bias: jax.Array | None = None, dense_first: bool = True):
         """The blocks held in `self.layers` (all of them, or a pipeline stage's consecutive run of
         them starting at model layer `first_layer`), scanned: (x, router stats or None). Layer n's
         dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
-        masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None."""
-        inv_freq = self.rope_inv_freq()
+        masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None.
+        A dense-first model runs its dense layers first; with `dense_first=False` (a pipeline
+        stage: the first stage runs them with the embedding, dense_first_stack) only `self.layers`,
+        `first_layer` then counting them from 0."""
         if self.dense_first:
-            x_BxLxD, _ = self._scan(self.dense_layers, x_BxLxD, positions_BxL=positions_BxL,
-                                    segment_ids_BxL=segment_ids_BxL, dropout_rng=dropout_rng,
-                                    first_layer=first_layer, expert_bias=None)
+            if dense_first:
+                x_BxLxD = self.dense_first_stack(x_BxLxD, positions_BxL=positions_BxL,
+                                                 segment_ids_BxL=segment_ids_BxL, dropout_rng=dropout_rng)
             return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                               dropout_rng=dropout_rng, first_layer=first_layer + self.dense_first,
                               expert_bias=expert_bias)
@@ -227,6 +238,12 @@ class Transformer(nnx.Module):
                                        dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
         return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                           dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
+
+    def dense_first_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array,
+                          segment_ids_BxL: jax.Array | None, dropout_rng: jax.Array | None) -> jax.Array:
+        """A dense-first model's dense layers (model layers 0..k-1), scanned."""
+        return self._scan(self.dense_layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                          dropout_rng=dropout_rng, first_layer=0, expert_bias=None)[0]
 
     def _scan(self, blocks, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
         """One stack of blocks, scanned from model layer `first_layer`: (x, router stats or None)."""
@@ -290,9 +307,10 @@ class Transformer(nnx.Module):
 
     def output_logits(self, x_BxLxD: jax.Array) -> jax.Array:
         """Final norm and output layer: logits [B, L, padded vocab], the padding columns as computed."""
-        return self._output_layer(self.final_norm(x_BxLxD))
+        return self.output_layer(self.final_norm(x_BxLxD))
 
-    def _output_layer(self, x: jax.Array) -> jax.Array:
+    def output_layer(self, x: jax.Array) -> jax.Array:
+        """The output layer alone (no final norm): logits [B, L, padded vocab], the padding columns as computed."""
         if self.cfg.tie_embeddings:
             logits = self.embed.attend(x)
         else:

@@ -5,7 +5,9 @@ axis: stage s holds a consecutive run of layers/P of them, or, with V virtual
 stages (interleaved), V chunks of layers/(P V), chunk v of stage s being model
 chunk v P + s. The embedding, the final norm and the output layer are held by
 every stage (replicated over `pipeline`); the first stage runs the embedding and
-the last stage the final norm, output layer and loss.
+the last stage the final norm, output layer and loss. So do the stacks every stage
+holds whole (the `stack` logical axis): a dense-first model's dense layers run
+with the embedding, the multi-token prediction depths with the loss.
 
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs
@@ -198,9 +200,10 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
-                       token_axes: tuple[str, ...] = (), lockstep: bool = True) -> tuple[dict, jax.Array, dict | None]:
-    """(gradients of `seed` x the loss sum [+ `router_seed` x the router losses] w.r.t. `params`,
-    the loss sum, the router sums or None) of one step's M microbatches through the pipeline.
+                       token_axes: tuple[str, ...] = (), lockstep: bool = True) -> tuple[dict, dict, dict | None]:
+    """(gradients of `seed` x the head's objective [+ `router_seed` x the router losses] w.r.t.
+    `params`, the head's sums (its `loss` sum and whatever else it returns, summed over
+    microbatches), the router sums or None) of one step's M microbatches through the pipeline.
     `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacked `layers`
     [layers, ...] (split over `axis`, the stage axis of the rules table); `rng` the step's dropout
     key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`: where the
@@ -258,7 +261,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                        out_specs=(layer_out, other_out, P(), router_out))
     rng = rng if rng is not None else jnp.zeros((2,), jnp.uint32)
     router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
-    g_layers, g_other, loss_sum, router_sums = fn(layers, other, batch, rng, seed, router_seed)
+    g_layers, g_other, head_sums, router_sums = fn(layers, other, batch, rng, seed, router_seed)
     if data_axes:  # the step's one data-parallel reduction (the caller places the result)
         g_layers, g_other = jax.tree.map(lambda m, g: jnp.max(g, axis=0) if m else jnp.sum(g, axis=0),
                                          (max_layers, max_other), (g_layers, g_other))
@@ -266,7 +269,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
         inverse = np.argsort(order)
         g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
         router_sums["tokens"] = jnp.take(router_sums["tokens"], inverse, axis=0)
-    return {**g_other, "layers": g_layers}, loss_sum, router_sums if model_fns.experts > 0 else None
+    return {**g_other, "layers": g_layers}, head_sums, router_sums if model_fns.experts > 0 else None
 
 
 def _combine(tree_max, a, b):
@@ -292,7 +295,7 @@ class _StageLoop:
     """The per-device program of the stage loop (`body`, run under shard_map over every mesh axis):
     one scan over the schedule's ticks, each a forward half and a backward half (see the module
     docstring), carrying the received activation and cotangent, the stash, the gradient sums, the
-    loss sum and the router sums."""
+    head's sums and the router sums."""
     fns: "StageFunctions"
     sched: Schedule
     axis: str
@@ -339,8 +342,8 @@ class _StageLoop:
         zero = self.vary(jnp.zeros((), jnp.float32))
         router0 = self.vary({"aux": zero, "z": zero, "dropped": zero,
                              "tokens": jnp.zeros((v, per, max(self.fns.experts, 1)), jnp.float32)})
-        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, g_other0, zero, router0)
-        (_, _, _, g_layers, g_other, loss_sum, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
+        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, g_other0, dev.zero_sums, router0)
+        (_, _, _, g_layers, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
         g_other = jax.tree.map(lambda m, g: jax.lax.pmax(g, self.axis) if m else jax.lax.psum(g, self.axis),
                                self.max_other, g_other)
@@ -349,7 +352,7 @@ class _StageLoop:
         # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
         router_sums = {k: jax.lax.psum(router_sums[k], self.reduced) for k in ("aux", "z", "dropped")} | {
             "tokens": self.data_sum(router_sums["tokens"].reshape(v * per, -1))}
-        return g_layers, g_other, jax.lax.psum(loss_sum, self.reduced), router_sums
+        return g_layers, g_other, jax.lax.psum(head_sums, self.reduced), router_sums
 
 
 class _Device:
@@ -370,7 +373,8 @@ class _Device:
         x = jax.eval_shape(lambda: self.embed(other, 0))  # typed as the embedding's output is
         self.zeros_x = _zeros(x, axes=loop.reduced)
         self.stash0 = jnp.broadcast_to(self.zeros_x, (loop.sched.stash,) + x.shape)
-        self.zero_loss = loop.vary(jnp.zeros((), jnp.float32))
+        sums = jax.eval_shape(lambda: self.head(other, self.zeros_x, 0)[1])
+        self.zero_sums = loop.vary(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums))
 
     def keys(self, i):
         if not self.loop.use_rng:
@@ -379,7 +383,7 @@ class _Device:
         return k[0], k[1]
 
     def embed(self, o, i):
-        return self.loop.fns.embed({**o, "layers": self.some_layers}, _index(self.batch, i), self.keys(i)[0])
+        return self.loop.fns.embed({**o, "layers": self.some_layers}, _index(self.batch, i), *self.keys(i))
 
     def head(self, o, y, i):
         return self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i))
@@ -432,18 +436,18 @@ class _Device:
         by every device as `forward` is, the results of a stage without a backward of its own
         dropped."""
         loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
-        g_layers, g_other, loss_sum, router_sums = acc
+        g_layers, g_other, head_sums, router_sums = acc
         busy, c, i = bc >= 0, jnp.maximum(bc, 0), jnp.maximum(bm, 0)
         y, vjp, sums = self.chunk_vjp(_index(stash, jnp.maximum(bs, 0)), c, i)
         zero_other = jax.tree.map(jnp.zeros_like, g_other)
 
         def from_loss():
-            loss, head_vjp = jax.vjp(lambda o, y: self.head(o, y, i), self.other, y)
-            g_o, g_y = head_vjp(self.seed.astype(loss.dtype))
-            return loss, g_o, g_y.astype(y.dtype)
+            objective, head_vjp, sums = jax.vjp(lambda o, y: self.head(o, y, i), self.other, y, has_aux=True)
+            g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
+            return jax.tree.map(lambda s: s.astype(jnp.float32), sums), g_o, g_y.astype(y.dtype)
 
-        loss, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
-                                         lambda: (self.zero_loss, zero_other, self.zeros_x))
+        sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
+                                           lambda: (self.zero_sums, zero_other, self.zeros_x))
         at_head = (self.stage == p - 1) & (bc == v - 1)
         g_w, g_x = vjp(jnp.where(at_head, g_y, recv_g))
 
@@ -463,22 +467,22 @@ class _Device:
             tokens = router_sums["tokens"]
             router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
                 "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, c) + sums["tokens"], c, 0)}
-        loss_sum = loss_sum + jnp.where(at_head, loss, 0.0)
-        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other, loss_sum, router_sums)
+        head_sums = jax.tree.map(lambda acc, s: acc + jnp.where(at_head, s, 0.0), head_sums, sums_i)
+        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other, head_sums, router_sums)
 
     def tick(self, carry, t):
         loop = self.loop
-        recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums = carry
+        recv_x, recv_g, stash, g_layers, g_other, head_sums, router_sums = carry
         fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
         send_x, stash = jax.lax.cond(self.flags[t, self.stage, 0], lambda st: self.forward(t, fc, fm, fs, recv_x, st),
                                      lambda st: (self.zeros_x, st), stash)
-        send_g, (g_layers, g_other, loss_sum, router_sums) = jax.lax.cond(
+        send_g, (g_layers, g_other, head_sums, router_sums) = jax.lax.cond(
             self.flags[t, self.stage, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
-            lambda acc: (self.zeros_x, acc), (g_layers, g_other, loss_sum, router_sums))
+            lambda acc: (self.zeros_x, acc), (g_layers, g_other, head_sums, router_sums))
         if loop.sched.stages > 1:
             recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
             recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
-        return (recv_x, recv_g, stash, g_layers, g_other, loss_sum, router_sums), None
+        return (recv_x, recv_g, stash, g_layers, g_other, head_sums, router_sums), None
 
 
 def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:
@@ -500,12 +504,14 @@ def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:
 @dataclass(frozen=True)
 class StageFunctions:
     """The model in the three pieces a pipeline runs, each on a whole parameter tree whose `layers`
-    are one chunk's: embed(params, micro, key) -> x; layers(params, x, micro, key, first layer,
-    data_sum) -> (x, router) where router is None for a dense model, else a dict of the chunk's
-    router loss to differentiate (`loss`, [], this shard's share: token counts summed over the
-    microbatch's shards with `data_sum`) and this shard's sums `aux`, `z`, `dropped` ([]) and
-    `tokens` ([chunk layers, experts]); head(params, x, micro) -> loss sum. `micro` is one microbatch's dict of arrays.
-    `experts`: the MoE layers' expert count (0: dense)."""
+    are one chunk's: embed(params, micro, key, layer key) -> x (the embedding's dropout key, and the
+    layers' for what the first stage runs besides: a dense-first model's dense layers);
+    layers(params, x, micro, key, first layer, data_sum) -> (x, router) where router is None for a
+    dense model, else a dict of the chunk's router loss to differentiate (`loss`, [], this shard's
+    share: token counts summed over the microbatch's shards with `data_sum`) and this shard's sums
+    `aux`, `z`, `dropped` ([]) and `tokens` ([chunk layers, experts]); head(params, x, micro) ->
+    (objective to differentiate, {"loss": the cross entropy sum, ...: other sums to log}).
+    `micro` is one microbatch's dict of arrays. `experts`: the MoE layers' expert count (0: dense)."""
     embed: Callable
     layers: Callable
     head: Callable

@@ -32,7 +32,10 @@ The layouts that fit are ranked by estimated step time (then by memory); the
 top few are printed with the parts of their time, and `--output FILE.yaml`
 writes the best as a mesh config (the form of configs/mesh/*.yaml: `mesh:`
 with `dcn:` for the inter-node factors, and the `parallel:` and `train:` keys
-the layout sets). The device table below is extended or overridden with
+the layout sets). For each parallelism the best does not use, the report names
+the fastest fitting layout that does and where its time goes: why that axis
+was not chosen (e.g. expert parallelism for a mixture of experts whose experts
+FSDP gathers within the backward's time). The device table below is extended or overridden with
 `--device-kinds FILE.yaml` (a mapping of kind name to the same fields).
 """
 
@@ -305,12 +308,24 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (round(c.step_seconds, 6), -c.micro_batch,
                                                                        c.memory["total"]))
     smallest = sorted(candidates, key=lambda c: c.memory["total"])[:top]
+    alternatives = {}
+    if fitting:  # the fastest layout using each axis the best leaves at 1
+        for axis in ALTERNATIVE_AXES:
+            if fitting[0].sizes[axis] == 1:
+                using = next((c for c in fitting if c.sizes[axis] > 1), None)
+                if using is not None:
+                    alternatives[axis] = using
     return {"cluster": cluster, "devices": devices, "device_kind": kind_name, "kind": asdict(kind),
             "capacity": capacity, "evaluated": len(candidates), "refused": refused,
             "model": {"parameters": sum(math.prod(x.shape) for x in _leaves(spec.abstract_params)),
                       "global_batch": base.cfg.train.global_batch, "seq_len": base.cfg.train.seq_len,
                       "precision": base.cfg.train.precision},
-            "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins}
+            "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins,
+            "alternatives": alternatives}
+
+
+# The parallelisms the report explains when the best layout leaves them out.
+ALTERNATIVE_AXES = ("tensor", "pipeline", "context", "expert", "fsdp")
 
 
 def _leaves(tree):
@@ -342,6 +357,15 @@ def format_plan(report: dict[str, Any], top: int = 5) -> str:
         lines.append(f"{i:>2}. {c.step_seconds:8.3f} s/step  MFU {c.mfu:5.1%}  {c.memory['total'] / GIB:6.1f} GiB  "
                      f"{c.label()}")
         lines.append(f"    {reasons(c)}" + (f"; bubble {c.bubble:.1%}" if c.bubble else ""))
+    alternatives = report.get("alternatives") or {}
+    if alternatives:
+        best = report["ranked"][0]
+        lines.append("not chosen (the fastest fitting layout with each parallelism the first leaves out):")
+        for axis, c in alternatives.items():
+            rank = next(i for i, r in enumerate(report["ranked"], 1) if r is c)
+            lines.append(f"    {axis:<9} {c.step_seconds / best.step_seconds - 1:+6.1%}  {c.step_seconds:8.3f} s/step "
+                         f"(#{rank})  {c.label()}")
+            lines.append(f"              {reasons(c)}" + (f"; bubble {c.bubble:.1%}" if c.bubble else ""))
     return "\n".join(lines)
 
 

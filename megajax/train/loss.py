@@ -70,13 +70,20 @@ def mtp_loss_sum(mtp_logits_DxBxLxV: jax.Array, labels_BxL: jax.Array, loss_mask
     """Multi-token prediction's cross entropy summed over tokens, averaged over the depths: depth k
     (from 1) is scored on the labels k places further on, where the loss mask (shifted alike) keeps
     them and they are inside the sequence (Megatron-Core's rolled labels and mask)."""
-    depths, _, length = mtp_logits_DxBxLxV.shape[:3]
+    depths = mtp_logits_DxBxLxV.shape[0]
     total = 0.0
     for k in range(1, depths + 1):
-        labels = jnp.roll(labels_BxL, -k, axis=1)
-        mask = jnp.roll(loss_mask_BxL, -k, axis=1) * (jnp.arange(length) < length - k)
+        labels, mask = mtp_targets(labels_BxL, loss_mask_BxL, k)
         total = total + jnp.sum(cross_entropy(mtp_logits_DxBxLxV[k - 1], labels) * mask)
     return total / depths
+
+
+def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """(labels, loss mask) of multi-token prediction depth k: k places further on, the last k
+    positions masked (their rolled labels wrap around)."""
+    length = labels_BxL.shape[1]
+    mask = jnp.roll(loss_mask_BxL, -k, axis=1) * (jnp.arange(length) < length - k)
+    return jnp.roll(labels_BxL, -k, axis=1), mask
 
 
 def microbatch_loss(cfg: Config) -> Callable:

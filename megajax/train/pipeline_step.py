@@ -5,7 +5,9 @@ The accumulation microbatches are the pipeline's microbatches; the schedule and 
 megajax/parallel/pipeline.py's. What rides along with the parameters into the stages: the FP8
 products' scales (a layer's with its layer, split over `pipeline`; their "gradients" are this
 step's amaxes, max-combined) and the MoE routers' expert bias [layers, E] (no gradient: dropped
-after). A model with dense layers between its MoE layers enters as one stack of groups.
+after). A model with dense layers between its MoE layers enters as one stack of groups; a
+dense-first model's dense layers run on the first stage with the embedding, the multi-token
+prediction depths on the last with the loss (both whole on every stage: the `stack` axis).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import HISTORY, scales_of
 from megajax.precision.policy import precision_policy
-from megajax.train.loss import Gradients, StepInputs, moe_sums
+from megajax.train.loss import Gradients, StepInputs, moe_sums, mtp_targets
 from megajax.train.state import ModelSpec, TrainState
 
 # Where the MoE routers' expert bias rides in the tree the stages run on.
@@ -66,11 +68,12 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     def gradients(state: TrainState, batch: dict, inputs: StepInputs) -> Gradients:
         assert inputs.accum == choice.microbatches, (inputs.accum, choice)
         params = jax.tree.map(constrain, state.params, stage_specs)
-        tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis)
+        tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis,
+                                                ("layers",) if m.dense_first_layers() else STACK_NAMES)
         if grouped:  # the stages split the groups [MoE layer, dense layers]
             tree, maxed, specs = (group_stacks(t, m.moe_layer_freq) for t in (tree, maxed, specs))
         with activation_sharding(mesh, rules.activations):
-            grads, loss_sum, router = schedule_gradients(
+            grads, head_sums, router = schedule_gradients(
                 fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
                 inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
                 router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes,
@@ -79,7 +82,9 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)
         grads = jax.tree.map(constrain, unflatten_dict(flat), grad_specs)
-        sums = {"loss_sum": loss_sum}
+        sums = {"loss_sum": head_sums["loss"]}
+        if "mtp_loss" in head_sums:  # multi-token prediction's cross entropy (in the objective, not in `loss`)
+            sums["mtp_loss_sum"] = head_sums["mtp_loss"]
         if router is not None:
             sums.update(moe_sums(router["aux"], router["z"], router["dropped"], router["tokens"],
                                  inputs.accum * m.num_moe_layers()))
@@ -88,9 +93,10 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     return gradients
 
 
-def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str) -> tuple[dict, dict, dict, dict]:
+def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str,
+               split: tuple[str, ...] = STACK_NAMES) -> tuple[dict, dict, dict, dict]:
     """(tree, maxed, specs, scales): the parameters with the FP8 scales and the expert bias beside
-    them (the stacked ones split over the stages like their layers), which of the tree's
+    them (those of the stacks in `split` over the stages like their layers), which of the tree's
     "gradients" are max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
     scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
     bias = {} if state.moe_expert_bias is None else {EXPERT_BIAS_PATH: state.moe_expert_bias}
@@ -98,7 +104,7 @@ def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str) ->
     extra = {**scales, **bias}
     tree = unflatten_dict({**flat, **extra})
     maxed = unflatten_dict({**{k: False for k in flat}, **{k: k in scales for k in extra}})
-    specs = unflatten_dict({**flatten_dict(specs), **{k: P(stage_axis) if k[0] in STACK_NAMES else P() for k in extra}})
+    specs = unflatten_dict({**flatten_dict(specs), **{k: P(stage_axis) if k[0] in split else P() for k in extra}})
     return tree, maxed, specs, scales
 
 
@@ -153,18 +159,25 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         b, l = m["tokens"].shape
         return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
 
-    def embed(params, m, key):
-        return model(ungroup_stacks(params) if grouped else params).embed_input(m["tokens"], positions(m), key)
+    def embed(params, m, key, layer_key):
+        net = model(ungroup_stacks(params) if grouped else params)
+        x = net.embed_input(m["tokens"], positions(m), key)
+        if dense_first:  # the first stage runs the dense layers (every stage holds them)
+            x = net.dense_first_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                      dropout_rng=layer_key)
+        return x
 
     grouped = cfg.model.interleaves_dense_layers()
     f = cfg.model.moe_layer_freq if grouped else 1
+    dense_first, depths = cfg.model.dense_first_layers(), cfg.model.mtp_num_layers
 
     def layers(params, x, m, key, first_layer, data_sum):
         if grouped:  # a chunk of groups (group_stacks); first_layer counts groups
             params, first_layer = ungroup_stacks(params), first_layer * f
         bias = flatten_dict(params).get(EXPERT_BIAS_PATH)  # [chunk layers, E] or None
         x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
-                                             dropout_rng=key, first_layer=first_layer, expert_bias=bias)
+                                             dropout_rng=key, first_layer=first_layer, expert_bias=bias,
+                                             dense_first=False)
         if stats is None:
             return x, None
         # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
@@ -173,7 +186,17 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
                    "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
     def head(params, x, m):
-        params = ungroup_stacks(params) if grouped else params
-        return jnp.sum(ce(model(params).output_logits(x), m["labels"]) * m["loss_mask"])
+        net = model(ungroup_stacks(params) if grouped else params)
+        loss = jnp.sum(ce(net.output_logits(x), m["labels"]) * m["loss_mask"])
+        if not depths:
+            return loss, {"loss": loss}
+        # Multi-token prediction on the last stage, weighed as micro_loss weighs it.
+        hidden = net.mtp_hidden(m["tokens"], x, positions(m), m.get("segment_ids"))
+        mtp = 0.0
+        for k, h in enumerate(hidden, start=1):
+            labels, mask = mtp_targets(m["labels"], m["loss_mask"], k)
+            mtp = mtp + jnp.sum(ce(net.output_layer(h), labels) * mask)
+        mtp = mtp / depths
+        return loss + cfg.model.mtp_loss_scaling_factor * mtp, {"loss": loss, "mtp_loss": mtp}
 
     return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)
