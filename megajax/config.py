@@ -77,11 +77,16 @@ class ModelConfig:
     tie_embeddings: bool | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Literal["none", "llama3"] = "none"
+    rope_scaling: Literal["none", "llama3", "yarn"] = "none"
     rope_scaling_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
+    # YaRN (rope_scaling=yarn; Megatron-Core's beta_fast, beta_slow, mscale, mscale_all_dim).
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     init_std: float = 0.02
@@ -664,6 +669,7 @@ def validate(cfg: Config) -> None:
     validate_moe(cfg)
     validate_mla(cfg)
     validate_mtp(cfg)
+    validate_yarn(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
@@ -770,6 +776,24 @@ def validate_mtp(cfg: Config) -> None:
     if cfg.train.precision == "fp8":
         raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with train.precision = fp8 is not implemented "
                           f"yet; use bf16.")
+
+
+def validate_yarn(cfg: Config) -> None:
+    """rope_scaling=yarn: multi-latent attention only (its gains are applied there), positive keys."""
+    m = cfg.model
+    if m.rope_scaling != "yarn":
+        return
+    if not m.multi_latent_attention:
+        raise ConfigError("model.rope_scaling = yarn is implemented for multi-latent attention "
+                          "(model.multi_latent_attention=true, DeepSeek-V3) only; accepted for this model: none, llama3.")
+    for key in ("rope_scaling_factor", "rope_original_max_position", "rope_beta_fast", "rope_beta_slow"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("rope_mscale", "rope_mscale_all_dim"):
+        _positive(f"model.{key}", getattr(m, key), allow_zero=True)
+    if m.rope_beta_slow >= m.rope_beta_fast:
+        raise ConfigError(f"model.rope_beta_slow = {m.rope_beta_slow} must be below model.rope_beta_fast = "
+                          f"{m.rope_beta_fast} (YaRN interpolates the dims turning fewer than beta_slow times over "
+                          f"the original context, keeps those turning more than beta_fast).")
 
 
 def validate_mla(cfg: Config) -> None:

@@ -110,7 +110,15 @@ def test_hf_export_matches_transformers_and_imports_back(model, tmp_path):
         np.testing.assert_array_equal(got_flat[name], want_flat[name], err_msg=name)
 
 
-def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path):
+# DeepSeek-V3's YaRN (its factor 40 over 4,096 positions) at toy sizes: 4 over 8 positions, so the ramp
+# between kept and interpolated frequencies falls inside qk_rope_head_dim; mscale != mscale_all_dim, so
+# cos and sin are scaled too, besides the softmax scale.
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+        "beta_fast": 4.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 1.0}
+
+
+@pytest.mark.parametrize("rope", [None, YARN], ids=["rope", "yarn"])
+def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path, rope):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -118,7 +126,8 @@ def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path):
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
         topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
-        qk_rope_head_dim=8, v_head_dim=24, routed_scaling_factor=2.5, max_position_embeddings=64)
+        qk_rope_head_dim=8, v_head_dim=24, routed_scaling_factor=2.5, max_position_embeddings=64,
+        **({"rope_parameters": dict(rope)} if rope else {}))
     hf = transformers.DeepseekV3ForCausalLM(config)
     with torch.no_grad():  # a nonzero expert bias and router (initialised to zeros)
         for layer in hf.model.layers[1:]:
@@ -129,8 +138,12 @@ def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path):
     assert overrides["q_lora_rank"] is None and overrides["moe_layer_freq"] == [0, 1, 1]
     cfg = load_config(base={"model": overrides}, overrides=["train.seq_len=32"])
     spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    np.testing.assert_allclose(logits_of(spec, params, TOKS), hf_logits(hf_model(tmp_path / "hf"), TOKS),
-                               atol=1e-4, rtol=1e-4)
+    want = hf_logits(hf_model(tmp_path / "hf"), TOKS)
+    np.testing.assert_allclose(logits_of(spec, params, TOKS), want, atol=1e-4, rtol=1e-4)
+    if rope:  # the YaRN keys come back out, and transformers computes the same from them
+        assert (cfg.model.rope_scaling, cfg.model.rope_mscale, cfg.model.rope_beta_fast) == ("yarn", 0.8, 4.0)
+        out = export_hf(DictSource(params, cfg.model), tmp_path / "again", tokenizer_spec="byte", dtype="fp32")
+        np.testing.assert_allclose(hf_logits(hf_model(out), TOKS), want, atol=1e-4, rtol=1e-4)
 
 
 def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path):
@@ -152,6 +165,15 @@ def test_config_refuses_what_multi_latent_attention_does_not_run_with():
         tiny("mesh.context=2")
     with pytest.raises(ConfigError, match="dense layers first"):
         tiny("model.moe_layer_freq=[1,0,1]")
+
+
+def test_yarn_keys_are_checked():
+    with pytest.raises(ConfigError, match=r"model.rope_scaling = yarn is implemented for multi-latent attention"):
+        load_config(["model/tiny"], ["model.rope_scaling=yarn"])
+    with pytest.raises(ConfigError, match=r"model.rope_beta_slow = 40.0 must be below model.rope_beta_fast = 32.0"):
+        tiny("model.rope_scaling=yarn", "model.rope_beta_slow=40")
+    m = load_config(["model/deepseek-v3"]).model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.max_position_embeddings) == ("yarn", 40.0, 163840)
 
 
 def test_full_size_preset_has_the_published_parameter_counts():

@@ -23,6 +23,7 @@ ARCH_FIELDS = (
     "vocab_size", "max_position_embeddings", "norm", "activation", "position_embedding", "use_bias",
     "tie_embeddings", "norm_eps", "rope_theta", "rope_scaling", "rope_scaling_factor",
     "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_position",
+    "rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim",  # yarn only
     "hidden_dropout", "attention_dropout", "init_std",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size",  # mixture of experts only
     "moe_shared_expert_ffn_size",  # only when > 0
@@ -30,6 +31,7 @@ ARCH_FIELDS = (
     "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
     "moe_router_pre_softmax",
 )
+YARN_FIELDS = ("rope_beta_fast", "rope_beta_slow", "rope_mscale", "rope_mscale_all_dim")
 MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_ffn_size",
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
               "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
@@ -95,6 +97,12 @@ def model_overrides(m: ModelConfig) -> dict:
     if m.rope_scaling == "none" or m.position_embedding != "rope":
         for k in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                   "rope_original_max_position"):
+            out.pop(k)
+    if m.rope_scaling != "yarn" or m.position_embedding != "rope":
+        for k in YARN_FIELDS:
+            out.pop(k)
+    else:
+        for k in ("rope_low_freq_factor", "rope_high_freq_factor"):
             out.pop(k)
     if not m.num_experts:
         for k in MOE_FIELDS:

@@ -216,8 +216,11 @@ def _deepseek_v3_architecture(m: ModelConfig) -> str:
     if m.norm_eps != 1e-6:
         wrong.append(f"norm_eps={m.norm_eps} (needs 1e-6: {DEEPSEEK_V3}'s q_a_layernorm and kv_a_layernorm use "
                      f"1e-6 whatever rms_norm_eps says)")
-    if m.rope_scaling != "none":
-        wrong.append(f"rope_scaling={m.rope_scaling} (needs none)")
+    if m.rope_scaling not in ("none", "yarn"):
+        wrong.append(f"rope_scaling={m.rope_scaling} (needs none or yarn)")
+    if m.rope_scaling == "yarn" and not m.rope_mscale_all_dim and m.rope_mscale != 1.0:
+        wrong.append(f"rope_mscale={m.rope_mscale} with rope_mscale_all_dim=0 (transformers then scales cos/sin "
+                     f"as with mscale 1)")
     if not m.num_experts:
         wrong.append("num_experts=0 (needs a mixture of experts)")
     else:
@@ -329,9 +332,46 @@ def _deepseek_v3_config(m: ModelConfig) -> dict:
         n_group=m.moe_router_num_groups or 1, topk_group=m.moe_router_group_topk or 1,
         norm_topk_prob=m.moe_router_topk > 1, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
-        rope_interleave=True, rope_theta=m.rope_theta,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta}, attention_bias=False,
-        num_nextn_predict_layers=0, pretraining_tp=1)
+        rope_interleave=True, rope_theta=m.rope_theta, attention_bias=False,
+        num_nextn_predict_layers=0, pretraining_tp=1, **_deepseek_v3_rope(m))
+
+
+def _deepseek_v3_rope(m: ModelConfig) -> dict:
+    """DeepseekV3Config's rope keys: plain, or YaRN (transformers' rope_parameters, and the legacy rope_scaling)."""
+    if m.rope_scaling != "yarn":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta}}
+    yarn = {"factor": m.rope_scaling_factor, "original_max_position_embeddings": m.rope_original_max_position,
+            "beta_fast": m.rope_beta_fast, "beta_slow": m.rope_beta_slow, "mscale": m.rope_mscale,
+            "mscale_all_dim": m.rope_mscale_all_dim}
+    return {"rope_parameters": {"rope_type": "yarn", "rope_theta": m.rope_theta, **yarn},
+            "rope_scaling": {"type": "yarn", "rope_type": "yarn", **yarn}}
+
+
+def _deepseek_v3_yarn(rope: dict) -> dict:
+    """ModelConfig's YaRN keys from a DeepseekV3Config's rope parameters (transformers' defaults);
+    CheckpointError for the forms megajax computes otherwise."""
+    for key, want in (("truncate", True), ("partial_rotary_factor", 1.0)):
+        if rope.get(key, want) not in (want, None):
+            raise CheckpointError(f"config.json rope {key}={rope[key]!r}: megajax's YaRN needs {key}={want}.")
+    if rope.get("factor") is None or rope.get("original_max_position_embeddings") is None:
+        raise CheckpointError("config.json yarn rope parameters need factor and original_max_position_embeddings.")
+    mscale, all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if all_dim and not mscale:
+        raise CheckpointError(f"config.json yarn mscale={mscale!r} with mscale_all_dim={all_dim}: transformers then "
+                              f"scales cos/sin by the factor alone, megajax (as Megatron-Core) by "
+                              f"mscale / mscale_all_dim; give both.")
+    out = dict(rope_scaling="yarn", rope_scaling_factor=float(rope["factor"]),
+               rope_original_max_position=int(rope["original_max_position_embeddings"]),
+               rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+               rope_mscale=float(mscale) if mscale and all_dim else 1.0, rope_mscale_all_dim=float(all_dim or 0.0))
+    if rope.get("attention_factor") is not None:
+        from megajax.models.layers import yarn_mscale
+        ours = yarn_mscale(out["rope_scaling_factor"], out["rope_mscale"]) / yarn_mscale(
+            out["rope_scaling_factor"], out["rope_mscale_all_dim"])
+        if abs(float(rope["attention_factor"]) - ours) > 1e-6:
+            raise CheckpointError(f"config.json yarn attention_factor={rope['attention_factor']}: megajax derives it "
+                                  f"from factor, mscale and mscale_all_dim ({ours:.6g} here).")
+    return out
 
 
 def _deepseek_v3_overrides(c: dict) -> dict:
@@ -341,9 +381,9 @@ def _deepseek_v3_overrides(c: dict) -> dict:
             raise CheckpointError(f"config.json {key}={c[key]!r}: megajax's DeepSeek-V3 needs {key}={want}.")
     rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported for DeepSeek-V3 yet (yarn is "
-                              f"later work); accepted: default.")
+    if rope_type not in ("default", "yarn"):
+        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported for DeepSeek-V3; accepted: "
+                              f"default, yarn.")
     if c.get("rms_norm_eps", 1e-6) != 1e-6:
         raise CheckpointError(f"config.json rms_norm_eps={c['rms_norm_eps']}: megajax's latent norms use "
                               f"model.norm_eps like the others, transformers' use 1e-6; accepted: 1e-6.")
@@ -383,7 +423,8 @@ def _deepseek_v3_overrides(c: dict) -> dict:
                 moe_router_topk_scaling_factor=None if scale == 1.0 else float(scale),
                 moe_router_num_groups=None if groups == 1 else groups,
                 moe_router_group_topk=None if groups == 1 else pick,
-                moe_layer_freq=[0] * k + [1] * (n - k) if k else 1)
+                moe_layer_freq=[0] * k + [1] * (n - k) if k else 1,
+                **(_deepseek_v3_yarn(rope) if rope_type == "yarn" else {}))
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -253,9 +253,18 @@ def make_norm(kind: str, features: int, *, eps: float, dtype, param_dtype=jnp.fl
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 8.0,
                   low_freq_factor: float = 1.0, high_freq_factor: float = 4.0,
-                  original_max_position: int = 8192) -> np.ndarray:
-    """Inverse frequencies [head_dim/2], with Llama-3's frequency scaling when asked."""
+                  original_max_position: int = 8192, beta_fast: float = 32.0, beta_slow: float = 1.0) -> np.ndarray:
+    """Inverse frequencies [head_dim/2], with Llama-3's or YaRN's frequency scaling when asked."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if scaling == "yarn":
+        # Dims that turn fewer than beta_slow times over the original context are interpolated (slowed by
+        # `factor`), those turning more than beta_fast times kept, a linear ramp between (over whole dims).
+        def dim_of(turns):
+            return head_dim * math.log(original_max_position / (turns * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(dim_of(beta_fast)), 0)
+        high = min(math.ceil(dim_of(beta_slow)), head_dim - 1)
+        ramp = np.clip((np.arange(head_dim // 2) - low) / ((high - low) or 0.001), 0.0, 1.0)
+        return (inv_freq / factor * ramp + inv_freq * (1 - ramp)).astype(np.float32)
     if scaling == "llama3":
         wavelen = 2 * math.pi / inv_freq
         low_freq_wavelen = original_max_position / low_freq_factor
@@ -270,6 +279,22 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: fl
     elif scaling != "none":
         raise ValueError(f"unknown rope scaling {scaling!r}")
     return inv_freq.astype(np.float32)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature: 0.1 mscale ln(factor) + 1 (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_gains(cfg) -> tuple[float, float]:
+    """(the rotated parts' gain, the attention scores' gain) of a model config: YaRN scales cos and sin
+    by mscale(factor, rope_mscale) / mscale(factor, rope_mscale_all_dim), and multi-latent attention's
+    softmax scale by mscale(factor, rope_mscale_all_dim)^2; (1, 1) without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return 1.0, 1.0
+    f = cfg.rope_scaling_factor
+    all_dim = yarn_mscale(f, cfg.rope_mscale_all_dim)
+    return yarn_mscale(f, cfg.rope_mscale) / all_dim, all_dim * all_dim
 
 
 def apply_rope(x_BxLxHxK: jax.Array, positions_BxL: jax.Array, inv_freq: np.ndarray) -> jax.Array:

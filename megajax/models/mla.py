@@ -29,7 +29,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope
+from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, yarn_gains
 
 ACT_Q = ("batch", "length", "heads", "head_dim")
 LATENT = ("batch", "length", None)
@@ -65,6 +65,7 @@ class MultiLatentAttention(nnx.Module):
         self.o = Dense((nh, v), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
                        use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dims = (n, p, v)
+        self.rope_gain, self.score_gain = yarn_gains(cfg)  # (1, 1) without YaRN
         self.lora = cfg.q_lora_rank is not None
         self.core = core
         self.dropout_rate = cfg.attention_dropout
@@ -87,7 +88,11 @@ class MultiLatentAttention(nnx.Module):
         if inv_freq is not None:
             q_pe = apply_rope(q_pe, positions_BxL, inv_freq)
             k_pe = apply_rope(k_pe, positions_BxL, inv_freq)
+        if self.rope_gain != 1.0:  # YaRN's cos/sin scale
+            q_pe, k_pe = q_pe * self.rope_gain, k_pe * self.rope_gain
         q = jnp.concatenate([q[..., :n], q_pe.astype(q.dtype)], axis=-1)
+        if self.score_gain != 1.0:  # YaRN's softmax scale: the core divides by sqrt(N + P) alone
+            q = q * jnp.asarray(self.score_gain, q.dtype)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe.astype(k_nope.dtype), k_nope.shape[:-1] + (p,))], axis=-1)
         return logical_constraint(q, ACT_Q), logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q)
 

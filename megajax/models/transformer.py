@@ -162,7 +162,8 @@ class Transformer(nnx.Module):
         if cfg.position_embedding == "rope":
             self.inv_freq = tuple(float(f) for f in rope_inv_freq(
                 cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
-                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position))
+                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position,
+                cfg.rope_beta_fast, cfg.rope_beta_slow))
         else:
             self.inv_freq = None
 
