@@ -69,6 +69,8 @@ def test_the_cache_holds_the_latent_and_the_rope_key_per_token(model, generator)
     b, t = 4, 16 + 16  # the batch and length buckets
     assert [c.shape for c in state.cache_k] == [(b, t, m.kv_lora_rank)] * m.num_layers
     assert [c.shape for c in state.cache_v] == [(b, t, m.qk_pos_emb_head_dim)] * m.num_layers
+    full = load_config(["model/deepseek-v3"]).model  # bf16: 2 bytes a number (docs/moe.md's figures)
+    assert sum(layer.numbers_per_token() for layer in layer_caches(full)) * 2 == 61 * (512 + 64) * 2 == 70_272
     stacked = Generator(m, model[2], eod_id=None, expert_bias=model[3], layer_buffers=False)
     state = stacked.start(PROMPTS, [Sampling()] * 3, [4] * 3)
     assert (state.cache_k.shape, state.cache_v.shape) == ((m.num_layers, b, t, m.kv_lora_rank),

@@ -7,7 +7,9 @@ leave when they end.
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total
 
 The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
-(kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block). A
+(kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block), or
+a multi-latent attention layer's latent and rope-key pools `[num_blocks * block_size, features]`
+(Transformer's `layer_caches`; megajax/models/mla.py). A
 host-side `BlockPool` hands out blocks from a free list; each running sequence has a block table,
 and its position p lives at pool slot `table[p // block_size] * block_size + p % block_size`.
 A sequence is admitted only when the pool can hold its prompt plus its whole token budget, so a

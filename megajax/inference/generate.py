@@ -10,6 +10,8 @@ carried through the scanned layers, or (the default, `layer_buffers`) one
 `[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode
 step reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
 slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step.
+A multi-latent attention layer caches its latent and rope key instead, `[batch, slots, features]`
+each (megajax/models/mla.py); Transformer's `layer_caches` gives each layer's shapes.
 
 Prompts are left-padded to a common length P, so at every step all sequences write the same
 slot: slot P + i - 1 holds the input of new token i.

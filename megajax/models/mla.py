@@ -16,6 +16,10 @@ reordered alike, so the scores are those of the interleaved rotation). The laten
 model.norm_eps. Heads (the up-projections' output, o's input) are split over `tensor` like the
 other attention's; the down-projections and the latent are replicated over it (Megatron's
 "duplicated" linears).
+
+Generation (`extend`) caches per token only c = RMSNorm(latent) [Rkv] and the rotated k_pe [P],
+and decodes in the absorbed form: q_nope . k_nope = (q_nope W_uk^T) . c with W_uk kv_up's k part,
+and each head's output is (probs . c) W_uv, so the cache is never expanded to per-head k and v.
 """
 
 from __future__ import annotations

@@ -326,7 +326,9 @@ class Transformer(nnx.Module):
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, or [B, L, padded vocab] of every new token with
         `all_positions` (a prefill that scores its prompt), cache_k, cache_v); the same parameters and
-        products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None).
+        products as __call__ (`expert_bias` [MoE layers, E]: the routers' expert bias, or None). A
+        multi-latent layer's cache_k and cache_v hold its latent and rope key ([B, T, features]:
+        `layer_caches`). The MTP depths are not run: generation uses the main output head.
 
         Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
         `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
