@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from random_model import random_model
 from megajax.checkpoint.source import flatten, unflatten
 from megajax.config import load_config
 from megajax.inference.batcher import Job
@@ -155,3 +156,27 @@ def test_generation_on_data_2_tensor_4_equals_one_device_with_the_latent_replica
     state = gen.start(PROMPTS, samplings, [4] * 3)
     for cache in state.cache_k + state.cache_v:  # the batch over the data axes; slots and features whole
         assert cache.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), None, None)
+
+
+def test_dense_first_layers_generate_without_multi_latent_attention():
+    """moe_layer_freq's list form with grouped-query attention: the dense layer's cache first, then the
+    MoE layer's, per-layer buffers and stacked alike, the full forward's greedy tokens."""
+    cfg, spec, params = random_model("llama", "model.num_experts=4", "model.moe_router_topk=2",
+                                     "model.moe_ffn_hidden_size=32", "model.moe_layer_freq=[0,1]",
+                                     std=0.08, seq_len=CONTEXT)
+    assert cfg.model.dense_first_layers() == 1
+    apply = jax.jit(spec.apply)
+    want = []
+    for prompt in PROMPTS:
+        ids = list(prompt)
+        for _ in range(6):
+            buf = np.zeros((1, CONTEXT), np.int32)
+            buf[0, :len(ids)] = ids
+            logits = np.asarray(apply(params, buf))[0, len(ids) - 1, :VOCAB]
+            top2 = np.sort(logits)[-2:]
+            assert top2[1] - top2[0] > 1e-4  # no ties
+            ids.append(int(logits.argmax()))
+        want.append(ids[len(prompt):])
+    for layer_buffers in (True, False):
+        done, _ = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers).generate(PROMPTS, Sampling(), 6)
+        assert [c.completion_ids for c in done] == want

@@ -237,7 +237,8 @@ def paged_latent_attention(q_lat_BxLxHxR, q_pe_BxLxHxP, *, cache_c: PagedCache, 
         return new_top, total, acc
 
     shape = (b, h, l)
-    carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (r,), jnp.float32))
+    carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (r,), jnp.float32))
     trips = (jnp.minimum(cache_c.blocks_used, m) + step - 1) // step
     _, total, acc = jax.lax.fori_loop(0, trips, trip, carry)
     out = acc / jnp.where(total == 0.0, 1.0, total)[..., None]  # [B, H, L, Rkv]
