@@ -116,6 +116,20 @@ def test_the_mtp_depth_does_not_change_generation(model, generator):
     assert [c.completion_ids for c in got] == [c.completion_ids for c in want]
 
 
+def run_engine(engine, samplings, n):
+    """The engine's completions of PROMPTS (n new tokens each), in order."""
+    events = queue.Queue()
+    engine.submit([Job(list(p), s, n, i, events) for i, (p, s) in enumerate(zip(PROMPTS, samplings))])
+    done = {}
+    while len(done) < len(PROMPTS):
+        kind, i, payload = events.get(timeout=300)
+        if kind == "error":
+            raise AssertionError(payload)
+        if kind == "done":
+            done[i] = payload
+    return [done[i] for i in range(len(PROMPTS))]
+
+
 @pytest.mark.parametrize("attention_blocks", [4, None])
 def test_engine_runs_multi_latent_attention_with_the_generators_tokens(model, generator, attention_blocks):
     """The continuous engine's latent pools ([slots, kv_lora_rank] and [slots, qk_pos_emb_head_dim] per
@@ -125,25 +139,18 @@ def test_engine_runs_multi_latent_attention_with_the_generators_tokens(model, ge
     engine = Engine(generator, 2, block_size=4, num_blocks=16, prefill_chunk=8, decode_steps=4,
                     attention_blocks=attention_blocks)
     try:
-        events = queue.Queue()
-        jobs = [Job(list(p), Sampling(), NEW, i, events) for i, p in enumerate(PROMPTS)]
-        engine.submit(jobs)
-        done = {}
-        while len(done) < len(jobs):
-            kind, i, payload = events.get(timeout=300)
-            if kind == "error":
-                raise AssertionError(payload)
-            if kind == "done":
-                done[i] = payload
+        done = run_engine(engine, [Sampling()] * 3, NEW)
         assert [p.shape for p in engine._pools_k] == [(64, m.kv_lora_rank)] * m.num_layers
         assert [p.shape for p in engine._pools_v] == [(64, m.qk_pos_emb_head_dim)] * m.num_layers
     finally:
         engine.close()
     want, _ = generator.generate(PROMPTS, Sampling(), NEW)
-    assert [done[i].completion_ids for i in range(3)] == [c.completion_ids for c in want]
+    assert [c.completion_ids for c in done] == [c.completion_ids for c in want]
 
 
 def test_generation_on_data_2_tensor_4_equals_one_device_with_the_latent_replicated(model, generator):
+    """The Generator and the continuous engine on data 2 x tensor 4 (heads split, latent replicated):
+    one device's tokens, greedy and seeded sampling."""
     cfg, _, params, bias = model
     sharded_cfg = load_config(base=cfg.to_dict(), overrides=["mesh.data=2", "mesh.tensor=4"])
     mesh = make_mesh(sharded_cfg)
@@ -156,6 +163,12 @@ def test_generation_on_data_2_tensor_4_equals_one_device_with_the_latent_replica
     state = gen.start(PROMPTS, samplings, [4] * 3)
     for cache in state.cache_k + state.cache_v:  # the batch over the data axes; slots and features whole
         assert cache.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp", "expert"), None, None)
+    engine = Engine(gen, 2, block_size=4, num_blocks=16, prefill_chunk=8, decode_steps=4)
+    try:  # the engine's pools replicated (every data shard reads any block; the latent over tensor too)
+        assert [c.completion_ids for c in run_engine(engine, samplings, 6)] == [c.completion_ids for c in want]
+        assert all(p.sharding.spec == jax.sharding.PartitionSpec(None, None) for p in engine._pools_k + engine._pools_v)
+    finally:
+        engine.close()
 
 
 def test_dense_first_layers_generate_without_multi_latent_attention():
@@ -178,8 +191,8 @@ def test_dense_first_layers_generate_without_multi_latent_attention():
             ids.append(int(logits.argmax()))
         want.append(ids[len(prompt):])
     for layer_buffers in (True, False):
-        done, _ = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers).generate(PROMPTS, Sampling(), 6)
-        assert [c.completion_ids for c in done] == want
+        gen = Generator(cfg.model, params, eod_id=None, layer_buffers=layer_buffers)
+        assert [c.completion_ids for c in gen.generate(PROMPTS, Sampling(), 6)[0]] == want
 
 
 def test_generate_from_the_hugging_face_export_equals_transformers_generate(model, tmp_path):
