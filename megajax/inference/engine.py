@@ -7,7 +7,9 @@ leave when they end.
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total
 
 The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
-(kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block). A
+(kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block), or
+a multi-latent attention layer's latent and rope-key pools `[num_blocks * block_size, features]`
+(Transformer's `layer_caches`; megajax/models/mla.py). A
 host-side `BlockPool` hands out blocks from a free list; each running sequence has a block table,
 and its position p lives at pool slot `table[p // block_size] * block_size + p % block_size`.
 A sequence is admitted only when the pool can hold its prompt plus its whole token budget, so a
@@ -61,7 +63,7 @@ from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, Generator, 
 from megajax.inference.observer import Observer
 from megajax.inference.sampling import apply_penalties, next_tokens, seed_key_data
 from megajax.mesh import activation_sharding, logical_to_spec
-from megajax.models.attention import ACT_POOL, PagedCache
+from megajax.models.attention import PagedCache
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 128
@@ -180,9 +182,12 @@ class Engine:
     # ------------------------------------------------------------ traced
 
     def _caches(self, pools, write_BxL, table_BxM, used):
+        layers = self.generator.layers
         if self.attention_blocks is None:
-            return [PagedCache(p, write_BxL, table_BxM, self.block_size) for p in pools]
-        return [PagedCache(p, write_BxL, table_BxM, self.block_size, used, self.attention_blocks) for p in pools]
+            return [PagedCache(p, write_BxL, table_BxM, self.block_size, axes=layer.pool_axes)
+                    for p, layer in zip(pools, layers)]
+        return [PagedCache(p, write_BxL, table_BxM, self.block_size, used, self.attention_blocks, layer.pool_axes)
+                for p, layer in zip(pools, layers)]
 
     def _slots(self, table_BxM, positions):
         """Pool slots of `positions` [B, ...] through the rows' block tables [B, M]."""
@@ -281,17 +286,19 @@ class Engine:
 
     def _start(self) -> None:
         """The pools and both programs, compiled (on example inputs of the fixed shapes)."""
-        g, m = self.generator, self.generator.model
+        g = self.generator
         t0 = time.perf_counter()
-        shape = (self.num_blocks * self.block_size, m.num_kv_heads, m.head_dim)
+        slots = self.num_blocks * self.block_size
+        # each layer's pools: a k and a v [slots, kv_heads, head_dim], or a multi-latent layer's
+        # latent [slots, kv_lora_rank] and rope key [slots, qk_pos_emb_head_dim] (replicated over tensor)
         if g.mesh is not None:
-            pool_sh = NamedSharding(g.mesh, logical_to_spec(ACT_POOL, g.rules))
-            make = jax.jit(lambda: jnp.zeros(shape, g.dtype), out_shardings=pool_sh)
-            pools = [list(make() for _ in range(m.num_layers)) for _ in "kv"]
+            pool_sh = [NamedSharding(g.mesh, logical_to_spec(layer.pool_axes, g.rules)) for layer in g.layers]
+            pools = [[jax.jit(lambda s=layer.pool_shape(which, slots): jnp.zeros(s, g.dtype), out_shardings=sh)()
+                      for layer, sh in zip(g.layers, pool_sh)] for which in "kv"]
             replicated = NamedSharding(g.mesh, P())
-            out = ([pool_sh] * m.num_layers, [pool_sh] * m.num_layers, replicated)
+            out = (pool_sh, pool_sh, replicated)
         else:
-            pools = [[jnp.zeros(shape, g.dtype) for _ in range(m.num_layers)] for _ in "kv"]
+            pools = [[jnp.zeros(layer.pool_shape(which, slots), g.dtype) for layer in g.layers] for which in "kv"]
             out = None
         self._pools_k, self._pools_v = pools
         prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), out_shardings=out)

@@ -10,6 +10,8 @@ carried through the scanned layers, or (the default, `layer_buffers`) one
 `[batch, kv_heads, slots, head_dim]` array per layer beside per-layer weights, which a decode
 step reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
 slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step.
+A multi-latent attention layer caches its latent and rope key instead, `[batch, slots, features]`
+each (megajax/models/mla.py); Transformer's `layer_caches` gives each layer's shapes.
 
 Prompts are left-padded to a common length P, so at every step all sequences write the same
 slot: slot P + i - 1 holds the input of new token i.
@@ -48,9 +50,10 @@ from megajax.errors import UserError
 from megajax.inference.sampling import Sampling, apply_penalties, next_tokens, seed_key_data
 from megajax.mesh import Rules, activation_sharding, data_parallel_size, logical_constraint, logical_to_spec, mesh_sizes
 from megajax.models import Transformer, param_axes
-from megajax.models.attention import ACT_CACHE, make_attention_core
+from megajax.models.attention import make_attention_core
 from megajax.models.layout import STACK_NAMES, layer_slots
 from megajax.models.layers import LinearOps
+from megajax.models.transformer import layer_caches
 from megajax.parallel.context import sharded_attention
 
 MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
@@ -242,13 +245,17 @@ class Generator:
         # A few numbers per layer, used by every device: a constant of the compiled programs.
         self.expert_bias = None if expert_bias is None else np.asarray(expert_bias, np.float32)
         self.context = model.max_position_embeddings
+        self.layers = layer_caches(model)  # each layer's cache: a k and a v, or multi-latent attention's latent
         self.data_parallel = data_parallel_size(mesh_sizes(mesh)) if mesh is not None else 1
         self._compiled: dict = {}
         self.compile_s = 0.0  # seconds spent compiling so far
         if mesh is not None:
             sh = {k: NamedSharding(mesh, logical_to_spec(v, self.rules)) for k, v in STATE_AXES.items()}
-            cache = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
-            sh["cache_k"] = sh["cache_v"] = [cache] * model.num_layers if layer_buffers else cache
+            caches = [NamedSharding(mesh, logical_to_spec(layer.axes, self.rules)) for layer in self.layers]
+            if layer_buffers:
+                sh["cache_k"] = sh["cache_v"] = caches
+            else:
+                sh["cache_k"] = sh["cache_v"] = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
             self._state_sh = DecodeState(**sh)
             self._replicated = NamedSharding(mesh, P())
         else:
@@ -273,19 +280,22 @@ class Generator:
         return None if self.expert_bias is None else jnp.asarray(self.expert_bias)
 
     def _cache_axes(self) -> tuple:
-        return ACT_CACHE if self.layer_buffers else ("layers",) + ACT_CACHE
+        """The stacked cache's axes (every layer's cache alike: `layer_buffers` false)."""
+        return ("layers",) + self.layers[0].axes
 
-    def _empty_cache(self, b: int, t: int):
-        m = self.model
+    def _empty_cache(self, b: int, t: int, which: str):
+        """Empty `which` ("k" or "v") caches of b sequences of t slots: per layer (its own shape, e.g. a
+        multi-latent layer's [B, T, kv_lora_rank]), or stacked."""
         if self.layer_buffers:
-            return [logical_constraint(jnp.zeros((b, m.num_kv_heads, t, m.head_dim), self.dtype), ACT_CACHE)
-                    for _ in range(m.num_layers)]
-        zeros = jnp.zeros((m.num_layers, b, m.num_kv_heads, t, m.head_dim), self.dtype)
+            return [logical_constraint(jnp.zeros(layer.shape(which, b, t), self.dtype), layer.axes)
+                    for layer in self.layers]
+        zeros = jnp.zeros((len(self.layers),) + self.layers[0].shape(which, b, t), self.dtype)
         return logical_constraint(zeros, self._cache_axes())
 
     def _prompt_room(self, state: DecodeState) -> int:
         """P: the cache slots before the first new token's input."""
-        return state.cache_k[0].shape[-2] - state.tokens.shape[1]  # T from layer 0's [(B,) kv_heads, T, head_dim]
+        # T from layer 0's cache: [(B,) kv_heads, T, head_dim], or [(B,) T, kv_lora_rank] (multi-latent)
+        return state.cache_k[0].shape[-2] - state.tokens.shape[1]
 
     def _is_eod(self, tokens):
         return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
@@ -296,7 +306,7 @@ class Generator:
             model, layers = self._model(params)
             b, p = tokens_BxP.shape
             t = p + room
-            cache_k, cache_v = self._empty_cache(b, t), self._empty_cache(b, t)
+            cache_k, cache_v = self._empty_cache(b, t, "k"), self._empty_cache(b, t, "v")
             positions = jnp.maximum(jnp.arange(p)[None, :] - pad_B[:, None], 0)
             key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
             logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,

@@ -127,6 +127,7 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
     from megajax.checkpoint.manager import restore_expert_bias, restore_params
     from megajax.inference.generate import Generator, generation_model
     from megajax.mesh import mesh_from_sizes, tree_shardings
+    from megajax.models.layout import split_expert_bias
     from megajax.precision.policy import precision_policy
     devices = list(devices if devices is not None else jax.devices())
     plan, notes = _plan(cfg, devices, user_mesh)
@@ -140,9 +141,10 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
         notes += [note] if note else []
         expert_bias = restore_expert_bias(source.step_dir, plan.cfg)
     else:
-        numpy_params = source.hf_import[1]
+        # the routers' expert bias (DeepSeek-V3's e_score_correction_bias) is imported beside the
+        # parameters (layout.EXPERT_BIAS); Mixtral and Qwen3-MoE have none
+        numpy_params, expert_bias = split_expert_bias(source.hf_import[1])
         params = jax.tree.map(lambda x, s: jax.device_put(x, s), numpy_params, shardings)
-        expert_bias = None  # Hugging Face's Mixtral has none
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
                           rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None),
                           expert_bias=expert_bias)

@@ -220,12 +220,14 @@ class PagedCache:
     block_size: int = struct.field(pytree_node=False)
     blocks_used: jax.Array | None = None
     step_blocks: int = struct.field(pytree_node=False, default=1)
+    axes: tuple = struct.field(pytree_node=False, default=ACT_POOL)  # the pool's logical axes
 
     def write(self, new_BxLxGxK: jax.Array) -> "PagedCache":
-        _, g, k = self.pool_NxGxK.shape
-        new = new_BxLxGxK.astype(self.pool_NxGxK.dtype).reshape(-1, g, k)  # [B*L, G, K]
+        """The pool with the new tokens' rows [B, L, ...per-token shape] at their slots (a
+        multi-latent layer's pools hold [slots, features]: megajax/models/mla.py)."""
+        new = new_BxLxGxK.astype(self.pool_NxGxK.dtype).reshape((-1,) + self.pool_NxGxK.shape[1:])  # [B*L, ...]
         pool = self.pool_NxGxK.at[self.write_BxL.reshape(-1)].set(new, mode="drop")
-        return self.replace(pool_NxGxK=logical_constraint(pool, ACT_POOL))
+        return self.replace(pool_NxGxK=logical_constraint(pool, self.axes))
 
     def view(self) -> jax.Array:
         """The sequences' caches [B, kv_heads, T, head_dim] (T = M x block size), gathered block by block."""

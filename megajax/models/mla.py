@@ -16,10 +16,15 @@ reordered alike, so the scores are those of the interleaved rotation). The laten
 model.norm_eps. Heads (the up-projections' output, o's input) are split over `tensor` like the
 other attention's; the down-projections and the latent are replicated over it (Megatron's
 "duplicated" linears).
+
+Generation (`extend`) caches per token only c = RMSNorm(latent) [Rkv] and the rotated k_pe [P],
+and decodes in the absorbed form: q_nope . k_nope = (q_nope W_uk^T) . c with W_uk kv_up's k part,
+and each head's output is (probs . c) W_uv, so the cache is never expanded to per-head k and v.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -29,6 +34,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
+from megajax.models.attention import PagedCache
 from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, yarn_gains
 
 ACT_Q = ("batch", "length", "heads", "head_dim")
@@ -71,29 +77,16 @@ class MultiLatentAttention(nnx.Module):
         self.dropout_rate = cfg.attention_dropout
 
     def qkv(self, x_BxLxD, positions_BxL, inv_freq):
-        """q, k [B, L, H, N + P] (rotary parts rotated) and v [B, L, H, V]."""
-        n, p, v_dim = self.dims
-        if self.lora:
-            latent_q = logical_constraint(self.q_down(x_BxLxD), LATENT)
-            q = self.q_up(self.q_norm(latent_q))
-        else:
-            q = self.q(x_BxLxD)
-        q = logical_constraint(q, ACT_Q)
-        kv = logical_constraint(self.kv_down(x_BxLxD), LATENT)
-        latent, k_pe = kv[..., :-p], kv[..., -p:]
-        kv = logical_constraint(self.kv_up(self.kv_norm(latent)), ACT_Q)
+        """q, k [B, L, H, N + P] (rotary parts rotated; q with YaRN's softmax gain) and v [B, L, H, V]:
+        the queries and the latent generation caches, k and v expanded from it."""
+        n, p, _ = self.dims
+        q_nope, q_pe = self.queries(x_BxLxD, positions_BxL, inv_freq)
+        c, k_pe = self.latent(x_BxLxD, positions_BxL, inv_freq)
+        kv = logical_constraint(self.kv_up(c), ACT_Q)
         k_nope, v = kv[..., :n], kv[..., n:]
-        q_pe = deinterleave(q[..., n:])
-        k_pe = deinterleave(k_pe)[:, :, None, :]  # one rope key for every head
-        if inv_freq is not None:
-            q_pe = apply_rope(q_pe, positions_BxL, inv_freq)
-            k_pe = apply_rope(k_pe, positions_BxL, inv_freq)
-        if self.rope_gain != 1.0:  # YaRN's cos/sin scale
-            q_pe, k_pe = q_pe * self.rope_gain, k_pe * self.rope_gain
-        q = jnp.concatenate([q[..., :n], q_pe.astype(q.dtype)], axis=-1)
-        if self.score_gain != 1.0:  # YaRN's softmax scale: the core divides by sqrt(N + P) alone
-            q = q * jnp.asarray(self.score_gain, q.dtype)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe.astype(k_nope.dtype), k_nope.shape[:-1] + (p,))], axis=-1)
+        q = jnp.concatenate([q_nope, q_pe], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None].astype(k_nope.dtype), k_nope.shape[:-1] + (p,))],
+                            axis=-1)
         return logical_constraint(q, ACT_Q), logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q)
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
@@ -104,6 +97,151 @@ class MultiLatentAttention(nnx.Module):
                         dropout_rng=dropout_rng)
         return self.o(logical_constraint(out, ACT_Q))
 
-    def extend(self, *args, **kwargs):
-        raise NotImplementedError("generation with multi-latent attention (model.multi_latent_attention=true) "
-                                  "is not implemented yet: its compressed latent cache is later work")
+    # ------------------------------------------------------------------ generation
+
+    def queries(self, x_BxLxD, positions_BxL, inv_freq):
+        """(q_nope [B, L, H, N], rotated q_pe [B, L, H, P] in "rotate half" order): `qkv`'s q (with
+        YaRN's gains: q_pe's cos/sin gain, and the softmax gain on both parts)."""
+        n = self.dims[0]
+        q = self.q_up(self.q_norm(logical_constraint(self.q_down(x_BxLxD), LATENT))) if self.lora else self.q(x_BxLxD)
+        q = logical_constraint(q, ACT_Q)
+        q_nope, q_pe = q[..., :n], deinterleave(q[..., n:])
+        if inv_freq is not None:
+            q_pe = apply_rope(q_pe, positions_BxL, inv_freq)
+        if self.rope_gain != 1.0:  # YaRN's cos/sin scale
+            q_pe = q_pe * self.rope_gain
+        if self.score_gain != 1.0:  # YaRN's softmax scale: the scores divide by sqrt(N + P) alone
+            q_nope, q_pe = q_nope * jnp.asarray(self.score_gain, q.dtype), q_pe * self.score_gain
+        return q_nope, q_pe.astype(q.dtype)
+
+    def latent(self, x_BxLxD, positions_BxL, inv_freq):
+        """What generation caches per token: (the normalised kv latent c [B, L, Rkv], the rotated
+        shared rope key k_pe [B, L, P]); kv_up(c) and k_pe give `qkv`'s k and v."""
+        p = self.dims[1]
+        kv = logical_constraint(self.kv_down(x_BxLxD), LATENT)
+        c = logical_constraint(self.kv_norm(kv[..., :-p]), LATENT)
+        k_pe = deinterleave(kv[..., -p:])[:, :, None, :]
+        if inv_freq is not None:
+            k_pe = apply_rope(k_pe, positions_BxL, inv_freq)
+        if self.rope_gain != 1.0:  # YaRN's cos/sin scale
+            k_pe = k_pe * self.rope_gain
+        return c, logical_constraint(k_pe[:, :, 0].astype(c.dtype), LATENT)
+
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT,
+               segment_ids_BxL=None):
+        """Attention's `extend` for multi-latent attention: the cache holds, per token, the latent c
+        (in `cache_k`: [B, T, Rkv]) and the rotated rope key k_pe (in `cache_v`: [B, T, P]), or their
+        PagedCache pools [slots, Rkv] / [slots, P]: Rkv + P numbers per token and layer instead of
+        H x (N + P + V). Returns (output, cache_k, cache_v).
+
+        A prefill into a dense cache (`segment_ids_BxL` given) expands the new tokens' c through
+        kv_up and runs the injected core, as __call__ does. Otherwise the attention is the absorbed
+        form, which never expands the cache: with kv_up's kernel split into W_uk [Rkv, H, N] and
+        W_uv [Rkv, H, V], q_nope . k_nope = (q_nope W_uk^T) . c, so each query is folded into the
+        latent space once (q_lat [H, Rkv]), scores are (q_lat . c + q_pe . k_pe) / sqrt(N + P) over
+        the cached tokens, and the heads' outputs are (probs . c) W_uv."""
+        n, p, _ = self.dims
+        q_nope, q_pe = self.queries(x_BxLxD, positions_BxL, inv_freq)
+        c, k_pe = self.latent(x_BxLxD, positions_BxL, inv_freq)
+        scale = 1.0 / math.sqrt(n + p)
+        if isinstance(cache_k_BxGxTxK, PagedCache) and cache_k_BxGxTxK.blocks_used is not None:
+            cache_c, cache_pe = cache_k_BxGxTxK.write(c), cache_v_BxGxTxK.write(k_pe)
+            return self._absorbed(q_nope, q_pe, functools.partial(paged_latent_attention, cache_c=cache_c,
+                                  cache_pe=cache_pe, mask_BxLxT=mask_BxLxT, scale=scale)), cache_c, cache_pe
+        cache_c, all_c = write_latent_cache(cache_k_BxGxTxK, c, start)
+        cache_pe, all_pe = write_latent_cache(cache_v_BxGxTxK, k_pe, start)
+        if segment_ids_BxL is not None:
+            kv = logical_constraint(self.kv_up(c), ACT_Q)
+            k_nope, v = kv[..., :n], kv[..., n:]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None].astype(k_nope.dtype),
+                                                          k_nope.shape[:-1] + (p,))], axis=-1)
+            q = logical_constraint(jnp.concatenate([q_nope, q_pe], axis=-1), ACT_Q)
+            out = self.core(q, logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q), segment_ids=segment_ids_BxL,
+                            causal=True, dropout_rate=0.0, dropout_rng=None)
+            return self.o(logical_constraint(out, ACT_Q)), cache_c, cache_pe
+        return self._absorbed(q_nope, q_pe, functools.partial(
+            latent_attention, c_BxTxR=all_c.astype(q_nope.dtype), pe_BxTxP=all_pe.astype(q_nope.dtype),
+            mask_BxLxT=mask_BxLxT, scale=scale)), cache_c, cache_pe
+
+    def _absorbed(self, q_nope_BxLxHxN, q_pe_BxLxHxP, attend: Callable):
+        """The absorbed form around `attend(q_lat, q_pe) -> probs . c [B, L, H, Rkv]`: o(out)."""
+        n = self.dims[0]
+        w = self.kv_up.kernel[...].astype(self.kv_up.dtype)  # [Rkv, H, N + V]
+        q_lat = jnp.einsum("blhn,rhn->blhr", q_nope_BxLxHxN, w[..., :n], preferred_element_type=jnp.float32)
+        q_lat = logical_constraint(q_lat.astype(q_nope_BxLxHxN.dtype), ACT_Q)
+        out_lat = attend(q_lat, q_pe_BxLxHxP)
+        out = jnp.einsum("blhr,rhv->blhv", out_lat, w[..., n:], preferred_element_type=jnp.float32)
+        return self.o(logical_constraint(out.astype(q_nope_BxLxHxN.dtype), ACT_Q))
+
+
+# One layer's multi-latent cache for generation: the latent c [batch, slots, kv_lora_rank] in cache_k
+# and the rope key [batch, slots, qk_pos_emb_head_dim] in cache_v, replicated over `tensor` like the
+# latent in training (every head reads all of it); as block pools, [pool slots, features].
+LATENT_CACHE = ("batch", "cache_length", None)
+LATENT_POOL = (None, None)
+
+
+def write_latent_cache(cache_BxTxR: jax.Array, new_BxLxR: jax.Array, start):
+    """(the cache with L new rows at slots [start, start + L), its view): write_cache's latent form
+    (a PagedCache is written through its tables and viewed as [B, T, features])."""
+    if isinstance(cache_BxTxR, PagedCache):
+        cache = cache_BxTxR.write(new_BxLxR)
+        n, r = cache.pool_NxGxK.shape
+        b, m = cache.table_BxM.shape
+        blocks = cache.pool_NxGxK.reshape(n // cache.block_size, cache.block_size, r)[cache.table_BxM]
+        return cache, logical_constraint(blocks.reshape(b, m * cache.block_size, r), LATENT_CACHE)
+    cache = jax.lax.dynamic_update_slice(cache_BxTxR, new_BxLxR.astype(cache_BxTxR.dtype), (0, start, 0))
+    cache = logical_constraint(cache, LATENT_CACHE)
+    return cache, cache
+
+
+def latent_attention(q_lat_BxLxHxR, q_pe_BxLxHxP, *, c_BxTxR, pe_BxTxP, mask_BxLxT, scale):
+    """Absorbed attention of L queries over T cached tokens: probs . c [B, L, H, Rkv] (the softmax and
+    its weighted sum of c in fp32: with the probabilities rounded to bf16, bf16 greedy tokens of
+    tiny-deepseek-v3 left fp32's within two steps; a row that sees nothing gets a uniform average:
+    padding, never used)."""
+    scores = (jnp.einsum("blhr,btr->bhlt", q_lat_BxLxHxR, c_BxTxR, preferred_element_type=jnp.float32)
+              + jnp.einsum("blhp,btp->bhlt", q_pe_BxLxHxP, pe_BxTxP, preferred_element_type=jnp.float32))
+    scores = jnp.where(mask_BxLxT[:, None], scores * scale, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bhlt,btr->blhr", probs, c_BxTxR.astype(jnp.float32))
+    return out.astype(c_BxTxR.dtype)
+
+
+def paged_latent_attention(q_lat_BxLxHxR, q_pe_BxLxHxP, *, cache_c: PagedCache, cache_pe: PagedCache, mask_BxLxT,
+                           scale):
+    """latent_attention over a PagedCache's blocks in use only, an online softmax `step_blocks`
+    blocks per trip like paged_attention (and like it, a row's numbers do not depend on the trip
+    count: masked scores are -inf); a row that sees nothing gets zeros."""
+    b, l, h, r = q_lat_BxLxHxR.shape
+    bs, step, m = cache_c.block_size, cache_c.step_blocks, cache_c.table_BxM.shape[1]
+    trips_max = -(-m // step)
+    table = jnp.pad(cache_c.table_BxM, ((0, 0), (0, trips_max * step - m)))
+    mask = jnp.pad(mask_BxLxT, ((0, 0), (0, 0), (0, trips_max * step * bs - mask_BxLxT.shape[2])))
+    pools = [x.pool_NxGxK.reshape(x.pool_NxGxK.shape[0] // bs, bs, -1) for x in (cache_c, cache_pe)]
+    span = step * bs
+    dtype = q_lat_BxLxHxR.dtype
+
+    def trip(i, carry):
+        top, total, acc = carry  # [B, H, L], [B, H, L], [B, H, L, Rkv]
+        blocks = jax.lax.dynamic_slice_in_dim(table, i * step, step, axis=1)  # [B, step]
+        c, pe = (logical_constraint(pool[blocks].reshape(b, span, -1), LATENT_CACHE) for pool in pools)
+        seen = jax.lax.dynamic_slice_in_dim(mask, i * span, span, axis=2)  # [B, L, span]
+        scores = (jnp.einsum("blhr,btr->bhlt", q_lat_BxLxHxR, c.astype(dtype), preferred_element_type=jnp.float32)
+                  + jnp.einsum("blhp,btp->bhlt", q_pe_BxLxHxP, pe.astype(dtype), preferred_element_type=jnp.float32))
+        scores = jnp.where(seen[:, None], scores * scale, -jnp.inf)
+        new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+        shift = jnp.where(new_top == -jnp.inf, 0.0, new_top)
+        keep = jnp.exp(top - shift)
+        probs = jnp.exp(scores - shift[..., None])
+        total = total * keep + jnp.sum(probs, axis=-1)
+        acc = acc * keep[..., None] + jnp.einsum("bhlt,btr->bhlr", probs, c.astype(jnp.float32))
+        return new_top, total, acc
+
+    shape = (b, h, l)
+    carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
+             jnp.zeros(shape + (r,), jnp.float32))
+    trips = (jnp.minimum(cache_c.blocks_used, m) + step - 1) // step
+    _, total, acc = jax.lax.fori_loop(0, trips, trip, carry)
+    out = acc / jnp.where(total == 0.0, 1.0, total)[..., None]  # [B, H, L, Rkv]
+    return logical_constraint(jnp.swapaxes(out, 1, 2).astype(dtype), ACT_Q)

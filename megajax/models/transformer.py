@@ -13,7 +13,9 @@ in model order. It scans over the N / F groups of one MoE block followed by F - 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -22,10 +24,10 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.attention import Attention, make_attention_core
+from megajax.models.attention import ACT_CACHE, ACT_POOL, Attention, make_attention_core
 from megajax.models.layers import (Dense, Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
-from megajax.models.mla import MultiLatentAttention
+from megajax.models.mla import LATENT_CACHE, LATENT_POOL, MultiLatentAttention
 from megajax.models.mlp import MLP
 from megajax.models.moe import MoE
 
@@ -343,13 +345,12 @@ class Transformer(nnx.Module):
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, or [B, L, padded vocab] of every new token with
         `all_positions` (a prefill that scores its prompt), cache_k, cache_v); the same parameters and
-        products as __call__ (`expert_bias` [layers, E]: the routers' expert bias, or None).
+        products as __call__ (`expert_bias` [MoE layers, E]: the routers' expert bias, or None). A
+        multi-latent layer's cache_k and cache_v hold its latent and rope key ([B, T, features]:
+        `layer_caches`). The MTP depths are not run: generation uses the main output head.
 
         Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
         `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
-        if self.dense_first:
-            raise NotImplementedError("generation of a model with dense-first layers (moe_layer_freq's list form) "
-                                      "is not implemented yet")
         b, l = tokens_BxL.shape
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         slots = jnp.asarray(start)[..., None] + jnp.arange(l)  # [L], or [B, L] for a per-row start
@@ -371,21 +372,27 @@ class Transformer(nnx.Module):
             return body
 
         body = runner(block_def)
-        if self.interleaved:  # groups of one MoE block and moe_layer_freq - 1 dense ones
-            f = self.cfg.moe_layer_freq
+        if self.interleaved or self.dense_first:  # the dense blocks: in groups with a MoE one, or first
+            f, first = self.cfg.moe_layer_freq, self.dense_first
             dense_def, dense_state = nnx.split(self.dense_layers)
             dense_body = runner(dense_def)
         if layer_params is not None:
             new_k, new_v = [], []
             for n, (params, k, v) in enumerate(zip(layer_params, cache_k, cache_v, strict=True)):
-                if self.interleaved and n % f:
+                if (self.interleaved and n % f) or n < self.dense_first:
                     x, (k, v) = dense_body(x, (params, k, v, None))
                 else:
-                    moe = n // f if self.interleaved else n
+                    moe = n // f if self.interleaved else n - self.dense_first
                     x, (k, v) = body(x, (params, k, v, None if expert_bias is None else expert_bias[moe]))
                 new_k.append(k)
                 new_v.append(v)
             cache_k, cache_v = new_k, new_v
+        elif self.dense_first:  # the dense layers' caches are the first `first` of the stacked ones
+            x, (k0, v0) = jax.lax.scan(lambda x, layer: dense_body(x, layer + (None,)), x,
+                                       (dense_state, cache_k[:first], cache_v[:first]), unroll=unroll)
+            x, (k1, v1) = jax.lax.scan(body, x, (block_state, cache_k[first:], cache_v[first:], expert_bias),
+                                       unroll=unroll)
+            cache_k, cache_v = jnp.concatenate([k0, k1]), jnp.concatenate([v0, v1])
         elif not self.interleaved:
             x, (cache_k, cache_v) = jax.lax.scan(body, x, (block_state, cache_k, cache_v, expert_bias), unroll=unroll)
         else:
@@ -406,6 +413,47 @@ class Transformer(nnx.Module):
         if all_positions:
             return self.logits(x), cache_k, cache_v
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    """One layer's generation cache (Transformer.extend's cache_k and cache_v for that layer): each
+    token's shape in each of the two arrays, and whether they are a multi-latent layer's (the
+    latent c [kv_lora_rank] and the rope key [qk_pos_emb_head_dim], token-major: mla.py) or a
+    k and a v ([kv_heads, head_dim] each, head-major)."""
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+    latent: bool
+
+    def shape(self, which: str, batch: int, slots: int) -> tuple[int, ...]:
+        """A per-sequence cache's shape: [B, T, features] (latent) or [B, kv_heads, T, head_dim]."""
+        f = getattr(self, which)
+        return (batch, slots) + f if self.latent else (batch, f[0], slots) + f[1:]
+
+    def pool_shape(self, which: str, slots: int) -> tuple[int, ...]:
+        """A block pool's shape (continuous batching): [pool slots, ...each token's shape]."""
+        return (slots,) + getattr(self, which)
+
+    @property
+    def axes(self) -> tuple:
+        return LATENT_CACHE if self.latent else ACT_CACHE
+
+    @property
+    def pool_axes(self) -> tuple:
+        return LATENT_POOL if self.latent else ACT_POOL
+
+    def numbers_per_token(self) -> int:
+        return math.prod(self.k) + math.prod(self.v)
+
+
+def layer_caches(cfg: ModelConfig) -> list[LayerCache]:
+    """Each model layer's cache, in model order. The multi-token prediction depths (model.mtp_num_layers)
+    have none: generation runs the main output head only."""
+    if cfg.multi_latent_attention:
+        layer = LayerCache((cfg.kv_lora_rank,), (cfg.qk_pos_emb_head_dim,), True)
+    else:
+        layer = LayerCache((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim), False)
+    return [layer] * cfg.num_layers
 
 
 def param_axes(model: nnx.Module) -> dict:
