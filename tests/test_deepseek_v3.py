@@ -140,9 +140,6 @@ def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path)
     with pytest.raises(CheckpointError, match=r"norm_eps=1e-05 \(needs 1e-6.*moe_router_topk=2 / "
                                               r"moe_router_group_topk=2.*best 2"):
         export_hf(DictSource(params, m), tmp_path / "hf", tokenizer_spec="byte")
-    from megajax.checkpoint.megatron import export_megatron
-    with pytest.raises(CheckpointError, match=r"moe_layer_freq=\[0, 1, 1\].*multi_latent_attention.*mtp_num_layers"):
-        export_megatron(DictSource(params, cfg.model), tmp_path / "mc", dtype="fp32", iteration=1)
 
 
 def test_config_refuses_what_multi_latent_attention_does_not_run_with():
