@@ -20,7 +20,8 @@ import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from test_deepseek_v3 import TOKS, VOCAB, logits_of, model, tiny  # noqa: E402,F401 - `model`: the fixture
-from megajax.checkpoint.megatron import _overrides_from_args, export_megatron, export_torch_dist, import_megatron  # noqa: E402
+from megajax.checkpoint.megatron import (_overrides_from_args, export_megatron, export_torch_dist,  # noqa: E402
+                                         import_megatron)
 from megajax.checkpoint.source import DictSource, flatten  # noqa: E402
 from megajax.errors import CheckpointError  # noqa: E402
 from megajax.models.layout import split_expert_bias  # noqa: E402
@@ -166,8 +167,11 @@ def test_megatron_import_reads_the_dense_first_list_and_refuses_what_megajax_can
         _overrides_from_args(_args(rope_type="yarn"))
 
 
-def test_megatron_export_refuses_mtp_over_pipeline_stages(model, tmp_path):
+def test_megatron_export_refuses_mtp_over_pipeline_stages_and_latents_tensor_ranks_cannot_split(model, tmp_path):
     cfg, _, params = model
     with pytest.raises(CheckpointError, match=r"mtp_num_layers=1 with pipeline_parallel=3"):
         export_megatron(DictSource(params, cfg.model), tmp_path / "mc", pipeline_parallel=3, dtype="fp32")
+    with pytest.raises(CheckpointError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=48 is not divisible by "
+                                              r"tensor_parallel=32"):
+        export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=32, dtype="fp32")
     assert not (tmp_path / "mc").exists()

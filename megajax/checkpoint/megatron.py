@@ -221,7 +221,13 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     problems = []
     ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
     shared = [("moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)] if m.num_experts else []
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared):
+    # multi-latent attention's down-projections and MTP's eh_proj are column-parallel linears in megatron-core
+    latents = ([("q_lora_rank", m.q_lora_rank or 0), ("kv_lora_rank + qk_pos_emb_head_dim",
+                                                      m.kv_lora_rank + m.qk_pos_emb_head_dim)]
+               if m.multi_latent_attention else [])
+    eh_proj = [("hidden_size", m.hidden_size)] if m.mtp_num_layers else []
+    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared, *latents,
+                        *eh_proj):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
     if m.num_layers % pp:
@@ -239,6 +245,19 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
                         f"multi-token prediction depths with one pipeline stage")
     if problems:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {'; '.join(problems)}.")
+
+
+def mtp_differs(m: ModelConfig) -> str | None:
+    """What a Megatron export says of a model with multi-token prediction (its depths are written, but
+    megatron-core computes them from other inputs than megajax does), or None."""
+    if not m.mtp_num_layers:
+        return None
+    return (f"model.mtp_num_layers = {m.mtp_num_layers}: the multi-token prediction depths are written as "
+            f"megatron-core's mtp.layers.*, but megatron-core feeds depth 1 the hidden state after the final norm "
+            f"and each depth's output after its own final norm, where megajax's depths normalise the hidden "
+            f"state before them, so megatron-core's MTP logits differ from megajax's (the model's own logits are "
+            f"the same); and megatron-core's training script builds the depths' layer like the last decoder "
+            f"layer (a mixture of experts), megajax's is dense")
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
