@@ -175,3 +175,22 @@ def test_megatron_export_refuses_mtp_over_pipeline_stages_and_latents_tensor_ran
                                               r"tensor_parallel=32"):
         export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=32, dtype="fp32")
     assert not (tmp_path / "mc").exists()
+
+
+def test_megajax_import_and_export_commands_carry_the_model_through(model, tmp_path, capsys):
+    """`megajax import --format megatron` of the legacy export, then `megajax export --format megatron` of
+    the imported checkpoint (torch_dist): the same architecture and parameters bit for bit (the expert bias
+    through the train state), and the export's note on the MTP depths."""
+    from megajax.cli import main
+    cfg, _, params = model
+    legacy = export_megatron(DictSource(params, cfg.model), tmp_path / "legacy", dtype="fp32", iteration=1)
+    assert main(["import", "--format", "megatron", "--input", str(legacy), "--output", str(tmp_path / "mj")]) == 0
+    capsys.readouterr()
+    assert main(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "mj"), "--output",
+                 str(tmp_path / "dist"), "--dtype", "fp32"]) == 0
+    said = capsys.readouterr()
+    assert "megatron-core feeds depth 1 the hidden state after the final norm" in said.err
+    overrides, back = import_megatron(tmp_path / "dist")
+    assert (overrides["multi_latent_attention"], overrides["moe_layer_freq"], overrides["mtp_num_layers"],
+            overrides["mtp_loss_scaling_factor"]) == (True, [0, 1, 1], 1, cfg.model.mtp_loss_scaling_factor)
+    assert_same_params(back, params)
