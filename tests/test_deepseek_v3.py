@@ -134,7 +134,7 @@ def test_transformers_saved_deepseek_v3_imports_with_its_logits(tmp_path):
 
 
 def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path):
-    cfg, _, params = model
+    _, _, params = model
     m = tiny("model.norm_eps=1e-5", "model.moe_router_num_groups=4", "model.moe_router_group_topk=2",
              "model.moe_router_topk=2").model
     with pytest.raises(CheckpointError, match=r"norm_eps=1e-05 \(needs 1e-6.*moe_router_topk=2 / "

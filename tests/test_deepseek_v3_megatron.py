@@ -113,6 +113,18 @@ def test_legacy_export_at_tp2_computes_megajax_logits_in_megatron_core(model, tm
             overrides["qk_norm"]) == ([0, 1, 1], 1, True, False)
     assert_same_params(back, params)
 
+    # Transformer Engine's spec fuses the latent norms into the up-projections: those names import alike.
+    fused = {"q_layernorm.weight": "linear_q_up_proj.layer_norm_weight",
+             "kv_layernorm.weight": "linear_kv_up_proj.layer_norm_weight"}
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        f = step / rank / "model_optim_rng.pt"
+        saved = torch.load(f, weights_only=False)
+        saved["model"] = {next((k.replace(a, b) for a, b in fused.items() if k.endswith(a)), k): v
+                          for k, v in saved["model"].items()}
+        assert "decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight" in saved["model"]
+        torch.save(saved, f)
+    assert_same_params(import_megatron(out)[1], params)
+
 
 def test_torch_dist_export_is_megatron_cores_layout_and_loads_at_tp2(model, tmp_path):
     """torch_dist export: the keys and global shapes of megatron-core's own dist_checkpointing.save of
