@@ -202,7 +202,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
         fmt = args.format
     else:
-        from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist
+        from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist, mtp_differs
         step = int(meta.get("step", 0))
         iteration = step if step >= 1 else None
         if args.ckpt_format == "torch":
@@ -226,6 +226,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                    + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
                    + ("" if adam is None else f"; with the optimizer state (Adam moments"
                       f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
+        if mtp_differs(source.model):
+            print(f"note: {mtp_differs(source.model)}", file=sys.stderr)
     print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
     return 0
 

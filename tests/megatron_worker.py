@@ -10,6 +10,11 @@ on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab].
 
 A mixture-of-experts checkpoint (args.num_experts) gets the local spec's MoE layer (SequentialMLP
 experts, the allgather token dispatcher; SharedExpertMLP when args name a shared expert).
+Multi-latent attention (args.multi_latent_attention) gets MLATransformerConfig and MLASelfAttention;
+multi-token prediction (args.mtp_num_layers) a MultiTokenPredictionBlock of dense local-spec layers
+(megajax's MTP layer is dense), whose logits (the output layer's on each depth, caught by a hook;
+GPTModel runs the depths only with labels) are saved beside the logits as OUT_mtp.npy
+[depths, batch, seq, padded vocab].
 
 Megatron-Core assumes CUDA in places that a CPU run must work around:
 - the RNG tracker: `initialize_rng_tracker(inference_rng_tracker=True)` installs
@@ -17,7 +22,10 @@ Megatron-Core assumes CUDA in places that a CPU run must work around:
   state is created or forked;
 - RoPE: RotaryEmbedding.get_emb moves `inv_freq` to `torch.cuda.current_device()`
   on first use; pointing that function at "cpu" keeps it on the CPU;
-- the MoE router calls Transformer Engine's GEMM when its module imported one: set to None.
+- the MoE router calls Transformer Engine's GEMM when its module imported one: set to None;
+- multi-latent attention builds its core attention with k_channels / v_channels, which only Transformer
+  Engine's takes: the local DotProductAttention (whose products already take q/k and v of other head
+  dims, and MLA's softmax scale as given) is let take them, its output width set to heads x v_channels.
 """
 
 import glob
@@ -84,7 +92,21 @@ def build_model(args, tp, pp, s):
                    moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
                    moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False))
 
-    config = TransformerConfig(
+    mla = {}
+    config_class = TransformerConfig
+    if getattr(args, "multi_latent_attention", False):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+        config_class = MLATransformerConfig
+        mla = {k: getattr(args, k) for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                                            "v_head_dim", "rope_type", "rotary_scaling_factor", "mscale",
+                                            "mscale_all_dim")}
+        mla.update({k: getattr(args, k) for k in ("beta_fast", "beta_slow", "original_max_position_embeddings")
+                    if hasattr(args, k)})
+        mla.update(rotary_base=args.rotary_base)
+        local_core_attention_takes_mla_head_dims()
+    if getattr(args, "mtp_num_layers", None):
+        mla.update(mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+    config = config_class(
         num_layers=args.num_layers // pp, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
         kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
@@ -96,7 +118,14 @@ def build_model(args, tp, pp, s):
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         qk_layernorm=getattr(args, "qk_layernorm", False),
-        gradient_accumulation_fusion=False, **moe)
+        gradient_accumulation_fusion=False, **moe, **mla)
+    local_spec = dict(normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
+                      multi_latent_attention=getattr(args, "multi_latent_attention", False))
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        assert pp == 1, "the worker builds multi-token prediction on one pipeline stage"
+        mtp_spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(**local_spec), use_transformer_engine=False)
     if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         assert pp == 1, "the worker builds interleaved dense layers on one pipeline stage"
@@ -104,16 +133,32 @@ def build_model(args, tp, pp, s):
                                                 normalization=args.normalization)
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
-                                              normalization=args.normalization,
-                                              qk_layernorm=getattr(args, "qk_layernorm", False))
+                                              **local_spec)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=s == 0, post_process=s == pp - 1, parallel_output=False,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
+        rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor, mtp_block_spec=mtp_spec)
     return model
+
+
+def local_core_attention_takes_mla_head_dims():
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    if not isinstance(mla.TELinear, type):  # None, or a stand-in without Transformer Engine
+        mla.HAVE_TE = False
+    if getattr(DotProductAttention, "takes_mla_head_dims", False):
+        return
+    init = DotProductAttention.__init__
+
+    def patched(self, *args, k_channels=None, v_channels=None, **kwargs):
+        init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    DotProductAttention.__init__, DotProductAttention.takes_mla_head_dims = patched, True
 
 
 def save_logits(stages, tokens_file, out_file, rank):
@@ -122,14 +167,23 @@ def save_logits(stages, tokens_file, out_file, rank):
     b, l = tokens.shape
     positions = torch.arange(l)[None].expand(b, l)
     mask = torch.triu(torch.ones(l, l, dtype=torch.bool), 1)[None, None]  # True: masked out
+    mtp, caught = getattr(stages[-1], "mtp_process", False), []
+    if mtp:  # the output layer runs on each depth's hidden states, then on the model's
+        # a copy: the loss GPTModel computes from them shifts the logits in place
+        stages[-1].output_layer.register_forward_hook(lambda module, inputs, out: caught.append(out[0].clone()))
     with torch.no_grad():
         hidden = None
         for s, model in enumerate(stages):
             if s > 0:
                 model.set_input_tensor(hidden)
-            hidden = model(tokens, positions, mask)
+            hidden = model(tokens, positions, mask, labels=tokens if mtp else None)
+    if mtp:
+        hidden = caught[-1].transpose(0, 1)
     if rank == 0:
         np.save(out_file, hidden.float().numpy())
+        if mtp:
+            np.save(out_file[:-len(".npy")] + "_mtp.npy",
+                    torch.stack([x.transpose(0, 1) for x in caught[:-1]]).float().numpy())
     dist.barrier()  # every rank is done with the collectives before any leaves
 
 

@@ -284,6 +284,36 @@ def test_torch_dist_export_round_trips_exactly(saved, version, tmp_path):
             {"common_state/shard_0_1"} if version == "0.19" else set())
 
 
+def test_torch_dist_export_of_layers_that_differ_is_megatron_cores_layout(tmp_path):
+    """MoE layers 0 and 2, dense layers 1 and 3 (moe_layer_freq 2), a shared expert and q/k norms: the
+    torch_dist export keeps each layer under its own keys, with the keys, global shapes and objects of
+    megatron-core's own dist_checkpointing.save of the same model; both import bit for bit."""
+    pytest.importorskip("megatron.core")
+    from megajax.checkpoint.megatron import export_torch_dist
+    from megajax.checkpoint.torch_dist import DistCheckpoint
+    cfg, _, params = random_model("llama", "model.num_layers=4", *MOE[:3], "model.ffn_hidden_size=96",
+                                  "model.moe_layer_freq=2", "model.moe_shared_expert_ffn_size=48",
+                                  "model.qk_norm=true", "model.head_dim=16")
+    legacy = export_megatron(DictSource(params, cfg.model), tmp_path / "legacy", dtype="fp32", iteration=1)
+    ours = export_torch_dist(DictSource(params, cfg.model), tmp_path / "dist", dtype="fp32", iteration=1,
+                             megatron_version="0.16")
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(1).integers(0, VOCAB, (2, SEQ)))
+    with open(tmp_path / "worker.log", "w") as log:
+        proc = subprocess.run([sys.executable, WORKER, "save", str(tmp_path / "tokens.npy"), "0", "1",
+                               str(free_port()), str(legacy / "iter_0000001"), str(tmp_path / "theirs")],
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                              timeout=300)
+    assert proc.returncode == 0, (tmp_path / "worker.log").read_text()[-3000:]
+    mine, theirs = DistCheckpoint(ours / "iter_0000001"), DistCheckpoint(tmp_path / "theirs" / "iter_0000001")
+    assert {k: mine.shape(k) for k in mine.keys()} == {k: theirs.shape(k) for k in theirs.keys()}
+    assert set(mine.byte_keys()) == set(theirs.byte_keys())
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in set(mine.keys())  # per layer: no stacked layer dim
+    for path in (ours, tmp_path / "theirs"):
+        overrides, back = import_megatron(path, allow_pickle=True)
+        assert overrides == model_overrides(cfg.model)
+        assert_same_params(back, params)
+
+
 def test_torch_dist_round_trips_qk_layernorm_and_pre_softmax_routing(tmp_path):
     """A Qwen3-MoE-style model (q/k norms, pre-softmax routing; every layer MoE: torch_dist export takes
     uniform layers) through torch_dist: megatron-core's dist_checkpointing.load fills a GPTModel built with

@@ -21,6 +21,10 @@ A model with dense layers between its MoE layers (model.moe_layer_freq > 1) keep
 the dense ones in a second stack, `dense_layers/`: a per-layer row naming
 `layers/...` also stands for the same parameters under `dense_layers/`, and
 each row holds the layers of its stack (`layer_rows`, `slot`).
+
+Multi-token prediction's parameters (`mtp/...`) are stacked over the depths: a row naming them
+has `{i}` for the depth (its stack is `mtp/`, which `layer_rows` never yields; a format walks
+them itself).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ import numpy as np
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import layer_slots, stacked
+
+MTP_STACK = "mtp/"  # multi-token prediction's depths, stacked on dim 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +186,7 @@ def _num_experts(row: Row, shapes: dict) -> int:
 
 def _layer_shape(shapes: dict, path: str, part: Part | None = None) -> tuple[int, ...]:
     """One layer's shape of a parameter (one expert's, for a part of a row expanded per expert)."""
-    shape = shapes[path][1:] if stacked(path) else shapes[path]
+    shape = shapes[path][1:] if stacked(path) or path.startswith(MTP_STACK) else shapes[path]
     return shape[1:] if part is not None and part.expert is not None else shape
 
 

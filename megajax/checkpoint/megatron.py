@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import pickle
 import re
 import warnings
@@ -41,8 +42,8 @@ import numpy as np
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        read_fields, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
-from megajax.checkpoint.mapping import (Row, flat, index, layer_rows, linear, linear_rows, norm_rows, rows_for, same,
-                                        to_external, to_ours)
+from megajax.checkpoint.mapping import (MTP_STACK, Row, flat, index, layer_rows, linear, linear_rows, norm_rows,
+                                        rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
 from megajax.checkpoint.torch_dist import (COMMON_FILE, COMMON_KEY, MEGATRON_VERSIONS, METADATA, NEWEST_MEGATRON,
                                            DistCheckpoint, is_torch_dist, layer_keys, read_common)
@@ -76,8 +77,9 @@ def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
 _L = "decoder.layers.{i}"
 _EXP = _L + ".mlp.experts.local_experts.{j}"
 _SHARED = _L + ".mlp.shared_experts"
+_MTP = "mtp.layers.{i}"  # {i}: the multi-token prediction depth
 
-MEGATRON_ROWS = (
+_DECODER_ROWS = (
     Row("embedding.word_embeddings.weight", same("embed/embedding"), vocab=True, split="column"),
     Row("embedding.position_embeddings.weight", same("pos_embed")),
     *norm_rows(f"{_L}.input_layernorm", "layers/attn_norm",  # aliases: Transformer Engine's fused norm
@@ -88,9 +90,22 @@ MEGATRON_ROWS = (
     Row(f"{_L}.self_attention.linear_qkv.bias", *(flat(f"layers/attn/{x}/bias") for x in "qkv"),
         groups="kv_heads", split="column"),
     *linear_rows(f"{_L}.self_attention.linear_proj", "layers/attn/o", n_in=2, split="row"),
-    # Per-head q/k norms (qk_layernorm; model.qk_norm): one [head_dim] weight each, on every rank.
-    *norm_rows(f"{_L}.self_attention.q_layernorm", "layers/attn/q_norm"),
+    # Per-head q/k norms (qk_layernorm; model.qk_norm): one [head_dim] weight each, on every rank. With
+    # multi-latent attention q_layernorm / kv_layernorm are the latent norms (megatron-core builds them
+    # only with qk_layernorm=True); the aliases: Transformer Engine's norms fused into the up-projections.
+    *norm_rows(f"{_L}.self_attention.q_layernorm", "layers/attn/q_norm",
+               aliases=(f"{_L}.self_attention.linear_q_up_proj.layer_norm_weight",)),
     *norm_rows(f"{_L}.self_attention.k_layernorm", "layers/attn/k_norm"),
+    # Multi-latent attention (MLASelfAttention): the down-projections are column-parallel linears whose
+    # outputs megatron-core gathers ([q latent], [kv latent; rope key]), the up-projections are split
+    # over heads (per head [q_nope; q_rope] and [k_nope; v]); linear_proj is the row above.
+    Row(f"{_L}.self_attention.linear_q_proj.weight", linear("layers/attn/q/kernel"), split="column"),  # no q latent
+    Row(f"{_L}.self_attention.linear_q_down_proj.weight", linear("layers/attn/q_down/kernel"), split="column"),
+    Row(f"{_L}.self_attention.linear_q_up_proj.weight", linear("layers/attn/q_up/kernel"), split="column"),
+    Row(f"{_L}.self_attention.linear_kv_down_proj.weight", linear("layers/attn/kv_down/kernel"), split="column"),
+    Row(f"{_L}.self_attention.linear_kv_up_proj.weight", linear("layers/attn/kv_up/kernel"), split="column"),
+    Row(f"{_L}.self_attention.kv_layernorm.weight", flat("layers/attn/kv_norm/scale"),
+        aliases=(f"{_L}.self_attention.linear_kv_up_proj.layer_norm_weight",)),
     *norm_rows(f"{_L}.pre_mlp_layernorm", "layers/mlp_norm",
                aliases=(f"{_L}.mlp.linear_fc1.layer_norm_weight", f"{_L}.mlp.linear_fc1.layer_norm_bias")),
     Row(f"{_L}.mlp.linear_fc1.weight", linear("layers/mlp/gate/kernel"), linear("layers/mlp/up/kernel"),
@@ -118,6 +133,24 @@ MEGATRON_ROWS = (
     Row("output_layer.weight", same("embed/embedding"), vocab=True, split="column", copy=True),  # tied
 )
 
+
+def _mtp_rows() -> tuple[Row, ...]:
+    """Multi-token prediction (MultiTokenPredictionBlock, on the last stage): per depth the normed
+    embedding and hidden state (enorm, hnorm), eh_proj over their concatenation [embedding; hidden]
+    (column-parallel), a transformer layer named and split as a decoder layer, its final norm."""
+    def in_mtp(row: Row) -> Row:
+        options = {f: getattr(row, f) for f in ("axis", "groups", "vocab", "split")}
+        rename = lambda n: n.replace(f"{_L}.", f"{_MTP}.transformer_layer.")  # noqa: E731
+        return Row(rename(row.name), *(dataclasses.replace(p, path="mtp/block/" + p.path.split("/", 1)[1])
+                                       for p in row.parts), aliases=tuple(map(rename, row.aliases)), **options)
+    return (*norm_rows(f"{_MTP}.enorm", "mtp/embed_norm"), *norm_rows(f"{_MTP}.hnorm", "mtp/hidden_norm"),
+            Row(f"{_MTP}.eh_proj.weight", linear("mtp/proj/kernel"), split="column"),
+            *(in_mtp(r) for r in _DECODER_ROWS if r.per_layer and "{j}" not in r.name),
+            *norm_rows(f"{_MTP}.final_layernorm", "mtp/final_norm"))
+
+
+MEGATRON_ROWS = _DECODER_ROWS + _mtp_rows()
+
 # Megatron args <-> ModelConfig fields, and the default on import (REQUIRED: must be there).
 _ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", REQUIRED),
          ("num_attention_heads", "num_heads", REQUIRED), ("ffn_hidden_size", "ffn_hidden_size", None),
@@ -127,20 +160,42 @@ _ARGS = (("num_layers", "num_layers", REQUIRED), ("hidden_size", "hidden_size", 
          ("init_method_std", "init_std", 0.02), ("add_bias_linear", "use_bias", True))
 
 # Linear modules whose (empty, local-spec) `_extra_state` entries a rank file carries.
-_EXTRA_STATE = tuple(f"{_L}.{x}._extra_state" for x in (
-    "self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
 _MOE_EXTRA_STATE = tuple(f"{_EXP}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
 _SHARED_EXTRA_STATE = tuple(f"{_SHARED}.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
 
 
-def _extra_state(m: ModelConfig, layer: int, local: int) -> list[str]:
-    """The `_extra_state` keys (its Linear modules') of model layer `layer`, numbered `local` on its stage."""
-    if not m.is_moe_layer(layer):
-        return [k.replace("{i}", str(local)) for k in _EXTRA_STATE]
-    keys = _EXTRA_STATE[:2] + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
-    return [k.replace("{i}", str(local)).replace("{j}", str(j)) for k in keys
+def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
+    if not m.multi_latent_attention:
+        return ("linear_qkv", "linear_proj")
+    q = ("linear_q_proj",) if m.q_lora_rank is None else ("linear_q_down_proj", "linear_q_up_proj")
+    return (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
+
+
+def _extra_state(m: ModelConfig, layer: int | None, local: int, prefix: str = _L) -> list[str]:
+    """The `_extra_state` keys (its Linear modules') of model layer `layer` (None: a dense layer, as
+    multi-token prediction's), numbered `local` on its stage, under `prefix`."""
+    attn = tuple(f"{_L}.self_attention.{x}._extra_state" for x in _attention_linears(m))
+    if layer is None or not m.is_moe_layer(layer):
+        keys = attn + tuple(f"{_L}.mlp.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
+    else:
+        keys = attn + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
+    return [k.replace(_L, prefix).replace("{i}", str(local)).replace("{j}", str(j)) for k in keys
             for j in (range(m.num_experts) if "{j}" in k else [0])]
+
+
+def _mtp_extra_state(m: ModelConfig) -> list[str]:
+    """The `_extra_state` keys of the multi-token prediction depths (eh_proj and the dense layer's linears)."""
+    return [key for k in range(m.mtp_num_layers)
+            for key in (f"mtp.layers.{k}.eh_proj._extra_state",
+                        *_extra_state(m, None, k, f"{_MTP}.transformer_layer"))]
 _LAST_EXTRA_STATE = "output_layer._extra_state"
+
+
+def _megatron_rows(shapes: dict, m: ModelConfig) -> list[Row]:
+    """MEGATRON_ROWS for a model of layout `shapes`: linear_q_proj only for multi-latent attention
+    (otherwise q is in linear_qkv)."""
+    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    return [r for r in rows if m.multi_latent_attention or not r.name.endswith(".linear_q_proj.weight")]
 
 
 def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, offset: int):
@@ -153,6 +208,9 @@ def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, 
         elif row.per_layer and row is next(r for r in rows if r.per_layer):  # the layers, each whole, in order
             for k in layers:
                 yield from ((r, r.names(k), slot) for r, slot in layer_rows(rows, m, offset + k))
+    if last:  # multi-token prediction's depths, after the output layer
+        for k in range(m.mtp_num_layers):
+            yield from ((r, r.names(k), k) for r in rows if r.stack == MTP_STACK)
 
 
 # ----------------------------------------------------------------------------
@@ -163,7 +221,13 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     problems = []
     ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
     shared = [("moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)] if m.num_experts else []
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared):
+    # multi-latent attention's down-projections and MTP's eh_proj are column-parallel linears in megatron-core
+    latents = ([("q_lora_rank", m.q_lora_rank or 0), ("kv_lora_rank + qk_pos_emb_head_dim",
+                                                      m.kv_lora_rank + m.qk_pos_emb_head_dim)]
+               if m.multi_latent_attention else [])
+    eh_proj = [("hidden_size", m.hidden_size)] if m.mtp_num_layers else []
+    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared, *latents,
+                        *eh_proj):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
     if m.num_layers % pp:
@@ -173,16 +237,26 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
         problems.append(f"llama3 rope scaling with rope_low_freq_factor={m.rope_low_freq_factor}, "
                         f"rope_high_freq_factor={m.rope_high_freq_factor}, rope_original_max_position="
                         f"{m.rope_original_max_position}: Megatron-Core fixes them at 1, 4 and 8192")
-    if isinstance(m.moe_layer_freq, list) and m.num_experts:
-        problems.append(f"model.moe_layer_freq={m.moe_layer_freq} (the list form, dense layers first) is not "
-                        f"exported to Megatron yet")
-    if m.multi_latent_attention:
-        problems.append("model.multi_latent_attention=true is not exported to Megatron yet")
-    if m.mtp_num_layers:
-        problems.append(f"model.mtp_num_layers={m.mtp_num_layers} (multi-token prediction) is not exported to "
-                        f"Megatron yet")
+    if m.multi_latent_attention and m.rope_scaling not in ("none", "yarn"):
+        problems.append(f"model.multi_latent_attention=true with model.rope_scaling={m.rope_scaling}: megatron-core's "
+                        f"multi-latent attention takes plain rope or yarn")
+    if m.mtp_num_layers and pp > 1:
+        problems.append(f"model.mtp_num_layers={m.mtp_num_layers} with pipeline_parallel={pp}: megajax writes the "
+                        f"multi-token prediction depths with one pipeline stage")
     if problems:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {'; '.join(problems)}.")
+
+
+def mtp_differs(m: ModelConfig) -> str | None:
+    """What a Megatron export says of a model with multi-token prediction (its depths are written and
+    megatron-core's GPTModel computes them as megajax does, but Megatron-LM builds their layer
+    otherwise for a mixture of experts), or None."""
+    if not m.mtp_num_layers or not m.num_experts:
+        return None
+    return (f"model.mtp_num_layers = {m.mtp_num_layers}: the multi-token prediction depths are written as "
+            f"megatron-core's mtp.layers.* with a dense MLP (megajax's); Megatron-LM's training script builds "
+            f"the depths' layer like the last decoder layer, a mixture of experts here, so load them with a "
+            f"dense MTP layer spec")
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
@@ -206,7 +280,8 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
         untie_embeddings_and_output_weights=not m.tie_embeddings,
-        add_qkv_bias=m.use_bias, qk_layernorm=m.qk_norm,
+        add_qkv_bias=m.use_bias, qk_layernorm=m.qk_norm or m.multi_latent_attention, **_mla_args(m),
+        mtp_num_layers=m.mtp_num_layers or None, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
         apply_residual_connection_post_layernorm=False, **_moe_args(m),
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
@@ -217,6 +292,21 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
         trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
     )
+
+
+def _mla_args(m: ModelConfig) -> dict:
+    """Megatron's multi-latent attention args: plain rope or yarn (rope_type and yarn's fields; for plain
+    rope at values that leave the softmax scale 1 / sqrt(N + P)), its latent norms (qk_layernorm, set by
+    the caller)."""
+    if not m.multi_latent_attention:
+        return dict(multi_latent_attention=False)
+    dims = dict(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim)
+    if m.rope_scaling != "yarn":
+        return dict(dims, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    return dict(dims, rope_type="yarn", rotary_scaling_factor=m.rope_scaling_factor, mscale=m.rope_mscale,
+                mscale_all_dim=m.rope_mscale_all_dim, beta_fast=m.rope_beta_fast, beta_slow=m.rope_beta_slow,
+                original_max_position_embeddings=m.rope_original_max_position)
 
 
 def _moe_args(m: ModelConfig) -> dict:
@@ -252,6 +342,7 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     sd.update({key: None for k in range(per_stage) for key in _extra_state(m, s * per_stage + k, k)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
+        sd.update({key: None for key in _mtp_extra_state(m)})
     return sd
 
 
@@ -277,7 +368,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
                               f"(or none, for a release checkpoint).")
     _check_exportable(m, tensor_parallel, pipeline_parallel)
     shapes = tensor_shapes(m, check_source(source))
-    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    rows = _megatron_rows(shapes, m)
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
     stored = torch_dtype(dtype)
@@ -316,40 +407,69 @@ def common_state_form(version: str) -> str:
 _DIST_NORMS = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernorm": "mlp.linear_fc1"}
 
 
+def _per_layer_dist(m: ModelConfig) -> bool:
+    """Whether megatron-core keeps each decoder layer under its own torch_dist keys (`decoder.layers.{i}.X`,
+    no layer dim): when its layers differ (moe_layer_freq > 1 or its list form)."""
+    return bool(m.num_experts) and (isinstance(m.moe_layer_freq, list) or m.moe_layer_freq > 1)
+
+
 def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
     """torch_dist's global tensors from a TP-1 legacy state dict: `decoder.layers.{i}.X` stacked into
-    `decoder.layers.X [L, ...]`, the experts' `local_experts.{j}.Y` into `mlp.experts.experts.Y
-    [L, E, ...]`, and each layer's `_extra_state` as the object Megatron-Core stores per layer (and
-    expert): `KEY/shard_{i}_{L}`, `KEY/shard_{i}.{j}_{L}.{E}`."""
+    `decoder.layers.X [L, ...]` (or, when the layers differ, kept per layer: _per_layer_dist), the
+    experts' `local_experts.{j}.Y` into `mlp.experts.experts.Y [(L,) E, ...]`, and each layer's
+    `_extra_state` as the object Megatron-Core stores per layer (and expert): `KEY/shard_{i}_{L}`,
+    `KEY/shard_{i}.{j}_{L}.{E}` (per layer: `KEY/shard_0_1`, `KEY/shard_{j}_{E}`). Multi-token
+    prediction's `mtp.layers.{k}.*` are kept per depth, as megatron-core keeps them."""
     torch = _torch()
     out: dict = {}
     stacks: dict[str, dict] = {}
     L, E = m.num_layers, m.num_experts
+    per_layer = _per_layer_dist(m)
+
+    def renamed(rest: str) -> str:
+        """The layer norms under the linear they precede, as GPTModel's local spec names them (its
+        multi-latent attention spec keeps the names)."""
+        norm, _, part = rest.partition(".")
+        if norm in _DIST_NORMS and not m.multi_latent_attention:
+            return f"{_DIST_NORMS[norm]}.layer_norm_{part}"
+        return rest
+
     for name, x in sd.items():
+        mtp = re.match(r"(mtp\.layers\.\d+\.transformer_layer\.)(.*)$", name)
+        if mtp:
+            name = mtp.group(1) + renamed(mtp.group(2))
         if not name.startswith("decoder.layers."):
             if x is not None:
                 out[name] = x
+            elif name.startswith("mtp."):
+                out[f"{name}/shard_0_1"] = [None]
             continue
         i, _, rest = name[len("decoder.layers."):].partition(".")
-        norm, _, part = rest.partition(".")
-        if norm in _DIST_NORMS:  # the layer norms under the linear they precede, as GPTModel names them
-            rest = f"{_DIST_NORMS[norm]}.layer_norm_{part}"
+        rest = renamed(rest)
         expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
+        layer = f"decoder.layers.{i}." if per_layer else "decoder.layers."
         if x is None:  # an _extra_state: one object per layer (and expert)
-            key = (f"decoder.layers.mlp.experts.experts.{expert.group(2)}/shard_{i}.{expert.group(1)}_{L}.{E}"
-                   if expert else f"decoder.layers.{rest}/shard_{i}_{L}")
+            if per_layer:
+                key = (f"{layer}mlp.experts.experts.{expert.group(2)}/shard_{expert.group(1)}_{E}" if expert
+                       else f"{layer}{rest}/shard_0_1")
+            else:
+                key = (f"{layer}mlp.experts.experts.{expert.group(2)}/shard_{i}.{expert.group(1)}_{L}.{E}"
+                       if expert else f"{layer}{rest}/shard_{i}_{L}")
             out[key] = [None]  # PyTorch DCP stores an object as its torch.save bytes
             continue
         if expert:
-            stacks.setdefault(f"decoder.layers.mlp.experts.experts.{expert.group(2)}", {})[
+            stacks.setdefault(f"{layer}mlp.experts.experts.{expert.group(2)}", {})[
                 (int(i), int(expert.group(1)))] = x
+        elif per_layer:
+            out[f"{layer}{rest}"] = x
         else:
-            stacks.setdefault(f"decoder.layers.{rest}", {})[int(i)] = x
+            stacks.setdefault(f"{layer}{rest}", {})[int(i)] = x
     for key, parts in stacks.items():
+        if per_layer:  # one layer's experts
+            out[key] = torch.stack([parts[k] for k in sorted(parts, key=lambda ij: ij[1])])
+            continue
         if len(parts) != (L * E if "experts.experts." in key else L):
-            raise CheckpointError(f"cannot export to torch_dist: {key} is on {len(parts)} of the layers; "
-                                  f"megajax writes torch_dist for models whose layers are all alike (write "
-                                  f"--ckpt-format torch for the others).")
+            raise CheckpointError(f"cannot export to torch_dist: {key} is on {len(parts)} of the layers.")
         if "experts.experts." in key:
             out[key] = torch.stack([torch.stack([parts[(i, j)] for j in range(E)]) for i in range(L)])
         else:
@@ -422,7 +542,7 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
         raise CheckpointError("--with-optimizer: the checkpoint is of step 0; Megatron-LM loads no optimizer state "
                               "from a release checkpoint (written for step 0). Export without --with-optimizer.")
     shapes = tensor_shapes(m, check_source(source))
-    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    rows = _megatron_rows(shapes, m)
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(1)
     tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
@@ -545,7 +665,7 @@ def _overrides_from_args(args) -> dict:
         raise CheckpointError(f"Megatron args {name}={value!r} cannot be represented in megajax; accepted: {accepted}.")
 
     for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "rotary_interleaved",
-                 "apply_residual_connection_post_layernorm", "multi_latent_attention"):
+                 "apply_residual_connection_post_layernorm"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
     moe = {}
@@ -586,6 +706,9 @@ def _overrides_from_args(args) -> dict:
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
     qk_norm = bool(_arg(args, "qk_layernorm", False))
+    mla = _mla_overrides(args, qk_norm, reject)
+    if mla:
+        qk_norm = False  # the latent norms, not per-head q/k norms
     if qk_norm and normalization != "RMSNorm":
         reject("qk_layernorm", True, "True only with normalization=RMSNorm (megajax's q/k norms are RMSNorms)")
     out = read_fields(lambda key: getattr(args, key, None), _ARGS, "Megatron args")
@@ -606,6 +729,10 @@ def _overrides_from_args(args) -> dict:
     if moe:
         moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
         out.update(moe)
+    out.update(mla)
+    if _arg(args, "mtp_num_layers"):
+        out.update(mtp_num_layers=int(args.mtp_num_layers),
+                   mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1)))
     if position == "rope" and _arg(args, "use_rope_scaling", False):
         out.update(rope_scaling="llama3", rope_scaling_factor=float(_arg(args, "rope_scaling_factor", 8.0)),
                    rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_position=8192)
@@ -615,21 +742,59 @@ def _overrides_from_args(args) -> dict:
     return out
 
 
-def _moe_layer_freq(value, num_layers: int, reject) -> int:
+def _mla_overrides(args, qk_layernorm: bool, reject) -> dict:
+    """Multi-latent attention's ModelConfig fields from Megatron args ({} without it)."""
+    if not _arg(args, "multi_latent_attention", False):
+        return {}
+    if not qk_layernorm:
+        reject("qk_layernorm", False, "True with multi_latent_attention (megatron-core has the q and kv latent "
+               "norms only with qk_layernorm; megajax's multi-latent attention always normalises its latents)")
+    rope = _arg(args, "rope_type", "yarn")  # megatron-core's MLATransformerConfig default
+    if rope not in ("rope", "yarn"):
+        reject("rope_type", rope, "rope or yarn with multi_latent_attention")
+    lora = _arg(args, "q_lora_rank")
+    out = dict(multi_latent_attention=True, q_lora_rank=None if lora is None else int(lora),
+               **{k: int(_arg(args, k, d)) for k, d in (("kv_lora_rank", 512), ("qk_head_dim", 128),
+                                                        ("qk_pos_emb_head_dim", 64), ("v_head_dim", 128))})
+    if rope == "yarn":  # megatron-core's MLATransformerConfig defaults where the args leave a field out
+        out.update(rope_scaling="yarn", rope_scaling_factor=float(_arg(args, "rotary_scaling_factor", 40.0)),
+                   rope_original_max_position=int(_arg(args, "original_max_position_embeddings", 4096)),
+                   rope_beta_fast=float(_arg(args, "beta_fast", 32.0)),
+                   rope_beta_slow=float(_arg(args, "beta_slow", 1.0)),
+                   rope_mscale=float(_arg(args, "mscale", 1.0)),
+                   rope_mscale_all_dim=float(_arg(args, "mscale_all_dim", 0.0)))
+    return out
+
+
+def _model_overrides(m: ModelConfig) -> dict:
+    """model_overrides with multi-token prediction's depths, which a Megatron checkpoint holds."""
+    out = model_overrides(m)
+    if m.mtp_num_layers:
+        out.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
+    return out
+
+
+def _moe_layer_freq(value, num_layers: int, reject) -> int | list[int]:
     """model.moe_layer_freq from Megatron's moe_layer_freq: an int N (layer i is MoE when i % N == 0), a
-    0/1 list per layer or its string (e.g. "[1,0]*2"), accepted when it is such a pattern."""
+    0/1 list per layer or its string (e.g. "[1,0]*2"), accepted when it is such a pattern or the dense
+    layers first ([0] * k + [1] * (num_layers - k), kept as that list)."""
     if value is None:
         return 1
     pattern = _list_expression(value) if isinstance(value, str) else value
     if isinstance(pattern, int) and pattern >= 1 and num_layers % pattern == 0:
         return pattern
+    if isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and pattern and pattern[0] == 0:
+        k = num_layers - sum(1 for x in pattern if x == 1)
+        if list(pattern) == [0] * k + [1] * (num_layers - k) and k < num_layers:
+            return list(pattern)
     if isinstance(pattern, (list, tuple)) and len(pattern) == num_layers and pattern and pattern[0] == 1:
         n = next((k for k in range(1, num_layers + 1) if list(pattern) == [int(i % k == 0) for i in range(num_layers)]),
                  None)
         if n is not None and num_layers % n == 0:
             return n
     reject("moe_layer_freq", value, f"one MoE layer every N layers starting with layer 0 (an int N dividing "
-                                    f"num_layers={num_layers}, or that pattern as a 0/1 list)")
+                                    f"num_layers={num_layers}, or that pattern as a 0/1 list), or the dense "
+                                    f"layers first (a list [0, ..., 0, 1, ..., 1])")
 
 
 def _list_expression(text: str):
@@ -704,7 +869,7 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
     m = resolved_model(_overrides_from_args(args))
     vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
     shapes = tensor_shapes(m)
-    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    rows = _megatron_rows(shapes, m)
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0
     for s in range(pp):
@@ -721,7 +886,7 @@ def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
         del dicts
     if offset != m.num_layers:
         raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
-    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+    return _model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
 class _DistStateDict(Mapping):
@@ -765,14 +930,14 @@ def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
         where = step / COMMON_FILE if (step / COMMON_FILE).is_file() else step / METADATA
         raise CheckpointError(f"{str(where)!r}: {e}") from None
     shapes = tensor_shapes(m)
-    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    rows = _megatron_rows(shapes, m)
     embedding = "embedding.word_embeddings.weight"
     vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     state = _DistStateDict(ckpt, m.num_layers)
     _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
                 flat_params)
-    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+    return _model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
 def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
@@ -798,7 +963,7 @@ def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
         return "its common state has no optimizer step (optimizer.state.common_step)"
     m = resolved_model(_overrides_from_args(common["args"]))
     shapes = {k: v for k, v in tensor_shapes(m).items() if k != EXPERT_BIAS}  # a buffer: no Adam state
-    rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
+    rows = _megatron_rows(shapes, m)
     embedding = "embedding.word_embeddings.weight"
     vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
     out = {"count": count, "params": None}
@@ -893,4 +1058,4 @@ def megatron_config(in_dir, *, allow_pickle: bool = False) -> tuple[dict, str | 
     found, _ = megatron_tokenizer(in_dir, allow_pickle=allow_pickle)
     if found is None and m.vocab_size == ByteTokenizer.vocab_size:  # as `megajax import` records it
         found = "byte"
-    return model_overrides(m), found
+    return _model_overrides(m), found

@@ -189,7 +189,8 @@ def read_common(step: Path, ckpt: DistCheckpoint, load) -> dict:
 def layer_keys(ckpt: DistCheckpoint, num_layers: int) -> dict[str, tuple[str, int | None, int | None]]:
     """{legacy per-rank name (TP 1): (torch_dist key, layer index or None, expert index or None)}.
 
-    `decoder.layers.X [L, ...]` becomes `decoder.layers.{i}.X`; SequentialMLP's
+    `decoder.layers.X [L, ...]` becomes `decoder.layers.{i}.X` (a layer's own `decoder.layers.{i}.X`
+    stays, its experts' `mlp.experts.experts.Y [E, ...]` split per expert); SequentialMLP's
     `decoder.layers.mlp.experts.experts.Y [L, E, ...]` and the per-expert `experts.experts.{j}.Y`
     become `decoder.layers.{i}.mlp.experts.local_experts.{j}.Y`. SwiGLU's `_w` / `_v` halves are
     named with their suffix; `merged_fc1` joins them."""
@@ -202,6 +203,15 @@ def layer_keys(ckpt: DistCheckpoint, num_layers: int) -> dict[str, tuple[str, in
             out[key] = (key, None, None)
             continue
         rest = key[len("decoder.layers."):]
+        head, _, tail = rest.partition(".")
+        if head.isdigit():  # one layer's own key (megatron-core's form when its layers differ)
+            if tail.startswith("mlp.experts.experts."):
+                name = tail[len("mlp.experts.experts."):]
+                for j in range(shape[0]):
+                    out[f"decoder.layers.{head}.mlp.experts.local_experts.{j}.{name}"] = (key, None, j)
+            else:
+                out[key] = (key, None, None)
+            continue
         if shape[0] != num_layers:
             raise CheckpointError(f"{str(ckpt.step)!r}: {key} has shape {list(shape)}, but args num_layers="
                                   f"{num_layers} (the first dim of a layer-stacked tensor).")

@@ -192,9 +192,10 @@ class Transformer(nnx.Module):
 
     def mtp_logits(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL) -> jax.Array:
         """Multi-token prediction: depth k (from 1) predicts the token k + 1 places ahead of each
-        position, from depth k - 1's hidden state (the model's last one for k = 1) and the embedding of
-        the tokens shifted k places left (the last k positions see wrapped tokens: the loss masks them).
-        No dropout. [depths, B, L, padded vocab]."""
+        position, from depth k - 1's output after its final norm (for k = 1 the model's last hidden
+        state after the model's final norm, as Megatron-Core feeds it) and the embedding of the tokens
+        shifted k places left (the last k positions see wrapped tokens: the loss masks them). `x_BxLxD`
+        is the layer stack's output, before the final norm. No dropout. [depths, B, L, padded vocab]."""
         hidden = self.mtp_hidden(tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL)
         return jnp.stack([self._mask_padding(self.output_layer(h)) for h in hidden])
 
@@ -202,7 +203,7 @@ class Transformer(nnx.Module):
         """The multi-token prediction depths' outputs after their final norms, each [B, L, D] (what
         the output layer takes: mtp_logits)."""
         graphdef, state = nnx.split(self.mtp)
-        inv_freq, h, tokens, out = self.rope_inv_freq(), x_BxLxD, tokens_BxL, []
+        inv_freq, h, tokens, out = self.rope_inv_freq(), self.final_norm(x_BxLxD), tokens_BxL, []
         for k in range(self.cfg.mtp_num_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
             tokens = jnp.roll(tokens, -1, axis=1)
@@ -210,7 +211,8 @@ class Transformer(nnx.Module):
             h = layer.proj(jnp.concatenate([emb, layer.hidden_norm(h)], axis=-1))
             h, _ = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,
                                segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=None)
-            out.append(layer.final_norm(h))
+            h = layer.final_norm(h)  # what the output layer and the next depth take
+            out.append(h)
         return out
 
     def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
