@@ -146,9 +146,10 @@ def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path)
 
 
 def test_config_refuses_what_multi_latent_attention_does_not_run_with():
-    with pytest.raises(ConfigError, match="attention_impl = 'flash'"):
-        tiny("model.attention_impl=flash")
-    with pytest.raises(ConfigError, match="mesh.context"):
+    with pytest.raises(ConfigError, match=r"attention_impl = 'flash' and model.v_head_dim = 64 > .* = 48"):
+        tiny("model.attention_impl=flash", "model.v_head_dim=64")
+    tiny("model.attention_impl=flash", "model.mtp_num_layers=0", "mesh.context=2")  # multi-latent attention takes both
+    with pytest.raises(ConfigError, match="mtp_num_layers = 1 with mesh.context = 2: .*load-balanced chunks"):
         tiny("mesh.context=2")
     with pytest.raises(ConfigError, match="dense layers first"):
         tiny("model.moe_layer_freq=[1,0,1]")
@@ -189,6 +190,42 @@ def test_tiny_deepseek_v3_layout_matches_one_device(small_config):
     ref = reference(small_config, *preset_overrides(), steps=2, params=False)
     got = run(small_config, *preset_overrides(), *DSV3_LAYOUT, devices=jax.devices(), steps=2, params=False)
     assert_same_run(got, ref, params=False)
+
+
+# Multi-latent attention with context parallelism (k and v head dims differ: 48 and 32) combined with
+# data and tensor; MTP off (it refuses context parallelism by name).
+CONTEXT_LAYOUT = ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_multi_latent_attention_with_context_parallelism_matches_one_device(small_config, impl):
+    from layout_parity import assert_same_run, reference, run
+    model = [*preset_overrides(), "model.mtp_num_layers=0"]
+    ref = reference(small_config, *model, steps=2, params=False)
+    got = run(small_config, *model, *CONTEXT_LAYOUT, f"parallel.context_impl={impl}", devices=jax.devices(), steps=2,
+              params=False)
+    assert_same_run(got, ref, params=False)
+
+
+def test_multi_latent_attention_flash_kernel_matches_xla(model):
+    """attention_impl=flash (v padded to the q/k head dim, the Pallas kernel in interpret mode on CPU)
+    gives xla's logits and gradients (fp32)."""
+    cfg, _, params = model
+    weights, bias = split_expert_bias(params)
+    toks = TOKS[:, :16]
+
+    def loss_and_grads(impl):
+        c = tiny(f"model.attention_impl={impl}")
+        spec, _ = build_model_spec(c, c.model.padded_vocab_size())
+        loss = lambda w: jnp.mean(jax.nn.log_softmax(spec.apply(w, toks, expert_bias=bias)[..., :VOCAB])[..., 0])
+        return jax.jit(jax.value_and_grad(loss))(weights)
+
+    (want, want_g), (got, got_g) = loss_and_grads("xla"), loss_and_grads("flash")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    flat_want, flat_got = dict(flatten(want_g)), dict(flatten(got_g))
+    assert any("kv_up" in k for k in flat_want)
+    for name, g in flat_want.items():
+        np.testing.assert_allclose(flat_got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_flops_count_multi_latent_attention_by_hand():

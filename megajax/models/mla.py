@@ -15,7 +15,8 @@ to [even dims, odd dims] and rotated as "rotate half", which pairs the same dims
 reordered alike, so the scores are those of the interleaved rotation). The latent norms use
 model.norm_eps. Heads (the up-projections' output, o's input) are split over `tensor` like the
 other attention's; the down-projections and the latent are replicated over it (Megatron's
-"duplicated" linears).
+"duplicated" linears). The attention core takes v at its own head dim (xla, and the context-parallel
+ring / all-gather over it); the fused kernels (flash, cuDNN) get v padded to q's head dim (`pad_v`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ LATENT = ("batch", "length", None)
 def deinterleave(x: jax.Array) -> jax.Array:
     """[..., P] -> [even dims, odd dims]: interleaved rotary pairs in "rotate half" order."""
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def pad_v(v: jax.Array, qk_dim: int) -> jax.Array:
+    """v [B, L, H, V] padded with zeros to [B, L, H, qk_dim] (V <= qk_dim, checked when the config
+    is loaded), for kernels that take one head dim: the output's first V features are attention over
+    the real v (each output feature is its own probability-weighted sum of one v feature), the rest
+    zeros, and the padding gets no gradient that reaches anything."""
+    return logical_constraint(jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, qk_dim - v.shape[-1]))), ACT_Q)
 
 
 def _latent_norm(features: int, eps: float, dtype) -> RMSNorm:
@@ -67,6 +76,9 @@ class MultiLatentAttention(nnx.Module):
         self.dims = (n, p, v)
         self.lora = cfg.q_lora_rank is not None
         self.core = core
+        # The fused kernels (flash, cuDNN) take one head dim for q, k and v: v is padded with zeros
+        # to q's (N + P) and the output sliced back (`pad_v`).
+        self.pad_v = cfg.attention_impl != "xla"
         self.dropout_rate = cfg.attention_dropout
 
     def qkv(self, x_BxLxD, positions_BxL, inv_freq):
@@ -93,11 +105,14 @@ class MultiLatentAttention(nnx.Module):
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
         q, k, v = self.qkv(x_BxLxD, positions_BxL, inv_freq)
+        v_dim = v.shape[-1]
+        if self.pad_v:
+            v = pad_v(v, q.shape[-1])
         # The core's scale is 1 / sqrt(q's head dim) = 1 / sqrt(N + P), multi-latent attention's.
         out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True,
                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                         dropout_rng=dropout_rng)
-        return self.o(logical_constraint(out, ACT_Q))
+        return self.o(logical_constraint(out[..., :v_dim], ACT_Q))
 
     def extend(self, *args, **kwargs):
         raise NotImplementedError("generation with multi-latent attention (model.multi_latent_attention=true) "
