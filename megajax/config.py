@@ -775,9 +775,6 @@ def validate_mtp(cfg: Config) -> None:
                           f"multi-token prediction shifts the tokens and labels one place along the sequence, "
                           f"which under context parallelism is laid out in load-balanced chunks (not in order), "
                           f"so the shift crosses devices; not implemented yet; use mesh.context=1.")
-    if cfg.train.precision == "fp8":
-        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with train.precision = fp8 is not implemented "
-                          f"yet; use bf16.")
 
 
 def validate_mla(cfg: Config) -> None:
@@ -806,9 +803,6 @@ def validate_mla(cfg: Config) -> None:
                           f"model.v_head_dim = {m.v_head_dim} > qk_head_dim + qk_pos_emb_head_dim = {qk_dim}: the "
                           f"{m.attention_impl} kernel takes one head dim, so v is padded to q's, which needs "
                           f"v_head_dim <= {qk_dim}; use model.attention_impl=xla.")
-    if cfg.train.precision == "fp8":
-        raise ConfigError("model.multi_latent_attention = true with train.precision = fp8 is not implemented yet "
-                          "(the latent projections have no FP8 products); use bf16.")
 
 
 def _check_router_groups(m: ModelConfig) -> None:

@@ -15,7 +15,8 @@ to [even dims, odd dims] and rotated as "rotate half", which pairs the same dims
 reordered alike, so the scores are those of the interleaved rotation). The latent norms use
 model.norm_eps. Heads (the up-projections' output, o's input) are split over `tensor` like the
 other attention's; the down-projections and the latent are replicated over it (Megatron's
-"duplicated" linears). The attention core takes v at its own head dim (xla, and the context-parallel
+"duplicated" linears). Under FP8 every projection is an FP8 product with its own scaling state
+(LinearOps.linear; the down-projections' kind "duplicated"). The attention core takes v at its own head dim (xla, and the context-parallel
 ring / all-gather over it); the fused kernels (flash, cuDNN) get v padded to q's head dim (`pad_v`).
 """
 
@@ -61,16 +62,18 @@ class MultiLatentAttention(nnx.Module):
         n, p, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         common = dict(use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std)
         if cfg.q_lora_rank is None:
-            self.q = Dense(h, (nh, n + p), axes=("embed", "heads", "head_dim"), dot_general=ops.column, **common)
+            self.q = Dense(h, (nh, n + p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"),
+                           **common)
         else:
-            self.q_down = Dense(h, cfg.q_lora_rank, axes=("embed", None), **common)
+            self.q_down = Dense(h, cfg.q_lora_rank, axes=("embed", None), dot_general=ops.linear("duplicated"), **common)
             self.q_norm = _latent_norm(cfg.q_lora_rank, cfg.norm_eps, dtype)
             self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=(None, "heads", "head_dim"),
-                              dot_general=ops.column, **common)
-        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=("embed", None), **common)
+                              dot_general=ops.linear("column"), **common)
+        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=("embed", None), dot_general=ops.linear("duplicated"),
+                             **common)
         self.kv_norm = _latent_norm(cfg.kv_lora_rank, cfg.norm_eps, dtype)
         self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=(None, "heads", "head_dim"),
-                           dot_general=ops.column, **common)
+                           dot_general=ops.linear("column"), **common)
         self.o = Dense((nh, v), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
                        use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dims = (n, p, v)
