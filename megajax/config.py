@@ -769,13 +769,11 @@ def validate_mtp(cfg: Config) -> None:
     _positive("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, allow_zero=True)
     if not m.mtp_num_layers:
         return
-    for axis in ("context",):
-        if getattr(cfg.mesh, axis) * getattr(cfg.mesh.dcn, axis) != 1:
-            raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with mesh.{axis} = {getattr(cfg.mesh, axis)}: "
-                              f"multi-token prediction on {axis} parallelism is not implemented yet; use mesh.{axis}=1.")
-    if cfg.train.precision == "fp8":
-        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with train.precision = fp8 is not implemented "
-                          f"yet; use bf16.")
+    if cfg.mesh.context * cfg.mesh.dcn.context != 1:
+        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with mesh.context = {cfg.mesh.context}: "
+                          f"multi-token prediction shifts the tokens and labels one place along the sequence, "
+                          f"which under context parallelism is laid out in load-balanced chunks (not in order), "
+                          f"so the shift crosses devices; not implemented yet; use mesh.context=1.")
 
 
 def validate_yarn(cfg: Config) -> None:
@@ -816,16 +814,12 @@ def validate_mla(cfg: Config) -> None:
     if m.position_embedding != "rope" or m.use_bias:
         raise ConfigError("model.multi_latent_attention = true needs rotary positions and no biases "
                           "(model.family=llama, position_embedding=rope, use_bias=false).")
-    if m.attention_impl != "xla":
-        raise ConfigError(f"model.multi_latent_attention = true with model.attention_impl = {m.attention_impl!r}: "
-                          f"its q/k head dim (qk_head_dim + qk_pos_emb_head_dim) differs from v_head_dim, which "
-                          f"the {m.attention_impl} kernel does not take yet; use model.attention_impl=xla.")
-    if cfg.mesh.context * cfg.mesh.dcn.context != 1:
-        raise ConfigError(f"model.multi_latent_attention = true with mesh.context = {cfg.mesh.context}: "
-                          f"context-parallel multi-latent attention is not implemented yet; use mesh.context=1.")
-    if cfg.train.precision == "fp8":
-        raise ConfigError("model.multi_latent_attention = true with train.precision = fp8 is not implemented yet "
-                          "(the latent projections have no FP8 products); use bf16.")
+    qk_dim = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.attention_impl != "xla" and m.v_head_dim > qk_dim:
+        raise ConfigError(f"model.multi_latent_attention = true with model.attention_impl = {m.attention_impl!r} and "
+                          f"model.v_head_dim = {m.v_head_dim} > qk_head_dim + qk_pos_emb_head_dim = {qk_dim}: the "
+                          f"{m.attention_impl} kernel takes one head dim, so v is padded to q's, which needs "
+                          f"v_head_dim <= {qk_dim}; use model.attention_impl=xla.")
 
 
 def _check_router_groups(m: ModelConfig) -> None:

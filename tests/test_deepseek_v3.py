@@ -161,9 +161,10 @@ def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path)
 
 
 def test_config_refuses_what_multi_latent_attention_does_not_run_with():
-    with pytest.raises(ConfigError, match="attention_impl = 'flash'"):
-        tiny("model.attention_impl=flash")
-    with pytest.raises(ConfigError, match="mesh.context"):
+    with pytest.raises(ConfigError, match=r"attention_impl = 'flash' and model.v_head_dim = 64 > .* = 48"):
+        tiny("model.attention_impl=flash", "model.v_head_dim=64")
+    tiny("model.attention_impl=flash", "model.mtp_num_layers=0", "mesh.context=2")  # multi-latent attention takes both
+    with pytest.raises(ConfigError, match="mtp_num_layers = 1 with mesh.context = 2: .*load-balanced chunks"):
         tiny("mesh.context=2")
     with pytest.raises(ConfigError, match="dense layers first"):
         tiny("model.moe_layer_freq=[1,0,1]")
@@ -240,6 +241,42 @@ def test_pipeline_splits_the_moe_layers_of_a_dense_first_model(small_config):
         make_plan(small_config(*preset_overrides(), "mesh.pipeline=4", "mesh.data=2", "train.micro_batch=1"), 8)
 
 
+# Multi-latent attention with context parallelism (k and v head dims differ: 48 and 32) combined with
+# data and tensor; MTP off (it refuses context parallelism by name).
+CONTEXT_LAYOUT = ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]
+
+
+@pytest.mark.parametrize("impl", ["ring", "allgather"])
+def test_multi_latent_attention_with_context_parallelism_matches_one_device(small_config, impl):
+    from layout_parity import assert_same_run, reference, run
+    model = [*preset_overrides(), "model.mtp_num_layers=0"]
+    ref = reference(small_config, *model, steps=2, params=False)
+    got = run(small_config, *model, *CONTEXT_LAYOUT, f"parallel.context_impl={impl}", devices=jax.devices(), steps=2,
+              params=False)
+    assert_same_run(got, ref, params=False)
+
+
+def test_multi_latent_attention_flash_kernel_matches_xla(model):
+    """attention_impl=flash (v padded to the q/k head dim, the Pallas kernel in interpret mode on CPU)
+    gives xla's logits and gradients (fp32)."""
+    cfg, _, params = model
+    weights, bias = split_expert_bias(params)
+    toks = TOKS[:, :16]
+
+    def loss_and_grads(impl):
+        c = tiny(f"model.attention_impl={impl}")
+        spec, _ = build_model_spec(c, c.model.padded_vocab_size())
+        loss = lambda w: jnp.mean(jax.nn.log_softmax(spec.apply(w, toks, expert_bias=bias)[..., :VOCAB])[..., 0])
+        return jax.jit(jax.value_and_grad(loss))(weights)
+
+    (want, want_g), (got, got_g) = loss_and_grads("xla"), loss_and_grads("flash")
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    flat_want, flat_got = dict(flatten(want_g)), dict(flatten(got_g))
+    assert any("kv_up" in k for k in flat_want)
+    for name, g in flat_want.items():
+        np.testing.assert_allclose(flat_got[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
 def test_flops_count_multi_latent_attention_by_hand():
     from megajax.train.flops import train_flops_per_token
     m = tiny().model
@@ -283,3 +320,140 @@ def test_multi_token_prediction_is_logged_and_left_out_of_the_hf_export(small_co
     record = result.records[-1]
     assert np.isfinite(record["mtp_loss"]) and record["mtp_loss"] != record["loss"]
     assert "leaves its layers out" in mtp_left_out(tiny().model)
+
+
+def _fp8_owners(fp8: dict) -> dict:
+    """Every FP8 product's scaling state by path ("layers/attn/kv_down/dot_general": {scale, history})."""
+    from flax import traverse_util
+    from megajax.precision.fp8 import HISTORY, SCALE
+    flat = traverse_util.flatten_dict(jax.device_get(fp8), sep="/")
+    return {k[: -len(SCALE) - 1]: (np.asarray(v), np.asarray(flat[k[: -len(SCALE)] + HISTORY]))
+            for k, v in flat.items() if k.endswith("/" + SCALE)}
+
+
+def test_fp8_trains_close_to_bf16_with_every_latent_and_mtp_product_in_fp8(small_config):
+    """tiny-deepseek-v3 with train.precision=fp8: multi-latent attention's five projections (the
+    down-projections included), the MTP depth's projection and block, the dense and expert MLPs are
+    FP8 products; the loss tracks bf16's step by step (same data) without being bf16's."""
+    from megajax.train.loop import train
+    steps, common = 6, [*preset_overrides(), "mesh.data=1", "checkpoint.async_save=false"]
+    bf16 = train(small_config("train.precision=bf16", *common, steps=steps), devices=jax.devices()[:1])
+    fp8 = train(small_config("train.precision=fp8", *common, steps=steps), devices=jax.devices()[:1])
+    assert fp8.losses[-1] < fp8.losses[0] - 1.0  # it trains
+    np.testing.assert_allclose(fp8.losses, bf16.losses, rtol=0.02)
+    assert not np.array_equal(fp8.losses, bf16.losses)
+    assert not np.array_equal([r["mtp_loss"] for r in fp8.records], [r["mtp_loss"] for r in bf16.records])
+    owners = _fp8_owners(fp8.state.fp8)
+    for part in ("q_down", "q_up", "kv_down", "kv_up", "o"):
+        for stack in ("dense_layers", "layers", "mtp/block"):
+            assert f"{stack}/attn/{part}/dot_general" in owners, (stack, part)
+    assert "mtp/proj/dot_general" in owners
+    for path, (scale, history) in owners.items():  # every product recorded its amaxes each step, scales follow them
+        # (history newest first) x and w every step; the output gradient's from step 2 on: at step 1 the
+        # scales are 1, and the MTP depth's q_up gradient (~1e-7) underflows e5m2 (2^-16), so q_down's is 0
+        assert np.all(history[:, :steps, :2] > 0) and np.all(history[:, :steps - 1, 2] > 0), path
+        assert np.all(history[:, steps:] == 0), path
+        np.testing.assert_allclose(scale[:, :2] * history.max(axis=1)[:, :2], 448.0, rtol=1e-6, err_msg=path)
+
+
+def _fp8_steps(cfg, devices, steps):
+    """Per-step (loss, grad norm) and the scaling state after step 1."""
+    from megajax.train.loop import build_trainer
+    tr = build_trainer(cfg, devices)
+    state, ok, out = tr.state, tr.setup.ok_flag(), []
+    for step in range(steps):
+        state, m, ok = tr.step_fn(state, tr.loader.batch(step * cfg.train.global_batch), ok)
+        out.append((float(m["loss"]), float(m["grad_norm"])))
+        if step == 0:
+            after_one = jax.device_get(state.fp8)
+    return np.asarray(out), after_one
+
+
+def test_fp8_layout_tracks_one_device(small_config):
+    """FP8 on fsdp 2 x tensor 2 + SP x expert 2 against one device, with test_fp8_training's tolerances:
+    loss and grad norm per step; every product's x and w scales and step 1's amaxes within 2^-4 (the
+    latent products' amaxes are maxima over the whole latent, which sequence parallelism splits); the
+    output gradients' within 2^-2 (a sum over shards instead of a maximum would be off 2x or more): at
+    step 1 every scale is 1, and this model's output gradients (1e-7 to 1e-4) quantize to e5m2
+    subnormals (2 mantissa bits or none), so a gradient computed from another product's FP8 input
+    gradient differs between layouts; measured: q_down's 18%, the dense MLP's gate/up 11%, the MTP
+    depth's q_up 9%."""
+    from test_fp8_training import FP8_AMAX_RTOL, FP8_GRAD_NORM_RTOL, FP8_LOSS_RTOL
+    common = [*preset_overrides(), "train.precision=fp8", "optim.warmup_steps=0"]
+    one, one_fp8 = _fp8_steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
+    got, got_fp8 = _fp8_steps(small_config(*common, *DSV3_LAYOUT), jax.devices(), 3)
+    np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
+    np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
+    want, have = _fp8_owners(one_fp8), _fp8_owners(got_fp8)
+    assert sorted(have) == sorted(want) and len(want) == 25  # 7 + 10 + 8 products (dense, MoE, MTP)
+    bad = []
+    for path, (scale, history) in want.items():
+        assert np.all(history[:, 0, :2] > 0), path
+        for i in range(3):  # x, w, g
+            rtol = 4 * FP8_AMAX_RTOL if i == 2 else FP8_AMAX_RTOL
+            for got_v, want_v in ((have[path][0][..., i], scale[..., i]), (have[path][1][:, 0, i], history[:, 0, i])):
+                if not np.allclose(got_v, want_v, rtol=rtol, atol=0):
+                    bad.append((path, i, got_v.tolist(), want_v.tolist()))
+    assert not bad, bad
+
+
+def test_analytic_memory_counts_multi_latent_attention_and_mtp(tmp_path):
+    """megajax/perf/analytic.py on tiny-deepseek-v3: the parameter and Adam state bytes equal the shards
+    the train state really holds (MLA's latents, the MTP depth, the experts), and the activations
+    add multi-latent attention's widths and latents and the MTP depth, by hand."""
+    import jax.numpy as jnp
+    from megajax.perf import analytic
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    from conftest import SMALL
+    cfg = load_config(overrides=[*SMALL, *preset_overrides(), "train.seq_len=32", "mesh.data=1", "mesh.fsdp=2",
+                                 "mesh.tensor=2", "mesh.expert=2", "parallel.sequence_parallel=true",
+                                 f"train.run_dir={tmp_path}"])
+    setup = build_setup(make_plan(cfg, 8))
+    spec, plan = setup.spec, setup.plan
+    est = analytic.memory_estimate(plan, spec)
+    state = setup.fresh_state()
+
+    def per_device(tree):
+        leaves = [x for x in jax.tree.leaves(tree) if x.ndim > 0 and jnp.issubdtype(x.dtype, jnp.floating)]
+        return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+
+    assert est["params"] == per_device(state.params) and est["optimizer"] == per_device(state.opt_state)
+    assert any("mtp" in k and "kv_down" in k for k, _ in flatten(spec.abstract_params))
+    # activations (tensor 2 + SP, fp32 = 2 x Korthikanti's 16-bit bytes): per layer s b h / t (34 + 5 a s / h)
+    # + s b (4 H (N + P) + 4 H V - 8 h) / t + s b (4 Rq + 2 (Rkv + P) + 2 Rkv); 3 layers + 1 MTP depth, which
+    # adds 8 s b h / t
+    s, b, h, a, t = 32, plan.batch.micro_batch, 128, 4, 2
+    layer = s * b * h / t * (34 + 5 * a * s / h) + s * b * (4 * 4 * 48 + 4 * 4 * 32 - 8 * h) / t \
+        + s * b * (4 * 64 + 2 * 48 + 2 * 32)
+    assert est["activations"] == int((4 * layer + 8 * s * b * h / t) * 2)
+    assert est["logits"] == 2 * 2 * s * b * 384 // t * 4  # the model's and the MTP depth's
+
+
+def test_context_parallel_communication_of_multi_latent_attention_matches_analytic():
+    """tiny-deepseek-v3 (no MTP) on context 2 x tensor 2 x data 2: the compiled step's context-parallel
+    ring (collective-permutes) against the analytic figure, which counts k at N + P = 48 dims and v at
+    V = 32. (Its all-reduces measure 0.80 of the analytic figure, as with standard attention on the
+    same layout: not multi-latent attention's.)"""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from megajax.perf.bench import communication_table
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    from conftest import SMALL
+    cfg = load_config(overrides=[*SMALL, *preset_overrides(), "model.mtp_num_layers=0", "train.seq_len=32",
+                                 *CONTEXT_LAYOUT])
+    setup = build_setup(make_plan(cfg, 8))
+    batch = {k: jax.ShapeDtypeStruct(setup.batch.shape, np.float32 if k == "loss_mask" else np.int32, sharding=s)
+             for k, s in setup.batch_shardings.items()}
+    ok = jax.ShapeDtypeStruct((), np.bool_, sharding=NamedSharding(setup.mesh, P()))
+    compiled = setup.train_step().lower(setup.target(), batch, ok).compile()
+    comm = communication_table(setup.plan, compiled, setup.spec)
+    permute = comm["collective-permute"]
+    assert 0.9 <= permute["ratio"] <= 1.25, permute  # measured 450,560 of 491,520 bytes (0.917)
+    # k and v widths 48 + 32 against standard attention's 2 x 32 (hidden 128 / 4 heads) on the same layout
+    standard = load_config(overrides=[*SMALL, *preset_overrides(), "model.mtp_num_layers=0", "train.seq_len=32",
+                                      *CONTEXT_LAYOUT, "model.multi_latent_attention=false"])
+    plan = make_plan(standard, 8)
+    from megajax.perf import analytic
+    standard_permute = analytic.communication_bytes(plan, 0, 0, 0, "cpu")["collective-permute"]
+    assert permute["analytic_bytes"] == standard_permute * (48 + 32) / 64

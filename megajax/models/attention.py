@@ -56,8 +56,9 @@ def xla_attention_with_lse(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, q_segment_ids=Non
                            causal=True, softmax_scale=None):
     """Plain-jnp attention that also returns the log-sum-exp of each query row's logits.
 
-    Returns (out [B, L, H, K] in q's dtype, lse [B, H, L] fp32; -inf and a zero output for a
-    row that sees no key). Differentiable in both outputs (for merging partial results).
+    Returns (out [B, L, H, V] in q's dtype, V v's head dim (multi-latent attention's differs from
+    q's), lse [B, H, L] fp32; -inf and a zero output for a row that sees no key). Differentiable in
+    both outputs (for merging partial results).
     """
     b, l, h, d = q_BxLxHxK.shape
     t, g = k_BxTxGxK.shape[1], k_BxTxGxK.shape[2]
@@ -77,7 +78,7 @@ def xla_attention_with_lse(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, q_segment_ids=Non
     probs = e / jnp.where(empty, 1.0, total)
     lse = jnp.where(empty, -jnp.inf, m + jnp.log(jnp.where(empty, 1.0, total)))[..., 0]
     out = jnp.einsum("bgrlt,btgk->blgrk", probs.astype(v_BxTxGxK.dtype), v_BxTxGxK)
-    return out.reshape(b, l, h, d), lse.reshape(b, h, l)
+    return out.reshape(b, l, h, v_BxTxGxK.shape[-1]), lse.reshape(b, h, l)
 
 
 def flash_attention_core(q, k, v, *, segment_ids=None, causal=True, dropout_rate=0.0, dropout_rng=None):

@@ -127,9 +127,13 @@ class LinearOps:
     low_precision_output: bool = False
 
     def linear(self, kind: str) -> DotGeneral:
-        """The product of one linear layer of `kind` ("column", "row" or "output"): a fresh
-        stateful product (its own scaling state) where the ops supply one, else the plain one."""
-        assert kind in ("column", "row", "output"), kind
+        """The product of one linear layer of `kind` ("column", "row", "output", or "duplicated": a
+        kernel replicated over tensor parallelism, as multi-latent attention's down-projections,
+        whose product XLA partitions and whose plain form is jax.lax.dot_general): a fresh stateful
+        product (its own scaling state) where the ops supply one, else the plain one."""
+        assert kind in ("column", "row", "output", "duplicated"), kind
+        if kind == "duplicated":
+            return jax.lax.dot_general if self.low_precision is None else self.low_precision(None)
         if self.low_precision is not None and (kind != "output" or self.low_precision_output):
             side = "row" if kind == "row" else "column"
             return self.low_precision(None if self.layout is None else functools.partial(self.layout, side))

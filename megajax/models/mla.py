@@ -15,7 +15,9 @@ to [even dims, odd dims] and rotated as "rotate half", which pairs the same dims
 reordered alike, so the scores are those of the interleaved rotation). The latent norms use
 model.norm_eps. Heads (the up-projections' output, o's input) are split over `tensor` like the
 other attention's; the down-projections and the latent are replicated over it (Megatron's
-"duplicated" linears).
+"duplicated" linears). Under FP8 every projection is an FP8 product with its own scaling state
+(LinearOps.linear; the down-projections' kind "duplicated"). The attention core takes v at its own head dim (xla, and the context-parallel
+ring / all-gather over it); the fused kernels (flash, cuDNN) get v padded to q's head dim (`pad_v`).
 
 Generation (`extend`) caches per token only c = RMSNorm(latent) [Rkv] and the rotated k_pe [P],
 and decodes in the absorbed form: q_nope . k_nope = (q_nope W_uk^T) . c with W_uk kv_up's k part,
@@ -46,6 +48,14 @@ def deinterleave(x: jax.Array) -> jax.Array:
     return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
 
 
+def pad_v(v: jax.Array, qk_dim: int) -> jax.Array:
+    """v [B, L, H, V] padded with zeros to [B, L, H, qk_dim] (V <= qk_dim, checked when the config
+    is loaded), for kernels that take one head dim: the output's first V features are attention over
+    the real v (each output feature is its own probability-weighted sum of one v feature), the rest
+    zeros, and the padding gets no gradient that reaches anything."""
+    return logical_constraint(jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, qk_dim - v.shape[-1]))), ACT_Q)
+
+
 def _latent_norm(features: int, eps: float, dtype) -> RMSNorm:
     norm = RMSNorm(features, eps=eps, dtype=dtype)
     norm.scale.set_metadata(axes=(None,))  # the latent is replicated (not the hidden `embed` dim)
@@ -58,22 +68,27 @@ class MultiLatentAttention(nnx.Module):
         n, p, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         common = dict(use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std)
         if cfg.q_lora_rank is None:
-            self.q = Dense(h, (nh, n + p), axes=("embed", "heads", "head_dim"), dot_general=ops.column, **common)
+            self.q = Dense(h, (nh, n + p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"),
+                           **common)
         else:
-            self.q_down = Dense(h, cfg.q_lora_rank, axes=("embed", None), **common)
+            self.q_down = Dense(h, cfg.q_lora_rank, axes=("embed", None), dot_general=ops.linear("duplicated"), **common)
             self.q_norm = _latent_norm(cfg.q_lora_rank, cfg.norm_eps, dtype)
             self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=(None, "heads", "head_dim"),
-                              dot_general=ops.column, **common)
-        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=("embed", None), **common)
+                              dot_general=ops.linear("column"), **common)
+        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=("embed", None), dot_general=ops.linear("duplicated"),
+                             **common)
         self.kv_norm = _latent_norm(cfg.kv_lora_rank, cfg.norm_eps, dtype)
         self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=(None, "heads", "head_dim"),
-                           dot_general=ops.column, **common)
+                           dot_general=ops.linear("column"), **common)
         self.o = Dense((nh, v), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
                        use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dims = (n, p, v)
         self.rope_gain, self.score_gain = yarn_gains(cfg)  # (1, 1) without YaRN
         self.lora = cfg.q_lora_rank is not None
         self.core = core
+        # The fused kernels (flash, cuDNN) take one head dim for q, k and v: v is padded with zeros
+        # to q's (N + P) and the output sliced back (`pad_v`).
+        self.pad_v = cfg.attention_impl != "xla"
         self.dropout_rate = cfg.attention_dropout
 
     def qkv(self, x_BxLxD, positions_BxL, inv_freq):
@@ -91,11 +106,14 @@ class MultiLatentAttention(nnx.Module):
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
         q, k, v = self.qkv(x_BxLxD, positions_BxL, inv_freq)
+        v_dim = v.shape[-1]
+        if self.pad_v:
+            v = pad_v(v, q.shape[-1])
         # The core's scale is 1 / sqrt(q's head dim) = 1 / sqrt(N + P), multi-latent attention's.
         out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True,
                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                         dropout_rng=dropout_rng)
-        return self.o(logical_constraint(out, ACT_Q))
+        return self.o(logical_constraint(out[..., :v_dim], ACT_Q))
 
     # ------------------------------------------------------------------ generation
 
@@ -156,9 +174,12 @@ class MultiLatentAttention(nnx.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None].astype(k_nope.dtype),
                                                           k_nope.shape[:-1] + (p,))], axis=-1)
             q = logical_constraint(jnp.concatenate([q_nope, q_pe], axis=-1), ACT_Q)
+            v_dim = v.shape[-1]
+            if self.pad_v:  # the fused kernels take one head dim (as in __call__)
+                v = pad_v(v, q.shape[-1])
             out = self.core(q, logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q), segment_ids=segment_ids_BxL,
                             causal=True, dropout_rate=0.0, dropout_rng=None)
-            return self.o(logical_constraint(out, ACT_Q)), cache_c, cache_pe
+            return self.o(logical_constraint(out[..., :v_dim], ACT_Q)), cache_c, cache_pe
         return self._absorbed(q_nope, q_pe, functools.partial(
             latent_attention, c_BxTxR=all_c.astype(q_nope.dtype), pe_BxTxP=all_pe.astype(q_nope.dtype),
             mask_BxLxT=mask_BxLxT, scale=scale)), cache_c, cache_pe

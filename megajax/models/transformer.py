@@ -86,7 +86,8 @@ class MTPLayer(nnx.Module):
         h = cfg.hidden_size
         self.embed_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
         self.hidden_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
-        self.proj = Dense(2 * h, h, axes=(None, "embed"), init_std=cfg.init_std, dtype=dtype, rngs=rngs)
+        self.proj = Dense(2 * h, h, axes=(None, "embed"), init_std=cfg.init_std, dtype=dtype,
+                          dot_general=ops.linear("duplicated"), rngs=rngs)
         self.block = Block(cfg, dtype=dtype, attention_core=attention_core, ops=ops, rngs=rngs, moe=False)
         self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
 

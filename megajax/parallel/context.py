@@ -67,11 +67,12 @@ def sharded_attention(core: Callable, mesh: Mesh, rules: Rules) -> Callable:
 # Partial results and their merge
 # ----------------------------------------------------------------------------
 
-def _empty(q):
-    """A partial result that saw no key: out 0, lse -inf; out [B, L, H, D] fp32, lse [B, H, L]."""
+def _empty(q, v_dim):
+    """A partial result that saw no key: out 0, lse -inf; out [B, L, H, v_dim] fp32 (v's head dim:
+    multi-latent attention's differs from q's), lse [B, H, L]."""
     b, l, h, _ = q.shape
     # Typed as q is (inside a pipeline stage, varying over its axes: a branch's outputs must match).
-    return like(jnp.zeros(q.shape, jnp.float32), q), like(jnp.full((b, h, l), -jnp.inf, jnp.float32), q)
+    return like(jnp.zeros((b, l, h, v_dim), jnp.float32), q), like(jnp.full((b, h, l), -jnp.inf, jnp.float32), q)
 
 
 def _merge(acc, part):
@@ -131,7 +132,7 @@ def _step_parts(q, qs, k, v, ks, step, size, blocks, axis):
         return _halves_of(blocks(q, k_lo, v_lo, qs, ks_lo, False))
 
     def later():  # src > r: query chunk 2C-1-r sees both key chunks of src in full
-        return _empty(q_lo), blocks(q_hi, k, v, qs_hi, ks, False)
+        return _empty(q_lo, v.shape[-1]), blocks(q_hi, k, v, qs_hi, ks, False)
 
     return jax.lax.cond(src < r, earlier, later)
 
@@ -149,7 +150,7 @@ def _shift(tree, size, axis):
 
 
 def _ring_forward(q, k, v, q_seg, kv_seg, blocks, size, axis):
-    acc_lo, acc_hi = _empty(_halves(q)[0]), _empty(_halves(q)[1])
+    acc_lo, acc_hi = (_empty(half, v.shape[-1]) for half in _halves(q))
     visiting = (k, v, kv_seg)
     for step in range(size):
         if step:
@@ -244,7 +245,7 @@ def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int, axi
     qs_lo, qs_hi = _seg_halves(q_seg)
     results = []
     for q_part, qs_part, q_chunk in ((q_lo, qs_lo, r), (q_hi, qs_hi, 2 * size - 1 - r)):
-        acc = _empty(q_part)
+        acc = _empty(q_part, v.shape[-1])
         for j in range(size):  # gathered device j holds chunks j and 2C-1-j
             for half, k_chunk in ((0, j), (1, 2 * size - 1 - j)):
                 sl = slice((2 * j + half) * c, (2 * j + half + 1) * c)
@@ -252,7 +253,7 @@ def _allgather_attention(q, k, v, q_seg, kv_seg, blocks: _Blocks, size: int, axi
                 ksb = None if ks_all is None else ks_all[:, sl]
                 kind = jnp.where(k_chunk < q_chunk, 2, jnp.where(k_chunk == q_chunk, 1, 0))
                 part = jax.lax.switch(kind, [
-                    lambda: _empty(q_part),
+                    lambda: _empty(q_part, v.shape[-1]),
                     lambda: blocks(q_part, kb, vb, qs_part, ksb, True),
                     lambda: blocks(q_part, kb, vb, qs_part, ksb, False)])
                 acc = _merge(acc, part)

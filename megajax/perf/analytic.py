@@ -11,7 +11,10 @@ Recomputation in Large Transformer Models"), which count 16-bit activations:
     selective:          drops the 5*a*s/h term (attention scores, softmax, dropout)
     full:               2*s*b*h (/t with SP), the layer input only
 
-scaled by (activation bytes / 2) for other precisions (the compute dtype's
+Multi-latent attention replaces the attention's 11 s*b*h by its own q/k/v widths
+and latents (`mla_attention_delta`); each multi-token prediction depth adds a
+layer, its projection's inputs and its own logits. All scaled by (activation
+bytes / 2) for other precisions (the compute dtype's
 bytes, megajax/precision/policy.py; FP8 keeps bf16 activations, its products'
 one-byte copies of their inputs are not counted); b is the micro batch per
 data-parallel rank. Every figure is of a run plan (megajax/plan.py): its mesh
@@ -118,13 +121,31 @@ def activation_bytes(plan: RunPlan) -> int:
         per_layer = s * b * h / t * (34 + (0 if policy == "selective" else attn))
     else:
         per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
+    if m.multi_latent_attention and policy != "full":
+        per_layer += s * b * mla_attention_delta(m, t)
     scale = precision_policy(cfg).activation_bytes / 2
     pipe = plan.pipeline
     if pipe is not None:
         chunks = pipe.stages * pipe.virtual_stages
         stash = pipeline_stash(plan)
         return int((per_layer * m.num_layers / chunks + stash * s * b * h / (t if sp else 1)) * scale)
-    return int(per_layer * m.num_layers * scale)
+    # Each multi-token prediction depth: a layer, plus its two norms' inputs and the concatenated
+    # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
+    mtp = m.mtp_num_layers * (per_layer + (0 if policy == "full" else 8 * s * b * h / (t if sp else 1)))
+    return int((per_layer * m.num_layers + mtp) * scale)
+
+
+def mla_attention_delta(m, t: int) -> float:
+    """Per token: multi-latent attention's 16-bit activation bytes minus the 11 h Korthikanti counts for
+    standard attention (2 h input, 4 h q and k, 2 h v, 2 h o's input, h dropout mask; the q/k/v/o
+    ones split over tensor). Its q and k have H (N + P) features, v and o's input H V, split over
+    tensor; its latents are replicated over tensor (also under sequence parallelism): the q latent
+    and its norm's output (2 Rq each), the kv down-projection's output (Rkv + P) and the kv latent's
+    norm output (Rkv), 2 bytes each."""
+    heads = m.num_heads
+    sharded = 4 * heads * (m.qk_head_dim + m.qk_pos_emb_head_dim) + 4 * heads * m.v_head_dim - 8 * m.hidden_size
+    latent = 4 * (m.q_lora_rank or 0) + 2 * (m.kv_lora_rank + m.qk_pos_emb_head_dim) + 2 * m.kv_lora_rank
+    return sharded / t + latent
 
 
 def pipeline_stash(plan: RunPlan) -> int:
@@ -140,7 +161,8 @@ def logits_bytes(plan: RunPlan) -> int:
     """fp32 logits of one microbatch and their gradient, vocabulary-parallel over tensor."""
     sizes = plan.sizes
     tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
-    return int(2 * tokens * plan.padded_vocab / sizes["tensor"] * 4)
+    depths = 1 + plan.cfg.model.mtp_num_layers  # each multi-token prediction depth has its own logits
+    return int(2 * depths * tokens * plan.padded_vocab / sizes["tensor"] * 4)
 
 
 def _passes(plan: RunPlan) -> dict[str, float]:
@@ -218,14 +240,21 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-reduce", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     if cp > 1:  # attention over the sequence's chunks: k and v (kv heads of this tensor rank)
-        kv = tokens * (m.num_kv_heads / t) * m.head_dim * act
+        # k and v together (multi-latent attention: k of N + P dims, v of V, or padded to N + P for the
+        # fused kernels)
+        if m.multi_latent_attention:
+            k_dim = m.qk_head_dim + m.qk_pos_emb_head_dim
+            widths = k_dim + (m.v_head_dim if m.attention_impl == "xla" else k_dim)
+        else:
+            widths = 2 * m.head_dim
+        kv = tokens * (m.num_kv_heads / t) * widths * act
         kv32 = kv * 4 / act  # their gradients accumulate in fp32
         fwd = n["fwd"] + n["extra"]
         if cfg.parallel.context_impl == "ring":  # cp - 1 hops forward; backward cp hops with dk, dv
-            out["collective-permute", "context"] += fwd * (cp - 1) * 2 * kv + n["bwd"] * ((cp - 1) * 2 * (kv + kv32) + 2 * kv32)
+            out["collective-permute", "context"] += fwd * (cp - 1) * kv + n["bwd"] * ((cp - 1) * (kv + kv32) + kv32)
         else:  # all-gather k and v, reduce-scatter their gradients
-            out["all-gather", "context"] += fwd * 2 * cp * kv
-            out["reduce-scatter", "context"] += n["bwd"] * 2 * cp * kv
+            out["all-gather", "context"] += fwd * cp * kv
+            out["reduce-scatter", "context"] += n["bwd"] * cp * kv
     ep = sizes.get("expert", 1)
     if m.num_experts and ep > 1:
         # Each MoE layer sends its (sequence-gathered) tokens x top-k rows to the experts' devices and
