@@ -24,7 +24,12 @@ def random_model(family: str = "llama", *overrides: str, std: float = 0.05, seq_
                                  "model.num_heads=8", *heads, "model.ffn_hidden_size=128",
                                  f"model.vocab_size={VOCAB}", f"train.seq_len={seq_len}", *overrides])
     spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    rng = np.random.default_rng(seed)
+    return cfg, spec, unflatten(random_weights(spec, std, np.random.default_rng(seed)))
+
+
+def random_weights(spec, std: float, rng: np.random.Generator) -> dict:
+    """{name: array} of a ModelSpec's parameters drawn from N(0, std) with `rng` (norm scales near 1), the
+    padding of a VOCAB-token vocabulary zero."""
     flat = {}
     for name, x in flatten(spec.abstract_params):
         w = rng.normal(0.0, std, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
@@ -33,4 +38,4 @@ def random_model(family: str = "llama", *overrides: str, std: float = 0.05, seq_
         if name == "output":
             w[:, VOCAB:] = 0
         flat[name] = w
-    return cfg, spec, unflatten(flat)
+    return flat

@@ -33,17 +33,12 @@ def model():
     return random_model(tiny())
 
 
-def random_model(cfg):
+def random_model(cfg, std: float = 0.05):
+    """(config, spec, params with the expert bias as exporters name it) of `cfg`, weights from N(0, std)."""
+    from random_model import random_weights
     spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
     rng = np.random.default_rng(0)
-    flat = {}
-    for name, x in flatten(spec.abstract_params):
-        w = rng.normal(0.0, 0.05, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
-        if name == "embed/embedding":
-            w[VOCAB:] = 0
-        if name == "output":
-            w[:, VOCAB:] = 0
-        flat[name] = w
+    flat = random_weights(spec, std, rng)
     flat[EXPERT_BIAS] = rng.normal(0.0, 0.05, (cfg.model.num_moe_layers(), cfg.model.num_experts)).astype(np.float32)
     return cfg, spec, unflatten(flat)
 
@@ -371,19 +366,6 @@ def test_fp8_trains_close_to_bf16_with_every_latent_and_mtp_product_in_fp8(small
         np.testing.assert_allclose(scale[:, :2] * history.max(axis=1)[:, :2], 448.0, rtol=1e-6, err_msg=path)
 
 
-def _fp8_steps(cfg, devices, steps):
-    """Per-step (loss, grad norm) and the scaling state after step 1."""
-    from megajax.train.loop import build_trainer
-    tr = build_trainer(cfg, devices)
-    state, ok, out = tr.state, tr.setup.ok_flag(), []
-    for step in range(steps):
-        state, m, ok = tr.step_fn(state, tr.loader.batch(step * cfg.train.global_batch), ok)
-        out.append((float(m["loss"]), float(m["grad_norm"])))
-        if step == 0:
-            after_one = jax.device_get(state.fp8)
-    return np.asarray(out), after_one
-
-
 def test_fp8_layout_tracks_one_device(small_config):
     """FP8 on fsdp 2 x tensor 2 + SP x expert 2 against one device, with test_fp8_training's tolerances:
     loss and grad norm per step; every product's x and w scales and step 1's amaxes within 2^-4 (the
@@ -393,10 +375,10 @@ def test_fp8_layout_tracks_one_device(small_config):
     subnormals (2 mantissa bits or none), so a gradient computed from another product's FP8 input
     gradient differs between layouts; measured: q_down's 18%, the dense MLP's gate/up 11%, the MTP
     depth's q_up 9%."""
-    from test_fp8_training import FP8_AMAX_RTOL, FP8_GRAD_NORM_RTOL, FP8_LOSS_RTOL
+    from test_fp8_training import FP8_AMAX_RTOL, FP8_GRAD_NORM_RTOL, FP8_LOSS_RTOL, _steps
     common = [*preset_overrides(), "train.precision=fp8", "optim.warmup_steps=0"]
-    one, one_fp8 = _fp8_steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
-    got, got_fp8 = _fp8_steps(small_config(*common, *DSV3_LAYOUT), jax.devices(), 3)
+    one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
+    got, got_fp8, _ = _steps(small_config(*common, *DSV3_LAYOUT), jax.devices(), 3)
     np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
     np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
     want, have = _fp8_owners(one_fp8), _fp8_owners(got_fp8)
@@ -450,19 +432,12 @@ def test_context_parallel_communication_of_multi_latent_attention_matches_analyt
     ring (collective-permutes) against the analytic figure, which counts k at N + P = 48 dims and v at
     V = 32. (Its all-reduces measure 0.80 of the analytic figure, as with standard attention on the
     same layout: not multi-latent attention's.)"""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    from megajax.perf.bench import communication_table
     from megajax.plan import make_plan
-    from megajax.train.setup import build_setup
     from conftest import SMALL
+    from test_perf import compiled_communication
     cfg = load_config(overrides=[*SMALL, *preset_overrides(), "model.mtp_num_layers=0", "train.seq_len=32",
                                  *CONTEXT_LAYOUT])
-    setup = build_setup(make_plan(cfg, 8))
-    batch = {k: jax.ShapeDtypeStruct(setup.batch.shape, np.float32 if k == "loss_mask" else np.int32, sharding=s)
-             for k, s in setup.batch_shardings.items()}
-    ok = jax.ShapeDtypeStruct((), np.bool_, sharding=NamedSharding(setup.mesh, P()))
-    compiled = setup.train_step().lower(setup.target(), batch, ok).compile()
-    comm = communication_table(setup.plan, compiled, setup.spec)
+    comm = compiled_communication(cfg)
     permute = comm["collective-permute"]
     assert 0.9 <= permute["ratio"] <= 1.25, permute  # measured 450,560 of 491,520 bytes (0.917)
     # k and v widths 48 + 32 against standard attention's 2 x 32 (hidden 128 / 4 heads) on the same layout

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from random_model import random_model
+from test_deepseek_v3 import YARN_OVERRIDES, random_model as random_deepseek
 from megajax.checkpoint.source import flatten, unflatten
 from megajax.config import load_config
 from megajax.inference.batcher import Job
@@ -17,14 +18,12 @@ from megajax.inference.engine import Engine
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Generator
 from megajax.inference.sampling import Sampling
 from megajax.mesh import make_mesh, make_rules
+from megajax.models.layout import split_expert_bias
 from megajax.models.transformer import layer_caches
-from megajax.train.state import build_model_spec
 
 VOCAB = 257
 CONTEXT = 48
 NEW = 10
-YARN = ["model.rope_scaling=yarn", "model.rope_scaling_factor=4", "model.rope_original_max_position=8",
-        "model.rope_beta_fast=4", "model.rope_mscale=0.8", "model.rope_mscale_all_dim=1"]
 PROMPTS = ([65], [104, 101, 108, 108, 111, 33], list(range(70, 83)))  # ragged: 1, 6 and 13 tokens
 
 
@@ -33,19 +32,11 @@ def model():
     """(config, spec, params, expert bias [MoE layers, E]): tiny-deepseek-v3 with random weights
     (N(0, 0.08): clear argmax margins), a CONTEXT-token window, and DeepSeek-V3's YaRN rope scaling at toy
     sizes (mscale != mscale_all_dim: the rope and softmax gains both differ from 1)."""
-    cfg = load_config(["model/tiny-deepseek-v3"], [f"model.vocab_size={VOCAB}", f"train.seq_len={CONTEXT}", *YARN])
-    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
-    rng = np.random.default_rng(0)
-    flat = {}
-    for name, x in flatten(spec.abstract_params):
-        w = rng.normal(0.0, 0.08, x.shape).astype(np.float32) + (1.0 if name.endswith("/scale") else 0.0)
-        if name == "embed/embedding":
-            w[VOCAB:] = 0
-        if name == "output":
-            w[:, VOCAB:] = 0
-        flat[name] = w
-    bias = rng.normal(0.0, 0.05, (cfg.model.num_moe_layers(), cfg.model.num_experts)).astype(np.float32)
-    return cfg, spec, unflatten(flat), bias
+    cfg = load_config(["model/tiny-deepseek-v3"],
+                      [f"model.vocab_size={VOCAB}", f"train.seq_len={CONTEXT}", *YARN_OVERRIDES])
+    cfg, spec, params = random_deepseek(cfg, std=0.08)
+    weights, bias = split_expert_bias(params)
+    return cfg, spec, weights, bias
 
 
 @pytest.fixture(scope="module")

@@ -94,9 +94,13 @@ class MultiLatentAttention(nnx.Module):
     def qkv(self, x_BxLxD, positions_BxL, inv_freq):
         """q, k [B, L, H, N + P] (rotary parts rotated; q with YaRN's softmax gain) and v [B, L, H, V]:
         the queries and the latent generation caches, k and v expanded from it."""
-        n, p, _ = self.dims
         q_nope, q_pe = self.queries(x_BxLxD, positions_BxL, inv_freq)
-        c, k_pe = self.latent(x_BxLxD, positions_BxL, inv_freq)
+        return self.expand(q_nope, q_pe, *self.latent(x_BxLxD, positions_BxL, inv_freq))
+
+    def expand(self, q_nope, q_pe, c, k_pe):
+        """(q, k, v) from the queries and the latent: kv_up(c) gives each head's k_nope and v, the one
+        rope key k_pe [B, L, P] is broadcast over the heads."""
+        n, p, _ = self.dims
         kv = logical_constraint(self.kv_up(c), ACT_Q)
         k_nope, v = kv[..., :n], kv[..., n:]
         q = jnp.concatenate([q_nope, q_pe], axis=-1)
@@ -104,16 +108,21 @@ class MultiLatentAttention(nnx.Module):
                             axis=-1)
         return logical_constraint(q, ACT_Q), logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q)
 
-    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
-        q, k, v = self.qkv(x_BxLxD, positions_BxL, inv_freq)
+    def attend(self, q, k, v, *, segment_ids_BxL, dropout_rng):
+        """o(the injected core over q, k, v); the fused kernels get v padded to q's head dim (`pad_v`)
+        and their output sliced back. The core's scale is 1 / sqrt(q's head dim) = 1 / sqrt(N + P),
+        multi-latent attention's."""
         v_dim = v.shape[-1]
         if self.pad_v:
             v = pad_v(v, q.shape[-1])
-        # The core's scale is 1 / sqrt(q's head dim) = 1 / sqrt(N + P), multi-latent attention's.
         out = self.core(q, k, v, segment_ids=segment_ids_BxL, causal=True,
                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                         dropout_rng=dropout_rng)
         return self.o(logical_constraint(out[..., :v_dim], ACT_Q))
+
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
+        q, k, v = self.qkv(x_BxLxD, positions_BxL, inv_freq)
+        return self.attend(q, k, v, segment_ids_BxL=segment_ids_BxL, dropout_rng=dropout_rng)
 
     # ------------------------------------------------------------------ generation
 
@@ -169,17 +178,8 @@ class MultiLatentAttention(nnx.Module):
         cache_c, all_c = write_latent_cache(cache_k_BxGxTxK, c, start)
         cache_pe, all_pe = write_latent_cache(cache_v_BxGxTxK, k_pe, start)
         if segment_ids_BxL is not None:
-            kv = logical_constraint(self.kv_up(c), ACT_Q)
-            k_nope, v = kv[..., :n], kv[..., n:]
-            k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None].astype(k_nope.dtype),
-                                                          k_nope.shape[:-1] + (p,))], axis=-1)
-            q = logical_constraint(jnp.concatenate([q_nope, q_pe], axis=-1), ACT_Q)
-            v_dim = v.shape[-1]
-            if self.pad_v:  # the fused kernels take one head dim (as in __call__)
-                v = pad_v(v, q.shape[-1])
-            out = self.core(q, logical_constraint(k, ACT_Q), logical_constraint(v, ACT_Q), segment_ids=segment_ids_BxL,
-                            causal=True, dropout_rate=0.0, dropout_rng=None)
-            return self.o(logical_constraint(out[..., :v_dim], ACT_Q)), cache_c, cache_pe
+            q, k, v = self.expand(q_nope, q_pe, c, k_pe)
+            return self.attend(q, k, v, segment_ids_BxL=segment_ids_BxL, dropout_rng=None), cache_c, cache_pe
         return self._absorbed(q_nope, q_pe, functools.partial(
             latent_attention, c_BxTxR=all_c.astype(q_nope.dtype), pe_BxTxP=all_pe.astype(q_nope.dtype),
             mask_BxLxT=mask_BxLxT, scale=scale)), cache_c, cache_pe
