@@ -623,6 +623,8 @@ def _paragraph(error: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megajax import host_allocator
+    host_allocator.tune()  # before anything starts threads (megajax/host_allocator.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)

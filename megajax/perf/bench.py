@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 
+from megajax import host_allocator
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
 from megajax.parallel.pipeline import build_schedule
@@ -166,6 +167,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
                    "recompute": cfg.parallel.recompute, "precision": cfg.train.precision,
                    "global_batch": layout.global_batch, "micro_batch": layout.micro_batch,
                    "accumulation": layout.accumulation, "seq_len": layout.seq_len},
+        "host_allocator": host_allocator.described(),
         "compile_seconds": compile_seconds,
         "step_seconds": timing,
         "tokens_per_sec": tps,
@@ -250,6 +252,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{', distributed optimizer' if lay['distributed_optimizer'] else ''}; recompute {lay['recompute']}; "
         f"{lay['precision']}; batch {lay['global_batch']} = micro {lay['micro_batch']} x accum "
         f"{lay['accumulation']} x dp; seq {lay['seq_len']}",
+        *([f"host       {r['host_allocator']}"] if lay["platform"] == "cpu" and "host_allocator" in r else []),
         *([f"pipeline   {r['pipeline']['schedule']}, {r['pipeline']['stages']} stages x "
            f"{r['pipeline']['virtual_stages']} chunks, {r['pipeline']['microbatches']} microbatches in "
            f"{r['pipeline']['ticks']} ticks; bubble {100 * r['pipeline']['bubble_fraction']:.1f}%; "
@@ -294,7 +297,7 @@ def format_report(r: dict[str, Any]) -> str:
         lines += ["", f"baseline   {b['description']}",
                   f"           median {bt['median'] * 1e3:.1f} ms/step (min {bt['min'] * 1e3:.1f}, max "
                   f"{bt['max'] * 1e3:.1f}), {b['tokens_per_sec']:,.0f} tokens/s; megajax / {b['name']} = "
-                  f"{b['megajax_over_baseline']:.2f}x (interleaved in this run)"]
+                  f"{b['megajax_over_baseline']:.2f}x (interleaved in this run, the same host allocator)"]
     return "\n".join(lines)
 
 

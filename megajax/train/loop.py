@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from megajax.checkpoint.manager import Checkpointer, read_meta
+from megajax import host_allocator
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.distributed import preemption_sync_point
@@ -417,7 +418,8 @@ def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, fl
     log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                         total_steps=cfg.train.steps, start_step=start, resumed=tr.resumed_step is not None)
     log.print(describe(tr, peak_source))
-    for line in list(tr.plan.notes) + tr.data_report + [f"state: {tr.origin}"]:
+    host = [f"host allocator: {host_allocator.described()}"] if dev.platform == "cpu" else []
+    for line in list(tr.plan.notes) + tr.data_report + host + [f"state: {tr.origin}"]:
         log.print(line)
     if tr.resumed_step is not None:
         meta = read_meta(run_dir / "checkpoints" / str(tr.resumed_step))
