@@ -2,12 +2,6 @@
 
 import os
 
-# `megajax` commands keep glibc's malloc from returning each step's buffers to the kernel
-# (megajax/host_allocator.py): 20 % faster steps, but its single arena slows XLA's multi-threaded
-# compiles by about 30 %, and the tests mostly compile. The session and the commands it runs keep
-# the system's allocator; tests/test_host_allocator.py checks the tuned one.
-os.environ.setdefault("MEGAJAX_HOST_ALLOCATOR", "system")
-
 _FLAG = "--xla_force_host_platform_device_count"
 if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
