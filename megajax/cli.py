@@ -623,8 +623,9 @@ def _paragraph(error: Exception) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megajax import host_allocator
-    host_allocator.tune()  # before anything starts threads (megajax/host_allocator.py)
+    if argv is None:  # run as a program: restart once with huge-page malloc (megajax/host_allocator.py)
+        from megajax import host_allocator
+        host_allocator.reexec_with_huge_pages(sys.argv[1:])
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)

@@ -1,29 +1,21 @@
-"""The host memory allocator of a megajax process: `MEGAJAX_HOST_ALLOCATOR=tuned` keeps glibc's
-malloc from handing each step's buffers back to the kernel (CPU runs; off by default).
+"""The host memory allocator of the `megajax` command: glibc's malloc with transparent huge pages.
 
 On CPU, XLA allocates a program's temporaries (the activations, the logits and their gradient:
 0.6 GiB per step for the reference Llama of docs/performance.md) at every execution and frees
-them after. glibc serves blocks that large with a fresh `mmap` (or from a per-thread arena that
-it trims), so every step first-touches all of them again: 156,000 page faults and 0.36 s of
-kernel time per step on a 2-core machine, a fifth of the step. With one arena, no `mmap` for
-large blocks and trimming only past 2 GiB, a freed block stays in the process's heap and the
-next step reuses it.
+them after. glibc serves blocks that large with a fresh `mmap`, so every step first-touches all
+of them again in 4 KiB pages: 156,000 page faults and 0.36 s of kernel time per step on a
+2-core machine, a sixth of the step. With glibc's `glibc.malloc.hugetlb=1` tunable (glibc 2.35+)
+malloc asks for transparent huge pages (`madvise(MADV_HUGEPAGE)`), so the same blocks fault in
+2 MiB pages: a few hundred faults per step. Memory is returned to the system as before.
 
-Why it is not the default: a large block that no longer fits the hole it left (a small
-allocation took the hole's start) makes the heap grow. The peak resident size is higher (the
-reference Llama 1.2-2.5 GB instead of 1.3 GB; tiny-moe with 64 experts 4.8-6.5 GB instead of
-3.4 GB) and a small program run many times can creep upwards (128 MiB of temporaries: 0.5 GB
-to 1.2 GB resident over ten runs, in some processes). XLA's multi-threaded compiles also share
-the one arena (the reference step compiles in 3.7 s instead of 2.9 s).
-
-`tune()` applies the setting with `mallopt` (M_ARENA_MAX 1, M_MMAP_MAX 0, M_TRIM_THRESHOLD
-2 GiB - 1). It must run before the process starts threads (before `import jax`): threads that
-already have an arena keep it. The `megajax` command calls it first thing. It does nothing
-unless MEGAJAX_HOST_ALLOCATOR=tuned, and not then either when
-- the C library is not glibc (musl, macOS, Windows);
-- the user chose already: any of MALLOC_ARENA_MAX, MALLOC_MMAP_MAX_, MALLOC_MMAP_THRESHOLD_,
-  MALLOC_TRIM_THRESHOLD_, MALLOC_TOP_PAD_ set, or an allocator preloaded (LD_PRELOAD naming
-  jemalloc, tcmalloc or mimalloc).
+glibc reads its tunables when a process starts, so the `megajax` command, run as a program,
+starts itself again once with `GLIBC_TUNABLES` extended (`reexec_with_huge_pages`, before it
+imports anything heavy; the same process id, arguments and environment otherwise). It does not
+when
+- MEGAJAX_HOST_ALLOCATOR=system (the opt-out; `hugepages` is the default);
+- the C library is not glibc 2.35 or later, or the kernel's transparent huge pages are `never`;
+- GLIBC_TUNABLES already sets glibc.malloc.hugetlb (the user's choice, or the restart done), or
+  LD_PRELOAD names another allocator (jemalloc, tcmalloc, mimalloc).
 """
 
 from __future__ import annotations
@@ -31,67 +23,85 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import sys
 from typing import Mapping
 
-# mallopt's parameter numbers (glibc's malloc.h).
-M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
-M_ARENA_MAX = -8
-
-USER_SETTINGS = ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                 "MALLOC_TOP_PAD_")
-PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 SWITCH = "MEGAJAX_HOST_ALLOCATOR"
-SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
+TUNABLE = "glibc.malloc.hugetlb"
+PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
-_state: str | None = None  # what tune() did in this process
 
-
-def _glibc():
-    """glibc's libc, or None when this process's C library is another."""
+def glibc_version() -> tuple[int, int] | None:
+    """(major, minor) of this process's glibc, or None for another C library."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # absent outside glibc
-        libc.mallopt
+        get = libc.gnu_get_libc_version
     except (OSError, AttributeError):
         return None
-    return libc
+    get.restype = ctypes.c_char_p
+    try:
+        major, minor = get().decode().split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, AttributeError):
+        return None
 
 
-def reason_to_leave(environ: Mapping[str, str]) -> str | None:
-    """Why the allocator is left as it is (None: tune() sets it)."""
+def transparent_huge_pages(path: str = THP_SETTING) -> str | None:
+    """The kernel's transparent huge page mode (always, madvise, never), None when unknown."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
+
+
+def reason_to_leave(environ: Mapping[str, str], glibc: tuple[int, int] | None, thp: str | None) -> str | None:
+    """Why the command keeps the allocator as it is (None: it restarts with huge pages)."""
     choice = environ.get(SWITCH, "").strip().lower()
-    if choice not in ("", "tuned", "system"):
-        return f"{SWITCH}={environ[SWITCH]!r} is not one of tuned, system; left as it is"
-    if choice != "tuned":
-        return f"{SWITCH}=tuned not set"
-    chosen = [k for k in USER_SETTINGS if k in environ]
-    if chosen:
-        return f"{', '.join(chosen)} set by the user"
-    preload = environ.get("LD_PRELOAD", "")
-    named = [a for a in PRELOADED if a in preload]
+    if choice not in ("", "hugepages", "system"):
+        return f"{SWITCH}={environ[SWITCH]!r} is not one of hugepages, system; left as it is"
+    if choice == "system":
+        return f"{SWITCH}=system"
+    if TUNABLE in environ.get("GLIBC_TUNABLES", ""):
+        return f"GLIBC_TUNABLES sets {TUNABLE}"
+    named = [a for a in PRELOADED if a in environ.get("LD_PRELOAD", "")]
     if named:
         return f"{named[0]} preloaded (LD_PRELOAD)"
+    if glibc is None or glibc < (2, 35):
+        return "needs glibc 2.35 or later" + ("" if glibc is None else f" (this is {glibc[0]}.{glibc[1]})")
+    if thp not in ("always", "madvise"):
+        return f"transparent huge pages are {thp or 'not available'} in this kernel"
     return None
 
 
-def tune(environ: Mapping[str, str] | None = None) -> str:
-    """Sets glibc's malloc as the module says when asked to, once per process; returns what it did."""
-    global _state
-    if _state is not None:
-        return _state
+def tunables_with_huge_pages(current: str) -> str:
+    """GLIBC_TUNABLES with glibc.malloc.hugetlb=1 added (colon-separated)."""
+    return f"{current}:{TUNABLE}=1" if current else f"{TUNABLE}=1"
+
+
+def reexec_with_huge_pages(argv: list[str], program: list[str] | None = None) -> None:
+    """Starts this `megajax` command (or `program`, a script's [python, path]) again with
+    huge-page malloc when it should (see the module); returns when it should not or cannot."""
+    if reason_to_leave(os.environ, glibc_version(), transparent_huge_pages()) is not None:
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES", "")))
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        program = program or [sys.executable, "-m", "megajax.cli"]
+        os.execve(program[0], [*program, *argv], env)
+    except OSError:
+        return  # the command runs on, with the system's allocator
+
+
+def described(environ: Mapping[str, str] | None = None) -> str:
+    """What this process's allocator is, for the logs."""
     environ = os.environ if environ is None else environ
-    why = reason_to_leave(environ)
-    libc = None if why else _glibc()
-    if why is None and libc is None:
-        why = "not glibc"
-    if why is None:
-        failed = [param for param, value in SETTINGS if libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)) != 1]
-        why = f"mallopt refused parameters {failed}" if failed else None
-    _state = "glibc malloc tuned: one arena, no mmap, trim past 2 GiB" if why is None else f"system default ({why})"
-    return _state
-
-
-def described() -> str:
-    """What tune() did in this process."""
-    return _state or "system default (not tuned in this process)"
+    if f"{TUNABLE}=1" in environ.get("GLIBC_TUNABLES", "").replace(" ", ""):
+        glibc = glibc_version()
+        if glibc is not None and glibc >= (2, 35) and transparent_huge_pages() in ("always", "madvise"):
+            return f"glibc malloc with transparent huge pages ({TUNABLE}=1)"
+    why = reason_to_leave(environ, glibc_version(), transparent_huge_pages())
+    return f"system default ({why or 'not restarted with huge pages'})"

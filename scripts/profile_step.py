@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megajax import host_allocator  # noqa: E402
 
-host_allocator.tune()  # as the megajax command does (before JAX starts its threads)
+if __name__ == "__main__":  # as the megajax command does: huge-page malloc, set when a process starts
+    host_allocator.reexec_with_huge_pages(sys.argv[1:], [sys.executable, str(Path(__file__).resolve())])
 
 # Frames of the trace that are not operations of the program.
 HOST_EVENTS = ("$", "ThunkExecutor", "SlinkyThreadPool", "PjRt", "jit", "Execute", "Wait", "Rendezvous")

@@ -418,7 +418,7 @@ def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, fl
     log = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                         total_steps=cfg.train.steps, start_step=start, resumed=tr.resumed_step is not None)
     log.print(describe(tr, peak_source))
-    host = [f"host allocator: {host_allocator.described()}"] if os.environ.get(host_allocator.SWITCH) else []
+    host = [f"host allocator: {host_allocator.described()}"] if dev.platform == "cpu" else []
     for line in list(tr.plan.notes) + tr.data_report + host + [f"state: {tr.origin}"]:
         log.print(line)
     if tr.resumed_step is not None:
