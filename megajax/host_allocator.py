@@ -69,6 +69,11 @@ def reason_to_leave(environ: Mapping[str, str], glibc: tuple[int, int] | None, t
     named = [a for a in PRELOADED if a in environ.get("LD_PRELOAD", "")]
     if named:
         return f"{named[0]} preloaded (LD_PRELOAD)"
+    return unsupported(glibc, thp)
+
+
+def unsupported(glibc: tuple[int, int] | None, thp: str | None) -> str | None:
+    """Why huge-page malloc cannot work here (None: it can)."""
     if glibc is None or glibc < (2, 35):
         return "needs glibc 2.35 or later" + ("" if glibc is None else f" (this is {glibc[0]}.{glibc[1]})")
     if thp not in ("always", "madvise"):
@@ -99,9 +104,8 @@ def reexec_with_huge_pages(argv: list[str], program: list[str] | None = None) ->
 def described(environ: Mapping[str, str] | None = None) -> str:
     """What this process's allocator is, for the logs."""
     environ = os.environ if environ is None else environ
-    if f"{TUNABLE}=1" in environ.get("GLIBC_TUNABLES", "").replace(" ", ""):
-        glibc = glibc_version()
-        if glibc is not None and glibc >= (2, 35) and transparent_huge_pages() in ("always", "madvise"):
-            return f"glibc malloc with transparent huge pages ({TUNABLE}=1)"
-    why = reason_to_leave(environ, glibc_version(), transparent_huge_pages())
+    glibc, thp = glibc_version(), transparent_huge_pages()
+    if f"{TUNABLE}=1" in environ.get("GLIBC_TUNABLES", "") and unsupported(glibc, thp) is None:
+        return f"glibc malloc with transparent huge pages ({TUNABLE}=1)"
+    why = reason_to_leave(environ, glibc, thp)
     return f"system default ({why or 'not restarted with huge pages'})"

@@ -25,6 +25,7 @@ GPU without its plugin and a device) and says whether it fits.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -103,35 +104,58 @@ def _timed(step, n: int) -> list[float]:
     return out
 
 
-def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | None = None,
-              rounds: int = 3) -> dict[str, Any]:
-    """Builds the train step for `cfg`, times it and accounts for its memory and communication."""
+@dataclasses.dataclass
+class CompiledStep:
+    """The train step of a config compiled on one batch, ready to run (`run()`: one step, waited
+    for); what `bench_one` times and scripts/profile_step.py traces."""
+    plan: RunPlan
+    setup: Any  # megajax.train.setup.Setup
+    compiled: Any  # the compiled train step
+    compile_seconds: float
+    batch: dict
+    loader: Any
+    held: dict  # the state and the ok flag, replaced by every step (both donated)
+
+    def run(self) -> None:
+        self.held["state"], metrics, self.held["ok"] = self.compiled(self.held["state"], self.batch, self.held["ok"])
+        jax.block_until_ready(metrics)
+
+
+def compiled_step(cfg: Config) -> CompiledStep:
+    """Plans `cfg` on the visible devices (no evaluation), builds its state and first batch and
+    compiles its train step (timed). Close `loader` when done."""
     from megajax.data.loader import build_run_datasets
-    from megajax.train.flops import peak_tflops_per_device
-    from megajax.train.loop import count_params
     from megajax.train.setup import build_setup
 
-    if baseline:  # before anything is built: a baseline that cannot run here fails at once
-        from megajax.perf.baseline import check_baseline
-        check_baseline(baseline)
     cfg = copy.deepcopy(cfg)
     cfg.train.eval_every = 0
     plan = make_plan(cfg, jax.device_count())
     setup = build_setup(plan)
+    train_ds, _, _ = build_run_datasets(plan.cfg, plan.tokenizer)
+    loader = setup.loader(train_ds, prefetch=0)
+    batch = loader.batch(0)
+    held = {"state": setup.fresh_state(), "ok": setup.ok_flag()}
+    t0 = time.perf_counter()
+    compiled = setup.train_step().lower(held["state"], batch, held["ok"]).compile()
+    return CompiledStep(plan, setup, compiled, time.perf_counter() - t0, batch, loader, held)
+
+
+def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | None = None,
+              rounds: int = 3) -> dict[str, Any]:
+    """Builds the train step for `cfg`, times it and accounts for its memory and communication."""
+    from megajax.train.flops import peak_tflops_per_device
+    from megajax.train.loop import count_params
+
+    if baseline:  # before anything is built: a baseline that cannot run here fails at once
+        from megajax.perf.baseline import check_baseline
+        check_baseline(baseline)
+    built = compiled_step(cfg)
+    plan, setup, step_fn, compile_seconds, loader = (built.plan, built.setup, built.compiled, built.compile_seconds,
+                                                     built.loader)
     cfg, sizes, layout = plan.cfg, plan.sizes, plan.batch
     n_dev = setup.mesh.devices.size
     device = setup.mesh.devices.flat[0]
-    train_ds, _, _ = build_run_datasets(cfg, plan.tokenizer)
-    loader = setup.loader(train_ds, prefetch=0)
-    batch = loader.batch(0)
-    holder = {"state": setup.fresh_state(), "ok": setup.ok_flag()}
-    t0 = time.perf_counter()
-    step_fn = setup.train_step().lower(holder["state"], batch, holder["ok"]).compile()
-    compile_seconds = time.perf_counter() - t0
-
-    def megajax_step() -> None:
-        holder["state"], metrics, holder["ok"] = step_fn(holder["state"], batch, holder["ok"])
-        jax.block_until_ready(metrics)
+    megajax_step = built.run
 
     _timed(megajax_step, warmup)
     base = None

@@ -33,8 +33,8 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from megajax.checkpoint.manager import Checkpointer, read_meta
 from megajax import host_allocator
+from megajax.checkpoint.manager import Checkpointer, read_meta
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.distributed import preemption_sync_point
