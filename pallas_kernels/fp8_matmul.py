@@ -77,8 +77,14 @@ def quantize(x, scale, dtype):
     """x * scale cast to the float8 `dtype`, saturating: values beyond the type's range
     (infinities too) become +-fp8_max instead of inf/NaN; NaN stays NaN. Computed in fp32."""
     limit = fp8_max(dtype)
-    y = x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32)
-    return jnp.clip(y, -limit, limit).astype(dtype)
+    y = jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -limit, limit)
+    if jnp.dtype(dtype).name.endswith("fnuz"):
+        # The fnuz types' one zero is +0 and their NaN is 0x80, the bits of -0. XLA's elemental
+        # emitter (XLA:CPU with --xla_cpu_use_fusion_emitters=false) casts a negative value that
+        # rounds to zero to 0x80: such values are made +0 first (what a correct cast gives).
+        half_smallest = float(jnp.finfo(dtype).smallest_subnormal) / 2  # at most this rounds to 0
+        y = jnp.where(jnp.abs(y) <= half_smallest, jnp.float32(0), y)
+    return y.astype(dtype)
 
 
 def compute_scale(amax, fp8_max_value: float, margin: int = 0, fallback=1.0):

@@ -7,10 +7,23 @@ if _FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" {_FLAG}=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The tests compile many small programs and run each briefly: on CPU, XLA's backend without its LLVM
-# optimisations compiles them several times faster (a model's initialisation: 5.6 s -> 1.0 s).
-_OPT = "--xla_backend_optimization_level"
-if os.environ["JAX_PLATFORMS"] == "cpu" and _OPT not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += f" {_OPT}=0"
+# optimisations compiles them several times faster (a model's initialisation: 5.6 s -> 1.0 s), and
+# its older elemental emitters instead of the MLIR fusion emitters compile them ~2.5x faster again
+# (the small Llama's train step on tensor 4 x data 2: 1.6 -> 0.65 s; tests/test_parity.py on two
+# workers: 127 -> 73 s). Both are compile-time choices: every run in a test, the one-device
+# reference included, is compiled with the same ones.
+FAST_COMPILE = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    for _flag in FAST_COMPILE:
+        if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += f" {_flag}"
+
+
+def xla_flags(devices: int | None = 1) -> str:
+    """XLA_FLAGS for a `megajax` subprocess on CPU: `devices` simulated devices (None: left to the
+    command's mesh.cpu_devices), compiled as this session's programs are (FAST_COMPILE)."""
+    count = [f"{_FLAG}={devices}"] if devices else []
+    return " ".join(count + list(FAST_COMPILE))
 # Keep the embedded corpus cache of test runs out of the user's ~/.cache.
 if "MEGAJAX_CACHE" not in os.environ:
     import tempfile

@@ -21,6 +21,7 @@ from megajax.cli import main
 from megajax.errors import CheckpointError
 from megajax.train.loop import build_trainer, train
 from megajax.train.optimizer import update_count
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXED_SCHEDULE = ["optim.decay_steps=6", "train.eval_every=0"]
@@ -170,7 +171,7 @@ RUN_DIR = "runs/a"
 
 
 def _spawn(cwd: Path, *extra):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, XLA_FLAGS=xla_flags(), PYTHONPATH=str(ROOT))
     args = ["model.num_layers=2", "model.hidden_size=256", "model.ffn_hidden_size=1024", "train.seq_len=32",
             "train.log_every=1", "train.sample_tokens=0", "train.eval_every=0", "logging.tensorboard=false",
             "data.corpus_max_mb=0.5", *extra]

@@ -16,6 +16,7 @@ from megajax.checkpoint.manager import verify_step
 from megajax.cli import main
 from megajax.errors import CheckpointError
 from megajax.inference.load import find_source, generation_config
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128",
@@ -26,7 +27,7 @@ RUN = "runs/a"
 
 def megajax(cwd: Path, *args):
     env = dict(os.environ, PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0")
+               XLA_FLAGS=xla_flags())
     return subprocess.run([sys.executable, "-m", "megajax.cli", *args], capture_output=True, text=True, env=env,
                           cwd=cwd, timeout=600)
 

@@ -7,15 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def megajax(*args, devices=1, timeout=600):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    # Compiled without XLA's LLVM optimisations, as in conftest.py: several times faster to compile.
-    env["XLA_FLAGS"] = " ".join([f"--xla_force_host_platform_device_count={devices}" if devices else "",
-                                 "--xla_backend_optimization_level=0"]).strip()
+    env["XLA_FLAGS"] = xla_flags(devices)  # compiled as conftest.py's programs: several times faster
     return subprocess.run([sys.executable, "-m", "megajax.cli", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=timeout)
 
@@ -79,7 +78,7 @@ def test_user_errors_are_one_paragraph_without_traceback(args, words):
 
 def test_options_and_overrides_in_any_order_and_start_up_progress(tmp_path):
     """An override before --config, options between overrides, relative paths from another directory."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
     p = subprocess.run([sys.executable, "-m", "megajax.cli", "train", "train.steps=1", "--config", "model/tiny",
                         "train.seq_len=32", "model.num_layers=1", "--config", "mesh/gpu-1", "data.corpus_max_mb=0.2",
                         "train.sample_tokens=0", "train.eval_every=0", "logging.tensorboard=false",

@@ -25,7 +25,7 @@ from megajax.distributed import (PEER_FAILURE_EXIT_STATUS, detect_cluster, expan
 from megajax.errors import ConfigError, DistributedError
 from megajax.train.loop import train
 
-from conftest import SMALL
+from conftest import SMALL, xla_flags
 from layout_parity import PARITY, Run, assert_same_run, reference
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -162,7 +162,7 @@ def _launch(tmp_path: Path, run_dir: Path, cache: Path, *overrides: str) -> list
     """`megajax train` as process 0 and 1 of a 2-process job, 4 simulated CPU devices each;
     data=2 across the processes x tensor=4 inside each (mesh.dcn.data=2)."""
     port = _free_port()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4),
                JAX_PLATFORMS="cpu",
                PYTHONPATH=str(ROOT), JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")

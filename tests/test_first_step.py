@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SMALL
+from conftest import SMALL, xla_flags
 from megajax.compile_cache import cache_directory
 from megajax.config import user_cache_dir
 from megajax.data.corpus import SKIPPED, stdlib_files
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _env(**extra) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+               XLA_FLAGS=xla_flags(),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # this tiny model's programs compile fast
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.update(extra)

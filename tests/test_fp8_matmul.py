@@ -144,6 +144,24 @@ def test_quantize_saturates_instead_of_overflowing(dtype):
     assert _f64(quantize(jnp.array([2.56]), 100.0, dtype))[0] == min(256.0, top)
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2, E4M3_FNUZ, E5M2_FNUZ],
+                         ids=lambda t: jnp.dtype(t).name)
+def test_quantize_rounds_as_ml_dtypes_bit_for_bit(dtype):
+    """Within the range, quantize is the round-to-nearest-even cast of ml_dtypes (numpy), over
+    every binade down to values that round to zero: a negative one of those becomes the fnuz types'
+    only zero, +0, not 0x80 (their NaN, which XLA:CPU's elemental emitter, the one these tests
+    compile with, would give)."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(50_000) * np.exp2(rng.uniform(-30, 10, 50_000))
+    smallest = float(jnp.finfo(dtype).smallest_subnormal)
+    edges = [0.0, -0.0, smallest / 2, -smallest / 2, -smallest / 2 * 1.001, -smallest * 0.75, -1e-30]
+    x = np.concatenate([x, edges]).astype(np.float32)
+    top = fp8_max(dtype)
+    got = np.asarray(jax.jit(lambda v: quantize(v, 1.0, dtype))(x)).view(np.uint8)
+    want = np.clip(x, -top, top).astype(dtype).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_compute_scale_is_transformer_engine_rule_with_fallback():
     amax = jnp.array([2.0, 0.0, jnp.inf, jnp.nan, 1e-45], jnp.float32)
     got = np.asarray(compute_scale(amax, 448.0, margin=1, fallback=7.0))

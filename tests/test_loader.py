@@ -17,6 +17,7 @@ from megajax.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megajax.data.loader import Loader
 from megajax.train.loop import train
 from megajax.plan import BatchLayout
+from conftest import xla_flags
 
 EOD = 256  # the byte tokenizer's end-of-document id
 
@@ -119,7 +120,7 @@ def test_two_processes_read_disjoint_rows_and_form_the_one_process_batch(corpus,
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     root = Path(__file__).resolve().parent.parent
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu",
                PYTHONPATH=str(root))
     procs = [subprocess.Popen([sys.executable, str(root / "tests" / "multiprocess_loader_worker.py"), str(i),
                                str(port), corpus, str(tmp_path / f"p{i}.json")], env=env,

@@ -15,7 +15,7 @@ from megajax.config import load_config
 from megajax.errors import ConfigError
 from megajax.train.ops import HANG_EXIT_STATUS, MIN_STEPS_FOR_MEDIAN, StepWatchdog, hang_limit
 
-from conftest import SMALL
+from conftest import SMALL, xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +70,7 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+    return dict(os.environ, XLA_FLAGS=xla_flags(), JAX_PLATFORMS="cpu",
                 PYTHONPATH=str(ROOT))
 
 

@@ -17,6 +17,7 @@ from megajax.config import load_config
 from megajax.errors import CheckpointError, TrainingError
 from megajax.train.loop import train
 from megajax.plan import make_plan
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 ONE = jax.devices()[:1]
@@ -124,7 +125,7 @@ def test_saved_config_holds_absolute_paths(small_config, tmp_path, monkeypatch):
 
 
 def test_sigterm_during_start_up_exits_zero(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
     p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "train", "train.steps=2", "train.seq_len=32",
                           "model.num_layers=1", "data.corpus_max_mb=0.2", "logging.tensorboard=false",
                           "train.eval_every=0", f"train.run_dir={tmp_path / 'run'}"], env=env, cwd=tmp_path,

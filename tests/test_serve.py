@@ -25,6 +25,7 @@ from megajax.inference.sampling import Sampling
 from megajax.inference.server import CompletionServer
 from megajax.inference.text import completion_text
 from megajax.train.state import build_model_spec
+from conftest import xla_flags
 
 CONTEXT = 64
 
@@ -218,7 +219,7 @@ def _serving(server, *launch: str):
     once it says it listens; killed afterwards."""
     run = Path(server.service.loaded.path).parent.parent
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags())
     p = subprocess.Popen([sys.executable, *launch, "serve", "--checkpoint", str(run), "--port", "0"],
                          stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -26,6 +26,7 @@ from megajax.inference.load import find_source, generation_config, load_model
 from megajax.inference.observer import Observer
 from megajax.inference.sampling import Sampling
 from megajax.inference.server import CompletionServer, RequestContext, _stop_on_signals
+from conftest import xla_flags
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
@@ -388,7 +389,7 @@ def test_sigterm_drains_a_stream_refuses_new_work_and_exits_0(server, tmp_path):
     template.write_text(TEMPLATE)
     run = Path(server.service.loaded.path).parent.parent
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+               XLA_FLAGS=xla_flags())
     p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0",
                           "--chat-template", str(template), "--drain-timeout", "120"],
                          stderr=subprocess.PIPE, text=True, env=env)
