@@ -24,10 +24,13 @@ def xla_flags(devices: int | None = 1) -> str:
     command's mesh.cpu_devices), compiled as this session's programs are (FAST_COMPILE)."""
     count = [f"{_FLAG}={devices}"] if devices else []
     return " ".join(count + list(FAST_COMPILE))
-# Keep the embedded corpus cache of test runs out of the user's ~/.cache.
+# Keep the embedded corpus cache of test runs out of the user's ~/.cache: a directory for the
+# session, which the process that made it removes at the end (pytest-xdist's workers inherit it).
+_MADE_HERE = []
 if "MEGAJAX_CACHE" not in os.environ:
     import tempfile
     os.environ["MEGAJAX_CACHE"] = tempfile.mkdtemp(prefix="megajax-test-cache-")
+    _MADE_HERE.append(os.environ["MEGAJAX_CACHE"])
 # Many tests compile the same small programs, in this process and in the `megajax` commands they
 # run: one persistent compilation cache for the session, given through the environment so the
 # subprocesses inherit it (it is where `megajax train`'s own cache, ops.compile_cache, goes then).
@@ -60,6 +63,12 @@ def small_config(tmp_path):
         return load_config(overrides=SMALL + [f"train.steps={steps}", f"train.run_dir={tmp_path / f'run{next(calls)}'}",
                                               *overrides])
     return make
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import shutil
+    for directory in _MADE_HERE:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def pytest_report_header(config):
