@@ -78,7 +78,7 @@ def quantize(x, scale, dtype):
     (infinities too) become +-fp8_max instead of inf/NaN; NaN stays NaN. Computed in fp32."""
     limit = fp8_max(dtype)
     y = jnp.clip(x.astype(jnp.float32) * jnp.asarray(scale, jnp.float32), -limit, limit)
-    if jnp.dtype(dtype).name.endswith("fnuz"):
+    if jnp.dtype(dtype) in (jnp.dtype(E4M3_FNUZ), jnp.dtype(E5M2_FNUZ)):
         # The fnuz types' one zero is +0 and their NaN is 0x80, the bits of -0. XLA's elemental
         # emitter (XLA:CPU with --xla_cpu_use_fusion_emitters=false) casts a negative value that
         # rounds to zero to 0x80: such values are made +0 first (what a correct cast gives).

@@ -18,12 +18,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
         if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += f" {_flag}"
 
-
-def xla_flags(devices: int | None = 1) -> str:
-    """XLA_FLAGS for a `megajax` subprocess on CPU: `devices` simulated devices (None: left to the
-    command's mesh.cpu_devices), compiled as this session's programs are (FAST_COMPILE)."""
-    count = [f"{_FLAG}={devices}"] if devices else []
-    return " ".join(count + list(FAST_COMPILE))
 # Keep the embedded corpus cache of test runs out of the user's ~/.cache: a directory for the
 # session, which the process that made it removes at the end (pytest-xdist's workers inherit it).
 _MADE_HERE = []
@@ -63,6 +57,13 @@ def small_config(tmp_path):
         return load_config(overrides=SMALL + [f"train.steps={steps}", f"train.run_dir={tmp_path / f'run{next(calls)}'}",
                                               *overrides])
     return make
+
+
+def xla_flags(devices: int | None = 1) -> str:
+    """XLA_FLAGS for a `megajax` subprocess on CPU: `devices` simulated devices (None: left to the
+    command's mesh.cpu_devices), compiled as this session's programs are (FAST_COMPILE)."""
+    count = [f"{_FLAG}={devices}"] if devices else []
+    return " ".join(count + list(FAST_COMPILE))
 
 
 def pytest_sessionfinish(session, exitstatus):
