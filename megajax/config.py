@@ -246,6 +246,10 @@ class ParallelConfig:
     # MoE token exchange over mesh.expert: fixed-size all_to_all buffers (every backend) | ragged
     # (jax.lax.ragged_all_to_all: only the real rows move; GPU/TPU, dropless routing only).
     moe_all_to_all: Literal["padded", "ragged"] = "padded"
+    # Dropless MoE dispatch over mesh.expert (Megatron's --moe-token-dispatcher-type): alltoall (the
+    # assignments to their experts' devices and back) | allgather (the expert group's tokens on every
+    # device, partial sums reduce-scattered) | auto (allgather on CPU with padded buffers, else alltoall).
+    moe_token_dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
 
 
 @dataclass
@@ -746,9 +750,30 @@ def validate_moe(cfg: Config) -> None:
                           f"{m.moe_expert_capacity_factor}: capacity mode's buffers are fixed-size already; the "
                           f"ragged exchange is for dropless routing. Use parallel.moe_all_to_all=padded, or "
                           f"model.moe_expert_capacity_factor=null.")
+    if cfg.parallel.moe_token_dispatcher == "allgather" and m.moe_expert_capacity_factor is not None:
+        raise ConfigError(f"parallel.moe_token_dispatcher = allgather with model.moe_expert_capacity_factor = "
+                          f"{m.moe_expert_capacity_factor}: the allgather dispatcher is dropless; capacity mode "
+                          f"exchanges its fixed [experts, capacity] buffers with alltoall. Use "
+                          f"parallel.moe_token_dispatcher=alltoall (or auto), or model.moe_expert_capacity_factor=null.")
+    if cfg.parallel.moe_token_dispatcher == "allgather" and cfg.parallel.moe_all_to_all == "ragged":
+        raise ConfigError("parallel.moe_all_to_all = ragged chooses the all-to-all of the alltoall dispatcher, but "
+                          "parallel.moe_token_dispatcher = allgather exchanges no all-to-all. Use "
+                          "parallel.moe_token_dispatcher=alltoall with moe_all_to_all=ragged, or "
+                          "moe_all_to_all=padded with allgather.")
     if m.use_bias:
         raise ConfigError("model.use_bias = true with model.num_experts > 0: experts and router have no "
                           "biases (as in Mixtral); set model.use_bias=false (family gpt defaults to true).")
+
+
+def moe_token_dispatcher(cfg: Config, platform: str) -> str:
+    """parallel.moe_token_dispatcher resolved for devices of `platform`: `auto` is `allgather` on CPU for
+    dropless routing with padded buffers (ep x T token rows move instead of ep x T x K assignment
+    rows, and the experts' work follows the real rows), `alltoall` otherwise."""
+    choice = cfg.parallel.moe_token_dispatcher
+    if choice != "auto":
+        return choice
+    dropless_padded = cfg.model.moe_expert_capacity_factor is None and cfg.parallel.moe_all_to_all == "padded"
+    return "allgather" if platform == "cpu" and dropless_padded else "alltoall"
 
 
 def _check_dense_first(cfg: Config) -> None:

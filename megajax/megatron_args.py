@@ -124,9 +124,10 @@ FLAGS: tuple[Flag, ...] = (
          note="only with --moe-router-enable-expert-bias"),
     Flag("--moe-router-load-balancing-type", None, STR, {"aux_loss": None},
          note="megajax balances with the auxiliary loss (model.moe_aux_loss_coeff); other types are not mapped"),
-    Flag("--moe-token-dispatcher-type", None, STR, {"alltoall": None, "allgather": None},
-         note="megajax exchanges tokens with all-to-all over mesh.expert (the dispatcher changes speed, not "
-              "results); flex is not mapped"),
+    Flag("--moe-token-dispatcher-type", "parallel.moe_token_dispatcher", STR,
+         {"alltoall": "alltoall", "allgather": "allgather"},
+         note="the dispatcher changes speed, not results; without the flag megajax chooses (auto); flex is not "
+              "mapped"),
     _same("--moe-grouped-gemm", "megajax's experts run as one batched product"),
     _same("--moe-permute-fusion", XLA_FUSES),
     # Parallelism

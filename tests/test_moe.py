@@ -359,3 +359,55 @@ def test_tiled_grouped_products_equal_ragged_dot(activation, sizes, rows):
         np.testing.assert_allclose(got_k[name], want_k[name], rtol=1e-5, atol=1e-5, err_msg=name)
     if sum(sizes) < rows:
         assert not np.asarray(got_x[sum(sizes):]).any()
+
+
+@pytest.mark.parametrize("activation, first, held, experts", [
+    ("swiglu", 0, 4, 4),  # every expert here (one device)
+    ("gelu", 2, 3, 8),    # experts 2..4 of 8 here: the other assignments add nothing
+    ("swiglu", 5, 3, 8),  # the last experts
+])
+def test_routed_tiles_equal_sorted_rows(activation, first, held, experts):
+    """The tiled routed sum (each tile gathers its rows and adds its weighted outputs into their
+    tokens; a custom vjp from the kept first products) against the sorted rows through ragged_dot:
+    outputs and gradients for tokens, routing weights and kernels."""
+    from megajax.models.moe import EXPERT_KERNELS, routed_expert_sum
+    t, d, f = 13, 16, 24
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    x = jax.random.normal(next(keys), (t, d))
+    ids = jnp.argsort(jax.random.uniform(next(keys), (t, experts)), axis=1)[:, :K].astype(jnp.int32)
+    weights = jax.random.uniform(next(keys), (t, K))
+    kernels = {n: 0.3 * jax.random.normal(next(keys), (held, f, d) if n == "fc2" else (held, d, f))
+               for n in EXPERT_KERNELS[activation]}
+    cotangent = jax.random.normal(next(keys), (t, d))
+    here = (ids >= first) & (ids < first + held)
+    assert here.any() and (~here).any() if held < experts else here.all()
+
+    def loss(impl):
+        return jax.jit(jax.value_and_grad(lambda x, w, k: jnp.sum(cotangent * routed_expert_sum(
+            x, ids, w, k, activation=activation, first=first, grouped_impl=impl, tile=4)), argnums=(0, 1, 2)))
+
+    want_v, want_g = loss("ragged_dot")(x, weights, kernels)
+    got_v, got_g = loss("tiled")(x, weights, kernels)
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-5)
+    for want, got in zip(jax.tree.leaves(want_g), jax.tree.leaves(got_g)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # An assignment to another device's expert gets no gradient for its weight.
+    assert not np.asarray(got_g[1])[~np.asarray(here)].any()
+
+
+def test_token_dispatcher_resolution_and_errors():
+    from megajax.config import moe_token_dispatcher
+    moe = ["model.num_experts=8"]
+    assert moe_token_dispatcher(load_config(overrides=moe), "cpu") == "allgather"
+    assert moe_token_dispatcher(load_config(overrides=moe), "gpu") == "alltoall"
+    for extra in (["model.moe_expert_capacity_factor=1.0"], ["parallel.moe_all_to_all=ragged"]):
+        assert moe_token_dispatcher(load_config(overrides=moe + extra), "cpu") == "alltoall"
+    assert moe_token_dispatcher(load_config(overrides=moe + ["parallel.moe_token_dispatcher=allgather"]),
+                                "gpu") == "allgather"
+    with pytest.raises(ConfigError, match=r"moe_token_dispatcher = allgather with model.moe_expert_capacity_factor "
+                                          r"= 1.0.*moe_token_dispatcher=alltoall"):
+        load_config(overrides=moe + ["parallel.moe_token_dispatcher=allgather", "model.moe_expert_capacity_factor=1.0"])
+    with pytest.raises(ConfigError, match=r"moe_all_to_all = ragged.*moe_token_dispatcher = allgather"):
+        load_config(overrides=moe + ["parallel.moe_token_dispatcher=allgather", "parallel.moe_all_to_all=ragged"])
+    with pytest.raises(ConfigError, match="moe_token_dispatcher"):
+        load_config(overrides=moe + ["parallel.moe_token_dispatcher=flex"])

@@ -17,6 +17,10 @@ LAYOUTS = {
     "expert2_fsdp2_context2": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
     "expert2_fsdp2_tensor2_sp_distopt": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.tensor=2",
                                          "parallel.sequence_parallel=true", "parallel.distributed_optimizer=true"],
+    # The alltoall dispatcher (the default on GPU; on CPU the default is allgather).
+    "expert8_alltoall": ["mesh.data=1", "mesh.expert=8", "parallel.moe_token_dispatcher=alltoall"],
+    "expert4_tensor2_sp_alltoall": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                    "parallel.moe_token_dispatcher=alltoall"],
 }
 
 

@@ -192,6 +192,123 @@ def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, 
     return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
 
 
+def _rows(x_TxD: jax.Array, tokens_S: jax.Array) -> jax.Array:
+    """Rows of x by token index; index T (padding) gives 0."""
+    return jnp.take(x_TxD, tokens_S, axis=0, mode="fill", fill_value=0)
+
+
+def _hidden(pre: dict, activation: str) -> jax.Array:
+    """An expert MLP's hidden activations from its first products (gate and up, or fc1)."""
+    if activation == "swiglu":
+        return jax.nn.silu(pre["gate"]) * pre["up"]
+    return jax.nn.gelu(pre["fc1"], approximate=False)
+
+
+def _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
+    """The forward loop of _routed_tiles: (y [T, D] fp32, the tiles' first products by kernel name
+    [N x tile, F], kept for the backward)."""
+    first = EXPERT_KERNELS[activation][:-1]
+
+    def body(n, carry):
+        y_TxD, pre_S = carry
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
+        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
+        k = _expert_kernels(kernels, tile_group_N[n])
+        x = _rows(x_TxD, tokens)
+        pre = {name: x @ k[name] for name in first}
+        out = (_hidden(pre, activation) @ k["fc2"]).astype(x.dtype)
+        pre_S = {name: jax.lax.dynamic_update_slice_in_dim(pre_S[name], pre[name], n * tile, 0) for name in first}
+        return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop"), pre_S
+
+    slots = tokens_S.shape[0]
+    pre0 = {name: like(jnp.zeros((slots, kernels[name].shape[-1]), x_TxD.dtype), x_TxD) for name in first}
+    y0 = like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD)
+    return jax.lax.fori_loop(0, live_tiles, body, (y0, pre0))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _routed_tiles(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
+    """y [T, D] fp32 = sum over the slots s of tiles n < live_tiles of
+    weights_S[s] * MLP_{tile_group[n]}(x[tokens_S[s]]), slot s of tile n = s // tile; token T is a
+    padding slot. Each tile gathers its rows, runs its expert's MLP and adds its weighted outputs
+    into their tokens: no [slots, D] buffers, work in proportion to the live tiles."""
+    return _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)[0]
+
+
+def _routed_fwd(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
+    y, pre_S = _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)
+    return y, (x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, pre_S)
+
+
+def _routed_bwd(activation, tile, res, dy_TxD):
+    """Per live tile, from its kept first products (no forward recomputed): g = dy W2^T, the hidden
+    layer's gradient w g, the weight's <h, g>; the rows' gradients added into their tokens, the
+    kernels' into their expert's slice, in place."""
+    x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, pre_S = res
+    first = EXPERT_KERNELS[activation][:-1]
+
+    def body(n, carry):
+        dx_TxD, dw_S, dk = carry
+        g = tile_group_N[n]
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
+        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
+        k = _expert_kernels(kernels, g)
+        x = _rows(x_TxD, tokens)
+        pre = {name: jax.lax.dynamic_slice_in_dim(pre_S[name], n * tile, tile) for name in first}
+        hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), pre)
+        dy = _rows(dy_TxD, tokens)  # [tile, D] fp32; padding slots 0
+        grad_h = jnp.dot(dy.astype(x.dtype), k["fc2"].T, preferred_element_type=jnp.float32)  # d<out, dy>/d hidden
+        dw = jnp.sum(hidden.astype(jnp.float32) * grad_h, axis=-1)
+        (dpre,) = hidden_vjp((grad_h * w[:, None]).astype(x.dtype))
+        dk_g = {"fc2": hidden.T @ (dy * w[:, None]).astype(x.dtype)}
+        dk_g.update({name: x.T @ dpre[name] for name in first})
+        dx = sum(dpre[name] @ k[name].T for name in first)
+        dk = {name: jax.lax.dynamic_update_index_in_dim(
+            acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dk_g[name].astype(acc.dtype), g, 0)
+            for name, acc in dk.items()}
+        return (dx_TxD.at[tokens].add(dx.astype(dx_TxD.dtype), mode="drop"),
+                jax.lax.dynamic_update_slice_in_dim(dw_S, dw.astype(dw_S.dtype), n * tile, 0), dk)
+
+    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(weights_S), {name: jnp.zeros_like(k) for name, k in kernels.items()})
+    dx_TxD, dw_S, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    return dx_TxD, dw_S, dk, None, None, None
+
+
+_routed_tiles.defvjp(_routed_fwd, _routed_bwd)
+
+
+def routed_expert_sum(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array, kernels: dict, *,
+                      activation: str, first: jax.Array | int = 0, products: dict | None = None,
+                      grouped_impl: str = "auto", tile: int = GROUPED_GEMM_TILE) -> jax.Array:
+    """y [T, D] fp32 = sum over each token's assignments to the experts held here (ids first ..
+    first + G - 1, kernels [G, ...]) of weight x expert(x); the other assignments add nothing.
+
+    `tiled` (model.moe_grouped_gemm_impl): the assignments sorted by expert and padded to whole
+    tiles, a loop over the live tiles that gathers each tile's rows and adds its outputs into their
+    tokens (`_routed_tiles`). Otherwise (ragged_dot, FP8's products): the sorted rows gathered, one
+    grouped product per kernel (`expert_ffn`), the outputs back in assignment order."""
+    t, k = ids_TxK.shape
+    g = next(iter(kernels.values())).shape[0]
+    a = t * k  # assignment a = token a // K
+    local = ids_TxK.reshape(-1) - first
+    order, sizes = sort_by_expert(jnp.where((local >= 0) & (local < g), local, g), g + 1)  # group G: not here
+    if products is None and grouped_gemm_impl(grouped_impl) == "tiled":
+        src, _, tile_group, live = tile_layout(sizes[:g], a, tile)
+        assignment = jnp.take(order, src, mode="fill", fill_value=a)  # [N x tile]; a: padding
+        tokens = jnp.where(assignment < a, assignment // k, t)
+        weights = jnp.take(weights_TxK.reshape(-1), assignment, mode="fill", fill_value=0)
+        # Inside a shard_map: every operand of the custom vjp typed alike (as expert_ffn_tiled).
+        x_TxD = like(x_TxD, weights, *kernels.values())
+        weights = like(weights, x_TxD)
+        kernels = {name: like(w, x_TxD) for name, w in kernels.items()}
+        tokens, tile_group, live_tiles = (like(i, x_TxD) for i in (tokens, tile_group, jnp.sum(live).astype(jnp.int32)))
+        return _routed_tiles(x_TxD, weights, kernels, tokens, tile_group, live_tiles, activation, tile)
+    rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
+    out_sorted = expert_ffn(rows, sizes[:g], kernels, activation, products, grouped_impl)  # others' rows: 0
+    out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
+    return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+
+
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
     """(order [A]: assignments sorted by expert, stable; group sizes [E] int32)."""
     order = jnp.argsort(ids_A, stable=True)
@@ -260,13 +377,8 @@ def local_dispatch(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Array,
     if capacity_factor is not None:
         return capacity_dispatch(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation,
                                  num_experts=num_experts, capacity_factor=capacity_factor, products=products)
-    t, k = ids_TxK.shape
-    ids = ids_TxK.reshape(-1)  # [A = T K], assignment a = token a // K
-    order, sizes = sort_by_expert(ids, num_experts)
-    rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
-    out_sorted = expert_ffn(rows, sizes, kernels, activation, products, grouped_impl)
-    out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
-    y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+    y = routed_expert_sum(x_TxD, ids_TxK, weights_TxK, kernels, activation=activation, products=products,
+                          grouped_impl=grouped_impl)
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
 
 

@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megajax.mesh import Rules, entry_axes, like, logical_to_spec, mesh_sizes, spec_entry, spec_without
-from megajax.models.moe import EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, sort_by_expert
+from megajax.models.moe import (EXPERT_KERNEL_AXES, EXPERT_KERNELS, capacity_dispatch, expert_ffn, routed_expert_sum,
+                                sort_by_expert)
 from megajax.parallel.manual import shard_map_fn
 
 RESIDUAL = ("batch", "residual_length", "embed")
@@ -65,11 +66,14 @@ RAGGED_ALL_TO_ALL = jax.lax.ragged_all_to_all
 
 def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_experts: int,
                              capacity_factor: float | None,
-                             all_to_all: str = "padded", grouped_impl: str = "auto") -> Callable:
+                             all_to_all: str = "padded", grouped_impl: str = "auto",
+                             dispatcher: str = "alltoall") -> Callable:
     """dispatch(x [B, L, D], ids [B, L, K], weights [B, L, K], kernels, products=None) -> (y [B, L, D], dropped [])
     over `mesh`, the axes read from the activation rules (`batch`, `residual_length`, `length`,
     `experts`, `mlp`), also inside a pipeline stage (megajax/parallel/manual.py).
-    `all_to_all`: `padded` (fixed-size buffers) or `ragged` (dropless: only the valid rows move)."""
+    `dispatcher` (dropless): `alltoall` (the assignments' rows to their experts' devices and back;
+    `all_to_all`: `padded` (fixed-size buffers) or `ragged` (only the valid rows move)) or `allgather`
+    (every device gathers the expert group's tokens and sums its own experts' outputs)."""
     sizes = mesh_sizes(mesh)
     x_spec = logical_to_spec(RESIDUAL, rules)
     route_spec = P(x_spec[0], x_spec[1], None)
@@ -105,7 +109,10 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                                            capacity_factor=capacity_factor, ep=ep, exchange=exchange,
                                            products=products)
         else:
-            tokens = _dispatch_ragged if all_to_all == "ragged" and ep > 1 else _dispatch_tokens
+            if ep > 1 and dispatcher == "allgather":
+                tokens = _dispatch_gathered
+            else:
+                tokens = _dispatch_ragged if all_to_all == "ragged" and ep > 1 else _dispatch_tokens
             y, dropped = tokens(x.reshape(b * l, d), ids.reshape(b * l, -1), weights.reshape(b * l, -1),
                                 kernels, activation=activation, num_experts=num_experts,
                                 e_local=e_local, ep=ep, exp_axes=exp_axes, products=products,
@@ -207,4 +214,19 @@ def _dispatch_ragged(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_ex
                              back_offsets, send_sizes, axis_name=axis)  # [A, D] my sorted assignments' outputs
     out = jnp.take(back, jnp.argsort(order), axis=0)  # [A, D] in assignment order
     y = jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK.reshape(t, k, 1), axis=1)
+    return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)
+
+
+def _dispatch_gathered(x_TxD, ids_TxK, weights_TxK, kernels, *, activation, num_experts, e_local, ep, exp_axes,
+                       products=None, grouped_impl="auto"):
+    """Dropless, Megatron's allgather dispatcher: the expert group's tokens, routes and weights
+    gathered on every device [ep x T, ...], each device's experts' weighted outputs summed per token
+    (routed_expert_sum), the partial sums reduce-scattered back to their devices (fp32). No
+    worst-case buffers: ep x T token rows move each way, where the padded all_to_all moves ep x T x K."""
+    axis = spec_entry(exp_axes)
+    x_all, ids_all, weights_all = (jax.lax.all_gather(a, axis, axis=0, tiled=True) for a in (x_TxD, ids_TxK, weights_TxK))
+    first = jax.lax.axis_index(axis) * e_local  # this device's experts: first .. first + E_local - 1
+    y_all = routed_expert_sum(x_all, ids_all, weights_all, kernels, activation=activation, first=first,
+                              products=products, grouped_impl=grouped_impl)  # [ep x T, D] this device's part
+    y = jax.lax.psum_scatter(y_all, axis, scatter_dimension=0, tiled=True)
     return y.astype(x_TxD.dtype), jnp.zeros((), jnp.float32)

@@ -42,11 +42,14 @@ reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp shard
 over `data`); the distributed optimizer reduce-scatters the gradients and
 all-gathers the updated parameters over `data`.
 
-Mixture of experts over `expert` (ep ranks): each MoE layer sends a device's
+Mixture of experts over `expert` (ep ranks), the alltoall dispatcher: each MoE layer sends a device's
 tokens x top-k rows of h to the experts' devices and back, forward and
 backward, in fixed buffers with one slot per device (dropless: room for every
 assignment, so ep x the rows; capacity mode: the experts' capacity): 4
-all-to-alls of the buffer per layer and microbatch. The other parameters'
+all-to-alls of the buffer per layer and microbatch. The allgather dispatcher
+(the default on CPU) gathers the expert group's ep x s*b*h tokens (and their
+routes and weights) and reduce-scatters the fp32 outputs forward, the reverse
+backward. The other parameters'
 gradients are also all-reduced over `expert` (a data-parallel axis for them).
 A shared expert is a second tensor-parallel MLP in the layer on the same
 input: its output's and its input gradient's reduction are 2 more b*s*h
@@ -80,6 +83,7 @@ import jax
 from megajax.checkpoint.source import flatten
 from megajax.mesh import Rules, logical_to_spec
 from megajax.parallel.pipeline import build_schedule
+from megajax.config import moe_token_dispatcher
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
 
@@ -256,7 +260,15 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-gather", "context"] += fwd * cp * kv
             out["reduce-scatter", "context"] += n["bwd"] * cp * kv
     ep = sizes.get("expert", 1)
-    if m.num_experts and ep > 1:
+    if m.num_experts and ep > 1 and moe_token_dispatcher(cfg, platform) == "allgather":
+        # The expert group's tokens, routes (int32) and weights (fp32) gathered forward, the fp32
+        # partial outputs reduce-scattered; backward the output's gradient gathered, the tokens' and
+        # weights' gradients reduce-scattered.
+        rows, k = ep * tokens, m.moe_router_topk
+        fwd, bwd = n["moe_fwd"] + n["moe_extra"], n["moe_bwd"]
+        out["all-gather", "expert"] += fwd * rows * (m.hidden_size * act + 8 * k) + bwd * rows * m.hidden_size * 4
+        out["reduce-scatter", "expert"] += fwd * rows * m.hidden_size * 4 + bwd * rows * (m.hidden_size * act + 4 * k)
+    elif m.num_experts and ep > 1:
         # Each MoE layer sends its (sequence-gathered) tokens x top-k rows to the experts' devices and
         # back, forward and backward, in fixed buffers of one slot per device (dropless: room for every
         # assignment; capacity: each device's experts' capacity).

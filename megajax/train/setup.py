@@ -92,10 +92,11 @@ class Setup:
         halt = not (cfg.train.skip_nonfinite or precision_policy(cfg).dynamic_loss_scale)
 
         def guarded(state, batch, ok):
-            new, metrics = step(state, batch)
+            new, metrics = step(state, batch, ok)  # parameters and optimizer state: kept unless ok
             accept = ok & ~metrics["skipped"] if halt else ok
-            new = jax.tree.map(lambda n, o: jnp.where(accept, n, o), new, state)
-            return new, metrics, accept
+            rest = jax.tree.map(lambda n, o: jnp.where(accept, n, o),
+                                new.replace(params=None, opt_state=None), state.replace(params=None, opt_state=None))
+            return rest.replace(params=new.params, opt_state=new.opt_state), metrics, accept
 
         replicated = NamedSharding(self.mesh, P())
         metric_sh = {k: replicated for k in metric_keys(cfg)}

@@ -24,7 +24,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.config import Config, ModelConfig
+from megajax.config import Config, ModelConfig, moe_token_dispatcher
 from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
 from megajax.models import Transformer, param_axes
 from megajax.models.layout import has_expert_bias
@@ -120,7 +120,8 @@ def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None)
     return experts.expert_parallel_dispatch(mesh, rules.activations, activation=m.activation,
                                             num_experts=m.num_experts, capacity_factor=m.moe_expert_capacity_factor,
                                             all_to_all=cfg.parallel.moe_all_to_all,
-                                            grouped_impl=m.moe_grouped_gemm_impl)
+                                            grouped_impl=m.moe_grouped_gemm_impl,
+                                            dispatcher=moe_token_dispatcher(cfg, platform))
 
 
 def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None = None,

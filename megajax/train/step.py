@@ -89,14 +89,23 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
     state where the step is not finite), roll the FP8 scaling state and the expert bias forward."""
     clip, fp8_policy, moe = cfg.optim.clip_grad, precision_policy(cfg).fp8, cfg.model.num_experts > 0
 
-    def finish(state: TrainState, g: Gradients, inputs: StepInputs):
+    def finish(state: TrainState, g: Gradients, inputs: StepInputs, ok: jax.Array | None = None):
         grads = jax.tree.map(lambda x: x / inputs.scale, g.grads)
         loss = g.sums["loss_sum"] / inputs.num_tokens
         grads, grad_norm = clip_by_global_norm(grads, clip)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         lr = schedule(update_count(state.opt_state))
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
+
+        def update(grads, opt_state, params):
+            updates, new_opt = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # The parameters and optimizer state change only where the step is finite (and `ok`, the
+        # caller's flag): a conditional, so the update's fused loops write the new state once,
+        # where a select after them would read and write every parameter and moment again.
+        apply = finite if ok is None else finite & ok
+        new_params, new_opt = jax.lax.cond(apply, update, lambda g, o, p: (p, o), grads, state.opt_state,
+                                           state.params)
 
         def keep_if_skipped(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -109,8 +118,8 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
                 updated_expert_bias(bias, g.sums["moe_tokens"], cfg.model.moe_router_bias_update_rate), bias)
         new_state = TrainState(
             step=state.step + 1,
-            params=keep_if_skipped(new_params, state.params),
-            opt_state=keep_if_skipped(new_opt, state.opt_state),
+            params=new_params,
+            opt_state=new_opt,
             loss_scale=scaler.update(state.loss_scale, ~finite) if scaler else None,
             rng=state.rng,
             fp8=new_fp8,
@@ -148,9 +157,9 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
         gradients = data_parallel_gradients(cfg, spec, mesh, rules)
     finish = make_finish(cfg, tx, scaler, schedule)
 
-    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def step(state: TrainState, batch: dict, ok: jax.Array | None = None) -> tuple[TrainState, dict]:
         inputs = step_inputs(state, batch, use_dropout)
-        return finish(state, gradients(state, batch, inputs), inputs)
+        return finish(state, gradients(state, batch, inputs), inputs, ok)
 
     return step
 
