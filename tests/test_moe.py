@@ -368,8 +368,8 @@ def test_tiled_grouped_products_equal_ragged_dot(activation, sizes, rows):
 ])
 def test_routed_tiles_equal_sorted_rows(activation, first, held, experts):
     """The tiled routed sum (each tile gathers its rows and adds its weighted outputs into their
-    tokens; a custom vjp from the kept first products) against the sorted rows through ragged_dot:
-    outputs and gradients for tokens, routing weights and kernels."""
+    tokens; a custom vjp) against the sorted rows through ragged_dot: outputs and gradients for
+    tokens, routing weights and kernels."""
     from megajax.models.moe import EXPERT_KERNELS, routed_expert_sum
     t, d, f = 13, 16, 24
     keys = iter(jax.random.split(jax.random.key(1), 8))

@@ -120,13 +120,17 @@ def tile_layout(group_sizes_G: jax.Array, rows: int, tile: int) -> tuple[jax.Arr
     return src, dest, tile_group, live
 
 
+def _hidden(pre: dict, activation: str) -> jax.Array:
+    """An expert MLP's hidden activations from its first products (gate and up, or fc1)."""
+    if activation == "swiglu":
+        return jax.nn.silu(pre["gate"]) * pre["up"]
+    return jax.nn.gelu(pre["fc1"], approximate=False)
+
+
 def _tile_mlp(x_TxD: jax.Array, w: dict, activation: str) -> jax.Array:
     """One tile's rows through one expert's MLP (w: that expert's kernels)."""
-    if activation == "swiglu":
-        hidden = jax.nn.silu(x_TxD @ w["gate"]) * (x_TxD @ w["up"])
-    else:
-        hidden = jax.nn.gelu(x_TxD @ w["fc1"], approximate=False)
-    return (hidden @ w["fc2"]).astype(x_TxD.dtype)
+    first = EXPERT_KERNELS[activation][:-1]
+    return (_hidden({name: x_TxD @ w[name] for name in first}, activation) @ w["fc2"]).astype(x_TxD.dtype)
 
 
 def _expert_kernels(kernels: dict, g: jax.Array) -> dict:
@@ -197,54 +201,31 @@ def _rows(x_TxD: jax.Array, tokens_S: jax.Array) -> jax.Array:
     return jnp.take(x_TxD, tokens_S, axis=0, mode="fill", fill_value=0)
 
 
-def _hidden(pre: dict, activation: str) -> jax.Array:
-    """An expert MLP's hidden activations from its first products (gate and up, or fc1)."""
-    if activation == "swiglu":
-        return jax.nn.silu(pre["gate"]) * pre["up"]
-    return jax.nn.gelu(pre["fc1"], approximate=False)
-
-
-def _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
-    """The forward loop of _routed_tiles: (y [T, D] fp32, the tiles' first products by kernel name
-    [N x tile, F], kept for the backward)."""
-    first = EXPERT_KERNELS[activation][:-1]
-
-    def body(n, carry):
-        y_TxD, pre_S = carry
-        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
-        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
-        k = _expert_kernels(kernels, tile_group_N[n])
-        x = _rows(x_TxD, tokens)
-        pre = {name: x @ k[name] for name in first}
-        out = (_hidden(pre, activation) @ k["fc2"]).astype(x.dtype)
-        pre_S = {name: jax.lax.dynamic_update_slice_in_dim(pre_S[name], pre[name], n * tile, 0) for name in first}
-        return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop"), pre_S
-
-    slots = tokens_S.shape[0]
-    pre0 = {name: like(jnp.zeros((slots, kernels[name].shape[-1]), x_TxD.dtype), x_TxD) for name in first}
-    y0 = like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD)
-    return jax.lax.fori_loop(0, live_tiles, body, (y0, pre0))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _routed_tiles(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
     """y [T, D] fp32 = sum over the slots s of tiles n < live_tiles of
     weights_S[s] * MLP_{tile_group[n]}(x[tokens_S[s]]), slot s of tile n = s // tile; token T is a
     padding slot. Each tile gathers its rows, runs its expert's MLP and adds its weighted outputs
     into their tokens: no [slots, D] buffers, work in proportion to the live tiles."""
-    return _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)[0]
+    def body(n, y_TxD):
+        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
+        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
+        out = _tile_mlp(_rows(x_TxD, tokens), _expert_kernels(kernels, tile_group_N[n]), activation)
+        return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop")
+    return jax.lax.fori_loop(0, live_tiles, body, like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD))
 
 
 def _routed_fwd(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
-    y, pre_S = _routed_loop(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)
-    return y, (x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, pre_S)
+    y = _routed_tiles(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)
+    return y, (x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles)
 
 
 def _routed_bwd(activation, tile, res, dy_TxD):
-    """Per live tile, from its kept first products (no forward recomputed): g = dy W2^T, the hidden
-    layer's gradient w g, the weight's <h, g>; the rows' gradients added into their tokens, the
-    kernels' into their expert's slice, in place."""
-    x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, pre_S = res
+    """Per live tile: its first products again (gate and up, or fc1; keeping them from the forward
+    would take [slots, ffn] buffers of the worst case), g = dy W2^T, the hidden layer's gradient
+    w g and the weight's <hidden, g> (the output itself is not recomputed); the rows' gradients
+    added into their tokens, the kernels' into their expert's slice, in place."""
+    x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles = res
     first = EXPERT_KERNELS[activation][:-1]
 
     def body(n, carry):
@@ -254,8 +235,7 @@ def _routed_bwd(activation, tile, res, dy_TxD):
         w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
         k = _expert_kernels(kernels, g)
         x = _rows(x_TxD, tokens)
-        pre = {name: jax.lax.dynamic_slice_in_dim(pre_S[name], n * tile, tile) for name in first}
-        hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), pre)
+        hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), {name: x @ k[name] for name in first})
         dy = _rows(dy_TxD, tokens)  # [tile, D] fp32; padding slots 0
         grad_h = jnp.dot(dy.astype(x.dtype), k["fc2"].T, preferred_element_type=jnp.float32)  # d<out, dy>/d hidden
         dw = jnp.sum(hidden.astype(jnp.float32) * grad_h, axis=-1)

@@ -75,7 +75,11 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     `all_to_all`: `padded` (fixed-size buffers) or `ragged` (only the valid rows move)) or `allgather`
     (every device gathers the expert group's tokens and sums its own experts' outputs)."""
     sizes = mesh_sizes(mesh)
-    x_spec = logical_to_spec(RESIDUAL, rules)
+    # The layouts without the axes of size 1 (whose collectives the body skips): typed varying over
+    # one of them, the tokens would make the kernels varying over it too, and their gradients
+    # would be psummed over a group of one device.
+    ones = {a for a, n in sizes.items() if n == 1}
+    x_spec = P(*spec_without(logical_to_spec(RESIDUAL, rules), ones))
     route_spec = P(x_spec[0], x_spec[1], None)
     length_inside = set(rules["length"])
     # The axes the body's collectives run over (those of size 1 have nothing to exchange).
@@ -85,8 +89,7 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     ep = math.prod(sizes[a] for a in exp_axes)
     e_local = num_experts // ep  # (the plan checks that the experts split: megajax/plan.py)
     names = EXPERT_KERNELS[activation]
-    # The model's own layout of the kernels, without the axes of size 1 (whose collectives the body skips).
-    ones = {a for a, n in sizes.items() if n == 1}
+    # The model's own layout of the kernels.
     kernel_specs = [P(*spec_without(logical_to_spec(EXPERT_KERNEL_AXES[n], rules), ones)) for n in names]
     all_axes = tuple(mesh.axis_names)
     # Devices that hold the same tokens (tensor ranks without sequence parallelism): their drop

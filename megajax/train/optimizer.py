@@ -66,11 +66,18 @@ def update_count(opt_state) -> jax.Array:
     return opt_state[0].count
 
 
+def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
+    """Megatron's clipping factor for gradients of global norm `norm`: max_norm / (norm + 1e-6) when
+    that is below 1, else 1; `max_norm` 0 turns clipping off (1)."""
+    if max_norm <= 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.minimum(1.0, max_norm / (norm + 1e-6))
+
+
 def clip_by_global_norm(grads, max_norm: float) -> tuple:
-    """(clipped gradients, pre-clip global norm): Megatron's scaling by max_norm / (norm + 1e-6)
-    when that is below 1; `max_norm` 0 turns clipping off."""
+    """(clipped gradients, pre-clip global norm)."""
     norm = optax.tree.norm(grads)
     if max_norm <= 0:
         return grads, norm
-    coeff = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    coeff = clip_coefficient(norm, max_norm)
     return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm

@@ -50,7 +50,7 @@ from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.train.loss import Gradients, StepInputs, cross_entropy, microbatch_loss, step_inputs
 from megajax.train.ops import MOE_RECORD_FIELDS
-from megajax.train.optimizer import clip_by_global_norm, update_count
+from megajax.train.optimizer import clip_coefficient, update_count
 from megajax.train.pipeline_step import pipeline_gradients
 from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
@@ -90,21 +90,23 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
     clip, fp8_policy, moe = cfg.optim.clip_grad, precision_policy(cfg).fp8, cfg.model.num_experts > 0
 
     def finish(state: TrainState, g: Gradients, inputs: StepInputs, ok: jax.Array | None = None):
-        grads = jax.tree.map(lambda x: x / inputs.scale, g.grads)
         loss = g.sums["loss_sum"] / inputs.num_tokens
-        grads, grad_norm = clip_by_global_norm(grads, clip)
+        grad_norm = optax.tree.norm(g.grads) / inputs.scale  # of the unscaled gradients, before clipping
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         lr = schedule(update_count(state.opt_state))
+        factor = clip_coefficient(grad_norm, clip) / inputs.scale  # unscale and clip: one product
 
         def update(grads, opt_state, params):
+            grads = jax.tree.map(lambda x: x * factor, grads)
             updates, new_opt = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), new_opt
 
         # The parameters and optimizer state change only where the step is finite (and `ok`, the
-        # caller's flag): a conditional, so the update's fused loops write the new state once,
-        # where a select after them would read and write every parameter and moment again.
+        # caller's flag): a conditional whose branch unscales, clips and updates in the same fused
+        # loops, which write the new state once (a select after them would read and write every
+        # parameter and moment again, and the scaled gradients would be a pass of their own).
         apply = finite if ok is None else finite & ok
-        new_params, new_opt = jax.lax.cond(apply, update, lambda g, o, p: (p, o), grads, state.opt_state,
+        new_params, new_opt = jax.lax.cond(apply, update, lambda g, o, p: (p, o), g.grads, state.opt_state,
                                            state.params)
 
         def keep_if_skipped(new, old):
