@@ -397,3 +397,11 @@ def like(g, *primals):
     want = set().union(*(varying_axes(p) for p in primals))
     missing = tuple(sorted(want - varying_axes(g)))
     return jax.lax.pcast(g, missing, to="varying") if missing else g
+
+
+def alike(*trees):
+    """`trees` with every leaf typed as varying over each manual mesh axis any leaf varies over: the
+    operands of a custom vjp inside a shard_map (the sums of their gradients over the axes only some
+    of them vary over then happen outside it)."""
+    leaves = jax.tree.leaves(trees)
+    return jax.tree.map(lambda a: like(a, *leaves), trees)

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from megajax.config import OptimConfig, load_config
-from megajax.train.optimizer import clip_by_global_norm, decay_mask, lr_schedule, make_optimizer, update_count
+from megajax.train.optimizer import clip_coefficient, decay_mask, lr_schedule, make_optimizer, update_count
 from megajax.train.state import build_model_spec
 
 
@@ -118,15 +118,22 @@ def megatron_clip(grads: list[np.ndarray], max_norm: float) -> tuple[list[np.nda
 def test_clipping_matches_megatron_and_reports_the_pre_clip_norm(max_norm):
     rng = np.random.default_rng(0)
     grads = {"a": rng.normal(size=(7, 5)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32)}
-    got, norm = jax.jit(lambda g: clip_by_global_norm(g, max_norm))(grads)
+    def clip(g, max_norm):  # as the train step: the pre-clip norm, the factor applied to every leaf
+        norm = optax.tree.norm(g)
+        coeff = clip_coefficient(norm, max_norm)
+        return jax.tree.map(lambda x: x * coeff, g), norm
+
+    got, norm = jax.jit(lambda g: clip(g, max_norm))(grads)
     want, total = megatron_clip([grads["a"], grads["b"]], max_norm)
     np.testing.assert_allclose(float(norm), total, rtol=1e-6)
     for g, w in zip((got["a"], got["b"]), want):
         np.testing.assert_allclose(g, w, rtol=1e-6)
     if max_norm < total:  # clipped onto the ball (up to Megatron's 1e-6)
         np.testing.assert_allclose(float(optax.tree.norm(got)), max_norm, rtol=1e-5)
-    off, norm_off = clip_by_global_norm(grads, 0.0)
-    assert off is grads and float(norm_off) == pytest.approx(total, rel=1e-6)
+    off, norm_off = clip(grads, 0.0)
+    assert float(clip_coefficient(norm_off, 0.0)) == 1.0 and float(norm_off) == pytest.approx(total, rel=1e-6)
+    for g, w in zip((off["a"], off["b"]), (grads["a"], grads["b"])):
+        np.testing.assert_array_equal(g, w)
 
 
 def test_train_step_clips_and_logs_the_pre_clip_norm(small_config):

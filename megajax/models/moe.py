@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megajax.config import ModelConfig
-from megajax.mesh import like
+from megajax.mesh import alike, like
 from megajax.models.layers import LinearOps, normal_init
 from megajax.models.mlp import MLP
 
@@ -185,12 +185,7 @@ def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, 
     m, d = x_MxD.shape
     src, dest, tile_group, live = tile_layout(group_sizes_G, m, tile)
     n = tile_group.shape[0]
-    # Inside a shard_map: rows, kernels and the layout typed alike (their gradients' sums over the
-    # axes only some vary over happen outside the custom vjp).
-    live_tiles = jnp.sum(live).astype(jnp.int32)
-    tile_group, live_tiles = (like(a, x_MxD, *kernels.values()) for a in (tile_group, live_tiles))
-    x_MxD = like(x_MxD, *kernels.values())
-    kernels = {name: like(k, x_MxD) for name, k in kernels.items()}
+    x_MxD, kernels, tile_group, live_tiles = alike(x_MxD, kernels, tile_group, jnp.sum(live).astype(jnp.int32))
     x_NxTxD = jnp.take(x_MxD, src, axis=0, mode="fill", fill_value=0).reshape(n, tile, d)
     y_NxTxD = _tiles_through_experts(x_NxTxD, kernels, tile_group, live_tiles, activation)
     return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
@@ -277,11 +272,8 @@ def routed_expert_sum(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
         assignment = jnp.take(order, src, mode="fill", fill_value=a)  # [N x tile]; a: padding
         tokens = jnp.where(assignment < a, assignment // k, t)
         weights = jnp.take(weights_TxK.reshape(-1), assignment, mode="fill", fill_value=0)
-        # Inside a shard_map: every operand of the custom vjp typed alike (as expert_ffn_tiled).
-        x_TxD = like(x_TxD, weights, *kernels.values())
-        weights = like(weights, x_TxD)
-        kernels = {name: like(w, x_TxD) for name, w in kernels.items()}
-        tokens, tile_group, live_tiles = (like(i, x_TxD) for i in (tokens, tile_group, jnp.sum(live).astype(jnp.int32)))
+        x_TxD, weights, kernels, tokens, tile_group, live_tiles = alike(
+            x_TxD, weights, kernels, tokens, tile_group, jnp.sum(live).astype(jnp.int32))
         return _routed_tiles(x_TxD, weights, kernels, tokens, tile_group, live_tiles, activation, tile)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
     out_sorted = expert_ffn(rows, sizes[:g], kernels, activation, products, grouped_impl)  # others' rows: 0

@@ -81,9 +81,9 @@ from collections import defaultdict
 import jax
 
 from megajax.checkpoint.source import flatten
+from megajax.config import moe_token_dispatcher
 from megajax.mesh import Rules, logical_to_spec
 from megajax.parallel.pipeline import build_schedule
-from megajax.config import moe_token_dispatcher
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
 

@@ -72,12 +72,3 @@ def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:
     if max_norm <= 0:
         return jnp.ones((), jnp.float32)
     return jnp.minimum(1.0, max_norm / (norm + 1e-6))
-
-
-def clip_by_global_norm(grads, max_norm: float) -> tuple:
-    """(clipped gradients, pre-clip global norm)."""
-    norm = optax.tree.norm(grads)
-    if max_norm <= 0:
-        return grads, norm
-    coeff = clip_coefficient(norm, max_norm)
-    return jax.tree.map(lambda g: g * coeff.astype(g.dtype), grads), norm
