@@ -108,14 +108,14 @@ def tile_layout(group_sizes_G: jax.Array, rows: int, tile: int) -> tuple[jax.Arr
     tile_start = tile_end - tiles
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
-    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n), side="right"), g - 1).astype(jnp.int32)
+    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n), side="right", method="compare_all"), g - 1).astype(jnp.int32)
     live = jnp.arange(n) < tile_end[-1]
     slot = jnp.arange(n * tile)
     grp = tile_group[slot // tile]
     offset = slot - tile_start[grp] * tile
     src = jnp.where(live[slot // tile] & (offset < sizes[grp]), row_start[grp] + offset, rows)
     r = jnp.arange(rows)
-    row_group = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), g - 1)
+    row_group = jnp.minimum(jnp.searchsorted(row_end, r, side="right", method="compare_all"), g - 1)
     dest = jnp.where(r < row_end[-1], tile_start[row_group] * tile + r - row_start[row_group], n * tile)
     return src, dest, tile_group, live
 
