@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from conftest import xla_flags
 
 from megajax import host_allocator
 
@@ -82,7 +83,6 @@ def test_the_command_restarts_itself_with_huge_pages(tmp_path):
     args = [sys.executable, "-m", "megajax.cli", "train", "--config", "model/tiny", "train.steps=1",
             "train.seq_len=32", "train.eval_every=0", "train.global_batch=8",
             "checkpoint.every=0"]
-    from conftest import xla_flags
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
     env["XLA_FLAGS"] = xla_flags(1)  # one device: what is checked is the restart and the log line
     for setting, want in (("hugepages", "host allocator: glibc malloc with transparent huge pages"),

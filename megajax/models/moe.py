@@ -108,7 +108,8 @@ def tile_layout(group_sizes_G: jax.Array, rows: int, tile: int) -> tuple[jax.Arr
     tile_start = tile_end - tiles
     row_end = jnp.cumsum(sizes)
     row_start = row_end - sizes
-    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n), side="right", method="compare_all"), g - 1).astype(jnp.int32)
+    tile_group = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(n), side="right", method="compare_all"),
+                             g - 1).astype(jnp.int32)
     live = jnp.arange(n) < tile_end[-1]
     slot = jnp.arange(n * tile)
     grp = tile_group[slot // tile]
