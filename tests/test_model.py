@@ -5,11 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
 
 from megajax.config import load_config
 from megajax.models import Transformer
 from megajax.models.attention import xla_attention
-from megajax.models.layers import rope_inv_freq
+from megajax.models.layers import rope_inv_freq, softmax, softmax_lse
 
 
 def tiny(family="llama", *overrides):
@@ -120,3 +121,28 @@ def test_llama3_rope_scaling_matches_transformers():
     inv_freq, _ = rope.ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     ours = rope_inv_freq(128, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
     np.testing.assert_allclose(ours, inv_freq.numpy(), rtol=1e-6)
+
+
+def test_softmax_keeps_only_its_output_for_the_backward_pass(capsys):
+    x = jax.random.normal(jax.random.key(0), (3, 5, 7)) * 4
+    x = x.at[0, 0].set(jnp.finfo(jnp.float32).min)  # a masked row, as attention's where() writes it
+    cot = jax.random.normal(jax.random.key(1), x.shape)
+    np.testing.assert_array_equal(softmax(x), jax.nn.softmax(x, axis=-1))
+    y, lse = softmax_lse(x)
+    np.testing.assert_array_equal(y, jax.nn.softmax(x, axis=-1))
+    np.testing.assert_allclose(lse, jax.nn.logsumexp(x, axis=-1), rtol=1e-6)
+    for axis in (-1, 1):
+        np.testing.assert_allclose(jax.vjp(lambda a: softmax(a, axis), x)[1](cot)[0],
+                                   jax.vjp(lambda a: jax.nn.softmax(a, axis=axis), x)[1](cot)[0], rtol=1e-5, atol=1e-6)
+    ours = jax.grad(lambda a: jnp.sum(softmax_lse(a)[0] * cot) + jnp.sum(jnp.square(softmax_lse(a)[1])))(x)
+    jaxs = jax.grad(lambda a: jnp.sum(jax.nn.softmax(a) * cot) + jnp.sum(jnp.square(jax.nn.logsumexp(a, axis=-1))))(x)
+    np.testing.assert_allclose(ours, jaxs, rtol=1e-5, atol=1e-5)
+    capsys.readouterr()
+    def both(a):
+        y, lse = softmax_lse(a)
+        return y + lse[..., None]
+
+    for f in (softmax, both):  # saved: the softmax, and sin's cosine
+        print_saved_residuals(lambda a: jnp.sum(jnp.sin(f(a))), x)
+        saved = [line for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
+        assert len(saved) == 2 and sum("f32[3,5,7] output of custom_jvp_call" in line for line in saved) == 1, saved

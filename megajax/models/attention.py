@@ -16,7 +16,7 @@ from flax import nnx, struct
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
-from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, dropout
+from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, dropout, softmax
 
 
 class AttentionCore(Protocol):
@@ -46,7 +46,7 @@ def xla_attention(q_BxLxHxK, k_BxTxGxK, v_BxTxGxK, *, segment_ids=None, causal=T
         mask = same_doc if mask is None else mask & same_doc
     if mask is not None:
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1)
+    probs = softmax(scores, axis=-1)
     probs = dropout(probs, dropout_rate, dropout_rng, PROBS).astype(v_BxTxGxK.dtype)
     out = jnp.einsum("bgrlt,btgk->blgrk", probs, v_BxTxGxK)
     return out.reshape(b, l, h, v_BxTxGxK.shape[-1])  # v's head dim may differ from q's (multi-latent)

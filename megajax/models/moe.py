@@ -42,7 +42,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig
 from megajax.mesh import alike, like
-from megajax.models.layers import LinearOps, normal_init
+from megajax.models.layers import LinearOps, normal_init, softmax, softmax_lse
 from megajax.models.mlp import MLP
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
@@ -409,12 +409,12 @@ def route(logits_TxE: jax.Array, topk: int, score_function: str = "softmax", exp
         return _topk_ids(x if groups is None else group_limited(x, topk, *groups), topk)
 
     if score_function == "softmax" and pre_softmax:
-        probs = jax.nn.softmax(logits_TxE, axis=-1)
+        probs = softmax(logits_TxE)
         ids = topk_ids(probs)
         weights = jnp.take_along_axis(probs, ids, axis=-1)
     elif score_function == "softmax":
         ids = topk_ids(logits_TxE)
-        weights = jax.nn.softmax(jnp.take_along_axis(logits_TxE, ids, axis=-1), axis=-1)
+        weights = softmax(jnp.take_along_axis(logits_TxE, ids, axis=-1))
     else:
         scores = jax.nn.sigmoid(logits_TxE)
         ids = topk_ids(scores if expert_bias_E is None else scores + expert_bias_E)
@@ -433,8 +433,9 @@ def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array, 
     were chosen otherwise (`biased`: an expert bias or group-limited routing), those of the plain
     top-k of the scores (as Megatron-Core: the bias and the groups are outside the loss)."""
     e, k = logits_TxE.shape[-1], ids_TxK.shape[-1]
+    softmax_TxE, lse = softmax_lse(logits_TxE)
     if score_function == "softmax":
-        probs = scores = jax.nn.softmax(logits_TxE, axis=-1)
+        probs = scores = softmax_TxE
     else:
         scores = jax.nn.sigmoid(logits_TxE)
         probs = scores / (jnp.sum(scores, axis=-1, keepdims=True) + 1e-20)
@@ -445,7 +446,6 @@ def router_stats(logits_TxE: jax.Array, ids_TxK: jax.Array, dropped: jax.Array, 
 
     tokens = counts(ids_TxK)
     balance = counts(_topk_ids(jax.lax.stop_gradient(scores), k)) if biased else tokens
-    lse = jax.nn.logsumexp(logits_TxE, axis=-1)
     return RouterStats(probs=jnp.sum(probs, axis=0), tokens=tokens, balance_tokens=balance,
                        lse_sq=jnp.sum(jnp.square(lse)), count=jnp.float32(logits_TxE.shape[0]),
                        dropped=jax.lax.stop_gradient(dropped))
