@@ -1,4 +1,4 @@
-"""Building blocks: Dense (injectable dot_general), embeddings, norms, rotary, dropout.
+"""Building blocks: Dense (injectable dot_general), embeddings, norms, rotary, dropout, softmax.
 
 Every parameter carries its logical axis names in the `axes` metadata; the
 mapping to mesh axes lives in megajax/mesh.py. Parameters are stored in
@@ -80,27 +80,6 @@ def flat_dot_general(dot_general: DotGeneral = jax.lax.dot_general) -> DotGenera
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _softmax(x: jax.Array, axis: int) -> jax.Array:
-    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True)))
-    return e / jnp.sum(e, axis, keepdims=True)
-
-
-@_softmax.defjvp
-def _softmax_jvp(axis, primals, tangents):
-    (x,), (dx,) = primals, tangents
-    y = _softmax(x, axis)
-    return y, y * (dx - jnp.sum(y * dx, axis, keepdims=True))
-
-
-def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
-    """softmax along `axis`, the values of jax.nn.softmax, whose backward pass keeps only the output
-    (y dx - y <y, dx>): jax.nn.softmax's autodiff keeps exp(x - max), the sum and its inverse
-    square, three arrays for a layer's scan to stack and read back where one does (the attention
-    probabilities: one [query, key] array per head instead of two)."""
-    return _softmax(x, axis)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _softmax_lse(x: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
     m = jax.lax.stop_gradient(jnp.max(x, axis, keepdims=True))
     e = jnp.exp(x - m)
@@ -120,6 +99,14 @@ def softmax_lse(x: jax.Array, axis: int = -1) -> tuple[jax.Array, jax.Array]:
     """(softmax(x), logsumexp(x)) along `axis` for finite x, the backward pass keeping the softmax
     alone (the logsumexp's derivative is the softmax)."""
     return _softmax_lse(x, axis)
+
+
+def softmax(x: jax.Array, axis: int = -1) -> jax.Array:
+    """softmax along `axis`, the values of jax.nn.softmax, whose backward pass keeps only the output
+    (y dx - y <y, dx>): jax.nn.softmax's autodiff keeps exp(x - max), the sum and its inverse
+    square, three arrays for a layer's scan to stack and read back where one does (the attention
+    probabilities: one [query, key] array per head instead of two)."""
+    return _softmax_lse(x, axis)[0]
 
 
 def _sum_to_vma(ct: jax.Array, primal: jax.Array) -> jax.Array:
