@@ -366,10 +366,12 @@ def test_tiled_grouped_products_equal_ragged_dot(activation, sizes, rows):
     ("gelu", 2, 3, 8),    # experts 2..4 of 8 here: the other assignments add nothing
     ("swiglu", 5, 3, 8),  # the last experts
 ])
-def test_routed_tiles_equal_sorted_rows(activation, first, held, experts):
-    """The tiled routed sum (each tile gathers its rows and adds its weighted outputs into their
-    tokens; a custom vjp) against the sorted rows through ragged_dot: outputs and gradients for
-    tokens, routing weights and kernels."""
+def test_routed_tiles_equal_sorted_rows(activation, first, held, experts, capsys):
+    """The tiled routed sum (each tile gathers its rows and weights and adds its weighted outputs
+    into their tokens; a custom vjp) against the sorted rows through ragged_dot: outputs and
+    gradients for tokens, routing weights and kernels. For the backward pass it keeps, besides its
+    arguments, the slots' assignments and the tiles' experts and count alone."""
+    from jax.ad_checkpoint import print_saved_residuals
     from megajax.models.moe import EXPERT_KERNELS, routed_expert_sum
     t, d, f = 13, 16, 24
     keys = iter(jax.random.split(jax.random.key(1), 8))
@@ -393,6 +395,11 @@ def test_routed_tiles_equal_sorted_rows(activation, first, held, experts):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # An assignment to another device's expert gets no gradient for its weight.
     assert not np.asarray(got_g[1])[~np.asarray(here)].any()
+    print_saved_residuals(lambda x, w, k: jnp.sum(routed_expert_sum(
+        x, ids, w, k, activation=activation, first=first, grouped_impl="tiled", tile=4)), x, weights, kernels)
+    saved = [line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
+    slots, tiles = 4 * (-(-t * K // 4) + held), -(-t * K // 4) + held  # N x tile slots, N tiles
+    assert sorted(saved) == sorted([f"i32[{slots}]", f"i32[{tiles}]", "i32[]"]), saved
 
 
 def test_token_dispatcher_resolution_and_errors():

@@ -197,38 +197,47 @@ def _rows(x_TxD: jax.Array, tokens_S: jax.Array) -> jax.Array:
     return jnp.take(x_TxD, tokens_S, axis=0, mode="fill", fill_value=0)
 
 
+def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Slots' tokens and weights from their assignments (a = token x K + choice; T x K: padding,
+    token T, weight 0)."""
+    t, k = weights_TxK.shape
+    tokens = jnp.where(assignment_S < t * k, assignment_S // k, t)
+    return tokens, jnp.take(weights_TxK.reshape(-1), assignment_S, mode="fill", fill_value=0)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _routed_tiles(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
+def _routed_tiles(x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles, activation, tile):
     """y [T, D] fp32 = sum over the slots s of tiles n < live_tiles of
-    weights_S[s] * MLP_{tile_group[n]}(x[tokens_S[s]]), slot s of tile n = s // tile; token T is a
-    padding slot. Each tile gathers its rows, runs its expert's MLP and adds its weighted outputs
-    into their tokens: no [slots, D] buffers, work in proportion to the live tiles."""
+    w[a] * MLP_{tile_group[n]}(x[a // K]), a = assignment_S[s], w = weights_TxK flattened, slot s of
+    tile n = s // tile; a = T x K is a padding slot. Each tile gathers its rows and weights, runs its
+    expert's MLP and adds its weighted outputs into their tokens: no [slots, D] buffers, work in
+    proportion to the live tiles, and only the assignments kept for the backward pass."""
     def body(n, y_TxD):
-        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
-        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
+        tokens, w = _slot_tokens(jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile), weights_TxK)
         out = _tile_mlp(_rows(x_TxD, tokens), _expert_kernels(kernels, tile_group_N[n]), activation)
         return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop")
     return jax.lax.fori_loop(0, live_tiles, body, like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD))
 
 
-def _routed_fwd(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile):
-    y = _routed_tiles(x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles, activation, tile)
-    return y, (x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles)
+def _routed_fwd(x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles, activation, tile):
+    y = _routed_tiles(x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles, activation, tile)
+    return y, (x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles)
 
 
 def _routed_bwd(activation, tile, res, dy_TxD):
     """Per live tile: its first products again (gate and up, or fc1; keeping them from the forward
     would take [slots, ffn] buffers of the worst case), g = dy W2^T, the hidden layer's gradient
     w g and the weight's <hidden, g> (the output itself is not recomputed); the rows' gradients
-    added into their tokens, the kernels' into their expert's slice, in place."""
-    x_TxD, weights_S, kernels, tokens_S, tile_group_N, live_tiles = res
+    added into their tokens, the weights' into their assignments, the kernels' into their expert's
+    slice, in place."""
+    x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles = res
     first = EXPERT_KERNELS[activation][:-1]
 
     def body(n, carry):
-        dx_TxD, dw_S, dk = carry
+        dx_TxD, dw_A, dk = carry
         g = tile_group_N[n]
-        tokens = jax.lax.dynamic_slice_in_dim(tokens_S, n * tile, tile)
-        w = jax.lax.dynamic_slice_in_dim(weights_S, n * tile, tile)
+        assignment = jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile)
+        tokens, w = _slot_tokens(assignment, weights_TxK)
         k = _expert_kernels(kernels, g)
         x = _rows(x_TxD, tokens)
         hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), {name: x @ k[name] for name in first})
@@ -243,11 +252,12 @@ def _routed_bwd(activation, tile, res, dy_TxD):
             acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dk_g[name].astype(acc.dtype), g, 0)
             for name, acc in dk.items()}
         return (dx_TxD.at[tokens].add(dx.astype(dx_TxD.dtype), mode="drop"),
-                jax.lax.dynamic_update_slice_in_dim(dw_S, dw.astype(dw_S.dtype), n * tile, 0), dk)
+                dw_A.at[assignment].add(dw.astype(dw_A.dtype), mode="drop"), dk)
 
-    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(weights_S), {name: jnp.zeros_like(k) for name, k in kernels.items()})
-    dx_TxD, dw_S, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
-    return dx_TxD, dw_S, dk, None, None, None
+    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(weights_TxK.reshape(-1)),
+             {name: jnp.zeros_like(k) for name, k in kernels.items()})
+    dx_TxD, dw_A, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    return dx_TxD, dw_A.reshape(weights_TxK.shape), dk, None, None, None
 
 
 _routed_tiles.defvjp(_routed_fwd, _routed_bwd)
@@ -271,11 +281,9 @@ def routed_expert_sum(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
     if products is None and grouped_gemm_impl(grouped_impl) == "tiled":
         src, _, tile_group, live = tile_layout(sizes[:g], a, tile)
         assignment = jnp.take(order, src, mode="fill", fill_value=a)  # [N x tile]; a: padding
-        tokens = jnp.where(assignment < a, assignment // k, t)
-        weights = jnp.take(weights_TxK.reshape(-1), assignment, mode="fill", fill_value=0)
-        x_TxD, weights, kernels, tokens, tile_group, live_tiles = alike(
-            x_TxD, weights, kernels, tokens, tile_group, jnp.sum(live).astype(jnp.int32))
-        return _routed_tiles(x_TxD, weights, kernels, tokens, tile_group, live_tiles, activation, tile)
+        x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles = alike(
+            x_TxD, weights_TxK, kernels, assignment, tile_group, jnp.sum(live).astype(jnp.int32))
+        return _routed_tiles(x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles, activation, tile)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
     out_sorted = expert_ffn(rows, sizes[:g], kernels, activation, products, grouped_impl)  # others' rows: 0
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
