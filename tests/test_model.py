@@ -138,6 +138,7 @@ def test_softmax_keeps_only_its_output_for_the_backward_pass(capsys):
     jaxs = jax.grad(lambda a: jnp.sum(jax.nn.softmax(a) * cot) + jnp.sum(jnp.square(jax.nn.logsumexp(a, axis=-1))))(x)
     np.testing.assert_allclose(ours, jaxs, rtol=1e-5, atol=1e-5)
     capsys.readouterr()
+
     def both(a):
         y, lse = softmax_lse(a)
         return y + lse[..., None]

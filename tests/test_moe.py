@@ -398,8 +398,8 @@ def test_routed_tiles_equal_sorted_rows(activation, first, held, experts, capsys
     print_saved_residuals(lambda x, w, k: jnp.sum(routed_expert_sum(
         x, ids, w, k, activation=activation, first=first, grouped_impl="tiled", tile=4)), x, weights, kernels)
     saved = [line.split(" ")[0] for line in capsys.readouterr().out.splitlines() if "from the argument" not in line]
-    slots, tiles = 4 * (-(-t * K // 4) + held), -(-t * K // 4) + held  # N x tile slots, N tiles
-    assert sorted(saved) == sorted([f"i32[{slots}]", f"i32[{tiles}]", "i32[]"]), saved
+    tiles = -(-t * K // 4) + held  # N = ceil(assignments / tile) + G tiles of 4 slots
+    assert sorted(saved) == sorted([f"i32[{4 * tiles}]", f"i32[{tiles}]", "i32[]"]), saved
 
 
 def test_token_dispatcher_resolution_and_errors():
