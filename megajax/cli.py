@@ -4,9 +4,9 @@
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [--with-optimizer]
-        [checkpoint.step=N]
+        [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
-    megajax import --format hf|megatron --input DIR --output DIR
+    megajax import --format hf|megatron --input DIR --output DIR [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
     megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
@@ -38,6 +38,11 @@ def _simulate_cpu_devices(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if count > 0 and DEVICE_COUNT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+
+
+TRUST_HELP = ("a Megatron checkpoint's files are read without running code they name (Megatron's classes as "
+              "stand-ins, other classes refused); this option unpickles them with Python's full pickle instead, "
+              "which runs whatever code a file names: only for a checkpoint whose origin you trust")
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -169,13 +174,13 @@ def _megatron_export_source(args: argparse.Namespace):
     if _checkpoint_step(args.overrides, accept_only=True) is not None:
         raise UserError("megajax export: checkpoint.step=N selects a step of a megajax run; a Megatron checkpoint "
                         "names its iteration by its tracker file, or pass --checkpoint DIR/iter_NNNNNNN.")
-    found, said = megatron_tokenizer(args.checkpoint)
+    found, said = megatron_tokenizer(args.checkpoint, trust=args.trust_checkpoint)
     tokenizer = args.tokenizer or found
     if tokenizer is None:
         raise CheckpointError(f"Megatron checkpoint {args.checkpoint} names no tokenizer megajax can find "
                               f"({said}); pass --tokenizer TOK ('byte', a Hugging Face tokenizer.json, or a "
                               f"directory containing one).")
-    return megatron_source(args.checkpoint), tokenizer, Path(args.checkpoint)
+    return megatron_source(args.checkpoint, trust=args.trust_checkpoint), tokenizer, Path(args.checkpoint)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -207,14 +212,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         iteration = step if step >= 1 else None
         if args.ckpt_format == "torch":
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
-                                  pipeline_parallel=args.pipeline_parallel, dtype=args.dtype,
-                                  iteration=iteration, tokenizer_spec=tokenizer)
+                                  pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
+                                  dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer)
             fmt = "megatron, legacy torch format"
         else:
-            if (args.tensor_parallel, args.pipeline_parallel) != (1, 1):
-                raise UserError("megajax export: --tensor-parallel and --pipeline-parallel split a legacy "
-                                "(--ckpt-format torch) checkpoint; a torch_dist one holds global tensors that "
-                                "megatron-core loads at any TP/PP, so it takes neither.")
+            if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1):
+                raise UserError("megajax export: --tensor-parallel, --pipeline-parallel and --expert-parallel split "
+                                "a legacy (--ckpt-format torch) checkpoint; a torch_dist one holds global tensors "
+                                "that megatron-core loads at any TP/PP/EP, so it takes none of them.")
             form = common_state_form(args.megatron_version)
             adam = None
             if args.with_optimizer:
@@ -242,8 +247,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         found, known = hf_tokenizer(args.input)
     else:
         from megajax.checkpoint.megatron import import_megatron, megatron_tokenizer
-        overrides, params = import_megatron(args.input)
-        found, known = megatron_tokenizer(args.input)
+        overrides, params = import_megatron(args.input, trust=args.trust_checkpoint)
+        found, known = megatron_tokenizer(args.input, trust=args.trust_checkpoint)
     tokenizer, warning = imported_tokenizer(found, overrides["vocab_size"], known)
     base = {"model": overrides, "data": {"tokenizer": tokenizer}}
     if overrides.get("max_position_embeddings"):
@@ -477,6 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="megatron, legacy torch format: split the experts over N expert ranks (mp_rank_TT_EEE)")
     p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="megatron: torch_dist (global tensors, any TP/PP; default) or the legacy per-rank torch")
     p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",
@@ -489,6 +496,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the stored weights' dtype (default bf16)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
                                                      "tokenizer.json or its directory); default: the checkpoint's")
+    p.add_argument("--trust-checkpoint", action="store_true", help=f"--checkpoint a Megatron checkpoint: {TRUST_HELP}")
     p.add_argument("overrides", nargs="*", metavar="checkpoint.step=N",
                    help="export step N of the run instead of its latest")
     p.set_defaults(func=cmd_export)
@@ -496,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("hf", "megatron"), required=True)
     p.add_argument("--input", required=True, metavar="DIR")
     p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--trust-checkpoint", action="store_true", help=f"--format megatron: {TRUST_HELP}")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("bench", help="time, memory and communication of a config's train step")
     _add_config_args(p)

@@ -335,6 +335,9 @@ class CheckpointConfig:
     # Read a checkpoint saved with another vocabulary (tokenizer or model.vocab_size): crop or
     # zero-pad its embedding and output rows (and, on resume, their optimizer state). Off: refused.
     resize_vocab: bool = False
+    # checkpoint.load of a Megatron checkpoint: unpickle its files fully (they can run any code they name),
+    # for a checkpoint you trust that the restricted reader refuses (megajax import's --trust-checkpoint).
+    trust_load: bool = False
 
 
 @dataclass

@@ -1,12 +1,16 @@
 """One tensor-parallel rank of Megatron-Core's own GPTModel, run on CPU over gloo (used by test_export.py).
 
-    python megatron_worker.py STEP_DIR TOKENS.npy OUT.npy RANK WORLD PORT
+    python megatron_worker.py STEP_DIR TOKENS.npy OUT.npy RANK WORLD PORT [SAVE_DIR]
 
 Builds GPTModel with the local (non Transformer Engine) layer spec from the
 checkpoint's saved `args`, one model per pipeline stage, loads this rank's
 files with load_state_dict(strict=True), runs the stages one after another
 (a pipeline done by hand, handing each stage's hidden states to the next) and,
-on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab].
+on rank 0, saves the full-vocabulary logits [batch, seq, padded vocab]. WORLD is the tensor-parallel
+size times the expert-parallel one (args.expert_model_parallel_size: each process loads its tensor
+and expert rank's file, `mp_rank_TT[_PPP]_EEE`). With SAVE_DIR every process also writes its models'
+state dicts back as a legacy checkpoint there (SAVE_DIR/iter_0000001/<its rank folder>), for the
+importer to read back.
 
 A mixture-of-experts checkpoint (args.num_experts) gets the local spec's MoE layer (SequentialMLP
 experts, the allgather token dispatcher; SharedExpertMLP when args name a shared expert).
@@ -37,40 +41,51 @@ import torch
 import torch.distributed as dist
 
 
-def main(step_dir, tokens_file, out_file, rank, world, port):
-    init(rank, world, port)
-
-    def rank_file(stage):
-        name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
-        return os.path.join(step_dir, name, "model_optim_rng.pt")
-
+def main(step_dir, tokens_file, out_file, rank, world, port, save_dir=None):
     first = sorted(glob.glob(os.path.join(step_dir, "mp_rank_00*", "model_optim_rng.pt")))[0]
     args = torch.load(first, weights_only=False)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    assert tp == world, (tp, world)
+    ep = getattr(args, "expert_model_parallel_size", None) or 1
+    assert tp * ep == world, (tp, ep, world)
+    init(rank, world, port, tp, ep)
+    from megatron.core import parallel_state
+    t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
+
+    def rank_folder(stage):
+        return f"mp_rank_{t:02d}" + (f"_{stage:03d}" if pp > 1 else "") + (f"_{e:03d}" if ep > 1 else "")
+
     stages = []
     for s in range(pp):
-        model = build_model(args, tp, pp, s)
-        state = torch.load(rank_file(s), weights_only=False)["model"]
+        model = build_model(args, tp, pp, s, ep)
+        state = torch.load(os.path.join(step_dir, rank_folder(s), "model_optim_rng.pt"), weights_only=False)["model"]
         state = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         model.load_state_dict(state, strict=True)
         stages.append(model.eval())
+        if save_dir:
+            path = os.path.join(save_dir, "iter_0000001", rank_folder(s), "model_optim_rng.pt")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save({"model": model.state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": 1}, path)
+    if save_dir and rank == 0:
+        with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("1")
     save_logits(stages, tokens_file, out_file, rank)
 
 
-def init(rank, world, port):
-    """A gloo process group of `world` CPU processes and megatron-core's parallel state (TP = world)."""
+def init(rank, world, port, tp=None, ep=1):
+    """A gloo process group of `world` CPU processes and megatron-core's parallel state (TP x EP = world;
+    TP = world by default)."""
+    tp = tp or world // ep
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's save calls it unconditionally
 
 
-def build_model(args, tp, pp, s):
+def build_model(args, tp, pp, s, ep=1):
     """Megatron-Core's GPTModel for pipeline stage s of the architecture `args` describe (local spec, fp32)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -114,7 +129,7 @@ def build_model(args, tp, pp, s):
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         qk_layernorm=getattr(args, "qk_layernorm", False),
@@ -188,8 +203,8 @@ def save_logits(stages, tokens_file, out_file, rank):
 
 
 if __name__ == "__main__":
-    step, toks, out, rank, world, port = sys.argv[1:]
-    main(step, toks, out, int(rank), int(world), int(port))
+    step, toks, out, rank, world, port, *save = sys.argv[1:]
+    main(step, toks, out, int(rank), int(world), int(port), *save)
     # Leave without running C++ destructors: tearing down gloo's threads at exit aborted once in CI
     # ("terminate called without an active exception", status -6) after the logits were written.
     sys.stdout.flush()

@@ -146,7 +146,7 @@ def test_torch_dist_export_is_megatron_cores_layout_and_loads_at_tp2(model, tmp_
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy")[..., :VOCAB], logits_of(spec, params, TOKS),
                                atol=1e-4, rtol=1e-4)
     for path in (ours, tmp_path / "theirs"):
-        overrides, back = import_megatron(path, allow_pickle=True)
+        overrides, back = import_megatron(path, trust=True)
         assert overrides["moe_layer_freq"] == [0, 1, 1] and overrides["mtp_num_layers"] == 1
         assert_same_params(back, params)
 

@@ -309,7 +309,7 @@ def test_torch_dist_export_of_layers_that_differ_is_megatron_cores_layout(tmp_pa
     assert set(mine.byte_keys()) == set(theirs.byte_keys())
     assert "decoder.layers.1.mlp.linear_fc1.weight" in set(mine.keys())  # per layer: no stacked layer dim
     for path in (ours, tmp_path / "theirs"):
-        overrides, back = import_megatron(path, allow_pickle=True)
+        overrides, back = import_megatron(path, trust=True)
         assert overrides == model_overrides(cfg.model)
         assert_same_params(back, params)
 

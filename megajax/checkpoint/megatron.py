@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import pickle
 import re
 import warnings
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (MTP_STACK, Row, flat, index, layer_rows, linear, linear_rows, norm_rows,
                                         rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
+from megajax.checkpoint.torch_pickle import load as load_torch_file
 from megajax.checkpoint.torch_dist import (COMMON_FILE, COMMON_KEY, MEGATRON_VERSIONS, METADATA, NEWEST_MEGATRON,
                                            DistCheckpoint, is_torch_dist, layer_keys, read_common)
 from megajax.config import ModelConfig
@@ -55,7 +54,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 TOKENIZER_DIR = "tokenizer"
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 def _torch():
@@ -66,8 +66,11 @@ def _torch():
     return torch
 
 
-def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pipeline_parallel == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir(tp_rank: int, pp_rank: int, pipeline_parallel: int, ep_rank: int = 0, expert_parallel: int = 1) -> str:
+    """Megatron's legacy rank folder: `mp_rank_TT`, `_PPP` with pipeline parallelism, `_EEE` with expert
+    parallelism (so `mp_rank_00_001` is pipeline or expert rank 1, as the args say)."""
+    return (f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pipeline_parallel > 1 else "")
+            + (f"_{ep_rank:03d}" if expert_parallel > 1 else ""))
 
 
 # ----------------------------------------------------------------------------
@@ -171,16 +174,17 @@ def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
     return (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
 
 
-def _extra_state(m: ModelConfig, layer: int | None, local: int, prefix: str = _L) -> list[str]:
+def _extra_state(m: ModelConfig, layer: int | None, local: int, prefix: str = _L, experts: int | None = None) -> list[str]:
     """The `_extra_state` keys (its Linear modules') of model layer `layer` (None: a dense layer, as
-    multi-token prediction's), numbered `local` on its stage, under `prefix`."""
+    multi-token prediction's), numbered `local` on its stage, under `prefix`; `experts`: the experts a
+    rank file holds (all by default)."""
     attn = tuple(f"{_L}.self_attention.{x}._extra_state" for x in _attention_linears(m))
     if layer is None or not m.is_moe_layer(layer):
         keys = attn + tuple(f"{_L}.mlp.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
     else:
         keys = attn + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
     return [k.replace(_L, prefix).replace("{i}", str(local)).replace("{j}", str(j)) for k in keys
-            for j in (range(m.num_experts) if "{j}" in k else [0])]
+            for j in (range(experts or m.num_experts) if "{j}" in k else [0])]
 
 
 def _mtp_extra_state(m: ModelConfig) -> list[str]:
@@ -328,25 +332,32 @@ def _moe_args(m: ModelConfig) -> dict:
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
-                     dtype) -> dict:
-    """The state dict of tensor rank t, pipeline stage s, reading the source one layer tensor at a time."""
+                     dtype, ep: int = 1, e: int = 0) -> dict:
+    """The state dict of tensor rank t, pipeline stage s (and expert rank e of ep: its experts, numbered
+    from 0), reading the source one layer tensor at a time."""
     torch = _torch()
-    per_stage = m.num_layers // pp
+    per_stage, local = m.num_layers // pp, (m.num_experts or 1) // ep
     sd: dict = {}
     for row, names, slot in _on_stage(rows, m, s == 0, s == pp - 1, range(per_stage), s * per_stage):
+        name = names[0]
+        if row.expert is not None and ep > 1:
+            if row.expert // local != e:
+                continue
+            match = _LOCAL_EXPERT.match(name)
+            name = f"{match.group(1)}{row.expert % local}{match.group(3)}"
         x = to_external(row, lambda path: source.get(path, layer=slot), m, tensor=tp, rank=t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
         # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
         to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
-        sd[names[0]] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
-    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, s * per_stage + k, k)})
+        sd[name] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
+    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, s * per_stage + k, k, experts=local)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
         sd.update({key: None for key in _mtp_extra_state(m)})
     return sd
 
 
-def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                     dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
@@ -354,15 +365,20 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
     loader rejects 0). `dtype` is 'bf16' or 'fp32'. `tokenizer_spec` ('byte' or a
     tokenizer.json / its directory) is written as a Hugging Face tokenizer in
-    `<out_dir>/tokenizer/` and named in args. Returns the directory.
+    `<out_dir>/tokenizer/` and named in args. `expert_parallel` > 1 splits a mixture of experts'
+    experts over that many expert ranks (`mp_rank_TT[_PPP]_EEE`, each with the dense tensors of its
+    tensor and pipeline rank). Returns the directory.
     """
     from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
     m = source.model
     numpy_dtype(dtype)  # checks the name
-    if tensor_parallel < 1 or pipeline_parallel < 1:
-        raise CheckpointError(f"tensor_parallel={tensor_parallel} and pipeline_parallel={pipeline_parallel} "
-                              f"must be >= 1.")
+    if tensor_parallel < 1 or pipeline_parallel < 1 or expert_parallel < 1:
+        raise CheckpointError(f"tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel} and "
+                              f"expert_parallel={expert_parallel} must be >= 1.")
+    if expert_parallel > 1 and (not m.num_experts or m.num_experts % expert_parallel):
+        raise CheckpointError(f"cannot export to a Megatron checkpoint: expert_parallel={expert_parallel} needs a "
+                              f"mixture of experts whose model.num_experts={m.num_experts} it divides.")
     if iteration is not None and iteration < 1:
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
@@ -376,19 +392,22 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                          padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
                          tokenizer_model=tokenizer_model)
+    if m.num_experts:
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = expert_parallel, tensor_parallel
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
             save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         for s in range(pipeline_parallel):
             for t in range(tensor_parallel):
-                sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
-                                      stored)
-                path = tmp / step_dir / rank_dir(t, s, pipeline_parallel) / CHECKPOINT_FILE
-                path.parent.mkdir(parents=True)
-                torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
-                            "iteration": iteration or 0, "args": args}, path)
-                del sd
+                for e in range(expert_parallel):
+                    sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
+                                          stored, expert_parallel, e)
+                    path = tmp / step_dir / rank_dir(t, s, pipeline_parallel, e, expert_parallel) / CHECKPOINT_FILE
+                    path.parent.mkdir(parents=True)
+                    torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
+                                "iteration": iteration or 0, "args": args}, path)
+                    del sd
         (tmp / TRACKER).write_text("release" if iteration is None else str(iteration))
     return Path(out_dir)
 
@@ -605,55 +624,6 @@ def _step_dir(d: Path) -> Path:
     return step
 
 
-def _safe_globals(with_megatron: bool) -> list:
-    """Classes a Megatron checkpoint may pickle besides tensors: its args Namespace, numpy RNG states
-    and (when megatron-core is installed) the enums and configs megatron-core itself allows."""
-    import numpy.core.multiarray as multiarray
-    out = [argparse.Namespace, np.ndarray, np.dtype, multiarray._reconstruct, type(np.dtype(np.uint32))]
-    if with_megatron:
-        try:
-            with warnings.catch_warnings():  # megatron-core warns at import about optional back ends
-                warnings.simplefilter("ignore")
-                from megatron.core.safe_globals import SAFE_GLOBALS
-            out += list(SAFE_GLOBALS)
-        except Exception:  # noqa: BLE001 - optional; without it fewer classes are allowed
-            pass
-    return out
-
-
-def _load(path, allow_pickle: bool, name: str | None = None) -> dict:
-    """torch.load of a rank file (memory-mapped when it is a zip archive) or of an open file (`name` says
-    what it is in messages), weights-only unless allowed."""
-    torch = _torch()
-    kwargs = dict(map_location="cpu", mmap=isinstance(path, Path) and zipfile.is_zipfile(path))
-    source, path = path, path if name is None else name
-    try:
-        if allow_pickle:
-            return torch.load(source, weights_only=False, **kwargs)
-        error = None
-        for with_megatron in (False, True):  # megatron-core's list only when needed: importing it is slow
-            try:
-                with torch.serialization.safe_globals(_safe_globals(with_megatron)):
-                    if not isinstance(source, Path):
-                        source.seek(0)
-                    return torch.load(source, weights_only=True, **kwargs)
-            except pickle.UnpicklingError as e:
-                error = e
-        raise error
-    except pickle.UnpicklingError as e:
-        blocked = re.search(r"GLOBAL ([\w.]+)", str(e))
-        if blocked is None:
-            detail = re.search(r"WeightsUnpickler error:\s*(.+)", str(e))
-            raise CheckpointError(f"{str(path)!r} is not a readable torch checkpoint file"
-                                  f"{f' ({detail.group(1).strip()})' if detail else ''}.") from None
-        raise CheckpointError(f"Megatron checkpoint file {str(path)!r} holds a Python object the weights-only "
-                              f"loader does not allow ({blocked.group(1)}); if you trust the file, import it "
-                              f"with allow_pickle=True.") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds for a bad file
-        raise CheckpointError(f"cannot read Megatron checkpoint file {str(path)!r}: "
-                              f"{str(e).strip().splitlines()[0]}") from None
-
-
 def _arg(args, name: str, default=None):
     value = getattr(args, name, None)
     return default if value is None else value
@@ -846,41 +816,43 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
                               f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
 
 
-def import_megatron(in_dir, *, allow_pickle: bool = False) -> tuple[dict, dict]:
+def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     """Reads a Megatron-Core legacy checkpoint (the tracker's iteration, or `release`), merging TP/PP shards.
 
     `in_dir` is the save directory (with latest_checkpointed_iteration.txt) or
     one iteration's directory. Returns (model overrides, params) like
     import_hf: the architecture from `args`, the vocabulary padded to
     model.padded_vocab_size(). Files are read with torch's weights-only
-    unpickler; `allow_pickle=True` lifts that for checkpoints you trust.
+    unpickler, Megatron's own classes as stand-ins (torch_pickle.py); `trust=True`
+    (--trust-checkpoint) unpickles them fully, for checkpoints you trust.
     """
     d = Path(in_dir).expanduser()
     if d.is_dir() and is_torch_dist(_step_dir(d)):
-        return _import_torch_dist(_step_dir(d), allow_pickle)
-    step, ranks, first = _open(in_dir, allow_pickle)
+        return _import_torch_dist(_step_dir(d), trust)
+    step, ranks, first = _open(in_dir, trust)
     args = first["args"]
-    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
-    want = {(t, s) for t in range(tp) for s in range(pp)}
-    if set(ranks) != want or not all(f.is_file() for f in ranks.values()):
-        have = sorted(p.parent.name for p in ranks.values() if p.is_file())
-        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
-                              f"pipeline_model_parallel_size={pp}, but the rank files present are {have}.")
+    tp, pp, ep = _rank_sizes(args, step)
     m = resolved_model(_overrides_from_args(args))
+    if ep > 1 and (not m.num_experts or m.num_experts % ep):
+        raise CheckpointError(f"{str(step)!r}: args say expert_model_parallel_size={ep} with num_experts="
+                              f"{m.num_experts}; expert parallelism needs a number of experts it divides.")
     vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
     shapes = tensor_shapes(m)
     rows = _megatron_rows(shapes, m)
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0
     for s in range(pp):
-        dicts = [first["model"] if (t, s) == (0, 0) else _load(ranks[(t, s)], allow_pickle)["model"]
-                 for t in range(tp)]
+        dicts = [_expert_ranks_merged([first["model"] if (t, s, e) == (0, 0, 0) else
+                                       load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
+                                       for e in range(ep)], (m.num_experts or 1) // ep,
+                                      f"{step.name}/{rank_dir(t, s, pp, 0, ep)}") for t in range(tp)]
         layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
         if layers != list(range(len(layers))):
             raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
         if offset + len(layers) > m.num_layers:
             raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
-        where = f"{step.name}/{rank_dir(0, s, pp)}" + (f" (and {tp - 1} more tensor ranks)" if tp > 1 else "")
+        more = tp * ep - 1
+        where = f"{step.name}/{rank_dir(0, s, pp, 0, ep)}" + (f" (and {more} more tensor or expert ranks)" if more else "")
         _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params)
         offset += len(layers)
         del dicts
@@ -921,9 +893,9 @@ class _DistStateDict(Mapping):
         return len(self._names)
 
 
-def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
+def _import_torch_dist(step: Path, trust: bool) -> tuple[dict, dict]:
     ckpt = DistCheckpoint(step)
-    common = _torch_dist_common(step, ckpt, allow_pickle)
+    common = _torch_dist_common(step, ckpt, trust)
     try:
         m = resolved_model(_overrides_from_args(common["args"]))
     except CheckpointError as e:
@@ -940,7 +912,7 @@ def _import_torch_dist(step: Path, allow_pickle: bool) -> tuple[dict, dict]:
     return _model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
-def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
+def import_megatron_adam(in_dir, *, trust: bool = False) -> dict | str:
     """The Adam state of a Megatron checkpoint in megajax's layout: {"mu", "nu": parameter trees,
     "count": the step count, "params": the fp32 main parameters or None}; or, when it has none megajax
     reads, a few words saying why (megatron_optimizer.py: the torch_dist keys read)."""
@@ -957,7 +929,7 @@ def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
             return (f"its optimizer state has no {PREFIX}exp_avg.* / exp_avg_sq.* tensors (a distributed "
                     f"optimizer's per-rank form, which megajax does not read)")
         return "the checkpoint holds none"
-    common = _torch_dist_common(step, ckpt, allow_pickle)
+    common = _torch_dist_common(step, ckpt, trust)
     count = common_step(common)
     if count is None:
         return "its common state has no optimizer step (optimizer.state.common_step)"
@@ -978,42 +950,80 @@ def import_megatron_adam(in_dir, *, allow_pickle: bool = False) -> dict | str:
     return out
 
 
-def _torch_dist_common(step: Path, ckpt: DistCheckpoint, allow_pickle: bool) -> dict:
-    common = read_common(step, ckpt, lambda f, name=None: _load(f, allow_pickle, name))
+def _torch_dist_common(step: Path, ckpt: DistCheckpoint, trust: bool) -> dict:
+    common = read_common(step, ckpt, lambda f, name=None: load_torch_file(f, trust, name))
     if not isinstance(common.get("args"), argparse.Namespace):
         raise CheckpointError(f"{str(step)!r}: its common state holds no args Namespace (the architecture is "
                               f"read from the saved args).")
     return common
 
 
-def _args(in_dir, allow_pickle: bool) -> tuple[Path, argparse.Namespace]:
+def _args(in_dir, trust: bool) -> tuple[Path, argparse.Namespace]:
     """(step directory, saved args) of a Megatron checkpoint of either format."""
     d = Path(in_dir).expanduser()
     if d.is_dir() and is_torch_dist(_step_dir(d)):
         step = _step_dir(d)
-        return step, _torch_dist_common(step, DistCheckpoint(step), allow_pickle)["args"]
-    step, _, first = _open(in_dir, allow_pickle)
+        return step, _torch_dist_common(step, DistCheckpoint(step), trust)["args"]
+    step, _, first = _open(in_dir, trust)
     return step, first["args"]
 
 
-def _open(in_dir, allow_pickle: bool) -> tuple[Path, dict[tuple[int, int], Path], dict]:
-    """(step directory, rank files by (tp, pp), rank 0's loaded file) of a Megatron checkpoint."""
+def _rank_sizes(args, step: Path) -> tuple[int, int, int]:
+    """(tensor, pipeline, expert) parallel sizes of a legacy checkpoint's args; CheckpointError for an expert
+    tensor-parallel size other than the tensor one (its rank files split the experts otherwise)."""
+    tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
+    ep = int(_arg(args, "expert_model_parallel_size", 1))
+    etp = int(_arg(args, "expert_tensor_parallel_size", tp))
+    if etp != tp:
+        raise CheckpointError(f"{str(step)!r}: args say expert_tensor_parallel_size={etp} with "
+                              f"tensor_model_parallel_size={tp}; megajax reads legacy checkpoints whose experts "
+                              f"are split like the dense layers (expert_tensor_parallel_size = "
+                              f"tensor_model_parallel_size); save it as torch_dist (global tensors) instead.")
+    return tp, pp, ep
+
+
+def _expert_ranks_merged(dicts: list[dict], local: int, where: str) -> dict:
+    """One tensor rank's state dict of a stage from its expert ranks' files (expert rank e's local experts
+    0..local-1 are experts e x local + j); the dense tensors, held by every file, come from the first."""
+    if len(dicts) == 1:
+        return dicts[0]
+    out = {}
+    for e, sd in enumerate(dicts):
+        held = set()
+        for key, x in sd.items():
+            match = _LOCAL_EXPERT.match(key)
+            if match:
+                held.add(int(match.group(2)))
+                out[f"{match.group(1)}{e * local + int(match.group(2))}{match.group(3)}"] = x
+            elif e == 0:
+                out[key] = x
+        if held and held != set(range(local)):
+            raise CheckpointError(f"Megatron checkpoint {where}: expert rank {e} holds local experts {sorted(held)}; "
+                                  f"its args imply {local} per expert rank (0..{local - 1}).")
+    return out
+
+
+def _open(in_dir, trust: bool) -> tuple[Path, dict[str, Path], dict]:
+    """(step directory, rank files by folder name, rank 0's loaded file) of a Megatron checkpoint; every
+    rank file its args imply is there."""
     d = Path(in_dir).expanduser()
     if not d.is_dir():
         raise CheckpointError(f"{str(d)!r} is not a directory (expected a Megatron checkpoint directory).")
     step = _step_dir(d)
-    ranks: dict[tuple[int, int], Path] = {}
-    for p in step.iterdir():
-        match = _RANK_DIR.match(p.name)
-        if p.is_dir() and match:
-            if match.group(3):
-                raise CheckpointError(f"{str(p)!r}: expert-parallel checkpoints are not supported.")
-            ranks[(int(match.group(1)), int(match.group(2) or 0))] = p / CHECKPOINT_FILE
-    first = _load(ranks[(0, 0)], allow_pickle) if (0, 0) in ranks else None
+    ranks = {p.name: p / CHECKPOINT_FILE for p in step.iterdir() if p.is_dir() and _RANK_DIR.match(p.name)
+             and (p / CHECKPOINT_FILE).is_file()}
+    zero = next((n for n in sorted(ranks) if not any(int(g or 0) for g in _RANK_DIR.match(n).groups())), None)
+    first = load_torch_file(ranks[zero], trust) if zero is not None else None
     if first is None or "args" not in first or "model" not in first:
         what = "no mp_rank_00 file" if first is None else f"no {'args' if 'args' not in first else 'model'} entry"
         raise CheckpointError(f"{str(step)!r} is not a Megatron checkpoint megajax can read ({what}; the "
                               f"architecture is read from the saved args).")
+    tp, pp, ep = _rank_sizes(first["args"], step)
+    want = {rank_dir(t, s, pp, e, ep) for t in range(tp) for s in range(pp) for e in range(ep)}
+    if set(ranks) != want:
+        raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
+                              f"pipeline_model_parallel_size={pp}, expert_model_parallel_size={ep}, so its rank "
+                              f"files are {sorted(want)}, but the rank files present are {sorted(ranks)}.")
     return step, ranks, first
 
 
@@ -1025,18 +1035,18 @@ def is_megatron_checkpoint(path) -> bool:
                            any(_RANK_DIR.match(p.name) for p in d.iterdir() if p.is_dir()))
 
 
-def megatron_source(path, *, allow_pickle: bool = False):
+def megatron_source(path, *, trust: bool = False):
     """A TensorSource over a Megatron checkpoint of either format (for `megajax export`): its
     parameters imported into memory (float32), then handed out tensor by tensor."""
     from megajax.checkpoint.source import DictSource
-    overrides, params = import_megatron(path, allow_pickle=allow_pickle)
+    overrides, params = import_megatron(path, trust=trust)
     return DictSource(params, resolved_model(overrides))
 
 
-def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | None, str]:
+def megatron_tokenizer(in_dir, *, trust: bool = False) -> tuple[str | None, str]:
     """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it): the
     HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model."""
-    step, args = _args(in_dir, allow_pickle)
+    step, args = _args(in_dir, trust)
     said = {k: _arg(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     places = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
     if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
@@ -1045,17 +1055,17 @@ def megatron_tokenizer(in_dir, *, allow_pickle: bool = False) -> tuple[str | Non
     return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")
 
 
-def megatron_config(in_dir, *, allow_pickle: bool = False) -> tuple[dict, str | None]:
+def megatron_config(in_dir, *, trust: bool = False) -> tuple[dict, str | None]:
     """(the model's `model.*` values from a Megatron checkpoint's saved args, the tokenizer they name or
     None: a run then keeps the checkpoint's vocabulary with the data.tokenizer it sets), what
     `checkpoint.load` of a Megatron checkpoint takes as the run's model. No tensor is read."""
-    step, args = _args(in_dir, allow_pickle)
+    step, args = _args(in_dir, trust)
     try:
         m = resolved_model(_overrides_from_args(args))
     except CheckpointError as e:
         raise CheckpointError(f"{str(step)!r}: {e}") from None
     from megajax.data.tokenizer import ByteTokenizer
-    found, _ = megatron_tokenizer(in_dir, allow_pickle=allow_pickle)
+    found, _ = megatron_tokenizer(in_dir, trust=trust)
     if found is None and m.vocab_size == ByteTokenizer.vocab_size:  # as `megajax import` records it
         found = "byte"
     return _model_overrides(m), found

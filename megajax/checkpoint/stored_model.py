@@ -45,7 +45,9 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
     saved = read_meta(step_dir).get("config", {}) if step_dir is not None else {}
     if step_dir is None and is_megatron_load(str(load)):  # the model from its saved args
         from megajax.checkpoint.megatron import megatron_config
-        model, tokenizer = megatron_config(str(load))
+        from megajax.config import CheckpointConfig
+        trust = _build(CheckpointConfig, {"trust_load": section.get("trust_load", False)}, "checkpoint").trust_load
+        model, tokenizer = megatron_config(str(load), trust=trust)
         saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, f"a Megatron checkpoint's args"
     stored = saved.get("model")
     if not isinstance(stored, dict):

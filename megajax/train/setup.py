@@ -242,9 +242,10 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
     optimizer state, in words)."""
     from megajax.checkpoint.megatron import import_megatron, import_megatron_adam
     from megajax.models.layout import split_expert_bias
-    _, imported = import_megatron(load)
+    trust = setup.cfg.checkpoint.trust_load
+    _, imported = import_megatron(load, trust=trust)
     params, bias = split_expert_bias(imported)
-    adam = import_megatron_adam(load)
+    adam = import_megatron_adam(load, trust=trust)
     if not isinstance(adam, str) and adam["params"] is not None:
         params = adam["params"]  # the fp32 main parameters of bf16/fp16 weights
 
