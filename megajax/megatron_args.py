@@ -407,43 +407,88 @@ def _data_path(values: list[str]) -> tuple[Any, str | None]:
     return [x for pair in zip(weights, values[1::2]) for x in pair], None
 
 
-def translate(argv: list[str], defaults: bool = True) -> Translation:
-    """A pretrain_gpt.py argument list -> megajax keys; `defaults`: also Megatron's defaults where megajax's
-    differ, and the model family."""
-    t = Translation()
-    given: dict[str, list[str]] = {}
-    order: list[tuple[str, list[str]]] = []
-    for flag, values in _split(argv):
-        values = [_unquote(v) for v in values]
-        text = " ".join([flag, *values]).strip()
-        f = lookup(flag) if flag else None
-        if f is None:
-            t.unmapped.append((text, "not a pretrain_gpt.py flag megajax knows" if flag else "a value without a flag"))
-            continue
-        given[f.name] = values  # a repeated flag: the last one counts, as in Megatron's argparse
-        order = [o for o in order if lookup(o[0].split()[0]).name != f.name] + [(text, values)]
+class _Given:
+    """A split argument list while it is translated: `given` flag name -> values (the last of a repeated
+    flag, as in Megatron's argparse), `order` the flags as given, `t` the Translation being built."""
 
-    def put(key: str, value: Any, origin: str) -> None:
-        t.assignments[key] = (value, origin)
+    def __init__(self, argv: list[str]):
+        self.t = Translation()
+        self.given: dict[str, list[str]] = {}
+        self.order: list[tuple[str, list[str]]] = []
+        for flag, values in _split(argv):
+            values = [_unquote(v) for v in values]
+            text = " ".join([flag, *values]).strip()
+            f = lookup(flag) if flag else None
+            if f is None:
+                self.t.unmapped.append((text, "not a pretrain_gpt.py flag megajax knows" if flag else
+                                        "a value without a flag"))
+                continue
+            self.given[f.name] = values
+            self.order = [o for o in self.order if lookup(o[0].split()[0]).name != f.name] + [(text, values)]
 
-    def raw(name: str) -> str | None:
-        v = given.get(name)
+    def __contains__(self, name: str) -> bool:
+        return name in self.given
+
+    def put(self, key: str, value: Any, origin: str) -> None:
+        self.t.assignments[key] = (value, origin)
+
+    def raw(self, name: str) -> str | None:
+        v = self.given.get(name)
         return v[0] if v else None
 
-    def number(name: str) -> int | None:
+    def number(self, name: str) -> int | None:
         try:
-            return int(raw(name))
+            return int(self.raw(name))
         except (TypeError, ValueError):
             return None
 
-    derived = {"num_query_groups", "group_query_attention", "train_samples", "lr_decay_samples",
-               "lr_warmup_samples", "lr_warmup_fraction", "virtual_pipeline_model_parallel_size",
-               "num_layers_per_virtual_pipeline_stage", "save", "load", "tokenizer_model", "tokenizer_type",
-               "profile", "profile_step_start", "profile_step_end", "data_path", "fp8_format",
-               "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "use_torch_fsdp2"}
-    for text, values in order:
+    def origin(self, name: str) -> str:
+        return next(text for text, _ in self.order if lookup(text.split()[0]).name == name)
+
+    def needless(self, name: str, why: str) -> None:
+        self.t.needless.append((self.origin(name), why))
+
+    def unmapped(self, name: str, why: str) -> None:
+        self.t.unmapped.append((self.origin(name), why))
+
+    def derive(self, name: str, key: str, value: Any, why: str | None = None) -> None:
+        if why:
+            self.unmapped(name, why)
+        else:
+            self.put(key, value, self.origin(name))
+
+    def convert(self, name: str, key: str) -> None:
+        """`key` from flag `name`'s value as its FLAGS row converts it."""
+        self.derive(name, key, *_convert(BY_NAME[name], self.given[name]))
+
+
+# Flags whose keys depend on other flags: translated by the _derive_* functions below, not row by row.
+_DERIVED = {"num_query_groups", "group_query_attention", "train_samples", "lr_decay_samples",
+            "lr_warmup_samples", "lr_warmup_fraction", "virtual_pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage", "save", "load", "tokenizer_model", "tokenizer_type",
+            "profile", "profile_step_start", "profile_step_end", "data_path", "fp8_format",
+            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "use_torch_fsdp2"}
+
+
+def translate(argv: list[str], defaults: bool = True) -> Translation:
+    """A pretrain_gpt.py argument list -> megajax keys; `defaults`: also Megatron's defaults where megajax's
+    differ, and the model family."""
+    g = _Given(argv)
+    _translate_rows(g)
+    for group in (_derive_attention_and_fp8, _derive_sample_counts, _derive_layout, _derive_checkpoints,
+                  _derive_tokenizer, _derive_data_and_profile, _derive_expert_bias):
+        group(g)
+    if defaults:
+        _megatron_defaults(g.t, g.given)
+    return g.t
+
+
+def _translate_rows(g: _Given) -> None:
+    """The flags each FLAGS row maps on its own."""
+    t = g.t
+    for text, values in g.order:
         f = lookup(text.split()[0])
-        if f.name in derived:
+        if f.name in _DERIVED:
             continue
         if f.key is None and not isinstance(f.value, dict):
             (t.needless if f.same else t.unmapped).append((text, f.note))
@@ -454,117 +499,118 @@ def translate(argv: list[str], defaults: bool = True) -> Translation:
         elif f.key is None or value is None:  # a value that needs nothing in megajax
             t.needless.append((text, f.note))
         else:
-            put(f.key, value, text)
+            g.put(f.key, value, text)
 
-    def origin(name: str) -> str:
-        return next(text for text, _ in order if lookup(text.split()[0]).name == name)
 
-    def derive(name: str, key: str, value: Any, why: str | None = None) -> None:
-        if why:
-            t.unmapped.append((origin(name), why))
-        else:
-            put(key, value, origin(name))
-
+def _derive_attention_and_fp8(g: _Given) -> None:
     # Grouped-query attention: Megatron reads --num-query-groups only with --group-query-attention.
-    if "num_query_groups" in given:
-        if "group_query_attention" in given:
-            derive("num_query_groups", "model.num_kv_heads", *_convert(BY_NAME["num_query_groups"],
-                                                                       given["num_query_groups"]))
+    if "num_query_groups" in g:
+        if "group_query_attention" in g:
+            g.convert("num_query_groups", "model.num_kv_heads")
         else:
-            t.needless.append((origin("num_query_groups"), "ignored by Megatron without --group-query-attention"))
-    if "group_query_attention" in given:
-        t.needless.append((origin("group_query_attention"), BY_NAME["group_query_attention"].note))
+            g.needless("num_query_groups", "ignored by Megatron without --group-query-attention")
+    if "group_query_attention" in g:
+        g.needless("group_query_attention", BY_NAME["group_query_attention"].note)
     # FP8 wins over --bf16 / --fp16 (those give the compute dtype around FP8 products).
-    if "fp8_format" in given:
-        before = t.assignments.get("train.precision")
-        derive("fp8_format", "train.precision", *_convert(BY_NAME["fp8_format"], given["fp8_format"]))
-        if before and t.assignments["train.precision"][0] == "fp8":
-            t.needless.append((before[1], "the dtype around the FP8 products; train.precision=fp8 covers it"))
+    if "fp8_format" in g:
+        before = g.t.assignments.get("train.precision")
+        g.convert("fp8_format", "train.precision")
+        if before and g.t.assignments["train.precision"][0] == "fp8":
+            g.t.needless.append((before[1], "the dtype around the FP8 products; train.precision=fp8 covers it"))
 
-    # Counts in samples become steps of the global batch.
-    batch = number("global_batch_size")
+
+def _derive_sample_counts(g: _Given) -> None:
+    """Counts in samples become steps of the global batch."""
+    batch = g.number("global_batch_size")
     for name, key in (("train_samples", "train.steps"), ("lr_decay_samples", "optim.decay_steps"),
                       ("lr_warmup_samples", "optim.warmup_steps")):
-        if name in given:
-            samples = number(name)
+        if name in g:
+            samples = g.number(name)
             why = (None if samples is not None and batch else
                    "needs an integer count and --global-batch-size to become steps")
-            derive(name, key, samples // batch if not why else None, why)
-    if "lr_warmup_fraction" in given:
-        fraction, why = _convert(BY_NAME["lr_warmup_fraction"], given["lr_warmup_fraction"])
-        decay = t.assignments.get("optim.decay_steps", t.assignments.get("train.steps", (None,)))[0]
+            g.derive(name, key, samples // batch if not why else None, why)
+    if "lr_warmup_fraction" in g:
+        fraction, why = _convert(BY_NAME["lr_warmup_fraction"], g.given["lr_warmup_fraction"])
+        decay = g.t.assignments.get("optim.decay_steps", g.t.assignments.get("train.steps", (None,)))[0]
         if not why and decay is None:
             why = "needs --lr-decay-iters or --train-iters to become steps"
-        derive("lr_warmup_fraction", "optim.warmup_steps", None if why else math.floor(fraction * decay), why)
+        g.derive("lr_warmup_fraction", "optim.warmup_steps", None if why else math.floor(fraction * decay), why)
 
-    # Interleaved pipeline: virtual stages per pipeline stage.
+
+def _derive_layout(g: _Given) -> None:
+    """The interleaved pipeline's virtual stages, and FSDP's mesh."""
     for name in ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage"):
-        if name not in given:
+        if name not in g:
             continue
-        n, layers, stages = number(name), number("num_layers"), number("pipeline_model_parallel_size") or 1
+        n, layers, stages = g.number(name), g.number("num_layers"), g.number("pipeline_model_parallel_size") or 1
         if name == "num_layers_per_virtual_pipeline_stage":
             ok = n and layers and layers % (stages * n) == 0
             n, why = (layers // (stages * n), None) if ok else (None, "needs --num-layers divisible by "
                                                                       "--pipeline-model-parallel-size x this")
         else:
             why = None if n else "expected an integer"
-        derive(name, "parallel.virtual_stages", n, why)
+        g.derive(name, "parallel.virtual_stages", n, why)
         if not why:
-            put("parallel.pipeline_schedule", "interleaved", origin(name))
-
+            g.put("parallel.pipeline_schedule", "interleaved", g.origin(name))
     # Fully sharded data parallelism: every data-parallel device on the fsdp axis.
-    if "use_torch_fsdp2" in given:
-        derive("use_torch_fsdp2", "mesh.fsdp", *_convert(BY_NAME["use_torch_fsdp2"], given["use_torch_fsdp2"]))
-        put("mesh.data", 1, origin("use_torch_fsdp2"))
+    if "use_torch_fsdp2" in g:
+        g.convert("use_torch_fsdp2", "mesh.fsdp")
+        g.put("mesh.data", 1, g.origin("use_torch_fsdp2"))
 
-    # Checkpoints: --save is the run directory; --load elsewhere is a starting point.
-    if "save" in given:
-        derive("save", "train.run_dir", *_convert(BY_NAME["save"], given["save"]))
-    if "load" in given:
-        if raw("load") == raw("save"):
-            t.needless.append((origin("load"), "the same directory as --save: a rerun resumes from it"))
+
+def _derive_checkpoints(g: _Given) -> None:
+    """--save is the run directory; --load elsewhere is a starting point."""
+    if "save" in g:
+        g.convert("save", "train.run_dir")
+    if "load" in g:
+        if g.raw("load") == g.raw("save"):
+            g.needless("load", "the same directory as --save: a rerun resumes from it")
         else:
-            derive("load", "checkpoint.load", *_convert(BY_NAME["load"], given["load"]))
+            g.convert("load", "checkpoint.load")
 
-    # Tokenizer: only a Hugging Face tokenizer is data.tokenizer.
-    kind = raw("tokenizer_type")
-    if "tokenizer_type" in given:
+
+def _derive_tokenizer(g: _Given) -> None:
+    """Only a Hugging Face tokenizer is data.tokenizer."""
+    kind = g.raw("tokenizer_type")
+    if "tokenizer_type" in g:
         f = BY_NAME["tokenizer_type"]
         if kind in f.value:
-            t.needless.append((origin("tokenizer_type"), f.note))
+            g.needless("tokenizer_type", f.note)
         else:
-            t.unmapped.append((origin("tokenizer_type"), HF_TOKENIZER))
-    if "tokenizer_model" in given:
+            g.unmapped("tokenizer_type", HF_TOKENIZER)
+    if "tokenizer_model" in g:
         if kind == "HuggingFaceTokenizer":
-            derive("tokenizer_model", "data.tokenizer", *_convert(BY_NAME["tokenizer_model"], given["tokenizer_model"]))
+            g.convert("tokenizer_model", "data.tokenizer")
         else:
-            t.unmapped.append((origin("tokenizer_model"), f"not a HuggingFaceTokenizer; {HF_TOKENIZER}"))
+            g.unmapped("tokenizer_model", f"not a HuggingFaceTokenizer; {HF_TOKENIZER}")
 
-    if "data_path" in given:
-        derive("data_path", "data.path", *_data_path(given["data_path"]))
-    if "profile" in given:
-        first, last = number("profile_step_start") or 10, number("profile_step_end") or 12
-        derive("profile", "ops.profile_steps", [first, last])
+
+def _derive_data_and_profile(g: _Given) -> None:
+    if "data_path" in g:
+        g.derive("data_path", "data.path", *_data_path(g.given["data_path"]))
+    if "profile" in g:
+        first, last = g.number("profile_step_start") or 10, g.number("profile_step_end") or 12
+        g.derive("profile", "ops.profile_steps", [first, last])
     for name in ("profile_step_start", "profile_step_end"):
-        if name in given:
-            (t.needless if "profile" in given else t.unmapped).append(
-                (origin(name), "part of ops.profile_steps" if "profile" in given else "needs --profile"))
+        if name in g:
+            if "profile" in g:
+                g.needless(name, "part of ops.profile_steps")
+            else:
+                g.unmapped(name, "needs --profile")
 
-    # Aux-loss-free balancing: an update rate only with the expert bias on.
-    if "moe_router_enable_expert_bias" in given:
+
+def _derive_expert_bias(g: _Given) -> None:
+    """Aux-loss-free balancing: an update rate only with the expert bias on."""
+    if "moe_router_enable_expert_bias" in g:
         rate = BY_NAME["moe_router_enable_expert_bias"].value
-        if "moe_router_bias_update_rate" in given:
-            rate, why = _convert(BY_NAME["moe_router_bias_update_rate"], given["moe_router_bias_update_rate"])
+        if "moe_router_bias_update_rate" in g:
+            rate, why = _convert(BY_NAME["moe_router_bias_update_rate"], g.given["moe_router_bias_update_rate"])
             if why:
-                t.unmapped.append((origin("moe_router_bias_update_rate"), why))
+                g.unmapped("moe_router_bias_update_rate", why)
                 rate = BY_NAME["moe_router_enable_expert_bias"].value
-        derive("moe_router_enable_expert_bias", "model.moe_router_bias_update_rate", rate)
-    elif "moe_router_bias_update_rate" in given:
-        t.needless.append((origin("moe_router_bias_update_rate"), "no effect without --moe-router-enable-expert-bias"))
-
-    if defaults:
-        _megatron_defaults(t, given)
-    return t
+        g.derive("moe_router_enable_expert_bias", "model.moe_router_bias_update_rate", rate)
+    elif "moe_router_bias_update_rate" in g:
+        g.needless("moe_router_bias_update_rate", "no effect without --moe-router-enable-expert-bias")
 
 
 def _megatron_defaults(t: Translation, given: dict[str, list[str]]) -> None:
