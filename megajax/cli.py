@@ -71,7 +71,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def run_training(cfg, devices: list | None = None):
     """What `megajax train` runs: the training loop with the memory fit check before the first step
-    (megajax.perf.fit.fit_check) and the greedy sample at the end (megajax.inference.text); the
+    (megajax.perf.fit.fit_check) and the sample at the end (megajax.inference.text); the
     loop's package imports neither, they are handed to it here."""
     from megajax.inference.text import training_sample
     from megajax.perf.fit import fit_check

@@ -273,8 +273,13 @@ class TrainConfig:
     eval_steps: int = 5  # global batches per validation pass
     peak_tflops: float | None = None  # per device; None: from the device table
     device_memory_gib: float | None = None  # per-device capacity for the fit check; None: from the device
-    sample_tokens: int = 160  # greedy sample printed after training (0: none)
-    sample_prompt: str = "def "
+    # The sample printed after training: up to sample_tokens new tokens (0: none) after sample_prompt
+    # ("": the first whole lines of a held-out document, else "def "), drawn with this temperature (0:
+    # greedy) and top-p, seeded by train.seed.
+    sample_tokens: int = 160
+    sample_prompt: str = ""
+    sample_temperature: float = 0.8
+    sample_top_p: float = 0.95
 
 
 @dataclass
@@ -626,6 +631,11 @@ def validate(cfg: Config) -> None:
                 "hysteresis", "max_skipped_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    if not 0.0 <= t.sample_temperature < float("inf"):
+        raise ConfigError(f"train.sample_temperature = {t.sample_temperature}: must be a finite number >= 0 "
+                          f"(0 samples greedily).")
+    if not 0.0 < t.sample_top_p <= 1.0:
+        raise ConfigError(f"train.sample_top_p = {t.sample_top_p}: must be in (0, 1] (1 keeps every token).")
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("checkpoint.every", cfg.checkpoint.every, allow_zero=True)
     _positive("checkpoint.keep", cfg.checkpoint.keep)

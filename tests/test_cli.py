@@ -32,7 +32,9 @@ def test_default_train_runs_end_to_end(tmp_path):
     assert first.startswith(f"megajax: run directory {run};") and "global batch 8 = micro 8 x accumulation 1" in first
     assert "precision fp32" in first and "mesh 1 device" in first
     assert "consumed samples 48" in p.stdout and "skipped 0" in p.stdout
-    assert "greedy sample" in p.stdout
+    # The sample starts from a held-out document's first lines, is drawn (not greedy) and says how.
+    head = "megajax: sample from the trained model (prompt: the first lines of a held-out document; "
+    assert head + "temperature 0.8, top-p 0.95, seed 0):" in p.stdout
     assert "data: embedded corpus" in p.stdout and "_text_document" in p.stdout  # the indexed-dataset path
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [3, 6]

@@ -201,13 +201,16 @@ def test_source_is_one_of_checkpoint_or_hf(checkpoint):
 
 def test_end_of_training_sample_is_what_generate_prints(small_config, tmp_path, capsys):
     from megajax.cli import run_training  # the train command's loop, with its end-of-training sample
-    cfg = small_config("train.sample_tokens=10", "model.init_std=0.5", steps=2)  # clear argmax margins
+    cfg = small_config("train.sample_tokens=10", "train.seed=3", "train.eval_every=2", steps=2)
     result = run_training(cfg)
     out = tmp_path / "out.json"
-    prompt = cfg.train.sample_prompt
+    prompt = result.sample_prompt  # a held-out document's first lines (train.sample_prompt is "")
+    assert prompt and prompt.endswith("\n") and not cfg.train.sample_prompt
     assert main(["generate", "--checkpoint", cfg.train.run_dir, "--prompt", prompt, "--max-new-tokens", "10",
-                 "--json", str(out)]) == 0
-    assert result.sample == prompt + json.loads(out.read_text())[0]["text"]
+                 "--temperature", "0.8", "--top-p", "0.95", "--seed", "3", "--json", str(out)]) == 0
+    completion = json.loads(out.read_text())[0]["text"]
+    assert result.sample == prompt + completion
+    assert len(set(completion)) > 1  # drawn, not one token repeated (greedy from 2 steps repeats one)
     assert "megajax generate: 1 prompt on" in capsys.readouterr().err
 
 
@@ -238,3 +241,19 @@ def test_qwen3_moe_cached_greedy_equals_full_forward_and_transformers(tmp_path):
             hf_ids = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
                                  pad_token_id=0)[0, len(prompt):].tolist()
         assert c.completion_ids == hf_ids
+
+
+def test_held_out_prompt_is_a_documents_first_whole_lines():
+    """The sample's prompt: whole lines of a held-out document, starting at an unindented line (a sample's
+    first line is cut), at most PROMPT_LINES within PROMPT_CHARS; None when no sample has one."""
+    from megajax.data.tokenizer import ByteTokenizer
+    from megajax.inference.text import PROMPT_LINES, held_out_prompt
+    tok = ByteTokenizer()
+    doc = "import os\ndef f(x):\n    return x\nclass A:\n    pass\n"
+    ids = tok.encode("t_cut_line\n    indented\n") + [tok.eod_id] + tok.encode(doc) + [tok.eod_id]
+    got = held_out_prompt(tok, [{"tokens": ids}])
+    assert got == "\n".join(doc.split("\n")[:PROMPT_LINES]) + "\n"
+    # a document that starts mid-way: the cut first line and the indented ones are skipped
+    assert held_out_prompt(tok, [tok.encode("x = 1\n    y\nz = 2\nw\n")]) == "z = 2\nw\n"
+    assert held_out_prompt(tok, [tok.encode("x = 1\n    y\nz = 2\nw\n")], max_tokens=7) == "z = 2\n"
+    assert held_out_prompt(tok, [tok.encode("no newline at all")]) is None

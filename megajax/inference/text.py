@@ -44,35 +44,78 @@ def complete(generator: Generator, tokenizer, prompts: Sequence[str], sampling: 
     return out
 
 
-def greedy_sample(trainer, params, expert_bias=None) -> str:
-    """The sample prompt and its greedy continuation (cached generation on the run's mesh), up to
-    train.sample_tokens new tokens within the context, stopping at end-of-document.
+FALLBACK_PROMPT = "def "  # the sample's prompt when the run has no held-out split
+PROMPT_LINES, PROMPT_CHARS = 3, 160  # how much of a held-out document the sample starts from
 
-    `trainer` is a megajax.train.setup.Trainer (read for its config, tokenizer, plan, mesh and rules)."""
-    cfg, tok = trainer.cfg, trainer.tokenizer
+
+def held_out_prompt(tokenizer, samples, max_tokens: int = PROMPT_CHARS, limit: int = 256) -> str | None:
+    """The sample's prompt from the held-out split: the first whole lines (up to PROMPT_LINES, within
+    PROMPT_CHARS characters and `max_tokens` tokens) of a document in one of its first `limit` samples,
+    starting at a line that is neither blank nor indented (a sample starts mid-document; its first line
+    is cut); None if none has one."""
+    eod = getattr(tokenizer, "eod_id", None)
+    for k in range(min(limit, len(samples))):
+        sample = samples[k]
+        ids = [int(t) for t in (sample["tokens"] if isinstance(sample, dict) else sample)]
+        cuts = [i for i, t in enumerate(ids) if t == eod]
+        for start, end in zip([-1] + cuts, cuts + [len(ids)]):
+            lines = tokenizer.decode(ids[start + 1:end]).split("\n")[(1 if start < 0 else 0):-1]
+            while lines and (not lines[0].strip() or lines[0][0].isspace()):
+                lines.pop(0)
+            kept: list[str] = []
+            for line in lines[:PROMPT_LINES]:
+                text = "\n".join(kept + [line]) + "\n"
+                if len(text) > PROMPT_CHARS or len(tokenizer.encode(text)) > max_tokens or "\ufffd" in line:
+                    break
+                kept.append(line)
+            if kept:
+                return "\n".join(kept) + "\n"
+    return None
+
+
+def end_of_training_sample(trainer, params, expert_bias=None) -> tuple[str, str, str]:
+    """(prompt, prompt + completion, the settings in words): up to train.sample_tokens new tokens within the
+    context, stopping at end-of-document, sampled from train.sample_prompt (or a held-out document's first
+    lines: held_out_prompt) with train.sample_temperature, train.sample_top_p and seed train.seed, by
+    cached generation on the run's mesh (what `megajax generate` with those settings prints).
+
+    `trainer` is a megajax.train.setup.Trainer (read for its config, tokenizer, plan, mesh, rules and
+    validation loader)."""
+    cfg, tok, t = trainer.cfg, trainer.tokenizer, trainer.cfg.train
     eod = getattr(tok, "eod_id", None)
-    prompt = tok.encode(cfg.train.sample_prompt) or ([eod] if eod is not None else [])
     # layer_buffers=False: the scanned layers read the training state's parameters where they are
     # (per-layer copies would add a model's worth of memory at the end of training).
     generator = Generator(cfg.model, params, padded_vocab_size=trainer.plan.padded_vocab,
                           dtype=precision_policy(cfg).inference_dtype, mesh=trainer.mesh,
                           rules=trainer.rules.activations, eod_id=eod, layer_buffers=False,
                           expert_bias=None if expert_bias is None else jax.device_get(expert_bias))
-    budget = min(cfg.train.sample_tokens, generator.context - len(prompt))
-    if not prompt or budget < 1:
-        return cfg.train.sample_prompt
-    [done], _ = generator.generate([prompt], Sampling(), budget)
-    return cfg.train.sample_prompt + completion_text(tok, done)
+    prompt, where = t.sample_prompt, "train.sample_prompt"
+    if not prompt:  # a held-out document's first lines, within half the context
+        valid = trainer.valid_loader
+        held = held_out_prompt(tok, valid.dataset, generator.context // 2) if valid is not None else None
+        prompt, where = ((held, "the first lines of a held-out document") if held else
+                         (FALLBACK_PROMPT, "no held-out split" if valid is None else "no whole line held out"))
+    sampling = Sampling(t.sample_temperature, 0, t.sample_top_p, t.seed)
+    settings = (f"prompt: {where}; " + ("greedy" if not sampling.temperature else
+                                       f"temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, seed {sampling.seed}"))
+    ids = tok.encode(prompt) or ([eod] if eod is not None else [])
+    budget = min(t.sample_tokens, generator.context - len(ids))
+    if not ids or budget < 1:
+        return prompt, prompt, settings
+    [done], _ = generator.generate([ids], [sampling], budget)
+    return prompt, prompt + completion_text(tok, done), settings
 
 
 def training_sample(trainer, result, say: Callable[[str], None]) -> None:
     """End-of-training hook (megajax.train.loop.train's `on_end`): with train.sample_tokens > 0 in a
-    one-process run, the greedy sample from the final state, printed and kept in `result.sample`."""
+    one-process run, the sample from the final state (end_of_training_sample), printed with its settings
+    and kept in `result.sample` (its prompt in `result.sample_prompt`)."""
     if trainer.cfg.train.sample_tokens <= 0 or jax.process_count() != 1:
         return
     state = result.state
-    result.sample = greedy_sample(trainer, state.params, state.moe_expert_bias)
-    say("megajax: greedy sample from the trained model:\n" + result.sample)
+    result.sample_prompt, result.sample, settings = end_of_training_sample(trainer, state.params,
+                                                                           state.moe_expert_bias)
+    say(f"megajax: sample from the trained model ({settings}):\n" + result.sample)
 
 
 class IncrementalText:

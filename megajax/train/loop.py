@@ -14,8 +14,8 @@ What the packages above this one add comes in through `train()`'s arguments
 `check_compiled(setup, compiled)` runs once the train step is compiled, before
 the first step (`megajax train` passes megajax.perf.fit.fit_check), and each of
 `on_end(trainer, result, say)` runs after a run that finished its steps
-(`megajax train` passes megajax.inference.text.training_sample, the greedy
-sample). `megajax.cli.run_training` is `train` with both.
+(`megajax train` passes megajax.inference.text.training_sample, the
+end-of-training sample). `megajax.cli.run_training` is `train` with both.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ class RunResult:
     compile_seconds: float = 0.0
     tokens_per_sec: float = float("nan")
     skipped_steps: int = 0
-    sample: str | None = None  # set by an end hook (megajax.inference.text.training_sample)
+    sample: str | None = None  # set by an end hook (megajax.inference.text.training_sample): prompt + text
+    sample_prompt: str | None = None  # that sample's prompt
     state: Any = None
     stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed (or had not started) and stopped
 
