@@ -150,6 +150,9 @@ class ModelConfig:
     # mtp_loss_scaling_factor, is added to the objective (logged as `mtp_loss`). 0: none.
     mtp_num_layers: int = 0
     mtp_loss_scaling_factor: float = 0.1
+    # The kind of the depths' block: auto (the last decoder layer's kind, as Megatron-LM's training
+    # script builds it: a mixture of experts for DeepSeek-V3), dense or moe.
+    mtp_block: Literal["auto", "dense", "moe"] = "auto"
 
     def resolve(self, seq_len: int) -> None:
         for key, value in FAMILY_DEFAULTS[self.family].items():
@@ -184,6 +187,18 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """The layers with a mixture of experts (0 for a dense model)."""
         return sum(map(self.is_moe_layer, range(self.num_layers)))
+
+    def mtp_moe(self) -> bool:
+        """Whether the multi-token prediction depths' block is a mixture of experts (mtp_block; auto:
+        like the last decoder layer)."""
+        if not self.mtp_num_layers or not self.num_experts:
+            return False
+        return self.mtp_block == "moe" or (self.mtp_block == "auto" and self.is_moe_layer(self.num_layers - 1))
+
+    def num_router_layers(self) -> int:
+        """The blocks with a router: the MoE layers, then the MoE multi-token prediction depths (the
+        rows of the routers' expert bias and statistics, in that order)."""
+        return self.num_moe_layers() + (self.mtp_num_layers if self.mtp_moe() else 0)
 
     def interleaves_dense_layers(self) -> bool:
         """A MoE model whose MoE layers alternate with dense ones (moe_layer_freq > 1): its dense
@@ -805,13 +820,9 @@ def validate_mtp(cfg: Config) -> None:
     m = cfg.model
     _positive("model.mtp_num_layers", m.mtp_num_layers, allow_zero=True)
     _positive("model.mtp_loss_scaling_factor", m.mtp_loss_scaling_factor, allow_zero=True)
-    if not m.mtp_num_layers:
-        return
-    if cfg.mesh.context * cfg.mesh.dcn.context != 1:
-        raise ConfigError(f"model.mtp_num_layers = {m.mtp_num_layers} with mesh.context = {cfg.mesh.context}: "
-                          f"multi-token prediction shifts the tokens and labels one place along the sequence, "
-                          f"which under context parallelism is laid out in load-balanced chunks (not in order), "
-                          f"so the shift crosses devices; not implemented yet; use mesh.context=1.")
+    if m.mtp_block == "moe" and not m.num_experts:
+        raise ConfigError("model.mtp_block = 'moe' needs a mixture-of-experts model (model.num_experts > 0); "
+                          "use auto or dense.")
 
 
 def validate_yarn(cfg: Config) -> None:

@@ -15,9 +15,10 @@ importer to read back.
 A mixture-of-experts checkpoint (args.num_experts) gets the local spec's MoE layer (SequentialMLP
 experts, the allgather token dispatcher; SharedExpertMLP when args name a shared expert).
 Multi-latent attention (args.multi_latent_attention) gets MLATransformerConfig and MLASelfAttention;
-multi-token prediction (args.mtp_num_layers) a MultiTokenPredictionBlock of dense local-spec layers
-(megajax's MTP layer is dense), whose logits (the output layer's on each depth, caught by a hook;
-GPTModel runs the depths only with labels) are saved beside the logits as OUT_mtp.npy
+multi-token prediction (args.mtp_num_layers) a MultiTokenPredictionBlock on the last stage, its layer
+built as pretrain_gpt.py builds it, like the decoder's last layer (MTP_DENSE=1 in the environment: a
+dense local-spec layer), whose logits (the output layer's on each depth, caught by a hook; GPTModel
+runs the depths only with labels) are saved beside the logits as OUT_mtp.npy
 [depths, batch, seq, padded vocab].
 
 Megatron-Core assumes CUDA in places that a CPU run must work around:
@@ -136,11 +137,6 @@ def build_model(args, tp, pp, s, ep=1):
         gradient_accumulation_fusion=False, **moe, **mla)
     local_spec = dict(normalization=args.normalization, qk_layernorm=getattr(args, "qk_layernorm", False),
                       multi_latent_attention=getattr(args, "multi_latent_attention", False))
-    mtp_spec = None
-    if getattr(args, "mtp_num_layers", None):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-        assert pp == 1, "the worker builds multi-token prediction on one pipeline stage"
-        mtp_spec = get_gpt_mtp_block_spec(config, get_gpt_layer_local_spec(**local_spec), use_transformer_engine=False)
     if moe.get("moe_layer_freq", 1) != 1:  # dense layers between the MoE ones: megatron-core's block spec
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         assert pp == 1, "the worker builds interleaved dense layers on one pipeline stage"
@@ -149,6 +145,13 @@ def build_model(args, tp, pp, s, ep=1):
     else:
         layer_spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), moe_grouped_gemm=False,
                                               **local_spec)
+    mtp_spec = None
+    if getattr(args, "mtp_num_layers", None) and s == pp - 1:  # on the last stage, as pretrain_gpt.py places it
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+        # pretrain_gpt.py's: the decoder's spec, whose last layer the depths' layer is built like (a
+        # mixture of experts for DeepSeek-V3); MTP_DENSE=1 builds it dense (an export whose depths are)
+        mtp_layer = (get_gpt_layer_local_spec(**local_spec) if os.environ.get("MTP_DENSE") == "1" else layer_spec)
+        mtp_spec = get_gpt_mtp_block_spec(config, mtp_layer, use_transformer_engine=False)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
@@ -156,6 +159,11 @@ def build_model(args, tp, pp, s, ep=1):
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor, mtp_block_spec=mtp_spec)
+    if getattr(args, "mtp_num_layers", None) and s < pp - 1:
+        # With MTP megatron-core puts the final norm on the stage holding the model's last layer (its
+        # layer_number == num_layers). Each stage here is a model of its own layers (num_layers / pp),
+        # so every stage would build one: the stages before the last hold none, as in a pipelined run.
+        model.decoder.final_layernorm = None
     return model
 
 

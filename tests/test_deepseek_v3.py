@@ -2,6 +2,7 @@
 transformers' DeepseekV3ForCausalLM (export loads strictly with the same logits; what its
 save_pretrained writes imports with them), and the full-size preset's parameter counts."""
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -17,7 +18,7 @@ from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
 from megajax.checkpoint.source import DictSource, flatten, unflatten  # noqa: E402
 from megajax.config import load_config  # noqa: E402
 from megajax.errors import CheckpointError, ConfigError  # noqa: E402
-from megajax.models.layout import EXPERT_BIAS, split_expert_bias  # noqa: E402
+from megajax.models.layout import expert_bias_rows, split_expert_bias  # noqa: E402
 from megajax.train.state import build_model_spec  # noqa: E402
 
 VOCAB = 257  # the byte tokenizer's
@@ -39,7 +40,8 @@ def random_model(cfg, std: float = 0.05):
     spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
     rng = np.random.default_rng(0)
     flat = random_weights(spec, std, rng)
-    flat[EXPERT_BIAS] = rng.normal(0.0, 0.05, (cfg.model.num_moe_layers(), cfg.model.num_experts)).astype(np.float32)
+    for name, rows in expert_bias_rows(cfg.model).items():  # the layers', then a MoE MTP block's
+        flat[name] = rng.normal(0.0, 0.05, (len(rows), cfg.model.num_experts)).astype(np.float32)
     return cfg, spec, unflatten(flat)
 
 
@@ -57,7 +59,11 @@ def hf_model(path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     hf, info = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
-    assert not any(info.values()), info  # strict: nothing missing, unexpected or mismatched
+    # Strict: nothing missing, unexpected or mismatched, but the multi-token prediction layers after the last
+    # (transformers has none: it ignores DeepSeek-V3's own, model.layers.61, by name).
+    after = tuple(f"model.layers.{hf.config.num_hidden_layers + k}." for k in range(hf.config.num_nextn_predict_layers))
+    mtp = {k for k in info["unexpected_keys"] if k.startswith(after)} if after else set()
+    assert not any(set(v) - mtp for v in info.values()), info
     return hf.eval()
 
 
@@ -99,10 +105,10 @@ def test_hf_export_matches_transformers_and_imports_back(model, tmp_path):
         seq[0, t] = logits_of(spec, params, seq)[0, t - 1].argmax()
     np.testing.assert_array_equal(seq[0, 6:12], theirs)
 
-    overrides, back = import_hf(out)
-    assert overrides == model_overrides(cfg.model)
-    got_flat = dict(flatten(back))
-    want_flat = {k: v for k, v in flatten(params) if not k.startswith("mtp/")}  # transformers has no MTP
+    overrides, back = import_hf(out)  # with the MTP depth, written as DeepSeek writes it
+    want = {k: v for k, v in model_overrides(cfg.model).items() if k != "mtp_loss_scaling_factor"}  # not in config.json
+    assert overrides == {**want, "mtp_block": "moe"} and overrides["mtp_num_layers"] == 1  # (auto: the last layer's kind)
+    got_flat, want_flat = dict(flatten(back)), dict(flatten(params))
     assert sorted(got_flat) == sorted(want_flat)
     for name in want_flat:
         np.testing.assert_array_equal(got_flat[name], want_flat[name], err_msg=name)
@@ -158,9 +164,7 @@ def test_hf_export_refuses_what_transformers_computes_otherwise(model, tmp_path)
 def test_config_refuses_what_multi_latent_attention_does_not_run_with():
     with pytest.raises(ConfigError, match=r"attention_impl = 'flash' and model.v_head_dim = 64 > .* = 48"):
         tiny("model.attention_impl=flash", "model.v_head_dim=64")
-    tiny("model.attention_impl=flash", "model.mtp_num_layers=0", "mesh.context=2")  # multi-latent attention takes both
-    with pytest.raises(ConfigError, match="mtp_num_layers = 1 with mesh.context = 2: .*load-balanced chunks"):
-        tiny("mesh.context=2")
+    tiny("model.attention_impl=flash", "mesh.context=2")  # multi-latent attention and MTP take both
     with pytest.raises(ConfigError, match="dense layers first"):
         tiny("model.moe_layer_freq=[1,0,1]")
 
@@ -252,17 +256,18 @@ def test_pipeline_splits_the_moe_layers_of_a_dense_first_model(small_config):
 
 
 # Multi-latent attention with context parallelism (k and v head dims differ: 48 and 32) combined with
-# data and tensor; MTP off (it refuses context parallelism by name).
+# data and tensor; the MTP depth (a mixture of experts) shifts its tokens, positions and labels along
+# the sequence in its natural order across the load-balanced chunks.
 CONTEXT_LAYOUT = ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"]
 
 
 @pytest.mark.parametrize("impl", ["ring", "allgather"])
-def test_multi_latent_attention_with_context_parallelism_matches_one_device(small_config, impl):
+def test_multi_latent_attention_and_mtp_with_context_parallelism_match_one_device(small_config, impl):
     from layout_parity import assert_same_run, reference, run
-    model = [*preset_overrides(), "model.mtp_num_layers=0"]
-    ref = reference(small_config, *model, steps=2, params=False)
-    got = run(small_config, *model, *CONTEXT_LAYOUT, f"parallel.context_impl={impl}", devices=jax.devices(), steps=2,
-              params=False)
+    ref = reference(small_config, *preset_overrides(), steps=2, params=False)
+    got = run(small_config, *preset_overrides(), *CONTEXT_LAYOUT, f"parallel.context_impl={impl}",
+              devices=jax.devices(), steps=2, params=False)
+    assert ref.mtp_losses is not None and got.mtp_losses is not None
     assert_same_run(got, ref, params=False)
 
 
@@ -293,9 +298,9 @@ def test_flops_count_multi_latent_attention_by_hand():
     h, heads, n, p, v = 128, 4, 32, 16, 32
     attention = h * 64 + 64 * heads * (n + p) + h * (32 + p) + 32 * heads * (n + v) + heads * v * h
     dense, moe = 3 * h * 256, h * 8 + 2 * 3 * h * 64 + 3 * h * 64  # router, top-2 of the experts, shared
-    # 3 layers, the MTP depth (its projection [2h, h], attention, a dense MLP), the output layer twice
-    # (the model's and the MTP depth's; vocabulary padded to 384)
-    matmuls = 4 * attention + 2 * dense + 2 * moe + 2 * h * h + 2 * h * 384
+    # 3 layers, the MTP depth (its projection [2h, h], attention, a mixture of experts like the last
+    # layer's), the output layer twice (the model's and the MTP depth's; vocabulary padded to 384)
+    matmuls = 4 * attention + dense + 3 * moe + 2 * h * h + 2 * h * 384
     seq = 32
     by_hand = 6 * matmuls + 4 * 3 * seq * heads * (n + p + v)  # causal QK^T (n + p dims) and AV (v dims)
     assert train_flops_per_token(m, seq, 384) == by_hand
@@ -323,13 +328,58 @@ def test_multi_token_prediction_objective(model):
     np.testing.assert_allclose(loss, (np.sum(ce * mask) + 0.3 * mtp_ce.sum()) / mask.sum() + aux, rtol=1e-5)
 
 
-def test_multi_token_prediction_is_logged_and_left_out_of_the_hf_export(small_config, tmp_path):
+def test_multi_token_prediction_is_logged_and_left_out_of_hf_formats_without_it(small_config, tmp_path):
     from megajax.checkpoint.hf import mtp_left_out
     from megajax.train.loop import train
     result = train(small_config(*preset_overrides(), steps=1), devices=jax.devices()[:1])
     record = result.records[-1]
     assert np.isfinite(record["mtp_loss"]) and record["mtp_loss"] != record["loss"]
-    assert "leaves its layers out" in mtp_left_out(tiny().model)
+    assert mtp_left_out(tiny().model) is None  # DeepSeek-V3's format holds it
+    mixtral = load_config(overrides=["model.num_experts=4", "model.mtp_num_layers=1"]).model
+    assert "MixtralForCausalLM has no multi-token prediction; the export leaves its layers out" in mtp_left_out(mixtral)
+
+
+def test_a_deepseek_v3_directory_with_its_mtp_layer_round_trips_with_nothing_dropped(tmp_path):
+    """A transformers-saved DeepSeek-V3 with the multi-token prediction layer DeepSeek's own files carry
+    after the last (model.layers.{N}: enorm, hnorm, eh_proj, a MoE decoder layer, shared_head, and copies
+    of the embedding and head), config num_nextn_predict_layers=1: the import keeps it (model.mtp_num_layers
+    1, a mixture of experts), the export writes every tensor back under its name with its values."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file, save_file
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=24, routed_scaling_factor=2.5, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    hf = transformers.DeepseekV3ForCausalLM(config)
+    hf.save_pretrained(tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for name in [k for k in tensors if k.startswith("model.layers.1.")]:  # the MTP layer: a MoE layer's tensors
+        tensors[name.replace("model.layers.1.", "model.layers.2.")] = rng.normal(0, 0.05, tensors[name].shape).astype(
+            np.float32)
+    for name, shape in (("enorm.weight", (64,)), ("hnorm.weight", (64,)), ("eh_proj.weight", (64, 128)),
+                        ("shared_head.norm.weight", (64,))):
+        tensors[f"model.layers.2.{name}"] = rng.normal(0, 0.05, shape).astype(np.float32) + (name != "eh_proj.weight")
+    tensors["model.layers.2.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    tensors["model.layers.2.shared_head.head.weight"] = tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    c = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(c, num_nextn_predict_layers=1)))
+
+    overrides, params = import_hf(tmp_path / "hf")
+    assert (overrides["num_layers"], overrides["mtp_num_layers"], overrides["mtp_block"]) == (2, 1, "moe")
+    m = load_config(base={"model": overrides}, overrides=["train.seq_len=32"]).model
+    out = export_hf(DictSource(params, m), tmp_path / "again", tokenizer_spec="byte", dtype="fp32")
+    again = load_file(out / "model.safetensors")
+    assert sorted(again) == sorted(tensors)
+    for name, x in tensors.items():
+        np.testing.assert_array_equal(again[name], x, err_msg=name)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    hf_model(out)  # transformers loads it (the MTP layer is the only thing it leaves)
 
 
 def _fp8_owners(fp8: dict) -> dict:
@@ -370,11 +420,11 @@ def test_fp8_layout_tracks_one_device(small_config):
     """FP8 on fsdp 2 x tensor 2 + SP x expert 2 against one device, with test_fp8_training's tolerances:
     loss and grad norm per step; every product's x and w scales and step 1's amaxes within 2^-4 (the
     latent products' amaxes are maxima over the whole latent, which sequence parallelism splits); the
-    output gradients' within 2^-2 (a sum over shards instead of a maximum would be off 2x or more): at
+    output gradients' within 2^-1 (a sum over shards instead of a maximum would be off 2x or more): at
     step 1 every scale is 1, and this model's output gradients (1e-7 to 1e-4) quantize to e5m2
     subnormals (2 mantissa bits or none), so a gradient computed from another product's FP8 input
-    gradient differs between layouts; measured: q_down's 18%, the dense MLP's gate/up 11%, the MTP
-    depth's q_up 9%."""
+    gradient differs between layouts; measured: the dense layer's q_down 47% (18% before the MTP depth
+    became a mixture of experts, whose e5m2 gradients feed it), the dense MLP's gate/up 11%."""
     from test_fp8_training import FP8_AMAX_RTOL, FP8_GRAD_NORM_RTOL, FP8_LOSS_RTOL, _steps
     common = [*preset_overrides(), "train.precision=fp8", "optim.warmup_steps=0"]
     one, one_fp8, _ = _steps(small_config(*common, "mesh.data=1"), jax.devices()[:1], 3)
@@ -382,12 +432,12 @@ def test_fp8_layout_tracks_one_device(small_config):
     np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
     np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
     want, have = _fp8_owners(one_fp8), _fp8_owners(got_fp8)
-    assert sorted(have) == sorted(want) and len(want) == 25  # 7 + 10 + 8 products (dense, MoE, MTP)
+    assert sorted(have) == sorted(want) and len(want) == 28  # 7 + 10 + 11 products (dense, MoE, the MoE MTP depth)
     bad = []
     for path, (scale, history) in want.items():
         assert np.all(history[:, 0, :2] > 0), path
         for i in range(3):  # x, w, g
-            rtol = 4 * FP8_AMAX_RTOL if i == 2 else FP8_AMAX_RTOL
+            rtol = 8 * FP8_AMAX_RTOL if i == 2 else FP8_AMAX_RTOL
             for got_v, want_v in ((have[path][0][..., i], scale[..., i]), (have[path][1][:, 0, i], history[:, 0, i])):
                 if not np.allclose(got_v, want_v, rtol=rtol, atol=0):
                     bad.append((path, i, got_v.tolist(), want_v.tolist()))

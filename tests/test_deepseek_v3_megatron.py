@@ -178,14 +178,54 @@ def test_megatron_import_reads_the_dense_first_list_and_refuses_what_megajax_can
             yarn["rope_beta_fast"], yarn["rope_mscale_all_dim"]) == ("yarn", 1.0, 4096, 32.0, 0.5)
 
 
-def test_megatron_export_refuses_mtp_over_pipeline_stages_and_latents_tensor_ranks_cannot_split(model, tmp_path):
+def test_megatron_export_refuses_latents_tensor_ranks_cannot_split(model, tmp_path):
     cfg, _, params = model
-    with pytest.raises(CheckpointError, match=r"mtp_num_layers=1 with pipeline_parallel=3"):
-        export_megatron(DictSource(params, cfg.model), tmp_path / "mc", pipeline_parallel=3, dtype="fp32")
     with pytest.raises(CheckpointError, match=r"kv_lora_rank \+ qk_pos_emb_head_dim=48 is not divisible by "
                                               r"tensor_parallel=32"):
         export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=32, dtype="fp32")
     assert not (tmp_path / "mc").exists()
+
+
+# Multi-token prediction over pipeline stages, as megatron-core places it: the depths on the last stage,
+# which then holds the embeddings too. A mixture of experts (its MTP depth one too, like its last layer)
+# at pipeline 2 x tensor 2, and a GPT with learned positions and tied embeddings (a dense depth) at
+# pipeline 2.
+PIPELINE_MTP = {
+    "moe": (("llama", "model.num_experts=4", "model.moe_router_topk=2", "model.mtp_num_layers=1"), 2),
+    "gpt": (("gpt", "model.mtp_num_layers=1", "model.mtp_loss_scaling_factor=0.2"), 1),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PIPELINE_MTP))
+def test_mtp_over_pipeline_stages_loads_in_megatron_core(kind, tmp_path):
+    """The legacy export at pipeline 2 loads strictly into megatron-core's GPTModel stages as
+    pretrain_gpt.py builds them (the MTP block on the last stage, with the embeddings): its logits and
+    MTP logits are megajax's; imported back, the parameters bit for bit."""
+    pytest.importorskip("megatron.core")
+    from random_model import random_model as small_model
+    overrides, tp = PIPELINE_MTP[kind]
+    cfg, spec, params = small_model(*overrides)
+    assert cfg.model.mtp_moe() == (kind == "moe")
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=tp, pipeline_parallel=2,
+                          dtype="fp32", iteration=1)
+    step = out / "iter_0000001"
+    import torch
+    last = torch.load(step / "mp_rank_00_001" / "model_optim_rng.pt", weights_only=False)["model"]
+    assert "embedding.word_embeddings.weight" in last and "mtp.layers.0.eh_proj.weight" in last
+    assert ("mtp.layers.0.transformer_layer.mlp.router.weight" in last) == (kind == "moe")
+    np.save(tmp_path / "tokens.npy", TOKS)
+    port = free_port()
+    run_ranks(lambda r: [WORKER, str(step), str(tmp_path / "tokens.npy"), str(tmp_path / "logits.npy"), str(r),
+                         str(tp), str(port)], tp, tmp_path / "worker.log")
+    weights, bias = split_expert_bias(params)
+    want = np.asarray(spec.apply(weights, jnp.asarray(TOKS), expert_bias=bias))[..., :VOCAB]
+    np.testing.assert_allclose(np.load(tmp_path / "logits.npy")[..., :VOCAB], want, atol=1e-4, rtol=1e-4)
+    mtp = np.load(tmp_path / "logits_mtp.npy")
+    np.testing.assert_allclose(mtp[:, :, :-1, :VOCAB], mtp_logits_of(spec, params, TOKS)[:, :, :-1], atol=1e-4,
+                               rtol=1e-4)
+    overrides_back, back = import_megatron(out)
+    assert overrides_back["mtp_num_layers"] == 1
+    assert_same_params(back, params)
 
 
 def test_megajax_import_and_export_commands_carry_the_model_through(model, tmp_path, capsys):
@@ -199,8 +239,7 @@ def test_megajax_import_and_export_commands_carry_the_model_through(model, tmp_p
     capsys.readouterr()
     assert main(["export", "--format", "megatron", "--checkpoint", str(tmp_path / "mj"), "--output",
                  str(tmp_path / "dist"), "--dtype", "fp32"]) == 0
-    said = capsys.readouterr()
-    assert "like the last decoder layer, a mixture of experts here, so load them with a dense MTP layer spec" in said.err
+    assert "note: model.mtp_block" not in capsys.readouterr().err  # the depth is built as Megatron-LM builds it
     overrides, back = import_megatron(tmp_path / "dist")
     assert (overrides["multi_latent_attention"], overrides["moe_layer_freq"], overrides["mtp_num_layers"],
             overrides["mtp_loss_scaling_factor"]) == (True, [0, 1, 1], 1, cfg.model.mtp_loss_scaling_factor)

@@ -191,19 +191,20 @@ def test_dense_first_layers_generate_without_multi_latent_attention():
 
 def test_generate_from_the_hugging_face_export_equals_transformers_generate(model, tmp_path):
     """`megajax generate --hf` / `serve --hf` of the DeepseekV3ForCausalLM export (its expert bias imported
-    beside the parameters; no MTP depth) gives transformers' greedy tokens."""
+    beside the parameters; its MTP depth kept, and not run) gives transformers' greedy tokens."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from megajax.checkpoint.hf import export_hf
     from megajax.checkpoint.source import DictSource
     from megajax.inference.load import find_source, generation_config, load_model
-    from megajax.models.layout import EXPERT_BIAS
+    from megajax.models.layout import expert_bias_rows
     cfg, _, params, bias = model
-    out = export_hf(DictSource(unflatten(dict(flatten(params)) | {EXPERT_BIAS: bias}), cfg.model), tmp_path / "hf",
+    biases = {name: bias[rows.start:rows.stop] for name, rows in expert_bias_rows(cfg.model).items()}
+    out = export_hf(DictSource(unflatten(dict(flatten(params)) | biases), cfg.model), tmp_path / "hf",
                     tokenizer_spec="byte", dtype="fp32")
     source = find_source(None, str(out))
     loaded = load_model(generation_config(source, ["train.precision=fp32"]), source, devices=jax.devices()[:1])
-    assert loaded.cfg.model.mtp_num_layers == 0 and loaded.generator.expert_bias is not None
+    assert loaded.cfg.model.mtp_num_layers == 1 and loaded.generator.expert_bias is not None
     got, _ = loaded.generator.generate(PROMPTS, Sampling(), 8)
     hf = transformers.DeepseekV3ForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     for prompt, c in zip(PROMPTS, got):

@@ -112,6 +112,9 @@ def model_overrides(m: ModelConfig) -> dict:
         out.pop("moe_shared_expert_gate")
     if m.multi_latent_attention:
         out.update({k: getattr(m, k) for k in MLA_FIELDS})
+    if m.mtp_num_layers:  # multi-token prediction's depths (Megatron's and DeepSeek-V3's checkpoints hold them)
+        out.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
+                   mtp_block=m.mtp_block)
     return out
 
 

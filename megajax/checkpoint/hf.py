@@ -20,8 +20,10 @@ temporary directory renamed at the end. The import reads with the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 import struct
 from contextlib import ExitStack
 from pathlib import Path
@@ -137,8 +139,29 @@ DEEPSEEK_V3_ROWS = (
     Row("lm_head.weight", linear("output"), vocab=True),
 )
 
+
+
+def _deepseek_v3_mtp_rows() -> tuple[Row, ...]:
+    """DeepSeek-V3's multi-token prediction depth k as the layer after the last (`model.layers.{N + k}`,
+    N = num_hidden_layers): enorm and hnorm, eh_proj over [embedding; hidden], a decoder layer named as
+    the others (a mixture of experts, or a dense MLP), shared_head.norm (its final norm), and copies of
+    the embedding and the output head (embed_tokens, shared_head.head) as DeepSeek's files carry them."""
+    def in_mtp(row: Row) -> Row:
+        options = {f: getattr(row, f) for f in ("axis", "groups", "vocab", "split", "aliases")}
+        return Row(row.name, *(dataclasses.replace(p, path="mtp/block/" + p.path.split("/", 1)[1])
+                               for p in row.parts), **options)
+    return (*norm_rows(f"{_L}.enorm", "mtp/embed_norm"), *norm_rows(f"{_L}.hnorm", "mtp/hidden_norm"),
+            Row(f"{_L}.eh_proj.weight", linear("mtp/proj/kernel")),
+            *(in_mtp(r) for r in DEEPSEEK_V3_ROWS if r.per_layer),
+            *norm_rows(f"{_L}.shared_head.norm", "mtp/final_norm"),
+            Row(f"{_L}.embed_tokens.weight", same("embed/embedding"), vocab=True, copy=True),
+            Row(f"{_L}.shared_head.head.weight", linear("output"), vocab=True, copy=True),
+            Row(f"{_L}.shared_head.head.weight", same("embed/embedding"), vocab=True, copy=True))  # tied
+
+
 TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS, QWEN3: QWEN3_ROWS, QWEN3_MOE: QWEN3_MOE_ROWS,
-          DEEPSEEK_V3: DEEPSEEK_V3_ROWS}
+          DEEPSEEK_V3: DEEPSEEK_V3_ROWS + _deepseek_v3_mtp_rows()}
+MTP_ARCHITECTURES = (DEEPSEEK_V3,)  # the Hugging Face formats that hold multi-token prediction
 
 
 def _ignored(name: str) -> bool:
@@ -333,7 +356,7 @@ def _deepseek_v3_config(m: ModelConfig) -> dict:
         norm_topk_prob=m.moe_router_topk > 1, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
         qk_nope_head_dim=m.qk_head_dim, qk_rope_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
         rope_interleave=True, rope_theta=m.rope_theta, attention_bias=False,
-        num_nextn_predict_layers=0, pretraining_tp=1, **_deepseek_v3_rope(m))
+        num_nextn_predict_layers=m.mtp_num_layers, pretraining_tp=1, **_deepseek_v3_rope(m))
 
 
 def _deepseek_v3_rope(m: ModelConfig) -> dict:
@@ -427,6 +450,18 @@ def _deepseek_v3_overrides(c: dict) -> dict:
                 **(_deepseek_v3_yarn(rope) if rope_type == "yarn" else {}))
 
 
+def _deepseek_v3_mtp(c: dict, overrides: dict, weights) -> dict:
+    """`overrides` with DeepSeek-V3's multi-token prediction depths (config.json num_nextn_predict_layers;
+    their layers after the last, model.layers.{N + k}) where the weights hold them: mtp_num_layers, and
+    mtp_block as the first depth's MLP is (`mlp.gate`: a mixture of experts). Without those weights (a
+    copy with them removed) none."""
+    depths, n = int(c.get("num_nextn_predict_layers") or 0), overrides["num_layers"]
+    if not depths or f"model.layers.{n}.eh_proj.weight" not in weights:
+        return overrides
+    return dict(overrides, mtp_num_layers=depths,
+                mtp_block="moe" if f"model.layers.{n}.mlp.gate.weight" in weights else "dense")
+
+
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
@@ -493,11 +528,13 @@ def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConf
 
 
 def mtp_left_out(m: ModelConfig) -> str | None:
-    """What a Hugging Face export says of a model with multi-token prediction (left out), or None."""
-    if not m.mtp_num_layers:
+    """What a Hugging Face export says of a model with multi-token prediction its architecture cannot
+    hold (left out), or None. DeepSeek-V3's holds it (the layers after the last, as DeepSeek writes them;
+    transformers' model does not run them)."""
+    if not m.mtp_num_layers or architecture(m) in MTP_ARCHITECTURES:
         return None
-    return (f"model.mtp_num_layers = {m.mtp_num_layers}: transformers has no multi-token prediction; the export "
-            f"leaves its layers out (the model's own logits are unchanged)")
+    return (f"model.mtp_num_layers = {m.mtp_num_layers}: {architecture(m)} has no multi-token prediction; the "
+            f"export leaves its layers out (the model's own logits are unchanged)")
 
 
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
@@ -514,8 +551,8 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     np_dtype = numpy_dtype(dtype)
     arch = architecture(m)
     shapes = tensor_shapes(m, check_source(source))  # DeepSeek-V3's routers keep their expert bias
-    # transformers has no multi-token prediction: its depths (`mtp/`) are left out (mtp_left_out)
-    shapes = {k: v for k, v in shapes.items() if not k.startswith("mtp/")}
+    if arch not in MTP_ARCHITECTURES:  # no place for multi-token prediction's depths (mtp_left_out)
+        shapes = {k: v for k, v in shapes.items() if not k.startswith("mtp/")}
     rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
@@ -667,17 +704,22 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
                               f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3} and {GPT2}.")
-    m = resolved_model(overrides)
-    if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
-        raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
-                              f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-    shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
-    flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     with ExitStack() as files:
         weights, used = _weight_files(d, files), set()
+        if arch == DEEPSEEK_V3:
+            overrides = _deepseek_v3_mtp(c, overrides, weights)
+        m = resolved_model(overrides)
+        if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
+            raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
+                                  f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
+        shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
+        flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         for row, i, slot in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m):
             names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
             name = next((n for n in names if n in weights), None)
+            if row.copy:  # a copy of a tensor another row reads (DeepSeek-V3's MTP embed_tokens, shared_head.head)
+                used.add(name)
+                continue
             if name is None:
                 raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
             path, f = weights[name]
@@ -691,10 +733,17 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                                    mismatch=mismatch).items():
                 flat_params[ours][index(slot, row)] = x
     left = sorted(n for n in set(weights) - used if not _ignored(n))
+    mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
+    if mtp and not m.mtp_num_layers and arch == DEEPSEEK_V3:
+        raise CheckpointError(f"the Hugging Face checkpoint holds layer {m.num_layers} ({', '.join(mtp[:3])} ...) "
+                              f"after its num_hidden_layers={m.num_layers}; a multi-token prediction layer is "
+                              f"read when config.json says num_nextn_predict_layers.")
     if left:
         raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
                               f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+    out = model_overrides(m)
+    out.pop("mtp_loss_scaling_factor", None)  # config.json has no MTP loss weight: the run's applies
+    return out, unflatten(dict(sorted(flat_params.items())))
 
 
 def hf_tokenizer(in_dir) -> tuple[str | None, str]:

@@ -38,7 +38,7 @@ from megajax.checkpoint.integrity import check, read_failed, step_number, write_
 from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
-from megajax.models.layout import EXPERT_BIAS, split_expert_bias
+from megajax.models.layout import expert_bias_rows, split_expert_bias
 
 EXPERT_BIAS_STORED = "moe_expert_bias"  # TrainState.moe_expert_bias's stored name
 
@@ -385,19 +385,19 @@ def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[di
 
 
 def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
-    """The MoE routers' expert bias [layers, E] a checkpoint stores (a trained or imported model with
-    aux-loss-free balancing), for fine-tuning or generation; None when it stores none. CheckpointError
-    when its shape is not the model's."""
+    """The MoE routers' expert bias [router layers, E] a checkpoint stores (a trained or imported model
+    with aux-loss-free balancing), for fine-tuning or generation; None when it stores none.
+    CheckpointError when its shape is not the model's."""
     from megajax.models.layout import has_expert_bias
     stored, _ = stored_arrays(step_dir)
     m = cfg.model
     if not has_expert_bias(m) or EXPERT_BIAS_STORED not in stored:
         return None
-    want = (m.num_moe_layers(), m.num_experts)
+    want = (m.num_router_layers(), m.num_experts)
     if tuple(stored[EXPERT_BIAS_STORED].shape) != want:
         raise CheckpointError(f"checkpoint {step_dir}: {EXPERT_BIAS_STORED} has shape "
                               f"{tuple(stored[EXPERT_BIAS_STORED].shape)} but this model expects {want}.")
-    return CheckpointSource(step_dir).get(EXPERT_BIAS)
+    return np.asarray(CheckpointSource(step_dir).stored(EXPERT_BIAS_STORED), np.float32)
 
 
 # ----------------------------------------------------------------------------
@@ -454,8 +454,10 @@ class CheckpointSource:
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
         self._prefix = prefix
         self._names = sorted(n[len(prefix):].replace(".", "/") for n in self._arrays if n.startswith(prefix))
-        if prefix == "params." and EXPERT_BIAS_STORED in self._arrays:  # the routers' expert bias
-            self._names.append(EXPERT_BIAS)
+        # The routers' expert bias: one stored array, served as the layers' and the MTP block's.
+        self._bias_rows = expert_bias_rows(self.model) if prefix == "params." and \
+            EXPERT_BIAS_STORED in self._arrays else {}
+        self._names += list(self._bias_rows)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
         self._ocdbt = ocp.type_handlers.is_ocdbt_checkpoint(self._parent)
@@ -468,10 +470,12 @@ class CheckpointSource:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._arrays[self._storage(name)].shape)
+        shape = tuple(self._arrays[self._storage(name)].shape)
+        rows = self._bias_rows.get(name)
+        return shape if rows is None else (len(rows),) + shape[1:]
 
     def _storage(self, name: str) -> str:
-        key = EXPERT_BIAS_STORED if name == EXPERT_BIAS else self._prefix + name.replace("/", ".")
+        key = EXPERT_BIAS_STORED if name in self._bias_rows else self._prefix + name.replace("/", ".")
         if key not in self._arrays:
             what = "parameter " + name if self._prefix == "params." else self._prefix + name.replace("/", ".")
             raise CheckpointError(f"checkpoint {self.step_dir}: has no {what}.")
@@ -503,7 +507,11 @@ class CheckpointSource:
 
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
         store = self._store(self._storage(name))
-        view = store[layer] if layer is not None else store
+        rows = self._bias_rows.get(name)
+        if rows is not None:  # TensorStore keeps a slice's coordinates: index the stored array itself
+            view = store[rows.start + layer] if layer is not None else store[rows.start:rows.stop]
+        else:
+            view = store[layer] if layer is not None else store
         try:
             return np.asarray(view.read().result(), np.float32)
         except Exception as e:
@@ -514,7 +522,7 @@ class CheckpointSource:
 
 def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
     """An Orbax checkpoint holding only parameters (e.g. imported from Hugging Face or Megatron),
-    for `checkpoint.load`; an expert bias in `params` (`EXPERT_BIAS`) is stored as the train state's
+    for `checkpoint.load`; expert biases in `params` (layout.expert_bias_rows) are stored as the train state's
     `moe_expert_bias`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
     out_dir = Path(out_dir)
     if find_step_dir(out_dir) is not None:

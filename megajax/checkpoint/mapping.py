@@ -23,8 +23,9 @@ the dense ones in a second stack, `dense_layers/`: a per-layer row naming
 each row holds the layers of its stack (`layer_rows`, `slot`).
 
 Multi-token prediction's parameters (`mtp/...`) are stacked over the depths: a row naming them
-has `{i}` for the depth (its stack is `mtp/`, which `layer_rows` never yields; a format walks
-them itself).
+has `{i}` for the depth (its stack is `mtp/`, which `layer_rows` never yields): Megatron's format
+walks them itself (`mtp.layers.{k}`), `in_layer_order` as the layers after the last (Hugging Face's
+DeepSeek-V3, `model.layers.{num_layers + k}`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
-from megajax.models.layout import layer_slots, stacked
+from megajax.models.layout import STACKS, layer_slots, stacked
 
 MTP_STACK = "mtp/"  # multi-token prediction's depths, stacked on dim 0
 
@@ -117,6 +118,11 @@ class Row:
         return Row(self.name, *(dataclasses.replace(p, path=stack + p.path.split("/", 1)[1]) for p in self.parts),
                    **options)
 
+    def as_copy(self) -> "Row":
+        """This row as a duplicate another row holds (written, skipped on import)."""
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(Row) if f.name not in ("name", "parts")}
+        return Row(self.name, *self.parts, **dict(options, copy=True))
+
     @property
     def expert(self) -> int | None:
         """The expert a row expanded per expert holds (its parts' slice of the expert dim)."""
@@ -150,8 +156,9 @@ def rows_for(table: tuple[Row, ...], shapes: dict[str, tuple[int, ...]], fmt: st
     out = []
     for row in table:
         variants = [row] + ([row.in_stack("dense_layers/")] if row.per_layer and row.stack == "layers/" else [])
-        for r in variants:
-            if (r.name, r.stack) not in {(x.name, x.stack) for x in out} and all(p.path in shapes for p in r.parts):
+        for r in variants:  # a copy (of a tensor another row holds) is one per name whatever its stack
+            held = {(x.name, None if x.copy else x.stack) for x in out}
+            if (r.name, None if r.copy else r.stack) not in held and all(p.path in shapes for p in r.parts):
                 out.append(r)
     # A `{j}` row becomes one row per expert (the count: the parameter's dim after the layer's).
     out = [e for r in out for e in ([r.for_expert(j) for j in range(_num_experts(r, shapes))]
@@ -172,11 +179,16 @@ def layer_rows(rows: list[Row], m: ModelConfig, layer: int) -> Iterator[tuple[Ro
 
 def in_layer_order(rows: list[Row], m: ModelConfig) -> Iterator[tuple[Row, int | None, int | None]]:
     """(row, layer, slot): the rows before the per-layer ones, those layer by layer (`slot`: the
-    layer's index in the row's stack), then the rest."""
+    layer's index in the row's stack), the multi-token prediction depths' as the layers after the
+    last (layer num_layers + k, slot k; a copy of an unstacked tensor named per depth: slot None),
+    then the rest."""
     per_layer = [r for r in rows if r.per_layer]
     start = rows.index(per_layer[0]) if per_layer else len(rows)
     yield from ((r, None, None) for r in rows[:start] if not r.per_layer)
     yield from ((r, i, slot) for i in range(m.num_layers) for r, slot in layer_rows(rows, m, i))
+    depth_rows = [r for r in per_layer if r.stack not in STACKS]
+    yield from ((r, m.num_layers + k, k if r.stack == MTP_STACK else None)
+                for k in range(m.mtp_num_layers) for r in depth_rows)
     yield from ((r, None, None) for r in rows[start:] if not r.per_layer)
 
 

@@ -140,7 +140,8 @@ _DECODER_ROWS = (
 def _mtp_rows() -> tuple[Row, ...]:
     """Multi-token prediction (MultiTokenPredictionBlock, on the last stage): per depth the normed
     embedding and hidden state (enorm, hnorm), eh_proj over their concatenation [embedding; hidden]
-    (column-parallel), a transformer layer named and split as a decoder layer, its final norm."""
+    (column-parallel), a transformer layer named and split as a decoder layer (dense or a mixture of
+    experts: its router, expert bias and experts as a MoE layer's), its final norm."""
     def in_mtp(row: Row) -> Row:
         options = {f: getattr(row, f) for f in ("axis", "groups", "vocab", "split")}
         rename = lambda n: n.replace(f"{_L}.", f"{_MTP}.transformer_layer.")  # noqa: E731
@@ -148,7 +149,7 @@ def _mtp_rows() -> tuple[Row, ...]:
                                        for p in row.parts), aliases=tuple(map(rename, row.aliases)), **options)
     return (*norm_rows(f"{_MTP}.enorm", "mtp/embed_norm"), *norm_rows(f"{_MTP}.hnorm", "mtp/hidden_norm"),
             Row(f"{_MTP}.eh_proj.weight", linear("mtp/proj/kernel"), split="column"),
-            *(in_mtp(r) for r in _DECODER_ROWS if r.per_layer and "{j}" not in r.name),
+            *(in_mtp(r) for r in _DECODER_ROWS if r.per_layer),
             *norm_rows(f"{_MTP}.final_layernorm", "mtp/final_norm"))
 
 
@@ -174,12 +175,11 @@ def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
     return (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
 
 
-def _extra_state(m: ModelConfig, layer: int | None, local: int, prefix: str = _L, experts: int | None = None) -> list[str]:
-    """The `_extra_state` keys (its Linear modules') of model layer `layer` (None: a dense layer, as
-    multi-token prediction's), numbered `local` on its stage, under `prefix`; `experts`: the experts a
-    rank file holds (all by default)."""
+def _extra_state(m: ModelConfig, moe: bool, local: int, prefix: str = _L, experts: int | None = None) -> list[str]:
+    """The `_extra_state` keys (its Linear modules') of a layer (`moe`: a mixture of experts), numbered
+    `local` on its stage, under `prefix`; `experts`: the experts a rank file holds (all by default)."""
     attn = tuple(f"{_L}.self_attention.{x}._extra_state" for x in _attention_linears(m))
-    if layer is None or not m.is_moe_layer(layer):
+    if not moe:
         keys = attn + tuple(f"{_L}.mlp.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
     else:
         keys = attn + _MOE_EXTRA_STATE + (_SHARED_EXTRA_STATE if m.moe_shared_expert_ffn_size else ())
@@ -187,11 +187,11 @@ def _extra_state(m: ModelConfig, layer: int | None, local: int, prefix: str = _L
             for j in (range(experts or m.num_experts) if "{j}" in k else [0])]
 
 
-def _mtp_extra_state(m: ModelConfig) -> list[str]:
-    """The `_extra_state` keys of the multi-token prediction depths (eh_proj and the dense layer's linears)."""
+def _mtp_extra_state(m: ModelConfig, experts: int | None = None) -> list[str]:
+    """The `_extra_state` keys of the multi-token prediction depths (eh_proj and their layer's linears)."""
     return [key for k in range(m.mtp_num_layers)
             for key in (f"mtp.layers.{k}.eh_proj._extra_state",
-                        *_extra_state(m, None, k, f"{_MTP}.transformer_layer"))]
+                        *_extra_state(m, m.mtp_moe(), k, f"{_MTP}.transformer_layer", experts))]
 _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 
@@ -205,11 +205,17 @@ def _megatron_rows(shapes: dict, m: ModelConfig) -> list[Row]:
 def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, offset: int):
     """(row, its names on this pipeline stage, the index in the row's stack of the layer or None) for
     every tensor the stage holds: its layers (numbered from 0 within the stage), the embeddings on the
-    first, the rest on the last."""
+    first, the rest on the last. With multi-token prediction the last stage, which runs its depths,
+    holds the embeddings too (megatron-core's GPTModel builds them there): copies, read from the first."""
     for row in rows:
-        if not row.per_layer and (first if row.name.startswith("embedding.") else last) and not (row.copy and first):
+        if row.per_layer:
+            pass
+        elif row.name.startswith("embedding."):
+            if first or (last and m.mtp_num_layers):
+                yield (row if first else row.as_copy()), row.names(), None
+        elif last and not (row.copy and first):
             yield row, row.names(), None
-        elif row.per_layer and row is next(r for r in rows if r.per_layer):  # the layers, each whole, in order
+        if row.per_layer and row is next(r for r in rows if r.per_layer):  # the layers, each whole, in order
             for k in layers:
                 yield from ((r, r.names(k), slot) for r, slot in layer_rows(rows, m, offset + k))
     if last:  # multi-token prediction's depths, after the output layer
@@ -244,23 +250,21 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     if m.multi_latent_attention and m.rope_scaling not in ("none", "yarn"):
         problems.append(f"model.multi_latent_attention=true with model.rope_scaling={m.rope_scaling}: megatron-core's "
                         f"multi-latent attention takes plain rope or yarn")
-    if m.mtp_num_layers and pp > 1:
-        problems.append(f"model.mtp_num_layers={m.mtp_num_layers} with pipeline_parallel={pp}: megajax writes the "
-                        f"multi-token prediction depths with one pipeline stage")
     if problems:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {'; '.join(problems)}.")
 
 
 def mtp_differs(m: ModelConfig) -> str | None:
-    """What a Megatron export says of a model with multi-token prediction (its depths are written and
-    megatron-core's GPTModel computes them as megajax does, but Megatron-LM builds their layer
-    otherwise for a mixture of experts), or None."""
-    if not m.mtp_num_layers or not m.num_experts:
+    """What a Megatron export says of a model whose multi-token prediction block is not the kind
+    Megatron-LM's training script builds (it builds the depths' layer like the last decoder layer:
+    model.mtp_block=auto), or None."""
+    if not m.mtp_num_layers or m.mtp_moe() == m.is_moe_layer(m.num_layers - 1):
         return None
-    return (f"model.mtp_num_layers = {m.mtp_num_layers}: the multi-token prediction depths are written as "
-            f"megatron-core's mtp.layers.* with a dense MLP (megajax's); Megatron-LM's training script builds "
-            f"the depths' layer like the last decoder layer, a mixture of experts here, so load them with a "
-            f"dense MTP layer spec")
+    kind = "a mixture of experts" if m.mtp_moe() else "dense"
+    last = "a mixture of experts" if m.is_moe_layer(m.num_layers - 1) else "dense"
+    return (f"model.mtp_block = {m.mtp_block}: the multi-token prediction depths' layer is {kind} "
+            f"(mtp.layers.*), but Megatron-LM's training script builds it like the last decoder layer, "
+            f"{last} here; load the export with a {'MoE' if m.mtp_moe() else 'dense'} MTP layer spec")
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
@@ -350,10 +354,11 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
         # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
         to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
         sd[name] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
-    sd.update({key: None for k in range(per_stage) for key in _extra_state(m, s * per_stage + k, k, experts=local)})
+    sd.update({key: None for k in range(per_stage)
+               for key in _extra_state(m, m.is_moe_layer(s * per_stage + k), k, experts=local)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
-        sd.update({key: None for key in _mtp_extra_state(m)})
+        sd.update({key: None for key in _mtp_extra_state(m, local)})
     return sd
 
 
@@ -438,7 +443,8 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
     experts' `local_experts.{j}.Y` into `mlp.experts.experts.Y [(L,) E, ...]`, and each layer's
     `_extra_state` as the object Megatron-Core stores per layer (and expert): `KEY/shard_{i}_{L}`,
     `KEY/shard_{i}.{j}_{L}.{E}` (per layer: `KEY/shard_0_1`, `KEY/shard_{j}_{E}`). Multi-token
-    prediction's `mtp.layers.{k}.*` are kept per depth, as megatron-core keeps them."""
+    prediction's `mtp.layers.{k}.*` are kept per depth, each depth's layer as a layer of its own, as
+    megatron-core keeps them."""
     torch = _torch()
     out: dict = {}
     stacks: dict[str, dict] = {}
@@ -455,20 +461,21 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
 
     for name, x in sd.items():
         mtp = re.match(r"(mtp\.layers\.\d+\.transformer_layer\.)(.*)$", name)
-        if mtp:
-            name = mtp.group(1) + renamed(mtp.group(2))
-        if not name.startswith("decoder.layers."):
+        decoder = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+        if not mtp and not decoder:
             if x is not None:
                 out[name] = x
-            elif name.startswith("mtp."):
+            elif name.startswith("mtp."):  # eh_proj's
                 out[f"{name}/shard_0_1"] = [None]
             continue
-        i, _, rest = name[len("decoder.layers."):].partition(".")
+        # A depth's layer is kept under its own keys, as a layer of a model whose layers differ.
+        i, rest = (0, mtp.group(2)) if mtp else (int(decoder.group(1)), decoder.group(2))
+        own = bool(mtp) or per_layer
+        layer = mtp.group(1) if mtp else f"decoder.layers.{i}." if per_layer else "decoder.layers."
         rest = renamed(rest)
         expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.*)$", rest)
-        layer = f"decoder.layers.{i}." if per_layer else "decoder.layers."
         if x is None:  # an _extra_state: one object per layer (and expert)
-            if per_layer:
+            if own:
                 key = (f"{layer}mlp.experts.experts.{expert.group(2)}/shard_{expert.group(1)}_{E}" if expert
                        else f"{layer}{rest}/shard_0_1")
             else:
@@ -477,14 +484,13 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
             out[key] = [None]  # PyTorch DCP stores an object as its torch.save bytes
             continue
         if expert:
-            stacks.setdefault(f"{layer}mlp.experts.experts.{expert.group(2)}", {})[
-                (int(i), int(expert.group(1)))] = x
-        elif per_layer:
+            stacks.setdefault(f"{layer}mlp.experts.experts.{expert.group(2)}", {})[(i, int(expert.group(1)))] = x
+        elif own:
             out[f"{layer}{rest}"] = x
         else:
-            stacks.setdefault(f"{layer}{rest}", {})[int(i)] = x
+            stacks.setdefault(f"{layer}{rest}", {})[i] = x
     for key, parts in stacks.items():
-        if per_layer:  # one layer's experts
+        if per_layer or key.startswith("mtp."):  # one layer's experts
             out[key] = torch.stack([parts[k] for k in sorted(parts, key=lambda ij: ij[1])])
             continue
         if len(parts) != (L * E if "experts.experts." in key else L):
@@ -736,12 +742,15 @@ def _mla_overrides(args, qk_layernorm: bool, reject) -> dict:
     return out
 
 
-def _model_overrides(m: ModelConfig) -> dict:
-    """model_overrides with multi-token prediction's depths, which a Megatron checkpoint holds."""
-    out = model_overrides(m)
-    if m.mtp_num_layers:
-        out.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor)
-    return out
+_MTP_ROUTER = "mtp.layers.0.transformer_layer.mlp.router.weight"
+
+
+def _with_mtp_block(overrides: dict, names) -> dict:
+    """`overrides` with model.mtp_block as the checkpoint's tensor names say (a router in the first depth:
+    a mixture of experts), for a mixture-of-experts model with multi-token prediction."""
+    if not overrides.get("mtp_num_layers") or not overrides.get("num_experts"):
+        return overrides
+    return dict(overrides, mtp_block="moe" if _MTP_ROUTER in names else "dense")
 
 
 def _moe_layer_freq(value, num_layers: int, reject) -> int | list[int]:
@@ -832,7 +841,10 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     step, ranks, first = _open(in_dir, trust)
     args = first["args"]
     tp, pp, ep = _rank_sizes(args, step)
-    m = resolved_model(_overrides_from_args(args))
+    files = {(0, 0, 0): first["model"]}
+    if pp > 1:  # the last stage's names say what its multi-token prediction block is
+        files[0, pp - 1, 0] = load_torch_file(ranks[rank_dir(0, pp - 1, pp, 0, ep)], trust)["model"]
+    m = resolved_model(_with_mtp_block(_overrides_from_args(args), files[0, pp - 1, 0]))
     if ep > 1 and (not m.num_experts or m.num_experts % ep):
         raise CheckpointError(f"{str(step)!r}: args say expert_model_parallel_size={ep} with num_experts="
                               f"{m.num_experts}; expert parallelism needs a number of experts it divides.")
@@ -842,7 +854,7 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0
     for s in range(pp):
-        dicts = [_expert_ranks_merged([first["model"] if (t, s, e) == (0, 0, 0) else
+        dicts = [_expert_ranks_merged([files.pop((t, s, e), None) or
                                        load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
                                        for e in range(ep)], (m.num_experts or 1) // ep,
                                       f"{step.name}/{rank_dir(t, s, pp, 0, ep)}") for t in range(tp)]
@@ -858,7 +870,7 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
         del dicts
     if offset != m.num_layers:
         raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
-    return _model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
 class _DistStateDict(Mapping):
@@ -897,7 +909,7 @@ def _import_torch_dist(step: Path, trust: bool) -> tuple[dict, dict]:
     ckpt = DistCheckpoint(step)
     common = _torch_dist_common(step, ckpt, trust)
     try:
-        m = resolved_model(_overrides_from_args(common["args"]))
+        m = resolved_model(_with_mtp_block(_overrides_from_args(common["args"]), set(ckpt.keys())))
     except CheckpointError as e:
         where = step / COMMON_FILE if (step / COMMON_FILE).is_file() else step / METADATA
         raise CheckpointError(f"{str(where)!r}: {e}") from None
@@ -909,7 +921,7 @@ def _import_torch_dist(step: Path, trust: bool) -> tuple[dict, dict]:
     state = _DistStateDict(ckpt, m.num_layers)
     _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
                 flat_params)
-    return _model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+    return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
 def import_megatron_adam(in_dir, *, trust: bool = False) -> dict | str:
@@ -933,7 +945,7 @@ def import_megatron_adam(in_dir, *, trust: bool = False) -> dict | str:
     count = common_step(common)
     if count is None:
         return "its common state has no optimizer step (optimizer.state.common_step)"
-    m = resolved_model(_overrides_from_args(common["args"]))
+    m = resolved_model(_with_mtp_block(_overrides_from_args(common["args"]), set(ckpt.keys())))
     shapes = {k: v for k, v in tensor_shapes(m).items() if k != EXPERT_BIAS}  # a buffer: no Adam state
     rows = _megatron_rows(shapes, m)
     embedding = "embedding.word_embeddings.weight"
@@ -1068,4 +1080,4 @@ def megatron_config(in_dir, *, trust: bool = False) -> tuple[dict, str | None]:
     found, _ = megatron_tokenizer(in_dir, trust=trust)
     if found is None and m.vocab_size == ByteTokenizer.vocab_size:  # as `megajax import` records it
         found = "byte"
-    return _model_overrides(m), found
+    return model_overrides(m), found

@@ -23,6 +23,7 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -192,12 +193,18 @@ def layer_keys(ckpt: DistCheckpoint, num_layers: int) -> dict[str, tuple[str, in
     `decoder.layers.X [L, ...]` becomes `decoder.layers.{i}.X` (a layer's own `decoder.layers.{i}.X`
     stays, its experts' `mlp.experts.experts.Y [E, ...]` split per expert); SequentialMLP's
     `decoder.layers.mlp.experts.experts.Y [L, E, ...]` and the per-expert `experts.experts.{j}.Y`
-    become `decoder.layers.{i}.mlp.experts.local_experts.{j}.Y`. SwiGLU's `_w` / `_v` halves are
+    become `decoder.layers.{i}.mlp.experts.local_experts.{j}.Y` (a mixture-of-experts multi-token
+    prediction depth's `mtp.layers.{k}.transformer_layer.mlp.experts.experts.Y [E, ...]` alike). SwiGLU's `_w` / `_v` halves are
     named with their suffix; `merged_fc1` joins them."""
     out: dict = {}
     for key in ckpt.keys():
         shape = ckpt.shape(key)
         if key.startswith(NOT_MODEL):
+            continue
+        mtp = re.match(r"(mtp\.layers\.\d+\.transformer_layer\.mlp\.experts\.)experts\.(.*)$", key)
+        if mtp:  # a multi-token prediction depth's experts [E, ...], kept per depth as a layer's own
+            for j in range(shape[0]):
+                out[f"{mtp.group(1)}local_experts.{j}.{mtp.group(2)}"] = (key, None, j)
             continue
         if not key.startswith("decoder.layers."):
             out[key] = (key, None, None)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx, traverse_util
 
 from megajax.config import ModelConfig
@@ -62,6 +64,8 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
 # (TrainState.moe_expert_bias), but checkpoints in other formats hold it beside the router's
 # weight: exporters and importers name it like a parameter of the layer stack.
 EXPERT_BIAS = "layers/mlp/expert_bias"  # [MoE layers, E] fp32
+# A mixture-of-experts multi-token prediction block's (model.mtp_moe()): the state's rows after the layers'.
+MTP_EXPERT_BIAS = "mtp/block/mlp/expert_bias"  # [MTP depths, E] fp32
 STACK_NAMES = ("layers", "dense_layers")  # the trees of stacked parameters: dim 0 is the layer
 STACKS = tuple(name + "/" for name in STACK_NAMES)  # their parameters' path prefixes
 
@@ -90,18 +94,33 @@ def has_expert_bias(m: ModelConfig) -> bool:
 
 
 def tensor_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[str, tuple[int, ...]]:
-    """param_shapes and, for a model with one, the expert bias `EXPERT_BIAS`: every tensor an export
-    writes and an import reads."""
+    """param_shapes and, for a model with one, the expert bias: every tensor an export writes and an
+    import reads (`EXPERT_BIAS`, and `MTP_EXPERT_BIAS` for a mixture-of-experts MTP block)."""
     shapes = param_shapes(m, padded_vocab_size)
-    if has_expert_bias(m):
-        shapes[EXPERT_BIAS] = (m.num_moe_layers(), m.num_experts)
+    shapes.update({name: (rows.stop - rows.start, m.num_experts) for name, rows in expert_bias_rows(m).items()})
     return shapes
 
 
+def expert_bias_rows(m: ModelConfig) -> dict[str, range]:
+    """Where each named expert bias sits in the train state's one array (TrainState.moe_expert_bias,
+    [m.num_router_layers(), E]): the MoE layers' rows, then the MoE multi-token prediction depths'.
+    Empty for a model without an expert bias."""
+    if not has_expert_bias(m):
+        return {}
+    layers = m.num_moe_layers()
+    out = {EXPERT_BIAS: range(0, layers)}
+    if m.mtp_moe():
+        out[MTP_EXPERT_BIAS] = range(layers, m.num_router_layers())
+    return out
+
+
 def split_expert_bias(tree: dict) -> tuple[dict, object | None]:
-    """(the parameter tree without the expert bias, the bias [L, E] or None) of an imported tree."""
-    mlp = tree.get("layers", {}).get("mlp", {})
-    if "expert_bias" not in mlp:
+    """(the parameter tree without the expert biases, the train state's bias [router layers, E] or
+    None) of an imported tree: its `EXPERT_BIAS`, then its `MTP_EXPERT_BIAS` rows."""
+    flat = traverse_util.flatten_dict(tree, sep="/")
+    biases = [flat.pop(name) for name in (EXPERT_BIAS, MTP_EXPERT_BIAS) if name in flat]
+    if not biases:
         return tree, None
-    rest = {k: v for k, v in mlp.items() if k != "expert_bias"}
-    return {**tree, "layers": {**tree["layers"], "mlp": rest}}, mlp["expert_bias"]
+    join = np.concatenate if all(isinstance(b, np.ndarray) for b in biases) else jnp.concatenate
+    bias = biases[0] if len(biases) == 1 else join(biases)
+    return traverse_util.unflatten_dict(flat, sep="/"), bias

@@ -79,16 +79,19 @@ class Block(nnx.Module):
 class MTPLayer(nnx.Module):
     """One multi-token prediction depth (Megatron-Core's MTP): the previous depth's hidden state and
     the embedding of the token one place further ahead, each normalised, concatenated and projected
-    back to the hidden size, then one (dense) transformer block and its own final norm; the model's
+    back to the hidden size, then one transformer block (a mixture of experts when
+    cfg.mtp_moe(): like the last decoder layer by default) and its own final norm; the model's
     output layer gives the logits."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, attention_core: Callable, ops: LinearOps, rngs: nnx.Rngs,
+                 expert_dispatch: Callable | None = None):
         h = cfg.hidden_size
         self.embed_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
         self.hidden_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
         self.proj = Dense(2 * h, h, axes=(None, "embed"), init_std=cfg.init_std, dtype=dtype,
                           dot_general=ops.linear("duplicated"), rngs=rngs)
-        self.block = Block(cfg, dtype=dtype, attention_core=attention_core, ops=ops, rngs=rngs, moe=False)
+        self.block = Block(cfg, dtype=dtype, attention_core=attention_core, ops=ops, rngs=rngs,
+                           expert_dispatch=expert_dispatch, moe=cfg.mtp_moe())
         self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
 
 
@@ -108,14 +111,17 @@ class Transformer(nnx.Module):
     `padded_vocab_size` is model.padded_vocab_size(); `ops` are the
     injected products (see LinearOps); `attention_core` the injected attention
     (default: model.attention_impl on one device); `expert_dispatch` the injected MoE token
-    dispatch (default: all experts on this device, megajax/models/moe.py); `recompute` is
-    none | selective | full.
+    dispatch (default: all experts on this device, megajax/models/moe.py); `sequence_shift` the
+    injected shift along the sequence of multi-token prediction (default shift_left; context
+    parallelism's reordered sequences need their own); `recompute` is none | selective | full.
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
                  recompute: str = "none", ops: LinearOps = LinearOps(), attention_core: Callable | None = None,
-                 expert_dispatch: Callable | None = None, rngs: nnx.Rngs):
+                 expert_dispatch: Callable | None = None, sequence_shift: Callable | None = None,
+                 rngs: nnx.Rngs):
         self.cfg = cfg
+        self.sequence_shift = sequence_shift or shift_left
         vocab = padded_vocab_size or cfg.padded_vocab_size()
         self.vocab_size, self.padded_vocab_size = cfg.vocab_size, vocab
         self.dtype = dtype
@@ -151,7 +157,8 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=cfg.mtp_num_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.mtp_num_layers)
             def make_mtp(rngs):
-                return MTPLayer(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs)
+                return MTPLayer(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
+                                expert_dispatch=expert_dispatch)
             self.mtp = make_mtp(rngs)
             _add_layers_axis(self.mtp, "stack")
         self.recompute = recompute
@@ -177,44 +184,58 @@ class Transformer(nnx.Module):
         """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min.
 
         `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
-        dense model) for the train step's balancing losses. `expert_bias` [layers, E] fp32: the
-        routers' expert bias (TrainState.moe_expert_bias), None without one."""
+        dense model) for the train step's balancing losses. `expert_bias` [router layers, E] fp32:
+        the routers' expert bias (TrainState.moe_expert_bias: the MoE layers', then a MoE multi-token
+        prediction block's), None without one. `mtp`: returns (logits, router stats of the layers and
+        then of the MTP depths, the MTP depths' logits [depths, B, L, padded vocab])."""
         b, l = tokens_BxL.shape
         if positions_BxL is None:
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+        layers_bias, mtp_bias = self.split_expert_bias(expert_bias)
         rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
         x = self.embed_input(tokens_BxL, positions_BxL, rngs[0])
         x, stats = self.layer_stack(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                                    dropout_rng=rngs[1], expert_bias=expert_bias)
+                                    dropout_rng=rngs[1], expert_bias=layers_bias)
         logits = self.logits(x)
-        if mtp:  # (logits, router stats, the MTP depths' logits [depths, B, L, padded vocab])
-            return logits, stats, self.mtp_logits(tokens_BxL, x, positions_BxL, segment_ids_BxL)
+        if mtp:
+            hidden, mtp_stats = self.mtp_hidden(tokens_BxL, x, positions_BxL, segment_ids_BxL, mtp_bias)
+            mtp_logits = jnp.stack([self._mask_padding(self.output_layer(h)) for h in hidden])
+            return logits, join_router_stats(stats, mtp_stats), mtp_logits
         return (logits, stats) if router_stats else logits
 
-    def mtp_logits(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL) -> jax.Array:
+    def split_expert_bias(self, expert_bias: jax.Array | None) -> tuple[jax.Array | None, jax.Array | None]:
+        """(the MoE layers' rows, the MoE multi-token prediction depths' rows or None) of the routers'
+        expert bias [router layers, E] (or None)."""
+        if expert_bias is None:
+            return None, None
+        n = self.cfg.num_moe_layers()
+        return expert_bias[:n], (expert_bias[n:] if self.cfg.mtp_moe() else None)
+
+    def mtp_hidden(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL,
+                   expert_bias_DxE: jax.Array | None = None) -> tuple[list[jax.Array], Any]:
         """Multi-token prediction: depth k (from 1) predicts the token k + 1 places ahead of each
         position, from depth k - 1's output after its final norm (for k = 1 the model's last hidden
         state after the model's final norm, as Megatron-Core feeds it) and the embedding of the tokens
-        shifted k places left (the last k positions see wrapped tokens: the loss masks them). `x_BxLxD`
-        is the layer stack's output, before the final norm. No dropout. [depths, B, L, padded vocab]."""
-        hidden = self.mtp_hidden(tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL)
-        return jnp.stack([self._mask_padding(self.output_layer(h)) for h in hidden])
-
-    def mtp_hidden(self, tokens_BxL, x_BxLxD, positions_BxL, segment_ids_BxL) -> list[jax.Array]:
-        """The multi-token prediction depths' outputs after their final norms, each [B, L, D] (what
-        the output layer takes: mtp_logits)."""
+        (and positions) shifted k places left, as Megatron-Core rolls them: the last k positions see
+        token 0 at position 0 (the loss masks them). `x_BxLxD` is the layer stack's output, before the
+        final norm; `expert_bias_DxE` a MoE block's expert bias per depth. No dropout. Returns (each
+        depth's output after its final norm [B, L, D], what the output layer takes; the depths'
+        RouterStats stacked [depths] for a MoE block, else None)."""
         graphdef, state = nnx.split(self.mtp)
-        inv_freq, h, tokens, out = self.rope_inv_freq(), self.final_norm(x_BxLxD), tokens_BxL, []
+        inv_freq, h, tokens, positions = self.rope_inv_freq(), self.final_norm(x_BxLxD), tokens_BxL, positions_BxL
+        out, stats = [], []
         for k in range(self.cfg.mtp_num_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
-            tokens = jnp.roll(tokens, -1, axis=1)
-            emb = layer.embed_norm(self.embed_tokens(tokens, positions_BxL))
+            tokens, positions = self.sequence_shift(tokens, 1), self.sequence_shift(positions, 1)
+            emb = layer.embed_norm(self.embed_tokens(tokens, positions))
             h = layer.proj(jnp.concatenate([emb, layer.hidden_norm(h)], axis=-1))
-            h, _ = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,
-                               segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=None)
+            h, s = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,
+                               segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq, dropout_rng=None,
+                               expert_bias_E=None if expert_bias_DxE is None else expert_bias_DxE[k])
             h = layer.final_norm(h)  # what the output layer and the next depth take
             out.append(h)
-        return out
+            stats.append(s)
+        return out, (None if stats[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *stats))
 
     def embed_input(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, dropout_rng: jax.Array | None):
         """The first layer's input [B, L, D]: embeddings with their dropout (`dropout_rng`: the first
@@ -348,13 +369,14 @@ class Transformer(nnx.Module):
         prompt alone), then each decode step is a call with L = 1 (plain jnp over the cache). Returns
         (logits [B, padded vocab] of the last new token, or [B, L, padded vocab] of every new token with
         `all_positions` (a prefill that scores its prompt), cache_k, cache_v); the same parameters and
-        products as __call__ (`expert_bias` [MoE layers, E]: the routers' expert bias, or None). A
+        products as __call__ (`expert_bias` [router layers, E]: the routers' expert bias, or None). A
         multi-latent layer's cache_k and cache_v hold its latent and rope key ([B, T, features]:
         `layer_caches`). The MTP depths are not run: generation uses the main output head.
 
         Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
         `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
         b, l = tokens_BxL.shape
+        expert_bias, _ = self.split_expert_bias(expert_bias)
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
         slots = jnp.asarray(start)[..., None] + jnp.arange(l)  # [L], or [B, L] for a per-row start
         causal = jnp.arange(key_mask_BxT.shape[1]) <= slots[..., None]  # [(B,) L, T]
@@ -416,6 +438,20 @@ class Transformer(nnx.Module):
         if all_positions:
             return self.logits(x), cache_k, cache_v
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
+
+
+def shift_left(x_BxL: jax.Array, k: int) -> jax.Array:
+    """x[:, i + k] at position i, zeros in the last k positions (Megatron-Core's roll_tensor for
+    multi-token prediction), on a sequence in its natural order."""
+    return jnp.concatenate([x_BxL[:, k:], jnp.zeros_like(x_BxL[:, :k])], axis=1)
+
+
+def join_router_stats(layers, mtp):
+    """The router statistics of the layers (leading [MoE layers] dim) then of the MTP depths ([depths]);
+    either may be None."""
+    if layers is None or mtp is None:
+        return mtp if layers is None else layers
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), layers, mtp)
 
 
 @dataclasses.dataclass(frozen=True)

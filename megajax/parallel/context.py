@@ -30,10 +30,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from megajax.mesh import Rules, like, logical_to_spec, mesh_sizes, spec_entry
+from megajax.mesh import Rules, like, load_balanced_order, logical_to_spec, mesh_sizes, spec_entry
 from megajax.models.attention import ACT_KV, ACT_Q
+from megajax.models.transformer import shift_left
 from megajax.parallel.manual import shard_map_fn
 
 SEG_AXES = ("batch", "length")
@@ -289,3 +291,31 @@ def context_parallel_attention(block: Callable, mesh: Mesh, rules: Rules, impl: 
         return shard_map_fn(local, mesh, (q_spec, kv_spec, kv_spec, seg_in), q_spec, check_vma=False)(q, k, v, segment_ids)
 
     return attend
+
+
+def sequence_shift(mesh: Mesh | None, rules: Rules | None) -> Callable:
+    """shift(x [B, L], k) -> x[:, i + k] at position i and zeros past the sequence's end, for the
+    sequence in its natural order (multi-token prediction's shifted tokens, positions and labels;
+    megajax.models.transformer.shift_left). Under context parallelism the sequence is laid out in
+    load-balanced chunks, so a shift crosses devices: each device all-gathers the [B, L] integers
+    (or mask) over `context`, shifts them in natural order and keeps its own chunks (Megatron-Core
+    exchanges the chunks' boundaries; these arrays are small)."""
+    if mesh is None or rules is None:
+        return shift_left
+    axis = context_axes(rules)
+    size = math.prod(mesh_sizes(mesh)[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+    if size == 1:
+        return shift_left
+    spec = logical_to_spec(SEG_AXES, rules)
+
+    def shift(x, k):
+        def local(x):  # [b, L / size]: this device's chunks r and 2 size - 1 - r
+            whole = jax.lax.all_gather(x, axis, axis=1, tiled=True)  # [b, L] in load-balanced order
+            n = whole.shape[1]
+            order = load_balanced_order(n, size)  # the natural position at each slot
+            natural = jnp.take(whole, jnp.asarray(np.argsort(order)), axis=1)
+            shifted = jnp.take(shift_left(natural, k), jnp.asarray(order), axis=1)
+            return jax.lax.dynamic_slice_in_dim(shifted, jax.lax.axis_index(axis) * (n // size), n // size, axis=1)
+        return shard_map_fn(local, mesh, (spec,), spec)(x)
+
+    return shift

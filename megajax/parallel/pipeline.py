@@ -374,7 +374,7 @@ class _Device:
         self.zeros_x = _zeros(x, axes=loop.reduced)
         self.stash0 = jnp.broadcast_to(self.zeros_x, (loop.sched.stash,) + x.shape)
         sums = jax.eval_shape(lambda: self.head(other, self.zeros_x, 0)[1])
-        self.zero_sums = loop.vary(jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), sums))
+        self.zero_sums = jax.tree.map(lambda s: _zeros(s, loop.reduced).astype(jnp.float32), sums)
 
     def keys(self, i):
         if not self.loop.use_rng:
@@ -386,7 +386,11 @@ class _Device:
         return self.loop.fns.embed({**o, "layers": self.some_layers}, _index(self.batch, i), *self.keys(i))
 
     def head(self, o, y, i):
-        return self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i))
+        objective, sums = self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i),
+                                             self.loop.data_sum)
+        if "router" in sums:  # a MoE block in the head: its sums over the stage's tokens, as run_chunk's
+            sums = {**sums, "router": self.loop.vary(jax.tree.map(self.loop.stage_sum, sums["router"]))}
+        return objective, sums
 
     def run_chunk(self, w, x, c, i):
         """(y, router) of chunk c on microbatch i (router None for a dense model)."""
@@ -443,7 +447,10 @@ class _Device:
 
         def from_loss():
             objective, head_vjp, sums = jax.vjp(lambda o, y: self.head(o, y, i), self.other, y, has_aux=True)
-            g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
+            if isinstance(objective, tuple):  # (the loss, the head's router losses): weighed as the chunks'
+                g_o, g_y = head_vjp((self.seed.astype(objective[0].dtype), self.router_seed.astype(objective[1].dtype)))
+            else:
+                g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
             return jax.tree.map(lambda s: s.astype(jnp.float32), sums), g_o, g_y.astype(y.dtype)
 
         sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
@@ -509,8 +516,10 @@ class StageFunctions:
     layers(params, x, micro, key, first layer, data_sum) -> (x, router) where router is None for a
     dense model, else a dict of the chunk's router loss to differentiate (`loss`, [], this shard's
     share: token counts summed over the microbatch's shards with `data_sum`) and this shard's sums
-    `aux`, `z`, `dropped` ([]) and `tokens` ([chunk layers, experts]); head(params, x, micro) ->
-    (objective to differentiate, {"loss": the cross entropy sum, ...: other sums to log}).
+    `aux`, `z`, `dropped` ([]) and `tokens` ([chunk layers, experts]); head(params, x, micro, data_sum)
+    -> (objective to differentiate, {"loss": the cross entropy sum, ...: other sums to log}); a head
+    with routers of its own (a mixture-of-experts MTP block) returns the pair (objective, its router
+    loss, weighed as the chunks' are) and its sums under `router` as a chunk's.
     `micro` is one microbatch's dict of arrays. `experts`: the MoE layers' expert count (0: dense)."""
     embed: Callable
     layers: Callable

@@ -178,16 +178,18 @@ def _passes(plan: RunPlan) -> dict[str, float]:
     program's loop does (the HLO does not say which ticks take a half's branch)."""
     m, pipe = plan.cfg.model, plan.pipeline
     full = plan.cfg.parallel.recompute == "full"
+    head_moe = m.num_router_layers() - m.num_moe_layers()  # a MoE multi-token prediction block's, with the loss
     if pipe is None:
         a = plan.batch.accumulation
-        layers, moe = a * m.num_layers, a * m.num_moe_layers()
+        layers, moe = a * m.num_layers, a * m.num_router_layers()
         return {"fwd": layers, "bwd": layers, "extra": layers if full else 0, "moe_fwd": moe, "moe_bwd": moe,
-                "moe_extra": moe if full else 0, "micro": a, "ticks": 0}
+                "moe_extra": a * m.num_moe_layers() if full else 0, "micro": a, "ticks": 0}
     ticks = build_schedule(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
     chunks = pipe.stages * pipe.virtual_stages
     c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
-    return {"fwd": 2 * ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0, "moe_fwd": 2 * ticks * c_moe,
-            "moe_bwd": ticks * c_moe, "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
+    return {"fwd": 2 * ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
+            "moe_fwd": 2 * ticks * c_moe + ticks * head_moe, "moe_bwd": ticks * (c_moe + head_moe),
+            "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -259,6 +261,9 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         else:  # all-gather k and v, reduce-scatter their gradients
             out["all-gather", "context"] += fwd * cp * kv
             out["reduce-scatter", "context"] += n["bwd"] * cp * kv
+        # Multi-token prediction's shifts along the sequence: per depth its tokens and positions (the
+        # model), labels and loss mask (the loss), each [batch, sequence] of 4 bytes gathered whole.
+        out["all-gather", "context"] += n["micro"] * 4 * m.mtp_num_layers * cp * tokens * 4
     ep = sizes.get("expert", 1)
     if m.num_experts and ep > 1 and moe_token_dispatcher(cfg, platform) == "allgather":
         # The expert group's tokens, routes (int32) and weights (fp32) gathered forward, the fp32

@@ -28,16 +28,20 @@ PEAK_TFLOPS = {
 }
 
 
+# The routed experts' kernels, of the MoE layers and of a MoE multi-token prediction block.
+EXPERT_KERNEL = r"(layers|mtp/block)/mlp/(gate|up|fc1|fc2)"
+
+
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     """Parameters each token multiplies: every projection kernel of the model's layout (shared
     expert included; of the routed experts, the top-k a token is routed to), and the output layer
     (the embedding table when tied)."""
     shapes = param_shapes(cfg, padded_vocab)
     kernels = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/kernel"))
-    if cfg.num_experts:  # the routed experts' stacked kernels: layers/mlp/{gate,up,fc1,fc2} [L, E, ...]
-        experts = sum(math.prod(s) for name, s in shapes.items() if name.startswith("layers/mlp/")
-                      and name.count("/") == 2 and name != "layers/mlp/router")
-        kernels += experts * cfg.moe_router_topk // cfg.num_experts + math.prod(shapes["layers/mlp/router"])
+    if cfg.num_experts:  # the routed experts' stacked kernels: {layers,mtp/block}/mlp/{gate,up,fc1,fc2} [L, E, ...]
+        experts = sum(math.prod(s) for name, s in shapes.items() if re.fullmatch(EXPERT_KERNEL, name))
+        routers = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/mlp/router"))
+        kernels += experts * cfg.moe_router_topk // cfg.num_experts + routers
     # the output layer, once more per multi-token prediction depth
     return kernels + (1 + cfg.mtp_num_layers) * math.prod(shapes.get("output", shapes["embed/embedding"]))
 

@@ -15,6 +15,7 @@ from flax import struct
 
 from megajax.config import Config
 from megajax.models.moe import router_losses
+from megajax.models.transformer import shift_left
 from megajax.precision.fp8 import with_scales
 from megajax.train.state import ModelSpec, TrainState
 
@@ -66,24 +67,25 @@ def moe_sums(aux: jax.Array, z: jax.Array, dropped: jax.Array, tokens: jax.Array
     return {"moe_aux_loss": aux / per, "moe_z_loss": z / per, "moe_tokens": tokens, "moe_dropped": dropped}
 
 
-def mtp_loss_sum(mtp_logits_DxBxLxV: jax.Array, labels_BxL: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
+def mtp_loss_sum(mtp_logits_DxBxLxV: jax.Array, labels_BxL: jax.Array, loss_mask_BxL: jax.Array,
+                 shift: Callable = shift_left) -> jax.Array:
     """Multi-token prediction's cross entropy summed over tokens, averaged over the depths: depth k
     (from 1) is scored on the labels k places further on, where the loss mask (shifted alike) keeps
-    them and they are inside the sequence (Megatron-Core's rolled labels and mask)."""
+    them and they are inside the sequence (Megatron-Core's rolled labels and mask). `shift`: the
+    layout's shift along the sequence (ModelSpec.sequence_shift)."""
     depths = mtp_logits_DxBxLxV.shape[0]
     total = 0.0
     for k in range(1, depths + 1):
-        labels, mask = mtp_targets(labels_BxL, loss_mask_BxL, k)
+        labels, mask = mtp_targets(labels_BxL, loss_mask_BxL, k, shift)
         total = total + jnp.sum(cross_entropy(mtp_logits_DxBxLxV[k - 1], labels) * mask)
     return total / depths
 
 
-def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """(labels, loss mask) of multi-token prediction depth k: k places further on, the last k
-    positions masked (their rolled labels wrap around)."""
-    length = labels_BxL.shape[1]
-    mask = jnp.roll(loss_mask_BxL, -k, axis=1) * (jnp.arange(length) < length - k)
-    return jnp.roll(labels_BxL, -k, axis=1), mask
+def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int,
+                shift: Callable = shift_left) -> tuple[jax.Array, jax.Array]:
+    """(labels, loss mask) of multi-token prediction depth k: k places further on along the sequence
+    (`shift`: the layout's), the last k positions masked (past the end: label and mask 0)."""
+    return shift(labels_BxL, k), shift(loss_mask_BxL, k)
 
 
 def microbatch_loss(cfg: Config) -> Callable:
@@ -107,7 +109,7 @@ def microbatch_loss(cfg: Config) -> Callable:
         sums = {"loss_sum": loss_sum}
         loss = loss_sum / inputs.num_tokens
         if depths:
-            mtp_sum = mtp_loss_sum(mtp_logits, micro["labels"], micro["loss_mask"])
+            mtp_sum = mtp_loss_sum(mtp_logits, micro["labels"], micro["loss_mask"], model.sequence_shift)
             sums["mtp_loss_sum"] = mtp_sum
             loss = loss + cfg.model.mtp_loss_scaling_factor * mtp_sum / inputs.num_tokens
         if moe:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_without, tree_specs
-from megajax.models.layout import EXPERT_BIAS, STACK_NAMES
+from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
@@ -32,8 +32,10 @@ from megajax.precision.policy import precision_policy
 from megajax.train.loss import Gradients, StepInputs, moe_sums, mtp_targets
 from megajax.train.state import ModelSpec, TrainState
 
-# Where the MoE routers' expert bias rides in the tree the stages run on.
+# Where the MoE routers' expert bias rides in the tree the stages run on: the MoE layers' rows with
+# their layers, a mixture-of-experts MTP block's with it (whole on every stage).
 EXPERT_BIAS_PATH = tuple(EXPERT_BIAS.split("/"))
+MTP_EXPERT_BIAS_PATH = tuple(MTP_EXPERT_BIAS.split("/"))
 
 
 def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: ShardingRules,
@@ -69,7 +71,8 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         assert inputs.accum == choice.microbatches, (inputs.accum, choice)
         params = jax.tree.map(constrain, state.params, stage_specs)
         tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis,
-                                                ("layers",) if m.dense_first_layers() else STACK_NAMES)
+                                                ("layers",) if m.dense_first_layers() else STACK_NAMES,
+                                                m.num_moe_layers())
         if grouped:  # the stages split the groups [MoE layer, dense layers]
             tree, maxed, specs = (group_stacks(t, m.moe_layer_freq) for t in (tree, maxed, specs))
         with activation_sharding(mesh, rules.activations):
@@ -81,25 +84,35 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)
+        flat.pop(MTP_EXPERT_BIAS_PATH, None)
         grads = jax.tree.map(constrain, unflatten_dict(flat), grad_specs)
         sums = {"loss_sum": head_sums["loss"]}
         if "mtp_loss" in head_sums:  # multi-token prediction's cross entropy (in the objective, not in `loss`)
             sums["mtp_loss_sum"] = head_sums["mtp_loss"]
+        if "router" in head_sums:  # a mixture-of-experts MTP block's routers, after the layers'
+            mtp = head_sums["router"]
+            router = {k: router[k] + mtp[k] for k in ("aux", "z", "dropped")} | {
+                "tokens": jnp.concatenate([router["tokens"], mtp["tokens"]])}
         if router is not None:
             sums.update(moe_sums(router["aux"], router["z"], router["dropped"], router["tokens"],
-                                 inputs.accum * m.num_moe_layers()))
+                                 inputs.accum * m.num_router_layers()))
         return Gradients(grads, amaxes, sums)
 
     return gradients
 
 
 def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str,
-               split: tuple[str, ...] = STACK_NAMES) -> tuple[dict, dict, dict, dict]:
+               split: tuple[str, ...] = STACK_NAMES, moe_layers: int = 0) -> tuple[dict, dict, dict, dict]:
     """(tree, maxed, specs, scales): the parameters with the FP8 scales and the expert bias beside
-    them (those of the stacks in `split` over the stages like their layers), which of the tree's
-    "gradients" are max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
+    them (those of the stacks in `split` over the stages like their layers; the bias's first
+    `moe_layers` rows are the layers', the rest a MoE multi-token prediction block's), which of the
+    tree's "gradients" are max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
     scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
-    bias = {} if state.moe_expert_bias is None else {EXPERT_BIAS_PATH: state.moe_expert_bias}
+    bias = {}
+    if state.moe_expert_bias is not None:
+        bias[EXPERT_BIAS_PATH] = state.moe_expert_bias[:moe_layers]
+        if state.moe_expert_bias.shape[0] > moe_layers:
+            bias[MTP_EXPERT_BIAS_PATH] = state.moe_expert_bias[moe_layers:]
     flat = flatten_dict(params)
     extra = {**scales, **bias}
     tree = unflatten_dict({**flat, **extra})
@@ -143,6 +156,7 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         an expert bias the bias (which `layers` hands to the layer stack)."""
         flat = flatten_dict(tree)
         flat.pop(EXPERT_BIAS_PATH, None)
+        flat.pop(MTP_EXPERT_BIAS_PATH, None)
         if not fp8_paths:
             return nnx.merge(spec.graphdef, unflatten_dict(flat))
         fp8 = {}
@@ -185,18 +199,26 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
                    "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
-    def head(params, x, m):
+    def head(params, x, m, data_sum):
         net = model(ungroup_stacks(params) if grouped else params)
         loss = jnp.sum(ce(net.output_logits(x), m["labels"]) * m["loss_mask"])
         if not depths:
             return loss, {"loss": loss}
         # Multi-token prediction on the last stage, weighed as micro_loss weighs it.
-        hidden = net.mtp_hidden(m["tokens"], x, positions(m), m.get("segment_ids"))
+        bias = flatten_dict(params).get(MTP_EXPERT_BIAS_PATH)  # [depths, E] or None
+        hidden, stats = net.mtp_hidden(m["tokens"], x, positions(m), m.get("segment_ids"), bias)
         mtp = 0.0
         for k, h in enumerate(hidden, start=1):
-            labels, mask = mtp_targets(m["labels"], m["loss_mask"], k)
+            labels, mask = mtp_targets(m["labels"], m["loss_mask"], k, net.sequence_shift)
             mtp = mtp + jnp.sum(ce(net.output_layer(h), labels) * mask)
         mtp = mtp / depths
-        return loss + cfg.model.mtp_loss_scaling_factor * mtp, {"loss": loss, "mtp_loss": mtp}
+        objective, sums = loss + cfg.model.mtp_loss_scaling_factor * mtp, {"loss": loss, "mtp_loss": mtp}
+        if stats is None:
+            return objective, sums
+        # A mixture-of-experts block: its router losses, weighed as the layers' are (StageFunctions.head).
+        aux, z = router_losses(stats, data_sum(stats.balance_tokens), data_sum(stats.count), cfg.model)
+        sums["router"] = {"aux": jnp.sum(aux), "z": jnp.sum(z), "dropped": jnp.sum(stats.dropped),
+                          "tokens": stats.tokens}
+        return (objective, jnp.sum(aux) + jnp.sum(z)), sums
 
     return StageFunctions(embed=embed, layers=layers, head=head, experts=cfg.model.num_experts)

@@ -31,7 +31,8 @@ from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
-from megajax.parallel.context import context_parallel_attention, sharded_attention
+from megajax.models.transformer import shift_left
+from megajax.parallel.context import context_parallel_attention, sequence_shift, sharded_attention
 from megajax.parallel import experts
 from megajax.parallel.tensor import tensor_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
@@ -61,6 +62,8 @@ class ModelSpec:
     axes: dict  # logical axes per parameter (same tree as params)
     abstract_params: dict  # ShapeDtypeStructs
     abstract_fp8: dict | None = None  # ShapeDtypeStructs of the FP8 scaling state; None: none
+    # Multi-token prediction's shift along the sequence for this layout (the model's, for its labels).
+    sequence_shift: Callable = shift_left
 
     def apply(self, params: dict, *args, fp8: dict | None = None, **kwargs) -> jax.Array:
         """The model on `params` (and, with FP8 scaling state, `fp8`; a fresh state when None)."""
@@ -133,18 +136,19 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     ops = linear_ops(cfg, mesh, rules)
     core = attention_core(cfg, mesh, rules)
     dispatch = expert_dispatch(cfg, mesh, rules)
+    shift = sequence_shift(mesh, None if rules is None else rules.activations)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
-                           expert_dispatch=dispatch, rngs=nnx.Rngs(params=seed))
+                           expert_dispatch=dispatch, sequence_shift=shift, rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
     abstract_fp8 = nnx.to_pure_dict(abstract_fp8)
     spec = ModelSpec(graphdef=graphdef, axes=param_axes(abstract),
                      abstract_params=nnx.to_pure_dict(abstract_params),
-                     abstract_fp8=abstract_fp8 or None)
+                     abstract_fp8=abstract_fp8 or None, sequence_shift=shift)
     # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
     assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves(spec.abstract_params)), policy
 
@@ -163,11 +167,12 @@ def loss_scaler(cfg: Config) -> DynamicLossScale | None:
 
 
 def initial_expert_bias(m: ModelConfig) -> jax.Array | None:
-    """The routers' expert bias at the start of training: zeros [layers, E] fp32, or None when the
-    model has none (dense, or model.moe_router_bias_update_rate = 0)."""
+    """The routers' expert bias at the start of training: zeros [router layers, E] fp32 (the MoE layers',
+    then a mixture-of-experts MTP block's), or None when the model has none (dense, or
+    model.moe_router_bias_update_rate = 0)."""
     if not has_expert_bias(m):
         return None
-    return jnp.zeros((m.num_moe_layers(), m.num_experts), jnp.float32)
+    return jnp.zeros((m.num_router_layers(), m.num_experts), jnp.float32)
 
 
 def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
