@@ -262,9 +262,19 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_outputs(*options: tuple[str, str | None], directory: bool = False) -> None:
+    """UserError, before any work, for an output (option, path) that cannot be written there (see megajax.paths)."""
+    from megajax.paths import output_problem
+    for option, path in options:
+        why = output_problem(path, directory) if path else None
+        if why:
+            raise UserError(f"{option} {path}: cannot write {'a directory' if directory else 'a file'} there: {why}.")
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from megajax.config import load_config
     from megajax.perf import planner
+    check_outputs(("--json", args.json), ("--output", args.output))
     cfg = load_config(args.config, args.overrides)
     report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
     print(planner.format_plan(report, args.top))
@@ -273,10 +283,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json({**report, "ranked": [planner.asdict(c) for c in report["ranked"][:args.top]],
                     "smallest": [planner.asdict(c) for c in report["smallest"]],
                     "alternatives": {a: planner.asdict(c) for a, c in report["alternatives"].items()}}, args.json)
+    if not report["ranked"]:
+        print(f"megajax plan: nothing fits {args.cluster}: every layout needs more than "
+              f"{report['capacity'] / planner.GIB:.1f} GiB per device" + (f"; {args.output} not written" if args.output
+                                                                        else ""), file=sys.stderr)
+        return 1
     if args.output:
-        if not report["ranked"]:
-            print(f"megajax plan: nothing fits {args.cluster}; {args.output} not written", file=sys.stderr)
-            return 1
         best = report["ranked"][0]
         command = " ".join(["megajax plan", *(f"--config {c}" for c in args.config), "--cluster", args.cluster,
                             *args.overrides])

@@ -25,7 +25,7 @@ FLOORS = [
     ("data",),
     ("config",),
     ("megatron_args",),
-    ("pallas_kernels", "errors", "host_allocator"),
+    ("pallas_kernels", "errors", "host_allocator", "paths"),
 ]
 LEVEL = {package: i for i, floor in enumerate(FLOORS) for package in floor}
 
