@@ -14,7 +14,7 @@
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N]
-    megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
+    megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -455,24 +455,67 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """`megajax config from-megatron -- ARGS...`: the YAML on stdout (its comments name each key's Megatron
-    flag, and list the flags that needed nothing or were not mapped), checked by megajax's config loader."""
+    flag, and list the flags that needed nothing or were not mapped), checked by megajax's config loader and
+    planned as `megajax train` plans it (on --world-size devices). What Megatron's own parse_args /
+    validate_args would refuse is refused here too."""
     from megajax.config import load_config
     from megajax.errors import ConfigError
     from megajax.megatron_args import translate
     if not args.megatron:
         raise UserError("megajax config from-megatron needs Megatron-LM pretrain_gpt.py arguments after --, "
                         "e.g. megajax config from-megatron -- --num-layers 32 --hidden-size 4096 --bf16.")
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(f"--world-size {args.world_size}: must be >= 1 (the job's GPU count, Megatron's WORLD_SIZE).")
+    if any(w.split("=")[0] == "--world-size" for w in args.megatron):
+        raise UserError("--world-size is megajax's option, not a Megatron flag: put it before the -- (megajax config "
+                        "from-megatron --world-size N -- ARGS...).")
     t = translate(args.megatron)
+    if t.refused:
+        raise UserError("Megatron-LM would refuse these arguments (its parse_args / validate_args), so they are not "
+                        "translated: " + "; ".join(f"{given}: {why}" for given, why in t.refused) + ".")
+    behind = ", ".join(dict.fromkeys(o for _, o in t.assignments.values()))
     try:
-        load_config(base=t.tree())
+        cfg = load_config(base=t.tree())
     except ConfigError as e:
         raise UserError(f"the Megatron arguments translate to a config megajax refuses: {e} (Megatron flags "
-                        f"behind it: {', '.join(o for _, o in t.assignments.values())}).") from None
+                        f"behind it: {behind}).") from None
+    plan, devices = _plan_translation(cfg, args.world_size, behind)
     sys.stdout.write(t.to_yaml())
+    where = (f"--world-size {devices}" if args.world_size else f"{devices} device{'s' * (devices > 1)}, the fewest "
+             f"its parallel sizes take (--world-size N plans for the job's)")
+    b = plan.batch
     print(f"megajax config: {len(t.assignments)} keys set from {len(args.megatron)} words; "
           f"{len(t.needless)} flags need nothing in megajax, {len(t.unmapped)} not mapped (both listed in "
-          f"the YAML's comments)", file=sys.stderr)
+          f"the YAML's comments); planned as megajax train plans it on {where}: mesh {plan.mesh_text()}, global "
+          f"batch {b.global_batch} = micro {b.micro_batch} x accumulation {b.accumulation} x data-parallel "
+          f"{b.data_parallel}", file=sys.stderr)
     return 0
+
+
+def _plan_translation(cfg, world_size: int | None, behind: str):
+    """(plan, device count) of a translated config with the checks `megajax train` runs (megajax.plan), on
+    `world_size` devices or the fewest its fixed mesh sizes take. A tokenizer this machine cannot read (a
+    path of the cluster's, a shell variable) stands in by the vocabulary the flags give."""
+    import math
+    from types import SimpleNamespace
+
+    from megajax.config import MESH_AXES
+    from megajax.data.tokenizer import load_tokenizer
+    from megajax.plan import make_plan
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
+    except UserError:
+        tokenizer = SimpleNamespace(vocab_size=cfg.model.vocab_size or load_tokenizer("byte").vocab_size)
+    fixed = [getattr(cfg.mesh, a) * getattr(cfg.mesh.dcn, a) for a in MESH_AXES]
+    devices = world_size or math.prod(max(n, 1) for n in fixed)
+    try:
+        return make_plan(cfg, devices, tokenizer=tokenizer), devices
+    except UserError as e:
+        on = (f"--world-size {devices}" if world_size else
+              f"{devices} device{'s' * (devices > 1)} (the fewest its parallel sizes take; --world-size N plans for "
+              f"the job's)")
+        raise UserError(f"the Megatron arguments give a run megajax train would refuse on {on}: {e} (Megatron "
+                        f"flags behind it: {behind}).") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -591,6 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),
                    help="from-megatron: the arguments after -- are Megatron-LM's; prints the YAML on stdout")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="the job's GPU count (Megatron's WORLD_SIZE): the YAML is planned as megajax train plans it "
+                        "on N devices (default: the fewest its parallel sizes take)")
     p.set_defaults(func=cmd_config)
     return parser
 

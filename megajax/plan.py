@@ -191,11 +191,13 @@ def resolve_vocabulary(cfg: Config, tokenizer) -> list[str]:
     return []
 
 
-def make_plan(cfg: Config, num_devices: int) -> RunPlan:
-    """The plan of `cfg` on `num_devices` devices (ConfigError / MeshError naming keys and values)."""
+def make_plan(cfg: Config, num_devices: int, tokenizer=None) -> RunPlan:
+    """The plan of `cfg` on `num_devices` devices (ConfigError / MeshError naming keys and values);
+    `tokenizer`: one to plan with instead of loading data.tokenizer (a config for another machine)."""
     cfg = copy.deepcopy(cfg)
     resolve_paths(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     notes = resolve_vocabulary(cfg, tokenizer)
     ici, dcn = axis_sizes(cfg, num_devices)
     return plan_layout(cfg, tokenizer, ici, dcn, notes)

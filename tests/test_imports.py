@@ -25,7 +25,7 @@ FLOORS = [
     ("data",),
     ("config",),
     ("megatron_args",),
-    ("pallas_kernels", "errors", "host_allocator", "paths"),
+    ("pallas_kernels", "errors", "host_allocator", "paths", "megatron_rules"),
 ]
 LEVEL = {package: i for i, floor in enumerate(FLOORS) for package in floor}
 
