@@ -186,6 +186,7 @@ def _megatron_export_source(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
+    check_outputs(("--output", args.output), directory=True)
     if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
         raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
                         "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
@@ -239,8 +240,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from megajax.checkpoint.common import imported_tokenizer
-    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.manager import find_step_dir, write_params_checkpoint
     from megajax.config import load_config
+    check_outputs(("--output", args.output), directory=True)
+    if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
+        raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
     if args.format == "hf":
         from megajax.checkpoint.hf import hf_tokenizer, import_hf
         overrides, params = import_hf(args.input)
@@ -305,6 +309,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megajax.config import load_config
+    check_outputs(("--json", args.json), ("--plot", args.plot))
     cfg = load_config(args.config, args.overrides)
     if args.topology:
         from megajax.perf.bench import format_topology, topology_estimate, write_json
@@ -399,6 +404,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import json
     prompts = _read_prompts(args)
     sampling = _sampling(args)
+    check_outputs(("--json", args.json))
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
     loaded = _load_model(args)
@@ -427,13 +433,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The ranges that need no model now; --block-size against the context once the model is loaded.
     check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk,
                        args.prefill_rows)
-    template = None
-    if args.chat_template:
-        try:
-            template = Path(args.chat_template).expanduser().read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--chat-template {args.chat_template!r}: cannot read it ({e}); give a Jinja chat "
-                            f"template file (the text of a tokenizer_config.json's \"chat_template\").") from None
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: must be a TCP port, 1..65535, or 0 (any free port).")
+    template = _chat_template(args.chat_template) if args.chat_template else None
     loaded = _load_model(args)
     from megajax.inference.server import serve
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
@@ -441,6 +443,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
     return 0
+
+
+def _chat_template(path: str) -> str:
+    """--chat-template's text, compiled as the server will run it (a UserError now, not a 400 per request)."""
+    from megajax.inference.chat import ChatTemplateError, compile_chat_template
+    accepted = "give a Jinja chat template file (the text of a tokenizer_config.json's \"chat_template\")"
+    try:
+        template = Path(path).expanduser().read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {path!r}: cannot read it ({e}); {accepted}.") from None
+    if not template.strip():
+        raise UserError(f"--chat-template {path!r} is empty; {accepted}.")
+    try:
+        compile_chat_template(template)
+    except ChatTemplateError as e:
+        raise UserError(f"--chat-template {path!r}: {e}; {accepted}.") from None
+    return template
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
