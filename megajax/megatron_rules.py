@@ -54,7 +54,8 @@ def refusal(name: str, takes: str, values: list[str]) -> str | None:
     a count, a type or a choice; None when it takes them."""
     nargs = NARGS.get(name)
     if takes == SWITCH:
-        return f"a switch takes no value; given {' '.join(values)} (argparse: unrecognized arguments)" if values else None
+        return (f"a switch takes no value; given {' '.join(values)} (argparse: unrecognized arguments)"
+                if values else None)
     if not values and nargs != "*":
         return "no value given (argparse: expected one argument)"
     if nargs is None and len(values) > 1:

@@ -101,7 +101,8 @@ class CompletionService:
             try:
                 compile_chat_template(self.chat_template)
             except ChatTemplateError as e:
-                where = "--chat-template" if chat_template else f"the tokenizer's ({getattr(self.tokenizer, 'name', '')})"
+                name = getattr(self.tokenizer, "name", "")
+                where = "--chat-template" if chat_template else f"the tokenizer's ({name})"
                 raise UserError(f"{where} chat template: {e}; pass --chat-template FILE with a valid Jinja chat "
                                 f"template.") from None
         self.metrics = ServeMetrics()
