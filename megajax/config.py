@@ -539,11 +539,16 @@ def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: cannot read it as YAML text ({e}).") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}.")
     includes = data.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i for i in includes):
+        raise ConfigError(f"config file {path}: include = {includes!r}: expected a file name or a list of them "
+                          f"(paths relative to the file, or names under configs/ such as model/llama3-8b).")
     merged: dict = {}
     for inc in includes:
         merged = _deep_merge(merged, load_yaml(resolve_config_path(inc, path.parent), _seen + (path,)))

@@ -195,6 +195,18 @@ def test_train_numbers_out_of_range(tmp_path, override, words):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("content, words", [
+    (b"\xff\xfe model:", ["cannot read it as YAML text", "can't decode byte 0xff"]),
+    (b"include: [5]\n", ["include = [5]: expected a file name or a list of them"]),
+    (b"include:\n", ["include = None"]),
+    (b"- 1\n", ["must hold a mapping of sections, got list"]),
+])
+def test_config_files_that_are_not_configs(tmp_path, content, words):
+    (tmp_path / "c.yaml").write_bytes(content)
+    paragraph(megajax("train", "--config", str(tmp_path / "c.yaml")), "train", f"config file {tmp_path / 'c.yaml'}",
+              *words)
+
+
 # ----------------------------------------------------------------------------------------------
 # megajax import --format megatron, megajax generate
 
