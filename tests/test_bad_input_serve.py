@@ -6,6 +6,7 @@ small checkpoint written once for the module."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -101,12 +102,15 @@ def test_a_port_in_use(run):
         refused(serve(run, "--port", str(port)), f"cannot listen on 127.0.0.1:{port}", "choose another --port")
 
 
-def test_a_client_that_leaves_mid_body_is_one_log_line(run):
+def test_a_client_that_leaves_mid_body_is_one_log_line(run, tmp_path):
     """A body cut short by the client (it sends 10 of the 100 bytes it announced, then closes): one log line
-    (client_gone), no traceback, and the server answers the next request."""
+    (client_gone), no traceback, and the server answers the next requests (a chat message without content
+    is a 400 naming it)."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]")
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
-    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0"],
-                         stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0",
+                          "--chat-template", str(template)], stderr=subprocess.PIPE, text=True, env=env)
     try:
         line = ""
         while "listening on" not in line:
@@ -117,9 +121,16 @@ def test_a_client_that_leaves_mid_body_is_one_log_line(run):
                 b"Content-Length: 100\r\n\r\n")
         with socket.create_connection((host, int(port))) as s:
             s.sendall(head + b'{"prompt":')
-        with socket.create_connection((host, int(port))) as s:  # the body never comes: the server answers 400
+        with socket.create_connection((host, int(port))) as s:  # no prompt: the server answers 400
             s.sendall(head.replace(b"100", b"2") + b"{}")
             assert b" 400 " in s.recv(4096).split(b"\r\n")[0]
+        chat = http.client.HTTPConnection(host, int(port), timeout=60)
+        chat.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user"}], "max_tokens": 1}),
+                     {"Content-Type": "application/json"})
+        answer = chat.getresponse()
+        assert answer.status == 400
+        assert "'messages'[0] (role 'user') has no 'content'" in json.loads(answer.read())["error"]["message"]
+        chat.close()
         time.sleep(0.5)
     finally:
         p.send_signal(signal.SIGTERM)
