@@ -195,6 +195,17 @@ def test_train_numbers_out_of_range(tmp_path, override, words):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("override, words", [
+    ("data.cache_dir={notes}", ["data.cache_dir: cannot write the sample-index cache in '{notes}'"]),
+    ("data.corpus_max_mb=0.0001", ["data.corpus_max_mb = 0.0001: the embedded corpus's first file does not fit"]),
+])
+def test_data_settings_that_cannot_be_used(tmp_path, override, words):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    p = megajax("train", *TRAIN, f"train.run_dir={tmp_path / 'run'}", override.format(notes=notes))
+    paragraph(p, "train", *[w.format(notes=notes) for w in words])
+
+
 @pytest.mark.parametrize("content, words", [
     (b"\xff\xfe model:", ["cannot read it as YAML text", "can't decode byte 0xff"]),
     (b"include: [5]\n", ["include = [5]: expected a file name or a list of them"]),
