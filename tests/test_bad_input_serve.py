@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -105,7 +106,7 @@ def test_a_port_in_use(run):
 def test_a_client_that_leaves_mid_body_is_one_log_line(run, tmp_path):
     """A body cut short by the client (it sends 10 of the 100 bytes it announced, then closes): one log line
     (client_gone), no traceback, and the server answers the next requests (a chat message without content
-    is a 400 naming it)."""
+    is a 400 naming it); a kept-alive connection reset between requests ends quietly."""
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]")
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
@@ -124,6 +125,8 @@ def test_a_client_that_leaves_mid_body_is_one_log_line(run, tmp_path):
         with socket.create_connection((host, int(port))) as s:  # no prompt: the server answers 400
             s.sendall(head.replace(b"100", b"2") + b"{}")
             assert b" 400 " in s.recv(4096).split(b"\r\n")[0]
+            time.sleep(0.2)  # then the kept-alive connection is reset while the server waits for its next request
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         chat = http.client.HTTPConnection(host, int(port), timeout=60)
         chat.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user"}], "max_tokens": 1}),
                      {"Content-Type": "application/json"})

@@ -323,6 +323,14 @@ class _Handler(BaseHTTPRequestHandler):
               "/tokenize": {"POST": "_tokenize"}, "/detokenize": {"POST": "_detokenize"},
               "/tokenizer_info": {"GET": "_tokenizer_info"}, "/api": {"PUT": "_megatron"}}
 
+    def handle(self) -> None:
+        """The connection's requests, one after another; a client that resets a kept-alive connection while
+        no request of it is open ends it quietly (a request in progress is logged by _dispatch)."""
+        try:
+            super().handle()
+        except ConnectionError:
+            self.close_connection = True
+
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         if not self.quiet:
             super().log_message(format, *args)
