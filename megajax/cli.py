@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from megajax.errors import ConfigError, UserError
+from megajax.paths import check_outputs as _check_outputs
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -186,7 +187,7 @@ def _megatron_export_source(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
-    check_outputs(("--output", args.output), directory=True)
+    _check_outputs(("--output", args.output), directory=True)
     if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
         raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
                         "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
@@ -242,7 +243,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     from megajax.checkpoint.common import imported_tokenizer
     from megajax.checkpoint.manager import find_step_dir, write_params_checkpoint
     from megajax.config import load_config
-    check_outputs(("--output", args.output), directory=True)
+    _check_outputs(("--output", args.output), directory=True)
     if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
         raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
     if args.format == "hf":
@@ -266,19 +267,10 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_outputs(*options: tuple[str, str | None], directory: bool = False) -> None:
-    """UserError, before any work, for an output (option, path) that cannot be written there (see megajax.paths)."""
-    from megajax.paths import output_problem
-    for option, path in options:
-        why = output_problem(path, directory) if path else None
-        if why:
-            raise UserError(f"{option} {path}: cannot write {'a directory' if directory else 'a file'} there: {why}.")
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from megajax.config import load_config
     from megajax.perf import planner
-    check_outputs(("--json", args.json), ("--output", args.output))
+    _check_outputs(("--json", args.json), ("--output", args.output))
     cfg = load_config(args.config, args.overrides)
     report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
     print(planner.format_plan(report, args.top))
@@ -309,7 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megajax.config import load_config
-    check_outputs(("--json", args.json), ("--plot", args.plot))
+    _check_outputs(("--json", args.json), ("--plot", args.plot))
     cfg = load_config(args.config, args.overrides)
     if args.topology:
         from megajax.perf.bench import format_topology, topology_estimate, write_json
@@ -404,7 +396,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import json
     prompts = _read_prompts(args)
     sampling = _sampling(args)
-    check_outputs(("--json", args.json))
+    _check_outputs(("--json", args.json))
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
     loaded = _load_model(args)
@@ -435,7 +427,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                        args.prefill_rows)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port}: must be a TCP port, 1..65535, or 0 (any free port).")
-    template = _chat_template(args.chat_template) if args.chat_template else None
+    from megajax.inference.chat import read_chat_template
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     loaded = _load_model(args)
     from megajax.inference.server import serve
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
@@ -443,23 +436,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
     return 0
-
-
-def _chat_template(path: str) -> str:
-    """--chat-template's text, compiled as the server will run it (a UserError now, not a 400 per request)."""
-    from megajax.inference.chat import ChatTemplateError, compile_chat_template
-    accepted = "give a Jinja chat template file (the text of a tokenizer_config.json's \"chat_template\")"
-    try:
-        template = Path(path).expanduser().read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--chat-template {path!r}: cannot read it ({e}); {accepted}.") from None
-    if not template.strip():
-        raise UserError(f"--chat-template {path!r} is empty; {accepted}.")
-    try:
-        compile_chat_template(template)
-    except ChatTemplateError as e:
-        raise UserError(f"--chat-template {path!r}: {e}; {accepted}.") from None
-    return template
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -498,7 +474,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         raise UserError(f"the Megatron arguments translate to a config megajax refuses: {e} (Megatron flags "
                         f"behind it: {behind}).") from None
-    plan, devices = _plan_translation(cfg, args.world_size, behind)
+    from megajax.plan import fewest_devices, plan_elsewhere
+    try:
+        plan = plan_elsewhere(cfg, args.world_size)
+    except UserError as e:
+        n = fewest_devices(cfg)
+        on = (f"--world-size {args.world_size}" if args.world_size else f"{n} device{'s' * (n > 1)}, the fewest its "
+              f"parallel sizes take (--world-size N plans for the job's)")
+        raise UserError(f"the Megatron arguments give a run megajax train would refuse on {on}: {e} (Megatron "
+                        f"flags behind it: {behind}).") from None
+    devices = plan.num_devices
     sys.stdout.write(t.to_yaml())
     where = (f"--world-size {devices}" if args.world_size else f"{devices} device{'s' * (devices > 1)}, the fewest "
              f"its parallel sizes take (--world-size N plans for the job's)")
@@ -509,32 +494,6 @@ def cmd_config(args: argparse.Namespace) -> int:
           f"batch {b.global_batch} = micro {b.micro_batch} x accumulation {b.accumulation} x data-parallel "
           f"{b.data_parallel}", file=sys.stderr)
     return 0
-
-
-def _plan_translation(cfg, world_size: int | None, behind: str):
-    """(plan, device count) of a translated config with the checks `megajax train` runs (megajax.plan), on
-    `world_size` devices or the fewest its fixed mesh sizes take. A tokenizer this machine cannot read (a
-    path of the cluster's, a shell variable) stands in by the vocabulary the flags give."""
-    import math
-    from types import SimpleNamespace
-
-    from megajax.config import MESH_AXES
-    from megajax.data.tokenizer import load_tokenizer
-    from megajax.plan import make_plan
-    try:
-        tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
-    except UserError:
-        tokenizer = SimpleNamespace(vocab_size=cfg.model.vocab_size or load_tokenizer("byte").vocab_size)
-    fixed = [getattr(cfg.mesh, a) * getattr(cfg.mesh.dcn, a) for a in MESH_AXES]
-    devices = world_size or math.prod(max(n, 1) for n in fixed)
-    try:
-        return make_plan(cfg, devices, tokenizer=tokenizer), devices
-    except UserError as e:
-        on = (f"--world-size {devices}" if world_size else
-              f"{devices} device{'s' * (devices > 1)} (the fewest its parallel sizes take; --world-size N plans for "
-              f"the job's)")
-        raise UserError(f"the Megatron arguments give a run megajax train would refuse on {on}: {e} (Megatron "
-                        f"flags behind it: {behind}).") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,15 +2,26 @@
 a directory where a file belongs, a read-only place.
 
     output_problem(path, directory=False) -> None, or why `path` cannot be written (a phrase)
+    check_outputs((option, path), ..., directory=False)   UserError naming the first option that cannot be
 
-The callers raise their own error naming the option or key (`--json FILE`, `train.run_dir`); the check
-reads the filesystem only (nothing is created).
+The check reads the filesystem only (nothing is created).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from megajax.errors import UserError
+
+
+def check_outputs(*options: tuple[str, str | None], directory: bool = False) -> None:
+    """UserError, before any work, for an output (option, path) that cannot be written there; None paths
+    (options not given) are skipped."""
+    for option, path in options:
+        why = output_problem(path, directory) if path else None
+        if why:
+            raise UserError(f"{option} {path}: cannot write {'a directory' if directory else 'a file'} there: {why}.")
 
 
 def output_problem(path: str | Path, directory: bool = False) -> str | None:
