@@ -475,22 +475,19 @@ def cmd_config(args: argparse.Namespace) -> int:
         raise UserError(f"the Megatron arguments translate to a config megajax refuses: {e} (Megatron flags "
                         f"behind it: {behind}).") from None
     from megajax.plan import fewest_devices, plan_elsewhere
+    n = args.world_size or fewest_devices(cfg)
+    on = (f"--world-size {n}" if args.world_size else
+          f"{n} device{'s' * (n > 1)}, the fewest its parallel sizes take (--world-size N plans for the job's)")
     try:
-        plan = plan_elsewhere(cfg, args.world_size)
+        plan = plan_elsewhere(cfg, n)
     except UserError as e:
-        n = fewest_devices(cfg)
-        on = (f"--world-size {args.world_size}" if args.world_size else f"{n} device{'s' * (n > 1)}, the fewest its "
-              f"parallel sizes take (--world-size N plans for the job's)")
         raise UserError(f"the Megatron arguments give a run megajax train would refuse on {on}: {e} (Megatron "
                         f"flags behind it: {behind}).") from None
-    devices = plan.num_devices
     sys.stdout.write(t.to_yaml())
-    where = (f"--world-size {devices}" if args.world_size else f"{devices} device{'s' * (devices > 1)}, the fewest "
-             f"its parallel sizes take (--world-size N plans for the job's)")
     b = plan.batch
     print(f"megajax config: {len(t.assignments)} keys set from {len(args.megatron)} words; "
           f"{len(t.needless)} flags need nothing in megajax, {len(t.unmapped)} not mapped (both listed in "
-          f"the YAML's comments); planned as megajax train plans it on {where}: mesh {plan.mesh_text()}, global "
+          f"the YAML's comments); planned as megajax train plans it on {on}: mesh {plan.mesh_text()}, global "
           f"batch {b.global_batch} = micro {b.micro_batch} x accumulation {b.accumulation} x data-parallel "
           f"{b.data_parallel}", file=sys.stderr)
     return 0

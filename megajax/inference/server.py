@@ -23,7 +23,8 @@ request's whole body first, so a kept-alive connection's next request parses.
 Every request has an id: the client's X-Request-Id header, else one made here (a completion's
 is its answer's `id`); it comes back in the X-Request-Id header, is set on the request's jobs,
 and starts its log line on stderr (one per finished request: id, method, path, status, prompt and
-new tokens, time to first token, total seconds, finish reasons). SIGTERM or Ctrl-C drains: new work
+new tokens, time to first token, total seconds, finish reasons; `client_gone: ...` when the client left
+before its answer, which then is not sent). SIGTERM or Ctrl-C drains: new work
 is refused with 503 and Retry-After, /health answers 503, the requests in progress finish (up to a
 drain timeout), then the server closes; a second signal closes at once.
 """
