@@ -14,7 +14,7 @@
     megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N]
-    megajax config from-megatron -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
+    megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
 exits with status 2; no traceback.
@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from megajax.errors import ConfigError, UserError
+from megajax.paths import check_outputs as _check_outputs
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -186,6 +187,7 @@ def _megatron_export_source(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
+    _check_outputs(("--output", args.output), directory=True)
     if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
         raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
                         "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
@@ -239,8 +241,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     from megajax.checkpoint.common import imported_tokenizer
-    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.manager import find_step_dir, write_params_checkpoint
     from megajax.config import load_config
+    _check_outputs(("--output", args.output), directory=True)
+    if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
+        raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
     if args.format == "hf":
         from megajax.checkpoint.hf import hf_tokenizer, import_hf
         overrides, params = import_hf(args.input)
@@ -265,6 +270,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from megajax.config import load_config
     from megajax.perf import planner
+    _check_outputs(("--json", args.json), ("--output", args.output))
     cfg = load_config(args.config, args.overrides)
     report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
     print(planner.format_plan(report, args.top))
@@ -273,10 +279,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         write_json({**report, "ranked": [planner.asdict(c) for c in report["ranked"][:args.top]],
                     "smallest": [planner.asdict(c) for c in report["smallest"]],
                     "alternatives": {a: planner.asdict(c) for a, c in report["alternatives"].items()}}, args.json)
+    if not report["ranked"]:
+        print(f"megajax plan: nothing fits {args.cluster}: every layout needs more than "
+              f"{report['capacity'] / planner.GIB:.1f} GiB per device" + (f"; {args.output} not written" if args.output
+                                                                        else ""), file=sys.stderr)
+        return 1
     if args.output:
-        if not report["ranked"]:
-            print(f"megajax plan: nothing fits {args.cluster}; {args.output} not written", file=sys.stderr)
-            return 1
         best = report["ranked"][0]
         command = " ".join(["megajax plan", *(f"--config {c}" for c in args.config), "--cluster", args.cluster,
                             *args.overrides])
@@ -293,6 +301,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from megajax.config import load_config
+    _check_outputs(("--json", args.json), ("--plot", args.plot))
     cfg = load_config(args.config, args.overrides)
     if args.topology:
         from megajax.perf.bench import format_topology, topology_estimate, write_json
@@ -387,6 +396,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import json
     prompts = _read_prompts(args)
     sampling = _sampling(args)
+    _check_outputs(("--json", args.json))
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
     loaded = _load_model(args)
@@ -415,13 +425,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The ranges that need no model now; --block-size against the context once the model is loaded.
     check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk,
                        args.prefill_rows)
-    template = None
-    if args.chat_template:
-        try:
-            template = Path(args.chat_template).expanduser().read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--chat-template {args.chat_template!r}: cannot read it ({e}); give a Jinja chat "
-                            f"template file (the text of a tokenizer_config.json's \"chat_template\").") from None
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port}: must be a TCP port, 1..65535, or 0 (any free port).")
+    from megajax.inference.chat import read_chat_template
+    template = read_chat_template(args.chat_template) if args.chat_template else None
     loaded = _load_model(args)
     from megajax.inference.server import serve
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
@@ -443,23 +450,46 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """`megajax config from-megatron -- ARGS...`: the YAML on stdout (its comments name each key's Megatron
-    flag, and list the flags that needed nothing or were not mapped), checked by megajax's config loader."""
+    flag, and list the flags that needed nothing or were not mapped), checked by megajax's config loader and
+    planned as `megajax train` plans it (on --world-size devices). What Megatron's own parse_args /
+    validate_args would refuse is refused here too."""
     from megajax.config import load_config
     from megajax.errors import ConfigError
     from megajax.megatron_args import translate
     if not args.megatron:
         raise UserError("megajax config from-megatron needs Megatron-LM pretrain_gpt.py arguments after --, "
                         "e.g. megajax config from-megatron -- --num-layers 32 --hidden-size 4096 --bf16.")
+    if args.world_size is not None and args.world_size < 1:
+        raise UserError(f"--world-size {args.world_size}: must be >= 1 (the job's GPU count, Megatron's WORLD_SIZE).")
+    if any(w.split("=")[0] == "--world-size" for w in args.megatron):
+        raise UserError("--world-size is megajax's option, not a Megatron flag: put it before the -- (megajax config "
+                        "from-megatron --world-size N -- ARGS...).")
     t = translate(args.megatron)
+    if t.refused:
+        raise UserError("Megatron-LM would refuse these arguments (its parse_args / validate_args), so they are not "
+                        "translated: " + "; ".join(f"{given}: {why}" for given, why in t.refused) + ".")
+    behind = ", ".join(dict.fromkeys(o for _, o in t.assignments.values()))
     try:
-        load_config(base=t.tree())
+        cfg = load_config(base=t.tree())
     except ConfigError as e:
         raise UserError(f"the Megatron arguments translate to a config megajax refuses: {e} (Megatron flags "
-                        f"behind it: {', '.join(o for _, o in t.assignments.values())}).") from None
+                        f"behind it: {behind}).") from None
+    from megajax.plan import fewest_devices, plan_elsewhere
+    n = args.world_size or fewest_devices(cfg)
+    on = (f"--world-size {n}" if args.world_size else
+          f"{n} device{'s' * (n > 1)}, the fewest its parallel sizes take (--world-size N plans for the job's)")
+    try:
+        plan = plan_elsewhere(cfg, n)
+    except UserError as e:
+        raise UserError(f"the Megatron arguments give a run megajax train would refuse on {on}: {e} (Megatron "
+                        f"flags behind it: {behind}).") from None
     sys.stdout.write(t.to_yaml())
+    b = plan.batch
     print(f"megajax config: {len(t.assignments)} keys set from {len(args.megatron)} words; "
           f"{len(t.needless)} flags need nothing in megajax, {len(t.unmapped)} not mapped (both listed in "
-          f"the YAML's comments)", file=sys.stderr)
+          f"the YAML's comments); planned as megajax train plans it on {on}: mesh {plan.mesh_text()}, global "
+          f"batch {b.global_batch} = micro {b.micro_batch} x accumulation {b.accumulation} x data-parallel "
+          f"{b.data_parallel}", file=sys.stderr)
     return 0
 
 
@@ -579,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),
                    help="from-megatron: the arguments after -- are Megatron-LM's; prints the YAML on stdout")
+    p.add_argument("--world-size", type=int, metavar="N",
+                   help="the job's GPU count (Megatron's WORLD_SIZE): the YAML is planned as megajax train plans it "
+                        "on N devices (default: the fewest its parallel sizes take)")
     p.set_defaults(func=cmd_config)
     return parser
 

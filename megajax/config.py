@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -553,11 +554,16 @@ def load_yaml(path: str | Path, _seen: tuple = ()) -> dict:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: cannot read it as YAML text ({e}).") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}.")
     includes = data.pop("include", [])
     if isinstance(includes, str):
         includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) and i for i in includes):
+        raise ConfigError(f"config file {path}: include = {includes!r}: expected a file name or a list of them "
+                          f"(paths relative to the file, or names under configs/ such as model/llama3-8b).")
     merged: dict = {}
     for inc in includes:
         merged = _deep_merge(merged, load_yaml(resolve_config_path(inc, path.parent), _seen + (path,)))
@@ -629,8 +635,33 @@ def parse_split(split: str) -> list[float]:
 def _positive(key: str, value: int | float | None, allow_zero: bool = False) -> None:
     if value is None:
         return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"config key {key} = {value}: must be {'>= 0' if allow_zero else '> 0'}.")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        finite = "a finite number " if isinstance(value, float) else ""
+        raise ConfigError(f"config key {key} = {value}: must be {finite}{'>= 0' if allow_zero else '> 0'}.")
+
+
+def validate_ranges(cfg: Config) -> None:
+    """The numbers no other check reads before they are used: seeds, loss scaling, optimizer constants,
+    model constants (each a ConfigError naming the key, the value and the range)."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"config key train.seed = {t.seed}: must be in [0, 2^32) (the data order is drawn with "
+                          f"numpy's RandomState, as Megatron's is).")
+    for key in ("initial_loss_scale", "min_loss_scale", "peak_tflops", "device_memory_gib"):
+        _positive(f"train.{key}", getattr(t, key))
+    if t.min_loss_scale > t.initial_loss_scale:
+        raise ConfigError(f"train.min_loss_scale = {t.min_loss_scale:g} is above train.initial_loss_scale = "
+                          f"{t.initial_loss_scale:g}; the loss scale starts at the initial one and never drops "
+                          f"below the minimum.")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(o, key) < 1.0:
+            raise ConfigError(f"config key optim.{key} = {getattr(o, key)}: must be in [0, 1).")
+    _positive("optim.eps", o.eps)
+    for key in ("norm_eps", "rope_theta", "rope_scaling_factor", "init_std", "moe_router_topk_scaling_factor"):
+        _positive(f"model.{key}", getattr(m, key))
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "mtp_loss_scaling_factor", "moe_router_bias_update_rate"):
+        _positive(f"model.{key}", getattr(m, key), allow_zero=True)
+    _positive("data.corpus_max_mb", cfg.data.corpus_max_mb)
 
 
 def validate(cfg: Config) -> None:
@@ -683,6 +714,7 @@ def validate(cfg: Config) -> None:
                           f"{m.max_position_embeddings} of the learned position table; lower "
                           f"train.seq_len or raise model.max_position_embeddings.")
     validate_precision(cfg)
+    validate_ranges(cfg)
     for axis in MESH_AXES:
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:

@@ -24,11 +24,9 @@ from typing import Any
 
 import yaml
 
+from megajax.megatron_rules import FLOAT, INT, LIST, STR, SWITCH, conflicts, placeholder, refusal
+
 _UNSET = object()
-
-# How a flag's values are read: one value of a type, a list, or none (a switch).
-INT, FLOAT, STR, LIST, SWITCH = "int", "float", "str", "list", "switch"
-
 
 @dataclass(frozen=True)
 class Flag:
@@ -69,7 +67,8 @@ FLAGS: tuple[Flag, ...] = (
          note="Megatron's default when absent: 4 x hidden, with --swiglu 2/3 of that rounded down to 64"),
     Flag("--num-attention-heads", "model.num_heads"),
     Flag("--num-query-groups", "model.num_kv_heads", note="only with --group-query-attention, as in Megatron"),
-    _same("--group-query-attention", "turns --num-query-groups on"),
+    _same("--group-query-attention", "turns --num-query-groups on; alone, Megatron's one query group: "
+                                     "model.num_kv_heads=1"),
     Flag("--kv-channels", "model.head_dim"),
     Flag("--seq-length", "train.seq_len"),
     Flag("--max-position-embeddings", "model.max_position_embeddings"),
@@ -82,7 +81,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--position-embedding-type", "model.position_embedding", STR,
          {"learned_absolute": "learned", "rope": "rope"}, default="learned"),
     Flag("--use-rotary-position-embeddings", "model.position_embedding", SWITCH, "rope"),
-    Flag("--rotary-base", "model.rope_theta", FLOAT),
+    Flag("--rotary-base", "model.rope_theta"),
     Flag("--use-rope-scaling", "model.rope_scaling", SWITCH, "llama3"),
     Flag("--rope-scaling-factor", "model.rope_scaling_factor", FLOAT),
     Flag("--disable-bias-linear", "model.use_bias", SWITCH, False, default=True),
@@ -102,7 +101,7 @@ FLAGS: tuple[Flag, ...] = (
     _none("--rotary-percent", "megajax rotates the whole head (only 1.0 is the same)", FLOAT),
     _none("--apply-layernorm-1p", "megajax stores the norm scale itself, not a zero-centred offset"),
     _none("--squared-relu", "megajax's activations are gelu and swiglu"),
-    _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", FLOAT),
+    _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", INT),
     # Mixture of experts
     Flag("--num-experts", "model.num_experts"),
     Flag("--moe-router-topk", "model.moe_router_topk"),
@@ -148,14 +147,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--recompute-granularity", "parallel.recompute", STR, {"full": "full", "selective": "selective"}),
     Flag("--recompute-activations", "parallel.recompute", SWITCH, "selective"),
     _none("--recompute-method", "megajax's full recompute covers every layer", STR),
-    _none("--recompute-num-layers", "megajax's full recompute covers every layer"),
-    _none("--expert-tensor-parallel-size", "megajax splits each expert over mesh.tensor (the tensor size)"),
+    _none("--recompute-num-layers", "megajax's full recompute covers every layer", INT),
+    _none("--expert-tensor-parallel-size", "megajax splits each expert over mesh.tensor (the tensor size)", INT),
     _same("--overlap-grad-reduce", OVERLAP),
     _same("--overlap-param-gather", OVERLAP),
     _same("--overlap-p2p-communication", OVERLAP),
     _same("--tp-comm-overlap", OVERLAP),
     _same("--distributed-backend", "megajax runs on JAX's runtime", STR),
-    _none("--distributed-timeout-minutes", "megajax's watchdog is ops.hang_timeout (seconds)"),
+    _none("--distributed-timeout-minutes", "megajax's watchdog is ops.hang_timeout (seconds)", INT),
     # Precision
     Flag("--bf16", "train.precision", SWITCH, "bf16"),
     Flag("--fp16", "train.precision", SWITCH, "fp16"),
@@ -172,7 +171,7 @@ FLAGS: tuple[Flag, ...] = (
     _same("--attention-softmax-in-fp32", "megajax's softmax runs in fp32"),
     Flag("--initial-loss-scale", "train.initial_loss_scale", FLOAT),
     Flag("--min-loss-scale", "train.min_loss_scale", FLOAT),
-    Flag("--loss-scale-window", "train.loss_scale_window"),
+    Flag("--loss-scale-window", "train.loss_scale_window", FLOAT),
     Flag("--hysteresis", "train.hysteresis"),
     _none("--loss-scale", "megajax's fp16 loss scale is dynamic only", FLOAT),
     # Optimizer and schedule
@@ -211,10 +210,10 @@ FLAGS: tuple[Flag, ...] = (
     _same("--log-throughput", "megajax logs tokens/s and MFU at every logged step"),
     _same("--tensorboard-dir", "megajax writes TensorBoard events into train.run_dir", STR),
     _same("--manual-gc", "megajax's step runs in XLA, not the Python heap"),
-    _same("--empty-unused-memory-level", "XLA manages device memory"),
+    _same("--empty-unused-memory-level", "XLA manages device memory", INT),
     _none("--calculate-per-token-loss", "megajax's loss averaging is not configurable"),
-    _none("--exit-duration-in-mins", "megajax saves a checkpoint on SIGTERM instead"),
-    _none("--exit-interval", "set train.steps instead"),
+    _none("--exit-duration-in-mins", "megajax saves a checkpoint on SIGTERM instead", INT),
+    _none("--exit-interval", "set train.steps instead", INT),
     _none("--wandb-project", "megajax logs to TensorBoard and metrics.jsonl", STR),
     _none("--wandb-exp-name", "megajax logs to TensorBoard and metrics.jsonl", STR),
     _same("--cross-entropy-loss-fusion", XLA_FUSES),
@@ -240,7 +239,7 @@ FLAGS: tuple[Flag, ...] = (
     _none("--vocab-file", HF_TOKENIZER, STR),
     _none("--merge-file", HF_TOKENIZER, STR),
     _none("--tiktoken-pattern", HF_TOKENIZER, STR),
-    _same("--num-workers", "megajax prepares batches in a background thread (data.prefetch)"),
+    _same("--num-workers", "megajax prepares batches in a background thread (data.prefetch)", INT),
     _same("--no-mmap-bin-files", "megajax memory-maps .bin files"),
     _same("--no-create-attention-mask-in-dataloader", "megajax builds no attention mask in the loader"),
     # Checkpoints
@@ -307,10 +306,12 @@ class Translation:
     """A Megatron argument list in megajax's terms.
 
     assignments: dotted key -> (value, where it came from: the flag as given, or Megatron's default);
-    needless / unmapped: (the flag as given, why) for flags that set nothing."""
+    needless / unmapped: (the flag as given, why) for flags that set nothing; refused: (the flags as given,
+    why) for what Megatron's parse_args / validate_args would refuse (`megajax config from-megatron` stops)."""
     assignments: dict[str, tuple[Any, str]] = field(default_factory=dict)
     needless: list[tuple[str, str]] = field(default_factory=list)
     unmapped: list[tuple[str, str]] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
 
     def tree(self) -> dict:
         """The nested config mapping (what load_config takes as `base`)."""
@@ -365,10 +366,6 @@ def _unquote(value: str) -> str:
     return value[1:-1] if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"" else value
 
 
-def _placeholder(value: str) -> bool:
-    return "$" in value
-
-
 def _convert(f: Flag, values: list[str]) -> tuple[Any, str | None]:
     """(value for f.key, None) or (None, why it cannot be mapped)."""
     if f.takes == SWITCH:
@@ -380,7 +377,7 @@ def _convert(f: Flag, values: list[str]) -> tuple[Any, str | None]:
     if len(values) != 1:
         return None, f"expected one value, got {' '.join(values)}"
     raw = values[0]
-    if _placeholder(raw) and f.takes != STR:
+    if placeholder(raw) and f.takes != STR:
         return None, f"{raw} is an environment variable left unexpanded; write its value"
     try:
         value = {INT: int, FLOAT: float, STR: str}[f.takes](raw)
@@ -419,9 +416,15 @@ class _Given:
             values = [_unquote(v) for v in values]
             text = " ".join([flag, *values]).strip()
             f = lookup(flag) if flag else None
+            if not flag:
+                self.t.refused.append((text, "a value without a flag before it (argparse: unrecognized arguments)"))
+                continue
             if f is None:
-                self.t.unmapped.append((text, "not a pretrain_gpt.py flag megajax knows" if flag else
-                                        "a value without a flag"))
+                self.t.unmapped.append((text, "not a pretrain_gpt.py flag megajax knows"))
+                continue
+            why = refusal(f.name, f.takes, values)
+            if why:
+                self.t.refused.append((text, why))
                 continue
             self.given[f.name] = values
             self.order = [o for o in self.order if lookup(o[0].split()[0]).name != f.name] + [(text, values)]
@@ -478,6 +481,7 @@ def translate(argv: list[str], defaults: bool = True) -> Translation:
     for group in (_derive_attention_and_fp8, _derive_sample_counts, _derive_layout, _derive_checkpoints,
                   _derive_tokenizer, _derive_data_and_profile, _derive_expert_bias):
         group(g)
+    g.t.refused += conflicts(g.given)
     if defaults:
         _megatron_defaults(g.t, g.given)
     return g.t
@@ -510,7 +514,10 @@ def _derive_attention_and_fp8(g: _Given) -> None:
         else:
             g.needless("num_query_groups", "ignored by Megatron without --group-query-attention")
     if "group_query_attention" in g:
-        g.needless("group_query_attention", BY_NAME["group_query_attention"].note)
+        if "num_query_groups" in g:
+            g.needless("group_query_attention", BY_NAME["group_query_attention"].note)
+        else:  # Megatron's default --num-query-groups is 1: one key/value head
+            g.put("model.num_kv_heads", 1, f"{g.origin('group_query_attention')} (Megatron's --num-query-groups 1)")
     # FP8 wins over --bf16 / --fp16 (those give the compute dtype around FP8 products).
     if "fp8_format" in g:
         before = g.t.assignments.get("train.precision")

@@ -207,7 +207,8 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
 
 def _divisors(value: int, size: int, devices: int) -> str:
     """The other mesh sizes that divide both `value` and the device count."""
-    return ", ".join(str(d) for d in range(1, devices + 1) if value % d == 0 and devices % d == 0 and d != size)
+    common = math.gcd(value, devices)  # a divisor of both divides their gcd
+    return ", ".join(str(d) for d in range(1, common + 1) if common % d == 0 and d != size)
 
 
 # ----------------------------------------------------------------------------

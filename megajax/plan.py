@@ -11,8 +11,9 @@ schedule choice (`RunPlan.pipeline`) and the pre-flight checks (`plan_layout`:
 the model against the mesh, the batch, the pipeline); the train step, `perf/`
 and `inference/` read a plan and do not check again. `megajax train`,
 `megajax bench` (also for device kinds this machine does not have:
-`--topology`), the fit advice (one plan per candidate change) and the tests
-build plans the same way.
+`--topology`), `megajax config from-megatron` (`plan_elsewhere`: for a
+cluster's job, its tokenizer perhaps not readable here), the fit advice (one
+plan per candidate change) and the tests build plans the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import datetime
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig
@@ -191,14 +193,32 @@ def resolve_vocabulary(cfg: Config, tokenizer) -> list[str]:
     return []
 
 
-def make_plan(cfg: Config, num_devices: int) -> RunPlan:
-    """The plan of `cfg` on `num_devices` devices (ConfigError / MeshError naming keys and values)."""
+def make_plan(cfg: Config, num_devices: int, tokenizer=None) -> RunPlan:
+    """The plan of `cfg` on `num_devices` devices (ConfigError / MeshError naming keys and values);
+    `tokenizer`: one to plan with instead of loading data.tokenizer (a config for another machine)."""
     cfg = copy.deepcopy(cfg)
     resolve_paths(cfg)
-    tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     notes = resolve_vocabulary(cfg, tokenizer)
     ici, dcn = axis_sizes(cfg, num_devices)
     return plan_layout(cfg, tokenizer, ici, dcn, notes)
+
+
+def plan_elsewhere(cfg: Config, num_devices: int | None = None) -> RunPlan:
+    """The plan of a config written for another machine (`megajax config from-megatron`): on `num_devices`
+    devices, else the fewest its fixed mesh sizes take; a tokenizer this machine cannot read (a path of the
+    cluster's, a shell variable) stands in by the vocabulary the config gives (else the byte tokenizer's)."""
+    try:
+        tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
+    except ConfigError:
+        tokenizer = SimpleNamespace(vocab_size=cfg.model.vocab_size or load_tokenizer("byte").vocab_size)
+    return make_plan(cfg, num_devices or fewest_devices(cfg), tokenizer=tokenizer)
+
+
+def fewest_devices(cfg: Config) -> int:
+    """The device count of the config's fixed mesh sizes (an axis of -1 taking one device)."""
+    return math.prod(max(getattr(cfg.mesh, a), 1) * getattr(cfg.mesh.dcn, a) for a in MESH_AXES)
 
 
 def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int], notes=()) -> RunPlan:

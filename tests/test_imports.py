@@ -24,8 +24,8 @@ FLOORS = [
     ("precision", "mesh", "distributed", "compile_cache"),
     ("data",),
     ("config",),
-    ("megatron_args",),
-    ("pallas_kernels", "errors", "host_allocator"),
+    ("megatron_args", "paths"),
+    ("pallas_kernels", "errors", "host_allocator", "megatron_rules"),
 ]
 LEVEL = {package: i for i, floor in enumerate(FLOORS) for package in floor}
 

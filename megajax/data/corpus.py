@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megajax.config import user_cache_dir
 from megajax.data.indexed import exists
+from megajax.errors import ConfigError
 
 
 SKIPPED = ("site-packages", "test", "tests", "idlelib", "lib2to3")  # directories left out
@@ -58,6 +59,9 @@ def stdlib_files(max_bytes: int) -> list[Path]:
 def stdlib_corpus(tokenizer: str, max_mb: float) -> str:
     """Prefix of the embedded corpus as an indexed dataset, built on first use."""
     files = stdlib_files(int(max_mb * 2**20))
+    if not files:
+        raise ConfigError(f"data.corpus_max_mb = {max_mb:g}: the embedded corpus's first file does not fit in it; "
+                          f"raise it (the default is 8), or set data.path to a dataset.")
     if tokenizer == "byte":
         tok_id = tokenizer
     else:  # a tokenizer.json, or a directory holding one (as data.tokenizer accepts)

@@ -149,14 +149,20 @@ def save_cached(cache_dir, stem: str, arrays: dict[str, np.ndarray], description
     """Writes `{stem}-{name}.npy` per array, then `{stem}-description.txt` (the entry is complete once
     it exists); every file goes to a temporary name first, so concurrent builders never see half a file."""
     paths, described = _cache_paths(cache_dir, stem, list(arrays))
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
     tag = f".tmp-{socket.gethostname()}-{os.getpid()}"
-    for path, array in zip(paths, arrays.values()):
-        with open(path.with_name(path.name + tag), "wb") as f:
-            np.save(f, array)
-        os.replace(path.with_name(path.name + tag), path)
-    described.with_name(described.name + tag).write_text(description)
-    os.replace(described.with_name(described.name + tag), described)
+    try:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        for path, array in zip(paths, arrays.values()):
+            with open(path.with_name(path.name + tag), "wb") as f:
+                np.save(f, array)
+            os.replace(path.with_name(path.name + tag), path)
+        described.with_name(described.name + tag).write_text(description)
+        os.replace(described.with_name(described.name + tag), described)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        raise DataError(f"data.cache_dir: cannot write the sample-index cache in {str(cache_dir)!r}: "
+                        f"{e.strerror or e}{where}; set data.cache_dir to a directory this user can write (the "
+                        f"default is beside the dataset).") from None
 
 
 class GPTDataset:

@@ -45,6 +45,8 @@ calls.
 from __future__ import annotations
 
 import collections
+import math
+import os
 import queue
 import sys
 import threading
@@ -133,6 +135,7 @@ class Engine:
         self.generator, self.max_batch, self.block_size = g, max_batch, block_size
         self.max_blocks = -(-g.context // block_size)  # table entries per sequence
         self.num_blocks = num_blocks if num_blocks is not None else max_batch * self.max_blocks
+        check_pool_memory(g, self.num_blocks, block_size, max_batch, num_blocks is not None)
         self.chunk = min(prefill_chunk, g.context)
         self.decode_steps = decode_steps  # decode steps per engine iteration (one program call, one host sync)
         # KV blocks per trip of the attention over the blocks in use (None: every row gathers its whole table)
@@ -514,6 +517,46 @@ class Engine:
             job.events.put(("done", job.index, c))
         self.sequences += 1
         self.observer.finished(job, reason, len(s.tokens))
+
+
+def pool_bytes_per_device(g: Generator, slots: int) -> int:
+    """Bytes of the KV pools (every layer's k and v, `slots` positions) that one device holds."""
+    total = 0
+    for layer in g.layers:
+        for which in "kv":
+            shape = layer.pool_shape(which, slots)
+            if g.mesh is not None:
+                shape = NamedSharding(g.mesh, logical_to_spec(layer.pool_axes, g.rules)).shard_shape(shape)
+            total += math.prod(shape) * jnp.dtype(g.dtype).itemsize
+    return total
+
+
+def device_memory_bytes() -> int | None:
+    """One local device's memory: the runtime's limit (GPU), else the host's memory shared by its simulated
+    devices (CPU); None when unknown."""
+    devices = jax.local_devices()
+    stats = devices[0].memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // len(devices)
+    except (ValueError, OSError):
+        return None
+
+
+def check_pool_memory(g: Generator, num_blocks: int, block_size: int, max_batch: int, given: bool) -> None:
+    """UserError naming --max-batch (or --num-kv-blocks when `given`) when the KV pool alone exceeds a device's
+    memory: refused before it is allocated, instead of the engine failing in its thread."""
+    need, have = pool_bytes_per_device(g, num_blocks * block_size), device_memory_bytes()
+    if have is None or need <= have:
+        return
+    size = (f"--num-kv-blocks {num_blocks}" if given else
+            f"--max-batch {max_batch} (a pool of {num_blocks} blocks: {max_batch} sequences of the whole "
+            f"{g.context}-token context)")
+    fits = max(1, have // max(1, pool_bytes_per_device(g, block_size)))
+    raise UserError(f"{size}: the KV cache needs {need / 2**30:,.1f} GiB per device, more than the device's "
+                    f"{have / 2**30:,.1f} GiB; at most {fits:,} blocks of {block_size} positions fit beside nothing "
+                    f"else. Lower --max-batch, or set --num-kv-blocks to a pool that fits with the model.")
 
 
 def check_engine_sizes(context: int, max_batch: int, block_size: int, num_blocks: int | None,

@@ -351,6 +351,9 @@ class OpenAIDialect:
                 content = "".join(p["text"] for p in content)
             if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
                 raise RequestError(f"'{param}'[{i}] needs a string 'role' and a string 'content'.", param)
+            if content is None and m["role"] != "assistant":  # OpenAI's: only an assistant turn may leave it out
+                raise RequestError(f"'{param}'[{i}] (role {m['role']!r}) has no 'content'; only an assistant "
+                                   f"message may leave it out.", param)
             flat.append({**m, "content": content if content is not None else ""})
         try:
             text = render_chat(template, flat, bos_token=special_token(self.tokenizer, "bos_token"),

@@ -23,7 +23,8 @@ request's whole body first, so a kept-alive connection's next request parses.
 Every request has an id: the client's X-Request-Id header, else one made here (a completion's
 is its answer's `id`); it comes back in the X-Request-Id header, is set on the request's jobs,
 and starts its log line on stderr (one per finished request: id, method, path, status, prompt and
-new tokens, time to first token, total seconds, finish reasons). SIGTERM or Ctrl-C drains: new work
+new tokens, time to first token, total seconds, finish reasons; `client_gone: ...` when the client left
+before its answer, which then is not sent). SIGTERM or Ctrl-C drains: new work
 is refused with 503 and Retry-After, /health answers 503, the requests in progress finish (up to a
 drain timeout), then the server closes; a second signal closes at once.
 """
@@ -45,7 +46,7 @@ from typing import Any
 
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
-from megajax.inference.chat import find_chat_template
+from megajax.inference.chat import ChatTemplateError, compile_chat_template, find_chat_template
 from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
 from megajax.inference.generate import ContextLengthError
 from megajax.inference.openai_api import OpenAIDialect
@@ -68,6 +69,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
 
+class ClientGone(ConnectionError):
+    """The client closed the connection in the middle of its request's body (the message says how far)."""
+
+
 @dataclass(eq=False)
 class RequestContext:
     """One HTTP request while it is answered: its id, its answer's id, its jobs and their tally (compared by
@@ -77,6 +82,7 @@ class RequestContext:
     started: float  # time.monotonic()
     ops: bool  # a probe or a scrape
     logged: bool = True  # gets a log line (--disable-log-requests read when the request arrives)
+    note: str = ""  # ends the log line: the client left before its answer
     tally: Tally = dataclasses.field(default_factory=Tally)
     jobs: list = dataclasses.field(default_factory=list)
 
@@ -89,6 +95,17 @@ class CompletionService:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True):
         self.loaded = loaded
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
+        # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused); compiled now,
+        # so a broken one stops the start-up instead of failing every chat request.
+        self.chat_template = chat_template or find_chat_template(self.tokenizer)
+        if self.chat_template is not None:
+            try:
+                compile_chat_template(self.chat_template)
+            except ChatTemplateError as e:
+                name = getattr(self.tokenizer, "name", "")
+                where = "--chat-template" if chat_template else f"the tokenizer's ({name})"
+                raise UserError(f"{where} chat template: {e}; pass --chat-template FILE with a valid Jinja chat "
+                                f"template.") from None
         self.metrics = ServeMetrics()
         if batching == "continuous":
             self.batcher = Engine(self.generator, max_batch, block_size=block_size, num_blocks=num_kv_blocks,
@@ -105,8 +122,6 @@ class CompletionService:
         self._active: list[RequestContext] = []  # requests in progress (not probes or scrapes)
         self.model_name = loaded.name or "megajax"
         self.max_batch = max_batch
-        # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused).
-        self.chat_template = chat_template or find_chat_template(self.tokenizer)
         self.openai = OpenAIDialect(self)
 
     def close(self, wait: bool = True) -> None:
@@ -309,6 +324,14 @@ class _Handler(BaseHTTPRequestHandler):
               "/tokenize": {"POST": "_tokenize"}, "/detokenize": {"POST": "_detokenize"},
               "/tokenizer_info": {"GET": "_tokenizer_info"}, "/api": {"PUT": "_megatron"}}
 
+    def handle(self) -> None:
+        """The connection's requests, one after another; a client that resets a kept-alive connection while
+        no request of it is open ends it quietly (a request in progress is logged by _dispatch)."""
+        try:
+            super().handle()
+        except ConnectionError:
+            self.close_connection = True
+
     def log_message(self, format, *args):  # noqa: A002 (the base class's name)
         if not self.quiet:
             super().log_message(format, *args)
@@ -377,11 +400,13 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._unread = 0
             return
+        total = left
         while left > 0:
             chunk = self.rfile.read(min(left, 1 << 16))
             if not chunk:
                 self.close_connection = True
-                break
+                self._unread = 0
+                raise ClientGone(f"client_gone: sent {total - left} of {total} body bytes")
             left -= len(chunk)
         self._unread = 0
 
@@ -399,6 +424,8 @@ class _Handler(BaseHTTPRequestHandler):
                                f"Content-Type: application/json.", code="unsupported_content_type")
         raw = self.rfile.read(int(length))
         self._unread = 0
+        if len(raw) < int(length):
+            raise ClientGone(f"client_gone: sent {len(raw)} of {length} body bytes")
         try:
             body = json.loads(raw)
         except ValueError as e:
@@ -435,6 +462,9 @@ class _Handler(BaseHTTPRequestHandler):
                             headers={"Retry-After": str(RETRY_AFTER_S)})
             else:
                 self._route(path)
+        except ConnectionError as e:  # the client left: one log line, no answer (nobody is there to read it)
+            self.close_connection = True
+            request.note = str(e) if isinstance(e, ClientGone) else f"client_gone: {type(e).__name__}"
         finally:
             self._finish(request, path)  # before leaving: a drain waits for the log line too
             if entered:
@@ -453,7 +483,7 @@ class _Handler(BaseHTTPRequestHandler):
             metrics.request_done(seconds)
         if request.logged and not request.ops:
             line = request_line(request.id, self.command, path, self._status, request.tally if request.jobs else None,
-                                seconds)
+                                seconds) + (f" {request.note}" if request.note else "")
             print(line, file=sys.stderr, flush=True)
 
     def _route(self, path: str) -> None:
@@ -472,8 +502,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._drain()  # a body the endpoint did not read (GET /health with one)
         except RequestError as e:
             self._error(e.status, str(e), e.param, e.code)
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+        except ConnectionError:
+            raise  # the client left: _dispatch logs it
         except Exception as e:  # a bug: the server keeps serving
             import traceback
             traceback.print_exc()
@@ -483,10 +513,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self) -> None:  # noqa: N802
         self._start_body()
-        self._drain()
-        self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
+        try:
+            self._drain()
+            self.send_response(HTTPStatus.METHOD_NOT_ALLOWED)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        except ConnectionError:
+            self.close_connection = True
 
     def _health(self) -> None:
         why = self.service.readiness()
@@ -569,13 +602,18 @@ class CompletionServer:
 
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
                  quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
-        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows."""
-        self.service = CompletionService(loaded, max_batch=max_batch, chunk=chunk, chat_template=chat_template,
-                                         quiet=quiet, **batching)
-        handler = type("Handler", (_Handler,), {"service": self.service, "quiet": quiet,
-                                                "log_requests": log_requests and not quiet})
+        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows.
+        The address is bound first (OSError: taken, or not this machine's), then the service starts its
+        batcher (UserError: a chat template or KV pool it cannot use)."""
+        handler = type("Handler", (_Handler,), {"quiet": quiet, "log_requests": log_requests and not quiet})
         self.httpd = _HTTPServer((host, port), handler)
         self.httpd.daemon_threads = True
+        try:
+            self.service = handler.service = CompletionService(loaded, max_batch=max_batch, chunk=chunk,
+                                                               chat_template=chat_template, quiet=quiet, **batching)
+        except BaseException:
+            self.httpd.server_close()
+            raise
         self._thread: threading.Thread | None = None
 
     @property
@@ -635,8 +673,9 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
     try:
         server = CompletionServer(loaded, host=host, port=port, max_batch=max_batch, chat_template=chat_template,
                                   log_requests=log_requests, **batching)
-    except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host.") from None
+    except (OSError, OverflowError) as e:
+        raise UserError(f"cannot listen on {host}:{port} ({getattr(e, 'strerror', None) or e}); choose another "
+                        f"--port or --host.") from None
     # The handlers go in before the address is printed: whoever reads it may signal at once.
     stopping = threading.Event()
     previous = _stop_on_signals(server.service, stopping)
@@ -651,7 +690,10 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
         else:
             server.start()
             while not stopping.wait(1.0):
-                pass
+                failed = getattr(server.service.batcher, "error", None)
+                if failed is not None:  # nothing could ever be answered: stop, saying why
+                    raise UserError(f"the server's engine did not start ({failed}); nothing can be served. If it ran "
+                                    f"out of memory, lower --max-batch or --num-kv-blocks.")
             cut = server.drain(drain_timeout, stopping.why)
     except KeyboardInterrupt:  # the second signal (drain() said so), or an interrupt without our handlers
         cut = server.service.in_progress()

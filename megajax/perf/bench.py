@@ -227,10 +227,10 @@ _TOPOLOGY = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
 def parse_topology(text: str) -> tuple[int, str, float]:
     m = _TOPOLOGY.match(text.strip())
     kinds = ", ".join(CAPACITY_GIB)
-    if not m:
-        raise ConfigError(f"--topology {text!r}: expected COUNTxKIND such as 8xH100 (kinds: {kinds}).")
+    if not m or int(m.group(1)) < 1:
+        raise ConfigError(f"--topology {text!r}: expected COUNTxKIND such as 8xH100, COUNT >= 1 (kinds: {kinds}).")
     count, kind = int(m.group(1)), m.group(2).upper()
-    if kind not in CAPACITY_GIB or count < 1:
+    if kind not in CAPACITY_GIB:
         raise ConfigError(f"--topology {text!r}: unknown device kind {m.group(2)!r}; known kinds: {kinds}.")
     return count, kind, CAPACITY_GIB[kind]
 

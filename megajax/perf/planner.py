@@ -41,91 +41,28 @@ FSDP gathers within the backward's time). The device table below is extended or 
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import math
-import re
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import yaml
 
 from megajax.config import MESH_AXES, Config
-from megajax.errors import ConfigError, UserError
+from megajax.errors import ConfigError, MeshError, UserError
 from megajax.mesh import data_parallel_size
 from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic
+from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
 from megajax.plan import RunPlan, make_plan, plan_layout
-from megajax.train.flops import PEAK_TFLOPS, train_flops_per_token
+from megajax.train.flops import train_flops_per_token
 
 GIB = 2**30
 HEADROOM = 0.9  # the share of a device's memory a plan may fill
-
-
-@dataclass(frozen=True)
-class DeviceKind:
-    """A device kind's figures: memory, dense peak TFLOP/s by precision, devices per node, and the
-    per-device bandwidth (GB/s, one direction) inside a node and across nodes."""
-    memory_gib: float
-    peak_tflops: dict[str, float]
-    node_size: int = 8
-    intra_node_gbps: float = 450.0
-    inter_node_gbps: float = 50.0
-    efficiency: float = 0.5  # share of the peak the model's matmuls reach in a step
-    link_efficiency: float = 0.7  # share of the links' bandwidth collectives reach
-
-
-# Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
-# (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways).
-DEVICE_KINDS: dict[str, DeviceKind] = {
-    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0),
-    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0),
-    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0),
-    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4),
-}
-
-_CLUSTER = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
 _DATA_PARALLEL = ("data", "fsdp")  # axes whose reductions overlap the backward
 _PLACEMENT = ("tensor", "context", "expert", "fsdp", "data", "pipeline")  # innermost (inside a node) first
-
-
-def load_device_kinds(path: str | None) -> dict[str, DeviceKind]:
-    """The built-in table, extended by a YAML file of {KIND: {memory_gib, peak_tflops: {bf16: ...}, ...}}."""
-    kinds = dict(DEVICE_KINDS)
-    if not path:
-        return kinds
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"--device-kinds {path}: cannot read it as YAML ({e}).") from None
-    fields = set(DeviceKind.__dataclass_fields__)
-    for name, entry in data.items():
-        if not isinstance(entry, dict) or set(entry) - fields:
-            raise ConfigError(f"--device-kinds {path}: kind {name!r} must be a mapping of "
-                              f"{', '.join(sorted(fields))}; got {entry!r}.")
-        base = kinds.get(str(name).upper())
-        try:
-            kinds[str(name).upper()] = replace(base, **entry) if base else DeviceKind(**entry)
-        except TypeError as e:
-            raise ConfigError(f"--device-kinds {path}: kind {name!r}: {e} (memory_gib and peak_tflops are "
-                              f"needed for a new kind).") from None
-    return kinds
-
-
-def parse_cluster(text: str, kinds: dict[str, DeviceKind]) -> tuple[int, str, DeviceKind]:
-    m = _CLUSTER.match(text.strip())
-    names = ", ".join(kinds)
-    if not m or int(m.group(1)) < 1:
-        raise ConfigError(f"--cluster {text!r}: expected COUNTxKIND such as 32xH100 (kinds: {names}).")
-    count, name = int(m.group(1)), m.group(2).upper()
-    if name not in kinds:
-        raise ConfigError(f"--cluster {text!r}: unknown device kind {m.group(2)!r}; known kinds: {names} "
-                          f"(add one with --device-kinds FILE.yaml).")
-    kind = kinds[name]
-    if count > kind.node_size and count % kind.node_size:
-        raise ConfigError(f"--cluster {text!r}: {count} devices are not whole nodes of {kind.node_size} {name}.")
-    return count, name, kind
 
 
 @dataclass
@@ -157,7 +94,9 @@ class Candidate:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (in about sqrt(n) steps: a cluster may be large)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 def _place(sizes: dict[str, int], node: int) -> tuple[dict[str, int], dict[str, int]] | None:
@@ -273,6 +212,8 @@ def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
 def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top: int = 5) -> dict[str, Any]:
     """Every layout of `cfg` on the cluster, estimated and ranked; the report `megajax plan` prints."""
     from megajax.train.state import build_model_spec
+    if top < 1:
+        raise ConfigError(f"--top {top}: must be >= 1 (the number of layouts to print).")
     kinds = load_device_kinds(device_kinds)
     devices, kind_name, kind = parse_cluster(cluster, kinds)
     node = min(kind.node_size, devices)
@@ -284,7 +225,7 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
     spec, _ = build_model_spec(base.cfg, base.padded_vocab)
     capacity = int(kind.memory_gib * GIB * HEADROOM)
     candidates: list[Candidate] = []
-    refused = 0
+    refusals: collections.Counter[str] = collections.Counter()  # the checks' messages, by how many layouts
     base.cfg.mesh = copy.deepcopy(cfg.mesh)  # the pins
     for sizes, parallel in _layouts(base.cfg, devices, node):
         placed = _place(sizes, node)
@@ -297,14 +238,16 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
                 c = _candidate_config(base.cfg, ici, dcn, parallel, recompute, micro)
                 try:
                     plan = plan_layout(c, base.tokenizer, ici, dcn)
-                except UserError:
-                    refused += 1
+                except UserError as e:
+                    refusals[str(e)] += 1
                     continue
                 mem = analytic.memory_estimate(plan, spec)
                 cand = Candidate(sizes=dict(plan.sizes), ici=ici, dcn=dcn, parallel=dict(parallel, recompute=recompute),
                                  micro_batch=plan.batch.micro_batch, memory=mem, fits=mem["total"] <= capacity)
                 cand.step_seconds, cand.parts, cand.mfu, cand.bubble = _step_time(plan, spec, kind, devices)
                 candidates.append(cand)
+    if not candidates:
+        raise _all_refused(cluster, devices, kind_name, node, pins, refusals)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (round(c.step_seconds, 6), -c.micro_batch,
                                                                        c.memory["total"]))
     smallest = sorted(candidates, key=lambda c: c.memory["total"])[:top]
@@ -316,12 +259,28 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
                 if using is not None:
                     alternatives[axis] = using
     return {"cluster": cluster, "devices": devices, "device_kind": kind_name, "kind": asdict(kind),
-            "capacity": capacity, "evaluated": len(candidates), "refused": refused,
+            "capacity": capacity, "evaluated": len(candidates), "refused": sum(refusals.values()),
             "model": {"parameters": sum(math.prod(x.shape) for x in _leaves(spec.abstract_params)),
                       "global_batch": base.cfg.train.global_batch, "seq_len": base.cfg.train.seq_len,
                       "precision": base.cfg.train.precision},
             "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins,
             "alternatives": alternatives}
+
+
+def _all_refused(cluster: str, devices: int, kind: str, node: int, pins: dict[str, int],
+                 refusals: collections.Counter) -> MeshError:
+    """Why no layout was estimated: the sizes the config pins fit none, or the checks `megajax train` runs
+    refused every one (the two most frequent reasons, with how many layouts each refused)."""
+    if not refusals:
+        kept = " ".join(f"mesh.{a}={n}" for a, n in pins.items())
+        return MeshError(f"--cluster {cluster}: no layout of {devices} {kind} has {kept} (the mesh sizes the config "
+                         f"sets are kept): each size must divide {devices}, and tensor parallelism stays inside a "
+                         f"node of {node}. Change or remove those keys to let the plan choose.")
+    reasons = "; ".join(f"{n} of them: {text.rstrip('. ')}" for text, n in refusals.most_common(2))
+    more = len(refusals) - 2
+    return MeshError(f"--cluster {cluster}: the checks megajax train runs refuse every layout of {devices} {kind} "
+                     f"({sum(refusals.values())} with their recompute and micro batch choices), so there is "
+                     f"nothing to estimate; {reasons}" + (f"; and {more} other reasons" if more > 0 else "") + ".")
 
 
 # The parallelisms the report explains when the best layout leaves them out.

@@ -50,9 +50,12 @@ class RunDirLock:
     def acquire(self) -> str | None:
         absolute = self.run_dir.absolute()
         self._created = [d for d in (absolute, *absolute.parents) if not d.exists()]
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise self._unusable(e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
@@ -77,6 +80,18 @@ class RunDirLock:
             return (f"megajax: note: took over {self.path}: its holder ({_holder_text(previous)}) ended "
                     f"without releasing it (killed or crashed); no other run uses the directory now.")
         return None
+
+    def _unusable(self, e: OSError) -> UserError:
+        """The run directory cannot be made or written: a file there or on its path, a read-only place."""
+        if isinstance(e, (FileExistsError, NotADirectoryError)):
+            where = next((p for p in (self.run_dir, *self.run_dir.parents) if p.exists() and not p.is_dir()),
+                         self.run_dir)
+            why = ("it is a file, not a directory" if where == self.run_dir else
+                   f"{str(where)!r} is a file, where a directory of the path belongs")
+        else:
+            why = f"{e.strerror or e} ({e.filename})" if e.filename else str(e.strerror or e)
+        return UserError(f"train.run_dir {str(self.run_dir)!r}: cannot use it as the run directory: {why}. "
+                         f"Set train.run_dir to a directory this user can write (it is made if missing).")
 
     def _in_use(self, info: dict) -> RunDirInUse:
         command = f"; command: {info['command']}" if info.get("command") else ""

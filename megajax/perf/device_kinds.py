@@ -1,0 +1,138 @@
+"""The device kinds `megajax plan` estimates for: figures per kind, `--device-kinds FILE.yaml`, `--cluster NxKIND`.
+
+    load_device_kinds(path) -> {KIND: DeviceKind}   the built-in table, extended or overridden by the file
+    parse_cluster(text, kinds) -> (count, KIND, DeviceKind)
+
+The file is a mapping of kind name to the fields of `DeviceKind`; each field is checked for its
+type and range here (a ConfigError naming the file, the kind, the field, the value and what is
+accepted), so that the estimate never meets a figure it cannot use.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import yaml
+
+from megajax.errors import ConfigError
+from megajax.train.flops import PEAK_TFLOPS
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """A device kind's figures: memory, dense peak TFLOP/s by precision, devices per node, and the
+    per-device bandwidth (GB/s, one direction) inside a node and across nodes."""
+    memory_gib: float
+    peak_tflops: dict[str, float]
+    node_size: int = 8
+    intra_node_gbps: float = 450.0
+    inter_node_gbps: float = 50.0
+    efficiency: float = 0.5  # share of the peak the model's matmuls reach in a step
+    link_efficiency: float = 0.7  # share of the links' bandwidth collectives reach
+
+
+# Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
+# (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways).
+DEVICE_KINDS: dict[str, DeviceKind] = {
+    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0),
+    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0),
+    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0),
+    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4),
+}
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the keys of a peak_tflops mapping
+MAX_DEVICES = 2**20  # a --cluster count beyond any machine room (the plan enumerates the count's divisors)
+_NAME = re.compile(r"^[A-Za-z0-9]+$")
+_CLUSTER = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
+# Each number field: (test, what is accepted).
+_RANGES = {
+    "memory_gib": (lambda v: v > 0, "a number of GiB > 0"),
+    "node_size": (lambda v: isinstance(v, int) and v >= 1, "a whole number of devices >= 1"),
+    "intra_node_gbps": (lambda v: v > 0, "a bandwidth in GB/s > 0"),
+    "inter_node_gbps": (lambda v: v > 0, "a bandwidth in GB/s > 0"),
+    "efficiency": (lambda v: 0 < v <= 1, "a share of the peak in (0, 1], e.g. 0.5"),
+    "link_efficiency": (lambda v: 0 < v <= 1, "a share of the links' bandwidth in (0, 1], e.g. 0.7"),
+}
+_PEAK = ("a number of TFLOP/s > 0 (the one peak for every precision), or a mapping of precision "
+         f"({', '.join(PRECISIONS)}) to TFLOP/s > 0 that holds bf16 (the peak of the precisions it leaves out)")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _peak(where: str, value) -> dict[str, float]:
+    """peak_tflops as the per-precision mapping (a plain number: the same peak for every precision)."""
+    if _number(value) and value > 0:
+        return {p: float(value) for p in PRECISIONS}
+    ok = (isinstance(value, dict) and "bf16" in value and set(value) <= set(PRECISIONS)
+          and all(_number(v) and v > 0 for v in value.values()))
+    if not ok:
+        raise ConfigError(f"{where}: peak_tflops = {value!r}: expected {_PEAK}.")
+    return {p: float(v) for p, v in value.items()}
+
+
+def _checked(where: str, entry: dict) -> dict:
+    """The entry's fields checked for type and range (ConfigError naming the field, the value and what is accepted)."""
+    out = {}
+    for key, value in entry.items():
+        if key == "peak_tflops":
+            out[key] = _peak(where, value)
+            continue
+        test, accepted = _RANGES[key]
+        if not _number(value) or not test(value):
+            raise ConfigError(f"{where}: {key} = {value!r}: expected {accepted}.")
+        out[key] = value
+    return out
+
+
+def load_device_kinds(path: str | None) -> dict[str, DeviceKind]:
+    """The built-in table, extended by a YAML file of {KIND: {memory_gib, peak_tflops: {bf16: ...}, ...}}."""
+    kinds = dict(DEVICE_KINDS)
+    if not path:
+        return kinds
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--device-kinds {path}: cannot read it as YAML ({e}).") from None
+    names = {f.name for f in fields(DeviceKind)}
+    example = "GB200: {memory_gib: 186, peak_tflops: {bf16: 2500}, node_size: 4}"
+    if not isinstance(data, dict) or not data:
+        got = "the file is empty" if not data else f"got {type(data).__name__} {str(data)[:80]!r}"
+        raise ConfigError(f"--device-kinds {path}: expected a mapping of kind name to its figures, e.g. {example}; "
+                          f"{got}.")
+    for name, entry in data.items():
+        if not isinstance(entry, dict) or set(entry) - names:
+            raise ConfigError(f"--device-kinds {path}: kind {name!r} must be a mapping of "
+                              f"{', '.join(sorted(names))}; got {entry!r}.")
+        if not _NAME.match(str(name)):
+            raise ConfigError(f"--device-kinds {path}: kind name {name!r}: letters and digits only (it is "
+                              f"written in --cluster COUNTxKIND), e.g. GB200.")
+        where = f"--device-kinds {path}, kind {name!r}"
+        entry = _checked(where, entry)
+        base = kinds.get(str(name).upper())
+        if base is None and not {"memory_gib", "peak_tflops"} <= set(entry):
+            missing = sorted({"memory_gib", "peak_tflops"} - set(entry))
+            raise ConfigError(f"{where}: a new kind needs memory_gib and peak_tflops; {' and '.join(missing)} "
+                              f"missing (known kinds, whose figures an entry changes: {', '.join(kinds)}).")
+        kinds[str(name).upper()] = replace(base, **entry) if base else DeviceKind(**entry)
+    return kinds
+
+
+def parse_cluster(text: str, kinds: dict[str, DeviceKind]) -> tuple[int, str, DeviceKind]:
+    m = _CLUSTER.match(text.strip())
+    names = ", ".join(kinds)
+    if not m or not 1 <= int(m.group(1)) <= MAX_DEVICES:
+        raise ConfigError(f"--cluster {text!r}: expected COUNTxKIND such as 32xH100, COUNT in 1..{MAX_DEVICES} "
+                          f"(kinds: {names}).")
+    count, name = int(m.group(1)), m.group(2).upper()
+    if name not in kinds:
+        raise ConfigError(f"--cluster {text!r}: unknown device kind {m.group(2)!r}; known kinds: {names} "
+                          f"(add one with --device-kinds FILE.yaml).")
+    kind = kinds[name]
+    if count > kind.node_size and count % kind.node_size:
+        raise ConfigError(f"--cluster {text!r}: {count} devices are not whole nodes of {kind.node_size} {name}.")
+    return count, name, kind
