@@ -58,7 +58,7 @@ FAMILY_DEFAULTS = {
 @dataclass
 class ModelConfig:
     family: Literal["gpt", "llama"] = "llama"
-    num_layers: int = 4
+    num_layers: int | None = None  # None: hybrid_layer_pattern's layer count, else 4
     hidden_size: int = 256
     num_heads: int = 4
     num_kv_heads: int | None = None  # None: = num_heads (no grouped-query attention)
@@ -72,8 +72,11 @@ class ModelConfig:
     max_position_embeddings: int | None = None  # None: train.seq_len
     # None: the family's default (FAMILY_DEFAULTS).
     norm: Literal["layernorm", "rmsnorm"] | None = None
-    activation: Literal["gelu", "swiglu"] | None = None
-    position_embedding: Literal["learned", "rope"] | None = None
+    # squared_relu: relu(x)^2 of one projection (Megatron's --squared-relu; Nemotron-H's MLPs).
+    activation: Literal["gelu", "swiglu", "squared_relu"] | None = None
+    # none: no position information but the causal order (Megatron's position_embedding_type=none: the
+    # attention layers of a Nemotron-H hybrid, whose Mamba layers carry the order).
+    position_embedding: Literal["learned", "rope", "none"] | None = None
     use_bias: bool | None = None
     tie_embeddings: bool | None = None
     norm_eps: float = 1e-5
@@ -154,8 +157,36 @@ class ModelConfig:
     # The kind of the depths' block: auto (the last decoder layer's kind, as Megatron-LM's training
     # script builds it: a mixture of experts for DeepSeek-V3), dense or moe.
     mtp_block: Literal["auto", "dense", "moe"] = "auto"
+    # Hybrid models (Megatron-Core's hybrid model, Nemotron-H): one character per layer in Megatron's
+    # syntax, M a Mamba-2 mixer, * attention, - an MLP, E a mixture of experts, | a pipeline-stage
+    # boundary (megajax/models/mamba.py); each layer is a norm and that one mixer with its residual.
+    # None: every layer is attention then MLP (a transformer).
+    hybrid_layer_pattern: str | None = None
+    # The Mamba-2 mixers (Megatron's names): state size N per group, head dim P, B/C groups, heads
+    # (None: 2 x hidden_size / mamba_head_dim, Mamba's expand 2), the SSD's chunk length.
+    mamba_state_dim: int = 128
+    mamba_head_dim: int = 64
+    mamba_num_groups: int = 8
+    mamba_num_heads: int | None = None
+    mamba_chunk_size: int = 128
+    mamba_conv_kernel: int = 4  # the causal depthwise conv's width (Mamba's d_conv)
+    # dt = softplus(dt_proj + dt_bias) clamped to [time_step_min, time_step_max] (Mamba-2's time_step_limit;
+    # None: no upper limit); dt_bias is initialised from dt drawn log-uniformly in [dt_min, dt_max].
+    mamba_time_step_min: float = 0.0
+    mamba_time_step_max: float | None = None
+    mamba_dt_min: float = 0.001
+    mamba_dt_max: float = 0.1
 
     def resolve(self, seq_len: int) -> None:
+        if self.num_layers is None:
+            self.num_layers = len(self.hybrid_pattern()) if self.hybrid_layer_pattern else 4
+        if self.hybrid_layer_pattern and self.mamba_num_heads is None and "M" in self.hybrid_layer_pattern:
+            if (2 * self.hidden_size) % self.mamba_head_dim:
+                raise ConfigError(
+                    f"model.mamba_head_dim={self.mamba_head_dim} does not divide 2 x model.hidden_size="
+                    f"{2 * self.hidden_size} (the Mamba mixers' inner size); set model.mamba_num_heads explicitly "
+                    f"or change one of them.")
+            self.mamba_num_heads = 2 * self.hidden_size // self.mamba_head_dim
         for key, value in FAMILY_DEFAULTS[self.family].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
@@ -172,8 +203,25 @@ class ModelConfig:
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
 
+    def hybrid_pattern(self) -> str:
+        """hybrid_layer_pattern without its stage boundaries: one character per layer ('' when unset)."""
+        return (self.hybrid_layer_pattern or "").replace("|", "")
+
+    def hybrid_group(self) -> str:
+        """The shortest run of layers the hybrid pattern repeats (the whole pattern when it does not
+        repeat): the unit its layers are stacked and scanned in, and split over pipeline stages."""
+        pattern = self.hybrid_pattern()
+        n = len(pattern)
+        return next(pattern[:p] for p in range(1, n + 1) if n % p == 0 and pattern[:p] * (n // p) == pattern)
+
+    def mamba_inner_size(self) -> int:
+        """A Mamba mixer's inner width (Megatron's d_inner): heads x head dim."""
+        return (self.mamba_num_heads or 0) * self.mamba_head_dim
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether model layer `layer` (from 0) has a mixture of experts (Megatron's pattern)."""
+        if self.hybrid_layer_pattern:
+            return bool(self.num_experts) and self.hybrid_pattern()[layer] == "E"
         if isinstance(self.moe_layer_freq, list):
             return bool(self.num_experts) and bool(self.moe_layer_freq[layer])
         return bool(self.num_experts) and layer % self.moe_layer_freq == 0
@@ -733,6 +781,7 @@ def validate(cfg: Config) -> None:
     validate_moe(cfg)
     validate_mla(cfg)
     validate_mtp(cfg)
+    validate_hybrid(cfg)
     validate_yarn(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
@@ -855,6 +904,65 @@ def validate_mtp(cfg: Config) -> None:
     if m.mtp_block == "moe" and not m.num_experts:
         raise ConfigError("model.mtp_block = 'moe' needs a mixture-of-experts model (model.num_experts > 0); "
                           "use auto or dense.")
+
+
+HYBRID_SYMBOLS = {"M": "a Mamba-2 mixer", "*": "attention", "-": "an MLP", "E": "a mixture of experts",
+                  "|": "a pipeline-stage boundary"}
+
+
+def validate_hybrid(cfg: Config) -> None:
+    """hybrid_layer_pattern (Megatron's syntax) and the Mamba mixers' sizes."""
+    m = cfg.model
+    pattern = m.hybrid_layer_pattern
+    if pattern is None:
+        return
+    accepted = ", ".join(f"{k} {v}" for k, v in HYBRID_SYMBOLS.items())
+    bad = sorted(set(pattern) - set(HYBRID_SYMBOLS))
+    if not m.hybrid_pattern() or bad:
+        raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r}: "
+                          + (f"unknown symbol(s) {', '.join(map(repr, bad))}; " if bad else "no layer; ")
+                          + f"one character per layer, accepted: {accepted} (e.g. 'M*M-ME').")
+    if m.num_layers != len(m.hybrid_pattern()):
+        raise ConfigError(f"model.num_layers = {m.num_layers} contradicts model.hybrid_layer_pattern = {pattern!r}, "
+                          f"which has {len(m.hybrid_pattern())} layers; leave num_layers unset (the pattern gives it) "
+                          f"or make them agree.")
+    segments = pattern.split("|")
+    if "|" in pattern and (len(set(segments)) != 1):
+        raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r}: its pipeline stages {segments} differ; every "
+                          f"stage runs the same program over its share of the stacked layers, so the stages' "
+                          f"patterns must be equal (e.g. 'M*-E|M*-E'), or leave the '|' out and let the layers "
+                          f"split evenly.")
+    if "E" in pattern and not m.num_experts:
+        raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r} has mixture-of-experts layers (E) and "
+                          f"model.num_experts = 0; set num_experts (and moe_router_topk).")
+    if m.num_experts and "E" not in pattern:
+        raise ConfigError(f"model.num_experts = {m.num_experts} with model.hybrid_layer_pattern = {pattern!r}, which "
+                          f"has no mixture-of-experts layer (E): a hybrid's pattern places its experts; add E "
+                          f"layers or set num_experts=0.")
+    if m.moe_layer_freq != 1:
+        raise ConfigError(f"model.moe_layer_freq = {m.moe_layer_freq} with model.hybrid_layer_pattern = {pattern!r}: "
+                          f"a hybrid's pattern places its MoE layers (E); leave moe_layer_freq at 1.")
+    for key, why in (("multi_latent_attention", "multi-latent attention"), ("mtp_num_layers", "multi-token prediction")):
+        if getattr(m, key):
+            raise ConfigError(f"model.{key} = {getattr(m, key)} with model.hybrid_layer_pattern = {pattern!r}: "
+                              f"{why} is not part of the hybrid models yet; set it off.")
+    if "M" not in pattern:
+        return
+    for key in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size",
+                "mamba_conv_kernel", "mamba_dt_min", "mamba_dt_max"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.mamba_num_heads % m.mamba_num_groups:
+        ok = [g for g in range(1, m.mamba_num_heads + 1) if m.mamba_num_heads % g == 0]
+        raise ConfigError(f"model.mamba_num_groups = {m.mamba_num_groups} does not divide model.mamba_num_heads = "
+                          f"{m.mamba_num_heads} (each group's B and C serve whole heads); accepted: "
+                          f"{', '.join(map(str, ok))}.")
+    top = math.inf if m.mamba_time_step_max is None else m.mamba_time_step_max
+    if not 0.0 <= m.mamba_time_step_min < top:
+        raise ConfigError(f"model.mamba_time_step_min = {m.mamba_time_step_min} and model.mamba_time_step_max = "
+                          f"{m.mamba_time_step_max}: the time step is clamped to [min, max], 0 <= min < max "
+                          f"(max may be null: no limit).")
+    if m.mamba_dt_min > m.mamba_dt_max:
+        raise ConfigError(f"model.mamba_dt_min = {m.mamba_dt_min} is above model.mamba_dt_max = {m.mamba_dt_max}.")
 
 
 def validate_yarn(cfg: Config) -> None:

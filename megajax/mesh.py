@@ -156,6 +156,9 @@ def model_dims(cfg: Config) -> dict[str, list[tuple[str, int]]]:
                         ("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)]
     if m.vocab_size is not None:
         dims["vocab"] = [("model.vocab_size", m.padded_vocab_size())]
+    if "M" in m.hybrid_pattern():  # the Mamba mixers' heads and B/C groups
+        dims["heads"].append(("model.mamba_num_heads", m.mamba_num_heads))
+        dims["ssm_groups"] = [("model.mamba_num_groups", m.mamba_num_groups)]
     return dims
 
 
@@ -200,6 +203,11 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
                         f"{2 * c}. Context sizes that work for this seq_len and the {devices} devices: "
                         f"{', '.join(map(str, ok)) or 'none'}; or train.seq_len="
                         f"{' or train.seq_len='.join(map(str, lengths))}.")
+    heads = cfg.model.mamba_num_heads
+    if c > 1 and "M" in cfg.model.hybrid_pattern() and heads % (tp * c):
+        raise MeshError(f"model.mamba_num_heads={heads} is not divisible by mesh.tensor x mesh.context = {tp * c}: "
+                        f"under context parallelism a Mamba layer's conv and scan run on whole sequences of "
+                        f"1 / context of each tensor shard's heads; change the mesh or model.mamba_num_heads.")
     if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
         raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
                         f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
@@ -225,8 +233,9 @@ class ShardingRules:
 
 def make_rules(cfg: Config) -> ShardingRules:
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
-                   "mlp": ("tensor",)}
+                   "mlp": ("tensor",), "ssm_groups": ("tensor",)}
     params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
+              "ssm_state": (), "conv": (),
               "experts": ("expert",), "expert_scores": (), "stage": ("pipeline",)}
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         params["layers"] = ("pipeline",)
@@ -242,6 +251,8 @@ def make_rules(cfg: Config) -> ShardingRules:
         "residual_length": ("context", "tensor") if cfg.parallel.sequence_parallel else ("context",),
         "embed": (),
         "head_dim": (),
+        "ssm_state": (),
+        "conv": (),
         "layers": (),  # the KV cache's leading dim (generation)
         "cache_length": (),  # the KV cache's slots: every device holds all of its sequences' slots
     }

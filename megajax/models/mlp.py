@@ -1,4 +1,4 @@
-"""Feed-forward blocks: GELU MLP (GPT) and SwiGLU (Llama).
+"""Feed-forward blocks: GELU MLP (GPT), SwiGLU (Llama) and squared ReLU (Nemotron-H).
 
 Tensor parallelism follows from the weight layouts: fc1/gate/up are
 [embed, mlp] (column-parallel), fc2 is [mlp, embed] (row-parallel).
@@ -24,7 +24,7 @@ class MLP(nnx.Module):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         common = dict(use_bias=cfg.use_bias, dtype=dtype, rngs=rngs)
         col = dict(common, dot_general=ops.column, init_std=cfg.init_std)
-        self.swiglu = cfg.activation == "swiglu"
+        self.swiglu, self.activation = cfg.activation == "swiglu", cfg.activation
         if self.swiglu:
             self.gate = Dense(h, f, axes=("embed", "mlp"), **col)
             self.up = Dense(h, f, axes=("embed", "mlp"), **col)
@@ -49,6 +49,8 @@ class MLP(nnx.Module):
         if self.swiglu:
             gate, up = self.gate_up(x_BxLxD) if fused else (self.gate(x_BxLxD), self.up(x_BxLxD))
             hidden = jax.nn.silu(gate) * up
+        elif self.activation == "squared_relu":
+            hidden = jnp.square(jax.nn.relu(self.fc1(x_BxLxD)))
         else:
             hidden = jax.nn.gelu(self.fc1(x_BxLxD), approximate=False)
         hidden = logical_constraint(hidden, ACT_MLP)

@@ -45,7 +45,7 @@ from megajax.mesh import alike, like
 from megajax.models.layers import LinearOps, normal_init, softmax, softmax_lse
 from megajax.models.mlp import MLP
 
-EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2")}
+EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2"), "squared_relu": ("fc1", "fc2")}
 # The expert kernels' logical axes: [E, D, F] in, [E, F, D] out.
 EXPERT_KERNEL_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
                       "fc1": ("experts", "embed", "mlp"), "fc2": ("experts", "mlp", "embed")}
@@ -75,10 +75,8 @@ def expert_ffn(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, activa
             return products[name].grouped(a, w, group_sizes_G)
         return jax.lax.ragged_dot(a, w, group_sizes_G)
 
-    if activation == "swiglu":
-        hidden = jax.nn.silu(grouped(x_MxD, kernels["gate"], "gate")) * grouped(x_MxD, kernels["up"], "up")
-    else:
-        hidden = jax.nn.gelu(grouped(x_MxD, kernels["fc1"], "fc1"), approximate=False)
+    first = EXPERT_KERNELS[activation][:-1]
+    hidden = _hidden({name: grouped(x_MxD, kernels[name], name) for name in first}, activation)
     return grouped(hidden, kernels["fc2"], "fc2")
 
 
@@ -125,6 +123,8 @@ def _hidden(pre: dict, activation: str) -> jax.Array:
     """An expert MLP's hidden activations from its first products (gate and up, or fc1)."""
     if activation == "swiglu":
         return jax.nn.silu(pre["gate"]) * pre["up"]
+    if activation == "squared_relu":
+        return jnp.square(jax.nn.relu(pre["fc1"]))
     return jax.nn.gelu(pre["fc1"], approximate=False)
 
 
@@ -322,10 +322,8 @@ def expert_ffn_buffers(x_GxCxD: jax.Array, kernels: dict, activation: str, produ
             return products[name].batched(a, w)
         return jnp.einsum("gcd,gdf->gcf", a, w)
 
-    if activation == "swiglu":
-        hidden = jax.nn.silu(product(x_GxCxD, kernels["gate"], "gate")) * product(x_GxCxD, kernels["up"], "up")
-    else:
-        hidden = jax.nn.gelu(product(x_GxCxD, kernels["fc1"], "fc1"), approximate=False)
+    first = EXPERT_KERNELS[activation][:-1]
+    hidden = _hidden({name: product(x_GxCxD, kernels[name], name) for name in first}, activation)
     return product(hidden, kernels["fc2"], "fc2")
 
 

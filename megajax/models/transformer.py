@@ -9,6 +9,12 @@ parameters are stacked on a leading `layers` dim and applied with
 A mixture-of-experts model with model.moe_layer_freq = F > 1 (layer i is MoE when i % F == 0)
 holds two stacks: `layers`, its N / F MoE blocks, and `dense_layers`, the N - N / F dense ones,
 in model order. It scans over the N / F groups of one MoE block followed by F - 1 dense blocks.
+
+A hybrid model (model.hybrid_layer_pattern, Megatron's M * - E syntax) has one-mixer layers instead of
+blocks (HybridLayer: a norm, then a Mamba-2 mixer, attention, an MLP or a mixture of experts, with its
+residual). The pattern's shortest repeating run of layers (model.hybrid_group(): 'M*M-ME' repeated, or
+the whole pattern) is one HybridGroup, and `layers` stacks the groups: the scan, the pipeline stages
+and the layouts see groups where a transformer has blocks.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from megajax.mesh import logical_constraint
 from megajax.models.attention import ACT_CACHE, ACT_POOL, Attention, make_attention_core
 from megajax.models.layers import (Dense, Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
+from megajax.models.mamba import Mamba2Mixer
 from megajax.models.mla import LATENT_CACHE, LATENT_POOL, MultiLatentAttention
 from megajax.models.mlp import MLP
 from megajax.models.moe import MoE
@@ -95,6 +102,65 @@ class MTPLayer(nnx.Module):
         self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
 
 
+HYBRID_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+class HybridLayer(nnx.Module):
+    """One layer of a hybrid model: x + mixer(norm(x)), the mixer one of a Mamba-2 mixer (M),
+    attention (*), an MLP (-) or a mixture of experts (E) (Megatron-Core's hybrid layers)."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, *, dtype, attention_core: Callable, ops: LinearOps,
+                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None, sequence_mixer: Callable | None = None):
+        self.kind = HYBRID_KINDS[kind]
+        self.norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
+        if kind == "M":
+            self.mixer = Mamba2Mixer(cfg, dtype=dtype, ops=ops, rngs=rngs, sequence_mixer=sequence_mixer)
+        elif kind == "*":
+            self.mixer = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
+        elif kind == "-":
+            self.mixer = MLP(cfg, dtype=dtype, ops=ops, rngs=rngs)
+        else:
+            self.mixer = MoE(cfg, dtype=dtype, dispatch=expert_dispatch, rngs=rngs, ops=ops)
+        self.hidden_dropout = cfg.hidden_dropout
+
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng, expert_bias_E=None):
+        """(x [B, L, D], RouterStats of a MoE layer or None)."""
+        rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None] * 2
+        h, stats = self.norm(x_BxLxD), None
+        if self.kind == "attention":
+            h = self.mixer(h, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, inv_freq=inv_freq,
+                           dropout_rng=rngs[0])
+        elif self.kind == "moe":
+            h, stats = self.mixer.forward(h, expert_bias_E)
+        else:
+            h = self.mixer(h)
+        return logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1], RESIDUAL), RESIDUAL), stats
+
+
+class HybridGroup(nnx.Module):
+    """A run of hybrid layers (`pattern`, e.g. 'M*M-ME'), attributes layer0, layer1, ...: the unit a
+    hybrid model stacks and scans, as a transformer stacks Blocks."""
+
+    def __init__(self, cfg: ModelConfig, pattern: str, **kwargs):
+        self.pattern = pattern
+        for j, kind in enumerate(pattern):
+            setattr(self, f"layer{j}", HybridLayer(cfg, kind, **kwargs))
+
+    def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng, expert_bias_E=None):
+        """(x, the MoE layers' RouterStats stacked [MoE layers of the group] or None). `expert_bias_E`
+        [the group's MoE layers, E] or None; layer j's dropout key is `dropout_rng` folded with j."""
+        stats, e = [], 0
+        for j, kind in enumerate(self.pattern):
+            rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, j)
+            bias = expert_bias_E[e] if kind == "E" and expert_bias_E is not None else None
+            x_BxLxD, s = getattr(self, f"layer{j}")(x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                                     inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
+            if kind == "E":
+                stats.append(s)
+                e += 1
+        return x_BxLxD, (jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else None)
+
+
 def _add_layers_axis(module: nnx.Module, name: str = "layers") -> None:
     """Stacked parameters get a leading logical axis: `layers` (split over `pipeline` by its
     stages), or `stack` for the stacks every pipeline stage holds whole (a dense-first model's
@@ -113,13 +179,15 @@ class Transformer(nnx.Module):
     (default: model.attention_impl on one device); `expert_dispatch` the injected MoE token
     dispatch (default: all experts on this device, megajax/models/moe.py); `sequence_shift` the
     injected shift along the sequence of multi-token prediction (default shift_left; context
-    parallelism's reordered sequences need their own); `recompute` is none | selective | full.
+    parallelism's reordered sequences need their own); `sequence_mixer` the injected run of a Mamba
+    mixer's conv and scan over the whole sequence (context parallelism's all-to-all; default: as is);
+    `recompute` is none | selective | full.
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
                  recompute: str = "none", ops: LinearOps = LinearOps(), attention_core: Callable | None = None,
                  expert_dispatch: Callable | None = None, sequence_shift: Callable | None = None,
-                 rngs: nnx.Rngs):
+                 sequence_mixer: Callable | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.sequence_shift = sequence_shift or shift_left
         vocab = padded_vocab_size or cfg.padded_vocab_size()
@@ -137,6 +205,9 @@ class Transformer(nnx.Module):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=count)
             def make(rngs):
+                if cfg.hybrid_layer_pattern:
+                    return HybridGroup(cfg, cfg.hybrid_group(), dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
+                                       expert_dispatch=expert_dispatch, sequence_mixer=sequence_mixer)
                 return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
                              expert_dispatch=expert_dispatch, moe=moe)
             blocks = make(rngs)
@@ -145,7 +216,10 @@ class Transformer(nnx.Module):
 
         self.interleaved = cfg.interleaves_dense_layers()
         self.dense_first = cfg.dense_first_layers()
-        if self.dense_first:  # moe_layer_freq's list form: the dense layers, then the MoE ones
+        self.hybrid = bool(cfg.hybrid_layer_pattern)
+        if self.hybrid:  # the groups of the layer pattern
+            self.layers = make_blocks(cfg.num_layers // len(cfg.hybrid_group()), False)
+        elif self.dense_first:  # moe_layer_freq's list form: the dense layers, then the MoE ones
             self.dense_layers = make_blocks(self.dense_first, False, "stack")
             self.layers = make_blocks(cfg.num_layers - self.dense_first, True)
         elif self.interleaved:
@@ -287,8 +361,14 @@ class Transformer(nnx.Module):
 
         if self.recompute == "full":
             body = jax.checkpoint(body, prevent_cse=False)
-        return jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count), expert_bias),
-                            unroll=1 if self.cfg.scan_layers else True)
+        per_group = self.cfg.hybrid_group().count("E") if self.hybrid else 0
+        if per_group and expert_bias is not None:  # a hybrid group's MoE layers: [groups, per group, E]
+            expert_bias = expert_bias.reshape((count, per_group) + expert_bias.shape[1:])
+        x, stats = jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count), expert_bias),
+                                unroll=1 if self.cfg.scan_layers else True)
+        if per_group and stats is not None:
+            stats = jax.tree.map(lambda a: a.reshape((count * per_group,) + a.shape[2:]), stats)
+        return x, stats
 
     def _grouped_stack(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
         """layer_stack of a model whose MoE layers alternate with dense ones (moe_layer_freq F > 1):

@@ -319,3 +319,56 @@ def sequence_shift(mesh: Mesh | None, rules: Rules | None) -> Callable:
         return shard_map_fn(local, mesh, (spec,), spec)(x)
 
     return shift
+
+
+def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
+    """The sequence mixing of a Mamba mixer (conv and scan, megajax.models.mamba.sequence_mix) under
+    context parallelism, as Megatron-Core runs it: the inputs arrive split over `context` by sequence
+    (load-balanced chunks) and over `tensor` by heads; an all-to-all over `context` turns the sequence
+    shards into head shards (each device: the whole sequence, in its natural order, for 1 / context of
+    its heads), the conv and scan run there, and the inverse all-to-all brings y back to sequence
+    shards in the load-balanced order. B and C are all-gathered over `context` (their groups are
+    few) and each device takes its heads' groups, so a shard holding fewer groups than the context
+    size needs no special case. None without context parallelism."""
+    from megajax.models.mamba import ACT_DT, ACT_GROUPS, ACT_HEADS
+    if mesh is None or rules is None:
+        return None
+    axis = context_axes(rules)
+    size = math.prod(mesh_sizes(mesh)[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+    if size == 1:
+        return None
+    x_spec, g_spec, dt_spec = (logical_to_spec(a, rules) for a in (ACT_HEADS, ACT_GROUPS, ACT_DT))
+    per_head = {"conv_x": ("heads", "head_dim", None), "conv_x_bias": ("heads", "head_dim"),
+                "dt_bias": ("heads",), "A_log": ("heads",), "D": ("heads",)}
+    per_group = {"conv_B": ("ssm_groups", "ssm_state", None), "conv_B_bias": ("ssm_groups", "ssm_state"),
+                 "conv_C": ("ssm_groups", "ssm_state", None), "conv_C_bias": ("ssm_groups", "ssm_state")}
+    w_specs = {k: logical_to_spec(v, rules) for k, v in {**per_head, **per_group}.items()}
+
+    def mixer(mix: Callable, xs, b, c, dt, w: dict):
+        def local(xs, b, c, dt, w):
+            n = xs.shape[1] * size
+            order = load_balanced_order(n, size)  # the natural position at each slot
+            natural, slots = jnp.asarray(np.argsort(order)), jnp.asarray(order)
+
+            def to_heads(a):  # [b, n / size, h, ...] -> [b, n, h / size, ...], natural order
+                return jnp.take(jax.lax.all_to_all(a, axis, 2, 1, tiled=True), natural, axis=1)
+
+            def whole(a):  # [b, n / size, ...] -> [b, n, ...], natural order
+                return jnp.take(jax.lax.all_gather(a, axis, axis=1, tiled=True), natural, axis=1)
+
+            h, g = xs.shape[2], b.shape[2]
+            if h % size:
+                raise ValueError(f"{h} heads per tensor shard do not split over context {size}")
+            count = h // size
+            heads = jax.lax.axis_index(axis) * count + jnp.arange(count)
+            groups = heads // (h // g)  # each of this device's heads' group
+            mine = {k: jnp.take(w[k], heads, axis=0) for k in per_head}
+            mine |= {k: jnp.take(w[k], groups, axis=0) for k in per_group}
+            y = mix(to_heads(xs), jnp.take(whole(b), groups, axis=2), jnp.take(whole(c), groups, axis=2),
+                    to_heads(dt), mine)
+            return jax.lax.all_to_all(jnp.take(y, slots, axis=1), axis, 1, 2, tiled=True)
+
+        return shard_map_fn(local, mesh, (x_spec, g_spec, g_spec, dt_spec, w_specs), x_spec,
+                            check_vma=False)(xs, b, c, dt, w)
+
+    return mixer

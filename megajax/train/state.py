@@ -32,7 +32,7 @@ from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.models.transformer import shift_left
-from megajax.parallel.context import context_parallel_attention, sequence_shift, sharded_attention
+from megajax.parallel.context import context_parallel_attention, mamba_context, sequence_shift, sharded_attention
 from megajax.parallel import experts
 from megajax.parallel.tensor import tensor_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
@@ -137,11 +137,13 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     core = attention_core(cfg, mesh, rules)
     dispatch = expert_dispatch(cfg, mesh, rules)
     shift = sequence_shift(mesh, None if rules is None else rules.activations)
+    mixer = mamba_context(mesh, None if rules is None else rules.activations)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
-                           expert_dispatch=dispatch, sequence_shift=shift, rngs=nnx.Rngs(params=seed))
+                           expert_dispatch=dispatch, sequence_shift=shift, sequence_mixer=mixer,
+                           rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)

@@ -1,0 +1,201 @@
+"""The Mamba-2 mixer (SSD) of hybrid models (Megatron-Core's MambaMixer, Nemotron-H's mixer).
+
+    x [B, L, D] -> in_proj: z, x [heads, head_dim], B, C [groups, state], dt [heads]
+                -> causal depthwise conv (width model.mamba_conv_kernel, with bias) over x, B, C, then SiLU
+                -> dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log)
+                -> y = SSD(x, dt, A, B, C) + D x                  (state per head [head_dim, state])
+                -> RMSNorm(y * SiLU(z)) over each group's heads (norm after the gate), x weight
+                -> out_proj -> [B, L, D]
+
+Each part of in_proj is its own column-parallel product and its own parameter (`z`, `x`, `B`, `C`,
+`dt`), so tensor parallelism splits each part by heads or groups as Megatron splits its fused
+in_proj part by part; the conv, `A_log`, `D`, `dt_bias` and the norm weight are split by heads (the
+conv of B and C by groups), the grouped norm needs no communication (a group's heads are on one
+shard: model.mamba_num_groups must divide over mesh.tensor), and `out` is row-parallel. Parameter
+logical axes: `heads`, `head_dim`, `ssm_groups`, `ssm_state`, `conv`.
+
+Context parallelism (the sequence split over mesh.context) turns sequence shards into head shards
+around the conv and the scan (`sequence_mixer`, injected: megajax/parallel/context.py); on one
+device it is the identity.
+
+The decode state of a layer (generation) is its conv window, the last conv_kernel - 1 inputs of the
+conv [B, conv_kernel - 1, channels] per part, and the SSM state [B, heads, head_dim, state].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megajax.config import ModelConfig
+from megajax.mesh import logical_constraint
+from megajax.models.layers import Dense, LinearOps
+from pallas_kernels.ssd import ssd_chunked
+
+ACT_HEADS = ("batch", "length", "heads", "head_dim")
+ACT_GROUPS = ("batch", "length", "ssm_groups", "ssm_state")
+ACT_DT = ("batch", "length", "heads")
+
+
+class MambaState(NamedTuple):
+    """One Mamba layer's decode state: the conv windows of x [B, K-1, heads, head_dim], B and C
+    [B, K-1, groups, state] (the last K - 1 inputs, oldest first) and the SSM state
+    [B, heads, head_dim, state] (fp32)."""
+    conv_x: jax.Array
+    conv_B: jax.Array
+    conv_C: jax.Array
+    ssm: jax.Array
+
+
+def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: jax.Array | None = None):
+    """Depthwise causal conv along the sequence: out[t] = sum_k w[k] x[t + k - (K - 1)] + bias, the
+    channels any trailing dims of x (w [channels..., K], bias [channels...]); `window` [B, K-1, ...]:
+    the inputs before x (zeros when None). Returns (out in fp32, the last K - 1 inputs)."""
+    k = w_xK.shape[-1]
+    b, l = x_BxLx_.shape[:2]
+    if window is None:
+        window = jnp.zeros((b, k - 1) + x_BxLx_.shape[2:], x_BxLx_.dtype)
+    xp = jnp.concatenate([window.astype(x_BxLx_.dtype), x_BxLx_], axis=1).astype(jnp.float32)
+    w = jnp.moveaxis(w_xK.astype(jnp.float32), -1, 0)  # [K, channels...]
+    out = sum(xp[:, i:i + l] * w[i] for i in range(k)) + bias.astype(jnp.float32)
+    return out, xp[:, l:].astype(x_BxLx_.dtype)
+
+
+def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax.Array, groups: int,
+                     eps: float) -> jax.Array:
+    """RMSNorm(y * SiLU(z)) over each group's heads x head_dim (Mamba-2's gated norm, norm after the
+    gate, grouped by the B/C groups), times the weight; fp32."""
+    b, l, h, p = y_BxLxHxP.shape
+    g = y_BxLxHxP.astype(jnp.float32) * jax.nn.silu(z_BxLxHxP.astype(jnp.float32))
+    g = g.reshape(b, l, groups, h // groups * p)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g.reshape(b, l, h, p) * weight_HxP.astype(jnp.float32)
+
+
+def _uniform(key, shape, bound):
+    return jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+
+
+class Mamba2Mixer(nnx.Module):
+    """The Mamba-2 mixer: [B, L, D] -> [B, L, D]. `sequence_mixer(mix, x, B, C, dt, weights)` runs
+    mix (sequence_mix) over the whole sequence (context parallelism's all-to-all; None: call it as
+    is); `ssd` the chunked scan (pallas_kernels/ssd.py)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, ops: LinearOps, rngs: nnx.Rngs,
+                 sequence_mixer: Callable | None = None, ssd: Callable | None = None):
+        d, h, p = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim
+        g, n, k = cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.mamba_conv_kernel
+        col = dict(dtype=dtype, rngs=rngs, init_std=cfg.init_std, use_bias=False)
+        self.z = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"), **col)
+        self.x = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"), **col)
+        self.B = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.linear("column"), **col)
+        self.C = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.linear("column"), **col)
+        self.dt = Dense(d, h, axes=("embed", "heads"), dot_general=ops.linear("column"), **col)
+        bound = 1.0 / math.sqrt(k)  # PyTorch's conv1d default init (fan in = the kernel width)
+        self.conv_x = nnx.Param(_uniform(rngs.params(), (h, p, k), bound), axes=("heads", "head_dim", "conv"))
+        self.conv_x_bias = nnx.Param(_uniform(rngs.params(), (h, p), bound), axes=("heads", "head_dim"))
+        self.conv_B = nnx.Param(_uniform(rngs.params(), (g, n, k), bound), axes=("ssm_groups", "ssm_state", "conv"))
+        self.conv_B_bias = nnx.Param(_uniform(rngs.params(), (g, n), bound), axes=("ssm_groups", "ssm_state"))
+        self.conv_C = nnx.Param(_uniform(rngs.params(), (g, n, k), bound), axes=("ssm_groups", "ssm_state", "conv"))
+        self.conv_C_bias = nnx.Param(_uniform(rngs.params(), (g, n), bound), axes=("ssm_groups", "ssm_state"))
+        # dt drawn log-uniformly in [dt_min, dt_max] (floored at 1e-4), dt_bias its softplus inverse;
+        # A in [1, 16] as A_log; D = 1 (Mamba-2's initialisation).
+        u = jax.random.uniform(rngs.params(), (h,), jnp.float32)
+        dt0 = jnp.maximum(jnp.exp(u * (math.log(cfg.mamba_dt_max) - math.log(cfg.mamba_dt_min))
+                                  + math.log(cfg.mamba_dt_min)), 1e-4)
+        self.dt_bias = nnx.Param(dt0 + jnp.log(-jnp.expm1(-dt0)), axes=("heads",))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (h,), jnp.float32, 1.0, 16.0)),
+                               axes=("heads",))
+        self.D = nnx.Param(jnp.ones((h,), jnp.float32), axes=("heads",))
+        self.norm = nnx.Param(jnp.ones((h, p), jnp.float32), axes=("heads", "head_dim"))
+        self.out = Dense((h, p), d, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
+                         dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), use_bias=False)
+        self.eps, self.chunk = cfg.norm_eps, cfg.mamba_chunk_size
+        self.dt_limit = (float(cfg.mamba_time_step_min),
+                         None if cfg.mamba_time_step_max is None else float(cfg.mamba_time_step_max))
+        self.dtype = dtype
+        self.sequence_mixer = sequence_mixer
+        self.ssd = ssd or ssd_chunked
+
+    def projections(self, x_BxLxD):
+        """(z, x, B, C, dt): in_proj's five parts."""
+        z = logical_constraint(self.z(x_BxLxD), ACT_HEADS)
+        xs = logical_constraint(self.x(x_BxLxD), ACT_HEADS)
+        b = logical_constraint(self.B(x_BxLxD), ACT_GROUPS)
+        c = logical_constraint(self.C(x_BxLxD), ACT_GROUPS)
+        dt = logical_constraint(self.dt(x_BxLxD), ACT_DT)
+        return z, xs, b, c, dt
+
+    def weights(self) -> dict:
+        """The parameters of the sequence mixing (conv, time steps, A, D), by name."""
+        return {name: getattr(self, name)[...] for name in SEQUENCE_WEIGHTS}
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        z, xs, b, c, dt = self.projections(x_BxLxD)
+        mix = functools.partial(sequence_mix, chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd)
+        if self.sequence_mixer is None:
+            y = mix(xs, b, c, dt, self.weights())
+        else:
+            y = self.sequence_mixer(mix, xs, b, c, dt, self.weights())
+        # b's groups: this shard's (tensor parallelism holds whole groups with their heads)
+        y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
+        return self.out(logical_constraint(y, ACT_HEADS))
+
+    def extend(self, x_BxLxD: jax.Array, state: MambaState, reset_B: jax.Array | None = None):
+        """__call__ for L new tokens continuing `state` (generation): (y [B, L, D], the new state).
+        `reset_B`: rows whose state starts afresh (a new sequence in a reused slot)."""
+        if reset_B is not None:
+            state = jax.tree.map(lambda s: jnp.where(reset_B.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s), state)
+        z, xs, b, c, dt = self.projections(x_BxLxD)
+        y, new = sequence_mix(xs, b, c, dt, self.weights(), chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd,
+                              state=state)
+        y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
+        return self.out(y), new
+
+
+SEQUENCE_WEIGHTS = ("conv_x", "conv_x_bias", "conv_B", "conv_B_bias", "conv_C", "conv_C_bias", "dt_bias", "A_log", "D")
+
+
+def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Callable, state: MambaState | None = None):
+    """The part of the mixer that runs along the sequence, for the heads of xs [B, L, h, P] (B, C
+    [B, L, g, N] their groups, dt [B, L, h]; `w` the weights of those heads and groups, SEQUENCE_WEIGHTS):
+    causal conv and SiLU of x, B, C, dt = clamp(softplus(dt + dt_bias)), the SSD scan with
+    A = -exp(A_log) and the D skip -> y [B, L, h, P] fp32. With a decode `state`: (y, the new state)."""
+    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x)
+    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B)
+    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C)
+    xs, b, c = jax.nn.silu(xs), jax.nn.silu(b), jax.nn.silu(c)
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
+    lo, hi = dt_limit
+    if lo > 0 or hi is not None:
+        dt = jnp.clip(dt, lo, hi)
+    a = -jnp.exp(w["A_log"].astype(jnp.float32))
+    if state is None:
+        y = ssd(xs, dt, a, b, c, chunk_size=chunk)
+        return y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
+    y, ssm = ssd(xs, dt, a, b, c, chunk_size=chunk, initial_state=state.ssm, return_final_state=True)
+    y = y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
+    new = MambaState(wx.astype(state.conv_x.dtype), wb.astype(state.conv_B.dtype), wc.astype(state.conv_C.dtype),
+                     ssm.astype(state.ssm.dtype))
+    return y, new
+
+
+def empty_state(cfg: ModelConfig, batch: int, dtype=jnp.float32) -> MambaState:
+    """A Mamba layer's decode state before any token."""
+    h, p, g, n, k = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim,
+                     cfg.mamba_conv_kernel)
+    return MambaState(jnp.zeros((batch, k - 1, h, p), dtype), jnp.zeros((batch, k - 1, g, n), dtype),
+                      jnp.zeros((batch, k - 1, g, n), dtype), jnp.zeros((batch, h, p, n), jnp.float32))
+
+
+def state_numbers(cfg: ModelConfig) -> int:
+    """Numbers in one sequence's decode state of one Mamba layer (constant in the sequence length)."""
+    h, p, g, n, k = (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim,
+                     cfg.mamba_conv_kernel)
+    return (k - 1) * (h * p + 2 * g * n) + h * p * n
+
