@@ -235,6 +235,23 @@ def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int]
     return RunPlan(cfg=cfg, tokenizer=tokenizer, ici=ici, dcn=dcn, rules=rules, batch=batch, notes=tuple(notes))
 
 
+def validate_hybrid_stages(m, p: int, v: int) -> None:
+    """A hybrid's pipeline stages hold whole repeats of its pattern's group (model.hybrid_group()), every
+    stage the same layers; a '|' in the pattern fixes the stage count."""
+    pattern, group = m.hybrid_layer_pattern, m.hybrid_group()
+    groups = m.num_layers // len(group)
+    if "|" in pattern and pattern.count("|") + 1 != p * v:
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} marks {pattern.count('|') + 1} pipeline stages "
+                        f"('|') but this run has mesh.pipeline={p} x parallel.virtual_stages={v} = {p * v}; make them "
+                        f"agree, or leave the '|' out.")
+    if groups % (p * v):
+        ok = [d for d in range(1, groups + 1) if groups % (d * v) == 0]
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} is {groups} repeat(s) of {group!r}, and every "
+                        f"pipeline stage runs the same layers: mesh.pipeline={p} x parallel.virtual_stages={v} must "
+                        f"divide {groups}; accepted mesh.pipeline: {', '.join(map(str, ok))} (or a pattern whose "
+                        f"group repeats a multiple of {p * v} times).")
+
+
 def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> None:
     """mesh.pipeline and the parallel.pipeline_* keys against the model, the batch and the other axes."""
     p, v, name = sizes["pipeline"], cfg.parallel.virtual_stages, cfg.parallel.pipeline_schedule
@@ -249,6 +266,8 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         raise MeshError(f"model.num_layers={m.num_layers} with model.moe_layer_freq={f} is {groups} groups of one MoE "
                         f"and {f - 1} dense layers, and a pipeline stage holds whole groups: mesh.pipeline={p} x "
                         f"parallel.virtual_stages={v} must divide {groups}.")
+    if m.hybrid_layer_pattern:
+        validate_hybrid_stages(m, p, v)
     k = m.dense_first_layers()
     if k and (m.num_layers - k) % (p * v):
         moe = m.num_layers - k
@@ -267,7 +286,7 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         n = G // (mb * data_parallel)
         return n >= stages and (name != "interleaved" or n % stages == 0)
 
-    if not k and m.num_layers % (p * v):
+    if not k and not m.hybrid_layer_pattern and m.num_layers % (p * v):
         fixes = []
         for d in range(2, m.num_layers + 1):  # another pipeline size, the data axis taking the rest
             if d == p or m.num_layers % (d * v) or (sizes["data"] * p) % d or not batch_fits(d, dp * p // d):

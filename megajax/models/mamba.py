@@ -30,6 +30,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from megajax.config import ModelConfig
@@ -91,11 +92,12 @@ class Mamba2Mixer(nnx.Module):
         d, h, p = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n, k = cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.mamba_conv_kernel
         col = dict(dtype=dtype, rngs=rngs, init_std=cfg.init_std, use_bias=False)
-        self.z = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"), **col)
-        self.x = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"), **col)
-        self.B = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.linear("column"), **col)
-        self.C = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.linear("column"), **col)
-        self.dt = Dense(d, h, axes=("embed", "heads"), dot_general=ops.linear("column"), **col)
+        self.z = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.column, **col)
+        self.x = Dense(d, (h, p), axes=("embed", "heads", "head_dim"), dot_general=ops.column, **col)
+        self.B = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.column, **col)
+        self.C = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.column, **col)
+        self.dt = Dense(d, h, axes=("embed", "heads"), dot_general=ops.column, **col)
+        self.in_product = ops.linear("column")  # in_proj: the five parts as one product (`in_proj`)
         bound = 1.0 / math.sqrt(k)  # PyTorch's conv1d default init (fan in = the kernel width)
         self.conv_x = nnx.Param(_uniform(rngs.params(), (h, p, k), bound), axes=("heads", "head_dim", "conv"))
         self.conv_x_bias = nnx.Param(_uniform(rngs.params(), (h, p), bound), axes=("heads", "head_dim"))
@@ -122,14 +124,33 @@ class Mamba2Mixer(nnx.Module):
         self.sequence_mixer = sequence_mixer
         self.ssd = ssd or ssd_chunked
 
-    def projections(self, x_BxLxD):
-        """(z, x, B, C, dt): in_proj's five parts."""
-        z = logical_constraint(self.z(x_BxLxD), ACT_HEADS)
-        xs = logical_constraint(self.x(x_BxLxD), ACT_HEADS)
-        b = logical_constraint(self.B(x_BxLxD), ACT_GROUPS)
-        c = logical_constraint(self.C(x_BxLxD), ACT_GROUPS)
-        dt = logical_constraint(self.dt(x_BxLxD), ACT_DT)
-        return z, xs, b, c, dt
+    def in_proj(self, x_BxLxD):
+        """(z, x, B, C, dt) from one product whose kernel holds the five parts side by side per group:
+        W[D, G, z | x | B | C | dt of the group's heads] (the heads of group g are g's consecutive
+        H / G), split over G by tensor parallelism like the separate kernels: one input all-gather
+        under sequence parallelism, one reduction of the input's gradient."""
+        d, h, p = self.z.kernel.shape
+        g, n = self.B.kernel.shape[1:]
+        r = h // g
+        parts = [self.z.kernel[...].reshape(d, g, r * p), self.x.kernel[...].reshape(d, g, r * p),
+                 self.B.kernel[...], self.C.kernel[...], self.dt.kernel[...].reshape(d, g, r)]
+        w = jnp.concatenate(parts, axis=2).astype(self.z.dtype)
+        out = self.in_product(x_BxLxD.astype(self.z.dtype), w, (((2,), (0,)), ((), ())))  # [B, L, G, F]
+        b, l = out.shape[:2]
+        cuts = np.cumsum([r * p, r * p, n, n])
+        z, xs, bm, cm, dt = jnp.split(out, cuts, axis=3)
+        return (z.reshape(b, l, h, p), xs.reshape(b, l, h, p), bm, cm, dt.reshape(b, l, h))
+
+    def projections(self, x_BxLxD, fused: bool = True):
+        """(z, x, B, C, dt): in_proj's five parts (`fused=False`: five products reading the kernels in
+        place, for generation)."""
+        if fused:
+            z, xs, b, c, dt = self.in_proj(x_BxLxD)
+        else:
+            z, xs, b, c, dt = (self.z(x_BxLxD), self.x(x_BxLxD), self.B(x_BxLxD), self.C(x_BxLxD),
+                               self.dt(x_BxLxD))
+        return (logical_constraint(z, ACT_HEADS), logical_constraint(xs, ACT_HEADS), logical_constraint(b, ACT_GROUPS),
+                logical_constraint(c, ACT_GROUPS), logical_constraint(dt, ACT_DT))
 
     def weights(self) -> dict:
         """The parameters of the sequence mixing (conv, time steps, A, D), by name."""
@@ -151,7 +172,7 @@ class Mamba2Mixer(nnx.Module):
         `reset_B`: rows whose state starts afresh (a new sequence in a reused slot)."""
         if reset_B is not None:
             state = jax.tree.map(lambda s: jnp.where(reset_B.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s), state)
-        z, xs, b, c, dt = self.projections(x_BxLxD)
+        z, xs, b, c, dt = self.projections(x_BxLxD, fused=False)
         y, new = sequence_mix(xs, b, c, dt, self.weights(), chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd,
                               state=state)
         y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)

@@ -127,6 +127,9 @@ def activation_bytes(plan: RunPlan) -> int:
         per_layer = s * b * h * (10 + 24 / t + (0 if policy == "selective" else attn / t))
     if m.multi_latent_attention and policy != "full":
         per_layer += s * b * mla_attention_delta(m, t)
+    if m.hybrid_layer_pattern:  # the mean over the pattern's one-mixer layers
+        pattern = m.hybrid_pattern()
+        per_layer = sum(hybrid_layer_bytes(kind, m, s, b, t, sp, policy) for kind in pattern) / len(pattern)
     scale = precision_policy(cfg).activation_bytes / 2
     pipe = plan.pipeline
     if pipe is not None:
@@ -137,6 +140,30 @@ def activation_bytes(plan: RunPlan) -> int:
     # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
     mtp = m.mtp_num_layers * (per_layer + (0 if policy == "full" else 8 * s * b * h / (t if sp else 1)))
     return int((per_layer * m.num_layers + mtp) * scale)
+
+
+def hybrid_layer_bytes(kind: str, m, s: float, b: int, t: int, sp: bool, policy: str) -> float:
+    """16-bit activation bytes one layer of a hybrid keeps for its backward (Korthikanti's terms split
+    by mixer: attention 2 h norm input + 11 h + 5 a s, the MLP or MoE 2 h + 19 h; under sequence
+    parallelism all split over tensor, else the norm inputs and 3 h of each mixer replicated). A Mamba-2
+    layer: the norm input (2 h), in_proj's outputs (2 (2 d + 2 G N + H)), the conv's input and output
+    and dt in fp32 (8 (d + 2 G N) + 4 H), each chunk's scores (4 G Q) and states (4 H P N / Q) in fp32,
+    y and the gated product in fp32 (8 d) and out_proj's input (2 d), d = heads x head dim split over
+    tensor. Full recompute keeps each group's input (2 h per group)."""
+    h = m.hidden_size
+    if policy == "full":
+        return 2 * s * b * h / (t if sp else 1) / len(m.hybrid_group())
+    if kind == "M":
+        q = min(m.mamba_chunk_size, s)
+        d, gn, heads = m.mamba_inner_size(), m.mamba_num_groups * m.mamba_state_dim, m.mamba_num_heads
+        inner = (2 * (2 * d + 2 * gn + heads) + 8 * (d + 2 * gn) + 4 * heads + 4 * m.mamba_num_groups * q
+                 + 4 * heads * m.mamba_head_dim * m.mamba_state_dim / q + 10 * d)
+        return s * b * (2 * h / (t if sp else 1) + inner / t)
+    attn = 0 if policy == "selective" else 5 * m.num_heads * s / h
+    core = 11 + attn if kind == "*" else 19
+    if sp:
+        return s * b * h * (2 + core) / t
+    return s * b * h * (2 + 3 + (core - 3) / t)
 
 
 def mla_attention_delta(m, t: int) -> float:
@@ -238,12 +265,18 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
         # 2 all-gathers and 1 reduce-scatter); the embedding (forward) and the output layer (its
         # input's gradient) once per microbatch; a shared expert adds one forward and one backward.
+        # A hybrid's layer is one mixer: one product reduces forward and one backward; full recompute
+        # reruns a group of layers (model.hybrid_group()), all but its last layer's reduction needed.
         shared = n["moe_fwd"] + n["moe_bwd"] if m.num_experts and m.moe_shared_expert_ffn_size else 0
+        r = 1 if m.hybrid_layer_pattern else 2
+        rerun = (1 - 1 / len(m.hybrid_group())) if m.hybrid_layer_pattern else 1
         if sp:
-            out["all-gather", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + 2 * n["extra"] + 2 * n["micro"]) * bsh
-            out["reduce-scatter", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
+            out["all-gather", "tensor"] += (r * n["fwd"] + r * n["bwd"] + r * n["extra"] + 2 * n["micro"]) * bsh
+            out["reduce-scatter", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
+                                                + shared) * bsh
         else:
-            out["all-reduce", "tensor"] += (2 * n["fwd"] + 2 * n["bwd"] + n["extra"] + 2 * n["micro"] + shared) * bsh
+            out["all-reduce", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
+                                            + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
     if cp > 1:  # attention over the sequence's chunks: k and v (kv heads of this tensor rank)
         # k and v together (multi-latent attention: k of N + P dims, v of V, or padded to N + P for the
@@ -254,6 +287,11 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         else:
             widths = 2 * m.head_dim
         kv = tokens * (m.num_kv_heads / t) * widths * act
+        if m.hybrid_layer_pattern:  # only its attention layers; its Mamba layers: mamba_context_bytes
+            pattern = m.hybrid_pattern()
+            kv *= pattern.count("*") / len(pattern)
+            for kind, volume in mamba_context_bytes(m, tokens, t, cp, act, n).items():
+                out[kind, "context"] += volume
         kv32 = kv * 4 / act  # their gradients accumulate in fp32
         fwd = n["fwd"] + n["extra"]
         if cfg.parallel.context_impl == "ring":  # cp - 1 hops forward; backward cp hops with dk, dv
@@ -305,6 +343,18 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         else:
             out["all-reduce", "data"] += shard
     return dict(out)
+
+
+def mamba_context_bytes(m, tokens: float, t: int, cp: int, act: int, n: dict) -> dict[str, float]:
+    """A hybrid's Mamba layers under context parallelism, per step: the all-to-alls of x and dt to head
+    shards and of y (fp32) back, forward and the same backward; B and C all-gathered over the context
+    forward and their gradients reduce-scattered backward (each device's share of its tensor shard)."""
+    layers = m.hybrid_pattern().count("M") / m.num_layers
+    d, g = m.mamba_inner_size() / t, m.mamba_num_groups * m.mamba_state_dim / t
+    fwd, bwd = (n["fwd"] + n["extra"]) * layers, n["bwd"] * layers
+    a2a = tokens * ((d + m.mamba_num_heads / t) * act + d * 4)  # whole buffers, as the HLO counts them
+    return {"all-to-all": (fwd + bwd) * a2a, "all-gather": fwd * cp * tokens * 2 * g * act,
+            "reduce-scatter": bwd * cp * tokens * 2 * g * 4}
 
 
 def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,

@@ -8,6 +8,9 @@ lower triangle only (half of full attention). Recomputation is not counted.
 A mixture-of-experts layer counts its active parameters: the router, the
 top-k experts a token goes through (all experts' kernels x topk / num_experts)
 and the shared expert, which every token goes through.
+
+A hybrid model counts attention for its attention layers only, and for each Mamba-2 layer the SSD's
+chunked products (ssd_flops_per_token), 3x forward like every other product.
 """
 
 from __future__ import annotations
@@ -32,6 +35,24 @@ PEAK_TFLOPS = {
 EXPERT_KERNEL = r"(layers|mtp/block)/mlp/(gate|up|fc1|fc2)"
 
 
+def expert_kernel_pattern(cfg: ModelConfig) -> str:
+    """The names of the routed experts' stacked kernels (a hybrid's: its E layers' mixers)."""
+    if cfg.hybrid_layer_pattern:
+        slots = "|".join(str(j) for j, kind in enumerate(cfg.hybrid_group()) if kind == "E") or "-"
+        return rf"layers/layer({slots})/mixer/(gate|up|fc1|fc2)"
+    return EXPERT_KERNEL
+
+
+def ssd_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward FLOPs per token of one Mamba-2 layer's chunked SSD (chunks of Q = min(chunk size, seq)
+    tokens, H heads of P, G groups, state N): the causal half of each chunk's C B^T scores (G Q N) and
+    of the scores times x (H Q P), the chunk states B^T x and the outputs C h from the carried states
+    (2 H P N each). The inter-chunk recurrence (H P N per chunk) is left out."""
+    q = min(cfg.mamba_chunk_size, seq_len)
+    h, p, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim
+    return float(g * q * n + h * q * p + 4 * h * p * n)
+
+
 def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     """Parameters each token multiplies: every projection kernel of the model's layout (shared
     expert included; of the routed experts, the top-k a token is routed to), and the output layer
@@ -39,8 +60,10 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     shapes = param_shapes(cfg, padded_vocab)
     kernels = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/kernel"))
     if cfg.num_experts:  # the routed experts' stacked kernels: {layers,mtp/block}/mlp/{gate,up,fc1,fc2} [L, E, ...]
-        experts = sum(math.prod(s) for name, s in shapes.items() if re.fullmatch(EXPERT_KERNEL, name))
-        routers = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/mlp/router"))
+        pattern = expert_kernel_pattern(cfg)
+        experts = sum(math.prod(s) for name, s in shapes.items() if re.fullmatch(pattern, name))
+        routers = sum(math.prod(s) for name, s in shapes.items()
+                      if name.endswith("/mlp/router") or (cfg.hybrid_layer_pattern and name.endswith("/mixer/router")))
         kernels += experts * cfg.moe_router_topk // cfg.num_experts + routers
     # the output layer, once more per multi-token prediction depth
     return kernels + (1 + cfg.mtp_num_layers) * math.prod(shapes.get("output", shapes["embed/embedding"]))
@@ -50,6 +73,11 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> 
     # Multi-latent attention: QK^T over qk_head_dim + qk_pos_emb_head_dim dims, AV over v_head_dim.
     dims = ((cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) / 2 if cfg.multi_latent_attention
             else cfg.head_dim)
+    if cfg.hybrid_layer_pattern:
+        pattern = cfg.hybrid_pattern()
+        attention = 6 * pattern.count("*") * seq_len * cfg.num_heads * dims
+        ssd = 3 * pattern.count("M") * ssd_flops_per_token(cfg, seq_len) if "M" in pattern else 0.0
+        return 6.0 * matmul_params(cfg, padded_vocab) + attention + ssd
     attention = 6 * (cfg.num_layers + cfg.mtp_num_layers) * seq_len * cfg.num_heads * dims
     return 6.0 * matmul_params(cfg, padded_vocab) + attention
 
