@@ -194,3 +194,277 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, jnp.exp(acs))
     y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
     return (y, final.reshape(b, h, p, n)) if return_final_state else y
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call: hashable, passed as a custom_vjp nondiff arg."""
+
+    chunk: int          # Q: rows per program
+    heads_per_group: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    """2-D matmul with fp32 accumulation; fp32 operands at HIGHEST precision (no TF32)."""
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    precision = _HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _decay(acs_Q, q: int):
+    """[Q, Q]: exp(acs_t - acs_s) for s <= t, else 0 (masked before exp: no overflow)."""
+    t = lax.broadcasted_iota(jnp.int32, (q, 1), 0)
+    s = lax.broadcasted_iota(jnp.int32, (1, q), 1)
+    return jnp.exp(jnp.where(t >= s, acs_Q[:, None] - acs_Q[None, :], -jnp.inf))
+
+
+def _is_last(q: int):
+    return lax.broadcasted_iota(jnp.int32, (q,), 0) == q - 1
+
+
+def _last(v_Q, q: int):
+    """v's last element (a masked sum: no scalar indexing into a register block)."""
+    return jnp.sum(jnp.where(_is_last(q), v_Q, 0.0))
+
+
+def _chunk_state_kernel(x_ref, w_ref, b_ref, s_ref):
+    """S = (x * w)^T B: x [Q, P], w [Q] fp32, B [Q, N] -> S [P, N] fp32."""
+    x = x_ref[...]
+    xw = (x.astype(jnp.float32) * w_ref[...][:, None]).astype(x.dtype)
+    s_ref[...] = _dot(xw, b_ref[...].astype(x.dtype), trans_a=True)
+
+
+def _chunk_scan_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, y_ref, *, cfg: _Config):
+    """y [Q, P] of one chunk: the masked, decayed C B^T scores times dt x, plus the state H [P, N]
+    carried in, read out by C and decayed by exp(acs)."""
+    x, bm, cm = x_ref[...], b_ref[...], c_ref[...]                   # [Q, P], [Q, N], [Q, N]
+    dt, acs = dt_ref[...], acs_ref[...]                              # [Q] fp32
+    cdt = x.dtype
+    m = _dot(cm, bm, trans_b=True) * _decay(acs, cfg.chunk) * dt[None, :]       # [Q, Q] (t, s)
+    y = _dot(m.astype(cdt), x)
+    y += jnp.exp(acs)[:, None] * _dot(cm, h_ref[...].astype(cdt), trans_b=True)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, ds_ref,
+                           dx_ref, db_ref, dc_ref, dacs_ref, ddt_ref, *, cfg: _Config):
+    """Gradients of one chunk's outputs y (cotangent dy [Q, P]) and of its own state S (cotangent dS
+    [P, N], the state after the chunk's): dx [Q, P], dB and dC [Q, N] for this head, d(acs) [Q] and
+    the part of ddt [Q] where dt multiplies (not through a = dt * A)."""
+    q = cfg.chunk
+    x, bm, cm, dy = x_ref[...], b_ref[...], c_ref[...], dy_ref[...]
+    dt, acs = dt_ref[...], acs_ref[...]
+    h, ds = h_ref[...], ds_ref[...]                                  # [P, N] fp32
+    cdt = x.dtype
+    f32 = jnp.float32
+
+    # Within the chunk: y_t = sum_s cb[t, s] decay[t, s] dt_s x_s.
+    decay = _decay(acs, q)
+    cb = _dot(cm, bm, trans_b=True)                                  # [Q, Q] C_t . B_s
+    dyx = _dot(dy, x, trans_b=True)                                  # [Q, Q] dy_t . x_s
+    e0 = cb * decay * dyx                                            # d loss / d dt_s per (t, s)
+    e = e0 * dt[None, :]                                             # d loss / d acs_t per (t, s)
+    m = cb * decay * dt[None, :]
+    dm = dyx * decay * dt[None, :]                                   # d loss / d cb
+    dx = _dot(m.astype(cdt), dy, trans_a=True)                       # [Q, P]
+    dc = _dot(dm.astype(cdt), bm)                                    # [Q, N]
+    db = _dot(dm.astype(cdt), cm, trans_a=True)                      # [Q, N]
+    dacs = jnp.sum(e, axis=1) - jnp.sum(e, axis=0)
+    ddt = jnp.sum(e0, axis=0)
+
+    # The carried state's output: y_t += exp(acs_t) H C_t.
+    out_decay = jnp.exp(acs)
+    dc += out_decay[:, None] * _dot(dy, h.astype(cdt))              # [Q, N]
+    y_off = out_decay[:, None] * _dot(cm, h.astype(cdt), trans_b=True)   # [Q, P]
+    dacs += jnp.sum(dy.astype(f32) * y_off, axis=1)
+
+    # The chunk's own state: S = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s.
+    to_end = jnp.exp(_last(acs, q) - acs)                            # [Q]
+    w = to_end * dt
+    xds = _dot(x, ds.astype(cdt))                                    # [Q, N] x_s^T dS
+    db += w[:, None] * xds
+    dx += w[:, None] * _dot(bm, ds.astype(cdt), trans_b=True)        # [Q, P] dS B_s
+    f0 = jnp.sum(xds * bm.astype(f32), axis=1)                       # [Q] x_s^T dS B_s
+    ddt += to_end * f0
+    f = w * f0
+    dacs += jnp.where(_is_last(q), jnp.sum(f), 0.0) - f
+
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    db_ref[...] = db
+    dc_ref[...] = dc
+    dacs_ref[...] = dacs
+    ddt_ref[...] = ddt
+
+
+def _specs(cfg: _Config, p: int, n: int):
+    """BlockSpecs over grid (batch, head, chunk): rows of x-like [B, L, H, P] arrays, of B/C-like
+    [B, L, G, N] arrays at the head's group, of B/C-like arrays per head [B, L, H, N], of [B, H, L]
+    arrays (dt, acs, weights), and states [B, H, chunks, P, N]."""
+    q, r = cfg.chunk, cfg.heads_per_group
+    return dict(
+        x=pl.BlockSpec((None, q, None, p), lambda b, h, c: (b, c, h, 0)),
+        group=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h // r, 0)),
+        head_n=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h, 0)),
+        row=pl.BlockSpec((None, None, q), lambda b, h, c: (b, h, c)),
+        state=pl.BlockSpec((None, None, None, p, n), lambda b, h, c: (b, h, c, 0, 0)),
+    )
+
+
+def _call(kernel, name: str, cfg: _Config, grid, in_specs, out_specs, out_shape):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret, name=name)
+
+
+def _chunk_state_call(x, w, bm, cfg: _Config, *, per_head_b: bool = False):
+    """sum over each chunk's rows of w_t x_t (outer) B_t -> [B, H, chunks, P, N] fp32 (B read at each
+    head's group, or per head)."""
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    return _call(_chunk_state_kernel, "ssd_chunk_state", cfg, (b, h, nc),
+                 [sp["x"], sp["row"], sp["head_n"] if per_head_b else sp["group"]], sp["state"],
+                 jax.ShapeDtypeStruct((b, h, nc, p, n), jnp.float32))(x, w, bm)
+
+
+def _chunk_scan_call(x, bm, cm, dt, acs, h_in, cfg: _Config):
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    return _call(functools.partial(_chunk_scan_kernel, cfg=cfg), "ssd_chunk_scan", cfg, (b, h, nc),
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"]], sp["x"],
+                 jax.ShapeDtypeStruct(x.shape, x.dtype))(x, bm, cm, dt, acs, h_in)
+
+
+def _chunk_scan_bwd_call(x, bm, cm, dt, acs, h_in, dy, ds, cfg: _Config):
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    f32 = jnp.float32
+    return _call(functools.partial(_chunk_scan_bwd_kernel, cfg=cfg), "ssd_chunk_scan_bwd", cfg, (b, h, nc),
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"], sp["x"], sp["state"]],
+                 [sp["x"], sp["head_n"], sp["head_n"], sp["row"], sp["row"]],
+                 [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((b, l, h, n), f32),
+                  jax.ShapeDtypeStruct((b, l, h, n), f32), jax.ShapeDtypeStruct((b, h, l), f32),
+                  jax.ShapeDtypeStruct((b, h, l), f32)])(x, bm, cm, dt, acs, h_in, dy, ds)
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _decays(dt, A, cfg: _Config):
+    """dt [B, L, H] -> (dt [B, H, L] fp32, acs [B, H, L]: the cumulative sums of dt * A per chunk)."""
+    b, l, h = dt.shape
+    dt_BxHxL = dt.astype(jnp.float32).transpose(0, 2, 1)
+    a = (dt_BxHxL * A.astype(jnp.float32)[:, None]).reshape(b, h, l // cfg.chunk, cfg.chunk)
+    return dt_BxHxL, jnp.cumsum(a, axis=-1).reshape(b, h, l)
+
+
+def _forward(x, dt, A, bm, cm, h0, cfg: _Config):
+    """(y, final state, states entering each chunk [B, H, chunks, P, N])."""
+    dt_t, acs = _decays(dt, A, cfg)
+    b, h, l = acs.shape
+    acs_c = acs.reshape(b, h, l // cfg.chunk, cfg.chunk)
+    w = (jnp.exp(acs_c[..., -1:] - acs_c) * dt_t.reshape(acs_c.shape)).reshape(b, h, l)
+    s = _chunk_state_call(x, w, bm, cfg)                             # [B, H, nc, P, N]
+    h_in, final = _pass_states(jnp.moveaxis(s, 2, 0), jnp.moveaxis(jnp.exp(acs_c[..., -1]), 2, 0), h0)
+    h_in = jnp.moveaxis(h_in, 0, 2)
+    return _chunk_scan_call(x, bm, cm, dt_t, acs, h_in, cfg), final, h_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ssd(x, dt, A, bm, cm, h0, cfg):
+    y, final, _ = _forward(x, dt, A, bm, cm, h0, cfg)
+    return y, final
+
+
+def _ssd_fwd(x, dt, A, bm, cm, h0, cfg):
+    y, final, h_in = _forward(x, dt, A, bm, cm, h0, cfg)
+    return (y, final), (x, dt, A, bm, cm, h_in)
+
+
+def _ssd_bwd(cfg, res, cts):
+    x, dt, A, bm, cm, h_in = res
+    dy, dfinal = cts
+    b, l, h, p = x.shape
+    g, n = bm.shape[2:]
+    nc, q = l // cfg.chunk, cfg.chunk
+    dt_t, acs = _decays(dt, A, cfg)
+    acs_c = acs.reshape(b, h, nc, q)
+    decay = jnp.exp(acs_c[..., -1])                                  # [B, H, nc]
+
+    # The carried states' gradients from the outputs, then the state passing backwards:
+    # g_c = dH_out_c + decay_c g_c+1 from g_nc = dfinal; dS_c = g_c+1.
+    dh_out = _chunk_state_call(dy, jnp.exp(acs), cm, cfg)            # [B, H, nc, P, N]
+
+    def back(g_next, inp):
+        dh_c, d_c, h_c = inp
+        return dh_c + d_c[..., None, None] * g_next, (g_next, jnp.sum(g_next * h_c, axis=(-2, -1)))
+
+    first = lambda t: jnp.moveaxis(t, 2, 0)
+    dh0, (ds, ddecay) = lax.scan(back, _vary_like(dfinal, dh_out, h_in),
+                                 (first(dh_out), first(decay), first(h_in)), reverse=True)
+    ds, ddecay = jnp.moveaxis(ds, 0, 2), jnp.moveaxis(ddecay, 0, 2)
+
+    dx, db_h, dc_h, dacs, ddt_direct = _chunk_scan_bwd_call(x, bm, cm, dt_t, acs, h_in, dy, ds, cfg)
+    dacs = dacs.reshape(b, h, nc, q).at[..., -1].add(ddecay * decay)
+    da = lax.cumsum(dacs, axis=3, reverse=True).reshape(b, h, l)     # d loss / d (dt * A)
+    a32 = A.astype(jnp.float32)
+    ddt = (ddt_direct + da * a32[:, None]).transpose(0, 2, 1)
+    dA = jnp.sum(da * dt_t, axis=(0, 2))
+    db = db_h.reshape(b, l, g, h // g, n).sum(3)
+    dc = dc_h.reshape(b, l, g, h // g, n).sum(3)
+    return (dx, ddt.astype(dt.dtype), dA.astype(A.dtype), db.astype(bm.dtype), dc.astype(cm.dtype), dh0)
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
+        num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+    """The SSD scan as Pallas kernels; differentiable (Pallas backward kernels, see the module
+    docstring for what runs where). Same arguments and results as ssd_reference, plus:
+
+      chunk_size: Q, the rows each program holds; a power of two >= 16 (<= 128 suits the GPU).
+      num_warps, num_stages: Triton launch parameters (default 4 warps, or 8 for Q >= 128; 2 stages).
+      interpret: run the kernels in Pallas interpret mode; None picks True exactly when the default
+        backend is CPU.
+    """
+    _check(x, dt, A, B, C, initial_state)
+    q = int(chunk_size)
+    if q < _MIN_BLOCK or q & (q - 1):
+        raise ValueError(f"chunk_size={chunk_size} must be a power of two >= {_MIN_BLOCK}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    cfg = _Config(chunk=q, heads_per_group=h // g, num_warps=num_warps or (8 if q >= 128 else 4),
+                  num_stages=num_stages or 2, interpret=bool(interpret))
+    # Pad: L to a multiple of Q with dt = 0 (the state passes through), P and N to powers of two
+    # >= 16 with zeros (their rows and columns of every product are zero and are sliced off).
+    lp = -(-l // q) * q
+    pp, np_ = max(_MIN_BLOCK, _next_pow2(p)), max(_MIN_BLOCK, _next_pow2(n))
+    if not x.dtype == B.dtype == C.dtype:
+        B, C = B.astype(x.dtype), C.astype(x.dtype)
+    xp = _pad_to(_pad_to(x, 1, lp), 3, pp)
+    Bp, Cp = (_pad_to(_pad_to(t, 1, lp), 3, np_) for t in (B, C))
+    dtp = _pad_to(dt, 1, lp)
+    h0 = (jnp.zeros((b, h, pp, np_), jnp.float32) if initial_state is None
+          else _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, pp), 3, np_))
+    y, final = _ssd(xp, dtp, A, Bp, Cp, h0, cfg)
+    y = y[:, :l, :, :p]
+    return (y, final[:, :, :p, :n]) if return_final_state else y
