@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
 
 from pallas_kernels.ssd import _segsum, ssd, ssd_chunked, ssd_flops, ssd_reference
 
@@ -208,3 +209,24 @@ def test_bad_arguments_name_their_values():
     args, _ = _inputs(1, 16, 2, 4, 1, 4)
     with pytest.raises(ValueError, match="chunk_size=24"):
         ssd(*args[:5], chunk_size=24)
+
+
+@pytest.mark.parametrize("dtype,l,p,n,chunk", [(jnp.bfloat16, 200, 64, 128, 64), (jnp.float32, 128, 24, 16, 128)])
+def test_kernels_lower_to_triton_for_cuda(dtype, l, p, n, chunk):
+    """Pallas' Triton lowering accepts every kernel (no GPU needed to lower; the GPU suite compiles
+    and runs them)."""
+    b, h, g = 2, 4, 2
+    sd = jax.ShapeDtypeStruct
+    args = (sd((b, l, h, p), dtype), sd((b, l, h), jnp.float32), sd((h,), jnp.float32), sd((b, l, g, n), dtype),
+            sd((b, l, g, n), dtype), sd((b, h, p, n), jnp.float32))
+
+    def loss(x, dt, A, B, C, h0):
+        y, final = ssd(x, dt, A, B, C, chunk_size=chunk, initial_state=h0, return_final_state=True, interpret=False)
+        return y.astype(jnp.float32).sum() + final.sum()
+
+    h100 = AbstractMesh((1,), ("x",), (AxisType.Auto,),
+                        abstract_device=AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda"))
+    with use_abstract_mesh(h100):
+        text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("triton") >= 4                      # chunk state x 2, chunk scan, chunk scan backward
