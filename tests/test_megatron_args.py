@@ -367,4 +367,4 @@ def test_hybrid_flags_against_the_preset(pattern_flag):
     assert example.model.hybrid_layer_pattern == "M*-EM*-E" and example.model.activation == "squared_relu"
     t = ma.translate(words(line + " --hybrid-attention-ratio 0.25"))
     assert [text for text, _ in t.unmapped] == ["--hybrid-attention-ratio 0.25"]
-    assert [text for text, _ in t.needless] == ["--is-hybrid-model"]
+    assert "--is-hybrid-model" in [text for text, _ in t.needless]
