@@ -54,6 +54,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -166,6 +167,11 @@ def _segsum(a_xQ):
     return jnp.where(t >= s, jnp.cumsum(terms, axis=-2), -jnp.inf)
 
 
+# The name of the states carried into each chunk [chunks, b, g, r, p, n] in ssd_chunked, for a remat
+# policy that keeps them and recomputes the rest (jax.checkpoint_policies.save_only_these_names).
+CHUNK_STATES = "ssd_chunk_states"
+
+
 def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False):
     """The SSD scan in chunks of `chunk_size`, in plain jnp (fp32); see the module docstring.
     Differentiable by autodiff; cost linear in L. Same arguments and results as ssd_reference."""
@@ -191,6 +197,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     h0 = (jnp.zeros((b, g, r, p, n), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32).reshape(b, g, r, p, n))
     h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(jnp.exp(acs[..., -1]), 1, 0), h0)
+    h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
     y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, jnp.exp(acs))
     y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
     return (y, final.reshape(b, h, p, n)) if return_final_state else y
