@@ -101,10 +101,30 @@ def test_mamba2_round_trip_with_tied_embeddings(tmp_path):
                                                   "max_position_embeddings"))
 
 
+# Mixture-of-experts layers as Nemotron-3's: sigmoid scores with an expert bias for the choice, top-2
+# weights renormalised and scaled, a shared expert; two groups, so the bias rows follow the MoE layers.
+MOE = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+       "model.moe_shared_expert_ffn_size=48", "model.moe_router_score_function=sigmoid",
+       "model.moe_router_topk_scaling_factor=2.5", "model.moe_router_bias_update_rate=1e-3"]
+
+
+def test_nemotron_h_mixture_of_experts_matches_transformers(tmp_path):
+    cfg, spec, params = hybrid_model(*MAMBA, "model.hybrid_layer_pattern=M*-EM*-E", *MOE)
+    bias = np.random.default_rng(5).normal(0.0, 0.2, (2, 4)).astype(np.float32)  # [MoE layers, E]
+    with_bias = unflatten({**dict(flatten(params)), "layers/mlp/expert_bias": bias})
+    toks = tokens()
+    want = np.asarray(spec.apply(params, toks, expert_bias=bias))[..., :VOCAB]
+    assert np.abs(want - np.asarray(spec.apply(params, toks, expert_bias=0 * bias))[..., :VOCAB]).max() > 1e-3
+    out = export_hf(DictSource(with_bias, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32")
+    np.testing.assert_allclose(hf_logits(hf_model(out), toks), want, atol=1e-4, rtol=1e-4)
+    assert_imports_back(out, cfg, with_bias)
+
+
 def test_hybrid_exports_refuse_what_transformers_cannot_hold(tmp_path):
     cfg, _, params = random_model("llama", *MAMBA, "model.hybrid_layer_pattern=M*-E", "model.num_experts=4",
                                   "model.moe_ffn_hidden_size=32")
-    with pytest.raises(CheckpointError, match=r"NemotronHForCausalLM.*mixture-of-experts layers \(E\)"):
+    with pytest.raises(CheckpointError, match=r"NemotronHForCausalLM.*moe_router_score_function=softmax "
+                                              r"\(needs sigmoid\).*moe_shared_expert_ffn_size=0"):
         export_hf(DictSource(params, cfg.model), tmp_path / "moe", tokenizer_spec="byte")
     cfg, _, params = random_model("llama", *MAMBA, "model.hybrid_layer_pattern=M-", "model.activation=swiglu")
     with pytest.raises(CheckpointError, match=r"activation=swiglu \(needs squared_relu"):
@@ -121,12 +141,13 @@ def nemotron_h_config(**changes):
         initializer_range=0.05, tie_word_embeddings=False), **changes})
 
 
-def test_hf_import_refuses_nemotron_h_experts(tmp_path):
+def test_hf_import_refuses_nemotron_h_latent_experts(tmp_path):
+    """NemotronH's latent MoE (experts in a smaller space, moe_latent_size) has no megajax counterpart."""
     model = transformers.NemotronHForCausalLM(nemotron_h_config(
         layers_block_type=["linear_attention", "moe"], n_routed_experts=4, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32))
+        moe_shared_expert_intermediate_size=32, moe_latent_size=16))
     model.save_pretrained(tmp_path / "hf")
-    with pytest.raises(CheckpointError, match=r"mixture-of-experts layers \(moe\)"):
+    with pytest.raises(CheckpointError, match=r"moe_latent_size=16"):
         import_hf(tmp_path / "hf")
 
 

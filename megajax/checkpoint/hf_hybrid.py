@@ -25,6 +25,7 @@ from megajax.checkpoint.common import REQUIRED, read_fields
 from megajax.checkpoint.mapping import Row, depthwise, flat, linear, same
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
+from megajax.models.layout import EXPERT_BIAS
 
 NEMOTRON_H, MAMBA2 = "NemotronHForCausalLM", "Mamba2ForCausalLM"
 HYBRID_ARCHITECTURES = (NEMOTRON_H, MAMBA2)
@@ -55,6 +56,12 @@ def _slot_rows(j: int) -> tuple[Row, ...]:
         # -: the squared-ReLU MLP
         Row(f"{_B}.mixer.up_proj.weight", linear(f"{mix}/fc1/kernel")),
         Row(f"{_B}.mixer.down_proj.weight", linear(f"{mix}/fc2/kernel")),
+        # E: the mixture of experts (per-expert tensors as the Hub's files hold them; transformers stacks them)
+        Row(f"{_B}.mixer.gate.weight", linear(f"{mix}/router")),
+        Row(f"{_B}.mixer.experts.{{j}}.up_proj.weight", linear(f"{mix}/fc1", experts=True)),
+        Row(f"{_B}.mixer.experts.{{j}}.down_proj.weight", linear(f"{mix}/fc2", experts=True)),
+        Row(f"{_B}.mixer.shared_experts.up_proj.weight", linear(f"{mix}/shared_experts/fc1/kernel")),
+        Row(f"{_B}.mixer.shared_experts.down_proj.weight", linear(f"{mix}/shared_experts/fc2/kernel")),
     )
 
 
@@ -63,6 +70,7 @@ def hybrid_rows(m: ModelConfig) -> tuple[Row, ...]:
     the output layer (a tied model writes the embedding there too: NemotronH does not tie)."""
     return (Row("backbone.embeddings.weight", same("embed/embedding"), vocab=True),
             *(r for j in range(len(m.hybrid_group())) for r in _slot_rows(j)),
+            Row(f"{_B}.mixer.gate.e_score_correction_bias", same(EXPERT_BIAS)),  # per MoE layer (mapping.py)
             Row("backbone.norm_f.weight", flat("final_norm/scale")),
             Row("lm_head.weight", linear("output"), vocab=True),
             Row("lm_head.weight", same("embed/embedding"), vocab=True, copy=True))
@@ -84,8 +92,7 @@ def hybrid_architecture(m: ModelConfig) -> str:
     if ("-" in pattern or "E" in pattern) and m.activation != "squared_relu":
         wrong.append(f"activation={m.activation} (needs squared_relu: NemotronH's MLPs are relu2)")
     if "E" in pattern:
-        wrong.append(f"the mixture-of-experts layers (E) of hybrid_layer_pattern={m.hybrid_layer_pattern!r} "
-                     f"(not mapped to NemotronH's MoE mixer yet; export with --format megatron)")
+        wrong += _moe_wrong(m)
     if wrong:
         raise CheckpointError(f"model.hybrid_layer_pattern={m.hybrid_layer_pattern!r} exports to Hugging Face "
                               f"{NEMOTRON_H}, which cannot express {'; '.join(wrong)}.")
@@ -95,6 +102,25 @@ def hybrid_architecture(m: ModelConfig) -> str:
 
 
 _INF = {"__float__": "Infinity"}  # how transformers writes an infinite float into config.json
+
+
+def _moe_wrong(m: ModelConfig) -> list[str]:
+    """What NemotronH's mixture of experts cannot hold of a model's: its router scores with a sigmoid and
+    adds an expert bias (e_score_correction_bias) for the choice, renormalises the top-k weights
+    (norm_topk_prob: megajax does when k > 1), and every MoE layer has one ungated shared expert."""
+    wrong = []
+    if m.moe_router_score_function != "sigmoid":
+        wrong.append(f"moe_router_score_function={m.moe_router_score_function} (needs sigmoid)")
+    if not m.moe_router_bias_update_rate > 0:
+        wrong.append("moe_router_bias_update_rate=0 (needs > 0: the router's expert bias, e_score_correction_bias)")
+    if not m.moe_shared_expert_ffn_size:
+        wrong.append("moe_shared_expert_ffn_size=0 (needs a shared expert: every NemotronH MoE layer has one)")
+    if m.moe_shared_expert_gate:
+        wrong.append("moe_shared_expert_gate=true (needs false)")
+    if (m.moe_router_num_groups or 1) != 1 and m.moe_router_group_topk != m.moe_router_num_groups:
+        wrong.append(f"moe_router_num_groups={m.moe_router_num_groups} / moe_router_group_topk="
+                     f"{m.moe_router_group_topk} (group-limited routing; needs one group)")
+    return wrong
 
 
 def _time_step_limit(m: ModelConfig) -> list | None:
@@ -135,6 +161,12 @@ def hybrid_config(m: ModelConfig, arch: str) -> dict:
                   residual_in_fp32=False, num_nextn_predict_layers=0)
     if m.mamba_inner_size() % m.hidden_size == 0:  # unused by NemotronH's mixer (its heads x head dim)
         config["expand"] = m.mamba_inner_size() // m.hidden_size
+    if "E" in pattern:
+        config.update(n_routed_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                      moe_intermediate_size=m.moe_ffn_hidden_size, n_shared_experts=1,
+                      moe_shared_expert_intermediate_size=m.moe_shared_expert_ffn_size, moe_latent_size=None,
+                      routed_scaling_factor=m.moe_router_topk_scaling_factor or 1.0, n_group=1, topk_group=1,
+                      norm_topk_prob=m.moe_router_topk > 1, output_router_logits=False)
     return config
 
 
@@ -183,9 +215,6 @@ def hybrid_overrides(c: dict, arch: str) -> dict:
             raise CheckpointError(f"config.json layers_block_type={types!r}: needs a list of "
                                   f"{', '.join(_KINDS.values())}.")
         pattern = "".join(names[t] for t in types)
-    if "E" in pattern:
-        raise CheckpointError(f"config.json layer pattern {pattern!r} has mixture-of-experts layers (moe): "
-                              f"megajax does not map NemotronH's MoE mixer yet.")
     _check(c, arch, (("mlp_hidden_act", "relu2"), ("attention_bias", False), ("mlp_bias", False),
                      ("sliding_window", None)))
     out = read_fields(c.get, common + (
@@ -195,7 +224,30 @@ def hybrid_overrides(c: dict, arch: str) -> dict:
         ("hidden_dropout", "hidden_dropout", 0.0), ("ssm_state_size", "mamba_state_dim", REQUIRED),
         ("mamba_num_heads", "mamba_num_heads", REQUIRED), ("mamba_head_dim", "mamba_head_dim", REQUIRED)),
         "config.json")
-    return dict(out, **traits, hybrid_layer_pattern=pattern)
+    return dict(out, **traits, hybrid_layer_pattern=pattern, **(_moe_overrides(c) if "E" in pattern else {}))
+
+
+def _moe_overrides(c: dict) -> dict:
+    """The mixture-of-experts fields of a NemotronH config.json with MoE layers; CheckpointError for the
+    routing megajax computes otherwise."""
+    k = int(c.get("num_experts_per_tok", 2))
+    if c.get("moe_latent_size") is not None:
+        raise CheckpointError(f"config.json moe_latent_size={c['moe_latent_size']}: megajax's experts read the "
+                              f"hidden state itself; accepted: null.")
+    groups, keep = c.get("n_group", 1) or 1, c.get("topk_group", 1) or 1
+    if keep < groups:
+        raise CheckpointError(f"config.json n_group={groups}, topk_group={keep}: transformers scores a group by its "
+                              f"best 2 experts, megajax by its best top-k / group_topk; accepted: every group kept.")
+    if bool(c.get("norm_topk_prob", True)) != (k > 1):
+        raise CheckpointError(f"config.json norm_topk_prob={c.get('norm_topk_prob')} with num_experts_per_tok={k}: "
+                              f"megajax renormalises the sigmoid weights exactly when top-k > 1.")
+    scale = float(c.get("routed_scaling_factor", 1.0))
+    return dict(read_fields(c.get, (
+        ("n_routed_experts", "num_experts", REQUIRED), ("moe_intermediate_size", "moe_ffn_hidden_size", REQUIRED),
+        ("moe_shared_expert_intermediate_size", "moe_shared_expert_ffn_size", REQUIRED)), "config.json"),
+        moe_router_topk=k, moe_router_score_function="sigmoid",
+        # transformers has no bias update rate: Nemotron's 1e-3 (the bias itself is imported)
+        moe_router_bias_update_rate=1e-3, moe_router_topk_scaling_factor=None if scale == 1.0 else scale)
 
 
 def hf_name_variants(name: str) -> tuple[str, ...]:

@@ -29,7 +29,8 @@ DeepSeek-V3, `model.layers.{num_layers + k}`).
 
 A hybrid model (model.hybrid_layer_pattern) stacks the groups of its pattern: layer n's parameters are
 `layers/layer{j}/...` (j = n mod the group's length) at index n // that length. A row naming them has
-that slot for its stack (`layers/layer{j}/`), so each slot's rows hold only the layers of its kind.
+that slot for its stack (`layers/layer{j}/`), so each slot's rows hold only the layers of its kind;
+a row of `layers/` itself holds one row per MoE layer (E), in model order: the expert bias.
 """
 
 from __future__ import annotations
@@ -190,8 +191,10 @@ def layer_rows(rows: list[Row], m: ModelConfig, layer: int) -> Iterator[tuple[Ro
     """(row, slot) for the per-layer rows holding model layer `layer`: those of its stack, `slot`
     its index in that stack (a hybrid's: its group's)."""
     if m.hybrid_layer_pattern:
-        g = len(m.hybrid_group())
+        g, pattern = len(m.hybrid_group()), m.hybrid_pattern()
         stack, slot = f"layers/layer{layer % g}/", layer // g
+        if pattern[layer] == "E":  # a hybrid's rows of `layers/` itself: per MoE layer (the expert bias)
+            yield from ((r, pattern[:layer].count("E")) for r in rows if r.per_layer and r.stack == "layers/")
     else:
         stack, slot = layer_slots(m)[layer]
     yield from ((r, slot) for r in rows if r.per_layer and r.stack == stack)
