@@ -97,8 +97,9 @@ def test_mamba2_round_trip_with_tied_embeddings(tmp_path):
     toks = tokens()
     np.testing.assert_allclose(hf_logits(model, toks), megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
     # Mamba2 has no attention, MLP nor position limit: those fields are the defaults on import.
-    assert_imports_back(out, cfg, params, ignore=("num_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
-                                                  "max_position_embeddings"))
+    overrides, _ = assert_imports_back(out, cfg, params, ignore=("num_heads", "num_kv_heads", "head_dim",
+                                                                 "ffn_hidden_size", "max_position_embeddings"))
+    assert "max_position_embeddings" not in overrides  # the run's train.seq_len applies
 
 
 # Mixture-of-experts layers as Nemotron-3's: sigmoid scores with an expert bias for the choice, top-2
@@ -141,14 +142,31 @@ def nemotron_h_config(**changes):
         initializer_range=0.05, tie_word_embeddings=False), **changes})
 
 
-def test_hf_import_refuses_nemotron_h_latent_experts(tmp_path):
-    """NemotronH's latent MoE (experts in a smaller space, moe_latent_size) has no megajax counterpart."""
-    model = transformers.NemotronHForCausalLM(nemotron_h_config(
-        layers_block_type=["linear_attention", "moe"], n_routed_experts=4, moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, moe_latent_size=16))
+def test_transformers_saved_nemotron_h_experts_import_with_their_logits(tmp_path):
+    """A NemotronH with MoE layers as transformers saves it (per-expert tensors, the expert bias) imports
+    with its logits; its latent MoE (experts in a smaller space, moe_latent_size) is refused."""
+    from megajax.models.layout import split_expert_bias
+    moe = dict(layers_block_type=["linear_attention", "moe", "full_attention", "moe"], n_routed_experts=4,
+               num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+               routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(nemotron_h_config(**moe)).eval()
+    with torch.no_grad():
+        for layer in (1, 3):
+            model.model.layers[layer].mixer.gate.e_score_correction_bias.copy_(0.2 * torch.randn(4))
     model.save_pretrained(tmp_path / "hf")
+    overrides, params = import_hf(tmp_path / "hf")
+    assert overrides["hybrid_layer_pattern"] == "ME*E" and overrides["moe_router_topk_scaling_factor"] == 2.5
+    cfg = load_config(base={"model": overrides}, overrides=["train.seq_len=32"])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    params, bias = split_expert_bias(params)
+    toks = np.random.default_rng(1).integers(0, 300, (2, SEQ)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(spec.apply(params, toks, expert_bias=bias))[..., :300],
+                               hf_logits(model, toks), atol=1e-4, rtol=1e-4)
+
+    transformers.NemotronHForCausalLM(nemotron_h_config(**moe, moe_latent_size=16)).save_pretrained(tmp_path / "latent")
     with pytest.raises(CheckpointError, match=r"moe_latent_size=16"):
-        import_hf(tmp_path / "hf")
+        import_hf(tmp_path / "latent")
 
 
 def test_transformers_nemotron_h_imports_and_trains(small_config, tmp_path, capsys):

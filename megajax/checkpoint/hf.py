@@ -760,6 +760,8 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                               f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
     out = model_overrides(m)
     out.pop("mtp_loss_scaling_factor", None)  # config.json has no MTP loss weight: the run's applies
+    if arch == MAMBA2:  # no position limit: the run's train.seq_len applies
+        out.pop("max_position_embeddings")
     return out, unflatten(dict(sorted(flat_params.items())))
 
 
