@@ -6,7 +6,8 @@
     import_hf(in_dir)  ->  (model overrides, parameter tree of float32 numpy arrays)
 
 The llama family maps to `LlamaForCausalLM` (`MixtralForCausalLM` with experts; with model.qk_norm
-`Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`), the gpt family to `GPT2LMHeadModel`;
+`Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`), the gpt family to `GPT2LMHeadModel`, a hybrid
+(model.hybrid_layer_pattern) to `NemotronHForCausalLM` or `Mamba2ForCausalLM` (hf_hybrid.py);
 LLAMA_ROWS and GPT2_ROWS (megajax/checkpoint/mapping.py) name each tensor both
 ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
 [in, out] and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v).
@@ -686,7 +687,7 @@ def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
 
 
 def import_hf(in_dir) -> tuple[dict, dict]:
-    """Reads a Hugging Face LlamaForCausalLM or GPT2LMHeadModel directory.
+    """Reads a Hugging Face model directory of one of the architectures above.
 
     Returns (model overrides, params): the ModelConfig field values of the
     architecture, and the parameter tree as float32 numpy arrays with the
