@@ -6,7 +6,8 @@
     import_hf(in_dir)  ->  (model overrides, parameter tree of float32 numpy arrays)
 
 The llama family maps to `LlamaForCausalLM` (`MixtralForCausalLM` with experts; with model.qk_norm
-`Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`), the gpt family to `GPT2LMHeadModel`;
+`Qwen3ForCausalLM` or `Qwen3MoeForCausalLM`), the gpt family to `GPT2LMHeadModel`, a hybrid
+(model.hybrid_layer_pattern) to `NemotronHForCausalLM` or `Mamba2ForCausalLM` (hf_hybrid.py);
 LLAMA_ROWS and GPT2_ROWS (megajax/checkpoint/mapping.py) name each tensor both
 ways. Hugging Face linear weights are [out, in]; GPT-2's Conv1D weights are
 [in, out] and its q/k/v are one fused `c_attn` ([D, 3 x D], columns q | k | v).
@@ -34,6 +35,8 @@ import numpy as np
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        read_fields, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint.dtypes import export_dtype, numpy_dtype, safetensors_code
+from megajax.checkpoint.hf_hybrid import (HYBRID_ARCHITECTURES, MAMBA2, NEMOTRON_H, hf_name_variants,
+                                          hybrid_architecture, hybrid_config, hybrid_overrides, hybrid_rows)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
                                         linear_rows, norm_rows, rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
@@ -164,10 +167,15 @@ TABLES = {LLAMA: LLAMA_ROWS, GPT2: GPT2_ROWS, MIXTRAL: MIXTRAL_ROWS, QWEN3: QWEN
 MTP_ARCHITECTURES = (DEEPSEEK_V3,)  # the Hugging Face formats that hold multi-token prediction
 
 
+def table(arch: str, m: ModelConfig) -> tuple[Row, ...]:
+    """The rows of architecture `arch` (a hybrid's depend on its pattern's group: hf_hybrid.py)."""
+    return hybrid_rows(m) if arch in HYBRID_ARCHITECTURES else TABLES[arch]
+
+
 def _ignored(name: str) -> bool:
     """Tensors a Hugging Face checkpoint may carry that are not parameters (or are tied copies)."""
     return (name.endswith(("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias"))
-            or name == "lm_head.weight")
+            or name == "lm_head.weight" or name.startswith("mtp."))  # NemotronH's MTP: transformers skips it
 
 
 # ----------------------------------------------------------------------------
@@ -187,6 +195,8 @@ _ARCH_TRAITS = {
 
 def architecture(m: ModelConfig) -> str:
     """The Hugging Face class a model exports to; CheckpointError naming every trait it cannot express."""
+    if m.hybrid_layer_pattern:
+        return hybrid_architecture(m)
     if m.multi_latent_attention:
         return _deepseek_v3_architecture(m)
     if m.family == "llama" and m.qk_norm:  # per-head q/k norms: Qwen3
@@ -314,6 +324,9 @@ def _rope(m: ModelConfig) -> tuple[dict | None, dict]:
 
 
 def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int | None) -> dict:
+    if arch in HYBRID_ARCHITECTURES:
+        return dict(architectures=[arch], bos_token_id=bos, eos_token_id=eos, torch_dtype=export_dtype(dtype).full_name,
+                    dtype=export_dtype(dtype).full_name, **hybrid_config(m, arch))
     config = {key: getattr(m, field) for key, field, _ in _CONFIG_FIELDS[LLAMA if arch == DEEPSEEK_V3 else arch]}
     config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
                   torch_dtype=export_dtype(dtype).full_name, dtype=export_dtype(dtype).full_name)
@@ -553,7 +566,7 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     shapes = tensor_shapes(m, check_source(source))  # DeepSeek-V3's routers keep their expert bias
     if arch not in MTP_ARCHITECTURES:  # no place for multi-token prediction's depths (mtp_left_out)
         shapes = {k: v for k, v in shapes.items() if not k.startswith("mtp/")}
-    rows = rows_for(TABLES[arch], shapes, "Hugging Face " + arch)
+    rows = rows_for(table(arch, m), shapes, "Hugging Face " + arch)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
     tok = check_tokenizer(tokenizer_spec, m)
@@ -674,7 +687,7 @@ def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
 
 
 def import_hf(in_dir) -> tuple[dict, dict]:
-    """Reads a Hugging Face LlamaForCausalLM or GPT2LMHeadModel directory.
+    """Reads a Hugging Face model directory of one of the architectures above.
 
     Returns (model overrides, params): the ModelConfig field values of the
     architecture, and the parameter tree as float32 numpy arrays with the
@@ -698,12 +711,16 @@ def import_hf(in_dir) -> tuple[dict, dict]:
         arch, overrides = DEEPSEEK_V3, _deepseek_v3_overrides(c)
     elif arch == GPT2 or (arch is None and model_type == "gpt2"):
         arch, overrides = GPT2, _gpt2_overrides(c)
+    elif arch in HYBRID_ARCHITECTURES or (arch is None and model_type in ("nemotron_h", "mamba2")):
+        arch = arch or {"nemotron_h": NEMOTRON_H, "mamba2": MAMBA2}[model_type]
+        overrides = hybrid_overrides(c, arch)
     elif arch in (QWEN3, QWEN3_MOE) or (arch is None and model_type in ("qwen3", "qwen3_moe")):
         arch = arch or {"qwen3": QWEN3, "qwen3_moe": QWEN3_MOE}[model_type]
         overrides = _qwen3_overrides(c, arch)
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
-                              f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3} and {GPT2}.")
+                              f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3}, {GPT2}, "
+                              f"{NEMOTRON_H} and {MAMBA2}.")
     with ExitStack() as files:
         weights, used = _weight_files(d, files), set()
         if arch == DEEPSEEK_V3:
@@ -714,8 +731,9 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                                   f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
         shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
         flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
-        for row, i, slot in in_layer_order(rows_for(TABLES[arch], shapes, "Hugging Face " + arch), m):
+        for row, i, slot in in_layer_order(rows_for(table(arch, m), shapes, "Hugging Face " + arch), m):
             names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
+            names += tuple(v for n in row.names(i) for v in hf_name_variants(n)[1:])  # NemotronH's `model.`
             name = next((n for n in names if n in weights), None)
             if row.copy:  # a copy of a tensor another row reads (DeepSeek-V3's MTP embed_tokens, shared_head.head)
                 used.add(name)
@@ -743,6 +761,8 @@ def import_hf(in_dir) -> tuple[dict, dict]:
                               f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
     out = model_overrides(m)
     out.pop("mtp_loss_scaling_factor", None)  # config.json has no MTP loss weight: the run's applies
+    if arch == MAMBA2:  # no position limit: the run's train.seq_len applies
+        out.pop("max_position_embeddings")
     return out, unflatten(dict(sorted(flat_params.items())))
 
 

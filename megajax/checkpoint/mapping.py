@@ -26,6 +26,11 @@ Multi-token prediction's parameters (`mtp/...`) are stacked over the depths: a r
 has `{i}` for the depth (its stack is `mtp/`, which `layer_rows` never yields): Megatron's format
 walks them itself (`mtp.layers.{k}`), `in_layer_order` as the layers after the last (Hugging Face's
 DeepSeek-V3, `model.layers.{num_layers + k}`).
+
+A hybrid model (model.hybrid_layer_pattern) stacks the groups of its pattern: layer n's parameters are
+`layers/layer{j}/...` (j = n mod the group's length) at index n // that length. A row naming them has
+that slot for its stack (`layers/layer{j}/`), so each slot's rows hold only the layers of its kind;
+a row of `layers/` itself holds one row per MoE layer (E), in model order: the expert bias.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Callable, Iterator
 
 import numpy as np
@@ -42,14 +48,15 @@ from megajax.errors import CheckpointError
 from megajax.models.layout import STACKS, layer_slots, stacked
 
 MTP_STACK = "mtp/"  # multi-token prediction's depths, stacked on dim 0
+_HYBRID_SLOT = re.compile(r"layers/layer\d+/")  # a hybrid group's slot inside the `layers/` stack
 
 
 @dataclasses.dataclass(frozen=True)
 class Part:
     """A megajax parameter (one layer of it) inside an external tensor: `same` (unchanged), `flat`
     (one dim), `linear` (PyTorch Linear: kernel [in..., out...] -> [out, in]), `conv1d` (GPT-2's
-    Conv1D: -> [in, out]) or `depthwise` (a depthwise nn.Conv1d's weight: [channels..., width] ->
-    [channels, 1, width]); the kernel's first `n_in` dims are its inputs (a depthwise conv's channels)."""
+    Conv1D: -> [in, out]) or `depthwise` (a depthwise Conv1d's weight: [channels..., K] -> [C, 1, K]);
+    the kernel's first `n_in` dims are its inputs."""
     path: str
     kind: str
     n_in: int = 1
@@ -57,9 +64,11 @@ class Part:
     expert: int | None = None  # set by rows_for on a row expanded per expert
 
     def external_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.kind == "depthwise":
+            return (math.prod(shape[:-1]), 1, shape[-1])
         n_in, n_out = math.prod(shape[:self.n_in]), math.prod(shape[self.n_in:])
         return {"same": tuple(shape), "flat": (n_in * n_out,), "linear": (n_out, n_in),
-                "conv1d": (n_in, n_out), "depthwise": (n_in, 1, n_out)}[self.kind]
+                "conv1d": (n_in, n_out)}[self.kind]
 
     def to_external(self, x: np.ndarray) -> np.ndarray:
         if self.expert is not None:
@@ -67,7 +76,7 @@ class Part:
         if self.kind in ("same", "flat"):
             return x if self.kind == "same" else x.reshape(-1)
         if self.kind == "depthwise":
-            return x.reshape(math.prod(x.shape[:self.n_in]), 1, -1)
+            return x.reshape(-1, 1, x.shape[-1])
         x = x.reshape(math.prod(x.shape[:self.n_in]), -1)
         return x.T if self.kind == "linear" else x
 
@@ -113,8 +122,12 @@ class Row:
 
     @property
     def stack(self) -> str | None:
-        """The stack (`layers/` or `dense_layers/`) of a per-layer row's parameters."""
-        return self.parts[0].path.split("/")[0] + "/" if self.per_layer else None
+        """The stack (`layers/` or `dense_layers/`; a hybrid's slot `layers/layer{j}/`) of a per-layer
+        row's parameters."""
+        if not self.per_layer:
+            return None
+        slot = _HYBRID_SLOT.match(self.parts[0].path)
+        return slot.group(0) if slot else self.parts[0].path.split("/")[0] + "/"
 
     def in_stack(self, stack: str) -> "Row":
         """This per-layer row with its `layers/` parameters read from `stack` instead."""
@@ -176,8 +189,14 @@ def rows_for(table: tuple[Row, ...], shapes: dict[str, tuple[int, ...]], fmt: st
 
 def layer_rows(rows: list[Row], m: ModelConfig, layer: int) -> Iterator[tuple[Row, int]]:
     """(row, slot) for the per-layer rows holding model layer `layer`: those of its stack, `slot`
-    its index in that stack."""
-    stack, slot = layer_slots(m)[layer]
+    its index in that stack (a hybrid's: its group's)."""
+    if m.hybrid_layer_pattern:
+        g, pattern = len(m.hybrid_group()), m.hybrid_pattern()
+        stack, slot = f"layers/layer{layer % g}/", layer // g
+        if pattern[layer] == "E":  # a hybrid's rows of `layers/` itself: per MoE layer (the expert bias)
+            yield from ((r, pattern[:layer].count("E")) for r in rows if r.per_layer and r.stack == "layers/")
+    else:
+        stack, slot = layer_slots(m)[layer]
     yield from ((r, slot) for r in rows if r.per_layer and r.stack == stack)
 
 
@@ -190,7 +209,7 @@ def in_layer_order(rows: list[Row], m: ModelConfig) -> Iterator[tuple[Row, int |
     start = rows.index(per_layer[0]) if per_layer else len(rows)
     yield from ((r, None, None) for r in rows[:start] if not r.per_layer)
     yield from ((r, i, slot) for i in range(m.num_layers) for r, slot in layer_rows(rows, m, i))
-    depth_rows = [r for r in per_layer if r.stack not in STACKS]
+    depth_rows = [r for r in per_layer if not r.stack.startswith(STACKS)]
     yield from ((r, m.num_layers + k, k if r.stack == MTP_STACK else None)
                 for k in range(m.mtp_num_layers) for r in depth_rows)
     yield from ((r, None, None) for r in rows[start:] if not r.per_layer)
