@@ -170,6 +170,9 @@ class ModelConfig:
     mamba_num_heads: int | None = None
     mamba_chunk_size: int = 128
     mamba_conv_kernel: int = 4  # the causal depthwise conv's width (Mamba's d_conv)
+    # The SSD scan: the chunked form in plain jnp (XLA) | the Pallas kernels (pallas_kernels/ssd.py;
+    # interpret mode on CPU).
+    mamba_ssd_impl: Literal["xla", "pallas"] = "xla"
     # dt = softplus(dt_proj + dt_bias) clamped to [time_step_min, time_step_max] (Mamba-2's time_step_limit;
     # None: no upper limit); dt_bias is initialised from dt drawn log-uniformly in [dt_min, dt_max].
     mamba_time_step_min: float = 0.0
@@ -951,6 +954,10 @@ def validate_hybrid(cfg: Config) -> None:
     for key in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_chunk_size",
                 "mamba_conv_kernel", "mamba_dt_min", "mamba_dt_max"):
         _positive(f"model.{key}", getattr(m, key))
+    q = m.mamba_chunk_size
+    if m.mamba_ssd_impl == "pallas" and (q < 16 or q & (q - 1)):
+        raise ConfigError(f"model.mamba_chunk_size = {q} with model.mamba_ssd_impl = pallas: the kernel's programs hold "
+                          f"one chunk, a power of two >= 16 (16, 32, 64, 128, 256); or use mamba_ssd_impl=xla.")
     if m.mamba_num_heads % m.mamba_num_groups:
         ok = [g for g in range(1, m.mamba_num_heads + 1) if m.mamba_num_heads % g == 0]
         raise ConfigError(f"model.mamba_num_groups = {m.mamba_num_groups} does not divide model.mamba_num_heads = "

@@ -79,7 +79,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--norm-epsilon", "model.norm_eps", FLOAT),
     Flag("--swiglu", "model.activation", SWITCH, "swiglu", default="gelu"),
     Flag("--position-embedding-type", "model.position_embedding", STR,
-         {"learned_absolute": "learned", "rope": "rope"}, default="learned"),
+         {"learned_absolute": "learned", "rope": "rope", "none": "none"}, default="learned"),
     Flag("--use-rotary-position-embeddings", "model.position_embedding", SWITCH, "rope"),
     Flag("--rotary-base", "model.rope_theta"),
     Flag("--use-rope-scaling", "model.rope_scaling", SWITCH, "llama3"),
@@ -100,8 +100,20 @@ FLAGS: tuple[Flag, ...] = (
     _same("--no-position-embedding", "the position embedding follows --position-embedding-type"),
     _none("--rotary-percent", "megajax rotates the whole head (only 1.0 is the same)", FLOAT),
     _none("--apply-layernorm-1p", "megajax stores the norm scale itself, not a zero-centred offset"),
-    _none("--squared-relu", "megajax's activations are gelu and swiglu"),
+    Flag("--squared-relu", "model.activation", SWITCH, "squared_relu"),
     _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", INT),
+    # Hybrid (Mamba) models: pretrain_mamba.py's flags
+    Flag("--hybrid-override-pattern", "model.hybrid_layer_pattern", STR,
+         note="one character per layer: M Mamba-2, * attention, - MLP, E MoE"),
+    Flag("--hybrid-layer-pattern", "model.hybrid_layer_pattern", STR,
+         note="newer Megatron-LM's name; its pipeline-stage boundaries read as megajax's"),
+    _same("--is-hybrid-model", "a model with model.hybrid_layer_pattern is a hybrid"),
+    _none("--hybrid-attention-ratio", "megajax takes the layer pattern itself (--hybrid-override-pattern)", FLOAT),
+    _none("--hybrid-mlp-ratio", "megajax takes the layer pattern itself (--hybrid-override-pattern)", FLOAT),
+    Flag("--mamba-state-dim", "model.mamba_state_dim"),
+    Flag("--mamba-head-dim", "model.mamba_head_dim"),
+    Flag("--mamba-num-groups", "model.mamba_num_groups"),
+    Flag("--mamba-num-heads", "model.mamba_num_heads", note="absent: 2 x hidden / head dim, as in Megatron"),
     # Mixture of experts
     Flag("--num-experts", "model.num_experts"),
     Flag("--moe-router-topk", "model.moe_router_topk"),
@@ -647,9 +659,9 @@ def _megatron_defaults(t: Translation, given: dict[str, list[str]]) -> None:
         swiglu = t.assignments.get("model.activation", (None,))[0] == "swiglu"
         ffn = int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
         t.assignments["model.ffn_hidden_size"] = (ffn, "Megatron's default (no --ffn-hidden-size)")
-    rope = t.assignments.get("model.position_embedding", (None,))[0] == "rope"
-    t.assignments["model.family"] = ("llama" if rope else "gpt",
-                                     "rotary positions" if rope else "learned positions")
+    position = t.assignments.get("model.position_embedding", (None,))[0]
+    t.assignments["model.family"] = ("llama" if position == "rope" else "gpt", {
+        "rope": "rotary positions", "none": "no position embedding"}.get(position, "learned positions"))
 
 
 def markdown_table() -> str:

@@ -1,27 +1,477 @@
-"""TEMPORARY (replaced by the ssd-kernel branch): the sequential SSD recurrence."""
+"""The Mamba-2 SSD scan (state-space duality): Pallas kernels, the chunked jnp form, the reference.
+
+Shapes: x [B, L, H, P] (heads of head_dim P), dt [B, L, H] (positive: softplus'ed and clamped by the
+caller), A [H] (negative, -exp(A_log)), B, C [B, L, G, N] (G groups of state size N; head h reads
+group h // (H // G)), initial_state [B, H, P, N]. For each (batch, head), with a_t = dt_t * A:
+
+    state_t = exp(a_t) * state_{t-1} + dt_t * x_t (outer) B_t        state [P, N]
+    y_t     = state_t @ C_t                                          y [P]
+
+y comes back in x's dtype (no D skip: the caller adds D * x) and the final state in fp32.
+
+Three implementations, equal up to rounding:
+  ssd_reference  the recurrence step by step (lax.scan over L): the ground truth.
+  ssd_chunked    plain jnp in chunks of Q = chunk_size (autodiff gives the gradients): with
+                 acs_t = a_1 + ... + a_t inside a chunk,
+                   y_t   = sum_{s<=t} exp(acs_t - acs_s) (C_t . B_s) dt_s x_s    (within the chunk)
+                         + exp(acs_t) H_c @ C_t                                  (state carried in)
+                   S_c   = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s         (chunk's own state)
+                   H_c+1 = exp(acs_Q) H_c + S_c                                  (scan over chunks)
+                 Work and memory are linear in L: the largest intermediates are [Q, Q] per chunk.
+  ssd            the same decomposition as Pallas kernels (Triton on GPU, interpret mode on CPU),
+                 differentiable through a custom_vjp.
+
+What runs where in `ssd` (grid (batch, head, chunk) for every kernel; a program holds one chunk):
+  forward   jnp: a = dt * A and its cumulative sum per chunk ([B, H, L], elementwise)
+            kernel `ssd_chunk_state`: S_c = (x * w)^T B with w_s = dt_s exp(acs_Q - acs_s)
+            jnp: the state passing H_c+1 = exp(acs_Q) H_c + S_c, a lax.scan over chunks of
+                 [B, H, P, N] elementwise updates (L / Q steps; no matmul)
+            kernel `ssd_chunk_scan`: y (the intra-chunk quadratic form plus the carried state)
+  backward  kernel `ssd_chunk_state` again: dH_c = (dy * exp(acs))^T C, the carried state's
+                 gradient from the outputs
+            jnp: the reverse state passing (dS_c, and the gradient of each chunk's decay)
+            kernel `ssd_chunk_scan_bwd`: dx, dB and dC per head, d(acs), and dt's direct part
+            jnp: reverse cumulative sums turn d(acs) into d(a), hence ddt and dA; dB and dC summed
+                 over each group's heads; dinitial_state is the reverse pass's last carry.
+Residuals: the inputs and the states entering each chunk [B, H, L / Q, P, N] fp32.
+
+Precision: the kernels' matmul operands are in the inputs' dtype (fp32 inputs at HIGHEST
+precision, never TF32) with fp32 accumulation; decays, weights, states and gradients are fp32.
+ssd_reference and ssd_chunked compute in fp32 throughout (ssd_chunked's einsums follow
+jax.default_matmul_precision). Sequence lengths are padded to a multiple of Q with dt = 0 (the
+state passes through unchanged), P and N to powers of two >= 16 with zeros.
+
+Limits: a program holds a whole chunk ([Q, Q] scores in registers), so Q <= 128 suits the GPU;
+the Pallas calls are not typed for shard_map's varying axes (call them outside shard_map or with
+check_vma=False).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_MIN_BLOCK = 16  # Triton's dot needs every matmul dimension >= 16.
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def ssd_flops(batch: int, seq_len: int, heads: int, head_dim: int, state_dim: int, groups: int,
+              chunk_size: int) -> int:
+    """Forward matmul FLOPs of the chunked form, 2 per multiply-add, over the padded length
+    Lp = ceil(L / Q) * Q (Q = chunk_size), counting whole Q x Q chunk squares:
+
+        C B^T scores      2 * B * Lp * Q * N * G     (one per group; the kernel recomputes per head)
+        scores @ x        2 * B * Lp * Q * P * H
+        chunk states      2 * B * Lp * P * N * H     (x^T B, weighted)
+        state outputs     2 * B * Lp * P * N * H     (C H_c^T)
+
+    The backward executes about twice this (every product has two gradient products)."""
+    lp = -(-seq_len // chunk_size) * chunk_size
+    scores = 2 * batch * lp * chunk_size * state_dim * groups
+    mix = 2 * batch * lp * chunk_size * head_dim * heads
+    states = 2 * 2 * batch * lp * head_dim * state_dim * heads
+    return scores + mix + states
+
+
+# --------------------------------------------------------------------------- shared pieces
+
+
+def _check(x, dt, A, B, C, initial_state):
+    if x.ndim != 4 or dt.shape != x.shape[:3] or A.shape != x.shape[2:3]:
+        raise ValueError(f"expected x [B, L, H, P], dt [B, L, H], A [H]; got {x.shape=} {dt.shape=} {A.shape=}")
+    b, l, h, p = x.shape
+    if B.ndim != 4 or B.shape != C.shape or B.shape[:2] != (b, l):
+        raise ValueError(f"expected B, C [B, L, G, N] alike with x's batch and length; got {B.shape=} {C.shape=} "
+                         f"{x.shape=}")
+    if h % B.shape[2]:
+        raise ValueError(f"heads={h} is not a multiple of groups={B.shape[2]}")
+    if initial_state is not None and initial_state.shape != (b, h, p, B.shape[3]):
+        raise ValueError(f"initial_state {initial_state.shape} is not [B, H, P, N]={(b, h, p, B.shape[3])}")
+
+
+def _vary_like(x, *others):
+    """x typed to vary over the shard_map axes any of `others` vary over (a scan's initial carry
+    must match its update inside a shard_map that checks variance); unchanged elsewhere."""
+    axes = frozenset().union(*(jax.typeof(o).manual_axis_type.varying for o in (x, *others)))
+    missing = tuple(sorted(axes - jax.typeof(x).manual_axis_type.varying))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _pad_to(x, axis: int, size: int):
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _pass_states(s_CxZxPxN, decay_CxZ, h0_ZxPxN):
+    """The inter-chunk recurrence H_c+1 = decay_c H_c + S_c, chunk axis first (Z: any batch dims).
+    Returns (H_c entering each chunk [C, Z..., P, N], the final state [Z..., P, N])."""
+    def step(h, inp):
+        s, d = inp
+        return d[..., None, None] * h + s, h
+
+    final, h_in = lax.scan(step, _vary_like(h0_ZxPxN, s_CxZxPxN, decay_CxZ), (s_CxZxPxN, decay_CxZ))
+    return h_in, final
+
+
+# --------------------------------------------------------------------------- reference
 
 
 def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=False):
+    """The recurrence one step at a time (lax.scan over L), fp32: the ground truth.
+    Returns y [B, L, H, P] in x's dtype, and the final state [B, H, P, N] fp32 if asked."""
+    _check(x, dt, A, B, C, initial_state)
     b, l, h, p = x.shape
-    g, n = B.shape[2], B.shape[3]
-    rep = h // g
-    Bh = jnp.repeat(B.astype(jnp.float32), rep, axis=2)
-    Ch = jnp.repeat(C.astype(jnp.float32), rep, axis=2)
-    zero = jnp.einsum("bhp,bhn->bhpn", x[:, 0].astype(jnp.float32) * 0, Bh[:, 0] * 0 + Ch[:, 0] * 0 + dt[:, 0, :, None] * 0)
-    s0 = zero if initial_state is None else initial_state.astype(jnp.float32) + zero
+    g, n = B.shape[2:]
+    r = h // g
+    f32 = jnp.float32
+    x_LxBxGxRxP = x.astype(f32).reshape(b, l, g, r, p).swapaxes(0, 1)
+    dt_LxBxGxR = dt.astype(f32).reshape(b, l, g, r).swapaxes(0, 1)
+    a_GxR = A.astype(f32).reshape(g, r)
+    B_LxBxGxN, C_LxBxGxN = B.astype(f32).swapaxes(0, 1), C.astype(f32).swapaxes(0, 1)
+    h0 = jnp.zeros((b, g, r, p, n), f32) if initial_state is None else (
+        initial_state.astype(f32).reshape(b, g, r, p, n))
 
-    def step(s, inp):
+    def step(state, inp):                                             # state [B, G, R, P, N]
         xt, dtt, bt, ct = inp
-        s = s * jnp.exp(dtt * A)[..., None, None] + (dtt[..., None] * xt)[..., None] * bt[:, :, None, :]
-        return s, jnp.einsum("bhpn,bhn->bhp", s, ct)
+        state = (jnp.exp(dtt * a_GxR)[..., None, None] * state
+                 + (dtt[..., None] * xt)[..., None] * bt[:, :, None, None, :])
+        return state, jnp.einsum("bgrpn,bgn->bgrp", state, ct, precision=_HIGHEST)
 
-    s, y = jax.lax.scan(step, s0, (x.astype(jnp.float32).swapaxes(0, 1), dt.astype(jnp.float32).swapaxes(0, 1),
-                                   Bh.swapaxes(0, 1), Ch.swapaxes(0, 1)))
-    y = y.swapaxes(0, 1).astype(x.dtype)
-    return (y, s) if return_final_state else y
+    final, y = lax.scan(step, _vary_like(h0, x_LxBxGxRxP, dt_LxBxGxR, B_LxBxGxN, C_LxBxGxN),
+                        (x_LxBxGxRxP, dt_LxBxGxR, B_LxBxGxN, C_LxBxGxN))
+    y = y.swapaxes(0, 1).reshape(b, l, h, p).astype(x.dtype)
+    return (y, final.reshape(b, h, p, n)) if return_final_state else y
 
 
-def ssd_chunked(x, dt, A, B, C, *, chunk_size, initial_state=None, return_final_state=False):
-    return ssd_reference(x, dt, A, B, C, initial_state=initial_state, return_final_state=return_final_state)
+# --------------------------------------------------------------------------- chunked jnp
+
+
+def _segsum(a_xQ):
+    """[..., Q] -> [..., Q, Q]: out[t, s] = a_{s+1} + ... + a_t for s <= t, -inf above the diagonal.
+    Sums of masked terms rather than differences of cumulative sums (no cancellation), and the
+    mask applied before exp, so exp's gradient is 0 (not NaN) above the diagonal."""
+    q = a_xQ.shape[-1]
+    t = jnp.arange(q)[:, None]
+    s = jnp.arange(q)[None, :]
+    terms = jnp.where(t > s, a_xQ[..., :, None], 0.0)                 # [..., k, s]: a_k for k > s
+    return jnp.where(t >= s, jnp.cumsum(terms, axis=-2), -jnp.inf)
+
+
+# The name of the states carried into each chunk [chunks, b, g, r, p, n] in ssd_chunked, for a remat
+# policy that keeps them and recomputes the rest (jax.checkpoint_policies.save_only_these_names).
+CHUNK_STATES = "ssd_chunk_states"
+
+
+def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False):
+    """The SSD scan in chunks of `chunk_size`, in plain jnp (fp32); see the module docstring.
+    Differentiable by autodiff; cost linear in L. Same arguments and results as ssd_reference."""
+    _check(x, dt, A, B, C, initial_state)
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    r, q = h // g, int(chunk_size)
+    nc = -(-l // q)
+    f32 = lambda t: _pad_to(t.astype(jnp.float32), 1, nc * q)        # dt = 0 past L: state unchanged
+    x_ = f32(x).reshape(b, nc, q, g, r, p)
+    B_, C_ = f32(B).reshape(b, nc, q, g, n), f32(C).reshape(b, nc, q, g, n)
+    dt_ = jnp.moveaxis(f32(dt).reshape(b, nc, q, g, r), 2, -1)       # [b, c, g, r, q]
+    a = dt_ * A.astype(jnp.float32).reshape(g, r)[..., None]
+    acs = jnp.cumsum(a, axis=-1)                                     # [b, c, g, r, q]
+
+    # Within each chunk: the quadratic (attention-like) form.
+    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", C_, B_)                    # [b, c, g, q, s]
+    m = cb[:, :, :, None] * jnp.exp(_segsum(a)) * dt_[..., None, :]  # [b, c, g, r, q, s]
+    y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, x_)
+    # Each chunk's own final state, then the states carried between chunks.
+    w = jnp.exp(acs[..., -1:] - acs) * dt_                           # [b, c, g, r, q]
+    s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", w, x_, B_)          # [b, c, g, r, p, n]
+    h0 = (jnp.zeros((b, g, r, p, n), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32).reshape(b, g, r, p, n))
+    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(jnp.exp(acs[..., -1]), 1, 0), h0)
+    h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
+    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, jnp.exp(acs))
+    y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
+    return (y, final.reshape(b, h, p, n)) if return_final_state else y
+
+
+# --------------------------------------------------------------------------- Pallas kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Everything static about one call: hashable, passed as a custom_vjp nondiff arg."""
+
+    chunk: int          # Q: rows per program
+    heads_per_group: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+    """2-D matmul with fp32 accumulation; fp32 operands at HIGHEST precision (no TF32)."""
+    dims = (((0,) if trans_a else (1,), (1,) if trans_b else (0,)), ((), ()))
+    precision = _HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _decay(acs_Q, q: int):
+    """[Q, Q]: exp(acs_t - acs_s) for s <= t, else 0 (masked before exp: no overflow)."""
+    t = lax.broadcasted_iota(jnp.int32, (q, 1), 0)
+    s = lax.broadcasted_iota(jnp.int32, (1, q), 1)
+    return jnp.exp(jnp.where(t >= s, acs_Q[:, None] - acs_Q[None, :], -jnp.inf))
+
+
+def _is_last(q: int):
+    return lax.broadcasted_iota(jnp.int32, (q,), 0) == q - 1
+
+
+def _last(v_Q, q: int):
+    """v's last element (a masked sum: no scalar indexing into a register block)."""
+    return jnp.sum(jnp.where(_is_last(q), v_Q, 0.0))
+
+
+def _chunk_state_kernel(x_ref, w_ref, b_ref, s_ref):
+    """S = (x * w)^T B: x [Q, P], w [Q] fp32, B [Q, N] -> S [P, N] fp32."""
+    x = x_ref[...]
+    xw = (x.astype(jnp.float32) * w_ref[...][:, None]).astype(x.dtype)
+    s_ref[...] = _dot(xw, b_ref[...].astype(x.dtype), trans_a=True)
+
+
+def _chunk_scan_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, y_ref, *, cfg: _Config):
+    """y [Q, P] of one chunk: the masked, decayed C B^T scores times dt x, plus the state H [P, N]
+    carried in, read out by C and decayed by exp(acs)."""
+    x, bm, cm = x_ref[...], b_ref[...], c_ref[...]                   # [Q, P], [Q, N], [Q, N]
+    dt, acs = dt_ref[...], acs_ref[...]                              # [Q] fp32
+    cdt = x.dtype
+    m = _dot(cm, bm, trans_b=True) * _decay(acs, cfg.chunk) * dt[None, :]       # [Q, Q] (t, s)
+    y = _dot(m.astype(cdt), x)
+    y += jnp.exp(acs)[:, None] * _dot(cm, h_ref[...].astype(cdt), trans_b=True)
+    y_ref[...] = y.astype(y_ref.dtype)
+
+
+def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, ds_ref,
+                           dx_ref, db_ref, dc_ref, dacs_ref, ddt_ref, *, cfg: _Config):
+    """Gradients of one chunk's outputs y (cotangent dy [Q, P]) and of its own state S (cotangent dS
+    [P, N], the state after the chunk's): dx [Q, P], dB and dC [Q, N] for this head, d(acs) [Q] and
+    the part of ddt [Q] where dt multiplies (not through a = dt * A)."""
+    q = cfg.chunk
+    x, bm, cm, dy = x_ref[...], b_ref[...], c_ref[...], dy_ref[...]
+    dt, acs = dt_ref[...], acs_ref[...]
+    h, ds = h_ref[...], ds_ref[...]                                  # [P, N] fp32
+    cdt = x.dtype
+    f32 = jnp.float32
+
+    # Within the chunk: y_t = sum_s cb[t, s] decay[t, s] dt_s x_s.
+    decay = _decay(acs, q)
+    cb = _dot(cm, bm, trans_b=True)                                  # [Q, Q] C_t . B_s
+    dyx = _dot(dy, x, trans_b=True)                                  # [Q, Q] dy_t . x_s
+    e0 = cb * decay * dyx                                            # d loss / d dt_s per (t, s)
+    e = e0 * dt[None, :]                                             # d loss / d acs_t per (t, s)
+    m = cb * decay * dt[None, :]
+    dm = dyx * decay * dt[None, :]                                   # d loss / d cb
+    dx = _dot(m.astype(cdt), dy, trans_a=True)                       # [Q, P]
+    dc = _dot(dm.astype(cdt), bm)                                    # [Q, N]
+    db = _dot(dm.astype(cdt), cm, trans_a=True)                      # [Q, N]
+    dacs = jnp.sum(e, axis=1) - jnp.sum(e, axis=0)
+    ddt = jnp.sum(e0, axis=0)
+
+    # The carried state's output: y_t += exp(acs_t) H C_t.
+    out_decay = jnp.exp(acs)
+    dc += out_decay[:, None] * _dot(dy, h.astype(cdt))              # [Q, N]
+    y_off = out_decay[:, None] * _dot(cm, h.astype(cdt), trans_b=True)   # [Q, P]
+    dacs += jnp.sum(dy.astype(f32) * y_off, axis=1)
+
+    # The chunk's own state: S = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s.
+    to_end = jnp.exp(_last(acs, q) - acs)                            # [Q]
+    w = to_end * dt
+    xds = _dot(x, ds.astype(cdt))                                    # [Q, N] x_s^T dS
+    db += w[:, None] * xds
+    dx += w[:, None] * _dot(bm, ds.astype(cdt), trans_b=True)        # [Q, P] dS B_s
+    f0 = jnp.sum(xds * bm.astype(f32), axis=1)                       # [Q] x_s^T dS B_s
+    ddt += to_end * f0
+    f = w * f0
+    dacs += jnp.where(_is_last(q), jnp.sum(f), 0.0) - f
+
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    db_ref[...] = db
+    dc_ref[...] = dc
+    dacs_ref[...] = dacs
+    ddt_ref[...] = ddt
+
+
+def _specs(cfg: _Config, p: int, n: int):
+    """BlockSpecs over grid (batch, head, chunk): rows of x-like [B, L, H, P] arrays, of B/C-like
+    [B, L, G, N] arrays at the head's group, of B/C-like arrays per head [B, L, H, N], of [B, H, L]
+    arrays (dt, acs, weights), and states [B, H, chunks, P, N]."""
+    q, r = cfg.chunk, cfg.heads_per_group
+    return dict(
+        x=pl.BlockSpec((None, q, None, p), lambda b, h, c: (b, c, h, 0)),
+        group=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h // r, 0)),
+        head_n=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h, 0)),
+        row=pl.BlockSpec((None, None, q), lambda b, h, c: (b, h, c)),
+        state=pl.BlockSpec((None, None, None, p, n), lambda b, h, c: (b, h, c, 0, 0)),
+    )
+
+
+def _call(kernel, name: str, cfg: _Config, grid, in_specs, out_specs, out_shape):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=cfg.interpret, name=name)
+
+
+def _chunk_state_call(x, w, bm, cfg: _Config, *, per_head_b: bool = False):
+    """sum over each chunk's rows of w_t x_t (outer) B_t -> [B, H, chunks, P, N] fp32 (B read at each
+    head's group, or per head)."""
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    return _call(_chunk_state_kernel, "ssd_chunk_state", cfg, (b, h, nc),
+                 [sp["x"], sp["row"], sp["head_n"] if per_head_b else sp["group"]], sp["state"],
+                 jax.ShapeDtypeStruct((b, h, nc, p, n), jnp.float32))(x, w, bm)
+
+
+def _chunk_scan_call(x, bm, cm, dt, acs, h_in, cfg: _Config):
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    return _call(functools.partial(_chunk_scan_kernel, cfg=cfg), "ssd_chunk_scan", cfg, (b, h, nc),
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"]], sp["x"],
+                 jax.ShapeDtypeStruct(x.shape, x.dtype))(x, bm, cm, dt, acs, h_in)
+
+
+def _chunk_scan_bwd_call(x, bm, cm, dt, acs, h_in, dy, ds, cfg: _Config):
+    b, l, h, p = x.shape
+    n, nc = bm.shape[-1], l // cfg.chunk
+    sp = _specs(cfg, p, n)
+    f32 = jnp.float32
+    return _call(functools.partial(_chunk_scan_bwd_kernel, cfg=cfg), "ssd_chunk_scan_bwd", cfg, (b, h, nc),
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"], sp["x"], sp["state"]],
+                 [sp["x"], sp["head_n"], sp["head_n"], sp["row"], sp["row"]],
+                 [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((b, l, h, n), f32),
+                  jax.ShapeDtypeStruct((b, l, h, n), f32), jax.ShapeDtypeStruct((b, h, l), f32),
+                  jax.ShapeDtypeStruct((b, h, l), f32)])(x, bm, cm, dt, acs, h_in, dy, ds)
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+def _decays(dt, A, cfg: _Config):
+    """dt [B, L, H] -> (dt [B, H, L] fp32, acs [B, H, L]: the cumulative sums of dt * A per chunk)."""
+    b, l, h = dt.shape
+    dt_BxHxL = dt.astype(jnp.float32).transpose(0, 2, 1)
+    a = (dt_BxHxL * A.astype(jnp.float32)[:, None]).reshape(b, h, l // cfg.chunk, cfg.chunk)
+    return dt_BxHxL, jnp.cumsum(a, axis=-1).reshape(b, h, l)
+
+
+def _forward(x, dt, A, bm, cm, h0, cfg: _Config):
+    """(y, final state, states entering each chunk [B, H, chunks, P, N])."""
+    dt_t, acs = _decays(dt, A, cfg)
+    b, h, l = acs.shape
+    acs_c = acs.reshape(b, h, l // cfg.chunk, cfg.chunk)
+    w = (jnp.exp(acs_c[..., -1:] - acs_c) * dt_t.reshape(acs_c.shape)).reshape(b, h, l)
+    s = _chunk_state_call(x, w, bm, cfg)                             # [B, H, nc, P, N]
+    h_in, final = _pass_states(jnp.moveaxis(s, 2, 0), jnp.moveaxis(jnp.exp(acs_c[..., -1]), 2, 0), h0)
+    h_in = jnp.moveaxis(h_in, 0, 2)
+    return _chunk_scan_call(x, bm, cm, dt_t, acs, h_in, cfg), final, h_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _ssd(x, dt, A, bm, cm, h0, cfg):
+    y, final, _ = _forward(x, dt, A, bm, cm, h0, cfg)
+    return y, final
+
+
+def _ssd_fwd(x, dt, A, bm, cm, h0, cfg):
+    y, final, h_in = _forward(x, dt, A, bm, cm, h0, cfg)
+    return (y, final), (x, dt, A, bm, cm, h_in)
+
+
+def _ssd_bwd(cfg, res, cts):
+    x, dt, A, bm, cm, h_in = res
+    dy, dfinal = cts
+    b, l, h, p = x.shape
+    g, n = bm.shape[2:]
+    nc, q = l // cfg.chunk, cfg.chunk
+    dt_t, acs = _decays(dt, A, cfg)
+    acs_c = acs.reshape(b, h, nc, q)
+    decay = jnp.exp(acs_c[..., -1])                                  # [B, H, nc]
+
+    # The carried states' gradients from the outputs, then the state passing backwards:
+    # g_c = dH_out_c + decay_c g_c+1 from g_nc = dfinal; dS_c = g_c+1.
+    dh_out = _chunk_state_call(dy, jnp.exp(acs), cm, cfg)            # [B, H, nc, P, N]
+
+    def back(g_next, inp):
+        dh_c, d_c, h_c = inp
+        return dh_c + d_c[..., None, None] * g_next, (g_next, jnp.sum(g_next * h_c, axis=(-2, -1)))
+
+    first = lambda t: jnp.moveaxis(t, 2, 0)
+    dh0, (ds, ddecay) = lax.scan(back, _vary_like(dfinal, dh_out, h_in),
+                                 (first(dh_out), first(decay), first(h_in)), reverse=True)
+    ds, ddecay = jnp.moveaxis(ds, 0, 2), jnp.moveaxis(ddecay, 0, 2)
+
+    dx, db_h, dc_h, dacs, ddt_direct = _chunk_scan_bwd_call(x, bm, cm, dt_t, acs, h_in, dy, ds, cfg)
+    dacs = dacs.reshape(b, h, nc, q).at[..., -1].add(ddecay * decay)
+    da = lax.cumsum(dacs, axis=3, reverse=True).reshape(b, h, l)     # d loss / d (dt * A)
+    a32 = A.astype(jnp.float32)
+    ddt = (ddt_direct + da * a32[:, None]).transpose(0, 2, 1)
+    dA = jnp.sum(da * dt_t, axis=(0, 2))
+    db = db_h.reshape(b, l, g, h // g, n).sum(3)
+    dc = dc_h.reshape(b, l, g, h // g, n).sum(3)
+    return (dx, ddt.astype(dt.dtype), dA.astype(A.dtype), db.astype(bm.dtype), dc.astype(cm.dtype), dh0)
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
+        num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
+    """The SSD scan as Pallas kernels; differentiable (Pallas backward kernels, see the module
+    docstring for what runs where). Same arguments and results as ssd_reference, plus:
+
+      chunk_size: Q, the rows each program holds; a power of two >= 16 (<= 128 suits the GPU).
+      num_warps, num_stages: Triton launch parameters (default 4 warps, or 8 for Q >= 128; 2 stages).
+      interpret: run the kernels in Pallas interpret mode; None picks True exactly when the default
+        backend is CPU.
+    """
+    _check(x, dt, A, B, C, initial_state)
+    q = int(chunk_size)
+    if q < _MIN_BLOCK or q & (q - 1):
+        raise ValueError(f"chunk_size={chunk_size} must be a power of two >= {_MIN_BLOCK}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    cfg = _Config(chunk=q, heads_per_group=h // g, num_warps=num_warps or (8 if q >= 128 else 4),
+                  num_stages=num_stages or 2, interpret=bool(interpret))
+    # Pad: L to a multiple of Q with dt = 0 (the state passes through), P and N to powers of two
+    # >= 16 with zeros (their rows and columns of every product are zero and are sliced off).
+    lp = -(-l // q) * q
+    pp, np_ = max(_MIN_BLOCK, _next_pow2(p)), max(_MIN_BLOCK, _next_pow2(n))
+    if not x.dtype == B.dtype == C.dtype:
+        B, C = B.astype(x.dtype), C.astype(x.dtype)
+    xp = _pad_to(_pad_to(x, 1, lp), 3, pp)
+    Bp, Cp = (_pad_to(_pad_to(t, 1, lp), 3, np_) for t in (B, C))
+    dtp = _pad_to(dt, 1, lp)
+    h0 = (jnp.zeros((b, h, pp, np_), jnp.float32) if initial_state is None
+          else _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, pp), 3, np_))
+    y, final = _ssd(xp, dtp, A, Bp, Cp, h0, cfg)
+    y = y[:, :l, :, :p]
+    return (y, final[:, :, :p, :n]) if return_final_state else y

@@ -92,6 +92,17 @@ def _fp8_headline(r: dict) -> str:
     return text
 
 
+def _ssd_headline(r: dict) -> str:
+    rows = r.get("correctness", [])
+    text = f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} correct"
+    timed = [t for t in r.get("timing", []) if t.get("fwd_bwd_tflops")]
+    if timed:
+        seq = max(t["seq"] for t in timed)
+        cells = [f"{t['impl'].split()[0]} c{t['chunk']} {t['fwd_bwd_tflops']:.0f}" for t in timed if t["seq"] == seq]
+        text += f"; fwd+bwd TFLOP/s at seq {seq}: " + ", ".join(cells)
+    return text
+
+
 def _composed_headline(r: dict) -> str:
     rows = r.get("checks", [])
     return f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} composed paths agree"
@@ -166,6 +177,11 @@ SECTIONS = [
     Section("attention", 150, lambda ctx: [ctx.python, "scripts/gpu_check_attention.py", "--json",
                                            ctx.json("attention"), *(["--cpu-smoke"] if ctx.smoke else [])],
             headline=_attention_headline),
+    # The Mamba-2 SSD scan's Pallas kernels: correct against the sequential reference, timed against
+    # ssd_chunked under jit.
+    Section("ssd", 120, lambda ctx: [ctx.python, "scripts/gpu_check_ssd.py", "--json", ctx.json("ssd"),
+                                     *(["--cpu-smoke"] if ctx.smoke else [])],
+            smoke_limit_s=90, headline=_ssd_headline),
     Section("fp8", 150, lambda ctx: [ctx.python, "scripts/gpu_check_fp8.py", "--out", str(ctx.out / "fp8"),
                                      "--json", ctx.json("fp8"),
                                      *(["--cpu-smoke"] if ctx.smoke else [])], smoke_limit_s=60, headline=_fp8_headline),

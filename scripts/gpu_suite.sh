@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check in one run, from the repository with no install: versions and devices, the Pallas
-# flash-attention check (correctness, then a timing table against cuDNN and XLA), and the ~1.2B
+# flash-attention check (correctness, then a timing table against cuDNN and XLA), the Pallas SSD scan
+# check (correctness, then timing against the chunked jnp scan), and the ~1.2B
 # Llama bench (bf16, MFU) with cuDNN and with Pallas attention, plus the Megatron-Core baseline when
 # megatron-core is installed. Under 8 minutes on one GPU; each section writes $OUT/<name>.txt and
 # $OUT/<name>.json as it goes (OUT defaults to ./gpu_results), and a summary table ends the run.

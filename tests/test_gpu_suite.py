@@ -53,7 +53,8 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     assert p.returncode == 0, p.stdout[-5000:] + p.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     status = {r["section"]: r["status"] for r in summary["sections"]}
-    assert status == {"env": "ok", "attention": "ok", "fp8": "ok", "composed": "ok", "bench_llama1b_cudnn": "ok",
+    assert status == {"env": "ok", "attention": "ok", "ssd": "ok", "fp8": "ok", "composed": "ok",
+                      "bench_llama1b_cudnn": "ok",
                       "bench_llama1b_fp8": "ok",
                       "bench_llama1b_flash": "ok",
                       "bench_llama1b_megatron": "skipped", "serve": "ok"}, summary
@@ -64,6 +65,9 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
     attention = json.loads((out / "attention.json").read_text())
     assert attention["ok"] and all(c["ok"] for c in attention["correctness"]) and attention["timing"]
     assert "3.5 x forward" in attention["flops_convention"]
+    ssd = json.loads((out / "ssd.json").read_text())  # the SSD kernels: correct, and timed against ssd_chunked
+    assert ssd["ok"] and all(c["ok"] for c in ssd["correctness"])
+    assert {t["impl"] for t in ssd["timing"]} == {"pallas ssd", "xla chunked"}
     composed = json.loads((out / "composed.json").read_text())
     assert composed["ok"] and len(composed["checks"]) == 2  # stage loop (flash + FP8), FP8 under SP; no cuDNN
     for impl in ("cudnn", "flash", "fp8"):

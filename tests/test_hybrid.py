@@ -22,8 +22,9 @@ MAMBA_ATTENTION = [o for o in HYBRID if "pattern" not in o and "expert" not in o
 # size x micro batch sequences.
 LAYOUTS = {
     "data2_fsdp2_expert2": (HYBRID, ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"], 8),
-    "tensor2_sp_fsdp2_data2_distopt": (HYBRID, ["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.data=2",
-                                                "mesh.fsdp=2", "parallel.distributed_optimizer=true"], 8),
+    "tensor2_sp_fsdp2_data2_distopt_selective": (HYBRID, ["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.data=2",
+                                                "mesh.fsdp=2", "parallel.distributed_optimizer=true",
+                                                "parallel.recompute=selective"], 8),
     "tensor2_sp_pipeline2_1f1b": (HYBRID, ["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.pipeline=2",
                                            "mesh.data=2", "train.micro_batch=1"], 2),
     "pipeline2_gpipe_expert2_data2_recompute": (HYBRID, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2",
@@ -49,6 +50,16 @@ def test_hybrid_layouts_match_one_device(small_config, layout):
     steps = 3 if model is MAMBA_ATTENTION else STEPS
     ref = reference(small_config, *model, f"train.micro_batch={micro}", steps=steps)
     got = run(small_config, *model, *overrides, devices=jax.devices(), steps=steps)
+    assert_same_run(got, ref)
+
+
+def test_the_pallas_ssd_kernel_per_shard_matches_the_chunked_scan_on_one_device(small_config):
+    """model.mamba_ssd_impl=pallas (interpret mode on CPU) on tensor 2 + SP x expert 2 x data 2, each
+    device running the kernel on its heads, against the chunked jnp scan on one device."""
+    chunk = ["model.mamba_chunk_size=16"]
+    ref = reference(small_config, *HYBRID, *chunk, "train.micro_batch=8", steps=2)
+    got = run(small_config, *HYBRID, *chunk, "model.mamba_ssd_impl=pallas", "mesh.tensor=2",
+              "parallel.sequence_parallel=true", "mesh.expert=2", "mesh.data=2", devices=jax.devices(), steps=2)
     assert_same_run(got, ref)
 
 

@@ -343,3 +343,28 @@ def test_recipe_layouts_from_megatron_flags():
     a, b = plan(cfg, 8), plan(recipe, 8)
     assert a.sizes == b.sizes and a.batch == b.batch and cfg.parallel == recipe.parallel
     assert model_fields(cfg) == model_fields(recipe)
+
+
+# A pretrain_mamba.py line for configs/model/tiny-hybrid.yaml (Nemotron-H's flags at toy sizes).
+TINY_HYBRID = """--num-layers 8 --hidden-size 128 --num-attention-heads 4 --group-query-attention --num-query-groups 2
+    --ffn-hidden-size 256 --squared-relu --position-embedding-type none --normalization RMSNorm
+    --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
+    --init-method-std 0.02 --is-hybrid-model --hybrid-override-pattern M*-EM*-E --mamba-state-dim 16
+    --mamba-head-dim 16 --mamba-num-groups 2 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128
+    --moe-aux-loss-coeff 0.01 --seq-length 128 --max-position-embeddings 128"""
+
+
+@pytest.mark.parametrize("pattern_flag", ["--hybrid-override-pattern", "--hybrid-layer-pattern"])
+def test_hybrid_flags_against_the_preset(pattern_flag):
+    """A hybrid's flags (the pattern by either name, the Mamba sizes, squared ReLU, no position embedding)
+    give configs/model/tiny-hybrid.yaml's model. Two fields differ: the family (the preset's llama, gpt for
+    Megatron's list without rotary positions: the same layers, as both name norm and activation) and the
+    scan's chunk length (the preset's 32 for CPU runs; Megatron fixes its at 128, megajax's default)."""
+    preset = load_config(["model/tiny-hybrid"])
+    line = TINY_HYBRID.replace("--hybrid-override-pattern", pattern_flag)
+    example = config_of(line)
+    assert differing(example, preset) == {"family", "mamba_chunk_size"}
+    assert example.model.hybrid_layer_pattern == "M*-EM*-E" and example.model.activation == "squared_relu"
+    t = ma.translate(words(line + " --hybrid-attention-ratio 0.25"))
+    assert [text for text, _ in t.unmapped] == ["--hybrid-attention-ratio 0.25"]
+    assert "--is-hybrid-model" in [text for text, _ in t.needless]

@@ -36,6 +36,9 @@ MOE_FIELDS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shar
               "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_router_bias_update_rate",
               "moe_layer_freq", "moe_shared_expert_gate", "moe_router_num_groups", "moe_router_group_topk",
               "moe_router_pre_softmax")
+# A hybrid model's fields (only when model.hybrid_layer_pattern; the Mamba ones only with Mamba layers).
+HYBRID_FIELDS = ("hybrid_layer_pattern",)
+MAMBA_FIELDS = ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads", "mamba_conv_kernel")
 # Multi-latent attention's fields (only when model.multi_latent_attention).
 MLA_FIELDS = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim")
@@ -112,6 +115,8 @@ def model_overrides(m: ModelConfig) -> dict:
         out.pop("moe_shared_expert_gate")
     if m.multi_latent_attention:
         out.update({k: getattr(m, k) for k in MLA_FIELDS})
+    if m.hybrid_layer_pattern:
+        out.update({k: getattr(m, k) for k in HYBRID_FIELDS + (MAMBA_FIELDS if "M" in m.hybrid_pattern() else ())})
     if m.mtp_num_layers:  # multi-token prediction's depths (Megatron's and DeepSeek-V3's checkpoints hold them)
         out.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
                    mtp_block=m.mtp_block)

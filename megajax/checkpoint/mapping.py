@@ -47,8 +47,9 @@ MTP_STACK = "mtp/"  # multi-token prediction's depths, stacked on dim 0
 @dataclasses.dataclass(frozen=True)
 class Part:
     """A megajax parameter (one layer of it) inside an external tensor: `same` (unchanged), `flat`
-    (one dim), `linear` (PyTorch Linear: kernel [in..., out...] -> [out, in]) or `conv1d` (GPT-2's
-    Conv1D: -> [in, out]); the kernel's first `n_in` dims are its inputs."""
+    (one dim), `linear` (PyTorch Linear: kernel [in..., out...] -> [out, in]), `conv1d` (GPT-2's
+    Conv1D: -> [in, out]) or `depthwise` (a depthwise nn.Conv1d's weight: [channels..., width] ->
+    [channels, 1, width]); the kernel's first `n_in` dims are its inputs (a depthwise conv's channels)."""
     path: str
     kind: str
     n_in: int = 1
@@ -58,13 +59,15 @@ class Part:
     def external_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         n_in, n_out = math.prod(shape[:self.n_in]), math.prod(shape[self.n_in:])
         return {"same": tuple(shape), "flat": (n_in * n_out,), "linear": (n_out, n_in),
-                "conv1d": (n_in, n_out)}[self.kind]
+                "conv1d": (n_in, n_out), "depthwise": (n_in, 1, n_out)}[self.kind]
 
     def to_external(self, x: np.ndarray) -> np.ndarray:
         if self.expert is not None:
             x = x[self.expert]
         if self.kind in ("same", "flat"):
             return x if self.kind == "same" else x.reshape(-1)
+        if self.kind == "depthwise":
+            return x.reshape(math.prod(x.shape[:self.n_in]), 1, -1)
         x = x.reshape(math.prod(x.shape[:self.n_in]), -1)
         return x.T if self.kind == "linear" else x
 
@@ -74,6 +77,7 @@ class Part:
 
 same, flat = functools.partial(Part, kind="same"), functools.partial(Part, kind="flat")
 linear, conv1d = functools.partial(Part, kind="linear"), functools.partial(Part, kind="conv1d")
+depthwise = functools.partial(Part, kind="depthwise")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,6 +39,7 @@ import numpy as np
 
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        read_fields, resolved_model, tokenizer_dir_spec)
+from megajax.checkpoint import megatron_hybrid as hybrid
 from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
 from megajax.checkpoint.mapping import (MTP_STACK, Row, flat, index, layer_rows, linear, linear_rows, norm_rows,
                                         rows_for, same, to_external, to_ours)
@@ -175,10 +176,12 @@ def _attention_linears(m: ModelConfig) -> tuple[str, ...]:
     return (*q, "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj")
 
 
-def _extra_state(m: ModelConfig, moe: bool, local: int, prefix: str = _L, experts: int | None = None) -> list[str]:
+def _extra_state(m: ModelConfig, moe: bool, local: int, prefix: str = _L, experts: int | None = None,
+                 attention: bool = True) -> list[str]:
     """The `_extra_state` keys (its Linear modules') of a layer (`moe`: a mixture of experts), numbered
-    `local` on its stage, under `prefix`; `experts`: the experts a rank file holds (all by default)."""
-    attn = tuple(f"{_L}.self_attention.{x}._extra_state" for x in _attention_linears(m))
+    `local` on its stage, under `prefix`; `experts`: the experts a rank file holds (all by default);
+    `attention` False: its MLP's alone (a hybrid's MoE layer)."""
+    attn = tuple(f"{_L}.self_attention.{x}._extra_state" for x in _attention_linears(m)) if attention else ()
     if not moe:
         keys = attn + tuple(f"{_L}.mlp.{x}._extra_state" for x in ("linear_fc1", "linear_fc2"))
     else:
@@ -197,7 +200,9 @@ _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 def _megatron_rows(shapes: dict, m: ModelConfig) -> list[Row]:
     """MEGATRON_ROWS for a model of layout `shapes`: linear_q_proj only for multi-latent attention
-    (otherwise q is in linear_qkv)."""
+    (otherwise q is in linear_qkv); a hybrid model's rows (megatron_hybrid.py)."""
+    if m.hybrid_layer_pattern:
+        return hybrid.hybrid_rows(shapes, m, _DECODER_ROWS)
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
     return [r for r in rows if m.multi_latent_attention or not r.name.endswith(".linear_q_proj.weight")]
 
@@ -217,10 +222,15 @@ def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, 
             yield row, row.names(), None
         if row.per_layer and row is next(r for r in rows if r.per_layer):  # the layers, each whole, in order
             for k in layers:
-                yield from ((r, r.names(k), slot) for r, slot in layer_rows(rows, m, offset + k))
+                yield from ((r, r.names(k), slot) for r, slot in _layer_rows(rows, m, offset + k))
     if last:  # multi-token prediction's depths, after the output layer
         for k in range(m.mtp_num_layers):
             yield from ((r, r.names(k), k) for r in rows if r.stack == MTP_STACK)
+
+
+def _layer_rows(rows: list[Row], m: ModelConfig, layer: int):
+    """(row, index in its stack) of the rows holding model layer `layer`."""
+    return hybrid.layer_rows(rows, m, layer) if m.hybrid_layer_pattern else layer_rows(rows, m, layer)
 
 
 # ----------------------------------------------------------------------------
@@ -228,15 +238,19 @@ def _on_stage(rows: list[Row], m: ModelConfig, first: bool, last: bool, layers, 
 # ----------------------------------------------------------------------------
 
 def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
-    problems = []
+    problems = hybrid.check_exportable(m, tp) if m.hybrid_layer_pattern else []
     ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
+    if m.hybrid_layer_pattern and m.num_experts and "-" in m.hybrid_pattern():  # both kinds of MLP
+        ffn = ("ffn_hidden_size", m.ffn_hidden_size), ("moe_ffn_hidden_size", m.moe_ffn_hidden_size)
+    else:
+        ffn = (ffn,)
     shared = [("moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)] if m.num_experts else []
     # multi-latent attention's down-projections and MTP's eh_proj are column-parallel linears in megatron-core
     latents = ([("q_lora_rank", m.q_lora_rank or 0), ("kv_lora_rank + qk_pos_emb_head_dim",
                                                       m.kv_lora_rank + m.qk_pos_emb_head_dim)]
                if m.multi_latent_attention else [])
     eh_proj = [("hidden_size", m.hidden_size)] if m.mtp_num_layers else []
-    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), ffn, *shared, *latents,
+    for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads), *ffn, *shared, *latents,
                         *eh_proj):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
@@ -281,9 +295,10 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         seq_length=m.max_position_embeddings, padded_vocab_size=padded_vocab_size,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm],
-        apply_layernorm_1p=False, swiglu=m.activation == "swiglu", openai_gelu=False, squared_relu=False,
-        position_embedding_type="rope" if rope else "learned_absolute",
-        add_position_embedding=not rope, use_rotary_position_embeddings=rope,
+        apply_layernorm_1p=False, swiglu=m.activation == "swiglu", openai_gelu=False,
+        squared_relu=m.activation == "squared_relu",
+        position_embedding_type={"rope": "rope", "learned": "learned_absolute", "none": "none"}[m.position_embedding],
+        add_position_embedding=m.position_embedding == "learned", use_rotary_position_embeddings=rope,
         rotary_base=int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta,
         rotary_percent=1.0, rotary_interleaved=False,
         use_rope_scaling=rope and m.rope_scaling == "llama3", rope_scaling_factor=m.rope_scaling_factor,
@@ -293,12 +308,15 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         apply_residual_connection_post_layernorm=False, **_moe_args(m),
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
         virtual_pipeline_model_parallel_size=None, num_layers_per_virtual_pipeline_stage=None,
-        sequence_parallel=False, transformer_impl="local", use_legacy_models=False, ckpt_format="torch",
+        sequence_parallel=False, use_legacy_models=False, ckpt_format="torch",
+        # the hybrid model's spec is Transformer Engine's (megatron_hybrid.py)
+        transformer_impl="transformer_engine" if m.hybrid_layer_pattern else "local",
         bf16=torch_dtype(dtype) == torch.bfloat16, fp16=False, params_dtype=torch_dtype(dtype),
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
         trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
+        **(hybrid.hybrid_args(m) if m.hybrid_layer_pattern else {}),
     )
 
 
@@ -354,8 +372,12 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
         # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
         to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
         sd[name] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
-    sd.update({key: None for k in range(per_stage)
-               for key in _extra_state(m, m.is_moe_layer(s * per_stage + k), k, experts=local)})
+    if m.hybrid_layer_pattern:
+        sd.update({key: None for k in range(per_stage) for key in hybrid.extra_state(
+            m, s * per_stage + k, k, lambda i: _extra_state(m, True, i, experts=local, attention=False))})
+    else:
+        sd.update({key: None for k in range(per_stage)
+                   for key in _extra_state(m, m.is_moe_layer(s * per_stage + k), k, experts=local)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
         sd.update({key: None for key in _mtp_extra_state(m, local)})
@@ -433,8 +455,8 @@ _DIST_NORMS = {"input_layernorm": "self_attention.linear_qkv", "pre_mlp_layernor
 
 def _per_layer_dist(m: ModelConfig) -> bool:
     """Whether megatron-core keeps each decoder layer under its own torch_dist keys (`decoder.layers.{i}.X`,
-    no layer dim): when its layers differ (moe_layer_freq > 1 or its list form)."""
-    return bool(m.num_experts) and (isinstance(m.moe_layer_freq, list) or m.moe_layer_freq > 1)
+    no layer dim): when its layers differ (moe_layer_freq > 1 or its list form; a hybrid's)."""
+    return bool(m.hybrid_layer_pattern) or bool(m.num_experts) and (isinstance(m.moe_layer_freq, list) or m.moe_layer_freq > 1)
 
 
 def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
@@ -455,7 +477,7 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
         """The layer norms under the linear they precede, as GPTModel's local spec names them (its
         multi-latent attention spec keeps the names)."""
         norm, _, part = rest.partition(".")
-        if norm in _DIST_NORMS and not m.multi_latent_attention:
+        if norm in _DIST_NORMS and not m.multi_latent_attention and not m.hybrid_layer_pattern:
             return f"{_DIST_NORMS[norm]}.layer_norm_{part}"
         return rest
 
@@ -485,8 +507,8 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
             continue
         if expert:
             stacks.setdefault(f"{layer}mlp.experts.experts.{expert.group(2)}", {})[(i, int(expert.group(1)))] = x
-        elif own:
-            out[f"{layer}{rest}"] = x
+        elif own:  # a Mamba mixer's in_proj and conv1d as their parts' keys
+            out.update({f"{layer}{k}": v for k, v in (hybrid.split_parts(rest, x, m) or {rest: x}).items()})
         else:
             stacks.setdefault(f"{layer}{rest}", {})[i] = x
     for key, parts in stacks.items():
@@ -640,8 +662,7 @@ def _overrides_from_args(args) -> dict:
     def reject(name, value, accepted):
         raise CheckpointError(f"Megatron args {name}={value!r} cannot be represented in megajax; accepted: {accepted}.")
 
-    for name in ("apply_layernorm_1p", "openai_gelu", "squared_relu", "rotary_interleaved",
-                 "apply_residual_connection_post_layernorm"):
+    for name in ("apply_layernorm_1p", "openai_gelu", "rotary_interleaved", "apply_residual_connection_post_layernorm"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
     moe = {}
@@ -676,8 +697,10 @@ def _overrides_from_args(args) -> dict:
     position = _arg(args, "position_embedding_type")
     if position is None:
         position = "rope" if _arg(args, "use_rotary_position_embeddings", False) else "learned_absolute"
-    if position not in ("rope", "learned_absolute"):
-        reject("position_embedding_type", position, "rope, learned_absolute")
+    if position not in ("rope", "learned_absolute", "none"):
+        reject("position_embedding_type", position, "rope, learned_absolute, none")
+    if _arg(args, "swiglu", False) and _arg(args, "squared_relu", False):
+        reject("squared_relu", True, "False with swiglu=True")
     normalization = _arg(args, "normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         reject("normalization", normalization, "LayerNorm, RMSNorm")
@@ -691,14 +714,18 @@ def _overrides_from_args(args) -> dict:
     if out["use_bias"] is False and _arg(args, "add_qkv_bias", False):
         reject("add_qkv_bias", True, "add_qkv_bias only together with add_bias_linear (one model.use_bias)")
     hidden, heads = out["hidden_size"], out["num_heads"]
-    out.update(family="llama" if position == "rope" else "gpt",
+    hybrid_fields = hybrid.hybrid_overrides(args, lambda name, default=None: _arg(args, name, default), reject)
+    if hybrid_fields and hybrid_fields["num_layers"] != out["num_layers"]:
+        reject("num_layers", out["num_layers"], f"the hybrid pattern's {hybrid_fields['num_layers']} layers")
+    out.update(family="llama" if position == "rope" or hybrid_fields else "gpt",
                num_kv_heads=_arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads,
                ffn_hidden_size=out["ffn_hidden_size"] or 4 * hidden,
                vocab_size=out["vocab_size"] or _arg(args, "padded_vocab_size"),
                max_position_embeddings=out["max_position_embeddings"] or _arg(args, "seq_length"),
                norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",
-               activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
-               position_embedding="rope" if position == "rope" else "learned",
+               activation="swiglu" if _arg(args, "swiglu", False) else
+               "squared_relu" if _arg(args, "squared_relu", False) else "gelu",
+               position_embedding={"rope": "rope", "learned_absolute": "learned", "none": "none"}[position],
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
                rope_theta=float(_arg(args, "rotary_base", 10000)), qk_norm=qk_norm)
@@ -706,6 +733,7 @@ def _overrides_from_args(args) -> dict:
         moe["moe_ffn_hidden_size"] = moe["moe_ffn_hidden_size"] or out["ffn_hidden_size"]
         out.update(moe)
     out.update(mla)
+    out.update(hybrid_fields)
     if _arg(args, "mtp_num_layers"):
         out.update(mtp_num_layers=int(args.mtp_num_layers),
                    mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1)))
@@ -875,13 +903,18 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
 
 class _DistStateDict(Mapping):
     """A torch_dist checkpoint's model tensors under their legacy TP-1 names, each read when asked for
-    (one layer, one expert); SwiGLU's `_w` / `_v` halves as one [w; v] tensor."""
+    (one layer, one expert); SwiGLU's `_w` / `_v` halves as one [w; v] tensor, a Mamba mixer's in_proj
+    and conv1d parts as one [z; x; B; C; dt] / [x; B; C] tensor."""
 
     def __init__(self, ckpt: DistCheckpoint, num_layers: int):
         self._ckpt, self._names = ckpt, layer_keys(ckpt, num_layers)
-        for name in [n for n in self._names if n.endswith("_w") and n[:-1] + "v" in self._names]:
-            self._names[name[:-2]] = (name, name[:-1] + "v")
-            del self._names[name], self._names[name[:-1] + "v"]
+        joined = {name[:-2]: (name, name[:-1] + "v") for name in self._names
+                  if name.endswith("_w") and name[:-1] + "v" in self._names}
+        joined.update(hybrid.joined_parts(self._names))  # a Mamba mixer's in_proj and conv1d parts
+        self._parts = {}  # where a joined tensor's parts are
+        for name, parts in joined.items():
+            self._parts.update({part: self._names.pop(part) for part in parts})
+            self._names[name] = parts
         self._last = (None, None)
 
     def _layer(self, key: str, i: int | None) -> np.ndarray:
@@ -891,10 +924,10 @@ class _DistStateDict(Mapping):
 
     def __getitem__(self, name: str):
         torch = _torch()
-        where = self._names[name]
-        if isinstance(where[0], str) and len(where) == 2:  # the halves of a SwiGLU linear_fc1
+        where = self._names[name] if name in self._names else self._parts[name]
+        if all(isinstance(w, str) for w in where):  # the halves of a SwiGLU linear_fc1, a Mamba in_proj's parts
             return torch.cat([self[h] for h in where])
-        key, i, j = self._names[name] if len(where) == 3 else where
+        key, i, j = where
         x = self._layer(key, i)
         return torch.from_numpy(np.ascontiguousarray(x if j is None else x[j]))
 

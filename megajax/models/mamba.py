@@ -44,7 +44,7 @@ from flax import nnx, struct
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.layers import Dense, LinearOps
-from pallas_kernels.ssd import ssd_chunked
+from pallas_kernels.ssd import CHUNK_STATES, ssd_chunked
 
 ACT_HEADS = ("batch", "length", "heads", "head_dim")
 ACT_GROUPS = ("batch", "length", "ssm_groups", "ssm_state")
@@ -98,10 +98,12 @@ def _uniform(key, shape, bound):
 class Mamba2Mixer(nnx.Module):
     """The Mamba-2 mixer: [B, L, D] -> [B, L, D]. `sequence_mixer(mix, x, B, C, dt, weights)` runs
     mix (sequence_mix) over the whole sequence (context parallelism's all-to-all; None: call it as
-    is); `ssd` the chunked scan (pallas_kernels/ssd.py)."""
+    is); `ssd` the chunked scan (pallas_kernels/ssd.py). `recompute` = selective: the sequence mixing
+    keeps only its inputs and the scan's chunk states for the backward (the conv, the intra-chunk
+    quadratic forms and the outputs are recomputed)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, ops: LinearOps, rngs: nnx.Rngs,
-                 sequence_mixer: Callable | None = None, ssd: Callable | None = None):
+                 sequence_mixer: Callable | None = None, ssd: Callable | None = None, recompute: str = "none"):
         d, h, p = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim
         g, n, k = cfg.mamba_num_groups, cfg.mamba_state_dim, cfg.mamba_conv_kernel
         col = dict(dtype=dtype, rngs=rngs, init_std=cfg.init_std, use_bias=False)
@@ -136,6 +138,7 @@ class Mamba2Mixer(nnx.Module):
         self.dtype = dtype
         self.sequence_mixer = sequence_mixer
         self.ssd = ssd or ssd_chunked
+        self.recompute = recompute
 
     def in_proj(self, x_BxLxD):
         """(z, x, B, C, dt) from one product whose kernel holds the five parts side by side per group:
@@ -172,6 +175,9 @@ class Mamba2Mixer(nnx.Module):
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         z, xs, b, c, dt = self.projections(x_BxLxD)
         mix = functools.partial(sequence_mix, chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd)
+        if self.recompute == "selective":
+            mix = jax.checkpoint(mix, prevent_cse=False,
+                                 policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES))
         if self.sequence_mixer is None:
             y = mix(xs, b, c, dt, self.weights())
         else:

@@ -112,11 +112,13 @@ class HybridLayer(nnx.Module):
     attention (*), an MLP (-) or a mixture of experts (E) (Megatron-Core's hybrid layers)."""
 
     def __init__(self, cfg: ModelConfig, kind: str, *, dtype, attention_core: Callable, ops: LinearOps,
-                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None, sequence_mixer: Callable | None = None):
+                 rngs: nnx.Rngs, expert_dispatch: Callable | None = None, sequence_mixer: Callable | None = None,
+                 ssd: Callable | None = None, recompute: str = "none"):
         self.kind = HYBRID_KINDS[kind]
         self.norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         if kind == "M":
-            self.mixer = Mamba2Mixer(cfg, dtype=dtype, ops=ops, rngs=rngs, sequence_mixer=sequence_mixer)
+            self.mixer = Mamba2Mixer(cfg, dtype=dtype, ops=ops, rngs=rngs, sequence_mixer=sequence_mixer, ssd=ssd,
+                                     recompute=recompute)
         elif kind == "*":
             self.mixer = Attention(cfg, core=attention_core, dtype=dtype, ops=ops, rngs=rngs)
         elif kind == "-":
@@ -215,13 +217,14 @@ class Transformer(nnx.Module):
     injected shift along the sequence of multi-token prediction (default shift_left; context
     parallelism's reordered sequences need their own); `sequence_mixer` the injected run of a Mamba
     mixer's conv and scan over the whole sequence (context parallelism's all-to-all; default: as is);
+    `ssd` the Mamba mixers' scan (default: pallas_kernels/ssd.py's chunked jnp form);
     `recompute` is none | selective | full.
     """
 
     def __init__(self, cfg: ModelConfig, *, padded_vocab_size: int | None = None, dtype=jnp.float32,
                  recompute: str = "none", ops: LinearOps = LinearOps(), attention_core: Callable | None = None,
                  expert_dispatch: Callable | None = None, sequence_shift: Callable | None = None,
-                 sequence_mixer: Callable | None = None, rngs: nnx.Rngs):
+                 sequence_mixer: Callable | None = None, ssd: Callable | None = None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.sequence_shift = sequence_shift or shift_left
         vocab = padded_vocab_size or cfg.padded_vocab_size()
@@ -241,7 +244,8 @@ class Transformer(nnx.Module):
             def make(rngs):
                 if cfg.hybrid_layer_pattern:
                     return HybridGroup(cfg, cfg.hybrid_group(), dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
-                                       expert_dispatch=expert_dispatch, sequence_mixer=sequence_mixer)
+                                       expert_dispatch=expert_dispatch, sequence_mixer=sequence_mixer, ssd=ssd,
+                                       recompute=recompute)
                 return Block(cfg, dtype=dtype, attention_core=core, ops=ops, rngs=rngs,
                              expert_dispatch=expert_dispatch, moe=moe)
             blocks = make(rngs)

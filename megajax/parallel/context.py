@@ -372,3 +372,22 @@ def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
                             check_vma=False)(xs, b, c, dt, w)
 
     return mixer
+
+
+def sharded_ssd(ssd: Callable, mesh: Mesh, rules: Rules) -> Callable:
+    """A Mamba mixer's SSD kernel (pallas_kernels/ssd.py's Pallas `ssd`, which XLA cannot partition)
+    per shard: batch over the data axes, heads and their groups over tensor; also inside a pipeline
+    stage or context parallelism's head shards (megajax/parallel/manual.py: the kernel itself)."""
+    from megajax.models.mamba import ACT_DT, ACT_GROUPS, ACT_HEADS
+    x_spec, g_spec, dt_spec, a_spec = (logical_to_spec(a, rules) for a in (ACT_HEADS, ACT_GROUPS, ACT_DT, ("heads",)))
+
+    def scan(x, dt, a, b, c, *, chunk_size, initial_state=None, return_final_state=False):
+        if initial_state is not None or return_final_state:  # generation: one device
+            return ssd(x, dt, a, b, c, chunk_size=chunk_size, initial_state=initial_state,
+                       return_final_state=return_final_state)
+
+        def local(x, dt, a, b, c):
+            return ssd(x, dt, a, b, c, chunk_size=chunk_size)
+        return shard_map_fn(local, mesh, (x_spec, dt_spec, a_spec, g_spec, g_spec), x_spec, check_vma=False)(x, dt, a, b, c)
+
+    return scan

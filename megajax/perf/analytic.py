@@ -149,15 +149,19 @@ def hybrid_layer_bytes(kind: str, m, s: float, b: int, t: int, sp: bool, policy:
     layer: the norm input (2 h), in_proj's outputs (2 (2 d + 2 G N + H)), the conv's input and output
     and dt in fp32 (8 (d + 2 G N) + 4 H), each chunk's scores (4 G Q) and states (4 H P N / Q) in fp32,
     y and the gated product in fp32 (8 d) and out_proj's input (2 d), d = heads x head dim split over
-    tensor. Full recompute keeps each group's input (2 h per group)."""
+    tensor; selective recompute keeps the sequence mixing's inputs, chunk states and output only.
+    Full recompute keeps each group's input (2 h per group)."""
     h = m.hidden_size
     if policy == "full":
         return 2 * s * b * h / (t if sp else 1) / len(m.hybrid_group())
     if kind == "M":
         q = min(m.mamba_chunk_size, s)
         d, gn, heads = m.mamba_inner_size(), m.mamba_num_groups * m.mamba_state_dim, m.mamba_num_heads
-        inner = (2 * (2 * d + 2 * gn + heads) + 8 * (d + 2 * gn) + 4 * heads + 4 * m.mamba_num_groups * q
-                 + 4 * heads * m.mamba_head_dim * m.mamba_state_dim / q + 10 * d)
+        states = 4 * heads * m.mamba_head_dim * m.mamba_state_dim / q
+        if policy == "selective":  # the sequence mixing keeps its inputs, the chunk states and y
+            inner = 2 * (2 * d + 2 * gn + heads) + states + 10 * d
+        else:
+            inner = 2 * (2 * d + 2 * gn + heads) + 8 * (d + 2 * gn) + 4 * heads + 4 * m.mamba_num_groups * q + states + 10 * d
         return s * b * (2 * h / (t if sp else 1) + inner / t)
     attn = 0 if policy == "selective" else 5 * m.num_heads * s / h
     core = 11 + attn if kind == "*" else 19

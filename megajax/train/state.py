@@ -32,7 +32,8 @@ from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
 from megajax.models.transformer import shift_left
-from megajax.parallel.context import context_parallel_attention, mamba_context, sequence_shift, sharded_attention
+from megajax.parallel.context import (context_parallel_attention, mamba_context, sequence_shift, sharded_attention,
+                                      sharded_ssd)
 from megajax.parallel import experts
 from megajax.parallel.tensor import tensor_parallel_ops
 from megajax.precision.fp8 import Fp8Dot, Fp8Meta, initial_fp8_state
@@ -108,6 +109,17 @@ def attention_core(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) 
     return core
 
 
+def mamba_ssd(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable | None:
+    """The Mamba mixers' SSD scan: model.mamba_ssd_impl's (the chunked jnp form by default; the Pallas
+    kernels per shard under a mesh); None: the model's default."""
+    if cfg.model.mamba_ssd_impl == "xla":
+        return None
+    from pallas_kernels.ssd import ssd
+    if mesh is not None and mesh.devices.size > 1:
+        return sharded_ssd(ssd, mesh, rules.activations)
+    return ssd
+
+
 def expert_dispatch(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> Callable | None:
     """The MoE token dispatch for this layout: each device dispatches its own tokens to the experts'
     devices under a mesh of several devices; None (all experts local) otherwise."""
@@ -138,11 +150,12 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     dispatch = expert_dispatch(cfg, mesh, rules)
     shift = sequence_shift(mesh, None if rules is None else rules.activations)
     mixer = mamba_context(mesh, None if rules is None else rules.activations)
+    scan = mamba_ssd(cfg, mesh, rules)
 
     def make():
         return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
-                           expert_dispatch=dispatch, sequence_shift=shift, sequence_mixer=mixer,
+                           expert_dispatch=dispatch, sequence_shift=shift, sequence_mixer=mixer, ssd=scan,
                            rngs=nnx.Rngs(params=seed))
 
     abstract = nnx.eval_shape(make)
