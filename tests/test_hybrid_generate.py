@@ -239,3 +239,19 @@ def test_pure_mamba_decode_memory_is_flat_in_the_generated_length():
     assert measured[16][1] == measured[256][1]
     assert measured[256][2] - measured[16][2] < 10 * 240  # ids, log p (and the like) of 240 more tokens
     assert pool_bytes_per_device(gen, 10**6, rows=4) == 4 * per_sequence
+
+
+def test_a_decode_step_is_the_scan_of_one_token(mixer):
+    """The one-token path of a decode step (the recurrence, ssd_step) equals the chunked scan's."""
+    from megajax.models.mamba import ssd_step
+    from pallas_kernels.ssd import ssd_chunked
+    cfg = mixer[0]
+    k = jax.random.split(jax.random.key(3), 6)
+    h, p, g, n = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_num_groups, cfg.mamba_state_dim
+    x, b, c = (jax.random.normal(k[0], (2, 1, h, p)), jax.random.normal(k[1], (2, 1, g, n)),
+               jax.random.normal(k[2], (2, 1, g, n)))
+    dt, a = jax.nn.softplus(jax.random.normal(k[3], (2, 1, h))), -jnp.exp(jax.random.normal(k[4], (h,)))
+    s0 = jax.random.normal(k[5], (2, h, p, n))
+    close(ssd_step(x, dt, a, b, c, s0),
+          ssd_chunked(x, dt, a, b, c, chunk_size=cfg.mamba_chunk_size, initial_state=s0, return_final_state=True),
+          tol=1e-5)

@@ -233,11 +233,25 @@ def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Cal
     if state is None:
         y = ssd(xs, dt, a, b, c, chunk_size=chunk)
         return y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
-    y, ssm = ssd(xs, dt, a, b, c, chunk_size=chunk, initial_state=state.ssm, return_final_state=True)
+    if xs.shape[1] == 1:  # a decode step: the recurrence itself (a chunked scan would pad it to a chunk)
+        y, ssm = ssd_step(xs, dt, a, b, c, state.ssm)
+    else:
+        y, ssm = ssd(xs, dt, a, b, c, chunk_size=chunk, initial_state=state.ssm, return_final_state=True)
     y = y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
     new = MambaState(wx.astype(state.conv_x.dtype), wb.astype(state.conv_B.dtype), wc.astype(state.conv_C.dtype),
                      ssm.astype(state.ssm.dtype))
     return y, new
+
+
+def ssd_step(x_Bx1xHxP, dt_Bx1xH, a_H, b_Bx1xGxN, c_Bx1xGxN, state_BxHxPxN):
+    """One token of the SSD recurrence (a decode step): s = exp(dt A) s + dt x B^T, y = s C (each head
+    with its group's B and C), in fp32. Returns (y [B, 1, H, P], the new state [B, H, P, N])."""
+    r = x_Bx1xHxP.shape[2] // b_Bx1xGxN.shape[2]
+    b, c = (jnp.repeat(m[:, 0].astype(jnp.float32), r, axis=1) for m in (b_Bx1xGxN, c_Bx1xGxN))  # [B, H, N]
+    dt = dt_Bx1xH[:, 0].astype(jnp.float32)  # [B, H]
+    x = dt[..., None] * x_Bx1xHxP[:, 0].astype(jnp.float32)  # [B, H, P]
+    s = state_BxHxPxN.astype(jnp.float32) * jnp.exp(dt * a_H)[..., None, None] + x[..., None] * b[:, :, None, :]
+    return jnp.einsum("bhpn,bhn->bhp", s, c)[:, None], s
 
 
 def state_axes(batch: str | None = "batch") -> MambaState:
