@@ -9,7 +9,11 @@ leave when they end.
 The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
 (kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block), or
 a multi-latent attention layer's latent and rope-key pools `[num_blocks * block_size, features]`
-(Transformer's `layer_caches`; megajax/models/mla.py). A
+(Transformer's `layer_caches`; megajax/models/mla.py). A hybrid model's Mamba layers keep one
+state per batch row instead (`MambaSlots`, megajax/models/mamba.py: conv windows and SSM state
+`[rows, ...]`, replicated over the data axes; its k entry, no v), which a prefill chunk reads and
+writes through its sequences' rows, zeroed when a new sequence starts in the row (its chunk at
+position 0); its MLP and MoE layers keep nothing. A
 host-side `BlockPool` hands out blocks from a free list; each running sequence has a block table,
 and its position p lives at pool slot `table[p // block_size] * block_size + p % block_size`.
 A sequence is admitted only when the pool can hold its prompt plus its whole token budget, so a
@@ -66,6 +70,7 @@ from megajax.inference.observer import Observer
 from megajax.inference.sampling import apply_penalties, next_tokens, seed_key_data
 from megajax.mesh import activation_sharding, logical_to_spec
 from megajax.models.attention import PagedCache
+from megajax.models.mamba import MambaSlots, MambaState
 
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 128
@@ -184,13 +189,24 @@ class Engine:
 
     # ------------------------------------------------------------ traced
 
-    def _caches(self, pools, write_BxL, table_BxM, used):
-        layers = self.generator.layers
-        if self.attention_blocks is None:
-            return [PagedCache(p, write_BxL, table_BxM, self.block_size, axes=layer.pool_axes)
-                    for p, layer in zip(pools, layers)]
-        return [PagedCache(p, write_BxL, table_BxM, self.block_size, used, self.attention_blocks, layer.pool_axes)
-                for p, layer in zip(pools, layers)]
+    def _caches(self, pools, write_BxL, table_BxM, used, rows_B, reset_B, valid_BxL):
+        """Each layer's cache for this call: a PagedCache over an attention layer's pool, MambaSlots over
+        a Mamba layer's row states, None for a layer without one."""
+        def cache(pool, layer):
+            if isinstance(pool, MambaState):
+                return MambaSlots(pool, rows_B, reset_B, valid_BxL)
+            if pool is None:
+                return None
+            if self.attention_blocks is None:
+                return PagedCache(pool, write_BxL, table_BxM, self.block_size, axes=layer.pool_axes)
+            return PagedCache(pool, write_BxL, table_BxM, self.block_size, used, self.attention_blocks, layer.pool_axes)
+        return [cache(p, layer) for p, layer in zip(pools, self.generator.layers)]
+
+    @staticmethod
+    def _pools(caches) -> list:
+        """The pools (or row states) of _caches' caches after a call."""
+        return [c.pool_NxGxK if isinstance(c, PagedCache) else c.state if isinstance(c, MambaSlots) else None
+                for c in caches]
 
     def _slots(self, table_BxM, positions):
         """Pool slots of `positions` [B, ...] through the rows' block tables [B, M]."""
@@ -198,9 +214,10 @@ class Engine:
         block = jnp.take_along_axis(table_BxM, (positions // bs).reshape(positions.shape[0], -1), axis=1)
         return block.reshape(positions.shape) * bs + positions % bs
 
-    def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, all_positions):
+    def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, rows_B, all_positions):
         """The model over L new tokens per row at positions start..start+L-1, writing the valid ones to
-        the pools: (logits, pools_k, pools_v)."""
+        the pools (a Mamba layer: to the state of the sequence's row `rows_B`, started afresh at
+        position 0): (logits, pools_k, pools_v)."""
         g = self.generator
         model, layers = g._model(params)
         b, l = tokens_BxL.shape
@@ -209,12 +226,12 @@ class Engine:
         drop = self.num_blocks * self.block_size  # outside the pool: the write is dropped
         write = jnp.where(valid_BxL, self._slots(table_BxM, positions), drop)
         used = (jnp.max(start_B) + l + self.block_size - 1) // self.block_size  # table entries any row reads
+        caches = [self._caches(pools, write, table_BxM, used, rows_B, start_B == 0, valid_BxL)
+                  for pools in (pools_k, pools_v)]
         logits, caches_k, caches_v = model.extend(
-            tokens_BxL, positions, self._caches(pools_k, write, table_BxM, used),
-            self._caches(pools_v, write, table_BxM, used),
-            start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
+            tokens_BxL, positions, *caches, start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
             expert_bias=g._expert_bias(), all_positions=all_positions)
-        return logits, [c.pool_NxGxK for c in caches_k], [c.pool_NxGxK for c in caches_v]
+        return logits, self._pools(caches_k), self._pools(caches_v)
 
     @staticmethod
     def _scores(logits, tokens, want_top):
@@ -231,7 +248,7 @@ class Engine:
         ids, lp = jax.lax.cond(want_top, top, lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)))
         return chosen, ids, lp
 
-    def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, targets_RxC, table_RxM,
+    def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, targets_RxC, table_RxM, rows_R,
                     temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt):
         """One chunk of up to R prompts: their k/v written, the scores of the next prompt tokens
         (`targets`, when `want_prompt`), and the first new token of each row (used for a row whose
@@ -239,7 +256,7 @@ class Engine:
         with activation_sharding(self.generator.mesh, self.generator.rules):
             valid = jnp.arange(tokens_RxC.shape[1])[None, :] < length_R[:, None]
             logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, tokens_RxC, start_R, valid,
-                                                     table_RxM, all_positions=True)  # [R, C, V]
+                                                     table_RxM, rows_R, all_positions=True)  # [R, C, V]
             last = jnp.take_along_axis(logits, jnp.maximum(length_R - 1, 0)[:, None, None], axis=1)[:, 0]
             first = next_tokens(last, keys_Rx2, jnp.int32(0), temperature_R, top_k_R, top_p_R)
             shape, top = tokens_RxC.shape, tokens_RxC.shape + (MAX_TOP_LOGPROBS,)
@@ -248,7 +265,7 @@ class Engine:
                                            jnp.zeros(top, jnp.float32)))
             return pools_k, pools_v, (first, *self._scores(last, first, want_top), *prompt)
 
-    def _decode_fn(self, params, pools_k, pools_v, last_B, position_B, active_B, table_BxM, generated_BxS,
+    def _decode_fn(self, params, pools_k, pools_v, last_B, position_B, active_B, table_BxM, rows_B, generated_BxS,
                    count_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2, presence_B, frequency_B, want_top):
         """Up to `decode_steps` decode steps of every row (fewer when every row is done): each writes
         the input token `last` at `position` (rows not done) and samples the next one at the row's own
@@ -260,7 +277,7 @@ class Engine:
         def step(c):
             i, pools_k, pools_v, last, position, done, generated, count, out = c
             logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, last[:, None], position,
-                                                     ~done[:, None], table_BxM, all_positions=False)
+                                                     ~done[:, None], table_BxM, rows_B, all_positions=False)
             penalised = apply_penalties(logits, generated, count, presence_B, frequency_B)
             tok = next_tokens(penalised, keys_Bx2, count, temperature_B, top_k_B, top_p_B)
             out = [o.at[:, i].set(x) for o, x in zip(out, (tok, *self._scores(logits, tok, want_top)))]
@@ -293,15 +310,20 @@ class Engine:
         t0 = time.perf_counter()
         slots = self.num_blocks * self.block_size
         # each layer's pools: a k and a v [slots, kv_heads, head_dim], or a multi-latent layer's
-        # latent [slots, kv_lora_rank] and rope key [slots, qk_pos_emb_head_dim] (replicated over tensor)
+        # latent [slots, kv_lora_rank] and rope key [slots, qk_pos_emb_head_dim] (replicated over tensor);
+        # a Mamba layer's states of the rows (as its k), nothing for an MLP or MoE layer
+        def empty(layer, which):
+            return layer.empty_pool(which, slots, self.rows, g.dtype)
         if g.mesh is not None:
-            pool_sh = [NamedSharding(g.mesh, logical_to_spec(layer.pool_axes, g.rules)) for layer in g.layers]
-            pools = [[jax.jit(lambda s=layer.pool_shape(which, slots): jnp.zeros(s, g.dtype), out_shardings=sh)()
-                      for layer, sh in zip(g.layers, pool_sh)] for which in "kv"]
+            pool_sh = [[jax.tree.map(lambda a: NamedSharding(g.mesh, logical_to_spec(a, g.rules)),
+                                     layer.pool_axes_of(which), is_leaf=lambda a: type(a) is tuple)
+                        for layer in g.layers] for which in "kv"]
+            pools = [[jax.jit(lambda layer=layer, which=which: empty(layer, which), out_shardings=sh)()
+                      for layer, sh in zip(g.layers, shardings)] for which, shardings in zip("kv", pool_sh)]
             replicated = NamedSharding(g.mesh, P())
-            out = (pool_sh, pool_sh, replicated)
+            out = (*pool_sh, replicated)
         else:
-            pools = [[jnp.zeros(layer.pool_shape(which, slots), g.dtype) for layer in g.layers] for which in "kv"]
+            pools = [[empty(layer, which) for layer in g.layers] for which in "kv"]
             out = None
         self._pools_k, self._pools_v = pools
         prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), out_shardings=out)
@@ -319,6 +341,12 @@ class Engine:
         for i, s in enumerate(seqs):
             table[i, :len(s.blocks)] = s.blocks
         return table
+
+    def _row_ids(self, seqs: list[_Sequence], rows: int) -> np.ndarray:
+        """Each call row's batch row (whose Mamba states it reads and writes); self.rows for padding."""
+        ids = np.full((rows,), self.rows, np.int32)
+        ids[:len(seqs)] = [s.row for s in seqs]
+        return ids
 
     def _sampling(self, jobs: list[Job], rows: int) -> list[np.ndarray]:
         temperature, top_p = np.zeros((rows,), np.float32), np.ones((rows,), np.float32)
@@ -344,8 +372,8 @@ class Engine:
         temperature, top_k, top_p, keys, _, _ = self._sampling([s.job for s in seqs], r)
         want_top = any(s.job.top_logprobs for s in seqs)
         want_prompt = any(s.job.score_prompt for s in seqs)
-        return (*self._rows(tokens, start, length, targets, self._table(seqs, r), temperature, top_k, top_p, keys),
-                jnp.bool_(want_top), jnp.bool_(want_prompt))
+        return (*self._rows(tokens, start, length, targets, self._table(seqs, r), self._row_ids(seqs, r), temperature,
+                            top_k, top_p, keys), jnp.bool_(want_top), jnp.bool_(want_prompt))
 
     def _decode_inputs(self, seqs: list[_Sequence]) -> tuple:
         b = self.rows
@@ -358,8 +386,8 @@ class Engine:
             generated[i, :len(s.tokens)] = s.tokens
         sampling = self._sampling([s.job for s in seqs], b)
         want_top = any(s.job.top_logprobs for s in seqs)
-        return (*self._rows(last, position, active, self._table(seqs, b), generated, count, budget, *sampling),
-                jnp.bool_(want_top))
+        return (*self._rows(last, position, active, self._table(seqs, b), self._row_ids(seqs, b), generated, count,
+                            budget, *sampling), jnp.bool_(want_top))
 
     # ------------------------------------------------------------ host: the loop
 
@@ -519,15 +547,19 @@ class Engine:
         self.observer.finished(job, reason, len(s.tokens))
 
 
-def pool_bytes_per_device(g: Generator, slots: int) -> int:
-    """Bytes of the KV pools (every layer's k and v, `slots` positions) that one device holds."""
+def pool_bytes_per_device(g: Generator, slots: int, rows: int = 0) -> int:
+    """Bytes of the KV pools (every attention layer's k and v, `slots` positions) and of the Mamba layers'
+    states of `rows` rows (constant in the length) that one device holds."""
     total = 0
     for layer in g.layers:
         for which in "kv":
-            shape = layer.pool_shape(which, slots)
-            if g.mesh is not None:
-                shape = NamedSharding(g.mesh, logical_to_spec(layer.pool_axes, g.rules)).shard_shape(shape)
-            total += math.prod(shape) * jnp.dtype(g.dtype).itemsize
+            pool = jax.eval_shape(lambda layer=layer, which=which: layer.empty_pool(which, slots, rows, g.dtype))
+            axes = layer.pool_axes_of(which)
+            for x, a in zip(jax.tree.leaves(pool), jax.tree.leaves(axes, is_leaf=lambda a: type(a) is tuple)):
+                shape = x.shape
+                if g.mesh is not None:
+                    shape = NamedSharding(g.mesh, logical_to_spec(a, g.rules)).shard_shape(shape)
+                total += math.prod(shape) * x.dtype.itemsize
     return total
 
 
@@ -547,14 +579,16 @@ def device_memory_bytes() -> int | None:
 def check_pool_memory(g: Generator, num_blocks: int, block_size: int, max_batch: int, given: bool) -> None:
     """UserError naming --max-batch (or --num-kv-blocks when `given`) when the KV pool alone exceeds a device's
     memory: refused before it is allocated, instead of the engine failing in its thread."""
-    need, have = pool_bytes_per_device(g, num_blocks * block_size), device_memory_bytes()
+    rows = -(-max_batch // g.data_parallel) * g.data_parallel  # the engine's rows: each holds its Mamba states
+    need, have = pool_bytes_per_device(g, num_blocks * block_size, rows), device_memory_bytes()
     if have is None or need <= have:
         return
     size = (f"--num-kv-blocks {num_blocks}" if given else
             f"--max-batch {max_batch} (a pool of {num_blocks} blocks: {max_batch} sequences of the whole "
             f"{g.context}-token context)")
-    fits = max(1, have // max(1, pool_bytes_per_device(g, block_size)))
-    raise UserError(f"{size}: the KV cache needs {need / 2**30:,.1f} GiB per device, more than the device's "
+    states = pool_bytes_per_device(g, 0, rows)  # a hybrid's Mamba states: fixed per row, whatever the length
+    fits = max(1, (have - states) // max(1, pool_bytes_per_device(g, block_size)))
+    raise UserError(f"{size}: the KV cache{' with the Mamba states' if states else ''} needs {need / 2**30:,.1f} GiB per device, more than the device's "
                     f"{have / 2**30:,.1f} GiB; at most {fits:,} blocks of {block_size} positions fit beside nothing "
                     f"else. Lower --max-batch, or set --num-kv-blocks to a pool that fits with the model.")
 

@@ -11,10 +11,14 @@ carried through the scanned layers, or (the default, `layer_buffers`) one
 step reads in place (Transformer.extend). Head-major, so that each (sequence, kv head) reads its
 slots contiguously: with slots before heads, XLA:CPU copies a transposed cache every step.
 A multi-latent attention layer caches its latent and rope key instead, `[batch, slots, features]`
-each (megajax/models/mla.py); Transformer's `layer_caches` gives each layer's shapes.
+each (megajax/models/mla.py); Transformer's `layer_caches` gives each layer's shapes. A hybrid model's
+Mamba layers keep a MambaState instead (conv windows and SSM state, [batch, ...] whatever the length;
+as cache_k, cache_v None) and its MLP and MoE layers nothing (None); stacked, its caches are a list
+over the pattern's group of caches stacked over the groups.
 
 Prompts are left-padded to a common length P, so at every step all sequences write the same
-slot: slot P + i - 1 holds the input of new token i.
+slot: slot P + i - 1 holds the input of new token i. A Mamba layer skips the left padding (it enters
+neither its conv window nor its scan), so its state after the prefill is the prompt's alone.
 A sequence's positions (RoPE or learned) are its slots minus its padding, and it attends only
 to its own slots, so it computes what it would alone. Decoding is one `lax.while_loop` (no host
 round trip per token) over a donated cache, stopping each row at end-of-document or its token
@@ -72,6 +76,7 @@ class DecodeState:
     count: jax.Array  # i32 []: new tokens so far (all rows advance together)
     done: jax.Array  # bool [B]
     pad: jax.Array  # i32 [B]: left padding of each prompt (P - its length)
+    length: jax.Array  # i32 [B]: each prompt's length (its first new token's input sits at position length)
     budget: jax.Array  # i32 [B]: most new tokens of each row
     temperature: jax.Array  # f32 [B]
     top_k: jax.Array  # i32 [B]
@@ -88,7 +93,7 @@ class DecodeState:
 
 
 STATE_AXES = dict(tokens=("batch", None), count=(), done=("batch",),
-                  pad=("batch",), budget=("batch",), temperature=("batch",), top_k=("batch",),
+                  pad=("batch",), length=("batch",), budget=("batch",), temperature=("batch",), top_k=("batch",),
                   top_p=("batch",), keys=("batch", None), presence=("batch",), frequency=("batch",),
                   logprobs=("batch", None), top_ids=("batch", None, None), top_logprobs=("batch", None, None),
                   prompt_logprobs=("batch", None), prompt_top_ids=("batch", None, None),
@@ -204,7 +209,15 @@ def split_layers(params: dict, model: ModelConfig, dtype=jnp.float32) -> tuple[d
     cannot read one layer of a stacked `[layers, ...]` tensor in place (a scanned step copies each
     layer's weights first, every step), and fp32 master weights cast to bf16 on use would be read
     in fp32 and written again, every step."""
-    return _split_layers(params, jnp.dtype(dtype), tuple(layer_slots(model)))
+    return _split_layers(params, jnp.dtype(dtype), tuple(generation_slots(model)))
+
+
+def generation_slots(model: ModelConfig) -> list[tuple[str, int]]:
+    """The stacked blocks one at a time, as generation reads them: each layer (layout.layer_slots), or a
+    hybrid's groups (the layers of one repeat of its pattern, which `layers` stacks)."""
+    if model.hybrid_layer_pattern:
+        return [("layers/", g) for g in range(model.num_layers // len(model.hybrid_group()))]
+    return layer_slots(model)
 
 
 def length_bucket(n: int) -> int:
@@ -251,11 +264,9 @@ class Generator:
         self.compile_s = 0.0  # seconds spent compiling so far
         if mesh is not None:
             sh = {k: NamedSharding(mesh, logical_to_spec(v, self.rules)) for k, v in STATE_AXES.items()}
-            caches = [NamedSharding(mesh, logical_to_spec(layer.axes, self.rules)) for layer in self.layers]
-            if layer_buffers:
-                sh["cache_k"] = sh["cache_v"] = caches
-            else:
-                sh["cache_k"] = sh["cache_v"] = NamedSharding(mesh, logical_to_spec(self._cache_axes(), self.rules))
+            for which in "kv":
+                sh[f"cache_{which}"] = jax.tree.map(lambda a: NamedSharding(mesh, logical_to_spec(a, self.rules)),
+                                                    self._cache_axes(which), is_leaf=lambda a: type(a) is tuple)
             self._state_sh = DecodeState(**sh)
             self._replicated = NamedSharding(mesh, P())
         else:
@@ -279,23 +290,41 @@ class Generator:
     def _expert_bias(self) -> jax.Array | None:
         return None if self.expert_bias is None else jnp.asarray(self.expert_bias)
 
-    def _cache_axes(self) -> tuple:
-        """The stacked cache's axes (every layer's cache alike: `layer_buffers` false)."""
-        return ("layers",) + self.layers[0].axes
+    def _stacked_layers(self) -> list:
+        """The caches a stacked cache holds (`layer_buffers` false): one stacked over every layer (each
+        layer's alike), or for a hybrid one per layer of the pattern's group, stacked over the groups."""
+        if self.model.hybrid_layer_pattern:
+            return self.layers[:len(self.model.hybrid_group())]
+        return self.layers[:1]
+
+    def _cache_axes(self, which: str):
+        """The logical axes of the `which` ("k" or "v") caches: per layer, or stacked."""
+        if self.layer_buffers:
+            return [layer.cache_axes(which) for layer in self.layers]
+        stacked = [jax.tree.map(lambda a: ("layers",) + a, layer.cache_axes(which), is_leaf=lambda a: type(a) is tuple)
+                   for layer in self._stacked_layers()]
+        return stacked if self.model.hybrid_layer_pattern else stacked[0]
 
     def _empty_cache(self, b: int, t: int, which: str):
         """Empty `which` ("k" or "v") caches of b sequences of t slots: per layer (its own shape, e.g. a
-        multi-latent layer's [B, T, kv_lora_rank]), or stacked."""
+        multi-latent layer's [B, T, kv_lora_rank], a Mamba layer's state), or stacked."""
         if self.layer_buffers:
-            return [logical_constraint(jnp.zeros(layer.shape(which, b, t), self.dtype), layer.axes)
-                    for layer in self.layers]
-        zeros = jnp.zeros((len(self.layers),) + self.layers[0].shape(which, b, t), self.dtype)
-        return logical_constraint(zeros, self._cache_axes())
+            return [layer.empty(which, b, t, self.dtype) for layer in self.layers]
+        count = len(self.layers) // len(self._stacked_layers())
+        stacked = [jax.tree.map(lambda x: jnp.broadcast_to(x, (count,) + x.shape), layer.empty(which, b, t, self.dtype))
+                   for layer in self._stacked_layers()]
+        stacked = jax.tree.map(logical_constraint, stacked, self._cache_axes(which) if self.model.hybrid_layer_pattern
+                               else [self._cache_axes(which)], is_leaf=lambda a: type(a) is tuple)
+        return stacked if self.model.hybrid_layer_pattern else stacked[0]
 
     def _prompt_room(self, state: DecodeState) -> int:
-        """P: the cache slots before the first new token's input."""
-        # T from layer 0's cache: [(B,) kv_heads, T, head_dim], or [(B,) T, kv_lora_rank] (multi-latent)
-        return state.cache_k[0].shape[-2] - state.tokens.shape[1]
+        """P: the cache slots before the first new token's input (0 for a model without attention layers:
+        nothing it keeps has slots)."""
+        # T from an attention layer's cache: [(layers,) B, kv_heads, T, head_dim], or [(layers,) B, T,
+        # kv_lora_rank] (multi-latent)
+        caches = state.cache_k if isinstance(state.cache_k, list) else [state.cache_k]
+        slots = [c.shape[-2] for c in caches if isinstance(c, jax.Array)]
+        return slots[0] - state.tokens.shape[1] if slots else 0
 
     def _is_eod(self, tokens):
         return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
@@ -326,7 +355,8 @@ class Generator:
             top_ids = jnp.zeros((b, room, top_n), jnp.int32).at[:, 0].set(top_ids)
             top_logp = jnp.zeros((b, room, top_n), jnp.float32).at[:, 0].set(top_logp)
             return DecodeState(cache_k=cache_k, cache_v=cache_v, tokens=tokens, count=jnp.int32(1),
-                               done=(budget_B <= 1) | self._is_eod(first), pad=pad_B, budget=budget_B,
+                               done=(budget_B <= 1) | self._is_eod(first), pad=pad_B, length=p - pad_B,
+                               budget=budget_B,
                                temperature=temperature_B, top_k=top_k_B, top_p=top_p_B, keys=keys_Bx2,
                                presence=presence_B, frequency=frequency_B, logprobs=logprobs, top_ids=top_ids,
                                top_logprobs=top_logp, prompt_logprobs=prompt[0], prompt_top_ids=prompt[1],
@@ -349,7 +379,7 @@ class Generator:
                 slot = p + s.count - 1  # the slot of the last new token, this step's input
                 last = jax.lax.dynamic_slice_in_dim(s.tokens, s.count - 1, 1, axis=1)  # [B, 1]
                 key_mask = jnp.arange(t)[None, :] >= s.pad[:, None]
-                logits, cache_k, cache_v = model.extend(last, (slot - s.pad)[:, None], s.cache_k, s.cache_v,
+                logits, cache_k, cache_v = model.extend(last, (s.length + s.count - 1)[:, None], s.cache_k, s.cache_v,
                                                         start=slot, key_mask_BxT=key_mask, layer_params=layers,
                                                         expert_bias=self._expert_bias())
                 penalised = apply_penalties(logits, s.tokens, s.count, s.presence, s.frequency)

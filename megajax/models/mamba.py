@@ -19,7 +19,15 @@ around the conv and the scan (`sequence_mixer`, injected: megajax/parallel/conte
 device it is the identity.
 
 The decode state of a layer (generation) is its conv window, the last conv_kernel - 1 inputs of the
-conv [B, conv_kernel - 1, channels] per part, and the SSM state [B, heads, head_dim, state].
+conv [B, conv_kernel - 1, channels] per part, and the SSM state [B, heads, head_dim, state]: constant
+in the sequence length. A call of `extend` may hold padding (`valid_BxL` false: a batched prompt's
+left padding, the tail of a prefill chunk, a finished row): a padded token enters neither the conv
+nor the scan (its x, B and C are zero before the conv and its dt is zero, so the state is carried
+through it unchanged), and the window after the call holds the inputs up to the last real token.
+Left padding before a fresh state and padding after the real tokens are both exact: the zeros a
+padded input leaves in the window are those of a fresh state. The continuous engine keeps one state
+per batch row (`MambaSlots`: read and written through the rows of the call, zeroed when a new
+sequence takes the row).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
@@ -53,10 +61,12 @@ class MambaState(NamedTuple):
     ssm: jax.Array
 
 
-def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: jax.Array | None = None):
+def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: jax.Array | None = None,
+                end_B: jax.Array | None = None):
     """Depthwise causal conv along the sequence: out[t] = sum_k w[k] x[t + k - (K - 1)] + bias, the
     channels any trailing dims of x (w [channels..., K], bias [channels...]); `window` [B, K-1, ...]:
-    the inputs before x (zeros when None). Returns (out in fp32, the last K - 1 inputs)."""
+    the inputs before x (zeros when None). Returns (out in fp32, the K - 1 inputs before position
+    `end_B` [B] of each row (default L: the last K - 1), the window a continuation reads)."""
     k = w_xK.shape[-1]
     b, l = x_BxLx_.shape[:2]
     if window is None:
@@ -64,7 +74,10 @@ def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: ja
     xp = jnp.concatenate([window.astype(x_BxLx_.dtype), x_BxLx_], axis=1).astype(jnp.float32)
     w = jnp.moveaxis(w_xK.astype(jnp.float32), -1, 0)  # [K, channels...]
     out = sum(xp[:, i:i + l] * w[i] for i in range(k)) + bias.astype(jnp.float32)
-    return out, xp[:, l:].astype(x_BxLx_.dtype)
+    if end_B is None:
+        return out, xp[:, l:].astype(x_BxLx_.dtype)
+    at = (end_B[:, None] + jnp.arange(k - 1)).reshape((b, k - 1) + (1,) * (xp.ndim - 2))  # [B, K-1, 1...]
+    return out, jnp.take_along_axis(xp, at, axis=1).astype(x_BxLx_.dtype)
 
 
 def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax.Array, groups: int,
@@ -173,14 +186,20 @@ class Mamba2Mixer(nnx.Module):
         y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
         return self.out(logical_constraint(y, ACT_HEADS))
 
-    def extend(self, x_BxLxD: jax.Array, state: MambaState, reset_B: jax.Array | None = None):
+    def extend(self, x_BxLxD: jax.Array, state, reset_B: jax.Array | None = None,
+               valid_BxL: jax.Array | None = None):
         """__call__ for L new tokens continuing `state` (generation): (y [B, L, D], the new state).
-        `reset_B`: rows whose state starts afresh (a new sequence in a reused slot)."""
+        `state`: a MambaState [B, ...], or the continuous engine's MambaSlots (its own rows, resets and
+        valid tokens; returned updated). `reset_B`: rows whose state starts afresh (a new sequence in
+        a reused slot); `valid_BxL`: the real tokens (None: all), padding skipped (module docstring)."""
+        if isinstance(state, MambaSlots):
+            y, new = self.extend(x_BxLxD, state.read(), valid_BxL=state.valid_BxL)
+            return y, state.write(new)
         if reset_B is not None:
             state = jax.tree.map(lambda s: jnp.where(reset_B.reshape((-1,) + (1,) * (s.ndim - 1)), 0, s), state)
         z, xs, b, c, dt = self.projections(x_BxLxD, fused=False)
         y, new = sequence_mix(xs, b, c, dt, self.weights(), chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd,
-                              state=state)
+                              state=state, valid_BxL=valid_BxL)
         y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
         return self.out(y), new
 
@@ -188,28 +207,84 @@ class Mamba2Mixer(nnx.Module):
 SEQUENCE_WEIGHTS = ("conv_x", "conv_x_bias", "conv_B", "conv_B_bias", "conv_C", "conv_C_bias", "dt_bias", "A_log", "D")
 
 
-def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Callable, state: MambaState | None = None):
+def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Callable, state: MambaState | None = None,
+                 valid_BxL: jax.Array | None = None):
     """The part of the mixer that runs along the sequence, for the heads of xs [B, L, h, P] (B, C
     [B, L, g, N] their groups, dt [B, L, h]; `w` the weights of those heads and groups, SEQUENCE_WEIGHTS):
     causal conv and SiLU of x, B, C, dt = clamp(softplus(dt + dt_bias)), the SSD scan with
-    A = -exp(A_log) and the D skip -> y [B, L, h, P] fp32. With a decode `state`: (y, the new state)."""
-    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x)
-    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B)
-    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C)
+    A = -exp(A_log) and the D skip -> y [B, L, h, P] fp32. With a decode `state`: (y, the new state);
+    `valid_BxL` (with a state): padding enters neither the conv nor the scan, and the new window ends
+    at each row's last real token."""
+    end = None
+    if valid_BxL is not None:
+        xs, b, c = (jnp.where(valid_BxL[:, :, None, None], v, 0) for v in (xs, b, c))
+        end = jnp.max(jnp.where(valid_BxL, jnp.arange(1, valid_BxL.shape[1] + 1), 0), axis=1)  # [B]
+    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x, end)
+    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B, end)
+    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C, end)
     xs, b, c = jax.nn.silu(xs), jax.nn.silu(b), jax.nn.silu(c)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
     lo, hi = dt_limit
     if lo > 0 or hi is not None:
         dt = jnp.clip(dt, lo, hi)
+    if valid_BxL is not None:  # dt = 0: exp(dt A) = 1 and no input, the state carried through unchanged
+        dt = jnp.where(valid_BxL[:, :, None], dt, 0.0)
     a = -jnp.exp(w["A_log"].astype(jnp.float32))
     if state is None:
         y = ssd(xs, dt, a, b, c, chunk_size=chunk)
         return y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
-    y, ssm = ssd(xs, dt, a, b, c, chunk_size=chunk, initial_state=state.ssm, return_final_state=True)
+    if xs.shape[1] == 1:  # a decode step: the recurrence itself (a chunked scan would pad it to a chunk)
+        y, ssm = ssd_step(xs, dt, a, b, c, state.ssm)
+    else:
+        y, ssm = ssd(xs, dt, a, b, c, chunk_size=chunk, initial_state=state.ssm, return_final_state=True)
     y = y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
     new = MambaState(wx.astype(state.conv_x.dtype), wb.astype(state.conv_B.dtype), wc.astype(state.conv_C.dtype),
                      ssm.astype(state.ssm.dtype))
     return y, new
+
+
+def ssd_step(x_Bx1xHxP, dt_Bx1xH, a_H, b_Bx1xGxN, c_Bx1xGxN, state_BxHxPxN):
+    """One token of the SSD recurrence (a decode step): s = exp(dt A) s + dt x B^T, y = s C (each head
+    with its group's B and C), in fp32. Returns (y [B, 1, H, P], the new state [B, H, P, N])."""
+    r = x_Bx1xHxP.shape[2] // b_Bx1xGxN.shape[2]
+    b, c = (jnp.repeat(m[:, 0].astype(jnp.float32), r, axis=1) for m in (b_Bx1xGxN, c_Bx1xGxN))  # [B, H, N]
+    dt = dt_Bx1xH[:, 0].astype(jnp.float32)  # [B, H]
+    x = dt[..., None] * x_Bx1xHxP[:, 0].astype(jnp.float32)  # [B, H, P]
+    s = state_BxHxPxN.astype(jnp.float32) * jnp.exp(dt * a_H)[..., None, None] + x[..., None] * b[:, :, None, :]
+    return jnp.einsum("bhpn,bhn->bhp", s, c)[:, None], s
+
+
+def state_axes(batch: str | None = "batch") -> MambaState:
+    """A MambaState's logical axes (`batch` None: the continuous engine's rows, replicated over the data
+    axes like its KV pools)."""
+    return MambaState((batch, None, "heads", "head_dim"), (batch, None, "ssm_groups", "ssm_state"),
+                      (batch, None, "ssm_groups", "ssm_state"), (batch, "heads", "head_dim", "ssm_state"))
+
+
+@struct.dataclass
+class MambaSlots:
+    """One Mamba layer's states in the continuous engine, one per batch row, and this call's view of
+    them: `state` [rows, ...]; the row of each of the call's B sequences `rows_B` (i32; a row >= rows
+    is padding: it reads any state and writes nothing); `reset_B` the sequences that start here (a new
+    request took the row: their state read as zeros); `valid_BxL` their real tokens."""
+    state: MambaState
+    rows_B: jax.Array
+    reset_B: jax.Array
+    valid_BxL: jax.Array
+
+    def read(self) -> MambaState:
+        """The B sequences' states [B, ...] (zeros where reset)."""
+        def one(s):
+            got = jnp.take(s, self.rows_B, axis=0, mode="clip")
+            return jnp.where(self.reset_B.reshape((-1,) + (1,) * (s.ndim - 1)), 0, got)
+        return jax.tree.map(one, self.state)
+
+    def write(self, new: MambaState) -> "MambaSlots":
+        """The states with the B sequences' new ones in their rows (padding rows dropped)."""
+        axes = state_axes(None)
+        state = MambaState(*(logical_constraint(s.at[self.rows_B].set(n.astype(s.dtype), mode="drop"), a)
+                             for s, n, a in zip(self.state, new, axes)))
+        return self.replace(state=state)
 
 
 def empty_state(cfg: ModelConfig, batch: int, dtype=jnp.float32) -> MambaState:

@@ -14,7 +14,9 @@ A hybrid model (model.hybrid_layer_pattern, Megatron's M * - E syntax) has one-m
 blocks (HybridLayer: a norm, then a Mamba-2 mixer, attention, an MLP or a mixture of experts, with its
 residual). The pattern's shortest repeating run of layers (model.hybrid_group(): 'M*M-ME' repeated, or
 the whole pattern) is one HybridGroup, and `layers` stacks the groups: the scan, the pipeline stages
-and the layouts see groups where a transformer has blocks.
+and the layouts see groups where a transformer has blocks. In generation (`extend`) an attention layer
+keeps its KV cache, a Mamba layer its MambaState (constant in the length) and an MLP or MoE layer
+nothing (`layer_caches`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from megajax.mesh import logical_constraint
 from megajax.models.attention import ACT_CACHE, ACT_POOL, Attention, make_attention_core
 from megajax.models.layers import (Dense, Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
-from megajax.models.mamba import Mamba2Mixer
+from megajax.models.mamba import Mamba2Mixer, MambaState, empty_state, state_axes, state_numbers
 from megajax.models.mla import LATENT_CACHE, LATENT_POOL, MultiLatentAttention
 from megajax.models.mlp import MLP
 from megajax.models.moe import MoE
@@ -138,6 +140,25 @@ class HybridLayer(nnx.Module):
             h = self.mixer(h)
         return logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1], RESIDUAL), RESIDUAL), stats
 
+    def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL,
+               valid_BxL, expert_bias_E=None):
+        """__call__ for L new tokens with this layer's cache (generation): an attention layer's k and v
+        (Attention.extend), a Mamba layer's state in `cache_k` (a MambaState or the engine's MambaSlots;
+        `valid_BxL` its real tokens, cache_v None), nothing for an MLP or MoE layer. Returns (x, cache_k,
+        cache_v)."""
+        h = self.norm(x_BxLxD)
+        if self.kind == "attention":
+            h, cache_k, cache_v = self.mixer.extend(
+                h, positions_BxL=positions_BxL, inv_freq=inv_freq, cache_k_BxGxTxK=cache_k, cache_v_BxGxTxK=cache_v,
+                start=start, mask_BxLxT=mask_BxLxT, segment_ids_BxL=segment_ids_BxL)
+        elif self.kind == "mamba":
+            h, cache_k = self.mixer.extend(h, cache_k, valid_BxL=valid_BxL)
+        elif self.kind == "moe":
+            h = self.mixer(h, fused=False, expert_bias_E=expert_bias_E)
+        else:
+            h = self.mixer(h, fused=False)
+        return logical_constraint(x_BxLxD + h, RESIDUAL), cache_k, cache_v
+
 
 class HybridGroup(nnx.Module):
     """A run of hybrid layers (`pattern`, e.g. 'M*M-ME'), attributes layer0, layer1, ...: the unit a
@@ -161,6 +182,19 @@ class HybridGroup(nnx.Module):
                 stats.append(s)
                 e += 1
         return x_BxLxD, (jax.tree.map(lambda *xs: jnp.stack(xs), *stats) if stats else None)
+
+    def extend(self, x_BxLxD, *, caches_k: list, caches_v: list, expert_bias_E=None, **kwargs):
+        """HybridLayer.extend of each layer in turn, layer j with caches_k[j] and caches_v[j];
+        `expert_bias_E` [the group's MoE layers, E] or None. Returns (x, caches_k, caches_v)."""
+        new_k, new_v, e = [], [], 0
+        for j, kind in enumerate(self.pattern):
+            bias = expert_bias_E[e] if kind == "E" and expert_bias_E is not None else None
+            e += kind == "E"
+            x_BxLxD, k, v = getattr(self, f"layer{j}").extend(x_BxLxD, cache_k=caches_k[j], cache_v=caches_v[j],
+                                                              expert_bias_E=bias, **kwargs)
+            new_k.append(k)
+            new_v.append(v)
+        return x_BxLxD, new_k, new_v
 
 
 def _add_layers_axis(module: nnx.Module, name: str = "layers") -> None:
@@ -458,7 +492,14 @@ class Transformer(nnx.Module):
         `layer_caches`). The MTP depths are not run: generation uses the main output head.
 
         Continuous batching passes `start` per row ([B]: each sequence at its own position) and, with
-        `layer_params`, a PagedCache per layer (block pools read and written through block tables)."""
+        `layer_params`, a PagedCache per layer (block pools read and written through block tables).
+
+        A hybrid model's caches are per layer (`layer_caches`): an attention layer's k and v, a Mamba
+        layer's MambaState (or the engine's MambaSlots) as cache_k with cache_v None, None for an MLP or
+        MoE layer; `layer_params` then holds the groups' parameters one group at a time, and the stacked
+        form is a list over the group's layers of caches stacked over the groups. In a prefill a Mamba
+        layer skips the tokens `key_mask_BxT` marks as padding (the left padding of a batched prompt);
+        a decode step's tokens are all real to it."""
         b, l = tokens_BxL.shape
         expert_bias, _ = self.split_expert_bias(expert_bias)
         x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
@@ -468,6 +509,14 @@ class Transformer(nnx.Module):
         prefill = isinstance(start, int) and start == 0
         segment_ids = key_mask_BxT[:, :l].astype(jnp.int32) if prefill else None
         inv_freq = self.rope_inv_freq()
+        if self.hybrid:
+            valid = key_mask_BxT[:, :l] if prefill else None  # the engine's MambaSlots carry their own
+            x, cache_k, cache_v = self._hybrid_extend(
+                x, cache_k, cache_v, layer_params, expert_bias, positions_BxL=positions_BxL, inv_freq=inv_freq,
+                start=start, mask_BxLxT=mask, segment_ids_BxL=segment_ids, valid_BxL=valid)
+            if all_positions:
+                return self.logits(x), cache_k, cache_v
+            return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
         block_def, block_state = nnx.split(self.layers)
         unroll = 1 if self.cfg.scan_layers else True
 
@@ -524,6 +573,35 @@ class Transformer(nnx.Module):
         return self.logits(x[:, -1:])[:, 0], cache_k, cache_v
 
 
+    def _hybrid_extend(self, x_BxLxD, cache_k, cache_v, layer_params, expert_bias, **kwargs):
+        """extend's layers for a hybrid model: group by group with per-layer caches and per-group
+        parameters (`layer_params`), or scanned over the stacked groups with per-slot stacked caches."""
+        group = self.cfg.hybrid_group()
+        n, moe = len(group), group.count("E")
+        block_def, block_state = nnx.split(self.layers)
+        groups = self.cfg.num_layers // n
+        if expert_bias is not None:  # [MoE layers, E] -> [groups, the group's MoE layers, E]
+            expert_bias = expert_bias.reshape((groups, moe) + expert_bias.shape[1:])
+
+        def body(x, xs):
+            params, ks, vs, bias = xs
+            x, ks, vs = nnx.merge(block_def, params).extend(x, caches_k=ks, caches_v=vs, expert_bias_E=bias, **kwargs)
+            return x, (ks, vs)
+
+        if layer_params is None:
+            x_BxLxD, (cache_k, cache_v) = jax.lax.scan(body, x_BxLxD, (block_state, cache_k, cache_v, expert_bias),
+                                                       unroll=1 if self.cfg.scan_layers else True)
+            return x_BxLxD, cache_k, cache_v
+        new_k, new_v = [], []
+        for i, params in enumerate(layer_params):
+            part = slice(i * n, (i + 1) * n)
+            x_BxLxD, (ks, vs) = body(x_BxLxD, (params, cache_k[part], cache_v[part],
+                                               None if expert_bias is None else expert_bias[i]))
+            new_k += ks
+            new_v += vs
+        return x_BxLxD, new_k, new_v
+
+
 def shift_left(x_BxL: jax.Array, k: int) -> jax.Array:
     """x[:, i + k] at position i, zeros in the last k positions (Megatron-Core's roll_tensor for
     multi-token prediction), on a sequence in its natural order."""
@@ -540,10 +618,15 @@ def join_router_stats(layers, mtp):
 
 @dataclasses.dataclass(frozen=True)
 class LayerCache:
-    """One layer's generation cache (Transformer.extend's cache_k and cache_v for that layer): each
-    token's shape in each of the two arrays, and whether they are a multi-latent layer's (the
-    latent c [kv_lora_rank] and the rope key [qk_pos_emb_head_dim], token-major: mla.py) or a
-    k and a v ([kv_heads, head_dim] each, head-major)."""
+    """One attention layer's generation cache (Transformer.extend's cache_k and cache_v for that
+    layer): each token's shape in each of the two arrays, and whether they are a multi-latent layer's
+    (the latent c [kv_lora_rank] and the rope key [qk_pos_emb_head_dim], token-major: mla.py) or a
+    k and a v ([kv_heads, head_dim] each, head-major).
+
+    Every layer's cache (this, StateCache, NoCache) answers the same questions: `empty` /
+    `empty_pool` (the Generator's per-sequence cache of `slots` positions, the engine's pool of
+    `slots` pool positions for `rows` rows), their logical axes, and the numbers it keeps per token
+    and per sequence."""
     k: tuple[int, ...]
     v: tuple[int, ...]
     latent: bool
@@ -565,17 +648,92 @@ class LayerCache:
     def pool_axes(self) -> tuple:
         return LATENT_POOL if self.latent else ACT_POOL
 
+    def empty(self, which: str, batch: int, slots: int, dtype):
+        return logical_constraint(jnp.zeros(self.shape(which, batch, slots), dtype), self.axes)
+
+    def empty_pool(self, which: str, slots: int, rows: int, dtype):
+        return jnp.zeros(self.pool_shape(which, slots), dtype)
+
+    def cache_axes(self, which: str):
+        return self.axes
+
+    def pool_axes_of(self, which: str):
+        return self.pool_axes
+
     def numbers_per_token(self) -> int:
         return math.prod(self.k) + math.prod(self.v)
 
+    def bytes_per_sequence(self, dtype) -> int:
+        return 0
 
-def layer_caches(cfg: ModelConfig) -> list[LayerCache]:
-    """Each model layer's cache, in model order. The multi-token prediction depths (model.mtp_num_layers)
-    have none: generation runs the main output head only."""
+
+@dataclasses.dataclass(frozen=True)
+class StateCache:
+    """A Mamba layer's generation cache: its MambaState (conv windows in the compute dtype, the SSM
+    state in fp32) as cache_k, cache_v None; the same size whatever the sequence's length (nothing
+    per token). The engine keeps one state per batch row."""
+    cfg: ModelConfig
+
+    def empty(self, which: str, batch: int, slots: int, dtype):
+        if which == "v":
+            return None
+        return MambaState(*(logical_constraint(s, a) for s, a in zip(empty_state(self.cfg, batch, dtype),
+                                                                     state_axes())))
+
+    def empty_pool(self, which: str, slots: int, rows: int, dtype):
+        return None if which == "v" else empty_state(self.cfg, rows, dtype)
+
+    def cache_axes(self, which: str):
+        return None if which == "v" else state_axes()
+
+    def pool_axes_of(self, which: str):
+        return None if which == "v" else state_axes(None)
+
+    def numbers_per_token(self) -> int:
+        return 0
+
+    def bytes_per_sequence(self, dtype) -> int:
+        """The state's bytes: its numbers (mamba.state_numbers), the SSM state's 4 bytes each."""
+        h, p, n = self.cfg.mamba_num_heads, self.cfg.mamba_head_dim, self.cfg.mamba_state_dim
+        ssm = h * p * n
+        return (state_numbers(self.cfg) - ssm) * jnp.dtype(dtype).itemsize + ssm * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class NoCache:
+    """An MLP or MoE layer of a hybrid: nothing kept between generation steps (its caches are None)."""
+
+    def empty(self, which, batch, slots, dtype):
+        return None
+
+    def empty_pool(self, which, slots, rows, dtype):
+        return None
+
+    def cache_axes(self, which):
+        return None
+
+    def pool_axes_of(self, which):
+        return None
+
+    def numbers_per_token(self) -> int:
+        return 0
+
+    def bytes_per_sequence(self, dtype) -> int:
+        return 0
+
+
+def layer_caches(cfg: ModelConfig) -> list:
+    """Each model layer's cache, in model order: LayerCache (attention's k and v, or multi-latent
+    attention's latent), a hybrid's Mamba layers StateCache (a fixed-size state, nothing per token), its
+    MLP and MoE layers NoCache. The multi-token prediction depths (model.mtp_num_layers) have none:
+    generation runs the main output head only."""
     if cfg.multi_latent_attention:
         layer = LayerCache((cfg.kv_lora_rank,), (cfg.qk_pos_emb_head_dim,), True)
     else:
         layer = LayerCache((cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim), False)
+    if cfg.hybrid_layer_pattern:
+        kinds = {"*": layer, "M": StateCache(cfg), "-": NoCache(), "E": NoCache()}
+        return [kinds[kind] for kind in cfg.hybrid_pattern()]
     return [layer] * cfg.num_layers
 
 
