@@ -156,6 +156,18 @@ def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=Fals
 # --------------------------------------------------------------------------- chunked jnp
 
 
+def _chunk_cumsum(a_xQ, axis: int = -1):
+    """Cumulative sum along `axis` (a chunk's length) as one product with a lower-triangular matrix of
+    ones. jnp.cumsum reaches XLA as a reduce-window (and its gradient as another), which the CPU
+    backend compiles and runs several times slower at chunk sizes than this product: the chunked
+    scan's forward and backward at b 8, L 128, 16 heads, chunk 32 compiled in 0.97 s instead of 2.09 s
+    and ran in 9.3 ms instead of 20.8 ms. fp32 products are exact; only the summation order differs."""
+    a = jnp.moveaxis(a_xQ, axis, -1)
+    q = a.shape[-1]
+    tri_TxS = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :]).astype(a.dtype)
+    return jnp.moveaxis(jnp.einsum("...s,ts->...t", a, tri_TxS, precision=_HIGHEST), -1, axis)
+
+
 def _segsum(a_xQ):
     """[..., Q] -> [..., Q, Q]: out[t, s] = a_{s+1} + ... + a_t for s <= t, -inf above the diagonal.
     Sums of masked terms rather than differences of cumulative sums (no cancellation), and the
@@ -164,7 +176,7 @@ def _segsum(a_xQ):
     t = jnp.arange(q)[:, None]
     s = jnp.arange(q)[None, :]
     terms = jnp.where(t > s, a_xQ[..., :, None], 0.0)                 # [..., k, s]: a_k for k > s
-    return jnp.where(t >= s, jnp.cumsum(terms, axis=-2), -jnp.inf)
+    return jnp.where(t >= s, _chunk_cumsum(terms, axis=-2), -jnp.inf)
 
 
 # The name of the states carried into each chunk [chunks, b, g, r, p, n] in ssd_chunked, for a remat
@@ -185,7 +197,7 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     B_, C_ = f32(B).reshape(b, nc, q, g, n), f32(C).reshape(b, nc, q, g, n)
     dt_ = jnp.moveaxis(f32(dt).reshape(b, nc, q, g, r), 2, -1)       # [b, c, g, r, q]
     a = dt_ * A.astype(jnp.float32).reshape(g, r)[..., None]
-    acs = jnp.cumsum(a, axis=-1)                                     # [b, c, g, r, q]
+    acs = _chunk_cumsum(a)                                           # [b, c, g, r, q]
 
     # Within each chunk: the quadratic (attention-like) form.
     cb = jnp.einsum("bcqgn,bcsgn->bcgqs", C_, B_)                    # [b, c, g, q, s]
