@@ -143,3 +143,146 @@ def test_bad_messages_are_named():
             tokenize_conversation(tok, LLAMA3, messages)
     with pytest.raises(Exception, match="loss_on = 'prompt'"):
         tokenize_conversation(tok, LLAMA3, [{"role": "user", "content": "hi"}], loss_on="prompt")
+
+
+# ----------------------------------------------------------------------------
+# Fitting and packing
+# ----------------------------------------------------------------------------
+
+def byte_conversations(n: int, seed: int = 0, **kw) -> list:
+    """Encoded random conversations (the byte tokenizer with the Llama 3 style template)."""
+    tok = load_tokenizer("byte")
+    return [encode_conversation(tok, LLAMA3, m) for m in conversations(random.Random(seed), n, **kw)]
+
+
+def check_rows(ds, kept: list) -> list[int]:
+    """Every row is well formed; returns the kept-conversation index of each document of the rows, in order."""
+    by_ids = {}
+    for k, (ids, _) in enumerate(kept):
+        by_ids.setdefault(ids.tobytes(), []).append(k)
+    seen = []
+    for i in range(len(ds)):
+        s = ds[i]
+        assert all(v.shape == (ds.limit,) for v in s.values())
+        seg, pos, tokens, mask = s["segment_ids"], s["positions"], s["tokens"], s["loss_mask"]
+        assert seg[0] == 0 and np.all(np.diff(seg) >= 0) and np.all(np.diff(seg) <= 1)
+        for k in np.unique(seg):
+            where = np.flatnonzero(seg == k)
+            np.testing.assert_array_equal(pos[where], np.arange(len(where)))  # restart at 0, contiguous
+            candidates = by_ids.get(tokens[where].astype(np.int32).tobytes(), [])
+            if not candidates:  # the padding: one segment at the end, untrained
+                assert k == seg[-1] and np.all(tokens[where] == ds.pad_id) and not mask[where].any()
+                continue
+            seen.append(candidates[0])
+            np.testing.assert_array_equal(mask[where], kept[candidates[0]][1])
+            assert mask[where[-1]] == 0  # a conversation's last token predicts nothing
+    return seen
+
+
+def test_fit_cuts_at_an_answer_end_and_counts():
+    from megajax.data.sft_dataset import fit_conversations
+    convs = byte_conversations(60, turns=(1, 4), words=(1, 10))
+    limit = 200
+    kept, counts = fit_conversations(convs, limit, "assistant")
+    assert counts.conversations == 60 and counts.kept + counts.cut + counts.dropped_long == 60
+    assert counts.cut > 0 and counts.dropped_long > 0 and counts.kept > 0  # the sizes exercise all three
+    it = iter(kept)
+    for conv in convs:
+        n = len(conv.ids)
+        if n <= limit:
+            ids, mask = next(it)
+            assert ids.tolist() == conv.ids.tolist()
+            np.testing.assert_array_equal(mask[:-1], conv.answer[1:])
+        elif any(e <= limit for e in conv.answer_ends):
+            ids, mask = next(it)
+            cut = len(ids)
+            assert cut <= limit and cut in conv.answer_ends
+            assert conv.answer[cut - 1] and not conv.answer[cut]  # after a whole answer, before the next turn
+            assert ids.tolist() == conv.ids[:cut].tolist()
+    assert next(it, None) is None
+    assert counts.cut_tokens == sum(len(c.ids) - max(e for e in c.answer_ends if e <= limit)
+                                    for c in convs if len(c.ids) > limit and min(c.answer_ends) <= limit)
+    # loss_on=all trains every prediction inside a conversation, none across its end
+    everything, _ = fit_conversations(convs, limit, "all")
+    assert all(m[:-1].all() and m[-1] == 0 for _, m in everything)
+    # no answer at all: nothing to train, dropped and counted
+    tok = load_tokenizer("byte")
+    silent = encode_conversation(tok, LLAMA3, [{"role": "user", "content": "hello"}])
+    kept, counts = fit_conversations([silent] + convs[:3], 10_000, "assistant")
+    assert counts.dropped_no_answer == 1 and len(kept) == 3
+    assert len(fit_conversations([silent], 10_000, "all")[0]) == 1
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_rows_segments_positions_masks_and_epochs(packing):
+    from megajax.data.sft_dataset import ChatDataset, fit_conversations
+    convs = byte_conversations(60, turns=(1, 3), words=(1, 8))  # 100 to 400 tokens each
+    seq_len = 1023
+    kept, _ = fit_conversations(convs, seq_len + 1, "assistant")
+    ds = ChatDataset(convs, seq_len=seq_len, seed=3, packing=packing, pad_id=7)
+    first = check_rows(ds, kept)
+    assert sorted(first) == list(range(len(kept)))  # one epoch: every conversation exactly once
+    real = sum(len(ids) for ids, _ in kept)
+    assert ds.efficiency == pytest.approx(real / (len(ds) * (seq_len + 1)))
+    if packing:
+        assert ds.efficiency > 0.9 and len(ds) < len(kept) / 2
+    else:
+        assert len(ds) == len(kept)
+    assert "packing efficiency" in ds.report() and "cut at a turn boundary" in ds.report()
+    # more samples than an epoch: whole epochs, each a fresh permutation, each holding every conversation
+    more = ChatDataset(convs, seq_len=seq_len, seed=3, packing=packing, pad_id=7, num_samples=2 * len(ds) + 1)
+    assert more.epochs == 3 and len(more) >= 2 * len(ds) + 1
+    seen = check_rows(more, kept)
+    assert sorted(seen) == sorted(list(range(len(kept))) * 3)
+    for i in range(len(ds)):  # the first epoch is the one-epoch dataset's
+        for k, v in ds[i].items():
+            np.testing.assert_array_equal(more[i][k], v)
+    other = ChatDataset(convs, seq_len=seq_len, seed=4, packing=packing, pad_id=7)
+    assert any(not np.array_equal(other[i]["tokens"], ds[i]["tokens"]) for i in range(min(len(ds), len(other))))
+
+
+def test_loader_labels_are_the_answers_and_resume_is_bitwise():
+    """Through the loader: loss_mask[t] trains labels[t] exactly where labels[t] is an answer token of the
+    conversation input t belongs to; a fresh loader at a later start gives the same bits."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from megajax.data.loader import Loader
+    from megajax.data.sft_dataset import ChatDataset
+    from megajax.plan import BatchLayout
+    convs = byte_conversations(80, seed=5, turns=(1, 2), words=(1, 6))
+    keys = ("tokens", "labels", "loss_mask", "positions", "segment_ids")
+
+    def loader(prefetch):
+        ds = ChatDataset(convs, seq_len=127, seed=1, num_samples=64)  # rebuilt: a new process
+        mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+        sh = NamedSharding(mesh, P(None, "data", None))
+        layout = BatchLayout(global_batch=8, micro_batch=1, data_parallel=4, accumulation=2, seq_len=127)
+        return ds, Loader(ds, layout=layout, shardings={k: sh for k in keys}, eod_mask_loss=True, prefetch=prefetch)
+
+    ds, first = loader(2)
+    for start in (0, 8, 16, 24):
+        a = first.batch(start)
+    first.close()
+    _, resumed = loader(0)
+    b = resumed.batch(24)
+    for k in keys:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    # the answer tokens of every conversation in the batch, by token value and place
+    tokens, labels, mask = (np.asarray(a[k]).reshape(8, 127) for k in ("tokens", "labels", "loss_mask"))
+    seg = np.asarray(a["segment_ids"]).reshape(8, 127)
+    for r in range(8):
+        row = ds[24 + r]
+        answer = np.zeros(128, bool)  # which row tokens are answers (from the conversations themselves)
+        for k in np.unique(row["segment_ids"]):
+            where = np.flatnonzero(row["segment_ids"] == k)
+            doc = row["tokens"][where].astype(np.int32).tobytes()  # a conversation, or the start of a cut one
+            conv = next((c for c in convs if c.ids[:len(where)].tobytes() == doc), None)
+            if conv is not None:
+                answer[where] = conv.answer[:len(where)]
+        same = np.append(row["segment_ids"][1:] == row["segment_ids"][:-1], False)[:-1]
+        np.testing.assert_array_equal(mask[r] > 0, answer[1:] & same)
+        np.testing.assert_array_equal(labels[r], row["tokens"][1:])
+        np.testing.assert_array_equal(tokens[r], row["tokens"][:-1])
+        np.testing.assert_array_equal(seg[r], row["segment_ids"][:-1])
+        assert mask[r].sum() > 0
