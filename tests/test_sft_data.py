@@ -286,3 +286,139 @@ def test_loader_labels_are_the_answers_and_resume_is_bitwise():
         np.testing.assert_array_equal(tokens[r], row["tokens"][:-1])
         np.testing.assert_array_equal(seg[r], row["segment_ids"][:-1])
         assert mask[r].sum() > 0
+
+
+# ----------------------------------------------------------------------------
+# Hosts, bad input, a run
+# ----------------------------------------------------------------------------
+
+def write_jsonl(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def chat_dataset(path: str):
+    """The train split of a jsonl file as data.format=chat builds it (byte tokenizer, LLAMA3 template)."""
+    from megajax.data.chat import chat_files, tokenize_files
+    from megajax.data.sft_dataset import ChatDataset
+    convs = tokenize_files(load_tokenizer("byte"), LLAMA3, chat_files(path))
+    return ChatDataset(convs, seq_len=255, seed=1, num_samples=32, pad_id=256)
+
+
+def test_two_processes_read_disjoint_rows_and_form_the_one_process_batch(tmp_path):
+    """2 processes x 4 CPU devices: each builds the packed rows itself, reads only its own rows, and
+    together they hold the batch one process builds."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from conftest import xla_flags
+    from megajax.data.loader import Loader
+    from megajax.plan import BatchLayout
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in
+                                                conversations(random.Random(7), 60, turns=(1, 1), words=(1, 4))])
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, XLA_FLAGS=xla_flags(4), JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, str(root / "tests" / "multiprocess_loader_worker.py"), str(i),
+                               str(port), data, str(tmp_path / f"p{i}.json"), "chat"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out
+    results = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2)]
+    reads = [set(r["reads"]) for r in results]
+    assert not reads[0] & reads[1] and reads[0] | reads[1] == set(range(16, 24))
+    assert all(r["num_reads"] == len(r["reads"]) for r in results)
+    mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sh = NamedSharding(mesh, P(None, "data", None))
+    ds = chat_dataset(data)
+    layout = BatchLayout(global_batch=8, micro_batch=2, data_parallel=4, accumulation=1, seq_len=ds.seq_len)
+    keys = ("tokens", "labels", "loss_mask", "positions", "segment_ids")
+    want = Loader(ds, layout=layout, shardings={k: sh for k in keys}, prefetch=0, eod_mask_loss=True).batch(16)
+    for key in keys:
+        got = np.full(want[key].shape, -1.0)
+        for r in results:
+            for (a, b), part in r["shards"][key]:
+                part = np.asarray(part)
+                got[a:a + part.shape[0], b:b + part.shape[1]] = part
+        np.testing.assert_array_equal(got, np.asarray(want[key]))
+
+
+def chat_config(small_config, tok_dir, data, *overrides):
+    return small_config("data.format=chat", f"data.tokenizer={tok_dir}", f"data.path={data}",
+                        "model.vocab_size=384", *overrides)
+
+
+def test_bad_input_is_named(small_config, tmp_path):
+    from megajax.config import load_config
+    from megajax.data.loader import build_run_datasets
+    from megajax.errors import ConfigError
+    for key, value, accepted in [("data.format", "sharegpt", "gpt"), ("data.loss_on", "prompt", "assistant")]:
+        with pytest.raises(ConfigError, match=f"{key}.*{value}.*{accepted}"):
+            load_config(overrides=[f"{key}={value}"])
+    tok_dir = make_tokenizer_dir(tmp_path / "tok", "llama3", LLAMA3)
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    cases = [
+        ('{"messages": [}\n', r"bad\.jsonl:2: not valid JSON"),
+        (json.dumps({"messages": [{"role": "wizard", "content": "x"}]}) + "\n", r"bad\.jsonl:2: .*role 'wizard'"),
+        (json.dumps({"text": "plain"}) + "\n", r"bad\.jsonl:2: .*neither"),
+    ]
+    for line, match in cases:
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps(good) + "\n" + line)
+        with pytest.raises(DataError, match=match):
+            build_run_datasets(chat_config(small_config, tok_dir, bad), load_tokenizer(str(tok_dir)))
+    data = write_jsonl(tmp_path / "ok.jsonl", [good] * 20)
+    plain = make_tokenizer_dir(tmp_path / "plain", "llama3", None)
+    with pytest.raises(DataError, match="has no chat template"):
+        build_run_datasets(chat_config(small_config, plain, data), load_tokenizer(str(plain)))
+    with pytest.raises(DataError, match="data.format = 'chat' needs data.path"):
+        build_run_datasets(chat_config(small_config, tok_dir, ""), load_tokenizer(str(tok_dir)))
+    with pytest.raises(DataError, match="no such file or directory"):
+        build_run_datasets(chat_config(small_config, tok_dir, tmp_path / "nothing.jsonl"),
+                           load_tokenizer(str(tok_dir)))
+    with pytest.raises(DataError, match="model.vocab_size = 100"):
+        build_run_datasets(chat_config(small_config, tok_dir, data, "model.vocab_size=100"),
+                           load_tokenizer(str(tok_dir)))
+
+
+def test_megajax_train_on_chat_data(tmp_path):
+    """`megajax train` with data.format=chat: runs, evaluates on held-out conversations, and logs the
+    counts and the packing efficiency."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    from conftest import xla_flags
+    root = Path(__file__).resolve().parent.parent
+    tok_dir = make_tokenizer_dir(tmp_path / "tok", "qwen3", QWEN3)
+    rng = random.Random(11)
+    long = {"messages": [{"role": "user", "content": "cat " * 60}, {"role": "assistant", "content": "dog " * 200}]}
+    records = [long] + [{"messages": m} for m in conversations(rng, 150, turns=(1, 2), words=(1, 8))]
+    records += [{"prompt": " ".join(rng.choice(WORDS) for _ in range(4)), "completion": "five"} for _ in range(50)]
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "a.jsonl", records[:100])
+    write_jsonl(tmp_path / "data" / "b.jsonl", records[100:])
+    run = tmp_path / "run"
+    p = subprocess.run(
+        [sys.executable, "-m", "megajax.cli", "train", "--config", "model/tiny", "model.num_layers=2",
+         "model.hidden_size=64", "model.ffn_hidden_size=128", "model.vocab_size=384", "train.seq_len=128",
+         "train.global_batch=4", "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_steps=1",
+         "train.sample_tokens=0", "logging.tensorboard=false", "data.format=chat", f"data.path={tmp_path / 'data'}",
+         f"data.tokenizer={tok_dir}", "data.split=90,10,0", f"train.run_dir={run}"],
+        capture_output=True, text=True, cwd=root, timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(root), XLA_FLAGS=xla_flags(1)))
+    assert p.returncode == 0, p.stderr
+    assert "chat data" in p.stdout and "packing efficiency" in p.stdout, p.stdout
+    line = next(l for l in p.stdout.splitlines() if "chat data" in l and "train:" in l)
+    assert "1 dropped (no answer ends within seq_len + 1 = 129 tokens)" in line
+    assert float(line.split("packing efficiency ")[1].split("%")[0]) > 80
+    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [2, 4]
+    assert any("val_loss" in m and np.isfinite(m["val_loss"]) for m in metrics)
