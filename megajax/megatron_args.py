@@ -241,9 +241,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--split", "data.split", STR),
     Flag("--data-cache-path", "data.cache_dir", STR),
     Flag("--tokenizer-model", "data.tokenizer", STR, note="with --tokenizer-type HuggingFaceTokenizer"),
-    Flag("--tokenizer-type", None, STR, {"HuggingFaceTokenizer": None, "NullTokenizer": None},
-         note="HuggingFaceTokenizer: --tokenizer-model is data.tokenizer; NullTokenizer: --vocab-size "
+    Flag("--tokenizer-type", None, STR, {"HuggingFaceTokenizer": None, "SFTTokenizer": None, "NullTokenizer": None},
+         note="HuggingFaceTokenizer, SFTTokenizer: --tokenizer-model is data.tokenizer; NullTokenizer: --vocab-size "
               "alone; other types: " + HF_TOKENIZER),
+    Flag("--sft", "data.format", SWITCH, "chat",
+         note="jsonl conversations through the tokenizer's chat template, only the answers trained "
+              "(data.loss_on), packed (data.packing)"),
+    Flag("--sft-tokenizer-prompt-format", None, STR, {"default": None},
+         note="default: the tokenizer's own chat template, which megajax renders; another named format: write it "
+              "as the tokenizer's chat_template (tokenizer_config.json)"),
     Flag("--reset-position-ids", "data.reset_position_ids", SWITCH, True),
     Flag("--reset-attention-mask", "data.reset_attention_mask", SWITCH, True),
     Flag("--eod-mask-loss", "data.eod_mask_loss", SWITCH, True),
@@ -598,10 +604,10 @@ def _derive_tokenizer(g: _Given) -> None:
         else:
             g.unmapped("tokenizer_type", HF_TOKENIZER)
     if "tokenizer_model" in g:
-        if kind == "HuggingFaceTokenizer":
+        if kind in ("HuggingFaceTokenizer", "SFTTokenizer"):
             g.convert("tokenizer_model", "data.tokenizer")
         else:
-            g.unmapped("tokenizer_model", f"not a HuggingFaceTokenizer; {HF_TOKENIZER}")
+            g.unmapped("tokenizer_model", f"not a HuggingFaceTokenizer or SFTTokenizer; {HF_TOKENIZER}")
 
 
 def _derive_data_and_profile(g: _Given) -> None:

@@ -368,3 +368,24 @@ def test_hybrid_flags_against_the_preset(pattern_flag):
     t = ma.translate(words(line + " --hybrid-attention-ratio 0.25"))
     assert [text for text, _ in t.unmapped] == ["--hybrid-attention-ratio 0.25"]
     assert "--is-hybrid-model" in [text for text, _ in t.needless]
+
+
+def test_sft_flags_become_chat_data():
+    """Megatron's --sft line (SFTDataset: jsonl messages through the tokenizer's chat template) is
+    data.format=chat with the Hugging Face tokenizer; a named prompt format other than the tokenizer's
+    own template is reported, not guessed."""
+    line = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --sft --tokenizer-type SFTTokenizer "
+            "--tokenizer-model /models/qwen3 --sft-tokenizer-prompt-format default --data-path chat.jsonl "
+            "--split 90,9,1")
+    t = ma.translate(words(line))
+    got = {k: v for k, (v, _) in t.assignments.items()}
+    assert got["data.format"] == "chat" and got["data.tokenizer"] == "/models/qwen3"
+    assert got["data.path"] == "chat.jsonl" and got["data.split"] == "90,9,1"
+    needless = dict(t.needless)
+    assert "--sft-tokenizer-prompt-format default" in needless and "--tokenizer-type SFTTokenizer" in needless
+    cfg = load_config(base=t.tree())
+    assert (cfg.data.format, cfg.data.loss_on, cfg.data.packing) == ("chat", "assistant", True)
+    named = ma.translate(words(line.replace("format default", "format nemotron-h-aligned")))
+    why = dict(named.unmapped)["--sft-tokenizer-prompt-format nemotron-h-aligned"]
+    assert "chat_template" in why and "default" in why
+    assert ma.spell("--sft", None).endswith("megajax spells it data.format=chat")
