@@ -28,3 +28,68 @@ def test_lora_layouts_match_one_device(small_config, layout):
     ref = reference(small_config, *LORA, *model, *micro)
     got = run(small_config, *LORA, *model, *overrides, devices=jax.devices())
     assert_same_run(got, ref)
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_base_is_frozen_without_optimizer_state_and_compiled_memory_shrinks(small_config):
+    """The optimizer state holds adapter-sized arrays only; the compiled step's arguments (the state)
+    and temporaries are smaller than full training's of the same model."""
+    from megajax.train.setup import build_trainer
+    full = build_trainer(small_config(steps=1), jax.devices()[:1])
+    tr = build_trainer(small_config(*LORA, steps=1), jax.devices()[:1])
+    state = tr.state
+    adapter_shapes = sorted(x.shape for x in jax.tree.leaves(state.params))
+    assert adapter_shapes and all(p[-1] in ("a", "b") for p in
+                                  (tuple(getattr(k, "key", k) for k in path)
+                                   for path, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]))
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert sorted(x.shape for x in moments) == sorted(adapter_shapes * 2)  # Adam's mu and nu, adapters only
+    assert _bytes(state.frozen) == _bytes(full.state.params)  # the whole base, held once, no gradient
+    lora_mem, full_mem = tr.step_fn.memory_analysis(), full.step_fn.memory_analysis()
+    print(f"compiled memory, small llama, one device: full training arguments {full_mem.argument_size_in_bytes} B, "
+          f"temporaries {full_mem.temp_size_in_bytes} B; LoRA rank 4 arguments {lora_mem.argument_size_in_bytes} B, "
+          f"temporaries {lora_mem.temp_size_in_bytes} B; optimizer state {_bytes(full.state.opt_state)} -> "
+          f"{_bytes(state.opt_state)} B")
+    assert _bytes(state.opt_state) < _bytes(full.state.opt_state) / 10
+    assert lora_mem.argument_size_in_bytes < full_mem.argument_size_in_bytes / 2
+    assert lora_mem.temp_size_in_bytes < full_mem.temp_size_in_bytes
+
+
+def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(small_config, tmp_path, monkeypatch):
+    import shutil
+    from pathlib import Path
+    from megajax.checkpoint.manager import CheckpointSource, read_meta, stored_arrays
+    from megajax.train.loop import train
+    monkeypatch.chdir(tmp_path)
+    fixed = ["optim.decay_steps=4", "optim.lr=1e-2"]
+    base = train(small_config(*fixed, "train.run_dir=base", steps=2))
+    tuned = [*LORA, *fixed, "checkpoint.load=base"]
+    full = train(small_config(*tuned, "train.run_dir=full", steps=4))
+    train(small_config(*tuned, "train.run_dir=part", "checkpoint.every=2", steps=2))
+    resumed = train(small_config(*tuned, "train.run_dir=part", steps=4))
+    np.testing.assert_array_equal(resumed.losses, full.losses[2:])
+    for a, b in zip(jax.tree.leaves(resumed.state.params), jax.tree.leaves(full.state.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    step_dir = Path("part/checkpoints/4")
+    names = sorted(stored_arrays(step_dir)[0])
+    params = [n for n in names if n.startswith("params.")]
+    assert params and all(n.split(".")[-2] in ("lora", "qkv_lora", "gate_up_lora") for n in params), params
+    assert not any("kernel" in n or "embedding" in n for n in names), names
+    ref = read_meta(step_dir)["lora_base"]
+    assert Path(ref["path"]) == (tmp_path / "base/checkpoints/2") and len(ref["files_sha256"]) == 64
+
+    def size(d):
+        return sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+    lora_size, full_size = size(step_dir), size("base/checkpoints/2")
+    print(f"checkpoint sizes: full model with Adam state {full_size} B, LoRA rank 4 adapters with theirs {lora_size} B")
+    assert lora_size < full_size / 3
+    assert CheckpointSource(step_dir).model.lora.rank == 4
+
+    # Resuming without the base is refused, naming it.
+    shutil.move("base", "elsewhere")
+    with pytest.raises(Exception, match="frozen base model .*base/checkpoints/2 does not exist"):
+        train(small_config(*tuned, "train.run_dir=part", steps=5))
