@@ -446,7 +446,7 @@ def _sampling(args: argparse.Namespace):
 def _load_model(args: argparse.Namespace):
     """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
     from megajax.inference.load import find_source, generation_config
-    source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides))
+    source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides), args.adapter)
     cfg = generation_config(source, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
@@ -507,6 +507,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                        "step's directory")
     p.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel "
                                                "with its tokenizer), imported on the fly")
+    p.add_argument("--adapter", metavar="DIR", help="LoRA adapters merged into the model at load: a megajax LoRA "
+                                                    "checkpoint or a PEFT adapter directory (adapter_config.json)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH; "
                         "checkpoint.step=N reads step N of the run instead of its latest")

@@ -93,3 +93,25 @@ def test_peft_and_merged_exports_match_megajax(tmp_path, family, overrides):
     assert sorted(back.names()) == sorted(dict(flatten(adapters)))
     for name, x in flatten(adapters):
         np.testing.assert_array_equal(back.get(name), x, err_msg=name)
+
+
+def test_generate_with_an_adapter_equals_the_merged_model(tmp_path):
+    """`megajax generate` on a base plus --adapter (a megajax LoRA checkpoint or a PEFT directory), or on the
+    LoRA checkpoint alone, gives the greedy tokens of the merged model (its Hugging Face export, --hf)."""
+    base, lora, *_ = lora_checkpoint(tmp_path)
+    assert main(["export", "--format", "hf", "--merge-lora", "--checkpoint", str(lora), "--output",
+                 str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    assert main(["export", "--format", "peft", "--checkpoint", str(lora), "--output", str(tmp_path / "peft"),
+                 "--dtype", "fp32"]) == 0
+
+    def generate(*model):
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}.json"
+        assert main(["generate", *model, "--prompt", "hello", "--prompt", "LoRA", "--max-new-tokens", "8",
+                     "--json", str(out), "train.precision=fp32"]) == 0
+        return [r["completion_ids"] for r in json.loads(out.read_text())]
+
+    want = generate("--hf", str(tmp_path / "merged"))
+    assert generate("--checkpoint", str(base), "--adapter", str(lora)) == want
+    assert generate("--checkpoint", str(lora)) == want
+    assert generate("--checkpoint", str(base), "--adapter", str(tmp_path / "peft")) == want
+    assert generate("--checkpoint", str(base)) != want  # the adapters change the completions

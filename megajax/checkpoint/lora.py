@@ -280,3 +280,52 @@ def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: Mo
                       for o in packed})
     lora = LoraConfig(rank=rank, alpha=alpha * rank / r, dropout=float(dropout), targets=targets)
     return lora, out
+
+
+def load_adapter(path, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """(model.lora, adapters by path) of --adapter DIR: a megajax LoRA checkpoint (a run or step
+    directory) or a PEFT adapter directory, for base model `m`."""
+    from megajax.checkpoint.manager import CheckpointSource, find_step_dir
+    path = Path(path)
+    if (path / PEFT_CONFIG).is_file():
+        return import_peft(path, m)
+    if find_step_dir(path) is None:
+        raise CheckpointError(f"--adapter {path}: neither a megajax LoRA checkpoint nor a PEFT adapter directory "
+                              f"({PEFT_CONFIG}).")
+    source = CheckpointSource(path, key="--adapter")
+    if source.model.lora is None:
+        raise CheckpointError(f"--adapter {path}: a megajax checkpoint without LoRA adapters (model.lora unset).")
+    theirs = dataclasses.replace(source.model, lora=None)
+    if theirs != dataclasses.replace(m, lora=None):
+        diff = [f.name for f in dataclasses.fields(m) if getattr(theirs, f.name) != getattr(m, f.name)]
+        raise CheckpointError(f"--adapter {path}: its adapters belong to another model (model.{', model.'.join(diff[:4])} "
+                              f"differ from the base's).")
+    return source.model.lora, read_adapters(source)
+
+
+def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:
+    """(the parameters (nested, on their devices) with the adapters of `path` merged in, a note)."""
+    import jax
+    lora, adapters = load_adapter(path, m)
+    kernels = kernel_adapters(adapters, m)
+    scale = lora.alpha / lora.rank
+    out = dict(params)
+
+    def put(tree, keys, fn):
+        node = dict(tree)
+        node[keys[0]] = fn(tree[keys[0]]) if len(keys) == 1 else put(tree[keys[0]], keys[1:], fn)
+        return node
+
+    def merged(w):
+        a, b = kernels[name]
+        host = np.asarray(jax.device_get(w), np.float32)
+        new = np.stack([host[i] + delta(a[i], b[i], scale, host.shape[1:]) for i in range(host.shape[0])])
+        return jax.device_put(new.astype(w.dtype), w.sharding)
+
+    for name in kernels:
+        try:
+            out = put(out, name.split("/"), merged)
+        except KeyError:
+            raise CheckpointError(f"--adapter {path}: adapts {name}, which the base model lacks.") from None
+    return out, (f"LoRA adapters from {path} merged in (rank {lora.rank}, alpha {lora.alpha:g}, "
+                 f"{len(kernels)} kernels)")
