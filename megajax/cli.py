@@ -3,15 +3,15 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [--with-optimizer]
-        [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
+    megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
+        [--with-optimizer] [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
-    megajax import --format hf|megatron --input DIR --output DIR [--trust-checkpoint]
+    megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
-    megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
+    megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
-    megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
+    megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
