@@ -93,3 +93,16 @@ def test_lora_checkpoint_holds_adapters_only_and_resumes_bitwise(small_config, t
     shutil.move("base", "elsewhere")
     with pytest.raises(Exception, match="frozen base model .*base/checkpoints/2 does not exist"):
         train(small_config(*tuned, "train.run_dir=part", steps=5))
+
+
+def test_lora_dropout_and_fp8_base(small_config):
+    """The adapters' input dropout draws one device's masks on tensor 2 (SP) x data 4; with
+    train.precision=fp8 the base products are FP8 and the adapters train in the compute dtype."""
+    drop = [*LORA, "model.lora.dropout=0.1"]
+    ref = reference(small_config, *drop)
+    got = run(small_config, *drop, "mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.data=4",
+              devices=jax.devices())
+    assert_same_run(got, ref)
+    assert not np.allclose(ref.losses, reference(small_config, *LORA).losses)  # the dropout is on
+    fp8 = run(small_config, *LORA, "train.precision=fp8", devices=jax.devices()[:1], steps=3, params=False)
+    assert np.all(np.isfinite(fp8.losses)) and fp8.losses[-1] < fp8.losses[0]
