@@ -3,15 +3,15 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
-    megajax export --format hf|megatron --checkpoint DIR --output DIR [--tokenizer TOK] [--with-optimizer]
-        [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
+    megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
+        [--with-optimizer] [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
-    megajax import --format hf|megatron --input DIR --output DIR [--trust-checkpoint]
+    megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
-    megajax generate --checkpoint DIR | --hf DIR  --prompt TEXT [...] | --prompts-file F
+    megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
-    megajax serve --checkpoint DIR | --hf DIR [--host H] [--port P] [--max-batch N] [--drain-timeout S]
+    megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
@@ -202,6 +202,23 @@ def cmd_export(args: argparse.Namespace) -> int:
         source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
         meta, where = read_meta(source.step_dir), source.step_dir
         tokenizer = _export_tokenizer(args, meta, source.step_dir)
+    lora = getattr(source.model, "lora", None)
+    if lora is None and (args.merge_lora or args.format == "peft"):
+        raise UserError(f"megajax export: {'--merge-lora' if args.merge_lora else '--format peft'} exports the "
+                        f"adapters of a LoRA run (model.lora); {where} has none.")
+    if lora is not None:
+        if args.format == "megatron" or (args.format == "hf" and not args.merge_lora):
+            raise UserError(f"megajax export: {where} holds LoRA adapters, not a whole model: export them with "
+                            f"--format peft, or the merged model with --format hf --merge-lora.")
+        from megajax.checkpoint.lora import MergedSource, export_peft, read_adapters
+        base = _lora_base_dir(meta, where)
+        if args.format == "peft":
+            out = export_peft(read_adapters(source), CheckpointSource(base).model, lora, args.output, base=str(base),
+                              dtype=args.dtype)
+            print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {args.dtype}; "
+                  f"base {base})")
+            return 0
+        source = MergedSource(CheckpointSource(base), read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
@@ -239,6 +256,51 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_base_dir(meta: dict, where) -> Path:
+    """The megajax step directory of a LoRA checkpoint's base (its `lora_base`)."""
+    from megajax.checkpoint.manager import require_step_dir
+    ref = meta.get("lora_base") or {}
+    if ref.get("format") != "megajax":
+        raise UserError(f"megajax: {where} holds adapters whose base is "
+                        f"{'a model initialised from train.seed=' + str(ref['seed']) if 'seed' in ref else ref or 'not recorded'}"
+                        f"; exporting or loading them needs a base saved as a megajax checkpoint (train the "
+                        f"adapters with checkpoint.load=BASE).")
+    return require_step_dir(ref["path"], "the adapters' base model")
+
+
+def _import_peft(args: argparse.Namespace) -> int:
+    """A PEFT LoRA adapter directory -> a megajax LoRA checkpoint naming its base."""
+    import dataclasses
+    import json
+    from megajax.checkpoint.lora import PEFT_CONFIG, import_peft
+    from megajax.checkpoint.manager import CheckpointSource, read_meta, write_params_checkpoint
+    from megajax.config import load_config
+    from megajax.train.setup import base_reference
+    base = args.base
+    if base is None:
+        config = Path(args.input) / PEFT_CONFIG
+        base = json.loads(config.read_text()).get("base_model_name_or_path") if config.is_file() else None
+        if not base:
+            raise UserError(f"megajax import --format peft: pass --base DIR, the megajax checkpoint of the base model "
+                            f"(the adapter at {args.input} names none in {PEFT_CONFIG}).")
+    source = CheckpointSource(base, key="--base")
+    lora, adapters = import_peft(args.input, source.model)
+    saved = read_meta(source.step_dir)["config"]
+    saved["model"] = dataclasses.asdict(dataclasses.replace(source.model, lora=lora))
+    saved.setdefault("checkpoint", {})["load"] = str(source.step_dir.absolute())
+    cfg = load_config(base=saved)
+    nested: dict = {}
+    for path, x in adapters.items():
+        node = nested
+        for k in path.split("/")[:-1]:
+            node = node.setdefault(k, {})
+        node[path.split("/")[-1]] = x
+    step_dir = write_params_checkpoint(nested, cfg, args.output, meta={"lora_base": base_reference(cfg)})
+    print(f"megajax import: {args.input} -> {step_dir} (LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets "
+          f"{', '.join(lora.targets)}; base {source.step_dir})")
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from megajax.checkpoint.common import imported_tokenizer
     from megajax.checkpoint.manager import find_step_dir, write_params_checkpoint
@@ -246,6 +308,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     _check_outputs(("--output", args.output), directory=True)
     if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
         raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
+    if args.format == "peft":
+        return _import_peft(args)
     if args.format == "hf":
         from megajax.checkpoint.hf import hf_tokenizer, import_hf
         overrides, params = import_hf(args.input)
@@ -382,7 +446,7 @@ def _sampling(args: argparse.Namespace):
 def _load_model(args: argparse.Namespace):
     """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
     from megajax.inference.load import find_source, generation_config
-    source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides))
+    source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides), args.adapter)
     cfg = generation_config(source, args.overrides)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
@@ -443,6 +507,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                                                        "step's directory")
     p.add_argument("--hf", metavar="DIR", help="a Hugging Face model directory (LlamaForCausalLM or GPT2LMHeadModel "
                                                "with its tokenizer), imported on the fly")
+    p.add_argument("--adapter", metavar="DIR", help="LoRA adapters merged into the model at load: a megajax LoRA "
+                                                    "checkpoint or a PEFT adapter directory (adapter_config.json)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value",
                    help="config overrides, e.g. mesh.tensor=4 train.precision=fp32 data.tokenizer=PATH; "
                         "checkpoint.step=N reads step N of the run instead of its latest")
@@ -506,9 +572,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_preprocess_args(p)
     p.set_defaults(func=cmd_preprocess)
     p = sub.add_parser("export", help="write a checkpoint as Hugging Face or Megatron-Core files")
-    p.add_argument("--format", choices=("hf", "megatron"), required=True)
+    p.add_argument("--format", choices=("hf", "megatron", "peft"), required=True,
+                   help="hf, megatron, or peft (a LoRA run's adapters as a PEFT adapter directory)")
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a run directory (its latest checkpoint) or one step's directory")
+    p.add_argument("--merge-lora", action="store_true",
+                   help="a LoRA run's checkpoint: write its base with the adapters merged in (W + alpha/rank A B)")
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
@@ -531,9 +600,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export step N of the run instead of its latest")
     p.set_defaults(func=cmd_export)
     p = sub.add_parser("import", help="turn Hugging Face or Megatron-Core weights into a megajax checkpoint")
-    p.add_argument("--format", choices=("hf", "megatron"), required=True)
+    p.add_argument("--format", choices=("hf", "megatron", "peft"), required=True)
     p.add_argument("--input", required=True, metavar="DIR")
     p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--base", metavar="DIR", help="--format peft: the megajax checkpoint of the base model the adapter "
+                                                 "belongs to (default: the adapter's base_model_name_or_path)")
     p.add_argument("--trust-checkpoint", action="store_true", help=f"--format megatron: {TRUST_HELP}")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("bench", help="time, memory and communication of a config's train step")

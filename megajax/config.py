@@ -55,6 +55,26 @@ FAMILY_DEFAULTS = {
 }
 
 
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (model.lora; Megatron-Bridge's LoRA, PEFT's LoraConfig): each targeted linear
+    y = x W becomes y = x W + (alpha / rank) dropout(x) A B with A [in, rank], B [rank, out] (zeros at
+    the start), the base weights frozen. Targets (Megatron-Bridge's names, `linear_` prefix optional):
+    qkv (the fused q/k/v projection: one A, one B over q, k and v), proj (attention output), fc1 (the
+    MLP's first projection, gate and up together under SwiGLU: one A), fc2, and multi-latent
+    attention's q_proj, q_down_proj, q_up_proj, kv_down_proj, kv_up_proj (its output is proj)."""
+    rank: int = 32
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t[len("linear_"):] if t.startswith("linear_") else t for t in self.targets)
+
+
 @dataclass
 class ModelConfig:
     family: Literal["gpt", "llama"] = "llama"
@@ -179,6 +199,8 @@ class ModelConfig:
     mamba_time_step_max: float | None = None
     mamba_dt_min: float = 0.001
     mamba_dt_max: float = 0.1
+    # Low-rank adapters on the named linears, the rest of the model frozen (LoraConfig); None: none.
+    lora: LoraConfig | None = None
 
     def resolve(self, seq_len: int) -> None:
         if self.num_layers is None:
@@ -205,6 +227,11 @@ class ModelConfig:
             self.max_position_embeddings = seq_len
         if self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
+
+    def uses_dropout(self) -> bool:
+        """Whether training draws dropout masks (hidden, attention or the adapters' input dropout)."""
+        return self.hidden_dropout > 0 or self.attention_dropout > 0 or (
+            self.lora is not None and self.lora.dropout > 0)
 
     def hybrid_pattern(self) -> str:
         """hybrid_layer_pattern without its stage boundaries: one character per layer ('' when unset)."""
@@ -565,6 +592,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         if dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key)
             continue
+        inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if inner and typing.get_origin(tp) in (Union, types.UnionType):  # an optional section (model.lora)
+            kwargs[name] = None if value is None else _build(inner[0], value, key)
+            continue
         out = _coerce(value, tp)
         if out is _NO_MATCH:
             raise ConfigError(f"config key {key} = {value!r}: expected {_type_name(tp)}.")
@@ -772,6 +803,7 @@ def validate(cfg: Config) -> None:
                           f"train.seq_len or raise model.max_position_embeddings.")
     validate_precision(cfg)
     validate_ranges(cfg)
+    validate_lora(m)
     for axis in MESH_AXES:
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:
@@ -801,6 +833,33 @@ def validate(cfg: Config) -> None:
         if m.attention_dropout:
             raise ConfigError(f"model.attention_dropout = {m.attention_dropout} with mesh.context = "
                               f"{cfg.mesh.context}: context-parallel attention has no dropout; set it to 0.")
+
+
+def validate_lora(m: ModelConfig) -> None:
+    """model.lora: a positive rank and alpha, dropout in [0, 1), and targets the model has."""
+    lo = m.lora
+    if lo is None:
+        return
+    _positive("model.lora.rank", lo.rank)
+    _positive("model.lora.alpha", lo.alpha)
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"config key model.lora.dropout = {lo.dropout}: must be in [0, 1).")
+    mla = m.multi_latent_attention
+    has = {"proj"} | ({"q_down_proj", "q_up_proj"} if mla and m.q_lora_rank is not None else
+                      {"q_proj"} if mla else set()) | ({"kv_down_proj", "kv_up_proj"} if mla else {"qkv"})
+    has |= {"fc1", "fc2"}  # the dense MLPs' (and shared experts') projections; a MoE layer's experts stay frozen
+    bad = [t for t in lo.target_names() if t not in has]
+    if not lo.targets or bad or len(set(lo.target_names())) != len(lo.targets):
+        raise ConfigError(f"config key model.lora.targets = {lo.targets}: "
+                          f"{'unknown or repeated targets ' + str(bad or lo.targets) if lo.targets else 'empty'}; "
+                          f"this model's linears are {', '.join(t for t in LORA_TARGETS if t in has)} "
+                          f"(Megatron-Bridge's names, the `linear_` prefix optional).")
+    if mla and lo.dropout > 0:
+        raise ConfigError(f"model.lora.dropout = {lo.dropout} with model.multi_latent_attention: its adapters take "
+                          f"no input dropout; set model.lora.dropout=0.")
+    if m.hybrid_layer_pattern:
+        raise ConfigError("model.lora with model.hybrid_layer_pattern: adapters on the Mamba mixers are not "
+                          "supported; use a transformer model or drop model.lora.")
 
 
 def validate_precision(cfg: Config) -> None:

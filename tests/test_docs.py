@@ -56,8 +56,9 @@ def config_keys() -> dict[str, dataclasses.Field]:
     def walk(cls, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], f"{prefix}{f.name}.")
+            section = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
+            if section:  # a section, or an optional one (model.lora)
+                walk(section[0], f"{prefix}{f.name}.")
             else:
                 out[f"{prefix}{f.name}"] = f
     walk(Config, "")

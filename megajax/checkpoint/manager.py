@@ -520,7 +520,8 @@ class CheckpointSource:
             raise _read_failed(self.step_dir, e) from None
 
 
-def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0) -> Path:
+def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, step: int = 0,
+                            meta: dict | None = None) -> Path:
     """An Orbax checkpoint holding only parameters (e.g. imported from Hugging Face or Megatron),
     for `checkpoint.load`; expert biases in `params` (layout.expert_bias_rows) are stored as the train state's
     `moe_expert_bias`. Written as `<out_dir>/checkpoints/<step>/`; returns that directory."""
@@ -535,7 +536,7 @@ def write_params_checkpoint(params: dict, cfg: Config, out_dir: str | Path, *, s
         params, bias = split_expert_bias(arrays)
         tree = {"params": params} if bias is None else {"params": params, "moe_expert_bias": bias}
         ckpt.save(step, tree, {"step": step, "consumed_samples": 0, "config": cfg.to_dict(),
-                                              "imported": True}, wait=True)
+                               "imported": True, **(meta or {})}, wait=True)
     finally:
         ckpt.close()
     return out_dir / "checkpoints" / str(step)

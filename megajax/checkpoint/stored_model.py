@@ -19,7 +19,7 @@ from megajax.errors import CheckpointError
 TRAINING_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_std", "attention_impl", "matmul_impl",
                            "moe_grouped_gemm_impl",
                            "scan_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
-                           "moe_router_bias_update_rate"})
+                           "moe_router_bias_update_rate", "lora"})
 VOCABULARY_KEYS = frozenset({"vocab_size", "make_vocab_size_divisible_by"})
 
 

@@ -31,6 +31,7 @@ class Source:
     step_dir: Path | None = None
     hf_dir: Path | None = None
     hf_import: tuple | None = None  # import_hf's (model overrides, float32 numpy params)
+    adapter: Path | None = None  # LoRA adapters merged in at load: a megajax LoRA checkpoint or a PEFT directory
 
     @property
     def name(self) -> str:
@@ -41,15 +42,29 @@ class Source:
         return path.name
 
 
-def find_source(checkpoint: str | None, hf: str | None, step: int | None = None) -> Source:
+def find_source(checkpoint: str | None, hf: str | None, step: int | None = None, adapter: str | None = None) -> Source:
     """The (verified) step directory of --checkpoint (its latest step, or `step`: checkpoint.step), or
-    the Hugging Face directory --hf, imported."""
-    from megajax.checkpoint.manager import require_step_dir
+    the Hugging Face directory --hf, imported; with --adapter DIR (or a --checkpoint holding LoRA
+    adapters, whose recorded base is then the model) the adapters to merge in."""
+    from megajax.checkpoint.manager import read_meta, require_step_dir
     if bool(checkpoint) == bool(hf):
         raise CheckpointError("give the model as --checkpoint DIR (a megajax run or checkpoint directory) or "
                               "--hf DIR (a Hugging Face model directory), one of them.")
+    if adapter is not None and not Path(adapter).is_dir():
+        raise CheckpointError(f"--adapter {adapter!r}: not a directory (a megajax LoRA checkpoint or a PEFT adapter "
+                              f"directory with adapter_config.json).")
     if checkpoint:
-        return Source(step_dir=require_step_dir(checkpoint, "--checkpoint", step))
+        step_dir = require_step_dir(checkpoint, "--checkpoint", step)
+        ref = read_meta(step_dir).get("lora_base")
+        if ref is None:
+            return Source(step_dir=step_dir, adapter=None if adapter is None else Path(adapter))
+        if adapter is not None:
+            raise CheckpointError(f"--checkpoint {checkpoint} holds LoRA adapters itself; give its base as "
+                                  f"--checkpoint and the adapters as --adapter, or this checkpoint alone.")
+        if ref.get("format") != "megajax":
+            raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base ({ref}) is not a saved megajax "
+                                  f"checkpoint; name the base with --checkpoint and these adapters with --adapter.")
+        return Source(step_dir=require_step_dir(ref["path"], "the adapters' base model"), adapter=step_dir)
     if step is not None:
         raise CheckpointError(f"checkpoint.step={step} selects a step of a megajax checkpoint (--checkpoint DIR); "
                               f"a Hugging Face directory (--hf {hf}) has none.")
@@ -57,7 +72,7 @@ def find_source(checkpoint: str | None, hf: str | None, step: int | None = None)
     d = Path(hf).expanduser()
     if not (d / "config.json").is_file():
         raise CheckpointError(f"--hf {hf!r}: not a Hugging Face model directory (no config.json there).")
-    return Source(hf_dir=d, hf_import=import_hf(d))
+    return Source(hf_dir=d, hf_import=import_hf(d), adapter=None if adapter is None else Path(adapter))
 
 
 def _hf_base(source: Source) -> dict:
@@ -145,6 +160,10 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
         # parameters (layout.EXPERT_BIAS); Mixtral and Qwen3-MoE have none
         numpy_params, expert_bias = split_expert_bias(source.hf_import[1])
         params = jax.tree.map(lambda x, s: jax.device_put(x, s), numpy_params, shardings)
+    if source.adapter is not None:
+        from megajax.checkpoint.lora import merge_adapter
+        params, note = merge_adapter(params, source.adapter, plan.model)
+        notes.append(note)
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
                           rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None),
                           expert_bias=expert_bias)

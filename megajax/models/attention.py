@@ -17,6 +17,7 @@ from flax import nnx, struct
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, dropout, softmax
+from megajax.models.lora import adapter
 
 
 class AttentionCore(Protocol):
@@ -294,6 +295,7 @@ def write_cache(cache, new_BxLxGxK: jax.Array, start):
 
 
 ACT_Q = ("batch", "length", "heads", "head_dim")
+RESIDUAL = ("batch", "residual_length", "embed")
 ACT_KV = ("batch", "length", "kv_heads", "head_dim")
 
 
@@ -306,9 +308,15 @@ class Attention(nnx.Module):
         self.k = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
         self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
         # Output projection (row-parallel): Megatron's scaled init std / sqrt(2 * layers).
+        lora = dict(dtype=dtype, ops=ops, rngs=rngs)
         self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
-                       init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), **common)
+                       init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
+                       lora=adapter(cfg.lora, "proj", (nh, hd), h, axes=("heads", "head_dim", "embed"), kind="row",
+                                    **lora), **common)
         self.qkv_product = ops.linear("column")  # the fused q/k/v product (`qkv`)
+        # model.lora's `qkv`: one A [D, r] for q, k and v, and B [r, G, group + 2, K] laid out as the fused kernel.
+        self.qkv_lora = adapter(cfg.lora, "qkv", h, (kv, nh // kv + 2, hd),
+                                axes=("embed", "kv_heads", "qkv_slot", "head_dim"), kind="column", **lora)
         # model.qk_norm: per-head RMSNorm of q and k (one [head_dim] scale each, replicated over heads).
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, eps=cfg.norm_eps, dtype=dtype, axis="head_dim")
@@ -318,7 +326,7 @@ class Attention(nnx.Module):
         self.core = core
         self.dropout_rate = cfg.attention_dropout
 
-    def qkv(self, x_BxLxD):
+    def qkv(self, x_BxLxD, dropout_rng=None):
         """q, k, v from one product with the three kernels side by side per kv group:
         W[D, G, group + 2, K] (q heads of group g, then k and v of g), split over G by tensor
         parallelism like the separate kernels, and one input all-gather under sequence parallelism."""
@@ -332,6 +340,8 @@ class Attention(nnx.Module):
             bias = jnp.concatenate([self.q.bias[...].reshape(g, r, k_dim), self.k.bias[...][:, None],
                                     self.v.bias[...][:, None]], axis=1)
             out = out + bias.astype(out.dtype)
+        if self.qkv_lora is not None:
+            out = out + self.qkv_lora(x_BxLxD, dropout_rng, RESIDUAL).astype(out.dtype)
         b, l = out.shape[:2]
         return out[:, :, :, :r].reshape(b, l, h, k_dim), out[:, :, :, r], out[:, :, :, r + 1]
 
@@ -345,7 +355,8 @@ class Attention(nnx.Module):
         return q, k
 
     def __call__(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, inv_freq, dropout_rng):
-        q, k, v = self.qkv(x_BxLxD)
+        lora_rngs = [None, None] if dropout_rng is None else jax.random.split(jax.random.fold_in(dropout_rng, 1))
+        q, k, v = self.qkv(x_BxLxD, lora_rngs[0])
         q = logical_constraint(q, ACT_Q)
         k = logical_constraint(k, ACT_KV)
         v = logical_constraint(v, ACT_KV)
@@ -354,7 +365,7 @@ class Attention(nnx.Module):
                         dropout_rate=self.dropout_rate if dropout_rng is not None else 0.0,
                         dropout_rng=dropout_rng)
         out = logical_constraint(out, ACT_Q)
-        return self.o(out)
+        return self.o(out, lora_rngs[1], ACT_Q)
 
     def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k_BxGxTxK, cache_v_BxGxTxK, start, mask_BxLxT,
                segment_ids_BxL=None):
@@ -370,6 +381,11 @@ class Attention(nnx.Module):
         `start` only shapes the mask, and the tables say where to write; with its `blocks_used`, the
         attention is paged_attention over the blocks in use, prefill chunks included)."""
         q, k, v = self.q(x_BxLxD), self.k(x_BxLxD), self.v(x_BxLxD)
+        if self.qkv_lora is not None:  # unmerged adapters: their [B, L, G, group + 2, K] delta split as qkv's
+            delta = self.qkv_lora(x_BxLxD).astype(q.dtype)
+            r = delta.shape[3] - 2
+            q = q + delta[:, :, :, :r].reshape(q.shape)
+            k, v = k + delta[:, :, :, r], v + delta[:, :, :, r + 1]
         q = logical_constraint(q, ACT_Q)
         q, k = self.positioned(q, k, positions_BxL, inv_freq)
         if isinstance(cache_k_BxGxTxK, PagedCache) and cache_k_BxGxTxK.blocks_used is not None:

@@ -203,7 +203,7 @@ class Dense(nnx.Module):
     def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
                  axes: tuple[str, ...], use_bias: bool = False, init_std: float = 0.02,
                  dtype=jnp.float32, param_dtype=jnp.float32,
-                 dot_general: DotGeneral = jax.lax.dot_general, rngs: nnx.Rngs):
+                 dot_general: DotGeneral = jax.lax.dot_general, lora: nnx.Module | None = None, rngs: nnx.Rngs):
         self.in_features = _tuple(in_features)
         self.out_features = _tuple(out_features)
         assert len(axes) == len(self.in_features) + len(self.out_features), axes
@@ -213,14 +213,18 @@ class Dense(nnx.Module):
                                axes=axes[len(self.in_features):]) if use_bias else None)
         self.dtype = dtype
         self.dot_general = dot_general
+        self.lora = lora  # a low-rank adapter beside the (frozen) kernel (megajax/models/lora.py), or None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, dropout_rng: jax.Array | None = None, names: tuple | None = None) -> jax.Array:
+        """`dropout_rng`, `names`: the adapter's input dropout key and x's logical dims."""
         n_in = len(self.in_features)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         y = self.dot_general(x.astype(self.dtype), self.kernel[...].astype(self.dtype),
                              (contract, ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x, dropout_rng, names).astype(y.dtype)
         return y
 
 

@@ -37,13 +37,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from megajax.config import ModelConfig
+from megajax.config import LoraConfig, ModelConfig
 
 
 @functools.lru_cache(maxsize=64)
 def _shapes(fields: tuple, padded_vocab_size: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
     from megajax.models.transformer import Transformer
-    m = ModelConfig(*(list(f) if isinstance(f, tuple) else f for f in fields))
+    names = [f.name for f in dataclasses.fields(ModelConfig)]
+    m = ModelConfig(**{n: (LoraConfig(f[0], f[1], f[2], list(f[3])) if n == "lora" and f is not None else
+                           list(f) if isinstance(f, tuple) else f) for n, f in zip(names, fields)})
     abstract = nnx.eval_shape(lambda: Transformer(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     return tuple(sorted((name, tuple(x.shape)) for name, x in traverse_util.flatten_dict(params, sep="/").items()))
@@ -57,6 +59,9 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
     """
     padded = padded_vocab_size or m.padded_vocab_size()
     fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))  # hashable
+    if m.lora is not None:
+        lora = dataclasses.fields(ModelConfig).index(next(f for f in dataclasses.fields(ModelConfig) if f.name == "lora"))
+        fields = fields[:lora] + ((m.lora.rank, m.lora.alpha, m.lora.dropout, tuple(m.lora.targets)),) + fields[lora + 1:]
     return dict(_shapes(fields, padded))
 
 

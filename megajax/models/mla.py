@@ -37,6 +37,7 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.attention import PagedCache
+from megajax.models.lora import adapter
 from megajax.models.layers import Dense, LinearOps, RMSNorm, apply_rope, yarn_gains
 
 ACT_Q = ("batch", "length", "heads", "head_dim")
@@ -67,20 +68,27 @@ class MultiLatentAttention(nnx.Module):
         h, nh = cfg.hidden_size, cfg.num_heads
         n, p, v = cfg.qk_head_dim, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
         common = dict(use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std)
+
+        def lora(target, i, o, axes, kind):  # model.lora's adapter of one projection (or None)
+            return dict(lora=adapter(cfg.lora, target, i, o, axes=axes, kind=kind, dtype=dtype, ops=ops, rngs=rngs))
+
+        q_axes, down_axes, up_axes = ("embed", "heads", "head_dim"), ("embed", None), (None, "heads", "head_dim")
         if cfg.q_lora_rank is None:
-            self.q = Dense(h, (nh, n + p), axes=("embed", "heads", "head_dim"), dot_general=ops.linear("column"),
-                           **common)
+            self.q = Dense(h, (nh, n + p), axes=q_axes, dot_general=ops.linear("column"),
+                           **lora("q_proj", h, (nh, n + p), q_axes, "column"), **common)
         else:
-            self.q_down = Dense(h, cfg.q_lora_rank, axes=("embed", None), dot_general=ops.linear("duplicated"), **common)
+            self.q_down = Dense(h, cfg.q_lora_rank, axes=down_axes, dot_general=ops.linear("duplicated"),
+                                **lora("q_down_proj", h, cfg.q_lora_rank, down_axes, "duplicated"), **common)
             self.q_norm = _latent_norm(cfg.q_lora_rank, cfg.norm_eps, dtype)
-            self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=(None, "heads", "head_dim"),
-                              dot_general=ops.linear("column"), **common)
-        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=("embed", None), dot_general=ops.linear("duplicated"),
-                             **common)
+            self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=up_axes, dot_general=ops.linear("column"),
+                              **lora("q_up_proj", cfg.q_lora_rank, (nh, n + p), up_axes, "column"), **common)
+        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=down_axes, dot_general=ops.linear("duplicated"),
+                             **lora("kv_down_proj", h, cfg.kv_lora_rank + p, down_axes, "duplicated"), **common)
         self.kv_norm = _latent_norm(cfg.kv_lora_rank, cfg.norm_eps, dtype)
-        self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=(None, "heads", "head_dim"),
-                           dot_general=ops.linear("column"), **common)
-        self.o = Dense((nh, v), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
+        self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=up_axes, dot_general=ops.linear("column"),
+                           **lora("kv_up_proj", cfg.kv_lora_rank, (nh, n + v), up_axes, "column"), **common)
+        o_axes = ("heads", "head_dim", "embed")
+        self.o = Dense((nh, v), h, axes=o_axes, dot_general=ops.linear("row"), **lora("proj", (nh, v), h, o_axes, "row"),
                        use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dims = (n, p, v)
         self.rope_gain, self.score_gain = yarn_gains(cfg)  # (1, 1) without YaRN

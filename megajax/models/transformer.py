@@ -70,7 +70,8 @@ class Block(nnx.Module):
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp.forward(self.mlp_norm(x), expert_bias_E)
         else:
-            h, stats = self.mlp(self.mlp_norm(x)), None
+            mlp_rng = None if rngs[2] is None else jax.random.fold_in(rngs[2], 1)  # its adapters' dropout
+            h, stats = self.mlp(self.mlp_norm(x), dropout_rng=mlp_rng), None
         return logical_constraint(x + dropout(h, self.hidden_dropout, rngs[2], RESIDUAL), RESIDUAL), stats
 
     def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL,

@@ -193,19 +193,19 @@ class Validation:
     def due(self, step: int, last: bool) -> bool:
         return self.tr.valid_loader is not None and (step % self.every == 0 or last)
 
-    def run(self, step: int, params, fp8=None, expert_bias=None) -> None:
+    def run(self, step: int, params, fp8=None, expert_bias=None, frozen=None) -> None:
         cfg, tr = self.tr.cfg, self.tr
         loss_sum, count = 0.0, 0.0
         for k in range(cfg.train.eval_steps):
             batch = tr.valid_loader.batch((self.count * cfg.train.eval_steps + k) * cfg.train.global_batch)
             if not self.compiled:  # the first call compiles the evaluation step
                 with CompileWatch() as watch:
-                    l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
+                    l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias, frozen))
                 self.compiled = True
                 self.log.print(f"megajax: compiled and ran the first evaluation batch in {watch.seconds:.1f} s "
                                f"({watch.source()})")
             else:
-                l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias))
+                l, c = jax.device_get(tr.eval_fn(params, batch, fp8, expert_bias, frozen))
             loss_sum, count = loss_sum + float(l), count + float(c)
         self.count += 1
         val = loss_sum / max(count, 1.0)
@@ -238,6 +238,9 @@ class Saves:
             return
         meta = {"step": step, "consumed_samples": consumed, "config": self.cfg.to_dict(),
                 "mesh": mesh_sizes(self.tr.mesh), "padded_vocab_size": self.tr.plan.padded_vocab}
+        if state.frozen is not None:  # model.lora: the adapters and their optimizer state, and where the base is
+            meta["lora_base"] = self.tr.lora_base
+            state = state.replace(frozen=None)
         self.checkpointer.save(step, state, meta, wait=wait)
         self.saved_step = step
 
@@ -388,7 +391,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
             if validation.due(step, last):
                 settle()
                 stop_if_unhealthy()
-                validation.run(step, state.params, state.fp8, state.moe_expert_bias)
+                validation.run(step, state.params, state.fp8, state.moe_expert_bias, state.frozen)
             if saves.due(step, last, stopping):
                 settle()
                 stop_if_unhealthy()

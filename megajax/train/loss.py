@@ -89,18 +89,19 @@ def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int,
 
 
 def microbatch_loss(cfg: Config) -> Callable:
-    """loss(model, params, fp8 scales, micro, rng, inputs, fp8, expert bias) -> (scaled loss to
-    differentiate, metric sums) of one microbatch (of one data-parallel shard inside the vmap).
+    """loss(model, params, fp8 scales, micro, rng, inputs, fp8, expert bias, frozen=None) -> (scaled
+    loss to differentiate, metric sums) of one microbatch (of one data-parallel shard inside the vmap);
+    `frozen`: the frozen base parameters beside adapters (TrainState.frozen).
     `model` is a ModelSpec, `fp8` the scaling state whose scales are replaced by the argument (so
     their "gradients" are the amaxes), `expert_bias` the routers' (or None)."""
     moe = cfg.model.num_experts > 0
     depths = cfg.model.mtp_num_layers
 
-    def loss_fn(model: ModelSpec, params, fp8_scales, micro, rng, inputs: StepInputs, fp8, expert_bias):
+    def loss_fn(model: ModelSpec, params, fp8_scales, micro, rng, inputs: StepInputs, fp8, expert_bias, frozen=None):
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
         bias = {} if expert_bias is None else {"expert_bias": expert_bias}
         out = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                          dropout_rng=rng, fp8=fp8, router_stats=moe, **bias, **({"mtp": True} if depths else {}))
+                          dropout_rng=rng, fp8=fp8, frozen=frozen, router_stats=moe, **bias, **({"mtp": True} if depths else {}))
         if depths:
             logits, stats, mtp_logits = out
         else:

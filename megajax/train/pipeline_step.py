@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_without, tree_specs
 from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
+from megajax.models.lora import join
 from megajax.models.moe import router_losses
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
@@ -56,7 +57,10 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     # Collectives inside the chunks (tensor, context, the experts' dispatch and router counts):
     # every device then takes every branch of a tick (megajax/parallel/pipeline.py).
     lockstep = m.num_experts > 0 or any(sizes[a] > 1 for a in (*rules.activations["heads"], *seq_axes))
-    grad_specs, param_specs = (tree_specs(spec.axes, table) for table in (rules.opt_state, rules.params))
+    grad_specs = tree_specs(spec.axes, rules.opt_state)
+    # With adapters the stages run on the whole tree, the frozen parameters beside them (no gradient).
+    param_specs = tree_specs(join(spec.frozen_axes, spec.axes), rules.params)
+    frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
     fns, grad_dtype = stage_functions(spec, cfg, mesh, rules), precision_policy(cfg).grad_dtype
@@ -69,7 +73,7 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
 
     def gradients(state: TrainState, batch: dict, inputs: StepInputs) -> Gradients:
         assert inputs.accum == choice.microbatches, (inputs.accum, choice)
-        params = jax.tree.map(constrain, state.params, stage_specs)
+        params = jax.tree.map(constrain, join(state.frozen, state.params), stage_specs)
         tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis,
                                                 ("layers",) if m.dense_first_layers() else STACK_NAMES,
                                                 m.num_moe_layers())
@@ -85,6 +89,8 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)
         flat.pop(MTP_EXPERT_BIAS_PATH, None)
+        for path in frozen_paths:  # zeros (stop_gradient in the stages' model)
+            flat.pop(path)
         grads = jax.tree.map(constrain, unflatten_dict(flat), grad_specs)
         sums = {"loss_sum": head_sums["loss"]}
         if "mtp_loss" in head_sums:  # multi-token prediction's cross entropy (in the objective, not in `loss`)
@@ -148,6 +154,7 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
     the vocab-parallel cross entropy)."""
     ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
+    frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
 
     def model(tree):
@@ -157,6 +164,8 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         flat = flatten_dict(tree)
         flat.pop(EXPERT_BIAS_PATH, None)
         flat.pop(MTP_EXPERT_BIAS_PATH, None)
+        for path in frozen_paths:  # model.lora's frozen base: no gradient is computed for it
+            flat[path] = jax.lax.stop_gradient(flat[path])
         if not fp8_paths:
             return nnx.merge(spec.graphdef, unflatten_dict(flat))
         fp8 = {}

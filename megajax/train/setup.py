@@ -94,9 +94,9 @@ class Setup:
         def guarded(state, batch, ok):
             new, metrics = step(state, batch, ok)  # parameters and optimizer state: kept unless ok
             accept = ok & ~metrics["skipped"] if halt else ok
-            rest = jax.tree.map(lambda n, o: jnp.where(accept, n, o),
-                                new.replace(params=None, opt_state=None), state.replace(params=None, opt_state=None))
-            return rest.replace(params=new.params, opt_state=new.opt_state), metrics, accept
+            kept = dict(params=None, opt_state=None, frozen=None)
+            rest = jax.tree.map(lambda n, o: jnp.where(accept, n, o), new.replace(**kept), state.replace(**kept))
+            return rest.replace(params=new.params, opt_state=new.opt_state, frozen=state.frozen), metrics, accept
 
         replicated = NamedSharding(self.mesh, P())
         metric_sh = {k: replicated for k in metric_keys(cfg)}
@@ -107,11 +107,11 @@ class Setup:
         return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
 
     def eval_step(self) -> Callable:
-        """jit of (params, batch, fp8 scaling state or None, expert bias or None) -> (sum of token
-        losses, tokens)."""
+        """jit of (params, batch, fp8 scaling state or None, expert bias or None, frozen parameters or
+        None) -> (sum of token losses, tokens)."""
         return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
                        in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
-                                     self.state_shardings.moe_expert_bias))
+                                     self.state_shardings.moe_expert_bias, self.state_shardings.frozen))
 
     def loader(self, dataset, prefetch: int) -> Loader:
         context = self.plan.sizes["context"]
@@ -136,7 +136,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
-                        lambda: initial_expert_bias(cfg.model))
+                        lambda: initial_expert_bias(cfg.model), spec.split)
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
@@ -162,6 +162,8 @@ class Trainer:
     resumed_step: int | None  # the checkpoint step a resumed run starts from
     compile_seconds: float
     data_report: list[str] = field(default_factory=list)
+    # model.lora: the frozen base the adapters belong to (base_reference), recorded in every checkpoint.
+    lora_base: dict | None = None
 
     @property
     def plan(self) -> RunPlan:
@@ -203,7 +205,10 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
         meta = read_meta(verify_step(resume))
-        state, note = restore_state(resume, target, cfg)
+        state, note = restore_state(resume, target.replace(frozen=None), cfg)
+        if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
+            frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
+            state = state.replace(frozen=frozen)
         origin = f"resumed from {resume} (step {meta['step']})" + (f"; {note}" if note else "")
         if step is not None:
             newer, aside = set_aside_newer(resume)
@@ -212,6 +217,17 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                            f"{', '.join(map(str, newer))}) are moved to {aside}, and metrics.jsonl's records "
                            f"after step {step} are dropped")
         return state, int(meta["consumed_samples"]), origin, int(meta["step"])
+    if setup.spec.frozen_axes is not None and step is not None:
+        raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints; with "
+                              f"model.lora, checkpoint.load names the base model's step directory itself.")
+    if cfg.checkpoint.load and setup.spec.frozen_axes is not None:
+        frozen, ref = frozen_base(setup, target, base_reference(cfg), "checkpoint.load")
+        state = setup.fresh_state().replace(frozen=frozen)
+        bias = None if ref.get("format") != "megajax" else restore_expert_bias(Path(ref["path"]), cfg)
+        if bias is not None:
+            state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
+        return (state, 0,
+                f"adapters fresh on the frozen base {ref.get('path', cfg.checkpoint.load)}", None)
     if cfg.checkpoint.load and is_megatron_load(str(cfg.checkpoint.load)):
         if step is not None:
             raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints, "
@@ -232,6 +248,58 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints and "
                               f"checkpoint.load is not set; drop checkpoint.step to start afresh.")
     return setup.fresh_state(), 0, "fresh initialisation", None
+
+
+def base_reference(cfg: Config) -> dict:
+    """What a LoRA checkpoint records of its frozen base (`lora_base` in its metadata): the base's
+    step directory (checkpoint.load resolved) and the SHA-256 of its file record, or, for a Megatron
+    checkpoint, its path; for a base initialised from train.seed (no checkpoint.load), the seed."""
+    load = cfg.checkpoint.load
+    if not load:
+        return {"seed": cfg.train.seed}
+    if is_megatron_load(str(load)):
+        return {"path": str(Path(load).absolute()), "format": "megatron"}
+    source = require_step_dir(load, "checkpoint.load", None)
+    return {"path": str(source.absolute()), "format": "megajax", "files_sha256": files_digest(source)}
+
+
+def files_digest(step_dir: Path) -> str | None:
+    """SHA-256 of a step's file record (names and sizes, megajax/checkpoint/integrity.py), None without one."""
+    import hashlib
+    record = Path(step_dir) / "files.json"
+    return hashlib.sha256(record.read_bytes()).hexdigest() if record.is_file() else None
+
+
+def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) -> tuple[dict, dict]:
+    """(the frozen base parameters laid out like target.frozen, the reference read) of a run with
+    adapters: read from the base checkpoint `ref` names (checked against its recorded digest), or
+    initialised from its seed."""
+    cfg = setup.cfg
+    if not ref:
+        raise CheckpointError(f"{where}: a checkpoint with model.lora must name its base model (`lora_base` in its "
+                              f"metadata); this one does not.")
+    if "seed" in ref:
+        init = setup.init if ref["seed"] == cfg.train.seed else make_init_fn(
+            build_model_spec(cfg, setup.plan.padded_vocab, mesh=setup.mesh, rules=setup.plan.rules,
+                             seed=ref["seed"])[1], setup.tx, setup.scaler, ref["seed"], split=setup.spec.split)
+        frozen = jax.jit(lambda: init().frozen, out_shardings=setup.state_shardings.frozen)()
+        return frozen, ref
+    path = Path(ref["path"])
+    if not path.exists():
+        raise CheckpointError(f"{where}: its frozen base model {path} does not exist any more; the adapters need "
+                              f"the base they were trained on.")
+    if ref.get("format") == "megatron":
+        from megajax.checkpoint.megatron import import_megatron
+        from megajax.models.layout import split_expert_bias
+        params, _ = split_expert_bias(import_megatron(str(path), trust=cfg.checkpoint.trust_load)[1])
+        frozen = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.frozen)
+        return frozen, ref
+    digest = files_digest(verify_step(path))
+    if ref.get("files_sha256") and digest != ref["files_sha256"]:
+        raise CheckpointError(f"{where}: its frozen base model {path} has changed since the adapters were trained "
+                              f"(file record SHA-256 {digest}, recorded {ref['files_sha256']}).")
+    frozen, _ = restore_params(path, target.frozen, cfg)
+    return frozen, ref
 
 
 def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainState, str]:
@@ -337,8 +405,12 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
         if pool:
             pool.shutdown(wait=True)
     state, consumed, origin, resumed = made
+    lora_base = None
+    if setup.spec.frozen_axes is not None:
+        lora_base = (read_meta(find_step_dir(Path(plan.cfg.train.run_dir) / "checkpoints", resumed))["lora_base"]
+                     if resumed is not None else base_reference(plan.cfg))
     if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
         check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
                    eval_fn=setup.eval_step(), consumed_samples=consumed, origin=origin, resumed_step=resumed,
-                   compile_seconds=compile_seconds, data_report=report)
+                   compile_seconds=compile_seconds, data_report=report, lora_base=lora_base)

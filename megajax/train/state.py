@@ -31,6 +31,7 @@ from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
+from megajax.models.lora import join, split_trainable
 from megajax.models.transformer import shift_left
 from megajax.parallel.context import (context_parallel_attention, mamba_context, sequence_shift, sharded_attention,
                                       sharded_ssd)
@@ -54,6 +55,9 @@ class TrainState:
     # The MoE routers' expert bias [layers, E] fp32 (model.moe_router_bias_update_rate > 0), None
     # without one: moved by the train step from each step's token counts, never by the optimizer.
     moe_expert_bias: jax.Array | None = None
+    # With model.lora: the frozen base parameters (`params` then holds the adapters alone, which are
+    # all that gradients, the optimizer and checkpoints see); None without adapters.
+    frozen: dict | None = None
 
 
 @dataclass
@@ -65,9 +69,20 @@ class ModelSpec:
     abstract_fp8: dict | None = None  # ShapeDtypeStructs of the FP8 scaling state; None: none
     # Multi-token prediction's shift along the sequence for this layout (the model's, for its labels).
     sequence_shift: Callable = shift_left
+    # model.lora: the frozen parameters' axes and shapes (`axes` and `abstract_params` are then the
+    # adapters'); None without adapters.
+    frozen_axes: dict | None = None
+    abstract_frozen: dict | None = None
 
-    def apply(self, params: dict, *args, fp8: dict | None = None, **kwargs) -> jax.Array:
-        """The model on `params` (and, with FP8 scaling state, `fp8`; a fresh state when None)."""
+    def split(self, params: dict) -> tuple[dict, dict | None]:
+        """(trainable, frozen) parts of a whole parameter tree: (params, None) without adapters."""
+        return (params, None) if self.frozen_axes is None else split_trainable(params)
+
+    def apply(self, params: dict, *args, fp8: dict | None = None, frozen: dict | None = None, **kwargs) -> jax.Array:
+        """The model on `params` (and, with FP8 scaling state, `fp8`; a fresh state when None); with
+        adapters, `frozen` holds the rest of the parameters, which get no gradient."""
+        if frozen is not None:
+            params = join(jax.lax.stop_gradient(frozen), params)
         if self.abstract_fp8 is None:
             return nnx.merge(self.graphdef, params)(*args, **kwargs)
         fp8 = self.init_fp8() if fp8 is None else fp8
@@ -161,11 +176,15 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
     abstract_fp8 = nnx.to_pure_dict(abstract_fp8)
-    spec = ModelSpec(graphdef=graphdef, axes=param_axes(abstract),
-                     abstract_params=nnx.to_pure_dict(abstract_params),
-                     abstract_fp8=abstract_fp8 or None, sequence_shift=shift)
+    axes, abstract_params = param_axes(abstract), nnx.to_pure_dict(abstract_params)
+    frozen_axes = abstract_frozen = None
+    if cfg.model.lora is not None:
+        (axes, frozen_axes), (abstract_params, abstract_frozen) = split_trainable(axes), split_trainable(abstract_params)
+    spec = ModelSpec(graphdef=graphdef, axes=axes, abstract_params=abstract_params,
+                     abstract_fp8=abstract_fp8 or None, sequence_shift=shift, frozen_axes=frozen_axes,
+                     abstract_frozen=abstract_frozen)
     # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
-    assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves(spec.abstract_params)), policy
+    assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves((spec.abstract_params, abstract_frozen))), policy
 
     def init_params():
         return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
@@ -193,14 +212,16 @@ def initial_expert_bias(m: ModelConfig) -> jax.Array | None:
 def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
                  scaler: DynamicLossScale | None, seed: int,
                  init_fp8: Callable[[], dict | None] = lambda: None,
-                 init_expert_bias: Callable[[], jax.Array | None] = lambda: None) -> Callable[[], TrainState]:
-    """The fresh train state; the optimizer is initialised on the parameters alone."""
+                 init_expert_bias: Callable[[], jax.Array | None] = lambda: None,
+                 split: Callable[[dict], tuple[dict, dict | None]] = lambda p: (p, None)) -> Callable[[], TrainState]:
+    """The fresh train state; the optimizer is initialised on the (trainable) parameters alone.
+    `split`: a whole parameter tree -> (trainable, frozen or None) (ModelSpec.split)."""
     def init() -> TrainState:
-        params = init_params()
+        params, frozen = split(init_params())
         return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
                           loss_scale=scaler.init() if scaler else None,
                           rng=jax.random.key_data(jax.random.key(seed)), fp8=init_fp8(),
-                          moe_expert_bias=init_expert_bias())
+                          moe_expert_bias=init_expert_bias(), frozen=frozen)
     return init
 
 
@@ -219,4 +240,5 @@ def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax
                       # A few scalars per product, used by every device: replicated.
                       fp8=jax.tree.map(lambda _: replicated, abstract_state.fp8),
                       # [layers, E] fp32, read by every device's routers: replicated.
-                      moe_expert_bias=jax.tree.map(lambda _: replicated, abstract_state.moe_expert_bias))
+                      moe_expert_bias=jax.tree.map(lambda _: replicated, abstract_state.moe_expert_bias),
+                      frozen=None if spec.frozen_axes is None else tree_shardings(mesh, spec.frozen_axes, rules.params))

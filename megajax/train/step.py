@@ -126,6 +126,7 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
             rng=state.rng,
             fp8=new_fp8,
             moe_expert_bias=bias,
+            frozen=state.frozen,
         )
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": ~finite,
                    "loss_scale": inputs.scale, "num_tokens": inputs.num_tokens}
@@ -152,7 +153,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     shards. The scaling state is then rolled forward (megajax/precision/fp8.py), identically on
     every device, and never reaches clipping or the optimizer.
     """
-    use_dropout = cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0
+    use_dropout = cfg.model.uses_dropout()
     if pipeline is not None:
         gradients = pipeline_gradients(cfg, spec, mesh, rules, pipeline)
     else:
@@ -180,7 +181,7 @@ def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, .
     """Mesh axes of the per-shard gradient vmap: where the rules put the batch; none for a MoE
     model (see the module docstring) or with dropout (whose masks are drawn for the whole
     microbatch, as one device draws them: megajax/models/layers.py `dropout`)."""
-    if cfg.model.num_experts or cfg.model.hidden_dropout > 0 or cfg.model.attention_dropout > 0:
+    if cfg.model.num_experts or cfg.model.uses_dropout():
         return ()
     return tuple(a for a in rules.activations["batch"] if sizes[a] > 1)
 
@@ -236,7 +237,7 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
         def run_micro(i):
             micro, rng = micro_of(batch, inputs, i)
             (_, sums), (grads, amaxes) = loss_and_grads(spec, state.params, scales, micro, rng, inputs,
-                                                        state.fp8, state.moe_expert_bias)
+                                                        state.fp8, state.moe_expert_bias, state.frozen)
             return grads, amaxes, sums
 
         with activation_sharding(mesh, None if rules is None else rules.activations):
@@ -249,6 +250,7 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
     shard_rules = per_shard_rules(rules)
     shard_spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size(), mesh=mesh, rules=shard_rules)
     param_specs, grad_specs = (tree_specs(spec.axes, table) for table in (rules.params, rules.opt_state))
+    frozen_specs = None if spec.frozen_axes is None else tree_specs(spec.frozen_axes, rules.params)
     seq_entry = logical_to_spec(BATCH_AXES, rules.activations)[2]
 
     def constrain(x, entries):
@@ -268,12 +270,14 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
                      for k, v in batch.items()}
             # Every shard uses whole (tensor-parallel) parameters: FSDP gathers them here, once.
             params = jax.tree.map(lambda p, s: constrain(p, spec_without(s, dp_axes)), state.params, param_specs)
+            frozen = None if state.frozen is None else jax.tree.map(
+                lambda p, s: constrain(p, spec_without(s, dp_axes)), state.frozen, frozen_specs)
 
             def run_micro(i):
                 micro, rng = micro_of(batch, inputs, i)
                 assert rng is None, "dropout runs on the whole batch (vmapped_axes)"
                 one = lambda p, m: loss_and_grads(shard_spec, p, scales, m, None, inputs, state.fp8,
-                                                  state.moe_expert_bias)
+                                                  state.moe_expert_bias, frozen)
                 (_, sums), (grads, amaxes) = jax.vmap(one, in_axes=(None, 0), spmd_axis_name=dp_axes)(params, micro)
                 return grads, amaxes, sums
 
@@ -289,16 +293,18 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
 
 
 def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
-    """Returns eval(params, batch, fp8=None, expert_bias=None) -> (sum of token losses, number of
-    tokens), not yet jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation records
-    no amax), `expert_bias` the MoE routers' (TrainState.moe_expert_bias)."""
+    """Returns eval(params, batch, fp8=None, expert_bias=None, frozen=None) -> (sum of token losses,
+    number of tokens), not yet jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation
+    records no amax), `expert_bias` the MoE routers' (TrainState.moe_expert_bias), `frozen` the frozen
+    base parameters of a model with adapters (TrainState.frozen)."""
     act_rules = rules.activations if rules is not None else None
 
-    def evaluate(params: dict, batch: dict, fp8: dict | None = None, expert_bias: jax.Array | None = None):
+    def evaluate(params: dict, batch: dict, fp8: dict | None = None, expert_bias: jax.Array | None = None,
+                 frozen: dict | None = None):
         with activation_sharding(mesh, act_rules):
             def micro(carry, i):
                 m = jax.tree.map(lambda x: x[i], batch)
-                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8,
+                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8, frozen=frozen,
                                     **({} if expert_bias is None else {"expert_bias": expert_bias}))
                 loss = jnp.sum(cross_entropy(logits, m["labels"]) * m["loss_mask"])
                 return (carry[0] + loss, carry[1] + jnp.sum(m["loss_mask"])), None

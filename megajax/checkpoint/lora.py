@@ -1,0 +1,331 @@
+"""Low-rank adapters outside training: merged into their base (a Hugging Face export with
+--merge-lora, generation and serving with --adapter), and in PEFT's format (export and import).
+
+A LoRA checkpoint holds the adapters (`.../qkv_lora/{a,b}`, `.../gate_up_lora/{a,b}`,
+`.../lora/{a,b}`, megajax/models/lora.py) and names its base (`lora_base` in its metadata). Per
+base kernel W[in..., out...] an adapter is a pair A[in..., r], B[r, out...] with W' = W + s A B,
+s = alpha / rank. A fused adapter gives each of its kernels the shared A and that kernel's slice of
+B (q, k, v of `qkv`: B[r, G, group + 2, K] -> B_q[r, H, K] (heads g-major), B_k[r, G, K], B_v; gate
+and up of `gate_up`: B[r, F, 2] -> B[..., 0], B[..., 1]).
+
+PEFT (`adapter_config.json` + `adapter_model.safetensors`) names the adapter of module M
+`base_model.model.M.lora_A.weight` [r, in] and `.lora_B.weight` [out, r], M the Hugging Face
+module (`model.layers.N.self_attn.q_proj`), with scale lora_alpha / r. Exported, q/k/v hold three
+equal lora_A (the shared A) and their slices of B: x A B_q, x A B_k, x A B_v are exactly the fused
+product's three parts. Imported, equal A's become one shared A again; different ones (an adapter
+trained in PEFT) are stacked along the rank, [A_q | A_k | A_v] with B block-diagonal, and every
+adapter is zero-padded to the largest rank, alpha scaled alike, so s A B is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from megajax.config import LoraConfig, ModelConfig
+from megajax.errors import CheckpointError
+
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def kernel_adapters(adapters: dict[str, np.ndarray], m: ModelConfig) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{base kernel path: (A [stack, in..., r], B [stack, r, out...])} from the adapters by path
+    (`layers/attn/qkv_lora/a`, ...; stacked like their kernels)."""
+    out = {}
+    for path, a in adapters.items():
+        if not path.endswith("/a"):
+            continue
+        owner, b = path[:-len("/a")], adapters[path[:-len("/a")] + "/b"]
+        parent, module = owner.rsplit("/", 1)
+        if module == "lora":
+            out[parent + "/kernel"] = (a, b)
+        elif module == "qkv_lora":  # b [L, r, G, group + 2, K]
+            group = b.shape[3] - 2
+            q = b[:, :, :, :group].reshape(b.shape[0], b.shape[1], -1, b.shape[4])
+            out.update({parent + "/q/kernel": (a, q), parent + "/k/kernel": (a, b[:, :, :, group]),
+                        parent + "/v/kernel": (a, b[:, :, :, group + 1])})
+        elif module == "gate_up_lora":  # b [L, r, F, 2]
+            out.update({parent + "/gate/kernel": (a, b[..., 0]), parent + "/up/kernel": (a, b[..., 1])})
+        else:
+            raise CheckpointError(f"adapter parameter {path}: unknown adapter module {module!r}.")
+    return out
+
+
+def delta(a: np.ndarray, b: np.ndarray, scale: float, shape: tuple[int, ...]) -> np.ndarray:
+    """s A B for one layer: A [in..., r], B [r, out...] -> [in..., out...] (`shape`)."""
+    r = a.shape[-1]
+    return (scale * (a.reshape(-1, r).astype(np.float64) @ b.reshape(r, -1).astype(np.float64))).reshape(shape)
+
+
+class MergedSource:
+    """A TensorSource (names, shape, get(name, layer), model) of the base with the adapters merged in:
+    what a Hugging Face export with --merge-lora writes and generation with --adapter loads."""
+
+    def __init__(self, base, adapters: dict[str, np.ndarray], lora: LoraConfig):
+        self.base, self.lora = base, lora
+        self.model = dataclasses.replace(base.model, lora=None)
+        self.step_dir = getattr(base, "step_dir", None)
+        self.kernels = kernel_adapters(adapters, self.model)
+        missing = sorted(set(self.kernels) - set(base.names()))
+        if missing:
+            raise CheckpointError(f"the adapters belong to kernels the base model lacks: {', '.join(missing[:4])}.")
+
+    def names(self) -> list[str]:
+        return self.base.names()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.base.shape(name)
+
+    def stored(self, key: str):
+        return self.base.stored(key)
+
+    def get(self, name: str, layer: int | None = None) -> np.ndarray:
+        w = self.base.get(name, layer)
+        if name not in self.kernels:
+            return w
+        a, b = self.kernels[name]
+        scale = self.lora.alpha / self.lora.rank
+        if layer is not None:
+            return (w + delta(a[layer], b[layer], scale, w.shape)).astype(np.float32)
+        return np.stack([w[i] + delta(a[i], b[i], scale, w.shape[1:]) for i in range(w.shape[0])]).astype(np.float32)
+
+
+def read_adapters(source) -> dict[str, np.ndarray]:
+    """Every adapter array of a LoRA checkpoint (a CheckpointSource of its parameters), whole."""
+    return {name: source.get(name) for name in source.names() if name.endswith(("/a", "/b"))}
+
+
+# ----------------------------------------------------------------------------
+# PEFT
+# ----------------------------------------------------------------------------
+
+def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, object, str]]:
+    """(Hugging Face module name, stack index, Part, kernel path) of every adapted kernel, in the
+    Hugging Face table's layer order."""
+    from megajax.checkpoint.common import tensor_shapes  # noqa: F401  (the table needs the shapes)
+    from megajax.checkpoint.hf import architecture, table
+    from megajax.checkpoint.mapping import in_layer_order, rows_for
+    from megajax.models.layout import param_shapes
+    arch = architecture(m)
+    shapes = param_shapes(m)
+    rows = rows_for(table(arch, m), {k: v for k, v in shapes.items()}, "Hugging Face " + arch)
+    out = []
+    for row, i, slot in in_layer_order(rows, m):
+        if len(row.parts) != 1 or row.parts[0].kind != "linear" or row.parts[0].path not in kernels:
+            continue
+        name = row.names(i)[0]
+        assert name.endswith(".weight"), name
+        out.append((name[:-len(".weight")], slot, row.parts[0], row.parts[0].path))
+    return out
+
+
+def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfig, out_dir, *,
+                base: str = "", dtype: str = "fp32") -> Path:
+    """Writes the adapters as a PEFT LoRA adapter directory (adapter_config.json,
+    adapter_model.safetensors) for the Hugging Face export of the base model `m`."""
+    from megajax.checkpoint.common import atomic_output_dir
+    from megajax.checkpoint.dtypes import numpy_dtype
+    from megajax.checkpoint.hf import _write_json, _write_safetensors
+    from megajax.checkpoint.mapping import Part
+    kernels = kernel_adapters(adapters, m)
+    rows = _linear_rows(m, kernels)
+    if len(rows) != sum(kernels[k][0].shape[0] for k in kernels):
+        raise CheckpointError(f"some adapters have no Hugging Face module to go with: "
+                              f"{sorted(set(kernels) - {r[3] for r in rows})}.")
+    tensors = []
+    for module, slot, part, path in rows:
+        a, b = kernels[path]
+        a, b = (a, b) if slot is None else (a[slot], b[slot])
+        ext_a = Part(path, "linear", n_in=part.n_in).to_external(a)  # [r, in]
+        ext_b = Part(path, "linear", n_in=1).to_external(b)  # [out, r]
+        for which, x in (("lora_A", ext_a), ("lora_B", ext_b)):
+            tensors.append((f"{PEFT_PREFIX}{module}.{which}.weight", x.shape, lambda x=x: x))
+    modules = sorted({module.rsplit(".", 1)[1] for module, *_ in rows})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+              "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "base_model_name_or_path": base, "modules_to_save": None,
+              "use_rslora": False, "use_dora": False, "init_lora_weights": True, "layers_to_transform": None,
+              "rank_pattern": {}, "alpha_pattern": {}}
+    with atomic_output_dir(out_dir) as tmp:
+        _write_json(tmp / PEFT_CONFIG, config)
+        _write_safetensors(tmp / PEFT_WEIGHTS, tensors, numpy_dtype(dtype))
+    return Path(out_dir)
+
+
+def import_peft(in_dir, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """(model.lora, the adapters by path) of a PEFT LoRA adapter directory for base model `m`."""
+    from safetensors.numpy import load_file
+    in_dir = Path(in_dir)
+    cfg_file, weights = in_dir / PEFT_CONFIG, in_dir / PEFT_WEIGHTS
+    for f in (cfg_file, weights):
+        if not f.is_file():
+            raise CheckpointError(f"{in_dir}: not a PEFT adapter directory (no {f.name}).")
+    c = json.loads(cfg_file.read_text())
+    if c.get("peft_type", "LORA") != "LORA" or c.get("use_dora") or c.get("use_rslora") or c.get("rank_pattern") \
+            or c.get("alpha_pattern") or c.get("fan_in_fan_out"):
+        raise CheckpointError(f"{cfg_file}: megajax reads plain LoRA adapters (peft_type LORA without DoRA, rsLoRA, "
+                              f"per-module rank or alpha patterns, fan_in_fan_out); this one has "
+                              f"{ {k: c.get(k) for k in ('peft_type', 'use_dora', 'use_rslora', 'fan_in_fan_out')} }.")
+    r, alpha = int(c["r"]), float(c["lora_alpha"])
+    stored = load_file(str(weights))
+    # Which megajax adapters the file's modules make: every kernel an adapter of the model could have.
+    full = LoraConfig(rank=r, alpha=alpha, targets=_all_targets(m))
+    from megajax.models.layout import param_shapes
+    shapes = param_shapes(dataclasses.replace(m, lora=full))
+    probe = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(("/a", "/b"))}
+    rows = _linear_rows(m, kernel_adapters(probe, m))
+    found: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    used = set()
+    for module, slot, part, path in rows:
+        ka, kb = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
+        if ka not in stored:
+            continue
+        used |= {ka, kb}
+        a_ext, b_ext = stored[ka].astype(np.float32), stored[kb].astype(np.float32)  # [r, in], [out, r]
+        in_shape = shapes_of_kernel(shapes, path)[:part.n_in]
+        out_shape = shapes_of_kernel(shapes, path)[part.n_in:]
+        found.setdefault(path, {})[0 if slot is None else slot] = (
+            a_ext.T.reshape(*in_shape, a_ext.shape[0]), b_ext.T.reshape(b_ext.shape[1], *out_shape))
+    unused = sorted(set(stored) - used)
+    if unused:
+        raise CheckpointError(f"{weights}: tensors megajax's model has no place for: {', '.join(unused[:4])}"
+                              f"{' ...' if len(unused) > 4 else ''}.")
+    if not found:
+        raise CheckpointError(f"{weights}: holds no LoRA tensor of this model's linears.")
+    return _pack(found, shapes, r, alpha, c.get("lora_dropout", 0.0), m)
+
+
+def shapes_of_kernel(shapes: dict, path: str) -> tuple[int, ...]:
+    from megajax.models.layout import stacked
+    s = shapes[path]
+    return s[1:] if stacked(path) or path.startswith("mtp/") else s
+
+
+def _all_targets(m: ModelConfig) -> list[str]:
+    if m.multi_latent_attention:
+        q = ["q_down_proj", "q_up_proj"] if m.q_lora_rank is not None else ["q_proj"]
+        return q + ["kv_down_proj", "kv_up_proj", "proj", "fc1", "fc2"]
+    return ["qkv", "proj", "fc1", "fc2"]
+
+
+_FUSED = {"qkv_lora": ("q", "k", "v"), "gate_up_lora": ("gate", "up")}
+_TARGET_OF = {"qkv_lora": "qkv", "gate_up_lora": "fc1", "o": "proj", "fc1": "fc1", "fc2": "fc2", "q": "q_proj",
+              "q_down": "q_down_proj", "q_up": "q_up_proj", "kv_down": "kv_down_proj", "kv_up": "kv_up_proj"}
+
+
+def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: ModelConfig):
+    """megajax adapters (stacked per layer) from per-kernel (A, B) pairs per layer slot."""
+    groups: dict[str, tuple[str, list[str]]] = {}  # adapter owner path -> (module, kernel paths)
+    for path in found:
+        parent, kernel = path[:-len("/kernel")].rsplit("/", 1)
+        fused = next((mod for mod, ks in _FUSED.items() if kernel in ks and parent.split("/")[-1] in
+                      ("attn", "mlp")), None)
+        if fused and not (m.multi_latent_attention and fused == "qkv_lora"):
+            groups.setdefault(f"{parent}/{fused}", (fused, [f"{parent}/{k}/kernel" for k in _FUSED[fused]]))
+        else:
+            groups[f"{parent}/{kernel}/lora"] = ("lora", [path])
+    # Per owner and layer: (A [in..., R], [B_k [R, out_k...]]) with R the owner's rank.
+    packed, rank = {}, r
+    for owner, (module, paths) in groups.items():
+        missing = [p for p in paths if p not in found]
+        if missing:
+            raise CheckpointError(f"the PEFT adapter adapts some of {', '.join(paths)} but not {', '.join(missing)}: "
+                                  f"megajax adapts them together (one fused projection).")
+        layers = sorted(found[paths[0]])
+        per_layer = {}
+        for i in layers:
+            pairs = [found[p][i] for p in paths]
+            if all(np.array_equal(pairs[0][0], a) for a, _ in pairs):
+                per_layer[i] = (pairs[0][0], [b for _, b in pairs])
+            else:  # stack the A's along the rank, B block-diagonal
+                n = len(pairs)
+                a = np.concatenate([a for a, _ in pairs], axis=-1)
+                bs = []
+                for k, (_, b) in enumerate(pairs):
+                    z = np.zeros((n * r, *b.shape[1:]), np.float32)
+                    z[k * r:(k + 1) * r] = b
+                    bs.append(z)
+                per_layer[i] = (a, bs)
+            rank = max(rank, per_layer[i][0].shape[-1])
+        packed[owner] = (module, per_layer)
+    out = {}
+    for owner, (module, per_layer) in packed.items():
+        n_layers = shapes[owner + "/a"][0] if owner + "/a" in shapes else None
+        if n_layers is None or sorted(per_layer) != list(range(n_layers)):
+            raise CheckpointError(f"the PEFT adapter adapts {owner} in layers {sorted(per_layer)} only; megajax's "
+                                  f"adapters cover every layer of a target (PEFT's layers_to_transform is not read).")
+        a_layers, b_layers = [], []
+        for i in range(n_layers):
+            a, bs = per_layer[i]
+            pad = rank - a.shape[-1]
+            a = np.concatenate([a, np.zeros((*a.shape[:-1], pad), np.float32)], axis=-1)
+            bs = [np.concatenate([b, np.zeros((pad, *b.shape[1:]), np.float32)]) for b in bs]
+            if module == "qkv_lora":  # [R, G, group + 2, K]
+                q, k, v = bs
+                g = k.shape[1]
+                b = np.concatenate([q.reshape(rank, g, -1, q.shape[-1]), k[:, :, None], v[:, :, None]], axis=2)
+            elif module == "gate_up_lora":
+                b = np.stack(bs, axis=-1)
+            else:
+                b = bs[0]
+            a_layers.append(a)
+            b_layers.append(b)
+        out[owner + "/a"], out[owner + "/b"] = np.stack(a_layers), np.stack(b_layers)
+    targets = sorted({_TARGET_OF[o.rsplit("/", 2)[-1] if o.endswith("_lora") else o.rsplit("/", 2)[-2]]
+                      for o in packed})
+    lora = LoraConfig(rank=rank, alpha=alpha * rank / r, dropout=float(dropout), targets=targets)
+    return lora, out
+
+
+def load_adapter(path, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray]]:
+    """(model.lora, adapters by path) of --adapter DIR: a megajax LoRA checkpoint (a run or step
+    directory) or a PEFT adapter directory, for base model `m`."""
+    from megajax.checkpoint.manager import CheckpointSource, find_step_dir
+    path = Path(path)
+    if (path / PEFT_CONFIG).is_file():
+        return import_peft(path, m)
+    if find_step_dir(path) is None:
+        raise CheckpointError(f"--adapter {path}: neither a megajax LoRA checkpoint nor a PEFT adapter directory "
+                              f"({PEFT_CONFIG}).")
+    source = CheckpointSource(path, key="--adapter")
+    if source.model.lora is None:
+        raise CheckpointError(f"--adapter {path}: a megajax checkpoint without LoRA adapters (model.lora unset).")
+    theirs = dataclasses.replace(source.model, lora=None)
+    if theirs != dataclasses.replace(m, lora=None):
+        diff = [f.name for f in dataclasses.fields(m) if getattr(theirs, f.name) != getattr(m, f.name)]
+        raise CheckpointError(f"--adapter {path}: its adapters belong to another model (model.{', model.'.join(diff[:4])} "
+                              f"differ from the base's).")
+    return source.model.lora, read_adapters(source)
+
+
+def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:
+    """(the parameters (nested, on their devices) with the adapters of `path` merged in, a note)."""
+    import jax
+    lora, adapters = load_adapter(path, m)
+    kernels = kernel_adapters(adapters, m)
+    scale = lora.alpha / lora.rank
+    out = dict(params)
+
+    def put(tree, keys, fn):
+        node = dict(tree)
+        node[keys[0]] = fn(tree[keys[0]]) if len(keys) == 1 else put(tree[keys[0]], keys[1:], fn)
+        return node
+
+    def merged(w):
+        a, b = kernels[name]
+        host = np.asarray(jax.device_get(w), np.float32)
+        new = np.stack([host[i] + delta(a[i], b[i], scale, host.shape[1:]) for i in range(host.shape[0])])
+        return jax.device_put(new.astype(w.dtype), w.sharding)
+
+    for name in kernels:
+        try:
+            out = put(out, name.split("/"), merged)
+        except KeyError:
+            raise CheckpointError(f"--adapter {path}: adapts {name}, which the base model lacks.") from None
+    return out, (f"LoRA adapters from {path} merged in (rank {lora.rank}, alpha {lora.alpha:g}, "
+                 f"{len(kernels)} kernels)")
