@@ -13,6 +13,7 @@ Two steps make the property, each with few compiles:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -148,3 +149,93 @@ def _grad_error(grads, want) -> float:
         g, w = np.asarray(g), np.asarray(w)
         errors.append(float(np.max(np.abs(g - w))) / max(float(np.max(np.abs(w))), 1e-30))
     return max(errors)
+
+
+# --------------------------------------------------------------------------- layouts: packed == one device
+
+LAYOUT_SEQ, ROWS = 32, 8
+
+
+def packed_rows(seed: int) -> dict:
+    """ROWS rows of LAYOUT_SEQ tokens, each packed with documents of 1..15 tokens (some rows ending in
+    padding): numpy arrays [ROWS, LAYOUT_SEQ]."""
+    rng = np.random.default_rng(seed)
+    out = {k: [] for k in KEYS}
+    for _ in range(ROWS):
+        lengths, left = [], LAYOUT_SEQ
+        while left > 0 and not (lengths and rng.random() < 0.15):
+            lengths.append(int(min(rng.integers(1, 16), left)))
+            left -= lengths[-1]
+        row = pack(documents(rng, lengths), 1, LAYOUT_SEQ)
+        for k in KEYS:
+            out[k].append(row[k][0])
+    return {k: np.stack(v) for k, v in out.items()}
+
+
+def one_step(cfg_files, overrides, devices) -> tuple[dict, dict]:
+    """(metrics, parameters by path) after one train step on a packed batch, on `devices` laid out
+    by `overrides` (the batch split into the plan's microbatches, in context parallelism's order)."""
+    from layout_parity import not_persistently_cached
+    cfg = load_config(cfg_files, [*SMALL, *PARITY, *PACKED_DATA, "train.steps=4", f"train.seq_len={LAYOUT_SEQ}",
+                                  f"train.global_batch={ROWS}", f"model.vocab_size={VOCAB}", *overrides])
+    setup = build_setup(make_plan(cfg, len(devices)), devices)
+    rows = packed_rows(0)
+    accum, _, seq = setup.batch.shape
+    context = setup.plan.sizes["context"]
+    order = load_balanced_order(seq, context) if context > 1 else np.arange(seq)
+    batch = {k: jax.device_put(rows[k][:, order].reshape(accum, -1, seq), setup.batch_shardings[k])
+             for k in setup.batch_shardings}
+    assert set(batch) == set(KEYS)
+    with not_persistently_cached() if context > 1 else contextlib.nullcontext():
+        state, metrics, ok = setup.train_step()(setup.fresh_state(), batch, setup.ok_flag())
+    assert bool(ok)
+    params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(state.params)}
+    return jax.tree.map(np.asarray, metrics), params
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(kind: str):
+    files, model = LAYOUT_MODELS[kind]
+    return one_step(files, [*model, "mesh.data=1"], jax.devices()[:1])
+
+
+DENSE = ["model.num_layers=4"]
+LAYOUT_MODELS = {
+    "llama": ([], DENSE),
+    "tiny-moe": (["model/tiny-moe"], ["model.num_layers=2"]),
+    "hybrid": ([], ["model.num_layers=null", *HYBRID]),
+}
+# layout -> (model, overrides). Every pipeline schedule, context parallelism (ring and all-gather)
+# inside and outside the stages, tensor x sequence, FSDP, experts; the MoE and hybrid layouts keep one
+# microbatch per step as their reference does (the balancing loss is per microbatch).
+LAYOUTS = {
+    "tensor2_sp_fsdp2_data2": ("llama", ["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.fsdp=2",
+                                         "mesh.data=2"]),
+    "pipeline2_gpipe_tensor2_data2": ("llama", ["mesh.pipeline=2", "parallel.pipeline_schedule=gpipe", "mesh.tensor=2",
+                                                "mesh.data=2", "train.micro_batch=1"]),
+    "pipeline2_1f1b_context2_ring_data2": ("llama", ["mesh.pipeline=2", "parallel.pipeline_schedule=1f1b",
+                                                     "mesh.context=2", "mesh.data=2", "train.micro_batch=1"]),
+    "pipeline2_interleaved_v2_context2_allgather_data2": (
+        "llama", ["mesh.pipeline=2", "parallel.pipeline_schedule=interleaved", "parallel.virtual_stages=2",
+                  "mesh.context=2", "parallel.context_impl=allgather", "mesh.data=2", "train.micro_batch=1"]),
+    "context4_ring_data2": ("llama", ["mesh.context=4", "mesh.data=2"]),
+    "context2_allgather_tensor2_sp_data2": ("llama", ["mesh.context=2", "parallel.context_impl=allgather",
+                                                      "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                                      "mesh.data=2"]),
+    "tiny_moe_expert2_fsdp2_data2": ("tiny-moe", ["mesh.expert=2", "mesh.fsdp=2", "mesh.data=2"]),
+    "hybrid_context2_tensor2_sp_data2": ("hybrid", ["mesh.context=2", "mesh.tensor=2",
+                                                    "parallel.sequence_parallel=true", "mesh.data=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_packed_batch_on_a_layout_matches_one_device(layout):
+    kind, overrides = LAYOUTS[layout]
+    files, model = LAYOUT_MODELS[kind]
+    got, got_params = one_step(files, [*model, *overrides], jax.devices())
+    want, want_params = one_device(kind)
+    for key in ("loss", "grad_norm", "num_tokens"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+    assert sorted(got_params) == sorted(want_params)
+    for name, w in want_params.items():
+        np.testing.assert_allclose(got_params[name], w, rtol=1e-5, atol=1e-7, err_msg=f"{name} after the step")
