@@ -239,3 +239,35 @@ def test_a_packed_batch_on_a_layout_matches_one_device(layout):
     assert sorted(got_params) == sorted(want_params)
     for name, w in want_params.items():
         np.testing.assert_allclose(got_params[name], w, rtol=1e-5, atol=1e-7, err_msg=f"{name} after the step")
+
+
+# --------------------------------------------------------------------------- cuDNN
+
+
+def test_cudnn_attention_takes_segment_ids_as_its_bias_form(monkeypatch):
+    """cuDNN's fused attention honours segment ids through its mask form: the mask (same document)
+    becomes an additive bias [B, 1, L, L], so the lowered program (for CUDA, from CPU) calls cuDNN's
+    bias kernels forward and backward, in the attention core and in context parallelism's per-block
+    kernel; without segment ids the program is cuDNN's plain causal kernel, as before. Its numbers
+    against plain jnp are the GPU suite's check (scripts/gpu_check_composed.py)."""
+    import re
+
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    from megajax.models.attention import cudnn_attention_block, cudnn_attention_core
+
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 90800)
+    sd = jax.ShapeDtypeStruct
+    q, kv, seg = sd((2, 128, 8, 64), jnp.bfloat16), sd((2, 128, 2, 64), jnp.bfloat16), sd((2, 128), jnp.int32)
+
+    def kernels(f, *args):
+        grad = jax.jit(jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        text = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return sorted(set(re.findall(r"__cudnn\$fmha\w*", text)))
+
+    core = lambda q, k, v, s=None: cudnn_attention_core(q, k, v, segment_ids=s, causal=True)
+    block = lambda q, k, v, s: cudnn_attention_block(q, k, v, q_segment_ids=s, kv_segment_ids=s, causal=False)[0]
+    with_bias = ["__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"]
+    assert kernels(core, q, kv, kv, seg) == with_bias
+    assert kernels(block, q, kv, kv, seg) == with_bias
+    assert kernels(core, q, kv, kv) == ["__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"]
