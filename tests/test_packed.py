@@ -98,6 +98,7 @@ HYBRID = ["model.hybrid_layer_pattern=M*-EM*-E", "model.activation=squared_relu"
           "model.mamba_chunk_size=8", "model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32"]
 MODELS = {
     "llama": ([], LLAMA),
+    "llama_flash_attention": ([], LLAMA + ["model.attention_impl=flash"]),
     "hybrid": ([], HYBRID),
     "hybrid_pallas_ssd": ([], HYBRID + ["model.mamba_chunk_size=16", "model.mamba_ssd_impl=pallas"]),
     "deepseek_v3_mla_mtp": (["model/tiny-deepseek-v3"], []),
