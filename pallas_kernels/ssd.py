@@ -178,12 +178,13 @@ def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=Fals
     h0 = jnp.zeros((b, g, r, p, n), f32) if initial_state is None else (
         initial_state.astype(f32).reshape(b, g, r, p, n))
 
-    keep_LxB = (jnp.ones((l, b), f32) if segment_ids is None                       # 0 where a document starts
-                else _continues(segment_ids).astype(f32).swapaxes(0, 1))
+    # With segment ids: 0 where a document starts (the decay across the boundary), else 1.
+    keep_LxB = None if segment_ids is None else _continues(segment_ids).astype(f32).swapaxes(0, 1)
 
     def step(state, inp):                                             # state [B, G, R, P, N]
         xt, dtt, bt, ct, kt = inp
-        state = ((jnp.exp(dtt * a_GxR) * kt[:, None, None])[..., None, None] * state
+        decay = jnp.exp(dtt * a_GxR) if kt is None else jnp.exp(dtt * a_GxR) * kt[:, None, None]
+        state = (decay[..., None, None] * state
                  + (dtt[..., None] * xt)[..., None] * bt[:, :, None, None, :])
         return state, jnp.einsum("bgrpn,bgn->bgrp", state, ct, precision=_HIGHEST)
 
@@ -231,21 +232,22 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     # Within each chunk: the quadratic (attention-like) form.
     cb = jnp.einsum("bcqgn,bcsgn->bcgqs", C_, B_)                    # [b, c, g, q, s]
     m = cb[:, :, :, None] * jnp.exp(_segsum(a)) * dt_[..., None, :]  # [b, c, g, r, q, s]
-    out_decay, w = jnp.exp(acs), jnp.exp(acs[..., -1:] - acs) * dt_  # [b, c, g, r, q] each
-    chunk_decay = jnp.exp(acs[..., -1])                              # [b, c, g, r]
     if segment_ids is not None:  # decays across a document boundary are zero
         seg, keep_in, keep_out = _chunk_segments(_pad_segments(segment_ids, nc * q), q)  # [b, c, q] each
         m = m * (seg[..., :, None] == seg[..., None, :])[:, :, None, None]
-        out_decay = out_decay * keep_in[:, :, None, None]
-        w = w * keep_out[:, :, None, None]
-        chunk_decay = chunk_decay * keep_in[:, :, None, None, -1]
     y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, x_)
     # Each chunk's own final state, then the states carried between chunks.
+    w = jnp.exp(acs[..., -1:] - acs) * dt_                           # [b, c, g, r, q]
+    chunk_decay = jnp.exp(acs[..., -1])                              # [b, c, g, r]
+    if segment_ids is not None:
+        w = w * keep_out[:, :, None, None]
+        chunk_decay = chunk_decay * keep_in[:, :, None, None, -1]
     s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", w, x_, B_)          # [b, c, g, r, p, n]
     h0 = (jnp.zeros((b, g, r, p, n), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32).reshape(b, g, r, p, n))
     h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(chunk_decay, 1, 0), h0)
     h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
+    out_decay = jnp.exp(acs) if segment_ids is None else jnp.exp(acs) * keep_in[:, :, None, None]
     y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, out_decay)
     y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
     return (y, final.reshape(b, h, p, n)) if return_final_state else y
