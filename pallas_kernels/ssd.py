@@ -9,6 +9,15 @@ group h // (H // G)), initial_state [B, H, P, N]. For each (batch, head), with a
 
 y comes back in x's dtype (no D skip: the caller adds D * x) and the final state in fp32.
 
+Document boundaries (packed sequences): with segment_ids [B, L] (each document one run of equal ids,
+as a packer lays them out), the state resets where a document starts: exp(a_t) is replaced by 0 at
+a token whose segment differs from the previous token's, so no token reads another document's
+inputs. In the chunked forms the decay between two tokens is multiplied by "same segment" (the
+intra-chunk form, each chunk's own state at its last token) and the state carried into a chunk
+reaches only the tokens of the segment it ends in (and the carry across the chunk boundary is zero
+where a new document starts there). The initial state belongs to the first token's document.
+Without segment ids none of this is traced.
+
 Three implementations, equal up to rounding:
   ssd_reference  the recurrence step by step (lax.scan over L): the ground truth.
   ssd_chunked    plain jnp in chunks of Q = chunk_size (autodiff gives the gradients): with
@@ -53,6 +62,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
@@ -83,7 +93,7 @@ def ssd_flops(batch: int, seq_len: int, heads: int, head_dim: int, state_dim: in
 # --------------------------------------------------------------------------- shared pieces
 
 
-def _check(x, dt, A, B, C, initial_state):
+def _check(x, dt, A, B, C, initial_state, segment_ids=None):
     if x.ndim != 4 or dt.shape != x.shape[:3] or A.shape != x.shape[2:3]:
         raise ValueError(f"expected x [B, L, H, P], dt [B, L, H], A [H]; got {x.shape=} {dt.shape=} {A.shape=}")
     b, l, h, p = x.shape
@@ -94,6 +104,32 @@ def _check(x, dt, A, B, C, initial_state):
         raise ValueError(f"heads={h} is not a multiple of groups={B.shape[2]}")
     if initial_state is not None and initial_state.shape != (b, h, p, B.shape[3]):
         raise ValueError(f"initial_state {initial_state.shape} is not [B, H, P, N]={(b, h, p, B.shape[3])}")
+    if segment_ids is not None and segment_ids.shape != (b, l):
+        raise ValueError(f"segment_ids {segment_ids.shape} is not [B, L]={(b, l)}")
+
+
+def _continues(seg_BxL):
+    """[B, L] bool: the token continues the previous token's document (True at position 0: the
+    initial state belongs to the first document)."""
+    return seg_BxL == jnp.concatenate([seg_BxL[:, :1], seg_BxL[:, :-1]], axis=1)
+
+
+def _chunk_segments(seg_BxL, q: int):
+    """Per chunk of Q tokens (the length a multiple of Q): (seg [B, chunks, Q], keep_in [B, chunks, Q]:
+    the token is in the document of the token before the chunk (the carried state reaches it; the
+    last token's entry says whether the state passes the whole chunk), keep_out [B, chunks, Q]: the
+    token is in the chunk's last token's document (it reaches the chunk's own final state))."""
+    b, l = seg_BxL.shape
+    seg = seg_BxL.reshape(b, l // q, q)
+    before = jnp.concatenate([seg[:, :1, 0], seg[:, :-1, -1]], axis=1)  # [B, chunks]
+    return seg, seg == before[..., None], seg == seg[..., -1:]
+
+
+def _pad_segments(seg_BxL, size: int):
+    """Segment ids padded to `size` with the last id (the padding, dt = 0, stays in the last document)."""
+    if seg_BxL.shape[1] == size:
+        return seg_BxL
+    return jnp.pad(seg_BxL, ((0, 0), (0, size - seg_BxL.shape[1])), mode="edge")
 
 
 def _vary_like(x, *others):
@@ -126,10 +162,11 @@ def _pass_states(s_CxZxPxN, decay_CxZ, h0_ZxPxN):
 # --------------------------------------------------------------------------- reference
 
 
-def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=False):
+def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=False, segment_ids=None):
     """The recurrence one step at a time (lax.scan over L), fp32: the ground truth.
-    Returns y [B, L, H, P] in x's dtype, and the final state [B, H, P, N] fp32 if asked."""
-    _check(x, dt, A, B, C, initial_state)
+    Returns y [B, L, H, P] in x's dtype, and the final state [B, H, P, N] fp32 if asked.
+    `segment_ids` [B, L]: the state resets where the segment changes (module docstring)."""
+    _check(x, dt, A, B, C, initial_state, segment_ids)
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     r = h // g
@@ -141,14 +178,18 @@ def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=Fals
     h0 = jnp.zeros((b, g, r, p, n), f32) if initial_state is None else (
         initial_state.astype(f32).reshape(b, g, r, p, n))
 
+    # With segment ids: 0 where a document starts (the decay across the boundary), else 1.
+    keep_LxB = None if segment_ids is None else _continues(segment_ids).astype(f32).swapaxes(0, 1)
+
     def step(state, inp):                                             # state [B, G, R, P, N]
-        xt, dtt, bt, ct = inp
-        state = (jnp.exp(dtt * a_GxR)[..., None, None] * state
+        xt, dtt, bt, ct, kt = inp
+        decay = jnp.exp(dtt * a_GxR) if kt is None else jnp.exp(dtt * a_GxR) * kt[:, None, None]
+        state = (decay[..., None, None] * state
                  + (dtt[..., None] * xt)[..., None] * bt[:, :, None, None, :])
         return state, jnp.einsum("bgrpn,bgn->bgrp", state, ct, precision=_HIGHEST)
 
     final, y = lax.scan(step, _vary_like(h0, x_LxBxGxRxP, dt_LxBxGxR, B_LxBxGxN, C_LxBxGxN),
-                        (x_LxBxGxRxP, dt_LxBxGxR, B_LxBxGxN, C_LxBxGxN))
+                        (x_LxBxGxRxP, dt_LxBxGxR, B_LxBxGxN, C_LxBxGxN, keep_LxB))
     y = y.swapaxes(0, 1).reshape(b, l, h, p).astype(x.dtype)
     return (y, final.reshape(b, h, p, n)) if return_final_state else y
 
@@ -184,10 +225,11 @@ def _segsum(a_xQ):
 CHUNK_STATES = "ssd_chunk_states"
 
 
-def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False):
+def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
+                segment_ids=None):
     """The SSD scan in chunks of `chunk_size`, in plain jnp (fp32); see the module docstring.
     Differentiable by autodiff; cost linear in L. Same arguments and results as ssd_reference."""
-    _check(x, dt, A, B, C, initial_state)
+    _check(x, dt, A, B, C, initial_state, segment_ids)
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     r, q = h // g, int(chunk_size)
@@ -202,15 +244,23 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     # Within each chunk: the quadratic (attention-like) form.
     cb = jnp.einsum("bcqgn,bcsgn->bcgqs", C_, B_)                    # [b, c, g, q, s]
     m = cb[:, :, :, None] * jnp.exp(_segsum(a)) * dt_[..., None, :]  # [b, c, g, r, q, s]
+    if segment_ids is not None:  # decays across a document boundary are zero
+        seg, keep_in, keep_out = _chunk_segments(_pad_segments(segment_ids, nc * q), q)  # [b, c, q] each
+        m = m * (seg[..., :, None] == seg[..., None, :])[:, :, None, None]
     y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, x_)
     # Each chunk's own final state, then the states carried between chunks.
     w = jnp.exp(acs[..., -1:] - acs) * dt_                           # [b, c, g, r, q]
+    chunk_decay = jnp.exp(acs[..., -1])                              # [b, c, g, r]
+    if segment_ids is not None:
+        w = w * keep_out[:, :, None, None]
+        chunk_decay = chunk_decay * keep_in[:, :, None, None, -1]
     s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", w, x_, B_)          # [b, c, g, r, p, n]
     h0 = (jnp.zeros((b, g, r, p, n), jnp.float32) if initial_state is None
           else initial_state.astype(jnp.float32).reshape(b, g, r, p, n))
-    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(jnp.exp(acs[..., -1]), 1, 0), h0)
+    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(chunk_decay, 1, 0), h0)
     h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
-    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, jnp.exp(acs))
+    out_decay = jnp.exp(acs) if segment_ids is None else jnp.exp(acs) * keep_in[:, :, None, None]
+    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, out_decay)
     y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
     return (y, final.reshape(b, h, p, n)) if return_final_state else y
 
@@ -227,6 +277,7 @@ class _Config:
     num_warps: int
     num_stages: int
     interpret: bool
+    segments: bool = False  # document boundaries: the scan kernels read seg, keep_in, keep_out rows
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
@@ -236,11 +287,23 @@ def _dot(a, b, *, trans_a=False, trans_b=False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _decay(acs_Q, q: int):
-    """[Q, Q]: exp(acs_t - acs_s) for s <= t, else 0 (masked before exp: no overflow)."""
+def _decay(acs_Q, q: int, seg_Q=None):
+    """[Q, Q]: exp(acs_t - acs_s) for s <= t (and, with segment ids, t and s in one document), else 0
+    (masked before exp: no overflow)."""
     t = lax.broadcasted_iota(jnp.int32, (q, 1), 0)
     s = lax.broadcasted_iota(jnp.int32, (1, q), 1)
-    return jnp.exp(jnp.where(t >= s, acs_Q[:, None] - acs_Q[None, :], -jnp.inf))
+    visible = t >= s
+    if seg_Q is not None:
+        visible = visible & (seg_Q[:, None] == seg_Q[None, :])
+    return jnp.exp(jnp.where(visible, acs_Q[:, None] - acs_Q[None, :], -jnp.inf))
+
+
+def _segment_refs(refs, cfg: "_Config", n_in: int):
+    """(inputs, (seg [Q] i32, keep_in [Q], keep_out [Q] fp32) or Nones, outputs) of a scan kernel's refs:
+    the segment rows follow the n_in inputs when cfg.segments."""
+    if not cfg.segments:
+        return refs[:n_in], (None, None, None), refs[n_in:]
+    return refs[:n_in], tuple(r[...] for r in refs[n_in:n_in + 3]), refs[n_in + 3:]
 
 
 def _is_last(q: int):
@@ -259,23 +322,28 @@ def _chunk_state_kernel(x_ref, w_ref, b_ref, s_ref):
     s_ref[...] = _dot(xw, b_ref[...].astype(x.dtype), trans_a=True)
 
 
-def _chunk_scan_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, y_ref, *, cfg: _Config):
+def _chunk_scan_kernel(*refs, cfg: _Config):
     """y [Q, P] of one chunk: the masked, decayed C B^T scores times dt x, plus the state H [P, N]
-    carried in, read out by C and decayed by exp(acs)."""
+    carried in, read out by C and decayed by exp(acs) (with segment ids: only within a document,
+    the carried state only into the document it ends in)."""
+    (x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref), (seg, keep_in, _), (y_ref,) = _segment_refs(refs, cfg, 6)
     x, bm, cm = x_ref[...], b_ref[...], c_ref[...]                   # [Q, P], [Q, N], [Q, N]
     dt, acs = dt_ref[...], acs_ref[...]                              # [Q] fp32
     cdt = x.dtype
-    m = _dot(cm, bm, trans_b=True) * _decay(acs, cfg.chunk) * dt[None, :]       # [Q, Q] (t, s)
+    m = _dot(cm, bm, trans_b=True) * _decay(acs, cfg.chunk, seg) * dt[None, :]  # [Q, Q] (t, s)
     y = _dot(m.astype(cdt), x)
-    y += jnp.exp(acs)[:, None] * _dot(cm, h_ref[...].astype(cdt), trans_b=True)
+    out_decay = jnp.exp(acs) if keep_in is None else jnp.exp(acs) * keep_in
+    y += out_decay[:, None] * _dot(cm, h_ref[...].astype(cdt), trans_b=True)
     y_ref[...] = y.astype(y_ref.dtype)
 
 
-def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, ds_ref,
-                           dx_ref, db_ref, dc_ref, dacs_ref, ddt_ref, *, cfg: _Config):
+def _chunk_scan_bwd_kernel(*refs, cfg: _Config):
     """Gradients of one chunk's outputs y (cotangent dy [Q, P]) and of its own state S (cotangent dS
     [P, N], the state after the chunk's): dx [Q, P], dB and dC [Q, N] for this head, d(acs) [Q] and
-    the part of ddt [Q] where dt multiplies (not through a = dt * A)."""
+    the part of ddt [Q] where dt multiplies (not through a = dt * A). With segment ids every decay
+    is the forward's masked one (its gradient masked alike)."""
+    ((x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, ds_ref), (seg, keep_in, keep_out),
+     (dx_ref, db_ref, dc_ref, dacs_ref, ddt_ref)) = _segment_refs(refs, cfg, 8)
     q = cfg.chunk
     x, bm, cm, dy = x_ref[...], b_ref[...], c_ref[...], dy_ref[...]
     dt, acs = dt_ref[...], acs_ref[...]
@@ -284,7 +352,7 @@ def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, 
     f32 = jnp.float32
 
     # Within the chunk: y_t = sum_s cb[t, s] decay[t, s] dt_s x_s.
-    decay = _decay(acs, q)
+    decay = _decay(acs, q, seg)
     cb = _dot(cm, bm, trans_b=True)                                  # [Q, Q] C_t . B_s
     dyx = _dot(dy, x, trans_b=True)                                  # [Q, Q] dy_t . x_s
     e0 = cb * decay * dyx                                            # d loss / d dt_s per (t, s)
@@ -298,13 +366,15 @@ def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, 
     ddt = jnp.sum(e0, axis=0)
 
     # The carried state's output: y_t += exp(acs_t) H C_t.
-    out_decay = jnp.exp(acs)
+    out_decay = jnp.exp(acs) if keep_in is None else jnp.exp(acs) * keep_in
     dc += out_decay[:, None] * _dot(dy, h.astype(cdt))              # [Q, N]
     y_off = out_decay[:, None] * _dot(cm, h.astype(cdt), trans_b=True)   # [Q, P]
     dacs += jnp.sum(dy.astype(f32) * y_off, axis=1)
 
     # The chunk's own state: S = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s.
     to_end = jnp.exp(_last(acs, q) - acs)                            # [Q]
+    if keep_out is not None:
+        to_end = to_end * keep_out
     w = to_end * dt
     xds = _dot(x, ds.astype(cdt))                                    # [Q, N] x_s^T dS
     db += w[:, None] * xds
@@ -324,13 +394,14 @@ def _chunk_scan_bwd_kernel(x_ref, b_ref, c_ref, dt_ref, acs_ref, h_ref, dy_ref, 
 def _specs(cfg: _Config, p: int, n: int):
     """BlockSpecs over grid (batch, head, chunk): rows of x-like [B, L, H, P] arrays, of B/C-like
     [B, L, G, N] arrays at the head's group, of B/C-like arrays per head [B, L, H, N], of [B, H, L]
-    arrays (dt, acs, weights), and states [B, H, chunks, P, N]."""
+    arrays (dt, acs, weights), of [B, L] arrays (the segment rows), and states [B, H, chunks, P, N]."""
     q, r = cfg.chunk, cfg.heads_per_group
     return dict(
         x=pl.BlockSpec((None, q, None, p), lambda b, h, c: (b, c, h, 0)),
         group=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h // r, 0)),
         head_n=pl.BlockSpec((None, q, None, n), lambda b, h, c: (b, c, h, 0)),
         row=pl.BlockSpec((None, None, q), lambda b, h, c: (b, h, c)),
+        seq=pl.BlockSpec((None, q), lambda b, h, c: (b, c)),
         state=pl.BlockSpec((None, None, None, p, n), lambda b, h, c: (b, h, c, 0, 0)),
     )
 
@@ -353,26 +424,34 @@ def _chunk_state_call(x, w, bm, cfg: _Config, *, per_head_b: bool = False):
                  jax.ShapeDtypeStruct((b, h, nc, p, n), jnp.float32))(x, w, bm)
 
 
-def _chunk_scan_call(x, bm, cm, dt, acs, h_in, cfg: _Config):
+def _segment_inputs(segs, sp) -> tuple[list, tuple]:
+    """(BlockSpecs, arrays) of the segment rows a scan kernel reads: none without segment ids."""
+    return ([], ()) if segs is None else ([sp["seq"]] * 3, segs)
+
+
+def _chunk_scan_call(x, bm, cm, dt, acs, h_in, segs, cfg: _Config):
     b, l, h, p = x.shape
     n, nc = bm.shape[-1], l // cfg.chunk
     sp = _specs(cfg, p, n)
+    seg_specs, seg_args = _segment_inputs(segs, sp)
     return _call(functools.partial(_chunk_scan_kernel, cfg=cfg), "ssd_chunk_scan", cfg, (b, h, nc),
-                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"]], sp["x"],
-                 jax.ShapeDtypeStruct(x.shape, x.dtype))(x, bm, cm, dt, acs, h_in)
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"], *seg_specs], sp["x"],
+                 jax.ShapeDtypeStruct(x.shape, x.dtype))(x, bm, cm, dt, acs, h_in, *seg_args)
 
 
-def _chunk_scan_bwd_call(x, bm, cm, dt, acs, h_in, dy, ds, cfg: _Config):
+def _chunk_scan_bwd_call(x, bm, cm, dt, acs, h_in, dy, ds, segs, cfg: _Config):
     b, l, h, p = x.shape
     n, nc = bm.shape[-1], l // cfg.chunk
     sp = _specs(cfg, p, n)
     f32 = jnp.float32
+    seg_specs, seg_args = _segment_inputs(segs, sp)
     return _call(functools.partial(_chunk_scan_bwd_kernel, cfg=cfg), "ssd_chunk_scan_bwd", cfg, (b, h, nc),
-                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"], sp["x"], sp["state"]],
+                 [sp["x"], sp["group"], sp["group"], sp["row"], sp["row"], sp["state"], sp["x"], sp["state"],
+                  *seg_specs],
                  [sp["x"], sp["head_n"], sp["head_n"], sp["row"], sp["row"]],
                  [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((b, l, h, n), f32),
                   jax.ShapeDtypeStruct((b, l, h, n), f32), jax.ShapeDtypeStruct((b, h, l), f32),
-                  jax.ShapeDtypeStruct((b, h, l), f32)])(x, bm, cm, dt, acs, h_in, dy, ds)
+                  jax.ShapeDtypeStruct((b, h, l), f32)])(x, bm, cm, dt, acs, h_in, dy, ds, *seg_args)
 
 
 # --------------------------------------------------------------------------- custom_vjp
@@ -386,42 +465,59 @@ def _decays(dt, A, cfg: _Config):
     return dt_BxHxL, jnp.cumsum(a, axis=-1).reshape(b, h, l)
 
 
-def _forward(x, dt, A, bm, cm, h0, cfg: _Config):
-    """(y, final state, states entering each chunk [B, H, chunks, P, N])."""
-    dt_t, acs = _decays(dt, A, cfg)
+def _segment_rows(seg_BxL, q: int):
+    """The scan kernels' segment rows [B, L]: (seg i32, keep_in fp32, keep_out fp32), _chunk_segments'."""
+    b, l = seg_BxL.shape
+    seg, keep_in, keep_out = _chunk_segments(seg_BxL.astype(jnp.int32), q)
+    return seg.reshape(b, l), keep_in.astype(jnp.float32).reshape(b, l), keep_out.astype(jnp.float32).reshape(b, l)
+
+
+def _chunk_decays(acs, segs, cfg: _Config):
+    """(the decay of the state across each chunk [B, H, nc] (0 where a document starts in it), the
+    decay of the carried state to each token [B, H, L] (0 outside the document it ends in), the weight
+    of each token in its chunk's own state before dt [B, H, L] (0 outside the chunk's last document))."""
     b, h, l = acs.shape
     acs_c = acs.reshape(b, h, l // cfg.chunk, cfg.chunk)
-    w = (jnp.exp(acs_c[..., -1:] - acs_c) * dt_t.reshape(acs_c.shape)).reshape(b, h, l)
-    s = _chunk_state_call(x, w, bm, cfg)                             # [B, H, nc, P, N]
-    h_in, final = _pass_states(jnp.moveaxis(s, 2, 0), jnp.moveaxis(jnp.exp(acs_c[..., -1]), 2, 0), h0)
+    chunk, out, to_end = jnp.exp(acs_c[..., -1]), jnp.exp(acs), jnp.exp(acs_c[..., -1:] - acs_c).reshape(b, h, l)
+    if segs is None:
+        return chunk, out, to_end
+    _, keep_in, keep_out = (r[:, None] for r in segs)                # [B, 1, L]
+    return chunk * keep_in.reshape(b, 1, -1, cfg.chunk)[..., -1], out * keep_in, to_end * keep_out
+
+
+def _forward(x, dt, A, bm, cm, h0, segs, cfg: _Config):
+    """(y, final state, states entering each chunk [B, H, chunks, P, N])."""
+    dt_t, acs = _decays(dt, A, cfg)
+    chunk_decay, _, to_end = _chunk_decays(acs, segs, cfg)
+    s = _chunk_state_call(x, to_end * dt_t, bm, cfg)                # [B, H, nc, P, N]
+    h_in, final = _pass_states(jnp.moveaxis(s, 2, 0), jnp.moveaxis(chunk_decay, 2, 0), h0)
     h_in = jnp.moveaxis(h_in, 0, 2)
-    return _chunk_scan_call(x, bm, cm, dt_t, acs, h_in, cfg), final, h_in
+    return _chunk_scan_call(x, bm, cm, dt_t, acs, h_in, segs, cfg), final, h_in
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _ssd(x, dt, A, bm, cm, h0, cfg):
-    y, final, _ = _forward(x, dt, A, bm, cm, h0, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ssd(x, dt, A, bm, cm, h0, segs, cfg):
+    y, final, _ = _forward(x, dt, A, bm, cm, h0, segs, cfg)
     return y, final
 
 
-def _ssd_fwd(x, dt, A, bm, cm, h0, cfg):
-    y, final, h_in = _forward(x, dt, A, bm, cm, h0, cfg)
-    return (y, final), (x, dt, A, bm, cm, h_in)
+def _ssd_fwd(x, dt, A, bm, cm, h0, segs, cfg):
+    y, final, h_in = _forward(x, dt, A, bm, cm, h0, segs, cfg)
+    return (y, final), (x, dt, A, bm, cm, h_in, segs)
 
 
 def _ssd_bwd(cfg, res, cts):
-    x, dt, A, bm, cm, h_in = res
+    x, dt, A, bm, cm, h_in, segs = res
     dy, dfinal = cts
     b, l, h, p = x.shape
     g, n = bm.shape[2:]
     nc, q = l // cfg.chunk, cfg.chunk
     dt_t, acs = _decays(dt, A, cfg)
-    acs_c = acs.reshape(b, h, nc, q)
-    decay = jnp.exp(acs_c[..., -1])                                  # [B, H, nc]
+    decay, out_decay, _ = _chunk_decays(acs, segs, cfg)              # [B, H, nc], [B, H, L]
 
     # The carried states' gradients from the outputs, then the state passing backwards:
     # g_c = dH_out_c + decay_c g_c+1 from g_nc = dfinal; dS_c = g_c+1.
-    dh_out = _chunk_state_call(dy, jnp.exp(acs), cm, cfg)            # [B, H, nc, P, N]
+    dh_out = _chunk_state_call(dy, out_decay, cm, cfg)               # [B, H, nc, P, N]
 
     def back(g_next, inp):
         dh_c, d_c, h_c = inp
@@ -432,7 +528,7 @@ def _ssd_bwd(cfg, res, cts):
                                  (first(dh_out), first(decay), first(h_in)), reverse=True)
     ds, ddecay = jnp.moveaxis(ds, 0, 2), jnp.moveaxis(ddecay, 0, 2)
 
-    dx, db_h, dc_h, dacs, ddt_direct = _chunk_scan_bwd_call(x, bm, cm, dt_t, acs, h_in, dy, ds, cfg)
+    dx, db_h, dc_h, dacs, ddt_direct = _chunk_scan_bwd_call(x, bm, cm, dt_t, acs, h_in, dy, ds, segs, cfg)
     dacs = dacs.reshape(b, h, nc, q).at[..., -1].add(ddecay * decay)
     da = lax.cumsum(dacs, axis=3, reverse=True).reshape(b, h, l)     # d loss / d (dt * A)
     a32 = A.astype(jnp.float32)
@@ -440,7 +536,9 @@ def _ssd_bwd(cfg, res, cts):
     dA = jnp.sum(da * dt_t, axis=(0, 2))
     db = db_h.reshape(b, l, g, h // g, n).sum(3)
     dc = dc_h.reshape(b, l, g, h // g, n).sum(3)
-    return (dx, ddt.astype(dt.dtype), dA.astype(A.dtype), db.astype(bm.dtype), dc.astype(cm.dtype), dh0)
+    dsegs = None if segs is None else jax.tree.map(lambda r: np.zeros(r.shape, jax.dtypes.float0)
+                                                   if jnp.issubdtype(r.dtype, jnp.integer) else jnp.zeros_like(r), segs)
+    return (dx, ddt.astype(dt.dtype), dA.astype(A.dtype), db.astype(bm.dtype), dc.astype(cm.dtype), dh0, dsegs)
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
@@ -453,17 +551,18 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
+def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False, segment_ids=None,
         num_warps: int | None = None, num_stages: int | None = None, interpret: bool | None = None):
     """The SSD scan as Pallas kernels; differentiable (Pallas backward kernels, see the module
-    docstring for what runs where). Same arguments and results as ssd_reference, plus:
+    docstring for what runs where). Same arguments and results as ssd_reference (segment ids: the
+    scan kernels mask their decays by document, forward and backward), plus:
 
       chunk_size: Q, the rows each program holds; a power of two >= 16 (<= 128 suits the GPU).
       num_warps, num_stages: Triton launch parameters (default 4 warps, or 8 for Q >= 128; 2 stages).
       interpret: run the kernels in Pallas interpret mode; None picks True exactly when the default
         backend is CPU.
     """
-    _check(x, dt, A, B, C, initial_state)
+    _check(x, dt, A, B, C, initial_state, segment_ids)
     q = int(chunk_size)
     if q < _MIN_BLOCK or q & (q - 1):
         raise ValueError(f"chunk_size={chunk_size} must be a power of two >= {_MIN_BLOCK}")
@@ -472,7 +571,7 @@ def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_sta
     b, l, h, p = x.shape
     g, n = B.shape[2:]
     cfg = _Config(chunk=q, heads_per_group=h // g, num_warps=num_warps or (8 if q >= 128 else 4),
-                  num_stages=num_stages or 2, interpret=bool(interpret))
+                  num_stages=num_stages or 2, interpret=bool(interpret), segments=segment_ids is not None)
     # Pad: L to a multiple of Q with dt = 0 (the state passes through), P and N to powers of two
     # >= 16 with zeros (their rows and columns of every product are zero and are sliced off).
     lp = -(-l // q) * q
@@ -484,6 +583,7 @@ def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_sta
     dtp = _pad_to(dt, 1, lp)
     h0 = (jnp.zeros((b, h, pp, np_), jnp.float32) if initial_state is None
           else _pad_to(_pad_to(initial_state.astype(jnp.float32), 2, pp), 3, np_))
-    y, final = _ssd(xp, dtp, A, Bp, Cp, h0, cfg)
+    segs = None if segment_ids is None else _segment_rows(_pad_segments(segment_ids, lp), q)
+    y, final = _ssd(xp, dtp, A, Bp, Cp, h0, segs, cfg)
     y = y[:, :l, :, :p]
     return (y, final[:, :, :p, :n]) if return_final_state else y

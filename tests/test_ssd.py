@@ -211,17 +211,20 @@ def test_bad_arguments_name_their_values():
         ssd(*args[:5], chunk_size=24)
 
 
-@pytest.mark.parametrize("dtype,l,p,n,chunk", [(jnp.bfloat16, 200, 64, 128, 64), (jnp.float32, 128, 24, 16, 128)])
-def test_kernels_lower_to_triton_for_cuda(dtype, l, p, n, chunk):
-    """Pallas' Triton lowering accepts every kernel (no GPU needed to lower; the GPU suite compiles
-    and runs them)."""
+@pytest.mark.parametrize("dtype,l,p,n,chunk,documents", [(jnp.bfloat16, 200, 64, 128, 64, False),
+                                                        (jnp.float32, 128, 24, 16, 128, True)])
+def test_kernels_lower_to_triton_for_cuda(dtype, l, p, n, chunk, documents):
+    """Pallas' Triton lowering accepts every kernel, with segment ids too (no GPU needed to lower; the
+    GPU suite compiles and runs them)."""
     b, h, g = 2, 4, 2
     sd = jax.ShapeDtypeStruct
     args = (sd((b, l, h, p), dtype), sd((b, l, h), jnp.float32), sd((h,), jnp.float32), sd((b, l, g, n), dtype),
             sd((b, l, g, n), dtype), sd((b, h, p, n), jnp.float32))
 
     def loss(x, dt, A, B, C, h0):
-        y, final = ssd(x, dt, A, B, C, chunk_size=chunk, initial_state=h0, return_final_state=True, interpret=False)
+        seg = (jnp.arange(l) // 37)[None].repeat(b, 0) if documents else None
+        y, final = ssd(x, dt, A, B, C, chunk_size=chunk, initial_state=h0, return_final_state=True, interpret=False,
+                       segment_ids=seg)
         return y.astype(jnp.float32).sum() + final.sum()
 
     h100 = AbstractMesh((1,), ("x",), (AxisType.Auto,),
@@ -230,3 +233,78 @@ def test_kernels_lower_to_triton_for_cuda(dtype, l, p, n, chunk):
         text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
     assert text.count("triton") >= 4                      # chunk state x 2, chunk scan, chunk scan backward
+
+
+# --------------------------------------------------------------------------- document boundaries
+
+
+def _segment_ids(b: int, l: int, starts: list[list[int]]) -> jnp.ndarray:
+    """[B, L] int32: row r's documents start at starts[r] (and 0), numbered from 0."""
+    seg = np.zeros((b, l), np.int32)
+    for r, row in enumerate(starts):
+        for s in row:
+            seg[r, s:] += 1
+    return jnp.asarray(seg)
+
+
+def _naive_documents(x, dt, A, B, C, h0, seg):
+    """Each document of each row run alone by the float64 loop, the first from the initial state and
+    the others from zeros: (y, the final state of each row's last document)."""
+    seg = np.asarray(seg)
+    b, l, h, p = x.shape
+    y, final = np.zeros((b, l, h, p)), np.zeros((b, h, p, B.shape[3]))
+    for r in range(b):
+        cuts = [0] + [t for t in range(1, l) if seg[r, t] != seg[r, t - 1]] + [l]
+        for i, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:])):
+            start = np.asarray(h0)[r:r + 1] if i == 0 else np.zeros((1,) + final.shape[1:])
+            part = lambda t: np.asarray(t)[r:r + 1, lo:hi]
+            yy, ff = _naive(part(x), part(dt), A, part(B), part(C), start)
+            y[r, lo:hi], final[r] = yy[0], ff[0]
+    return y, final
+
+
+# Documents starting mid-chunk, at a chunk's first and last token, one a single token long, a chunk
+# holding three boundaries; row 1: a boundary at the last token; ragged L (padding in the last chunk).
+SEGMENTS = [[5, 16, 31, 32, 35, 38, 47], [15, 30, 49]]
+SSD_FORMS = {
+    "reference": ssd_reference,
+    "chunked": lambda *a, **k: ssd_chunked(*a, chunk_size=16, **k),
+    "kernel": lambda *a, **k: ssd(*a, chunk_size=16, interpret=True, **k),
+}
+
+
+@pytest.mark.parametrize("form", list(SSD_FORMS))
+def test_the_state_resets_at_every_document_boundary(form):
+    """Every form, forward: y and the final state equal each document run alone (the float64 loop)."""
+    args, _ = _inputs(2, 50, 4, 8, 2, 6)
+    seg = _segment_ids(2, 50, SEGMENTS)
+    f = SSD_FORMS[form]
+    y, final = jax.jit(lambda *a: f(*a[:5], initial_state=a[5], return_final_state=True, segment_ids=seg))(*args)
+    want_y, want_final = _naive_documents(*args, seg)
+    assert _rel(y, want_y) < 1e-5 and _rel(final, want_final) < 1e-5
+    # One segment id per row is the scan without segment ids.
+    one = f(*args[:5], initial_state=args[5], segment_ids=jnp.zeros((2, 50), jnp.int32))
+    assert _rel(one, f(*args[:5], initial_state=args[5])) < 1e-6
+
+
+@pytest.mark.parametrize("form", ["chunked", "kernel"])
+def test_document_boundaries_backward_match_reference(form):
+    """The chunked form's autodiff and the Pallas backward kernels with segment ids: every input's
+    gradient (the initial state's too) equals the reference's."""
+    args, cts = _inputs(2, 50, 4, 8, 2, 6)
+    seg = _segment_ids(2, 50, SEGMENTS)
+    with_seg = lambda f: lambda *a, **k: f(*a, segment_ids=seg, **k)
+    v, grads = _value_and_grads(with_seg(SSD_FORMS[form]), cts)(*args)
+    v_ref, want = _value_and_grads(with_seg(ssd_reference), cts)(*args)
+    assert abs(float(v - v_ref)) <= 1e-5 * abs(float(v_ref))
+    for name, gv, wv in zip(ARGS, grads, want):
+        assert _rel(gv, wv) < 1e-5, name
+    # The boundaries matter to the gradients: without them the same inputs give others.
+    _, plain = _value_and_grads(SSD_FORMS[form], cts)(*args)
+    assert _rel(plain[0], want[0]) > 1e-2
+
+
+def test_segment_ids_of_the_wrong_shape_are_refused():
+    args, _ = _inputs(1, 16, 2, 4, 1, 4)
+    with pytest.raises(ValueError, match=r"segment_ids \(1, 15\) is not \[B, L\]=\(1, 16\)"):
+        ssd_chunked(*args[:5], chunk_size=16, segment_ids=jnp.zeros((1, 15), jnp.int32))

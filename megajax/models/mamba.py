@@ -18,6 +18,11 @@ Context parallelism (the sequence split over mesh.context) turns sequence shards
 around the conv and the scan (`sequence_mixer`, injected: megajax/parallel/context.py); on one
 device it is the identity.
 
+Packed sequences (segment ids [B, L], each document one run of equal ids): a document neither reads
+nor leaves anything to another. The conv's taps that reach into another document are zero (as if
+each document started after K - 1 zeros), and the scan's state resets where a document starts
+(pallas_kernels/ssd.py: the decay across the boundary is zero). Without segment ids neither is traced.
+
 The decode state of a layer (generation) is its conv window, the last conv_kernel - 1 inputs of the
 conv [B, conv_kernel - 1, channels] per part, and the SSM state [B, heads, head_dim, state]: constant
 in the sequence length. A call of `extend` may hold padding (`valid_BxL` false: a batched prompt's
@@ -62,18 +67,26 @@ class MambaState(NamedTuple):
 
 
 def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: jax.Array | None = None,
-                end_B: jax.Array | None = None):
+                end_B: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None):
     """Depthwise causal conv along the sequence: out[t] = sum_k w[k] x[t + k - (K - 1)] + bias, the
     channels any trailing dims of x (w [channels..., K], bias [channels...]); `window` [B, K-1, ...]:
     the inputs before x (zeros when None). Returns (out in fp32, the K - 1 inputs before position
-    `end_B` [B] of each row (default L: the last K - 1), the window a continuation reads)."""
+    `end_B` [B] of each row (default L: the last K - 1), the window a continuation reads).
+    `segment_ids_BxL` (no window): a tap reaching a token of another document reads zero."""
     k = w_xK.shape[-1]
     b, l = x_BxLx_.shape[:2]
     if window is None:
         window = jnp.zeros((b, k - 1) + x_BxLx_.shape[2:], x_BxLx_.dtype)
+    elif segment_ids_BxL is not None:
+        raise ValueError("causal_conv: segment ids continue no window (a packed batch starts every document afresh)")
     xp = jnp.concatenate([window.astype(x_BxLx_.dtype), x_BxLx_], axis=1).astype(jnp.float32)
     w = jnp.moveaxis(w_xK.astype(jnp.float32), -1, 0)  # [K, channels...]
-    out = sum(xp[:, i:i + l] * w[i] for i in range(k)) + bias.astype(jnp.float32)
+    if segment_ids_BxL is None:
+        out = sum(xp[:, i:i + l] * w[i] for i in range(k)) + bias.astype(jnp.float32)
+    else:  # tap i reads position t - (K - 1 - i): zero unless it is in t's document
+        seg = jnp.concatenate([jnp.repeat(segment_ids_BxL[:, :1], k - 1, axis=1), segment_ids_BxL], axis=1)
+        same = lambda i: (seg[:, i:i + l] == segment_ids_BxL).reshape((b, l) + (1,) * (xp.ndim - 2))
+        out = sum(jnp.where(same(i), xp[:, i:i + l], 0.0) * w[i] for i in range(k)) + bias.astype(jnp.float32)
     if end_B is None:
         return out, xp[:, l:].astype(x_BxLx_.dtype)
     at = (end_B[:, None] + jnp.arange(k - 1)).reshape((b, k - 1) + (1,) * (xp.ndim - 2))  # [B, K-1, 1...]
@@ -96,9 +109,9 @@ def _uniform(key, shape, bound):
 
 
 class Mamba2Mixer(nnx.Module):
-    """The Mamba-2 mixer: [B, L, D] -> [B, L, D]. `sequence_mixer(mix, x, B, C, dt, weights)` runs
-    mix (sequence_mix) over the whole sequence (context parallelism's all-to-all; None: call it as
-    is); `ssd` the chunked scan (pallas_kernels/ssd.py). `recompute` = selective: the sequence mixing
+    """The Mamba-2 mixer: [B, L, D] -> [B, L, D]. `sequence_mixer(mix, x, B, C, dt, weights,
+    segment_ids)` runs mix (sequence_mix) over the whole sequence (context parallelism's all-to-all;
+    None: call it as is); `ssd` the chunked scan (pallas_kernels/ssd.py). `recompute` = selective: the sequence mixing
     keeps only its inputs and the scan's chunk states for the backward (the conv, the intra-chunk
     quadratic forms and the outputs are recomputed)."""
 
@@ -172,16 +185,17 @@ class Mamba2Mixer(nnx.Module):
         """The parameters of the sequence mixing (conv, time steps, A, D), by name."""
         return {name: getattr(self, name)[...] for name in SEQUENCE_WEIGHTS}
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
+        """`segment_ids_BxL`: the documents of a packed batch (module docstring), or None."""
         z, xs, b, c, dt = self.projections(x_BxLxD)
         mix = functools.partial(sequence_mix, chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd)
         if self.recompute == "selective":
             mix = jax.checkpoint(mix, prevent_cse=False,
                                  policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES))
         if self.sequence_mixer is None:
-            y = mix(xs, b, c, dt, self.weights())
+            y = mix(xs, b, c, dt, self.weights(), segment_ids=segment_ids_BxL)
         else:
-            y = self.sequence_mixer(mix, xs, b, c, dt, self.weights())
+            y = self.sequence_mixer(mix, xs, b, c, dt, self.weights(), segment_ids_BxL)
         # b's groups: this shard's (tensor parallelism holds whole groups with their heads)
         y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
         return self.out(logical_constraint(y, ACT_HEADS))
@@ -208,20 +222,21 @@ SEQUENCE_WEIGHTS = ("conv_x", "conv_x_bias", "conv_B", "conv_B_bias", "conv_C", 
 
 
 def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Callable, state: MambaState | None = None,
-                 valid_BxL: jax.Array | None = None):
+                 valid_BxL: jax.Array | None = None, segment_ids: jax.Array | None = None):
     """The part of the mixer that runs along the sequence, for the heads of xs [B, L, h, P] (B, C
     [B, L, g, N] their groups, dt [B, L, h]; `w` the weights of those heads and groups, SEQUENCE_WEIGHTS):
     causal conv and SiLU of x, B, C, dt = clamp(softplus(dt + dt_bias)), the SSD scan with
     A = -exp(A_log) and the D skip -> y [B, L, h, P] fp32. With a decode `state`: (y, the new state);
     `valid_BxL` (with a state): padding enters neither the conv nor the scan, and the new window ends
-    at each row's last real token."""
+    at each row's last real token. `segment_ids` [B, L] (without a state): the documents of a packed
+    batch, neither conv nor scan crossing a boundary."""
     end = None
     if valid_BxL is not None:
         xs, b, c = (jnp.where(valid_BxL[:, :, None, None], v, 0) for v in (xs, b, c))
         end = jnp.max(jnp.where(valid_BxL, jnp.arange(1, valid_BxL.shape[1] + 1), 0), axis=1)  # [B]
-    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x, end)
-    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B, end)
-    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C, end)
+    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x, end, segment_ids)
+    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B, end, segment_ids)
+    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C, end, segment_ids)
     xs, b, c = jax.nn.silu(xs), jax.nn.silu(b), jax.nn.silu(c)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
     lo, hi = dt_limit
@@ -231,7 +246,8 @@ def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Cal
         dt = jnp.where(valid_BxL[:, :, None], dt, 0.0)
     a = -jnp.exp(w["A_log"].astype(jnp.float32))
     if state is None:
-        y = ssd(xs, dt, a, b, c, chunk_size=chunk)
+        documents = {} if segment_ids is None else {"segment_ids": segment_ids}
+        y = ssd(xs, dt, a, b, c, chunk_size=chunk, **documents)
         return y.astype(jnp.float32) + xs * w["D"].astype(jnp.float32)[:, None]
     if xs.shape[1] == 1:  # a decode step: the recurrence itself (a chunked scan would pad it to a chunk)
         y, ssm = ssd_step(xs, dt, a, b, c, state.ssm)

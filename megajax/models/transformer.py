@@ -137,6 +137,8 @@ class HybridLayer(nnx.Module):
                            dropout_rng=rngs[0])
         elif self.kind == "moe":
             h, stats = self.mixer.forward(h, expert_bias_E)
+        elif self.kind == "mamba":
+            h = self.mixer(h, segment_ids_BxL)
         else:
             h = self.mixer(h)
         return logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1], RESIDUAL), RESIDUAL), stats
@@ -330,16 +332,22 @@ class Transformer(nnx.Module):
         position, from depth k - 1's output after its final norm (for k = 1 the model's last hidden
         state after the model's final norm, as Megatron-Core feeds it) and the embedding of the tokens
         (and positions) shifted k places left, as Megatron-Core rolls them: the last k positions see
-        token 0 at position 0 (the loss masks them). `x_BxLxD` is the layer stack's output, before the
+        token 0 at position 0 (the loss masks them). In a packed batch (`segment_ids_BxL`) the shift
+        stays inside each document: the last k positions of every document see token 0 at position 0,
+        as they would alone. `x_BxLxD` is the layer stack's output, before the
         final norm; `expert_bias_DxE` a MoE block's expert bias per depth. No dropout. Returns (each
         depth's output after its final norm [B, L, D], what the output layer takes; the depths'
         RouterStats stacked [depths] for a MoE block, else None)."""
         graphdef, state = nnx.split(self.mtp)
         inv_freq, h, tokens, positions = self.rope_inv_freq(), self.final_norm(x_BxLxD), tokens_BxL, positions_BxL
         out, stats = [], []
+        shift = self.sequence_shift
+        if segment_ids_BxL is not None:  # a shift within each document: zeros where the next token is another's
+            same = shift(segment_ids_BxL, 1) == segment_ids_BxL
+            shift = lambda x, k: jnp.where(same, self.sequence_shift(x, k), 0)
         for k in range(self.cfg.mtp_num_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a: a[k], state))
-            tokens, positions = self.sequence_shift(tokens, 1), self.sequence_shift(positions, 1)
+            tokens, positions = shift(tokens, 1), shift(positions, 1)
             emb = layer.embed_norm(self.embed_tokens(tokens, positions))
             h = layer.proj(jnp.concatenate([emb, layer.hidden_norm(h)], axis=-1))
             h, s = layer.block(logical_constraint(h, RESIDUAL), positions_BxL=positions_BxL,

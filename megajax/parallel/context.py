@@ -329,7 +329,8 @@ def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
     its heads), the conv and scan run there, and the inverse all-to-all brings y back to sequence
     shards in the load-balanced order. B and C are all-gathered over `context` (their groups are
     few) and each device takes its heads' groups, so a shard holding fewer groups than the context
-    size needs no special case. None without context parallelism."""
+    size needs no special case. Segment ids (a packed batch) are all-gathered like B and C: each device
+    runs the conv and the scan over whole documents in natural order. None without context parallelism."""
     from megajax.models.mamba import ACT_DT, ACT_GROUPS, ACT_HEADS
     if mesh is None or rules is None:
         return None
@@ -344,8 +345,10 @@ def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
                  "conv_C": ("ssm_groups", "ssm_state", None), "conv_C_bias": ("ssm_groups", "ssm_state")}
     w_specs = {k: logical_to_spec(v, rules) for k, v in {**per_head, **per_group}.items()}
 
-    def mixer(mix: Callable, xs, b, c, dt, w: dict):
-        def local(xs, b, c, dt, w):
+    seg_spec = logical_to_spec(SEG_AXES, rules)
+
+    def mixer(mix: Callable, xs, b, c, dt, w: dict, segment_ids=None):
+        def local(xs, b, c, dt, w, seg):
             n = xs.shape[1] * size
             order = load_balanced_order(n, size)  # the natural position at each slot
             natural, slots = jnp.asarray(np.argsort(order)), jnp.asarray(order)
@@ -365,11 +368,12 @@ def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
             mine = {k: jnp.take(w[k], heads, axis=0) for k in per_head}
             mine |= {k: jnp.take(w[k], groups, axis=0) for k in per_group}
             y = mix(to_heads(xs), jnp.take(whole(b), groups, axis=2), jnp.take(whole(c), groups, axis=2),
-                    to_heads(dt), mine)
+                    to_heads(dt), mine, segment_ids=None if seg is None else whole(seg))
             return jax.lax.all_to_all(jnp.take(y, slots, axis=1), axis, 1, 2, tiled=True)
 
-        return shard_map_fn(local, mesh, (x_spec, g_spec, g_spec, dt_spec, w_specs), x_spec,
-                            check_vma=False)(xs, b, c, dt, w)
+        return shard_map_fn(local, mesh, (x_spec, g_spec, g_spec, dt_spec, w_specs,
+                                          None if segment_ids is None else seg_spec), x_spec,
+                            check_vma=False)(xs, b, c, dt, w, segment_ids)
 
     return mixer
 
@@ -381,13 +385,17 @@ def sharded_ssd(ssd: Callable, mesh: Mesh, rules: Rules) -> Callable:
     from megajax.models.mamba import ACT_DT, ACT_GROUPS, ACT_HEADS
     x_spec, g_spec, dt_spec, a_spec = (logical_to_spec(a, rules) for a in (ACT_HEADS, ACT_GROUPS, ACT_DT, ("heads",)))
 
-    def scan(x, dt, a, b, c, *, chunk_size, initial_state=None, return_final_state=False):
+    seg_spec = logical_to_spec(SEG_AXES, rules)
+
+    def scan(x, dt, a, b, c, *, chunk_size, initial_state=None, return_final_state=False, segment_ids=None):
         if initial_state is not None or return_final_state:  # generation: one device
             return ssd(x, dt, a, b, c, chunk_size=chunk_size, initial_state=initial_state,
-                       return_final_state=return_final_state)
+                       return_final_state=return_final_state, segment_ids=segment_ids)
 
-        def local(x, dt, a, b, c):
-            return ssd(x, dt, a, b, c, chunk_size=chunk_size)
-        return shard_map_fn(local, mesh, (x_spec, dt_spec, a_spec, g_spec, g_spec), x_spec, check_vma=False)(x, dt, a, b, c)
+        def local(x, dt, a, b, c, seg):
+            return ssd(x, dt, a, b, c, chunk_size=chunk_size, segment_ids=seg)
+        return shard_map_fn(local, mesh, (x_spec, dt_spec, a_spec, g_spec, g_spec,
+                                          None if segment_ids is None else seg_spec), x_spec,
+                            check_vma=False)(x, dt, a, b, c, segment_ids)
 
     return scan

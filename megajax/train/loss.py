@@ -68,24 +68,29 @@ def moe_sums(aux: jax.Array, z: jax.Array, dropped: jax.Array, tokens: jax.Array
 
 
 def mtp_loss_sum(mtp_logits_DxBxLxV: jax.Array, labels_BxL: jax.Array, loss_mask_BxL: jax.Array,
-                 shift: Callable = shift_left) -> jax.Array:
+                 shift: Callable = shift_left, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
     """Multi-token prediction's cross entropy summed over tokens, averaged over the depths: depth k
     (from 1) is scored on the labels k places further on, where the loss mask (shifted alike) keeps
-    them and they are inside the sequence (Megatron-Core's rolled labels and mask). `shift`: the
-    layout's shift along the sequence (ModelSpec.sequence_shift)."""
+    them and they are inside the sequence (Megatron-Core's rolled labels and mask) and, in a packed
+    batch, inside the same document. `shift`: the layout's shift along the sequence
+    (ModelSpec.sequence_shift)."""
     depths = mtp_logits_DxBxLxV.shape[0]
     total = 0.0
     for k in range(1, depths + 1):
-        labels, mask = mtp_targets(labels_BxL, loss_mask_BxL, k, shift)
+        labels, mask = mtp_targets(labels_BxL, loss_mask_BxL, k, shift, segment_ids_BxL)
         total = total + jnp.sum(cross_entropy(mtp_logits_DxBxLxV[k - 1], labels) * mask)
     return total / depths
 
 
-def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int,
-                shift: Callable = shift_left) -> tuple[jax.Array, jax.Array]:
+def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int, shift: Callable = shift_left,
+                segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(labels, loss mask) of multi-token prediction depth k: k places further on along the sequence
-    (`shift`: the layout's), the last k positions masked (past the end: label and mask 0)."""
-    return shift(labels_BxL, k), shift(loss_mask_BxL, k)
+    (`shift`: the layout's), the last k positions masked (past the end: label and mask 0), and with
+    `segment_ids_BxL` the last k positions of every document (their label is another document's)."""
+    labels, mask = shift(labels_BxL, k), shift(loss_mask_BxL, k)
+    if segment_ids_BxL is not None:
+        mask = jnp.where(shift(segment_ids_BxL, k) == segment_ids_BxL, mask, 0)
+    return labels, mask
 
 
 def microbatch_loss(cfg: Config) -> Callable:
@@ -110,7 +115,8 @@ def microbatch_loss(cfg: Config) -> Callable:
         sums = {"loss_sum": loss_sum}
         loss = loss_sum / inputs.num_tokens
         if depths:
-            mtp_sum = mtp_loss_sum(mtp_logits, micro["labels"], micro["loss_mask"], model.sequence_shift)
+            mtp_sum = mtp_loss_sum(mtp_logits, micro["labels"], micro["loss_mask"], model.sequence_shift,
+                                   micro.get("segment_ids"))
             sums["mtp_loss_sum"] = mtp_sum
             loss = loss + cfg.model.mtp_loss_scaling_factor * mtp_sum / inputs.num_tokens
         if moe:

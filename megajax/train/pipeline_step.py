@@ -218,7 +218,7 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         hidden, stats = net.mtp_hidden(m["tokens"], x, positions(m), m.get("segment_ids"), bias)
         mtp = 0.0
         for k, h in enumerate(hidden, start=1):
-            labels, mask = mtp_targets(m["labels"], m["loss_mask"], k, net.sequence_shift)
+            labels, mask = mtp_targets(m["labels"], m["loss_mask"], k, net.sequence_shift, m.get("segment_ids"))
             mtp = mtp + jnp.sum(ce(net.output_layer(h), labels) * mask)
         mtp = mtp / depths
         objective, sums = loss + cfg.model.mtp_loss_scaling_factor * mtp, {"loss": loss, "mtp_loss": mtp}
