@@ -382,8 +382,14 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     # Megatron dataset prefix, or [weight, prefix, weight, prefix, ...]; empty: the
-    # embedded corpus (this Python's standard library sources).
+    # embedded corpus (this Python's standard library sources). With format chat: a jsonl
+    # file or a directory of *.jsonl (or a weighted list of them).
     path: Union[str, list] = ""
+    # gpt: Megatron .bin/.idx documents; chat: jsonl conversations rendered with the tokenizer's
+    # chat template (megajax/data/chat.py; Megatron's --sft).
+    format: Literal["gpt", "chat"] = "gpt"
+    loss_on: Literal["assistant", "all"] = "assistant"  # chat: train on the answers only, or on every token
+    packing: bool = True  # chat: pack conversations into rows (else one conversation per row)
     split: str = "969,30,1"  # train, validation, test shares of the documents
     tokenizer: str = "byte"  # 'byte' or a Hugging Face tokenizer.json (file or directory)
     cache_dir: str = ""  # sample-index cache; empty: <dataset dir>/cache/GPTDataset_indices

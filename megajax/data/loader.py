@@ -1,7 +1,8 @@
 """Datasets for a run, and host batches -> global jax.Arrays laid out for the train step.
 
 A dataset maps a sample index to a dict of [seq_len + 1] arrays (`tokens`,
-and with document-aware batches `segment_ids`, `positions`, `loss_mask`).
+and with document-aware batches `segment_ids`, `positions`, `loss_mask`; chat data's packed rows
+always carry all four, megajax/data/sft_dataset.py).
 The loader turns the global batch that starts at sample `start` into arrays
 [accumulation, micro_batch x dp, seq] placed with the batch sharding. Each
 process materialises only the rows its own devices hold
@@ -19,7 +20,10 @@ import jax
 import numpy as np
 
 from megajax.config import Config, parse_split
-from megajax.data.blend import BlendedDataset, build_datasets, parse_data_path
+from megajax.data.blend import BlendedDataset, blend_sizes, build_datasets, parse_data_path
+from megajax.data.chat import chat_files, chat_template_of, tokenize_files
+from megajax.data.gpt_dataset import SPLIT_NAMES, split_ranges
+from megajax.data.sft_dataset import ChatDataset
 from megajax.data.corpus import stdlib_corpus
 from megajax.data.indexed import IndexedDataset
 from megajax.errors import DataError
@@ -27,9 +31,10 @@ from megajax.errors import DataError
 
 def batch_keys(cfg: Config, context: int = 1) -> tuple[str, ...]:
     keys = ("tokens", "labels", "loss_mask")
-    if cfg.data.reset_position_ids or context > 1:  # reordered sequences carry their positions
+    chat = cfg.data.format == "chat"  # packed conversations: positions restart, attention stays inside each
+    if cfg.data.reset_position_ids or context > 1 or chat:  # reordered sequences carry their positions
         keys += ("positions",)
-    if cfg.data.reset_attention_mask:
+    if cfg.data.reset_attention_mask or chat:
         keys += ("segment_ids",)
     return keys
 
@@ -37,6 +42,11 @@ def batch_keys(cfg: Config, context: int = 1) -> tuple[str, ...]:
 def document_aware(cfg: Config) -> bool:
     d = cfg.data
     return d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss
+
+
+def sample_loss_mask(cfg: Config) -> bool:
+    """Whether the batch's loss_mask is the samples' own (eod_mask_loss, chat data's answer masks)."""
+    return cfg.data.eod_mask_loss or cfg.data.format == "chat"
 
 
 def split_sample_counts(cfg: Config) -> list[int]:
@@ -49,6 +59,8 @@ def split_sample_counts(cfg: Config) -> list[int]:
 
 def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
     """(train, valid or None, report lines) for data.path, or the embedded corpus when it is empty."""
+    if cfg.data.format == "chat":
+        return build_chat_datasets(cfg, tokenizer)
     path = cfg.data.path or stdlib_corpus(cfg.data.tokenizer, cfg.data.corpus_max_mb)
     prefixes, _ = parse_data_path(path)
     for prefix in prefixes:
@@ -62,16 +74,68 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
         raise DataError(f"data.split = {cfg.data.split!r} leaves no documents for training in {path}; "
                         f"give the train split a positive share.")
     if valid is None and cfg.train.eval_every:
-        shares = parse_split(cfg.data.split)
-        larger = next((s for s in ("90,10,0", "80,20,0", "50,50,0") if parse_split(s)[1] > shares[1]), None)
-        give = f"a larger share (e.g. data.split={larger})" if larger else "more documents (data.path)"
-        raise DataError(f"data.split = {cfg.data.split!r} leaves no validation documents in {path} "
-                        f"({len(train):,} train samples) but train.eval_every = {cfg.train.eval_every}; give "
-                        f"the validation split {give} or set train.eval_every=0.")
+        _no_validation(cfg, path, f"{len(train):,} train samples", "documents")
     report = [f"data: {'embedded corpus ' if not cfg.data.path else ''}{path}, split {cfg.data.split}: "
               f"{len(train):,} train samples" + (f", {len(valid):,} validation" if valid else "")]
     if isinstance(train, BlendedDataset):
         report.append(train.report())
+    return train, valid, report
+
+
+def _no_validation(cfg: Config, path, have: str, what: str) -> None:
+    shares = parse_split(cfg.data.split)
+    larger = next((s for s in ("90,10,0", "80,20,0", "50,50,0") if parse_split(s)[1] > shares[1]), None)
+    give = f"a larger share (e.g. data.split={larger})" if larger else f"more {what} (data.path)"
+    raise DataError(f"data.split = {cfg.data.split!r} leaves no validation {what} in {path} "
+                    f"({have}) but train.eval_every = {cfg.train.eval_every}; give "
+                    f"the validation split {give} or set train.eval_every=0.")
+
+
+def build_chat_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
+    """(train, valid or None, report lines) of data.format=chat: the conversations of each jsonl path
+    split by data.split (in file order, as Megatron splits documents), packed per split; a weighted
+    list of paths is blended as Megatron blends."""
+    d = cfg.data
+    if not d.path:
+        raise DataError("data.format = 'chat' needs data.path: a jsonl file of conversations "
+                        "({\"messages\": [...]} or {\"prompt\", \"completion\"} per line), a directory of *.jsonl "
+                        "files, or a list [weight, path, weight, path, ...].")
+    template = chat_template_of(tokenizer)
+    paths, weights = parse_data_path(d.path)
+    counts = split_sample_counts(cfg)
+    sizes = [blend_sizes(weights, n) for n in counts] if len(paths) > 1 else None
+    pad = getattr(tokenizer, "eod_id", None) or 0
+    per_path, report = [], []
+    for j, path in enumerate(paths):
+        conversations = tokenize_files(tokenizer, template, chat_files(path))
+        if not conversations:
+            raise DataError(f"data.path {path!r} holds no conversations (every line is blank).")
+        top = max(int(c.ids.max(initial=0)) for c in conversations)
+        if top >= cfg.model.vocab_size:
+            raise DataError(f"data.tokenizer = {d.tokenizer!r} gives token id {top} in {path} but model.vocab_size = "
+                            f"{cfg.model.vocab_size}; set model.vocab_size > {top} (or the model's own tokenizer).")
+        datasets = []
+        for i, (name, rng) in enumerate(zip(SPLIT_NAMES[:2], split_ranges(d.split, len(conversations))[:2])):
+            n = counts[i] if sizes is None else sizes[i][1][j]
+            ds = None if rng is None else ChatDataset(
+                conversations[rng[0]:rng[1]], seq_len=cfg.train.seq_len, seed=cfg.train.seed, loss_on=d.loss_on,
+                packing=d.packing, num_samples=n, pad_id=pad, split_name=name, name=path)
+            datasets.append(ds)
+            if ds is not None:
+                report.append(f"chat data {path} {ds.report()}")
+        if datasets[0] is None:
+            raise DataError(f"data.split = {d.split!r} leaves no conversations for training in {path} "
+                            f"({len(conversations)} conversations); give the train split a positive share.")
+        if datasets[1] is None and cfg.train.eval_every:
+            _no_validation(cfg, path, f"{len(conversations)} conversations", "conversations")
+        per_path.append(datasets)
+    if sizes is None:
+        train, valid = per_path[0]
+    else:
+        train, valid = (None if any(p[i] is None for p in per_path) else
+                        BlendedDataset([p[i] for p in per_path], weights, sum(sizes[i][0]), names=paths)
+                        for i in range(2))
+        report += [b.report() for b in (train, valid) if b is not None]
     return train, valid, report
 
 

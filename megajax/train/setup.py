@@ -26,7 +26,7 @@ from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_d
 from megajax.checkpoint.stored_model import is_hf_load, is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
-from megajax.data.loader import Loader, batch_keys, build_run_datasets
+from megajax.data.loader import Loader, batch_keys, build_run_datasets, sample_loss_mask
 from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
@@ -117,7 +117,7 @@ class Setup:
         context = self.plan.sizes["context"]
         order = load_balanced_order(self.batch.seq_len, context) if context > 1 else None
         return Loader(dataset, layout=self.batch, shardings=self.batch_shardings,
-                      eod_mask_loss=self.cfg.data.eod_mask_loss, prefetch=prefetch, order=order)
+                      eod_mask_loss=sample_loss_mask(self.cfg), prefetch=prefetch, order=order)
 
 
 def check_kernel_platform(impl: str, platform: str) -> None:
