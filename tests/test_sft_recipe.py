@@ -35,11 +35,10 @@ def test_generated_tasks_are_deterministic_and_held_out_apart(tmp_path):
 
 def test_recipe_sft_tiny_cpu_raises_held_out_accuracy(tmp_path, capsys):
     cfg = load_config(["recipes/sft-tiny-cpu"], [f"train.run_dir={tmp_path / 'run'}", "logging.progress=false",
-                                                 "mesh.data=1", "train.seq_len=128", "train.steps=200",
-                                                 "train.exact_match_prompts=48", "train.log_every=100"])
+                                                 "mesh.data=1"])
     result = run_training(cfg, devices=__import__("jax").devices()[:1])
     out = capsys.readouterr().out
     before, after = result.exact_match["before"], result.exact_match["after"]
     assert "exact-match accuracy before training" in out and "exact-match accuracy after training" in out
-    assert before <= 0.05 and after >= before + 0.15, (before, after)
+    assert before <= 0.05 and after >= before + 0.2, (before, after)
     assert np.isfinite(result.losses).all() and result.losses[-1] < 0.5 * result.losses[0]
