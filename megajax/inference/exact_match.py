@@ -43,8 +43,13 @@ def exact_match(generator: Generator, tokenizer, template: str, items: Sequence[
 
 def _items(cfg) -> tuple[list[tuple[list[dict], str]], str]:
     from megajax.data.instruct_tasks import instruct_held_out_file, read_prompts
+    from megajax.errors import DataError
     path = cfg.train.exact_match_path or str(instruct_held_out_file())
-    return read_prompts(path)[:cfg.train.exact_match_prompts], path
+    items = read_prompts(path)[:cfg.train.exact_match_prompts]
+    if not items:
+        raise DataError(f"train.exact_match_path = {path!r} holds no conversations; give a jsonl of held-out "
+                        f"conversations ending with the expected answer, or set train.exact_match_prompts=0.")
+    return items, path
 
 
 def exact_match_hook(when: str) -> Callable:
