@@ -72,12 +72,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def run_training(cfg, devices: list | None = None):
     """What `megajax train` runs: the training loop with the memory fit check before the first step
-    (megajax.perf.fit.fit_check) and the sample at the end (megajax.inference.text); the
+    (megajax.perf.fit.fit_check), the exact-match accuracy before and after (train.exact_match_prompts,
+    megajax.inference.exact_match) and the sample at the end (megajax.inference.text); the
     loop's package imports neither, they are handed to it here."""
+    from megajax.inference.exact_match import exact_match_hook
     from megajax.inference.text import training_sample
     from megajax.perf.fit import fit_check
     from megajax.train.loop import train
-    return train(cfg, devices, check_compiled=fit_check, on_end=[training_sample])
+    return train(cfg, devices, check_compiled=fit_check, on_start=[exact_match_hook("before")],
+                 on_end=[exact_match_hook("after"), training_sample])
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:

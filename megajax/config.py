@@ -374,6 +374,11 @@ class TrainConfig:
     sample_prompt: str = ""
     sample_temperature: float = 0.8
     sample_top_p: float = 0.95
+    # Exact-match accuracy of greedy answers to this many held-out prompts (0: off), printed before the
+    # first step and after the last: the conversations of exact_match_path (jsonl, each ending with the
+    # expected assistant answer; empty: the generated instruction tasks' held-out split).
+    exact_match_prompts: int = 0
+    exact_match_path: str = ""
 
 
 @dataclass
@@ -765,6 +770,7 @@ def validate(cfg: Config) -> None:
                 "hysteresis", "max_skipped_steps"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.sample_tokens", t.sample_tokens, allow_zero=True)
+    _positive("train.exact_match_prompts", t.exact_match_prompts, allow_zero=True)
     if not 0.0 <= t.sample_temperature < float("inf"):
         raise ConfigError(f"train.sample_temperature = {t.sample_temperature}: must be a finite number >= 0 "
                           f"(0 samples greedily).")

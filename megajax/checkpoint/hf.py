@@ -26,9 +26,9 @@ import json
 import math
 import re
 import struct
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -686,14 +686,15 @@ def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
     return out
 
 
-def import_hf(in_dir) -> tuple[dict, dict]:
-    """Reads a Hugging Face model directory of one of the architectures above.
+def is_hf_dir(path) -> bool:
+    """Whether `path` is a Hugging Face model directory (a config.json beside safetensors weights)."""
+    d = Path(path).expanduser()
+    return (d / "config.json").is_file() and ((d / "model.safetensors").is_file()
+                                             or (d / "model.safetensors.index.json").is_file())
 
-    Returns (model overrides, params): the ModelConfig field values of the
-    architecture, and the parameter tree as float32 numpy arrays with the
-    vocabulary padded to model.padded_vocab_size() with zero rows.
-    """
-    d = Path(in_dir).expanduser()
+
+def _architecture(d: Path) -> tuple[str, dict, dict]:
+    """(architecture, config.json, model overrides) of a Hugging Face directory."""
     config_file = d / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{str(d)!r} is not a Hugging Face model directory (no config.json).")
@@ -721,6 +722,49 @@ def import_hf(in_dir) -> tuple[dict, dict]:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
                               f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3}, {GPT2}, "
                               f"{NEMOTRON_H} and {MAMBA2}.")
+    return arch, c, overrides
+
+
+@dataclasses.dataclass
+class HfTensors:
+    """A Hugging Face directory opened for reading (its weight files' headers, no tensor yet).
+
+    model: the resolved ModelConfig of its config.json; shapes: megajax's tensor shapes for it
+    (tensor_shapes); plan: (row, layer, slot, tensor name) for every tensor read, in layer order
+    (a row that is a copy of another's tensor left out)."""
+    dir: Path
+    arch: str
+    model: ModelConfig
+    shapes: dict[str, tuple[int, ...]]
+    plan: list[tuple[Row, int | None, int | None, str]]
+    weights: dict[str, tuple[Path, object]]
+
+    def overrides(self) -> dict:
+        """The ModelConfig field values of the model (what an import records in its meta)."""
+        out = model_overrides(self.model)
+        out.pop("mtp_loss_scaling_factor", None)  # config.json has no MTP loss weight: the run's applies
+        if self.arch == MAMBA2:  # no position limit: the run's train.seq_len applies
+            out.pop("max_position_embeddings")
+        return out
+
+    def read(self, row: Row, name: str) -> dict[str, np.ndarray]:
+        """{megajax path: one layer (one expert) of it} from the tensor `name` of `row`, float32."""
+        path, f = self.weights[name]
+
+        def mismatch(what, got, want):
+            return CheckpointError(f"tensor {what} in {path.name} has shape {list(got)}, but config.json "
+                                   f"implies {list(want)}.")
+
+        return to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), self.shapes, self.model,
+                       mismatch=mismatch)
+
+
+@contextmanager
+def open_hf(in_dir) -> Iterator[HfTensors]:
+    """The Hugging Face directory `in_dir` opened (config.json read and checked, every tensor the model
+    needs found, none left over); its safetensors files stay open inside the `with`."""
+    d = Path(in_dir).expanduser()
+    arch, c, overrides = _architecture(d)
     with ExitStack() as files:
         weights, used = _weight_files(d, files), set()
         if arch == DEEPSEEK_V3:
@@ -730,40 +774,49 @@ def import_hf(in_dir) -> tuple[dict, dict]:
             raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
                                   f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
         shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
-        flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        plan = []
         for row, i, slot in in_layer_order(rows_for(table(arch, m), shapes, "Hugging Face " + arch), m):
             names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
             names += tuple(v for n in row.names(i) for v in hf_name_variants(n)[1:])  # NemotronH's `model.`
             name = next((n for n in names if n in weights), None)
+            used.add(name)
             if row.copy:  # a copy of a tensor another row reads (DeepSeek-V3's MTP embed_tokens, shared_head.head)
-                used.add(name)
                 continue
             if name is None:
                 raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
-            path, f = weights[name]
-            used.add(name)
+            plan.append((row, i, slot, name))
+        left = sorted(n for n in set(weights) - used if not _ignored(n))
+        mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
+        if mtp and not m.mtp_num_layers and arch == DEEPSEEK_V3:
+            raise CheckpointError(f"the Hugging Face checkpoint holds layer {m.num_layers} ({', '.join(mtp[:3])} ...) "
+                                  f"after its num_hidden_layers={m.num_layers}; a multi-token prediction layer is "
+                                  f"read when config.json says num_nextn_predict_layers.")
+        if left:
+            raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
+                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
+        yield HfTensors(d, arch, m, shapes, plan, weights)
 
-            def mismatch(what, got, want):
-                return CheckpointError(f"tensor {what} in {path.name} has shape {list(got)}, but config.json "
-                                       f"implies {list(want)}.")
 
-            for ours, x in to_ours(row, name, np.asarray(f.get_tensor(name), np.float32), shapes, m,
-                                   mismatch=mismatch).items():
+def hf_model_overrides(in_dir) -> dict:
+    """The ModelConfig field values of a Hugging Face directory's model (its config.json; the weight
+    files' headers checked against it), reading no tensor."""
+    with open_hf(in_dir) as hf:
+        return hf.overrides()
+
+
+def import_hf(in_dir) -> tuple[dict, dict]:
+    """Reads a Hugging Face model directory of one of the architectures above.
+
+    Returns (model overrides, params): the ModelConfig field values of the
+    architecture, and the parameter tree as float32 numpy arrays with the
+    vocabulary padded to model.padded_vocab_size() with zero rows.
+    """
+    with open_hf(in_dir) as hf:
+        flat_params = {name: np.zeros(shape, np.float32) for name, shape in hf.shapes.items()}
+        for row, _, slot, name in hf.plan:
+            for ours, x in hf.read(row, name).items():
                 flat_params[ours][index(slot, row)] = x
-    left = sorted(n for n in set(weights) - used if not _ignored(n))
-    mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
-    if mtp and not m.mtp_num_layers and arch == DEEPSEEK_V3:
-        raise CheckpointError(f"the Hugging Face checkpoint holds layer {m.num_layers} ({', '.join(mtp[:3])} ...) "
-                              f"after its num_hidden_layers={m.num_layers}; a multi-token prediction layer is "
-                              f"read when config.json says num_nextn_predict_layers.")
-    if left:
-        raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
-                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-    out = model_overrides(m)
-    out.pop("mtp_loss_scaling_factor", None)  # config.json has no MTP loss weight: the run's applies
-    if arch == MAMBA2:  # no position limit: the run's train.seq_len applies
-        out.pop("max_position_embeddings")
-    return out, unflatten(dict(sorted(flat_params.items())))
+        return hf.overrides(), unflatten(dict(sorted(flat_params.items())))
 
 
 def hf_tokenizer(in_dir) -> tuple[str | None, str]:

@@ -1,7 +1,8 @@
 """A run's config with `checkpoint.load`: the model is the checkpoint's.
 
 A checkpoint's meta holds the resolved config it was saved with (a training run's, or the one
-`megajax import` wrote from the Hugging Face or Megatron files), so a run loading it needs no
+`megajax import` wrote from the Hugging Face or Megatron files; a Megatron checkpoint's saved args
+and a Hugging Face directory's config.json are read the same way), so a run loading it needs no
 `model.*` key: those it does not set come from the checkpoint, and so does `data.tokenizer` when
 it is not set (the vocabulary belongs to it). One it sets must agree with the checkpoint, except
 the keys that change how the model trains rather than what its parameters compute
@@ -31,6 +32,13 @@ def is_megatron_load(load: str) -> bool:
     return find_step_dir(load) is None and Path(load).expanduser().is_dir() and is_megatron_checkpoint(load)
 
 
+def is_hf_load(load: str) -> bool:
+    """Whether checkpoint.load names a Hugging Face model directory (config.json and safetensors)."""
+    from megajax.checkpoint.hf import is_hf_dir
+    from megajax.checkpoint.manager import find_step_dir
+    return find_step_dir(load) is None and is_hf_dir(load)
+
+
 def train_config(files: list[str] | None = None, overrides: list[str] | None = None) -> Config:
     """`load_config(files, overrides)`, with the model of checkpoint.load's checkpoint under the keys set.
 
@@ -49,6 +57,13 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
         trust = _build(CheckpointConfig, {"trust_load": section.get("trust_load", False)}, "checkpoint").trust_load
         model, tokenizer = megatron_config(str(load), trust=trust)
         saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, f"a Megatron checkpoint's args"
+    elif step_dir is None and is_hf_load(str(load)):  # the model from its config.json, the tokenizer beside it
+        from megajax.checkpoint.common import imported_tokenizer
+        from megajax.checkpoint.hf import hf_model_overrides, hf_tokenizer
+        model = hf_model_overrides(str(load))
+        found, known = hf_tokenizer(str(load))
+        tokenizer, _ = imported_tokenizer(found, model["vocab_size"], known)  # a placeholder fails naming it
+        saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, "a Hugging Face model's config.json"
     stored = saved.get("model")
     if not isinstance(stored, dict):
         return finalize(_build(Config, merged, ""))

@@ -130,9 +130,18 @@ def tokenize_conversation(tokenizer, template: str, messages: list[dict],
     return conv.ids, mask
 
 
+# The byte tokenizer has no tokenizer_config.json to hold a template: its conversations are rendered
+# as plain question and answer lines, each answer ending at its newline.
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
 def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
-    """The tokenizer's chat template, or a DataError saying where one is looked for."""
+    """The tokenizer's chat template (the byte tokenizer's: BYTE_CHAT_TEMPLATE), or a DataError saying
+    where one is looked for."""
     template = find_chat_template(tokenizer)
+    if template is None and getattr(tokenizer, "name", "byte") == "byte":
+        return BYTE_CHAT_TEMPLATE
     if template is None:
         name = getattr(tokenizer, "name", "byte")
         raise DataError(f"{key} = {name!r} has no chat template, which data.format=chat needs: give a Hugging Face "

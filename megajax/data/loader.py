@@ -26,6 +26,7 @@ from megajax.data.gpt_dataset import SPLIT_NAMES, split_ranges
 from megajax.data.sft_dataset import ChatDataset
 from megajax.data.corpus import stdlib_corpus
 from megajax.data.indexed import IndexedDataset
+from megajax.data.instruct_tasks import instruct_train_file
 from megajax.errors import DataError
 
 
@@ -92,16 +93,13 @@ def _no_validation(cfg: Config, path, have: str, what: str) -> None:
 
 
 def build_chat_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
-    """(train, valid or None, report lines) of data.format=chat: the conversations of each jsonl path
+    """(train, valid or None, report lines) of data.format=chat (with data.path empty: the generated
+    instruction tasks' training split, megajax/data/instruct_tasks.py): the conversations of each jsonl path
     split by data.split (in file order, as Megatron splits documents), packed per split; a weighted
     list of paths is blended as Megatron blends."""
     d = cfg.data
-    if not d.path:
-        raise DataError("data.format = 'chat' needs data.path: a jsonl file of conversations "
-                        "({\"messages\": [...]} or {\"prompt\", \"completion\"} per line), a directory of *.jsonl "
-                        "files, or a list [weight, path, weight, path, ...].")
     template = chat_template_of(tokenizer)
-    paths, weights = parse_data_path(d.path)
+    paths, weights = parse_data_path(d.path or str(instruct_train_file()))
     counts = split_sample_counts(cfg)
     sizes = [blend_sizes(weights, n) for n in counts] if len(paths) > 1 else None
     pad = getattr(tokenizer, "eod_id", None) or 0

@@ -62,6 +62,7 @@ class RunResult:
     skipped_steps: int = 0
     sample: str | None = None  # set by an end hook (megajax.inference.text.training_sample): prompt + text
     sample_prompt: str | None = None  # that sample's prompt
+    exact_match: dict[str, float] = field(default_factory=dict)  # 'before'/'after': set by the exact-match hooks
     state: Any = None
     stopped_by: str | None = None  # SIGTERM / SIGINT when the run checkpointed (or had not started) and stopped
 
@@ -262,12 +263,13 @@ EndHook = Callable[[Trainer, "RunResult", Callable[[str], None]], None]  # (trai
 
 
 def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled: CheckCompiled | None = None,
-          on_end: Sequence[EndHook] = ()) -> RunResult:
+          on_start: Sequence[EndHook] = (), on_end: Sequence[EndHook] = ()) -> RunResult:
     """Trains as configured; resumes from train.run_dir's latest checkpoint when it has one.
 
     `check_compiled(setup, compiled)` runs before the first step (e.g. megajax.perf.fit.fit_check);
-    the `on_end` hooks run, in order, after a run that finished its steps (not stopped by a signal)
-    with the trainer, the result (its final `state`) and the loop's print function."""
+    the `on_start` hooks run, in order, before the first step with the trainer (its initial `state`),
+    the result so far and the loop's print function; the `on_end` hooks after a run that finished its
+    steps (not stopped by a signal), with the result holding the final `state`."""
     devices = list(devices if devices is not None else jax.devices())
     with _StopSignals() as stop:
         plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
@@ -284,7 +286,7 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
             run_dir.mkdir(parents=True, exist_ok=True)
             if jax.process_index() == 0:
                 (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
-            return _loop(tr, run_dir, stop, on_end)
+            return _loop(tr, run_dir, stop, on_end, on_start)
 
 
 @contextlib.contextmanager
@@ -313,7 +315,8 @@ def _hold_run_dir(run_dir: Path):
             lock.release()
 
 
-def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = ()) -> RunResult:
+def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = (),
+          on_start: Sequence[EndHook] = ()) -> RunResult:
     cfg, plan = tr.cfg, tr.plan
     total, G = cfg.train.steps, plan.batch.global_batch
     state, consumed = tr.state, tr.consumed_samples
@@ -325,6 +328,8 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
     health = Health(cfg, log.print)
     validation = Validation(tr, log, result, start)
     ok = tr.setup.ok_flag()
+    for hook in on_start:
+        hook(tr, result, log.print)
 
     pending: tuple[int, dict, int] | None = None  # (step, device metrics, consumed samples before it)
     last_good = (start, consumed)  # step and data position of the last finite step

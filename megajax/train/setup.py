@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
-from megajax.checkpoint.stored_model import is_megatron_load
+from megajax.checkpoint.stored_model import is_hf_load, is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets, sample_loss_mask
@@ -223,7 +223,8 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     if cfg.checkpoint.load and setup.spec.frozen_axes is not None:
         frozen, ref = frozen_base(setup, target, base_reference(cfg), "checkpoint.load")
         state = setup.fresh_state().replace(frozen=frozen)
-        bias = None if ref.get("format") != "megajax" else restore_expert_bias(Path(ref["path"]), cfg)
+        bias = (restore_expert_bias(Path(ref["path"]), cfg) if ref.get("format") == "megajax" else
+                _hf_expert_bias(ref["path"]) if ref.get("format") == "hf" else None)
         if bias is not None:
             state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
         return (state, 0,
@@ -236,6 +237,14 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                                   f"checkpoint.step.")
         state, optimizer = _megatron_state(setup, target, str(cfg.checkpoint.load))
         return state, 0, f"parameters from the Megatron checkpoint {cfg.checkpoint.load}, {optimizer}", None
+    if cfg.checkpoint.load and is_hf_load(str(cfg.checkpoint.load)):
+        if step is not None:
+            raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints, "
+                                  f"and checkpoint.load={cfg.checkpoint.load} is a Hugging Face model directory, "
+                                  f"which has no steps; drop checkpoint.step.")
+        return _hf_state(setup, target, str(cfg.checkpoint.load)), 0, (
+            f"parameters from the Hugging Face model {cfg.checkpoint.load} (read onto the mesh tensor by tensor), "
+            f"optimizer state fresh"), None
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
         params, note = restore_params(source, target.params, cfg)
@@ -259,6 +268,8 @@ def base_reference(cfg: Config) -> dict:
         return {"seed": cfg.train.seed}
     if is_megatron_load(str(load)):
         return {"path": str(Path(load).absolute()), "format": "megatron"}
+    if is_hf_load(str(load)):
+        return {"path": str(Path(load).absolute()), "format": "hf"}
     source = require_step_dir(load, "checkpoint.load", None)
     return {"path": str(source.absolute()), "format": "megajax", "files_sha256": files_digest(source)}
 
@@ -294,12 +305,43 @@ def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) 
         params, _ = split_expert_bias(import_megatron(str(path), trust=cfg.checkpoint.trust_load)[1])
         frozen = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.frozen)
         return frozen, ref
+    if ref.get("format") == "hf":
+        from flax import traverse_util
+        from megajax.checkpoint.hf import open_hf
+        from megajax.checkpoint.hf_stream import stream_hf
+        like = traverse_util.flatten_dict(target.frozen, sep="/")
+        with open_hf(str(path)) as hf:
+            frozen = traverse_util.unflatten_dict(stream_hf(hf, like), sep="/")
+        return frozen, ref
     digest = files_digest(verify_step(path))
     if ref.get("files_sha256") and digest != ref["files_sha256"]:
         raise CheckpointError(f"{where}: its frozen base model {path} has changed since the adapters were trained "
                               f"(file record SHA-256 {digest}, recorded {ref['files_sha256']}).")
     frozen, _ = restore_params(path, target.frozen, cfg)
     return frozen, ref
+
+
+def _hf_state(setup: Setup, target: TrainState, load: str) -> TrainState:
+    """A fresh state with the parameters (and MoE expert bias) of the Hugging Face directory `load`,
+    streamed onto the mesh with the run's shardings (megajax/checkpoint/hf_stream.py)."""
+    from flax import traverse_util
+    from megajax.checkpoint.hf import open_hf
+    from megajax.checkpoint.hf_stream import hf_expert_bias, stream_hf
+    like = traverse_util.flatten_dict(target.params, sep="/")
+    with open_hf(load) as hf:
+        state = setup.fresh_state().replace(params=None)  # its initial parameters freed before the reads
+        state = state.replace(params=traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"))
+        bias = hf_expert_bias(hf)
+    if bias is not None and target.moe_expert_bias is not None:
+        state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
+    return state
+
+
+def _hf_expert_bias(path: str):
+    from megajax.checkpoint.hf import open_hf
+    from megajax.checkpoint.hf_stream import hf_expert_bias
+    with open_hf(path) as hf:
+        return hf_expert_bias(hf)
 
 
 def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainState, str]:
