@@ -37,14 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from megajax.config import ModelConfig
+from megajax.config import ModelConfig, VisionConfig
 
 
 @functools.lru_cache(maxsize=64)
 def _shapes(fields: tuple, padded_vocab_size: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    from megajax.models.transformer import Transformer
-    m = ModelConfig(*(list(f) if isinstance(f, tuple) else f for f in fields))
-    abstract = nnx.eval_shape(lambda: Transformer(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
+    from megajax.models.vision import build_model
+    m = _model_of(fields)
+    abstract = nnx.eval_shape(lambda: build_model(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     return tuple(sorted((name, tuple(x.shape)) for name, x in traverse_util.flatten_dict(params, sep="/").items()))
 
@@ -56,8 +56,21 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
     with another padding passes its own.
     """
     padded = padded_vocab_size or m.padded_vocab_size()
-    fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))  # hashable
-    return dict(_shapes(fields, padded))
+    return dict(_shapes(_hashable(m), padded))
+
+
+def _hashable(m: ModelConfig) -> tuple:
+    """The fields of `m` as a hashable tuple (lists as tuples, model.vision as its fields' tuple)."""
+    return tuple(tuple(getattr(m, f.name)) if isinstance(getattr(m, f.name), list)
+                 else dataclasses.astuple(getattr(m, f.name)) if dataclasses.is_dataclass(getattr(m, f.name))
+                 else getattr(m, f.name) for f in dataclasses.fields(m))
+
+
+def _model_of(fields: tuple) -> ModelConfig:
+    values = dict(zip((f.name for f in dataclasses.fields(ModelConfig)), fields))
+    if values["vision"] is not None:
+        values["vision"] = VisionConfig(*values["vision"])
+    return ModelConfig(**{k: list(v) if isinstance(v, tuple) and k != "vision" else v for k, v in values.items()})
 
 
 # The MoE routers' expert bias (aux-loss-free balancing) is training state, not a parameter

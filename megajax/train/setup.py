@@ -31,6 +31,7 @@ from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
+from megajax.models.vision import frozen_parameters
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.plan import BatchLayout, RunPlan, make_plan
@@ -109,7 +110,7 @@ class Setup:
     def eval_step(self) -> Callable:
         """jit of (params, batch, fp8 scaling state or None, expert bias or None) -> (sum of token
         losses, tokens)."""
-        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
+        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules, self.cfg),
                        in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
                                      self.state_shardings.moe_expert_bias))
 
@@ -133,7 +134,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_parameters(cfg.model))
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
                         lambda: initial_expert_bias(cfg.model))

@@ -26,7 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
 from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
-from megajax.models import Transformer, param_axes
+from megajax.models import param_axes
+from megajax.models.vision import build_model
 from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
@@ -76,6 +77,12 @@ class ModelSpec:
     def init_fp8(self) -> dict | None:
         """A fresh FP8 scaling state (scales 1, empty amax histories), or None."""
         return None if self.abstract_fp8 is None else initial_fp8_state(self.abstract_fp8)
+
+
+def plain_dot(mesh: Mesh | None):
+    """The plain product of this back end (XLA partitions it over the mesh)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    return flat_dot_general() if platform == "cpu" else jax.lax.dot_general
 
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
@@ -152,11 +159,13 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     mixer = mamba_context(mesh, None if rules is None else rules.activations)
     scan = mamba_ssd(cfg, mesh, rules)
 
+    vision = {} if cfg.model.vision is None else {"vision_dot": plain_dot(mesh)}
+
     def make():
-        return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
+        return build_model(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
                            expert_dispatch=dispatch, sequence_shift=shift, sequence_mixer=mixer, ssd=scan,
-                           rngs=nnx.Rngs(params=seed))
+                           rngs=nnx.Rngs(params=seed), **vision)
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
