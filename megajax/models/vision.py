@@ -8,12 +8,13 @@ language model of any family.
 The encoder (SigLIP or CLIP form, model.vision.form) is pre-norm: x + attn(ln1(x)), then
 x + mlp(ln2(x)), non-causal attention over the patches, learned position embeddings; the SigLIP form
 has no class token, the CLIP form a class token and a layernorm before the first layer. Both end in a
-post-layernorm, which gives `last_hidden_state` (Hugging Face's encoder output) and which LLaVA's
-features, taken from one layer's output, do not use. Only the layers up to the feature layer run.
+post-layernorm (SigLIP's over every patch: `last_hidden_state`; CLIP's over the class token: `pooled`),
+which LLaVA's features, taken from one layer's output, do not use. Only the layers up to the feature
+layer run.
 
 Parameters (beside the language model's, megajax/models/layout.py):
 
-    vision/patch_embed/kernel  [p, p, 3, Dv]     (+ bias [Dv]): a conv of stride p, as a product
+    vision/patch_embed/kernel  [p, p, 3, Dv]     (+ bias [Dv], SigLIP): a conv of stride p, as a product
     vision/class_embedding     [Dv]              CLIP form only
     vision/pos_embed           [P (+1), Dv]
     vision/pre_norm/scale|bias [Dv]              CLIP form only
@@ -88,7 +89,8 @@ class VisionEncoder(nnx.Module):
                  rngs: nnx.Rngs):
         self.v, self.dtype = v, dtype
         p, d = v.patch_size, v.hidden_size
-        self.patch_embed = Dense((p, p, 3), d, axes=(None, None, None, "embed"), use_bias=True,
+        # SigLIP's patch embedding has a bias, CLIP's not.
+        self.patch_embed = Dense((p, p, 3), d, axes=(None, None, None, "embed"), use_bias=not v.class_token,
                                  init_std=v.init_std, dtype=dtype, dot_general=dot, rngs=rngs)
         if v.class_token:
             self.class_embedding = nnx.Param(normal_init(rngs.params(), (d,), v.init_std), axes=("embed",))
@@ -139,8 +141,13 @@ class VisionEncoder(nnx.Module):
         return jax.lax.scan(body, x, state)[0]
 
     def last_hidden_state(self, images_IxHxWxC: jax.Array) -> jax.Array:
-        """Every layer, then the post-layernorm (Hugging Face's vision model output)."""
-        return self.post_norm(self.hidden_states(images_IxHxWxC, self.v.num_layers))
+        """Hugging Face's vision model output: every layer, then (SigLIP) the post-layernorm."""
+        x = self.hidden_states(images_IxHxWxC, self.v.num_layers)
+        return x if self.v.class_token else self.post_norm(x)
+
+    def pooled(self, images_IxHxWxC: jax.Array) -> jax.Array:
+        """The CLIP form's image embedding [I, Dv]: the class token's last state, post-layernormed."""
+        return self.post_norm(self.hidden_states(images_IxHxWxC, self.v.num_layers)[:, 0])
 
     def features(self, images_IxHxWxC: jax.Array) -> jax.Array:
         """LLaVA's image features: layer `feature_layer`'s output, the class token dropped by
