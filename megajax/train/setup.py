@@ -80,8 +80,17 @@ class Setup:
     def fresh_state(self) -> TrainState:
         return jax.jit(self.init, out_shardings=self.state_shardings)()
 
-    def train_step(self) -> Callable:
-        """jit of (state, batch, ok) -> (state, metrics, ok); state and ok donated.
+    def image_batch_shardings(self) -> dict[str, NamedSharding]:
+        """The shardings of a vision-language model's image-text batch: the text's and `images`
+        [accumulation, B, N, H, W, 3] (split over the batch like the text)."""
+        if self.cfg.model.vision is None:
+            raise ConfigError("a batch with images needs model.vision (a vision-language model); this model reads "
+                              "text only.")
+        return batch_shardings(self.mesh, self.rules, tuple(self.batch_shardings) + ("images",))
+
+    def train_step(self, images: bool = False) -> Callable:
+        """jit of (state, batch, ok) -> (state, metrics, ok); state and ok donated. `images`: the batches
+        carry images (image_batch_shardings), else text alone.
 
         `ok` is a device flag: once a step is non-finite and the run does not skip such steps
         (train.skip_nonfinite false, not fp16), that step and every later one leave the state
@@ -101,7 +110,8 @@ class Setup:
 
         replicated = NamedSharding(self.mesh, P())
         metric_sh = {k: replicated for k in metric_keys(cfg)}
-        return jax.jit(guarded, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
+        batch_sh = self.image_batch_shardings() if images else self.batch_shardings
+        return jax.jit(guarded, in_shardings=(self.state_shardings, batch_sh, replicated),
                        out_shardings=(self.state_shardings, metric_sh, replicated), donate_argnums=(0, 2))
 
     def ok_flag(self) -> jax.Array:

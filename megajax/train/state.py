@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from optax import MaskedNode
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
@@ -213,15 +214,38 @@ def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
     return init
 
 
+def masked_opt_shardings(opt_state, param_sh: dict, abstract_params: dict, replicated: NamedSharding):
+    """The optimizer state's shardings where some parameters have no state (optax.masked): a leaf whose
+    dict-key path and shape are a parameter's gets that parameter's sharding, any other (counts) is
+    replicated."""
+    def keys(path):
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    shardings = {keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))[0]}
+    shapes = {keys(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+    def pick(path, leaf):
+        k = keys(path)
+        return shardings[k] if k in shardings and shapes[k] == getattr(leaf, "shape", None) else replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
 def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax.GradientTransformation,
                     abstract_state: TrainState) -> TrainState:
     """NamedSharding for every leaf of the train state, from the rules tables."""
     replicated = NamedSharding(mesh, P())
     param_sh = tree_shardings(mesh, spec.axes, rules.params)
     opt_param_sh = tree_shardings(mesh, spec.axes, rules.opt_state)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, opt_param_sh,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    masked = any(isinstance(x, MaskedNode) for x in jax.tree.leaves(
+        abstract_state.opt_state, is_leaf=lambda x: isinstance(x, MaskedNode)))
+    if masked:  # frozen parameters (make_optimizer's `frozen`): moments for the trainable ones alone
+        opt_sh = masked_opt_shardings(abstract_state.opt_state, opt_param_sh, spec.abstract_params, replicated)
+    else:
+        opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, opt_param_sh,
+                                       transform_non_params=lambda _: replicated,
+                                       is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
                       loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale),
                       rng=replicated,
