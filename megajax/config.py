@@ -886,10 +886,11 @@ def validate_vision(cfg: Config) -> None:
     for key in ("image_size", "patch_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
                 "norm_eps", "init_std"):
         _positive(f"model.vision.{key}", getattr(v, key))
-    if v.image_size % v.patch_size:
-        raise ConfigError(f"model.vision.image_size={v.image_size} is not divisible by model.vision.patch_size="
-                          f"{v.patch_size}; the patches must tile the image (e.g. image_size="
-                          f"{v.image_size // v.patch_size * v.patch_size}).")
+    if v.patch_size > v.image_size:
+        raise ConfigError(f"model.vision.patch_size={v.patch_size} is larger than model.vision.image_size="
+                          f"{v.image_size}: the image holds no patch. (An image_size that patch_size does not divide "
+                          f"loses its last image_size % patch_size rows and columns, as the patch convolution does: "
+                          f"SigLIP's 384 / 14 gives 27 x 27 patches.)")
     if v.hidden_size % v.num_heads:
         raise ConfigError(f"model.vision.hidden_size={v.hidden_size} is not divisible by model.vision.num_heads="
                           f"{v.num_heads}.")

@@ -252,8 +252,8 @@ def test_frozen_encoder_takes_no_gradient_and_no_optimizer_state():
 # ----------------------------------------------------------------------------
 
 def test_bad_config_and_batches_are_named():
-    with pytest.raises(ConfigError, match=r"model.vision.image_size=30 is not divisible by model.vision.patch_size=8"):
-        tiny_llava("model.vision.image_size=30")
+    with pytest.raises(ConfigError, match=r"model.vision.patch_size=32 is larger than model.vision.image_size=16"):
+        tiny_llava("model.vision.patch_size=32")
     with pytest.raises(ConfigError, match=r"image_token_id=300 is outside the vocabulary \[0, 258\)"):
         tiny_llava("model.vision.image_token_id=300")
     with pytest.raises(ConfigError, match="feature_select = default drops the class token"):

@@ -114,7 +114,8 @@ class VisionEncoder(nnx.Module):
         the first layer's input [I, P (+1), Dv]."""
         i, hgt, wid, c = images_IxHxWxC.shape
         p = self.v.patch_size
-        x = images_IxHxWxC.astype(self.dtype).reshape(i, hgt // p, p, wid // p, p, c)
+        hgt, wid = hgt // p * p, wid // p * p  # pixels past the last whole patch: dropped (a conv of stride p)
+        x = images_IxHxWxC[:, :hgt, :wid].astype(self.dtype).reshape(i, hgt // p, p, wid // p, p, c)
         patches = x.transpose(0, 1, 3, 2, 4, 5).reshape(i, (hgt // p) * (wid // p), p, p, c)  # row-major patches
         x = self.patch_embed(patches)  # [I, P, Dv]
         if self.v.class_token:
@@ -254,13 +255,12 @@ def build_model(cfg: ModelConfig, **kwargs) -> Transformer:
     return VisionLanguageModel(cfg, **kwargs)
 
 
-def encoder_flops_per_image(v: VisionConfig, text_hidden: int) -> float:
-    """Forward FLOPs of one image through the layers run, their attention and the projector
-    (2 per multiply-add; megajax/train/flops.py's convention)."""
+def encoder_forward_flops(v: VisionConfig, text_hidden: int) -> tuple[float, float]:
+    """Forward FLOPs of one image (2 per multiply-add): (the patch embedding and the encoder layers that
+    run, their attention included; the projector)."""
     t, d, f = v.num_patches + v.class_token, v.hidden_size, v.ffn_hidden_size
-    layers = v.feature_layers()
-    per_layer = 2 * t * (4 * d * d + 2 * d * f) + 2 * 2 * t * t * d
+    per_layer = 2 * t * (4 * d * d + 2 * d * f) + 2 * 2 * t * t * d  # q, k, v, o, fc1, fc2; QK^T and AV
+    patch = 2 * v.num_patches * v.patch_size ** 2 * 3 * d
     feats = v.image_seq_length
     projector = 2 * feats * d * text_hidden + (2 * feats * text_hidden * text_hidden if v.projector == "mlp" else 0)
-    patch = 2 * v.num_patches * v.patch_size ** 2 * 3 * d
-    return float(layers * per_layer + projector + patch)
+    return float(v.feature_layers() * per_layer + patch), float(projector)
