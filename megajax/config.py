@@ -75,6 +75,63 @@ class LoraConfig:
         return tuple(t[len("linear_"):] if t.startswith("linear_") else t for t in self.targets)
 
 
+VISION_DEFAULTS = {
+    # SigLIP (so400m and its kin): no class token, tanh-approximated GELU; LLaVA takes every patch.
+    "siglip": dict(activation="gelu_tanh", feature_select="full", norm_eps=1e-6),
+    # CLIP ViT (OpenAI's): a class token and a pre-layernorm, quick GELU; LLaVA drops the class token.
+    "clip": dict(activation="quick_gelu", feature_select="default", norm_eps=1e-5),
+}
+
+
+@dataclass
+class VisionConfig:
+    """The image encoder and projector of a vision-language model (model.vision; LLaVA, Megatron-Core's
+    LLaVAModel): a ViT over image_size^2 pixels cut into patch_size^2 patches, whose patch embeddings
+    (from layer `feature_layer`, Hugging Face's vision_feature_layer) a projector maps to the language
+    model's width; they replace the `image_token_id` placeholders of the text, one per patch."""
+    form: Literal["siglip", "clip"] = "siglip"
+    image_size: int = 384
+    patch_size: int = 14
+    hidden_size: int = 1152
+    num_layers: int = 27
+    num_heads: int = 16
+    ffn_hidden_size: int = 4304
+    # None: the form's (VISION_DEFAULTS).
+    activation: Literal["gelu", "gelu_tanh", "quick_gelu"] | None = None
+    norm_eps: float | None = None
+    # mlp: linear, GELU, linear (LLaVA's multi_modal_projector, Megatron's mlp); affine: one linear.
+    projector: Literal["mlp", "affine"] = "mlp"
+    image_token_id: int | None = None  # the placeholder token in the text (required)
+    # The encoder layer whose output is taken (Hugging Face's vision_feature_layer: -1 the last, -2 the one
+    # before; 0 the embeddings), and which of its tokens: default drops the class token (CLIP), full keeps all.
+    feature_layer: int = -2
+    feature_select: Literal["default", "full"] | None = None
+    freeze: bool = False  # the encoder takes no gradient and no optimizer state (LLaVA's first stage)
+    init_std: float = 0.02
+
+    def resolve(self) -> None:
+        for key, value in VISION_DEFAULTS[self.form].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def class_token(self) -> bool:
+        return self.form == "clip"
+
+    @property
+    def image_seq_length(self) -> int:
+        """Placeholders per image in the text: the patches (and a class token kept by feature_select=full)."""
+        return self.num_patches + (self.class_token and self.feature_select == "full")
+
+    def feature_layers(self) -> int:
+        """Encoder layers run to reach the feature layer."""
+        return self.feature_layer % (self.num_layers + 1)
+
+
 @dataclass
 class ModelConfig:
     family: Literal["gpt", "llama"] = "llama"
@@ -201,8 +258,15 @@ class ModelConfig:
     mamba_dt_max: float = 0.1
     # Low-rank adapters on the named linears, the rest of the model frozen (LoraConfig); None: none.
     lora: LoraConfig | None = None
+    # A vision-language model: the image encoder and projector in front of this language model
+    # (VisionConfig); None: text only.
+    vision: VisionConfig | None = None
+    # The language model (embeddings, layers, output) takes no gradient and no optimizer state.
+    freeze_language_model: bool = False
 
     def resolve(self, seq_len: int) -> None:
+        if self.vision is not None:
+            self.vision.resolve()
         if self.num_layers is None:
             self.num_layers = len(self.hybrid_pattern()) if self.hybrid_layer_pattern else 4
         if self.hybrid_layer_pattern and self.mamba_num_heads is None and "M" in self.hybrid_layer_pattern:
@@ -598,7 +662,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kwargs[name] = _build(tp, value, key)
             continue
         inner = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
-        if inner and typing.get_origin(tp) in (Union, types.UnionType):  # an optional section (model.lora)
+        if inner and typing.get_origin(tp) in (Union, types.UnionType):  # an optional section (model.lora, model.vision)
             kwargs[name] = None if value is None else _build(inner[0], value, key)
             continue
         out = _coerce(value, tp)
@@ -830,6 +894,7 @@ def validate(cfg: Config) -> None:
     validate_mtp(cfg)
     validate_hybrid(cfg)
     validate_yarn(cfg)
+    validate_vision(cfg)
     if m.attention_impl != "xla" and m.attention_dropout:
         raise ConfigError(f"model.attention_dropout = {m.attention_dropout} needs model.attention_impl=xla; "
                           f"the {m.attention_impl} kernel has no dropout (set attention_dropout=0).")
@@ -866,6 +931,52 @@ def validate_lora(m: ModelConfig) -> None:
     if m.hybrid_layer_pattern:
         raise ConfigError("model.lora with model.hybrid_layer_pattern: adapters on the Mamba mixers are not "
                           "supported; use a transformer model or drop model.lora.")
+
+
+def validate_vision(cfg: Config) -> None:
+    """model.vision: positive sizes, an image that the patches tile, heads that divide the width, a
+    placeholder token inside the vocabulary, a feature layer the encoder has; the layouts that do not
+    run it yet (pipeline and context parallelism)."""
+    m = cfg.model
+    v = m.vision
+    if v is None:
+        if m.freeze_language_model:
+            raise ConfigError("model.freeze_language_model = true without model.vision: nothing would train; "
+                              "set model.vision or drop freeze_language_model.")
+        return
+    if m.lora is not None:
+        raise ConfigError("model.lora with model.vision: adapters on a vision-language model are not supported yet; "
+                          "drop model.lora (model.vision.freeze and model.freeze_language_model choose what trains).")
+    for key in ("image_size", "patch_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
+                "norm_eps", "init_std"):
+        _positive(f"model.vision.{key}", getattr(v, key))
+    if v.patch_size > v.image_size:
+        raise ConfigError(f"model.vision.patch_size={v.patch_size} is larger than model.vision.image_size="
+                          f"{v.image_size}: the image holds no patch. (An image_size that patch_size does not divide "
+                          f"loses its last image_size % patch_size rows and columns, as the patch convolution does: "
+                          f"SigLIP's 384 / 14 gives 27 x 27 patches.)")
+    if v.hidden_size % v.num_heads:
+        raise ConfigError(f"model.vision.hidden_size={v.hidden_size} is not divisible by model.vision.num_heads="
+                          f"{v.num_heads}.")
+    if v.image_token_id is None:
+        raise ConfigError("model.vision.image_token_id is not set: the text's image placeholder token is required "
+                          "(Hugging Face's image_token_id, e.g. the tokenizer's <image>).")
+    if m.vocab_size is not None and not 0 <= v.image_token_id < m.vocab_size:
+        raise ConfigError(f"model.vision.image_token_id={v.image_token_id} is outside the vocabulary [0, "
+                          f"{m.vocab_size}) (model.vocab_size).")
+    if not -v.num_layers - 1 <= v.feature_layer <= v.num_layers:
+        raise ConfigError(f"model.vision.feature_layer={v.feature_layer}: the encoder has {v.num_layers} layers; "
+                          f"accepted: {-v.num_layers - 1} to {v.num_layers} (-1 the last layer, 0 the embeddings).")
+    if v.feature_select == "default" and not v.class_token:
+        raise ConfigError(f"model.vision.feature_select = default drops the class token, which the {v.form} form "
+                          f"has not; use feature_select=full (or form=clip).")
+    pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
+    context = cfg.mesh.context * cfg.mesh.dcn.context
+    if pipeline != 1 or context != 1:
+        raise ConfigError(f"model.vision with mesh.pipeline={cfg.mesh.pipeline}, mesh.context={cfg.mesh.context}: "
+                          f"a vision-language model runs on data, fsdp, tensor (with sequence parallelism) and "
+                          f"expert layouts; pipeline and context parallelism of its images are not supported yet. "
+                          f"Set mesh.pipeline=1 and mesh.context=1.")
 
 
 def validate_precision(cfg: Config) -> None:

@@ -156,6 +156,12 @@ def model_dims(cfg: Config) -> dict[str, list[tuple[str, int]]]:
                         ("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)]
     if m.vocab_size is not None:
         dims["vocab"] = [("model.vocab_size", m.padded_vocab_size())]
+    if m.vision is not None:  # the image encoder's (and its projector's, to the language model's width)
+        v = m.vision
+        dims["heads"].append(("model.vision.num_heads", v.num_heads))
+        dims["mlp"].append(("model.vision.ffn_hidden_size", v.ffn_hidden_size))
+        dims["embed"].append(("model.vision.hidden_size", v.hidden_size))
+        dims["mlp"].append(("model.hidden_size", m.hidden_size))
     if "M" in m.hybrid_pattern():  # the Mamba mixers' heads and B/C groups
         dims["heads"].append(("model.mamba_num_heads", m.mamba_num_heads))
         dims["ssm_groups"] = [("model.mamba_num_groups", m.mamba_num_groups)]

@@ -50,17 +50,20 @@ PLACEHOLDER_FILES = {"path/to/tokenizer.json": "byte_tokenizer_json"}
 # Reading the docs
 
 def config_keys() -> dict[str, dataclasses.Field]:
-    """Every dotted key of the config tree (sub-sections such as mesh.dcn are walked), with its field."""
+    """Every dotted key of the config tree (sub-sections such as mesh.dcn are walked; an optional section
+    such as model.vision is a key itself, and its fields are walked too), with its field."""
     out: dict[str, dataclasses.Field] = {}
 
     def walk(cls, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            section = [t for t in (hints[f.name], *typing.get_args(hints[f.name])) if dataclasses.is_dataclass(t)]
-            if section:  # a section, or an optional one (model.lora)
+            section = [a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)]
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+                continue
+            out[f"{prefix}{f.name}"] = f
+            if section:
                 walk(section[0], f"{prefix}{f.name}.")
-            else:
-                out[f"{prefix}{f.name}"] = f
     walk(Config, "")
     return out
 

@@ -118,6 +118,8 @@ def model_overrides(m: ModelConfig) -> dict:
         out.update({k: getattr(m, k) for k in MLA_FIELDS})
     if m.hybrid_layer_pattern:
         out.update({k: getattr(m, k) for k in HYBRID_FIELDS})
+    if m.vision is not None:  # a vision-language model's encoder and projector (all but `freeze`, a training choice)
+        out["vision"] = {k: v for k, v in dataclasses.asdict(m.vision).items() if k != "freeze"}
     if m.mtp_num_layers:  # multi-token prediction's depths (Megatron's and DeepSeek-V3's checkpoints hold them)
         out.update(mtp_num_layers=m.mtp_num_layers, mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
                    mtp_block=m.mtp_block)

@@ -39,7 +39,10 @@ from megajax.checkpoint.hf_hybrid import (HYBRID_ARCHITECTURES, MAMBA2, NEMOTRON
                                           hybrid_architecture, hybrid_config, hybrid_overrides, hybrid_rows)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
                                         linear_rows, norm_rows, rows_for, same, to_external, to_ours)
-from megajax.checkpoint.source import unflatten
+from megajax.checkpoint.hf_vision import (LLAVA, check_exportable, from_hf, hf_names, hf_shape, ignored,
+                                          language_row, language_shapes, llava_config, to_hf, vision_config_of,
+                                          vision_entries, vision_overrides)
+from megajax.checkpoint.source import flatten, unflatten
 from megajax.config import ModelConfig
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, param_shapes, tensor_shapes
@@ -518,18 +521,19 @@ def _write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Cal
 
 
 def _write_shards(out: Path, source, rows: list[Row], shapes: dict, m: ModelConfig, dtype: np.dtype,
-                  max_shard_bytes: int) -> None:
-    """Writes the tensors in table order into as few shards of at most max_shard_bytes as possible,
-    producing each one (from one layer of each of its parts) just before it is written."""
+                  max_shard_bytes: int, extra: list | None = None) -> None:
+    """Writes the tensors in table order (then the `extra` (name, shape, producer) entries) into as few
+    shards of at most max_shard_bytes as possible, producing each one (from one layer of each of its
+    parts) just before it is written."""
     shards: list[list] = [[]]
     size = 0
-    for row, i, slot in in_layer_order(rows, m):
-        shape = external_shape(row, shapes, m)
+    entries = [(row.names(i)[0], external_shape(row, shapes, m), lambda row=row, slot=slot: to_external(
+        row, lambda path: source.get(path, layer=slot), m)) for row, i, slot in in_layer_order(rows, m)]
+    for name, shape, produce in entries + list(extra or ()):
         if shards[-1] and size + math.prod(shape) * dtype.itemsize > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((row.names(i)[0], shape, lambda row=row, slot=slot: to_external(
-            row, lambda path: source.get(path, layer=slot), m)))
+        shards[-1].append((name, shape, produce))
         size += math.prod(shape) * dtype.itemsize
     n = len(shards)
     files = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
@@ -560,22 +564,35 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     config; the directory appears only when complete.
     """
     from megajax.data.tokenizer import save_hf_tokenizer
-    m = source.model
+    m = whole = source.model
     np_dtype = numpy_dtype(dtype)
+    if whole.vision is not None:  # LLaVA: the language model's tables under language_model. (hf_vision.py)
+        check_exportable(whole)
+        m = dataclasses.replace(whole, vision=None, freeze_language_model=False)
     arch = architecture(m)
-    shapes = tensor_shapes(m, check_source(source))  # DeepSeek-V3's routers keep their expert bias
+    shapes = tensor_shapes(whole, check_source(source))  # DeepSeek-V3's routers keep their expert bias
+    vision = [] if whole.vision is None else [
+        (name, hf_shape(kind, path, shapes[path][1:] if layer is not None else shapes[path]),
+         lambda path=path, layer=layer, kind=kind: to_hf(kind, path, source.get(path, layer=layer)))
+        for name, path, layer, kind in vision_entries(whole)]
+    shapes = language_shapes(shapes)
     if arch not in MTP_ARCHITECTURES:  # no place for multi-token prediction's depths (mtp_left_out)
         shapes = {k: v for k, v in shapes.items() if not k.startswith("mtp/")}
     rows = rows_for(table(arch, m), shapes, "Hugging Face " + arch)
+    if whole.vision is not None:
+        rows = [language_row(r) for r in rows]
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
     tok = check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
         bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
-        _write_json(tmp / "config.json", _hf_config(m, arch, dtype, bos, eos))
+        config = _hf_config(m, arch, dtype, bos, eos)
+        if whole.vision is not None:
+            config = llava_config(whole, config, export_dtype(dtype).full_name)
+        _write_json(tmp / "config.json", config)
         generation = {"bos_token_id": bos, "eos_token_id": eos}
         _write_json(tmp / "generation_config.json", {k: v for k, v in generation.items() if v is not None})
-        _write_shards(tmp, source, rows, shapes, m, np_dtype, max_shard_bytes)
+        _write_shards(tmp, source, rows, shapes, m, np_dtype, max_shard_bytes, vision)
     return Path(out_dir)
 
 
@@ -693,15 +710,33 @@ def is_hf_dir(path) -> bool:
                                              or (d / "model.safetensors.index.json").is_file())
 
 
-def _architecture(d: Path) -> tuple[str, dict, dict]:
-    """(architecture, config.json, model overrides) of a Hugging Face directory."""
+def _read_config(d: Path) -> dict:
     config_file = d / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{str(d)!r} is not a Hugging Face model directory (no config.json).")
     try:
-        c = json.loads(config_file.read_text())
+        return json.loads(config_file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{str(config_file)!r} is not valid JSON ({e}).") from None
+
+
+def _is_llava(c: dict) -> bool:
+    arch = (c.get("architectures") or [None])[0]
+    return arch == LLAVA or (arch is None and c.get("model_type") == "llava")
+
+
+def _architecture(d: Path) -> tuple[str, dict, dict]:
+    """(architecture, config.json, model overrides) of a Hugging Face directory of a language model."""
+    c = _read_config(d)
+    if _is_llava(c):
+        raise CheckpointError(f"{str(d)!r} holds a LLaVA (vision-language) model: `megajax import --format hf` reads "
+                              f"it; checkpoint.load and streaming take language models only.")
+    arch, overrides = _architecture_overrides(c, d)
+    return arch, c, overrides
+
+
+def _architecture_overrides(c: dict, d: Path) -> tuple[str, dict]:
+    """(architecture, model overrides) of a language model's config.json."""
     arch = (c.get("architectures") or [None])[0]
     model_type = c.get("model_type")
     if arch == LLAMA or (arch is None and model_type == "llama"):
@@ -721,8 +756,8 @@ def _architecture(d: Path) -> tuple[str, dict, dict]:
     else:
         raise CheckpointError(f"{str(d)!r}: architecture {arch!r} (model_type {model_type!r}) is not supported; "
                               f"megajax imports {LLAMA}, {MIXTRAL}, {QWEN3}, {QWEN3_MOE}, {DEEPSEEK_V3}, {GPT2}, "
-                              f"{NEMOTRON_H} and {MAMBA2}.")
-    return arch, c, overrides
+                              f"{NEMOTRON_H}, {MAMBA2} and {LLAVA}.")
+    return arch, overrides
 
 
 @dataclasses.dataclass
@@ -766,35 +801,40 @@ def open_hf(in_dir) -> Iterator[HfTensors]:
     d = Path(in_dir).expanduser()
     arch, c, overrides = _architecture(d)
     with ExitStack() as files:
-        weights, used = _weight_files(d, files), set()
-        if arch == DEEPSEEK_V3:
-            overrides = _deepseek_v3_mtp(c, overrides, weights)
-        m = resolved_model(overrides)
-        if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
-            raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
-                                  f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
-        shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
-        plan = []
-        for row, i, slot in in_layer_order(rows_for(table(arch, m), shapes, "Hugging Face " + arch), m):
-            names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
-            names += tuple(v for n in row.names(i) for v in hf_name_variants(n)[1:])  # NemotronH's `model.`
-            name = next((n for n in names if n in weights), None)
-            used.add(name)
-            if row.copy:  # a copy of a tensor another row reads (DeepSeek-V3's MTP embed_tokens, shared_head.head)
-                continue
-            if name is None:
-                raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
-            plan.append((row, i, slot, name))
-        left = sorted(n for n in set(weights) - used if not _ignored(n))
-        mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
-        if mtp and not m.mtp_num_layers and arch == DEEPSEEK_V3:
-            raise CheckpointError(f"the Hugging Face checkpoint holds layer {m.num_layers} ({', '.join(mtp[:3])} ...) "
-                                  f"after its num_hidden_layers={m.num_layers}; a multi-token prediction layer is "
-                                  f"read when config.json says num_nextn_predict_layers.")
-        if left:
-            raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
-                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
-        yield HfTensors(d, arch, m, shapes, plan, weights)
+        yield _open_weights(d, arch, c, overrides, _weight_files(d, files))
+
+
+def _open_weights(d: Path, arch: str, c: dict, overrides: dict, weights: dict) -> HfTensors:
+    """HfTensors of a language model's tensors `weights` (name -> (file, handle)) under config.json `c`."""
+    used = set()
+    if arch == DEEPSEEK_V3:
+        overrides = _deepseek_v3_mtp(c, overrides, weights)
+    m = resolved_model(overrides)
+    if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
+        raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
+                              f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
+    shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
+    plan = []
+    for row, i, slot in in_layer_order(rows_for(table(arch, m), shapes, "Hugging Face " + arch), m):
+        names = row.names(i) + tuple(n.removeprefix("transformer.") for n in row.names(i))  # GPT2Model's
+        names += tuple(v for n in row.names(i) for v in hf_name_variants(n)[1:])  # NemotronH's `model.`
+        name = next((n for n in names if n in weights), None)
+        used.add(name)
+        if row.copy:  # a copy of a tensor another row reads (DeepSeek-V3's MTP embed_tokens, shared_head.head)
+            continue
+        if name is None:
+            raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
+        plan.append((row, i, slot, name))
+    left = sorted(n for n in set(weights) - used if not _ignored(n))
+    mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
+    if mtp and not m.mtp_num_layers and arch == DEEPSEEK_V3:
+        raise CheckpointError(f"the Hugging Face checkpoint holds layer {m.num_layers} ({', '.join(mtp[:3])} ...) "
+                              f"after its num_hidden_layers={m.num_layers}; a multi-token prediction layer is "
+                              f"read when config.json says num_nextn_predict_layers.")
+    if left:
+        raise CheckpointError(f"the Hugging Face checkpoint holds tensors megajax does not know: "
+                              f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
+    return HfTensors(d, arch, m, shapes, plan, weights)
 
 
 def hf_model_overrides(in_dir) -> dict:
@@ -804,6 +844,14 @@ def hf_model_overrides(in_dir) -> dict:
         return hf.overrides()
 
 
+def _read_all(hf: HfTensors) -> tuple[dict, dict]:
+    flat_params = {name: np.zeros(shape, np.float32) for name, shape in hf.shapes.items()}
+    for row, _, slot, name in hf.plan:
+        for ours, x in hf.read(row, name).items():
+            flat_params[ours][index(slot, row)] = x
+    return hf.overrides(), unflatten(dict(sorted(flat_params.items())))
+
+
 def import_hf(in_dir) -> tuple[dict, dict]:
     """Reads a Hugging Face model directory of one of the architectures above.
 
@@ -811,12 +859,66 @@ def import_hf(in_dir) -> tuple[dict, dict]:
     architecture, and the parameter tree as float32 numpy arrays with the
     vocabulary padded to model.padded_vocab_size() with zero rows.
     """
-    with open_hf(in_dir) as hf:
-        flat_params = {name: np.zeros(shape, np.float32) for name, shape in hf.shapes.items()}
-        for row, _, slot, name in hf.plan:
-            for ours, x in hf.read(row, name).items():
-                flat_params[ours][index(slot, row)] = x
-        return hf.overrides(), unflatten(dict(sorted(flat_params.items())))
+    d = Path(in_dir).expanduser()
+    if _is_llava(_read_config(d)):
+        return _import_llava(d, _read_config(d))
+    with open_hf(d) as hf:
+        return _read_all(hf)
+
+
+class _Renamed:
+    """A safetensors handle read under another name (a LLaVA language model's tensor by its own table's)."""
+
+    def __init__(self, handle, name: str):
+        self.handle, self.name = handle, name
+
+    def get_tensor(self, _):
+        return self.handle.get_tensor(self.name)
+
+
+def _import_llava(d: Path, c: dict) -> tuple[dict, dict]:
+    """import_hf of a LlavaForConditionalGeneration directory: the language model's tensors under
+    `language_model.`, then the vision tower's and the projector's (hf_vision.py)."""
+    text = dict(c.get("text_config") or {})
+    text.setdefault("model_type", "llama")
+    text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
+    arch, overrides = _architecture_overrides(dict(text, architectures=None), d)
+    vision = vision_overrides(c)
+    with ExitStack() as files:
+        weights = _weight_files(d, files)
+        language = {}  # the language model's tensors by the names its own table has
+        for name, (file, f) in weights.items():
+            for prefix, plain in (("language_model.", ""), ("model.language_model.", "model."), ("lm_head.", "lm_head.")):
+                if name.startswith(prefix):
+                    language[plain + name[len(prefix):]] = (file, _Renamed(f, name))
+        out, params = _read_all(_open_weights(d, arch, text, overrides, language))
+        m = resolved_model(dict(out, vision=vision_config_of(vision)))
+        flat = dict(flatten(params))
+        shapes = tensor_shapes(m)
+        for name, path, layer, kind in vision_entries(m):
+            found = next((n for n in hf_names(name) if n in weights), None)
+            if found is None:
+                raise CheckpointError(f"the Hugging Face LLaVA checkpoint has no tensor {name}.")
+            file, f = weights[found]
+            want = shapes[path][1:] if layer is not None else shapes[path]
+            y = np.asarray(f.get_tensor(found), np.float32)
+            if tuple(y.shape) != hf_shape(kind, path, want):
+                raise CheckpointError(f"tensor {found} in {file.name} has shape {list(y.shape)}, but config.json "
+                                      f"implies {list(hf_shape(kind, path, want))}.")
+            x = from_hf(kind, y, want)
+            if layer is None:
+                flat[path] = x
+            else:
+                flat.setdefault(path, np.zeros(shapes[path], np.float32))[layer] = x
+        known = {n for name, *_ in vision_entries(m) for n in hf_names(name)}
+        left = sorted(n for n in weights if n not in known and not n.startswith(("language_model.",
+                      "model.language_model.")) and n != "lm_head.weight" and not ignored(n))
+        if left:
+            raise CheckpointError(f"the Hugging Face LLaVA checkpoint holds tensors megajax does not know: "
+                                  f"{', '.join(left[:6])}{' ...' if len(left) > 6 else ''}.")
+    out = model_overrides(m)
+    out.pop("mtp_loss_scaling_factor", None)
+    return out, unflatten(dict(sorted(flat.items())))
 
 
 def hf_tokenizer(in_dir) -> tuple[str | None, str]:

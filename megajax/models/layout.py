@@ -37,16 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, traverse_util
 
-from megajax.config import LoraConfig, ModelConfig
+from megajax.config import LoraConfig, ModelConfig, VisionConfig
 
 
 @functools.lru_cache(maxsize=64)
 def _shapes(fields: tuple, padded_vocab_size: int) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    from megajax.models.transformer import Transformer
-    names = [f.name for f in dataclasses.fields(ModelConfig)]
-    m = ModelConfig(**{n: (LoraConfig(f[0], f[1], f[2], list(f[3])) if n == "lora" and f is not None else
-                           list(f) if isinstance(f, tuple) else f) for n, f in zip(names, fields)})
-    abstract = nnx.eval_shape(lambda: Transformer(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
+    from megajax.models.vision import build_model
+    m = _model_of(fields)
+    abstract = nnx.eval_shape(lambda: build_model(m, padded_vocab_size=padded_vocab_size, rngs=nnx.Rngs(0)))
     params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
     return tuple(sorted((name, tuple(x.shape)) for name, x in traverse_util.flatten_dict(params, sep="/").items()))
 
@@ -58,11 +56,25 @@ def param_shapes(m: ModelConfig, padded_vocab_size: int | None = None) -> dict[s
     with another padding passes its own.
     """
     padded = padded_vocab_size or m.padded_vocab_size()
-    fields = tuple(tuple(f) if isinstance(f, list) else f for f in dataclasses.astuple(m))  # hashable
-    if m.lora is not None:
-        lora = dataclasses.fields(ModelConfig).index(next(f for f in dataclasses.fields(ModelConfig) if f.name == "lora"))
-        fields = fields[:lora] + ((m.lora.rank, m.lora.alpha, m.lora.dropout, tuple(m.lora.targets)),) + fields[lora + 1:]
-    return dict(_shapes(fields, padded))
+    return dict(_shapes(_hashable(m), padded))
+
+
+def _hashable(m) -> tuple:
+    """The fields of `m` as a hashable tuple (lists as tuples, model.vision and model.lora as their
+    fields' tuples)."""
+    return tuple(tuple(v) if isinstance(v, list) else _hashable(v) if dataclasses.is_dataclass(v) else v
+                 for v in (getattr(m, f.name) for f in dataclasses.fields(m)))
+
+
+def _model_of(fields: tuple) -> ModelConfig:
+    values = dict(zip((f.name for f in dataclasses.fields(ModelConfig)), fields))
+    if values["vision"] is not None:
+        values["vision"] = VisionConfig(*values["vision"])
+    if values["lora"] is not None:
+        rank, alpha, dropout, targets = values["lora"]
+        values["lora"] = LoraConfig(rank, alpha, dropout, list(targets))
+    return ModelConfig(**{k: list(v) if isinstance(v, tuple) and k not in ("vision", "lora") else v
+                          for k, v in values.items()})
 
 
 # The MoE routers' expert bias (aux-loss-free balancing) is training state, not a parameter

@@ -295,8 +295,11 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None,
                  dropout_rng: jax.Array | None = None, router_stats: bool = False,
-                 expert_bias: jax.Array | None = None, mtp: bool = False):
+                 expert_bias: jax.Array | None = None, mtp: bool = False, images: jax.Array | None = None):
         """Logits [B, L, padded vocab] in the compute dtype; padding columns hold the dtype's min.
+
+        `images` [B, N, H, W, 3]: a vision-language model's images (megajax/models/vision.py), whose
+        features replace the text's image placeholders.
 
         `router_stats`: returns (logits, RouterStats with a leading [layers] dim, or None for a
         dense model) for the train step's balancing losses. `expert_bias` [router layers, E] fp32:
@@ -308,7 +311,8 @@ class Transformer(nnx.Module):
             positions_BxL = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
         layers_bias, mtp_bias = self.split_expert_bias(expert_bias)
         rngs = jax.random.split(dropout_rng, 2) if dropout_rng is not None else [None, None]
-        x = self.embed_input(tokens_BxL, positions_BxL, rngs[0])
+        x = self.embed_input(tokens_BxL, positions_BxL, rngs[0],
+                             **({} if images is None else {"images_BxNxHxWxC": images}))
         x, stats = self.layer_stack(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
                                     dropout_rng=rngs[1], expert_bias=layers_bias)
         logits = self.logits(x)

@@ -83,6 +83,7 @@ import jax
 from megajax.checkpoint.source import flatten
 from megajax.config import moe_token_dispatcher
 from megajax.mesh import Rules, logical_to_spec
+from megajax.models.vision import frozen_parameters
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
@@ -99,15 +100,17 @@ def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
 
 
 def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_opt: Rules,
-                sizes: dict[str, int]) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients and Adam state (all fp32)."""
+                sizes: dict[str, int], frozen=None) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients and Adam state (all fp32); `frozen` (a predicate over
+    parameter names, megajax.models.vision.frozen_parameters) names parameters without Adam state."""
     shapes = dict(flatten(abstract_params))
     params = opt = 0
     for name, names in flatten(axes):
         numel = math.prod(shapes[name].shape)
         itemsize = jax.numpy.dtype(shapes[name].dtype).itemsize
         params += numel // shard_factor(names, rules_params, sizes) * itemsize
-        opt += 2 * numel // shard_factor(names, rules_opt, sizes) * itemsize
+        if frozen is None or not frozen(name):
+            opt += 2 * numel // shard_factor(names, rules_opt, sizes) * itemsize
     return {"params": params, "grads": params, "optimizer": opt}
 
 
@@ -140,6 +143,19 @@ def activation_bytes(plan: RunPlan) -> int:
     # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
     mtp = m.mtp_num_layers * (per_layer + (0 if policy == "full" else 8 * s * b * h / (t if sp else 1)))
     return int((per_layer * m.num_layers + mtp) * scale)
+
+
+def vision_activation_bytes(plan: RunPlan) -> int:
+    """A vision-language model's encoder activations for one microbatch (one image per sequence): per
+    layer that runs, Korthikanti's count without tensor or sequence splitting (the encoder's activations
+    are replicated over tensor), none of its layers' inputs kept when it is frozen (no backward)."""
+    v = plan.cfg.model.vision
+    if v is None or v.freeze:
+        return 0
+    t, d, a, b = v.num_patches + v.class_token, v.hidden_size, v.num_heads, plan.batch.micro_batch
+    per_layer = t * b * d * (34 + 5 * a * t / d)
+    scale = precision_policy(plan.cfg).activation_bytes / 2
+    return int(per_layer * v.feature_layers() * scale)
 
 
 def hybrid_layer_bytes(kind: str, m, s: float, b: int, t: int, sp: bool, policy: str) -> float:
@@ -393,8 +409,9 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     """Per-device bytes of `plan`'s run: parameters, gradients, Adam state, layer activations, logits,
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
-    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes),
-           "activations": activation_bytes(plan),
+    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
+                         frozen_parameters(plan.cfg.model)),
+           "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
     est["total"] = sum(est.values())
     return est

@@ -21,6 +21,7 @@ import re
 
 from megajax.config import ModelConfig
 from megajax.models.layout import param_shapes
+from megajax.models.vision import encoder_forward_flops
 
 # Dense peak TFLOP/s per device by precision (vendor datasheets; fp32 uses TF32 tensor cores).
 PEAK_TFLOPS = {
@@ -57,7 +58,8 @@ def matmul_params(cfg: ModelConfig, padded_vocab: int) -> int:
     """Parameters each token multiplies: every projection kernel of the model's layout (shared
     expert included; of the routed experts, the top-k a token is routed to), and the output layer
     (the embedding table when tied)."""
-    shapes = param_shapes(cfg, padded_vocab)
+    shapes = {k: v for k, v in param_shapes(cfg, padded_vocab).items()
+              if not k.startswith(("vision/", "projector/"))}  # per image, not per token: vision_flops_per_token
     kernels = sum(math.prod(s) for name, s in shapes.items() if name.endswith("/kernel"))
     if cfg.num_experts:  # the routed experts' stacked kernels: {layers,mtp/block}/mlp/{gate,up,fc1,fc2} [L, E, ...]
         pattern = expert_kernel_pattern(cfg)
@@ -77,9 +79,21 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> 
         pattern = cfg.hybrid_pattern()
         attention = 6 * pattern.count("*") * seq_len * cfg.num_heads * dims
         ssd = 3 * pattern.count("M") * ssd_flops_per_token(cfg, seq_len) if "M" in pattern else 0.0
-        return 6.0 * matmul_params(cfg, padded_vocab) + attention + ssd
+        return 6.0 * matmul_params(cfg, padded_vocab) + attention + ssd + vision_flops_per_token(cfg, seq_len)
     attention = 6 * (cfg.num_layers + cfg.mtp_num_layers) * seq_len * cfg.num_heads * dims
-    return 6.0 * matmul_params(cfg, padded_vocab) + attention
+    return 6.0 * matmul_params(cfg, padded_vocab) + attention + vision_flops_per_token(cfg, seq_len)
+
+
+def vision_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """A vision-language model's image encoder and projector per text token, counted for one image per
+    sequence (LLaVA's samples): the encoder layers that run (to model.vision.feature_layer: matmuls and
+    attention) and the patch embedding 3x forward, 1x when model.vision.freeze (no backward through a
+    frozen encoder whose input is data); the projector 3x. 0 without model.vision."""
+    v = cfg.vision
+    if v is None:
+        return 0.0
+    encoder, projector = encoder_forward_flops(v, cfg.hidden_size)
+    return ((1.0 if v.freeze else 3.0) * encoder + 3.0 * projector) / seq_len
 
 
 def cpu_peak_tflops(precision: str) -> float:

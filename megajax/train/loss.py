@@ -15,6 +15,7 @@ from flax import struct
 
 from megajax.config import Config
 from megajax.models.moe import router_losses
+from megajax.models.vision import frozen_parameters
 from megajax.models.transformer import shift_left
 from megajax.precision.fp8 import with_scales
 from megajax.train.state import ModelSpec, TrainState
@@ -93,6 +94,21 @@ def mtp_targets(labels_BxL: jax.Array, loss_mask_BxL: jax.Array, k: int, shift: 
     return labels, mask
 
 
+def path_name(path) -> str:
+    """A key path of a parameter tree as its '/'-joined name ("vision/layers/q/kernel")."""
+    return "/".join(str(getattr(k, "key", k)) for k in path)
+
+
+def mask_image_labels(cfg: Config, batch: dict) -> dict:
+    """A vision-language model's batch with no loss where the label is an image placeholder: nothing
+    predicts an image's positions (the last one predicts the text after it). Other batches unchanged."""
+    v = cfg.model.vision
+    if v is None:
+        return batch
+    keep = (batch["labels"] != v.image_token_id).astype(batch["loss_mask"].dtype)
+    return dict(batch, loss_mask=batch["loss_mask"] * keep)
+
+
 def microbatch_loss(cfg: Config) -> Callable:
     """loss(model, params, fp8 scales, micro, rng, inputs, fp8, expert bias, frozen=None) -> (scaled
     loss to differentiate, metric sums) of one microbatch (of one data-parallel shard inside the vmap);
@@ -102,11 +118,17 @@ def microbatch_loss(cfg: Config) -> Callable:
     moe = cfg.model.num_experts > 0
     depths = cfg.model.mtp_num_layers
 
+    frozen_path = frozen_parameters(cfg.model)
+
     def loss_fn(model: ModelSpec, params, fp8_scales, micro, rng, inputs: StepInputs, fp8, expert_bias, frozen=None):
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)
         bias = {} if expert_bias is None else {"expert_bias": expert_bias}
+        if frozen_path is not None:  # no gradient flows into frozen parameters (their gradient is zero)
+            params = jax.tree_util.tree_map_with_path(
+                lambda path, x: jax.lax.stop_gradient(x) if frozen_path(path_name(path)) else x, params)
         out = model.apply(params, micro["tokens"], micro.get("positions"), micro.get("segment_ids"),
-                          dropout_rng=rng, fp8=fp8, frozen=frozen, router_stats=moe, **bias, **({"mtp": True} if depths else {}))
+                          dropout_rng=rng, fp8=fp8, frozen=frozen, router_stats=moe, **bias,
+                          **({"mtp": True} if depths else {}), **({"images": micro["images"]} if "images" in micro else {}))
         if depths:
             logits, stats, mtp_logits = out
         else:

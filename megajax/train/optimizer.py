@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -55,15 +57,34 @@ def decay_mask(params: dict) -> dict:
     return jax.tree_util.tree_map_with_path(mask, params)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def trainable_mask(frozen: Callable[[str], bool]) -> Callable[[dict], dict]:
+    """params -> tree of bools, True where a parameter trains: `frozen` takes its '/'-joined path."""
+    def mask(params: dict) -> dict:
+        return jax.tree_util.tree_map_with_path(
+            lambda path, _: not frozen("/".join(str(getattr(k, "key", k)) for k in path)), params)
+    return mask
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int,
+                   frozen: Callable[[str], bool] | None = None) -> optax.GradientTransformation:
+    """AdamW; with `frozen` (a predicate over parameter paths, e.g. model.vision.freeze's) AdamW runs on
+    the other parameters alone (optax.masked: the frozen ones have no moments), and the frozen ones'
+    updates are zero."""
     # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
-    return optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                        weight_decay=cfg.weight_decay, mask=decay_mask)
+    if frozen is None:
+        return adamw
+    trains = trainable_mask(frozen)
+    return optax.chain(optax.masked(adamw, trains),
+                       optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda t: not t, trains(p))))
 
 
 def update_count(opt_state) -> jax.Array:
-    """Number of optimizer updates applied (skipped steps do not count)."""
-    return opt_state[0].count
+    """Number of optimizer updates applied (skipped steps do not count): Adam's count."""
+    adam = [s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)]
+    return adam[0].count
 
 
 def clip_coefficient(norm: jax.Array, max_norm: float) -> jax.Array:

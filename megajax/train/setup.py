@@ -31,6 +31,7 @@ from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
+from megajax.models.vision import frozen_parameters
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.plan import BatchLayout, RunPlan, make_plan
@@ -79,8 +80,17 @@ class Setup:
     def fresh_state(self) -> TrainState:
         return jax.jit(self.init, out_shardings=self.state_shardings)()
 
-    def train_step(self) -> Callable:
-        """jit of (state, batch, ok) -> (state, metrics, ok); state and ok donated.
+    def image_batch_shardings(self) -> dict[str, NamedSharding]:
+        """The shardings of a vision-language model's image-text batch: the text's and `images`
+        [accumulation, B, N, H, W, 3] (split over the batch like the text)."""
+        if self.cfg.model.vision is None:
+            raise ConfigError("a batch with images needs model.vision (a vision-language model); this model reads "
+                              "text only.")
+        return batch_shardings(self.mesh, self.rules, tuple(self.batch_shardings) + ("images",))
+
+    def train_step(self, images: bool = False) -> Callable:
+        """jit of (state, batch, ok) -> (state, metrics, ok); state and ok donated. `images`: the batches
+        carry images (image_batch_shardings), else text alone.
 
         `ok` is a device flag: once a step is non-finite and the run does not skip such steps
         (train.skip_nonfinite false, not fp16), that step and every later one leave the state
@@ -100,7 +110,8 @@ class Setup:
 
         replicated = NamedSharding(self.mesh, P())
         metric_sh = {k: replicated for k in metric_keys(cfg)}
-        return jax.jit(guarded, in_shardings=(self.state_shardings, self.batch_shardings, replicated),
+        batch_sh = self.image_batch_shardings() if images else self.batch_shardings
+        return jax.jit(guarded, in_shardings=(self.state_shardings, batch_sh, replicated),
                        out_shardings=(self.state_shardings, metric_sh, replicated), donate_argnums=(0, 2))
 
     def ok_flag(self) -> jax.Array:
@@ -109,7 +120,7 @@ class Setup:
     def eval_step(self) -> Callable:
         """jit of (params, batch, fp8 scaling state or None, expert bias or None, frozen parameters or
         None) -> (sum of token losses, tokens)."""
-        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules),
+        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules, self.cfg),
                        in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
                                      self.state_shardings.moe_expert_bias, self.state_shardings.frozen))
 
@@ -133,7 +144,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_parameters(cfg.model))
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
                         lambda: initial_expert_bias(cfg.model), spec.split)

@@ -22,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from optax import MaskedNode
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
 from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
-from megajax.models import Transformer, param_axes
+from megajax.models import param_axes
+from megajax.models.vision import build_model
 from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
@@ -91,6 +93,12 @@ class ModelSpec:
     def init_fp8(self) -> dict | None:
         """A fresh FP8 scaling state (scales 1, empty amax histories), or None."""
         return None if self.abstract_fp8 is None else initial_fp8_state(self.abstract_fp8)
+
+
+def plain_dot(mesh: Mesh | None):
+    """The plain product of this back end (XLA partitions it over the mesh)."""
+    platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    return flat_dot_general() if platform == "cpu" else jax.lax.dot_general
 
 
 def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> LinearOps:
@@ -167,11 +175,13 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     mixer = mamba_context(mesh, None if rules is None else rules.activations)
     scan = mamba_ssd(cfg, mesh, rules)
 
+    vision = {} if cfg.model.vision is None else {"vision_dot": plain_dot(mesh)}
+
     def make():
-        return Transformer(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
+        return build_model(cfg.model, padded_vocab_size=padded_vocab_size, dtype=dtype,
                            recompute=cfg.parallel.recompute, ops=ops, attention_core=core,
                            expert_dispatch=dispatch, sequence_shift=shift, sequence_mixer=mixer, ssd=scan,
-                           rngs=nnx.Rngs(params=seed))
+                           rngs=nnx.Rngs(params=seed), **vision)
 
     abstract = nnx.eval_shape(make)
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
@@ -225,15 +235,38 @@ def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
     return init
 
 
+def masked_opt_shardings(opt_state, param_sh: dict, abstract_params: dict, replicated: NamedSharding):
+    """The optimizer state's shardings where some parameters have no state (optax.masked): a leaf whose
+    dict-key path and shape are a parameter's gets that parameter's sharding, any other (counts) is
+    replicated."""
+    def keys(path):
+        return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    shardings = {keys(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        param_sh, is_leaf=lambda x: isinstance(x, NamedSharding))[0]}
+    shapes = {keys(p): x.shape for p, x in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+
+    def pick(path, leaf):
+        k = keys(path)
+        return shardings[k] if k in shardings and shapes[k] == getattr(leaf, "shape", None) else replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
 def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax.GradientTransformation,
                     abstract_state: TrainState) -> TrainState:
     """NamedSharding for every leaf of the train state, from the rules tables."""
     replicated = NamedSharding(mesh, P())
     param_sh = tree_shardings(mesh, spec.axes, rules.params)
     opt_param_sh = tree_shardings(mesh, spec.axes, rules.opt_state)
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, opt_param_sh,
-                                   transform_non_params=lambda _: replicated,
-                                   is_leaf=lambda x: isinstance(x, NamedSharding))
+    masked = any(isinstance(x, MaskedNode) for x in jax.tree.leaves(
+        abstract_state.opt_state, is_leaf=lambda x: isinstance(x, MaskedNode)))
+    if masked:  # frozen parameters (make_optimizer's `frozen`): moments for the trainable ones alone
+        opt_sh = masked_opt_shardings(abstract_state.opt_state, opt_param_sh, spec.abstract_params, replicated)
+    else:
+        opt_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, opt_param_sh,
+                                       transform_non_params=lambda _: replicated,
+                                       is_leaf=lambda x: isinstance(x, NamedSharding))
     return TrainState(step=replicated, params=param_sh, opt_state=opt_sh,
                       loss_scale=jax.tree.map(lambda _: replicated, abstract_state.loss_scale),
                       rng=replicated,

@@ -48,7 +48,8 @@ from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import scales_of, update_fp8_state
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
-from megajax.train.loss import Gradients, StepInputs, cross_entropy, microbatch_loss, step_inputs
+from megajax.models.vision import IMAGE_AXES
+from megajax.train.loss import Gradients, StepInputs, cross_entropy, mask_image_labels, microbatch_loss, step_inputs
 from megajax.train.ops import MOE_RECORD_FIELDS
 from megajax.train.optimizer import clip_coefficient, update_count
 from megajax.train.pipeline_step import pipeline_gradients
@@ -70,8 +71,9 @@ def metric_keys(cfg: Config) -> tuple[str, ...]:
 
 
 def batch_shardings(mesh: Mesh, rules: ShardingRules, keys) -> dict:
-    sharding = NamedSharding(mesh, logical_to_spec(BATCH_AXES, rules.activations))
-    return {k: sharding for k in keys}
+    """Every array [accumulation, batch, seq] (images: [accumulation, batch, N, H, W, 3])."""
+    return {k: NamedSharding(mesh, logical_to_spec(IMAGE_AXES if k == "images" else BATCH_AXES, rules.activations))
+            for k in keys}
 
 
 def moe_metrics(sums: dict, topk: int) -> dict:
@@ -161,6 +163,7 @@ def make_train_step(cfg: Config, spec: ModelSpec, tx: optax.GradientTransformati
     finish = make_finish(cfg, tx, scaler, schedule)
 
     def step(state: TrainState, batch: dict, ok: jax.Array | None = None) -> tuple[TrainState, dict]:
+        batch = mask_image_labels(cfg, batch)
         inputs = step_inputs(state, batch, use_dropout)
         return finish(state, gradients(state, batch, inputs), inputs, ok)
 
@@ -266,7 +269,8 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
         scales = {} if state.fp8 is None else scales_of(state.fp8)
         with activation_sharding(mesh, shard_rules.activations):
             # [A, dp x b, S] -> [A, dp, b, S]: the data-parallel dim made explicit (no data moves).
-            batch = {k: constrain(v.reshape(inputs.accum, dp, -1, *v.shape[2:]), (None, dp_axes, None, seq_entry))
+            batch = {k: constrain(v.reshape(inputs.accum, dp, -1, *v.shape[2:]),
+                                  (None, dp_axes, None) + ((None,) * (v.ndim - 2) if k == "images" else (seq_entry,)))
                      for k, v in batch.items()}
             # Every shard uses whole (tensor-parallel) parameters: FSDP gathers them here, once.
             params = jax.tree.map(lambda p, s: constrain(p, spec_without(s, dp_axes)), state.params, param_specs)
@@ -292,7 +296,8 @@ def data_parallel_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh | None,
     return per_shard
 
 
-def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None) -> Callable:
+def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRules | None = None,
+                   cfg: Config | None = None) -> Callable:
     """Returns eval(params, batch, fp8=None, expert_bias=None, frozen=None) -> (sum of token losses,
     number of tokens), not yet jitted; `fp8` is the run's FP8 scaling state (used as it is: evaluation
     records no amax), `expert_bias` the MoE routers' (TrainState.moe_expert_bias), `frozen` the frozen
@@ -301,11 +306,14 @@ def make_eval_step(spec: ModelSpec, mesh: Mesh | None = None, rules: ShardingRul
 
     def evaluate(params: dict, batch: dict, fp8: dict | None = None, expert_bias: jax.Array | None = None,
                  frozen: dict | None = None):
+        if cfg is not None:
+            batch = mask_image_labels(cfg, batch)
         with activation_sharding(mesh, act_rules):
             def micro(carry, i):
                 m = jax.tree.map(lambda x: x[i], batch)
-                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8, frozen=frozen,
-                                    **({} if expert_bias is None else {"expert_bias": expert_bias}))
+                logits = spec.apply(params, m["tokens"], m.get("positions"), m.get("segment_ids"), fp8=fp8,
+                                    frozen=frozen, **({} if expert_bias is None else {"expert_bias": expert_bias}),
+                                    **({"images": m["images"]} if "images" in m else {}))
                 loss = jnp.sum(cross_entropy(logits, m["labels"]) * m["loss_mask"])
                 return (carry[0] + loss, carry[1] + jnp.sum(m["loss_mask"])), None
             (loss, count), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0)),

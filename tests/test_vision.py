@@ -1,0 +1,272 @@
+"""Vision-language models (megajax/models/vision.py): the encoder and the whole LLaVA model against
+transformers (SiglipVisionModel / CLIPVisionModel, LlavaForConditionalGeneration) on the same weights,
+both ways through the Hugging Face export and import; the loss on image positions; frozen parameters;
+layouts against one device; bad input named."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import functools  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from megajax.checkpoint.hf import export_hf, import_hf  # noqa: E402
+from megajax.checkpoint.source import DictSource, flatten  # noqa: E402
+from megajax.config import load_config  # noqa: E402
+from megajax.errors import ConfigError, DataError  # noqa: E402
+from megajax.train.state import build_model_spec  # noqa: E402
+from random_model import random_weights  # noqa: E402
+
+VOCAB, IMAGE_TOKEN = 258, 257  # the byte tokenizer's 257 ids and the image placeholder
+SEQ = 24
+
+
+def tiny_hf(form: str, seed: int = 0):
+    """A random LlavaForConditionalGeneration: a 3-layer SigLIP or CLIP tower (16 x 16 images in 8 x 8
+    patches: 4 patches), the MLP projector and a 2-layer Llama with grouped-query attention."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=16,
+                  patch_size=8)
+    if form == "siglip":
+        vision, select = T.SiglipVisionConfig(vision_use_head=False, **common), "full"
+    else:
+        vision, select = T.CLIPVisionConfig(**common), "default"
+    text = T.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+    config = T.LlavaConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN,
+                           vision_feature_select_strategy=select, vision_feature_layer=-2, image_seq_length=4)
+    model = T.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # visible norms and biases (transformers initialises them to 1 and 0)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def image_batch(batch: int = 2, images: int = 1, seed: int = 1, seq: int = SEQ, per_image: int = 4):
+    """(tokens [B, seq] with each image's placeholders at a row-dependent place, images [B, N, 16, 16, 3])."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, IMAGE_TOKEN, (batch, seq)).astype(np.int32)
+    for b in range(batch):
+        for n in range(images):
+            start = 1 + b + n * (per_image + 2)
+            tokens[b, start:start + per_image] = IMAGE_TOKEN
+    return tokens, rng.normal(size=(batch, images, 16, 16, 3)).astype(np.float32)
+
+
+def hf_logits(model, tokens, images):
+    import torch
+    pixels = torch.from_numpy(images.reshape((-1,) + images.shape[2:]).transpose(0, 3, 1, 2).copy())
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens).long(), pixel_values=pixels).logits.numpy()
+
+
+def megajax_model(overrides: dict, *extra: str):
+    cfg = load_config(base={"model": overrides}, overrides=[f"train.seq_len={SEQ}", *extra])
+    spec, _ = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    return cfg, spec
+
+
+@functools.lru_cache(maxsize=None)
+def imported(form: str, tmp: str):
+    model = tiny_hf(form)
+    model.save_pretrained(f"{tmp}/hf-{form}")
+    overrides, params = import_hf(f"{tmp}/hf-{form}")
+    return model, overrides, params
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("vision"))
+
+
+@pytest.mark.parametrize("form", ["siglip", "clip"])
+def test_encoder_matches_transformers(form, tmp_dir):
+    """Every hidden state of the tower (embeddings, each layer) and its output (post-layernormed:
+    SigLIP's every patch, CLIP's class token) equal transformers' on the same weights and pixels."""
+    import torch
+    model, overrides, params = imported(form, tmp_dir)
+    cfg, spec = megajax_model(overrides)
+    ours = nnx.merge(spec.graphdef, params).vision
+    images = np.random.default_rng(3).normal(size=(3, 16, 16, 3)).astype(np.float32)
+    with torch.no_grad():
+        out = model.model.vision_tower(torch.from_numpy(images.transpose(0, 3, 1, 2).copy()),
+                                       output_hidden_states=True)
+    assert len(out.hidden_states) == 4
+    for k, want in enumerate(out.hidden_states):
+        np.testing.assert_allclose(np.asarray(ours.hidden_states(jnp.asarray(images), k)), want.numpy(),
+                                   atol=1e-5, rtol=1e-5, err_msg=f"hidden state {k}")
+    np.testing.assert_allclose(np.asarray(ours.last_hidden_state(jnp.asarray(images))),
+                               out.last_hidden_state.numpy(), atol=1e-5, rtol=1e-5)
+    if form == "clip":  # the post-layernorm over the class token
+        np.testing.assert_allclose(np.asarray(ours.pooled(jnp.asarray(images))), out.pooler_output.numpy(),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["siglip", "clip"])
+def test_llava_logits_match_transformers_both_ways(form, tmp_dir, tmp_path):
+    """transformers' LLaVA imported computes its logits on images + text (1e-4, fp32); megajax's own
+    random weights exported load in LlavaForConditionalGeneration (no missing or unexpected tensor) and
+    compute megajax's logits; the import of that export gives the parameters back exactly."""
+    import torch
+    import transformers as T
+    model, overrides, params = imported(form, tmp_dir)
+    assert overrides["vision"]["form"] == form and overrides["vision"]["image_token_id"] == IMAGE_TOKEN
+    cfg, spec = megajax_model(overrides)
+    tokens, images = image_batch(images=2)
+    ours = np.asarray(spec.apply(params, tokens, images=images))[..., :VOCAB]
+    np.testing.assert_allclose(ours, hf_logits(model, tokens, images), atol=1e-4, rtol=1e-4)
+
+    theirs = {n: np.asarray(w) for n, w in random_weights(spec, 0.05, np.random.default_rng(5)).items()}
+    theirs["embed/embedding"][VOCAB:] = 0
+    theirs["output"][:, VOCAB:] = 0
+    from megajax.checkpoint.source import unflatten
+    mine = unflatten(theirs)
+    out = export_hf(DictSource(mine, cfg.model), tmp_path / "hf", tokenizer_spec="byte", dtype="fp32")
+    loaded, info = T.LlavaForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
+                                                                   output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    np.testing.assert_allclose(hf_logits(loaded.eval(), tokens, images),
+                               np.asarray(spec.apply(mine, tokens, images=images))[..., :VOCAB], atol=1e-4, rtol=1e-4)
+    overrides_back, params_back = import_hf(out)
+    assert overrides_back == overrides
+    for name, want in flatten(mine):
+        np.testing.assert_array_equal(dict(flatten(params_back))[name], want, err_msg=name)
+
+
+# ----------------------------------------------------------------------------
+# Training: the loss, frozen parameters, layouts
+# ----------------------------------------------------------------------------
+
+# tiny-llava shrunk: a 2-layer Llama of width 64, a 3-layer SigLIP tower of width 32 on 16 x 16 images.
+TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
+        "model.ffn_hidden_size=128", "model.vision.image_size=16", "model.vision.hidden_size=32",
+        "model.vision.num_heads=4", "model.vision.ffn_hidden_size=64", f"train.seq_len={SEQ}",
+        "train.global_batch=8", "train.micro_batch=4", "optim.warmup_steps=0", "optim.eps=1e-3", "optim.lr=3e-3"]
+
+
+def tiny_llava(*overrides: str):
+    return load_config(["model/tiny-llava"], overrides=[*TINY, *overrides])
+
+
+def run_steps(cfg, devices, steps: int = 3):
+    """(losses, grad norms, the state after the steps) of `steps` train steps of `cfg` on `devices` with one
+    fixed image-text batch, the same each step: 2 microbatches of 4 rows (train.micro_batch per
+    data-parallel rank), 2 images per row."""
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    setup = build_setup(make_plan(cfg, len(devices)), devices)
+    state, step, ok = setup.fresh_state(), setup.train_step(images=True), setup.ok_flag()
+    losses, norms = [], []
+    for k in range(steps):
+        tokens, images = image_batch(batch=8, images=2, seed=10)
+        labels = np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": np.ones_like(tokens, np.float32), "images": images}
+        batch = {key: v.reshape((2, 4) + v.shape[1:]) for key, v in batch.items()}
+        batch = jax.device_put(batch, setup.image_batch_shardings())
+        state, metrics, ok = step(state, batch, ok)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    return np.asarray(losses), np.asarray(norms), state
+
+
+@functools.lru_cache(maxsize=None)
+def one_device(*overrides: str):
+    return run_steps(tiny_llava(*overrides, "mesh.data=1"), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.fsdp=2", "train.micro_batch=1"],
+                                    ["mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                     "train.micro_batch=2"]],
+                         ids=["data2-fsdp2", "data2-tp2-sp"])
+def test_layouts_equal_one_device(layout):
+    """Loss and grad norm of tiny-llava per step equal one device's (fp32, 1e-5 relative) on data x fsdp
+    and on tensor parallelism with sequence parallelism."""
+    ref_loss, ref_norm, _ = one_device()
+    assert ref_loss[-1] < ref_loss[0]
+    loss, norm, _ = run_steps(tiny_llava(*layout), jax.devices()[:4])
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
+
+
+def test_loss_masks_image_positions():
+    """The evaluated loss counts text labels only: the positions whose label is an image placeholder are
+    neither scored nor counted, and the sum is the cross entropy of the others (computed here in float64)."""
+    from megajax.train.loss import mask_image_labels
+    from megajax.train.step import make_eval_step
+    cfg = tiny_llava()
+    spec, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    params = jax.jit(init)()
+    tokens, images = image_batch(batch=2, images=1)
+    labels = np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    batch = {"tokens": tokens[None], "labels": labels[None], "loss_mask": np.ones((1,) + tokens.shape, np.float32),
+             "images": images[None]}
+    total, count = jax.jit(make_eval_step(spec, cfg=cfg))(params, batch)
+    placeholders = int(np.sum(labels == IMAGE_TOKEN))
+    assert placeholders == 2 * 4 and float(count) == tokens.size - placeholders
+    masked = mask_image_labels(cfg, batch)["loss_mask"][0]
+    logits = np.asarray(spec.apply(params, tokens, images=images), np.float64)
+    logp = logits - np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = -np.sum(np.take_along_axis(logp, labels[..., None], -1)[..., 0] * masked)
+    np.testing.assert_allclose(float(total), want, rtol=1e-5)
+
+
+def test_frozen_encoder_takes_no_gradient_and_no_optimizer_state():
+    """model.vision.freeze: the encoder's parameters keep their values and have no Adam moments; the
+    projector and the language model train. freeze_language_model too: only the projector moves."""
+    cfg = tiny_llava("model.vision.freeze=true", "mesh.data=1")
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    setup = build_setup(make_plan(cfg, 1), jax.devices()[:1])
+    adam = [s for s in jax.tree.leaves(setup.abstract_state.opt_state,
+                                       is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    moments = {"/".join(str(getattr(k, "key", k)) for k in path) for path, leaf in
+               jax.tree_util.tree_flatten_with_path(adam.mu)[0] if hasattr(leaf, "shape")}
+    assert moments and not any(n.startswith("vision/") for n in moments)
+    assert any(n.startswith("projector/") for n in moments) and any(n.startswith("layers/") for n in moments)
+    for overrides, moving in ((("model.vision.freeze=true",), lambda n: not n.startswith("vision/")),
+                              (("model.vision.freeze=true", "model.freeze_language_model=true"),
+                               lambda n: n.startswith("projector/"))):
+        before = dict(flatten(jax.device_get(build_setup(make_plan(tiny_llava(*overrides, "mesh.data=1"), 1),
+                                                         jax.devices()[:1]).fresh_state().params)))
+        after = dict(flatten(jax.device_get(run_steps(tiny_llava(*overrides, "mesh.data=1"), jax.devices()[:1],
+                                                      steps=1)[2].params)))
+        for name, x in before.items():
+            changed = not np.array_equal(x, after[name])
+            assert changed == moving(name), (overrides, name)
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+def test_bad_config_and_batches_are_named():
+    with pytest.raises(ConfigError, match=r"model.vision.patch_size=32 is larger than model.vision.image_size=16"):
+        tiny_llava("model.vision.patch_size=32")
+    with pytest.raises(ConfigError, match=r"image_token_id=300 is outside the vocabulary \[0, 258\)"):
+        tiny_llava("model.vision.image_token_id=300")
+    with pytest.raises(ConfigError, match="feature_select = default drops the class token"):
+        tiny_llava("model.vision.feature_select=default")
+    with pytest.raises(ConfigError, match="mesh.pipeline=2"):
+        tiny_llava("mesh.pipeline=2")
+    cfg = tiny_llava()
+    spec, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    params = jax.jit(init)()
+    tokens, images = image_batch(batch=2, images=2)
+    with pytest.raises(DataError, match=r"row 0 of the batch holds 8 image placeholders .* but 1 image\(s\) x 4 "
+                                        r"features = 4"):
+        spec.apply(params, tokens, images=images[:, :1])
+    with pytest.raises(DataError, match=r"images have shape \[2, 2, 16, 8, 3\]; expected \[batch, images per row, "
+                                        r"16, 16, 3\]"):
+        spec.apply(params, tokens, images=images[:, :, :, :8])
