@@ -106,3 +106,23 @@ def test_lora_dropout_and_fp8_base(small_config):
     assert not np.allclose(ref.losses, reference(small_config, *LORA).losses)  # the dropout is on
     fp8 = run(small_config, *LORA, "train.precision=fp8", devices=jax.devices()[:1], steps=3, params=False)
     assert np.all(np.isfinite(fp8.losses)) and fp8.losses[-1] < fp8.losses[0]
+
+
+def test_analytic_memory_counts_the_frozen_base_without_gradients_or_adam_state(small_config):
+    """bench's analytic memory with model.lora: parameters = the frozen base + the adapters, each as the
+    devices hold them; gradients and Adam state the adapters' alone (checked against the state's arrays)."""
+    import jax.numpy as jnp
+    from megajax.perf import analytic
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    cfg = small_config("model.lora.rank=4", "mesh.fsdp=2", "mesh.tensor=2", "mesh.data=2")
+    setup = build_setup(make_plan(cfg, 8))
+    est, state = analytic.memory_estimate(setup.plan, setup.spec), setup.fresh_state()
+
+    def per_device(tree):
+        leaves = [x for x in jax.tree.leaves(tree) if x.ndim > 0 and jnp.issubdtype(x.dtype, jnp.floating)]
+        return sum(x.addressable_shards[0].data.nbytes for x in leaves)
+
+    assert state.frozen is not None and per_device(state.frozen) > 5 * per_device(state.params)
+    assert est["params"] == per_device(state.frozen) + per_device(state.params)
+    assert est["grads"] == per_device(state.params) and est["optimizer"] == per_device(state.opt_state)

@@ -413,5 +413,8 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
                          frozen_parameters(plan.cfg.model)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
+    if getattr(spec, "frozen_axes", None) is not None:  # model.lora: the frozen base, no gradient, no Adam state
+        est["params"] += state_bytes(spec.frozen_axes, spec.abstract_frozen, rules.params, rules.opt_state,
+                                     plan.sizes)["params"]
     est["total"] = sum(est.values())
     return est
