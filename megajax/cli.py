@@ -214,14 +214,14 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError(f"megajax export: {where} holds LoRA adapters, not a whole model: export them with "
                             f"--format peft, or the merged model with --format hf --merge-lora.")
         from megajax.checkpoint.lora import MergedSource, export_peft, read_adapters
-        base = _lora_base_dir(meta, where)
+        base, base_source = _lora_base(meta, where)
         if args.format == "peft":
-            out = export_peft(read_adapters(source), CheckpointSource(base).model, lora, args.output, base=str(base),
+            out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
                               dtype=args.dtype)
             print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {args.dtype}; "
                   f"base {base})")
             return 0
-        source = MergedSource(CheckpointSource(base), read_adapters(source), lora)
+        source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
@@ -259,16 +259,28 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_base_dir(meta: dict, where) -> Path:
-    """The megajax step directory of a LoRA checkpoint's base (its `lora_base`)."""
-    from megajax.checkpoint.manager import require_step_dir
+def _lora_base(meta: dict, where) -> tuple[Path, object]:
+    """(the base's directory, a TensorSource of its parameters) of a LoRA checkpoint (its `lora_base`): a
+    megajax step directory, or a Hugging Face model directory (read whole into host memory)."""
+    from megajax.checkpoint.manager import CheckpointSource, require_step_dir
     ref = meta.get("lora_base") or {}
+    if ref.get("format") == "hf":
+        from megajax.checkpoint.common import resolved_model
+        from megajax.checkpoint.hf import import_hf
+        from megajax.checkpoint.source import DictSource
+        d = Path(ref["path"])
+        if not (d / "config.json").is_file():
+            raise UserError(f"megajax: {where} holds adapters whose base, the Hugging Face model {d}, is not there "
+                            f"any more (no config.json); the adapters need the base they were trained on.")
+        overrides, params = import_hf(d)
+        return d, DictSource(params, resolved_model(overrides))
     if ref.get("format") != "megajax":
         raise UserError(f"megajax: {where} holds adapters whose base is "
                         f"{'a model initialised from train.seed=' + str(ref['seed']) if 'seed' in ref else ref or 'not recorded'}"
-                        f"; exporting or loading them needs a base saved as a megajax checkpoint (train the "
-                        f"adapters with checkpoint.load=BASE).")
-    return require_step_dir(ref["path"], "the adapters' base model")
+                        f"; exporting or loading them needs a base saved as a megajax checkpoint or a Hugging Face "
+                        f"directory (train the adapters with checkpoint.load=BASE).")
+    base = require_step_dir(ref["path"], "the adapters' base model")
+    return base, CheckpointSource(base)
 
 
 def _import_peft(args: argparse.Namespace) -> int:

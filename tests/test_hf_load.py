@@ -145,3 +145,21 @@ def test_lora_on_a_hugging_face_directory(tmp_path):
                                                            f"train.run_dir={tmp_path / 'run'}"])
     resumed = train(longer)
     assert len(resumed.losses) == 1 and np.isfinite(resumed.losses).all()
+
+    # The adapters on the directory as their base: a PEFT adapter for it and the merged model, which
+    # transformers and peft read to the same logits; a LoRA checkpoint alone generates on that base.
+    from megajax.cli import main
+    peft = pytest.importorskip("peft")
+    run = tmp_path / "run"
+    assert main(["export", "--format", "peft", "--checkpoint", str(run), "--output", str(tmp_path / "peft"),
+                 "--dtype", "fp32"]) == 0
+    assert main(["export", "--format", "hf", "--merge-lora", "--checkpoint", str(run), "--output",
+                 str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    ids = torch.arange(3, 35).reshape(2, 16)
+    with torch.no_grad():
+        base = model(ids).logits
+        adapted = peft.PeftModel.from_pretrained(model, str(tmp_path / "peft")).eval()(ids).logits
+        merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(ids).logits
+    np.testing.assert_allclose(adapted.numpy(), merged.numpy(), atol=1e-4)
+    assert float((merged - base).abs().max()) > 1e-3  # the adapters moved the model
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "4"]) == 0

@@ -61,6 +61,13 @@ def find_source(checkpoint: str | None, hf: str | None, step: int | None = None,
         if adapter is not None:
             raise CheckpointError(f"--checkpoint {checkpoint} holds LoRA adapters itself; give its base as "
                                   f"--checkpoint and the adapters as --adapter, or this checkpoint alone.")
+        if ref.get("format") == "hf":  # trained on checkpoint.load=<Hugging Face directory>
+            from megajax.checkpoint.hf import import_hf
+            d = Path(ref["path"])
+            if not (d / "config.json").is_file():
+                raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base, the Hugging Face model {d}, is "
+                                      f"not there any more (no config.json).")
+            return Source(hf_dir=d, hf_import=import_hf(d), adapter=step_dir)
         if ref.get("format") != "megajax":
             raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base ({ref}) is not a saved megajax "
                                   f"checkpoint; name the base with --checkpoint and these adapters with --adapter.")
