@@ -13,7 +13,7 @@
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
-                  [--prefill-rows N]
+                  [--prefill-rows N] [--limit-images-per-prompt N]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -513,7 +513,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
           drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
+          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+          limit_images=args.limit_images_per_prompt)
     return 0
 
 
@@ -694,6 +695,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts prefilled together per step, so many arriving requests start in a few steps "
                         "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
                         "multiple of the data-parallel size)")
+    p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
+                   help="images one chat request may hold (a vision-language model; default 4); they come as "
+                        "base64 data URLs, nothing is fetched")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

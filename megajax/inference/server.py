@@ -58,6 +58,7 @@ from megajax.inference.text import first_stop
 MAX_BODY_BYTES = 16 * 2**20
 MAX_DRAIN_BYTES = 64 * 2**20  # a refused body up to this size is read and dropped; a larger one closes the connection
 MAX_SEQUENCES = 256  # prompts x n in one request
+DEFAULT_LIMIT_IMAGES = 4  # a chat prompt's images at most (--limit-images-per-prompt)
 OPS_PATHS = ("/health", "/health/live", "/metrics")  # answered while draining; not logged or counted as errors
 RETRY_AFTER_S = 1  # what a refused request's Retry-After says (another replica takes it meanwhile)
 MAX_REQUEST_ID = 128
@@ -92,8 +93,12 @@ class CompletionService:
 
     def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None,
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True,
+                 limit_images: int = DEFAULT_LIMIT_IMAGES):
         self.loaded = loaded
+        if limit_images < 0:
+            raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
+        self.limit_images = limit_images  # a chat prompt's images at most (a vision-language model)
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused); compiled now,
         # so a broken one stops the start-up instead of failing every chat request.
@@ -602,7 +607,8 @@ class CompletionServer:
 
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
                  quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
-        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows.
+        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows,
+        limit_images.
         The address is bound first (OSError: taken, or not this machine's), then the service starts its
         batcher (UserError: a chat template or KV pool it cannot use)."""
         handler = type("Handler", (_Handler,), {"quiet": quiet, "log_requests": log_requests and not quiet})
