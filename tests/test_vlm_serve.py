@@ -150,3 +150,11 @@ def test_static_batching_answers_an_image_chat_as_generate(served, tmp_path):
     want = generate_cli(run, image, "[user]<image>and this?\n[assistant]", tmp_path)
     assert got.choices[0].message.content == want["text"]
     assert got.usage.prompt_tokens == len(want["prompt_ids"])
+
+
+def test_placeholders_without_their_images_are_a_400(client):
+    """Prompt token ids holding the image placeholder (no image came with them) are refused, not run with
+    empty features."""
+    with pytest.raises(openai.BadRequestError, match="image placeholders") as e:
+        client.completions.create(model="m", prompt=[104, 105, 257, 33], max_tokens=2)
+    assert "0 image(s)" in str(e.value)

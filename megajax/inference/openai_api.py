@@ -117,7 +117,8 @@ def _stops(body: dict) -> list[str]:
 
 
 def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, max_tokens: int,
-          logprobs: int | None, echo: bool, prompt_param: str = "prompt", budget_param: str = "max_tokens") -> Plan:
+          logprobs: int | None, echo: bool, prompt_param: str = "prompt", budget_param: str = "max_tokens",
+          images: list | None = None) -> Plan:
     temperature = field(body, "temperature", float, 1.0, accept="a number")
     top_p = field(body, "top_p", float, 1.0, accept="a number")
     top_k = field(body, "top_k", int, 0, accept="an integer")
@@ -138,8 +139,8 @@ def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, ma
                                  random_seed() if seed is None else seed, presence, frequency),
                         OPENAI_FIELDS)
     plan = Plan(prompts, texts, n, max_tokens, sampling, _stops(body), logprobs, echo, stream,
-                bool((options or {}).get("include_usage")))
-    service.check_prompts(prompts, max_tokens, prompt_param, budget_param, len(prompts) * n)
+                bool((options or {}).get("include_usage")), images)
+    service.check_prompts(prompts, max_tokens, prompt_param, budget_param, len(prompts) * n, images)
     return plan
 
 
@@ -453,8 +454,7 @@ class OpenAIDialect:
         max_tokens = field(body, name, int, room, check=lambda v: v >= 1, accept="an integer >= 1")
         plan = _plan(self.service, body, [prompt], [""], max_tokens=max_tokens,
                      logprobs=(top or 0) if want_logprobs else None, echo=False, prompt_param="messages",
-                     budget_param=name)
-        plan.images = None if images is None else [images]
+                     budget_param=name, images=None if images is None else [images])
         head = self._head("chatcmpl", "chat.completion")
         if plan.stream:
             return self._chat_stream(plan, {**head, "object": "chat.completion.chunk"})

@@ -223,9 +223,10 @@ class CompletionService:
         return out
 
     def check_prompts(self, prompts: list[list[int]], max_new: int, prompt_param: str, budget_param: str,
-                      sequences: int) -> None:
+                      sequences: int, images: list | None = None) -> None:
         """RequestError for too many sequences, an empty prompt or one that does not fit the context with
-        `max_new` new tokens (naming the prompt's field, or the budget's when fewer new tokens would fit)."""
+        `max_new` new tokens (naming the prompt's field, or the budget's when fewer new tokens would fit),
+        or image placeholders that are not its `images`' (per prompt; a vision-language model's)."""
         if sequences > MAX_SEQUENCES:
             times_n = sequences != len(prompts)
             raise RequestError(f"{sequences} sequences{' (prompts x n)' * times_n} in one request; at most "
@@ -238,6 +239,11 @@ class CompletionService:
                                code="context_length_exceeded") from None
         except UserError as e:
             raise RequestError(str(e), prompt_param) from None
+        if self.generator.model.vision is not None:
+            try:
+                self.generator.check_images(prompts, images or [None] * len(prompts))
+            except UserError as e:
+                raise RequestError(str(e), prompt_param) from None
         fits = getattr(self.batcher, "fits", None)  # the continuous engine's KV pool
         longest = max(len(p) for p in prompts)
         if fits is not None and not fits(longest, max_new):
