@@ -13,7 +13,7 @@
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
-                  [--prefill-rows N] [--limit-images-per-prompt N]
+                  [--prefill-rows N] [--limit-images-per-prompt N] [--allowed-local-media-path DIR]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -514,7 +514,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-          limit_images=args.limit_images_per_prompt)
+          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
     return 0
 
 
@@ -698,6 +698,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
                    help="images one chat request may hold (a vision-language model; default 4); they come as "
                         "base64 data URLs, nothing is fetched")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="chat requests may also name images as file:// URLs of files under DIR")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

@@ -46,7 +46,9 @@ def served(vlm_checkpoint, tmp_path_factory):
     tok = tokenizer_dir(root)
     source = find_source(str(run), None)
     loaded = load_model(generation_config(source, [f"data.tokenizer={tok}"]), source)
-    srv = CompletionServer(loaded, port=0, max_batch=4, quiet=True, prefill_chunk=16, limit_images=2).start()
+    (root / "media").mkdir()
+    srv = CompletionServer(loaded, port=0, max_batch=4, quiet=True, prefill_chunk=16, limit_images=2,
+                           allowed_local_media_path=str(root / "media")).start()
     yield srv, run, root
     srv.close()
 
@@ -158,3 +160,25 @@ def test_placeholders_without_their_images_are_a_400(client):
     with pytest.raises(openai.BadRequestError, match="image placeholders") as e:
         client.completions.create(model="m", prompt=[104, 105, 257, 33], max_tokens=2)
     assert "0 image(s)" in str(e.value)
+
+
+def test_file_urls_under_the_allowed_directory_and_streaming(served, client, tmp_path):
+    """A file:// URL under --allowed-local-media-path reads that file (the same answer as its data URL,
+    streamed too); one outside it is a 400 naming the part and the directory."""
+    _, _, root = served
+    image = write_png(root / "media" / "pic.png", seed=7)
+
+    def ask(url, **kw):
+        return client.chat.completions.create(model="m", max_tokens=8, temperature=0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "what?"}]}], **kw)
+
+    want = ask(data_url(image)).choices[0].message.content
+    assert ask(image.as_uri()).choices[0].message.content == want
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in ask(image.as_uri(), stream=True)
+                       if chunk.choices)
+    assert streamed == want
+    outside = write_png(tmp_path / "elsewhere.png")
+    with pytest.raises(openai.BadRequestError, match="outside --allowed-local-media-path") as e:
+        ask(outside.as_uri())
+    assert "content[0]" in str(e.value)

@@ -26,7 +26,9 @@ import dataclasses
 import json
 import queue
 import time
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -352,22 +354,46 @@ class OpenAIDialect:
         if not isinstance(url, str):
             raise RequestError(f"{where}: an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": "
                                f"\"data:image/png;base64,...\"}}}}.", "messages")
-        if not url.startswith("data:"):
-            raise RequestError(f"{where}: image_url {url[:80]!r} is not a data URL; this server fetches nothing, so "
-                               f"an image comes inline as \"data:image/<format>;base64,<the file's bytes>\".",
+        if url.startswith("file://"):
+            data = self._local_image(url, where)
+        elif not url.startswith("data:"):
+            local = " or a file:// URL under --allowed-local-media-path" if self.service.allowed_media else ""
+            raise RequestError(f"{where}: image_url {url[:80]!r} is not a data URL{local}; this server fetches "
+                               f"nothing, so an image comes inline as \"data:image/<format>;base64,<the file's "
+                               f"bytes>\".", "messages", code="image_url_not_supported")
+        else:
+            data = self._data_url(url, where)
+        try:
+            return preprocess(decode_image(data, where), vision)
+        except DataError as e:
+            raise RequestError(str(e), "messages", code="invalid_image") from None
+
+    def _local_image(self, url: str, where: str) -> bytes:
+        """A file:// URL's bytes, when the file lies under --allowed-local-media-path."""
+        root = self.service.allowed_media
+        if root is None:
+            raise RequestError(f"{where}: image_url {url[:80]!r} is a local file; the server reads local files only "
+                               f"under --allowed-local-media-path DIR (not set), else give the image as a base64 "
+                               f"data URL.", "messages", code="image_url_not_supported")
+        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+        if not path.is_relative_to(root):
+            raise RequestError(f"{where}: {str(path)!r} is outside --allowed-local-media-path {str(root)!r}.",
                                "messages", code="image_url_not_supported")
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise RequestError(f"{where}: cannot read {str(path)!r} ({e.strerror or e}).", "messages") from None
+
+    @staticmethod
+    def _data_url(url: str, where: str) -> bytes:
         head, sep, payload = url.partition(",")
         if not sep or not head.endswith(";base64"):
             raise RequestError(f"{where}: the data URL {url[:40]!r}... is not base64 (expected "
                                f"\"data:image/<format>;base64,...\").", "messages")
         try:
-            data = base64.b64decode(payload, validate=True)
+            return base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
             raise RequestError(f"{where}: the data URL's base64 does not decode ({e}).", "messages") from None
-        try:
-            return preprocess(decode_image(data, where), vision)
-        except DataError as e:
-            raise RequestError(str(e), "messages", code="invalid_image") from None
 
     def chat_prompt(self, messages: Any, param: str = "messages") -> list[int]:
         """The messages' prompt ids (chat_prompt_images without images: refused when it has some)."""

@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from megajax.errors import UserError
@@ -94,11 +95,19 @@ class CompletionService:
     def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None,
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True,
-                 limit_images: int = DEFAULT_LIMIT_IMAGES):
+                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None):
         self.loaded = loaded
         if limit_images < 0:
             raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
         self.limit_images = limit_images  # a chat prompt's images at most (a vision-language model)
+        # file:// image URLs are read under this directory (None: data URLs only)
+        self.allowed_media = None
+        if allowed_local_media_path is not None:
+            root = Path(allowed_local_media_path).expanduser().resolve()
+            if not root.is_dir():
+                raise UserError(f"--allowed-local-media-path {allowed_local_media_path!r}: not a directory; give "
+                                f"the directory whose files chat requests may name as file:// image URLs.")
+            self.allowed_media = root
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused); compiled now,
         # so a broken one stops the start-up instead of failing every chat request.
@@ -614,7 +623,7 @@ class CompletionServer:
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
                  quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
         """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows,
-        limit_images.
+        limit_images, allowed_local_media_path.
         The address is bound first (OSError: taken, or not this machine's), then the service starts its
         batcher (UserError: a chat template or KV pool it cannot use)."""
         handler = type("Handler", (_Handler,), {"quiet": quiet, "log_requests": log_requests and not quiet})
