@@ -195,10 +195,10 @@ class Batcher:
             self.observer.admitted(job)
         prompts = [j.prompt_ids for j in jobs]
         budgets = [j.max_new_tokens for j in jobs]
+        images = {"images": [j.images for j in jobs]} if any(j.images is not None for j in jobs) else {}
         state = g.start(prompts, [j.sampling for j in jobs], budgets,
                         top_n=MAX_TOP_LOGPROBS if any(j.top_logprobs for j in jobs) else 0,
-                        score_prompt=any(j.score_prompt for j in jobs),
-                        images=[j.images for j in jobs] if any(j.images is not None for j in jobs) else None)
+                        score_prompt=any(j.score_prompt for j in jobs), **images)
         chunked = any(j.stream or j.stopped is not None for j in jobs)
         streamed_scores = any(j.stream for j in jobs)
         first = True
