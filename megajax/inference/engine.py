@@ -41,6 +41,11 @@ sampled output independent of the interleaving too. (`attention_blocks=None` gat
 whole table instead, as a [rows, kv_heads, context, head_dim] view: about half the tokens/s on
 this CPU, scripts/bench_batching.py --attention-blocks 0.)
 
+A vision-language model's request brings its images: the engine computes their projected features
+when it admits the request (one image per encoder call, a program compiled with the other two), and
+each prefill chunk takes the features of the image placeholders it holds, in order (an image may
+straddle chunks); the pools then hold the image, and decode steps are text alone.
+
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
 calls.

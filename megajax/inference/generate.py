@@ -29,6 +29,10 @@ the logits before temperature, filters and penalties), and, when a batch asks (`
 `top_n` most likely tokens at its step; a prefill asked to (`score_prompt`) scores the prompt's
 tokens the same way (OpenAI's `logprobs` and `echo`).
 
+A vision-language model's prompts may come with images (`start(..., images=)`): the encoder and
+projector run on them first (`image_features`), and the prefill puts their features in place of the
+prompts' image placeholders (Transformer.extend's `image_features`), so the cache holds them.
+
 Sharded like training: the batch over the data axes, kv_heads (and heads, mlp, vocab) over
 `tensor`, through the rules table (`batch`, `cache_length`, ...). Shapes are bucketed (batch
 to a power of two times the data-parallel size, prompt and new-token room to powers of two) so
