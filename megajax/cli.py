@@ -9,11 +9,11 @@
     megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100]
-    megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] --prompt TEXT [...] | --prompts-file F
+    megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] [--image FILE] --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
-                  [--prefill-rows N]
+                  [--prefill-rows N] [--limit-images-per-prompt N] [--allowed-local-media-path DIR]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -478,9 +478,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _check_outputs(("--json", args.json))
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
+    if args.image:
+        from megajax.inference.images import read_image
+        pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
     loaded = _load_model(args)
+    images = None
+    if args.image:
+        from megajax.inference.images import preprocess
+        if loaded.cfg.model.vision is None:
+            raise UserError(f"--image {args.image[0]!r}: this model has no image encoder (model.vision is unset); "
+                            f"it takes text alone. Drop --image, or load a vision-language model.")
+        import numpy as np
+        images = np.stack([preprocess(p, loaded.cfg.model.vision) for p in pictures])
     from megajax.inference.text import complete
-    results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size)
+    results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size,
+                       images)
     for i, r in enumerate(results):
         print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
         print(r["prompt"] + r["text"])
@@ -513,7 +525,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(loaded, host=args.host, port=args.port, max_batch=args.max_batch, chat_template=template,
           drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
+          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
     return 0
 
 
@@ -653,6 +666,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: a JSON string or an "
                                                           "object with \"prompt\" per line")
+    p.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image (repeatable) for a vision-language model: it goes at each prompt's <image> "
+                        "marker (before the prompt when it has none)")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="new tokens per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 (default): greedy")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely (0: all)")
@@ -691,6 +707,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts prefilled together per step, so many arriving requests start in a few steps "
                         "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
                         "multiple of the data-parallel size)")
+    p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
+                   help="images one chat request may hold (a vision-language model; default 4); they come as "
+                        "base64 data URLs, nothing is fetched")
+    p.add_argument("--allowed-local-media-path", metavar="DIR",
+                   help="chat requests may also name images as file:// URLs of files under DIR")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("config", help="translate a Megatron-LM pretrain_gpt.py argument list into a megajax YAML")
     p.add_argument("action", choices=("from-megatron",),

@@ -19,7 +19,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,6 +40,7 @@ class Job:
     score_prompt: bool = False  # the prompt's log-probabilities too (echo)
     stopped: Callable[[list[int]], bool] | None = None  # the new tokens so far hold a stop sequence
     request_id: str = ""  # the request's id (request logs), shared by its jobs
+    images: Any = None  # a vision-language model's images [N, H, W, 3] for the prompt's placeholders, or None
     submitted: float = field(default_factory=time.monotonic)  # when it was made (time to first token)
     cancelled: bool = field(default=False, init=False)  # its client is gone: drop it at the next step
     sent: int = field(default=0, init=False)  # tokens already handed out
@@ -194,9 +195,10 @@ class Batcher:
             self.observer.admitted(job)
         prompts = [j.prompt_ids for j in jobs]
         budgets = [j.max_new_tokens for j in jobs]
+        images = {"images": [j.images for j in jobs]} if any(j.images is not None for j in jobs) else {}
         state = g.start(prompts, [j.sampling for j in jobs], budgets,
                         top_n=MAX_TOP_LOGPROBS if any(j.top_logprobs for j in jobs) else 0,
-                        score_prompt=any(j.score_prompt for j in jobs))
+                        score_prompt=any(j.score_prompt for j in jobs), **images)
         chunked = any(j.stream or j.stopped is not None for j in jobs)
         streamed_scores = any(j.stream for j in jobs)
         first = True

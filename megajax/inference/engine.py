@@ -41,6 +41,11 @@ sampled output independent of the interleaving too. (`attention_blocks=None` gat
 whole table instead, as a [rows, kv_heads, context, head_dim] view: about half the tokens/s on
 this CPU, scripts/bench_batching.py --attention-blocks 0.)
 
+A vision-language model's request brings its images: the engine computes their projected features
+when it admits the request (one image per encoder call, a program compiled with the other two), and
+each prefill chunk takes the features of the image placeholders it holds, in order (an image may
+straddle chunks); the pools then hold the image, and decode steps are text alone.
+
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
 calls.
@@ -114,6 +119,7 @@ class _Sequence:
     prompt_logprobs: list[float] = field(default_factory=list)  # of prompt token j + 1, for j = 0, 1, ...
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
     last: float = 0.0  # when its previous tokens were handed out
+    features: np.ndarray | None = None  # its images' features [placeholders, hidden] (a vision-language model)
 
     @property
     def decoding(self) -> bool:
@@ -214,10 +220,12 @@ class Engine:
         block = jnp.take_along_axis(table_BxM, (positions // bs).reshape(positions.shape[0], -1), axis=1)
         return block.reshape(positions.shape) * bs + positions % bs
 
-    def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, rows_B, all_positions):
+    def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, rows_B, all_positions,
+                 image_features=None):
         """The model over L new tokens per row at positions start..start+L-1, writing the valid ones to
         the pools (a Mamba layer: to the state of the sequence's row `rows_B`, started afresh at
-        position 0): (logits, pools_k, pools_v)."""
+        position 0): (logits, pools_k, pools_v). `image_features` [B, L, D]: the features the rows' image
+        placeholders among these tokens take, in order (a vision-language model's prefill)."""
         g = self.generator
         model, layers = g._model(params)
         b, l = tokens_BxL.shape
@@ -230,7 +238,7 @@ class Engine:
                   for pools in (pools_k, pools_v)]
         logits, caches_k, caches_v = model.extend(
             tokens_BxL, positions, *caches, start=start_B, key_mask_BxT=jnp.ones((b, t), bool), layer_params=layers,
-            expert_bias=g._expert_bias(), all_positions=all_positions)
+            expert_bias=g._expert_bias(), all_positions=all_positions, image_features=image_features)
         return logits, self._pools(caches_k), self._pools(caches_v)
 
     @staticmethod
@@ -249,14 +257,16 @@ class Engine:
         return chosen, ids, lp
 
     def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, targets_RxC, table_RxM, rows_R,
-                    temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt):
+                    temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt, features_RxCxD=None):
         """One chunk of up to R prompts: their k/v written, the scores of the next prompt tokens
         (`targets`, when `want_prompt`), and the first new token of each row (used for a row whose
-        prompt ends in this chunk)."""
+        prompt ends in this chunk). A vision-language model's `features_RxCxD`: the image features of
+        the chunk's placeholders, in order (the cache then holds the images)."""
         with activation_sharding(self.generator.mesh, self.generator.rules):
             valid = jnp.arange(tokens_RxC.shape[1])[None, :] < length_R[:, None]
             logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, tokens_RxC, start_R, valid,
-                                                     table_RxM, rows_R, all_positions=True)  # [R, C, V]
+                                                     table_RxM, rows_R, all_positions=True,
+                                                     image_features=features_RxCxD)  # [R, C, V]
             last = jnp.take_along_axis(logits, jnp.maximum(length_R - 1, 0)[:, None, None], axis=1)[:, 0]
             first = next_tokens(last, keys_Rx2, jnp.int32(0), temperature_R, top_k_R, top_p_R)
             shape, top = tokens_RxC.shape, tokens_RxC.shape + (MAX_TOP_LOGPROBS,)
@@ -330,6 +340,9 @@ class Engine:
         decode = jax.jit(self._decode_fn, donate_argnums=(1, 2), out_shardings=out)
         self._prefill = prefill.lower(g.params, self._pools_k, self._pools_v, *self._prefill_inputs([])).compile()
         self._decode = decode.lower(g.params, self._pools_k, self._pools_v, *self._decode_inputs([])).compile()
+        v = g.model.vision
+        if v is not None:  # the encoder's program for one image (a request's images go one at a time)
+            g.image_features(np.zeros((1, v.image_size, v.image_size, 3), np.float32))
         self.compile_s = time.perf_counter() - t0
         if not self.quiet:
             print(f"megajax serve: continuous batching compiled its prefill-chunk program ({self.prefill_rows} x "
@@ -372,8 +385,22 @@ class Engine:
         temperature, top_k, top_p, keys, _, _ = self._sampling([s.job for s in seqs], r)
         want_top = any(s.job.top_logprobs for s in seqs)
         want_prompt = any(s.job.score_prompt for s in seqs)
-        return (*self._rows(tokens, start, length, targets, self._table(seqs, r), self._row_ids(seqs, r), temperature,
-                            top_k, top_p, keys), jnp.bool_(want_top), jnp.bool_(want_prompt))
+        rows = [tokens, start, length, targets, self._table(seqs, r), self._row_ids(seqs, r), temperature, top_k,
+                top_p, keys]
+        v = self.generator.model.vision
+        if v is not None:  # each row's features of this chunk's placeholders, in order
+            features = np.zeros((r, c, self.generator.model.hidden_size), self.generator.dtype)
+            for i, s in enumerate(seqs):
+                if s.features is None:
+                    continue
+                prompt, a = s.job.prompt_ids, s.prefilled
+                before = sum(1 for t in prompt[:a] if t == v.image_token_id)
+                here = sum(1 for t in prompt[a:a + c] if t == v.image_token_id)
+                features[i, :here] = s.features[before:before + here]
+            rows.append(features)
+        arrays = self._rows(*rows)
+        extra = tuple(arrays[10:])
+        return (*arrays[:10], jnp.bool_(want_top), jnp.bool_(want_prompt), *extra)
 
     def _decode_inputs(self, seqs: list[_Sequence]) -> tuple:
         b = self.rows
@@ -473,7 +500,15 @@ class Engine:
                     return  # the pool is full: wait for running sequences to free theirs
                 self._waiting.popleft()
                 row = min(set(range(self.rows)) - set(self._running))
-                self._running[row] = _Sequence(job, row, blocks)
+                self._running[row] = s = _Sequence(job, row, blocks)
+            if job.images is not None:
+                try:
+                    self.generator.check_images([job.prompt_ids], [job.images])
+                    s.features = np.concatenate([self.generator.image_features(x[None]) for x in job.images])
+                except UserError as e:  # the service checks these first
+                    self._end(s, "error", event=False)
+                    job.events.put(("error", job.index, str(e)))
+                    continue
             self.observer.admitted(job)
 
     def _prefill_chunk(self, seqs: list[_Sequence]) -> None:

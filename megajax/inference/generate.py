@@ -29,6 +29,10 @@ the logits before temperature, filters and penalties), and, when a batch asks (`
 `top_n` most likely tokens at its step; a prefill asked to (`score_prompt`) scores the prompt's
 tokens the same way (OpenAI's `logprobs` and `echo`).
 
+A vision-language model's prompts may come with images (`start(..., images=)`): the encoder and
+projector run on them first (`image_features`), and the prefill puts their features in place of the
+prompts' image placeholders (Transformer.extend's `image_features`), so the cache holds them.
+
 Sharded like training: the batch over the data axes, kv_heads (and heads, mlp, vocab) over
 `tensor`, through the rules table (`batch`, `cache_length`, ...). Shapes are bucketed (batch
 to a power of two times the data-parallel size, prompt and new-token room to powers of two) so
@@ -58,6 +62,7 @@ from megajax.models.attention import make_attention_core
 from megajax.models.layout import STACK_NAMES, layer_slots
 from megajax.models.layers import LinearOps
 from megajax.models.transformer import layer_caches
+from megajax.models.vision import build_model
 from megajax.parallel.context import sharded_attention
 
 MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
@@ -169,8 +174,9 @@ def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attentio
     needs none of training's (sequence-parallel collectives, CPU backward products)."""
     def make():
         dot = fp32_accumulating_dot
-        return Transformer(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
-                           attention_core=attention_core or make_attention_core("xla", "none"), rngs=nnx.Rngs(0))
+        return build_model(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
+                           attention_core=attention_core or make_attention_core("xla", "none"), vision_dot=dot,
+                           rngs=nnx.Rngs(0))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     return graphdef, param_axes(abstract), nnx.to_pure_dict(state)
@@ -275,6 +281,7 @@ class Generator:
                                 out_shardings=self._state_sh)
         self._advance = jax.jit(self._advance_fn, donate_argnums=(1,), out_shardings=self._state_sh)
         self._gather = jax.jit(lambda x: x, out_shardings=self._replicated)
+        self._features = jax.jit(self._features_fn, out_shardings=self._replicated)
 
     # ------------------------------------------------------------------ traced
 
@@ -329,8 +336,14 @@ class Generator:
     def _is_eod(self, tokens):
         return jnp.zeros(tokens.shape, bool) if self.eod_id is None else tokens == self.eod_id
 
+    def _features_fn(self, params, images_NxHxWxC):
+        with activation_sharding(self.mesh, self.rules):
+            model, _ = self._model(params)
+            return model.image_embeddings(images_NxHxWxC[None])[0]
+
     def _prefill_fn(self, params, tokens_BxP, pad_B, budget_B, temperature_B, top_k_B, top_p_B, keys_Bx2,
-                    presence_B, frequency_B, *, room: int, top_n: int, score_prompt: bool) -> DecodeState:
+                    presence_B, frequency_B, features_BxMxD=None, *, room: int, top_n: int,
+                    score_prompt: bool) -> DecodeState:
         with activation_sharding(self.mesh, self.rules):
             model, layers = self._model(params)
             b, p = tokens_BxP.shape
@@ -340,7 +353,8 @@ class Generator:
             key_mask = jnp.arange(t)[None, :] >= pad_B[:, None]
             logits, cache_k, cache_v = model.extend(tokens_BxP, positions, cache_k, cache_v, start=0,
                                                     key_mask_BxT=key_mask, layer_params=layers,
-                                                    expert_bias=self._expert_bias(), all_positions=score_prompt)
+                                                    expert_bias=self._expert_bias(), all_positions=score_prompt,
+                                                    image_features=features_BxMxD)
             if score_prompt:  # logits [B, P, V]: position j - 1 predicts prompt token j
                 prompt = token_scores(logits[:, :-1], tokens_BxP[:, 1:], top_n)
                 prompt = [jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1) for x in prompt]  # [B, P, ...]
@@ -432,15 +446,61 @@ class Generator:
             self.compile_s += time.perf_counter() - t0
         return self._compiled[key]
 
+    def image_features(self, images: np.ndarray) -> np.ndarray:
+        """A vision-language model's projected features of `images` [N, image_size, image_size, 3]
+        (megajax.inference.images.preprocess'd): [N x image_seq_length, hidden] on the host, in the
+        compute dtype."""
+        v = self.model.vision
+        if v is None:
+            raise UserError("this model has no image encoder (model.vision is unset): it takes text alone.")
+        images = np.asarray(images, np.float32)
+        if images.ndim != 4 or images.shape[1:] != (v.image_size, v.image_size, 3):
+            raise UserError(f"images have shape {list(images.shape)}; expected [images, {v.image_size}, "
+                            f"{v.image_size}, 3] (model.vision.image_size={v.image_size}).")
+        x = self._put(images, (None, None, None, None))
+        return np.asarray(self._compile(("features", images.shape[0]), self._features, self.params, x)(self.params, x))
+
+    def check_images(self, prompts: Sequence[Sequence[int]], images: Sequence) -> None:
+        """UserError unless each prompt holds image_seq_length placeholders per image that comes with it
+        (and none without a vision model)."""
+        v = self.model.vision
+        for i, (ids, imgs) in enumerate(zip(prompts, images)):
+            n = 0 if imgs is None else len(imgs)
+            if v is None:
+                if n:
+                    raise UserError("this model has no image encoder (model.vision is unset): it takes text alone, "
+                                    f"but prompt {i} comes with {n} image(s).")
+                continue
+            count = sum(1 for t in ids if t == v.image_token_id)
+            if count != n * v.image_seq_length:
+                raise UserError(f"prompt {i} holds {count} image placeholders (model.vision.image_token_id="
+                                f"{v.image_token_id}) but comes with {n} image(s) x image_seq_length="
+                                f"{v.image_seq_length} = {n * v.image_seq_length}.")
+
     def start(self, prompts: Sequence[Sequence[int]], samplings: Sequence[Sampling],
-              budgets: Sequence[int], *, top_n: int = 0, score_prompt: bool = False) -> DecodeState:
+              budgets: Sequence[int], *, top_n: int = 0, score_prompt: bool = False,
+              images: Sequence | None = None) -> DecodeState:
         """Prefill `prompts` (token ids, ragged) and pick each one's first new token (a budget of 0
         picks one that `completions` drops). `top_n`: the most likely tokens each step reports (0 or
         MAX_TOP_LOGPROBS: a few compilations); `score_prompt`: score the prompts' tokens too.
 
-        Rows beyond len(prompts) (batch bucketing) are one-token dummies, done from the start."""
+        Rows beyond len(prompts) (batch bucketing) are one-token dummies, done from the start.
+        `images`: per prompt, its images [N, image_size, image_size, 3] (or None), whose features the
+        prompt's image placeholders take (a vision-language model's prefill)."""
         self.check(prompts, budgets)
         b, p, room = self._shapes(prompts, budgets)
+        features = None
+        if images is not None and any(x is not None and len(x) for x in images):
+            self.check_images(prompts, images)
+            rows = [None if x is None or not len(x) else self.image_features(x) for x in images]
+            width = next(r.shape[1] for r in rows if r is not None)
+            features = np.zeros((b, length_bucket(max(len(r) for r in rows if r is not None)), width),
+                                next(r.dtype for r in rows if r is not None))
+            for i, r in enumerate(rows):
+                if r is not None:
+                    features[i, :len(r)] = r
+        elif self.model.vision is not None:
+            self.check_images(prompts, [None] * len(prompts))
         tokens = np.zeros((b, p), np.int32)
         pad = np.full((b,), p - 1, np.int32)
         budget = np.ones((b,), np.int32)
@@ -456,9 +516,11 @@ class Generator:
             keys[i] = seed_key_data(s.seed)
         args = (self.params, self._put(tokens, ("batch", None)), *(self._put(x, ("batch",)) for x in
                 (pad, budget, temperature, top_k, top_p)), self._put(keys, ("batch", None)),
-                *(self._put(x, ("batch",)) for x in (presence, frequency)))
+                *(self._put(x, ("batch",)) for x in (presence, frequency)),
+                None if features is None else self._put(features, ("batch", None, None)))
         static = dict(room=room, top_n=top_n, score_prompt=score_prompt)
-        return self._compile(("prefill", b, p, room, top_n, score_prompt), self._prefill, *args, **static)(*args)
+        key = ("prefill", b, p, room, top_n, score_prompt, None if features is None else features.shape[1])
+        return self._compile(key, self._prefill, *args, **static)(*args)
 
     def advance(self, state: DecodeState, stop: int | None = None) -> DecodeState:
         """Decodes until `stop` new tokens (default: the room) or every row is done; `state` is consumed."""
@@ -496,16 +558,17 @@ class Generator:
         return out
 
     def generate(self, prompts: Sequence[Sequence[int]], samplings: Sampling | Sequence[Sampling] = Sampling(),
-                 max_new_tokens: int | Sequence[int] = 64) -> tuple[list[Completion], Timing]:
-        """Completions of `prompts` (one batch) and the timing: time to first token (prefill, compiled
-        beforehand) and decode tokens/s."""
+                 max_new_tokens: int | Sequence[int] = 64, images: Sequence | None = None
+                 ) -> tuple[list[Completion], Timing]:
+        """Completions of `prompts` (one batch; `images` per prompt, as `start`) and the timing: time to
+        first token (prefill and image encoding, compiled beforehand) and decode tokens/s."""
         samplings = [samplings] * len(prompts) if isinstance(samplings, Sampling) else list(samplings)
         budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         self.check(prompts, budgets)
         compiled_before = self.compile_s
-        self._warm(prompts, samplings, budgets)
+        self._warm(prompts, samplings, budgets, images)
         t0 = time.perf_counter()
-        state = self.start(prompts, samplings, budgets)
+        state = self.start(prompts, samplings, budgets, images=images)
         jax.block_until_ready(state.tokens)
         t1 = time.perf_counter()
         state = self.advance(state)
@@ -521,9 +584,9 @@ class Generator:
         return (batch_bucket(len(prompts), self.data_parallel), length_bucket(max(len(x) for x in prompts)),
                 length_bucket(max(*budgets, 1)))
 
-    def _warm(self, prompts, samplings, budgets) -> None:
+    def _warm(self, prompts, samplings, budgets, images=None) -> None:
         """Compiles the prefill and decode programs for this batch's shapes (when not yet cached)."""
         if ("prefill", *self._shapes(prompts, budgets)) in self._compiled:
             return
-        state = self.start(prompts, samplings, budgets)
+        state = self.start(prompts, samplings, budgets, images=images)
         self.advance(state, 1)

@@ -5,7 +5,8 @@
                                top_k, n, seed, stop (string or list, matched on the text), logprobs
                                (0-20), echo, presence_penalty, frequency_penalty, stream
                                (+ stream_options.include_usage), user, model
-    POST /v1/chat/completions  messages rendered with the tokenizer's chat template; max_tokens /
+    POST /v1/chat/completions  messages rendered with the tokenizer's chat template (content parts: text,
+                               and images as base64 data URLs for a vision-language model); max_tokens /
                                max_completion_tokens (default: the rest of the context), logprobs +
                                top_logprobs in chat's shape, the sampling fields above, stream
     POST /tokenize             {"prompt": text | "messages": [...]} -> {"tokens", "count", "max_model_len"}
@@ -19,16 +20,24 @@ field value megajax cannot honour (`suffix`, `logit_bias`, `best_of` other than 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import json
 import queue
 import time
+import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
+from megajax.errors import DataError
 from megajax.inference.batcher import Job
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, TokenScores
+from megajax.inference.images import IMAGE_MARKER, decode_image, image_prompt_ids, preprocess
 from megajax.inference.request import OPENAI_FIELDS, RequestError, checked, field, random_seed
 from megajax.inference.sampling import Sampling
 from megajax.inference.text import StopText, completion_text, cut_at_stop
@@ -68,13 +77,15 @@ class Plan:
     echo: bool
     stream: bool
     include_usage: bool
+    images: list | None = None  # per prompt: its images [N, H, W, 3] (a vision-language model's), or None
 
     def jobs(self, events: queue.Queue) -> list[Job]:
         out = []
         for i in range(len(self.prompts) * self.n):
             sampling = dataclasses.replace(self.sampling, seed=(self.sampling.seed + i) % 2**63)
             out.append(Job(self.prompts[i // self.n], sampling, self.max_tokens, i, events, self.stream,
-                           top_logprobs=self.logprobs or 0, score_prompt=self.echo and self.logprobs is not None))
+                           top_logprobs=self.logprobs or 0, score_prompt=self.echo and self.logprobs is not None,
+                           images=None if self.images is None else self.images[i // self.n]))
         return out
 
 
@@ -108,7 +119,8 @@ def _stops(body: dict) -> list[str]:
 
 
 def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, max_tokens: int,
-          logprobs: int | None, echo: bool, prompt_param: str = "prompt", budget_param: str = "max_tokens") -> Plan:
+          logprobs: int | None, echo: bool, prompt_param: str = "prompt", budget_param: str = "max_tokens",
+          images: list | None = None) -> Plan:
     temperature = field(body, "temperature", float, 1.0, accept="a number")
     top_p = field(body, "top_p", float, 1.0, accept="a number")
     top_k = field(body, "top_k", int, 0, accept="an integer")
@@ -129,8 +141,8 @@ def _plan(service, body: dict, prompts: list[list[int]], texts: list[str], *, ma
                                  random_seed() if seed is None else seed, presence, frequency),
                         OPENAI_FIELDS)
     plan = Plan(prompts, texts, n, max_tokens, sampling, _stops(body), logprobs, echo, stream,
-                bool((options or {}).get("include_usage")))
-    service.check_prompts(prompts, max_tokens, prompt_param, budget_param, len(prompts) * n)
+                bool((options or {}).get("include_usage")), images)
+    service.check_prompts(prompts, max_tokens, prompt_param, budget_param, len(prompts) * n, images)
     return plan
 
 
@@ -331,7 +343,65 @@ class OpenAIDialect:
 
     # ------------------------------------------------------------ chat
 
+    def _image_part(self, part: dict, where: str) -> np.ndarray:
+        """An `image_url` content part's image, preprocessed for the encoder; RequestError naming the part."""
+        vision = self.service.generator.model.vision
+        if vision is None:
+            raise RequestError(f"{where} is an image, but this model has no image encoder (model.vision is "
+                               f"unset): it takes text parts alone.", "messages", code="images_not_supported")
+        spec = part.get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if not isinstance(url, str):
+            raise RequestError(f"{where}: an image part is {{\"type\": \"image_url\", \"image_url\": {{\"url\": "
+                               f"\"data:image/png;base64,...\"}}}}.", "messages")
+        if url.startswith("file://"):
+            data = self._local_image(url, where)
+        elif not url.startswith("data:"):
+            local = " or a file:// URL under --allowed-local-media-path" if self.service.allowed_media else ""
+            raise RequestError(f"{where}: image_url {url[:80]!r} is not a data URL{local}; this server fetches "
+                               f"nothing, so an image comes inline as \"data:image/<format>;base64,<the file's "
+                               f"bytes>\".", "messages", code="image_url_not_supported")
+        else:
+            data = self._data_url(url, where)
+        try:
+            return preprocess(decode_image(data, where), vision)
+        except DataError as e:
+            raise RequestError(str(e), "messages", code="invalid_image") from None
+
+    def _local_image(self, url: str, where: str) -> bytes:
+        """A file:// URL's bytes, when the file lies under --allowed-local-media-path."""
+        root = self.service.allowed_media
+        if root is None:
+            raise RequestError(f"{where}: image_url {url[:80]!r} is a local file; the server reads local files only "
+                               f"under --allowed-local-media-path DIR (not set), else give the image as a base64 "
+                               f"data URL.", "messages", code="image_url_not_supported")
+        path = Path(urllib.parse.unquote(urllib.parse.urlparse(url).path)).resolve()
+        if not path.is_relative_to(root):
+            raise RequestError(f"{where}: {str(path)!r} is outside --allowed-local-media-path {str(root)!r}.",
+                               "messages", code="image_url_not_supported")
+        try:
+            return path.read_bytes()
+        except OSError as e:
+            raise RequestError(f"{where}: cannot read {str(path)!r} ({e.strerror or e}).", "messages") from None
+
+    @staticmethod
+    def _data_url(url: str, where: str) -> bytes:
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            raise RequestError(f"{where}: the data URL {url[:40]!r}... is not base64 (expected "
+                               f"\"data:image/<format>;base64,...\").", "messages")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise RequestError(f"{where}: the data URL's base64 does not decode ({e}).", "messages") from None
+
     def chat_prompt(self, messages: Any, param: str = "messages") -> list[int]:
+        """The messages' prompt ids (chat_prompt_images without images: refused when it has some)."""
+        return self.chat_prompt_images(messages, param)[0]
+
+    def chat_prompt_images(self, messages: Any, param: str = "messages") -> tuple[list[int], np.ndarray | None]:
+        """(prompt ids, images [N, H, W, 3] or None): the messages rendered with the chat template, each
+        image part an `<image>` marker in its message's text, expanded to image_seq_length placeholders."""
         template = self.service.chat_template
         if template is None:
             raise RequestError("this model's tokenizer has no chat template (no 'chat_template' in its "
@@ -340,15 +410,23 @@ class OpenAIDialect:
                                "POST /v1/completions with the prompt text.", param, code="no_chat_template")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError(f"'{param}' must be a non-empty list of {{\"role\", \"content\"}} objects.", param)
-        flat = []
+        flat, images = [], []
         for i, m in enumerate(messages):
             content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise RequestError(f"'{param}'[{i}].content: only text parts ({{\"type\": \"text\", "
-                                       f"\"text\": ...}}) are supported.", param)
-                content = "".join(p["text"] for p in content)
+            if isinstance(content, list):  # content parts: text, and images at their places
+                texts = []
+                for j, p in enumerate(content):
+                    where = f"'{param}'[{i}].content[{j}]"
+                    if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                        texts.append(p["text"])
+                    elif isinstance(p, dict) and p.get("type") == "image_url":
+                        images.append(self._image_part(p, where))
+                        texts.append(IMAGE_MARKER)
+                    else:
+                        raise RequestError(f"{where}: the parts are text ({{\"type\": \"text\", \"text\": ...}}) "
+                                           f"and images ({{\"type\": \"image_url\", \"image_url\": {{\"url\": "
+                                           f"\"data:image/png;base64,...\"}}}}).", param)
+                content = "".join(texts)
             if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
                 raise RequestError(f"'{param}'[{i}] needs a string 'role' and a string 'content'.", param)
             if content is None and m["role"] != "assistant":  # OpenAI's: only an assistant turn may leave it out
@@ -360,7 +438,22 @@ class OpenAIDialect:
                                eos_token=special_token(self.tokenizer, "eos_token"))
         except ChatTemplateError as e:
             raise RequestError(str(e), param) from None
-        return self.tokenizer.encode(text)
+        vision = self.service.generator.model.vision
+        if vision is None:
+            return self.tokenizer.encode(text), None
+        limit = self.service.limit_images
+        if len(images) > limit:
+            raise RequestError(f"'{param}' holds {len(images)} images; at most {limit} per prompt "
+                               f"(--limit-images-per-prompt).", param)
+        if text.count(IMAGE_MARKER) != len(images):
+            raise RequestError(f"'{param}': the rendered prompt holds {text.count(IMAGE_MARKER)} {IMAGE_MARKER} "
+                               f"marker(s) for {len(images)} image part(s); {IMAGE_MARKER} in a text part is "
+                               f"reserved for an image.", param)
+        try:
+            ids = image_prompt_ids(self.tokenizer, text, len(images), vision)
+        except DataError as e:
+            raise RequestError(str(e), param) from None
+        return ids, np.stack(images) if images else None
 
     def _chat_logprobs(self, ids: list[int], scores: TokenScores, count: int) -> dict:
         def entry(token, lp):
@@ -376,7 +469,7 @@ class OpenAIDialect:
         for name in ("tool_choice", "function_call"):
             _refuse_unless(body, name, lambda v: v in (None, "none"))
         _refuse_unless(body, "response_format", lambda v: v in (None, {"type": "text"}))
-        prompt = self.chat_prompt(body.get("messages"))
+        prompt, images = self.chat_prompt_images(body.get("messages"))
         want_logprobs = field(body, "logprobs", bool, False)
         top = field(body, "top_logprobs", int, None, check=lambda v: 0 <= v <= MAX_TOP_LOGPROBS,
                    accept=f"an integer in [0, {MAX_TOP_LOGPROBS}]")
@@ -387,7 +480,7 @@ class OpenAIDialect:
         max_tokens = field(body, name, int, room, check=lambda v: v >= 1, accept="an integer >= 1")
         plan = _plan(self.service, body, [prompt], [""], max_tokens=max_tokens,
                      logprobs=(top or 0) if want_logprobs else None, echo=False, prompt_param="messages",
-                     budget_param=name)
+                     budget_param=name, images=None if images is None else [images])
         head = self._head("chatcmpl", "chat.completion")
         if plan.stream:
             return self._chat_stream(plan, {**head, "object": "chat.completion.chunk"})

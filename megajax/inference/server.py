@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from megajax.errors import UserError
@@ -58,6 +59,7 @@ from megajax.inference.text import first_stop
 MAX_BODY_BYTES = 16 * 2**20
 MAX_DRAIN_BYTES = 64 * 2**20  # a refused body up to this size is read and dropped; a larger one closes the connection
 MAX_SEQUENCES = 256  # prompts x n in one request
+DEFAULT_LIMIT_IMAGES = 4  # a chat prompt's images at most (--limit-images-per-prompt)
 OPS_PATHS = ("/health", "/health/live", "/metrics")  # answered while draining; not logged or counted as errors
 RETRY_AFTER_S = 1  # what a refused request's Retry-After says (another replica takes it meanwhile)
 MAX_REQUEST_ID = 128
@@ -92,8 +94,20 @@ class CompletionService:
 
     def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None,
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True,
+                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None):
         self.loaded = loaded
+        if limit_images < 0:
+            raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
+        self.limit_images = limit_images  # a chat prompt's images at most (a vision-language model)
+        # file:// image URLs are read under this directory (None: data URLs only)
+        self.allowed_media = None
+        if allowed_local_media_path is not None:
+            root = Path(allowed_local_media_path).expanduser().resolve()
+            if not root.is_dir():
+                raise UserError(f"--allowed-local-media-path {allowed_local_media_path!r}: not a directory; give "
+                                f"the directory whose files chat requests may name as file:// image URLs.")
+            self.allowed_media = root
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused); compiled now,
         # so a broken one stops the start-up instead of failing every chat request.
@@ -218,9 +232,10 @@ class CompletionService:
         return out
 
     def check_prompts(self, prompts: list[list[int]], max_new: int, prompt_param: str, budget_param: str,
-                      sequences: int) -> None:
+                      sequences: int, images: list | None = None) -> None:
         """RequestError for too many sequences, an empty prompt or one that does not fit the context with
-        `max_new` new tokens (naming the prompt's field, or the budget's when fewer new tokens would fit)."""
+        `max_new` new tokens (naming the prompt's field, or the budget's when fewer new tokens would fit),
+        or image placeholders that are not its `images`' (per prompt; a vision-language model's)."""
         if sequences > MAX_SEQUENCES:
             times_n = sequences != len(prompts)
             raise RequestError(f"{sequences} sequences{' (prompts x n)' * times_n} in one request; at most "
@@ -233,6 +248,11 @@ class CompletionService:
                                code="context_length_exceeded") from None
         except UserError as e:
             raise RequestError(str(e), prompt_param) from None
+        if self.generator.model.vision is not None:
+            try:
+                self.generator.check_images(prompts, images or [None] * len(prompts))
+            except UserError as e:
+                raise RequestError(str(e), prompt_param) from None
         fits = getattr(self.batcher, "fits", None)  # the continuous engine's KV pool
         longest = max(len(p) for p in prompts)
         if fits is not None and not fits(longest, max_new):
@@ -602,7 +622,8 @@ class CompletionServer:
 
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
                  quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
-        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows.
+        """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows,
+        limit_images, allowed_local_media_path.
         The address is bound first (OSError: taken, or not this machine's), then the service starts its
         batcher (UserError: a chat template or KV pool it cannot use)."""
         handler = type("Handler", (_Handler,), {"quiet": quiet, "log_requests": log_requests and not quiet})

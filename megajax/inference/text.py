@@ -23,18 +23,28 @@ def completion_text(tokenizer, completion: Completion) -> str:
 
 
 def complete(generator: Generator, tokenizer, prompts: Sequence[str], sampling: Sampling, max_new_tokens: int,
-             batch_size: int = 16) -> list[dict]:
+             batch_size: int = 16, images=None) -> list[dict]:
     """One dict per prompt: prompt, prompt_ids, completion_ids, text (the completion), finish_reason,
     and the timing of the batch it ran in (time_to_first_token_s, decode_tokens_per_s, batch_size,
-    compile_s). Prompt i samples with seed sampling.seed + i (greedy ignores seeds)."""
-    encoded = [tokenizer.encode(p) for p in prompts]
+    compile_s). Prompt i samples with seed sampling.seed + i (greedy ignores seeds). `images`
+    [N, image_size, image_size, 3] (megajax.inference.images.preprocess'd): the images of every prompt,
+    at its `<image>` markers (first, without one)."""
+    if images is not None and len(images):
+        from megajax.inference.images import image_prompt_ids
+        if generator.model.vision is None:
+            generator.check_images([[]], [images])  # the error: a text-only model
+        encoded = [image_prompt_ids(tokenizer, p, len(images), generator.model.vision) for p in prompts]
+    else:
+        images = None
+        encoded = [tokenizer.encode(p) for p in prompts]
     generator.check(encoded, [max_new_tokens] * len(encoded))
     out: list[dict] = []
     for first in range(0, len(prompts), batch_size):
         ids = encoded[first:first + batch_size]
         samplings = [Sampling(sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed + first + i)
                      for i in range(len(ids))]
-        done, timing = generator.generate(ids, samplings, max_new_tokens)
+        done, timing = generator.generate(ids, samplings, max_new_tokens,
+                                          None if images is None else [images] * len(ids))
         for i, c in enumerate(done):
             out.append({"prompt": prompts[first + i], "prompt_ids": c.prompt_ids, "completion_ids": c.completion_ids,
                         "text": completion_text(tokenizer, c), "finish_reason": c.finish_reason,

@@ -487,7 +487,8 @@ class Transformer(nnx.Module):
 
     def extend(self, tokens_BxL: jax.Array, positions_BxL: jax.Array, cache_k, cache_v, *, start: int | jax.Array,
                key_mask_BxT: jax.Array, layer_params: list | None = None,
-               expert_bias: jax.Array | None = None, all_positions: bool = False) -> tuple[jax.Array, Any, Any]:
+               expert_bias: jax.Array | None = None, all_positions: bool = False,
+               image_features: jax.Array | None = None) -> tuple[jax.Array, Any, Any]:
         """Generation step: L new tokens occupying cache slots [start, start + L) of every sequence.
 
         The KV cache is, for k and for v, either one array [layers, B, kv_heads, T, head_dim]
@@ -512,10 +513,18 @@ class Transformer(nnx.Module):
         MoE layer; `layer_params` then holds the groups' parameters one group at a time, and the stacked
         form is a list over the group's layers of caches stacked over the groups. In a prefill a Mamba
         layer skips the tokens `key_mask_BxT` marks as padding (the left padding of a batched prompt);
-        a decode step's tokens are all real to it."""
+        a decode step's tokens are all real to it.
+
+        A vision-language model's prefill passes `image_features` [B, M, D] (VisionLanguageModel's
+        image_embeddings, or the part of them a prefill chunk's placeholders take): the k-th image
+        placeholder of a row among these tokens takes the row's k-th feature; the cache then holds
+        the images and decode steps are text alone."""
         b, l = tokens_BxL.shape
         expert_bias, _ = self.split_expert_bias(expert_bias)
-        x = logical_constraint(self.embed_tokens(tokens_BxL, positions_BxL), RESIDUAL)
+        x = self.embed_tokens(tokens_BxL, positions_BxL)
+        if image_features is not None:
+            x = self.splice_image_features(x, tokens_BxL, image_features)
+        x = logical_constraint(x, RESIDUAL)
         slots = jnp.asarray(start)[..., None] + jnp.arange(l)  # [L], or [B, L] for a per-row start
         causal = jnp.arange(key_mask_BxT.shape[1]) <= slots[..., None]  # [(B,) L, T]
         mask = key_mask_BxT[:, None, :] & causal

@@ -189,6 +189,10 @@ class VisionLanguageModel(Transformer):
         out = self.projector(feats)
         return out.reshape(b, n * out.shape[1], out.shape[2])
 
+    def splice_image_features(self, x_BxLxD, tokens_BxL, feats_BxMxD):
+        """Generation's prefill (Transformer.extend): the features in place of the placeholders."""
+        return splice_images(x_BxLxD, tokens_BxL, feats_BxMxD, self.cfg.vision.image_token_id)
+
     def embed_input(self, tokens_BxL, positions_BxL, dropout_rng, images_BxNxHxWxC=None):
         """The first layer's input [B, L, D]: token embeddings, the placeholders' replaced by the
         images' features (text alone without `images`), then their dropout."""

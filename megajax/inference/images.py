@@ -1,0 +1,97 @@
+"""Images for a vision-language model's generation: decoded, resized and normalised as its encoder
+expects, and the prompt's `<image>` markers expanded to the placeholder tokens.
+
+    decode_image(data, what) -> PIL image (RGB)               one clear error naming `what` otherwise
+    preprocess(image, vision) -> float32 [image_size, image_size, 3]
+    image_prompt_ids(tokenizer, text, images, vision) -> token ids with image_seq_length placeholders per image
+
+The encoder forms' preprocessing (what their checkpoints were trained with):
+
+    siglip: resize to image_size x image_size (bicubic), pixels / 255, then (x - 0.5) / 0.5
+    clip:   resize the shorter side to image_size (bicubic), center crop image_size x image_size,
+            pixels / 255, then (x - mean) / std with OpenAI's CLIP mean and std
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from megajax.config import VisionConfig
+from megajax.errors import DataError
+
+IMAGE_MARKER = "<image>"  # where a prompt's image goes (prepended when the prompt has none)
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+NORMALISATION = {"siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), "clip": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
+
+
+def decode_image(data: bytes, what: str):
+    """The image in `data` (PNG, JPEG, ... anything Pillow reads) as RGB; DataError naming `what`
+    when it is not one."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise DataError(f"{what}: not an image Pillow can decode ({len(data)} bytes starting {data[:8]!r}: "
+                        f"{e}); expected PNG, JPEG, WebP, GIF or another common image format.") from None
+    return image.convert("RGB")
+
+
+def read_image(path: str):
+    """The image file at `path`, decoded (DataError naming the file when it cannot be read or decoded)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise DataError(f"--image {path!r}: cannot read it ({e.strerror or e}).") from None
+    return decode_image(data, f"--image {path!r}")
+
+
+def preprocess(image, v: VisionConfig) -> np.ndarray:
+    """A PIL image as the encoder's input: float32 [image_size, image_size, 3] (the form's resize,
+    crop and normalisation, module docstring)."""
+    from PIL import Image
+    size = v.image_size
+    image = image.convert("RGB")
+    if v.form == "clip":
+        w, h = image.size
+        short, long = min(w, h), max(w, h)
+        new_long = int(size * long / short)
+        image = image.resize((size, new_long) if w <= h else (new_long, size), Image.Resampling.BICUBIC)
+        w, h = image.size
+        top, left = (h - size) // 2, (w - size) // 2
+        pixels = np.asarray(image)[top:top + size, left:left + size]
+    else:
+        pixels = np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+    mean, std = (np.asarray(x, np.float32) for x in NORMALISATION[v.form])
+    x = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)
+    return (x - mean) / std
+
+
+def image_prompt_ids(tokenizer, text: str, images: int, v: VisionConfig) -> list[int]:
+    """The ids of `text` with each `<image>` marker replaced by image_seq_length placeholder ids
+    (model.vision.image_token_id); without a marker, the images' placeholders come first, one marker
+    per image (Hugging Face's LLaVA processors' form). DataError when the markers are not the images."""
+    markers = text.count(IMAGE_MARKER)
+    if markers == 0 and images:
+        text = IMAGE_MARKER * images + "\n" + text
+        markers = images
+    if markers != images:
+        raise DataError(f"the prompt holds {markers} {IMAGE_MARKER} marker(s) but {images} image(s) came with it; "
+                        f"give one marker per image (or none: the images then come first).")
+    pieces = text.split(IMAGE_MARKER)
+    ids: list[int] = []
+    for n, piece in enumerate(pieces):
+        if n:
+            ids += [v.image_token_id] * v.image_seq_length
+        if piece:
+            ids += list(tokenizer.encode(piece))
+    stray = sum(1 for t in ids if t == v.image_token_id) - images * v.image_seq_length
+    if stray:
+        raise DataError(f"the prompt's text encodes to the image placeholder id {v.image_token_id} "
+                        f"(model.vision.image_token_id) {stray} time(s) outside its {IMAGE_MARKER} markers; "
+                        f"remove that text.")
+    return ids
