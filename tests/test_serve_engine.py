@@ -149,10 +149,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_another_sequence_decodes(set
 
 def test_a_full_pool_queues_requests_and_every_one_finishes(setup):
     gen, engine, _ = setup
-    engine.observer = log = Log()
     prompts = [list(range(10 + i, 20 + i)) for i in range(3)]  # 10 + 14 new: 6 blocks each, 18 > 16
     seen = []
     stop = threading.Event()
+
+    class Watching(Log):  # the stats at every decode step too, which a polling thread can miss under load
+        def tokens(self, job, count, seconds):
+            super().tokens(job, count, seconds)
+            seen.append(engine.stats())
+
+    engine.observer = log = Watching()
 
     def watch():
         while not stop.is_set():
