@@ -15,7 +15,9 @@ adapters run in the compute dtype):
 - beside a kernel replicated over tensor (MLA's down-projections): two plain products.
 
 Adapter parameters live in modules named `lora` (one linear's), `qkv_lora` (the fused q/k/v
-projection's: one A for q, k and v, one B laid out as the fused kernel) and `gate_up_lora`; their
+projection's: one A for q, k and v, one B laid out as the fused kernel), `gate_up_lora` and
+`in_proj_lora` (a Mamba-2 mixer's in_proj: one A, one B [r, groups, z | x | B | C | dt] laid out as
+its fused kernel, split over tensor by groups like it; megajax/models/mamba.py); their
 leaves are `a` and `b`. `split_trainable` separates them from the frozen rest of a parameter tree.
 """
 
@@ -31,7 +33,7 @@ from flax import nnx
 from megajax.config import LoraConfig
 from megajax.models.layers import LinearOps, dropout
 
-ADAPTER_MODULES = ("lora", "qkv_lora", "gate_up_lora")
+ADAPTER_MODULES = ("lora", "qkv_lora", "gate_up_lora", "in_proj_lora")
 
 
 class LoRA(nnx.Module):
