@@ -173,3 +173,30 @@ def test_nemotron_h_peft_export_adapts_in_proj(tmp_path, capsys):
     assert main(["export", "--format", "peft", "--checkpoint", str(lora), "--output", str(tmp_path / "no")]) == 2
     assert re.search(r"out_proj .*PEFT refuses LoRA on a Mamba model's out_proj.*--merge-lora", capsys.readouterr().err)
     assert not (tmp_path / "no").exists()
+
+
+def test_expert_adapters_export_merged_and_refuse_peft(tmp_path, capsys):
+    """The routed experts' adapters (`experts`: per expert, gate/up and fc2) merge into the Mixtral
+    export, whose transformers model computes megajax's logits; PEFT's format, with no per-expert
+    adapters, is refused naming the target."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    moe = ["model.num_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32"]
+    base, lora, spec, params, adapters = lora_checkpoint(tmp_path, "llama", *moe, targets=["qkv", "experts"])
+    assert sorted(k for k in dict(flatten(adapters)) if "experts" in k) == [
+        "layers/mlp/experts_fc1_lora/a", "layers/mlp/experts_fc1_lora/b", "layers/mlp/experts_fc2_lora/a",
+        "layers/mlp/experts_fc2_lora/b"]
+    toks = np.random.default_rng(1).integers(0, VOCAB, (2, 32)).astype(np.int32)
+    want = megajax_logits(spec, adapters, toks, frozen=params)
+    experts_only = unflatten({k: x if "experts_fc" in k else 0 * x for k, x in flatten(adapters)})
+    assert np.abs(megajax_logits(spec, experts_only, toks, frozen=params)
+                  - megajax_logits(random_model("llama", *moe)[1], params, toks)).max() > 0.05
+    assert main(["export", "--format", "hf", "--merge-lora", "--checkpoint", str(lora), "--output",
+                 str(tmp_path / "merged"), "--dtype", "fp32"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    np.testing.assert_allclose(torch_logits(merged, toks)[..., :VOCAB], want, atol=1e-4, rtol=1e-4)
+    capsys.readouterr()
+    assert main(["export", "--format", "peft", "--checkpoint", str(lora), "--output", str(tmp_path / "no")]) == 2
+    assert re.search(r"model.lora.targets holds experts .*PEFT's LoRA format has no per-expert adapters.*"
+                     r"--merge-lora", capsys.readouterr().err)
+    assert not (tmp_path / "no").exists()

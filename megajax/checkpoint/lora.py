@@ -51,6 +51,11 @@ def kernel_adapters(adapters: dict[str, np.ndarray], m: ModelConfig) -> dict[str
                         parent + "/v/kernel": (a, b[:, :, :, group + 1])})
         elif module == "gate_up_lora":  # b [L, r, F, 2]
             out.update({parent + "/gate/kernel": (a, b[..., 0]), parent + "/up/kernel": (a, b[..., 1])})
+        elif module == "experts_fc1_lora":  # a [L, E, D, r], b [L, E, r, F] or [L, E, r, F, 2] (gate, up)
+            out.update({parent + "/gate": (a, b[..., 0]), parent + "/up": (a, b[..., 1])} if b.ndim == 5 else
+                       {parent + "/fc1": (a, b)})
+        elif module == "experts_fc2_lora":
+            out[parent + "/fc2"] = (a, b)
         elif module == "in_proj_lora":  # b [L, r, G, z | x | B | C | dt]: the group's H / G heads of z, x, dt
             out.update({f"{parent}/{x}/kernel": (a, part) for x, part in zip(IN_PROJ, in_proj_parts(b, m))})
         else:
@@ -71,7 +76,10 @@ def in_proj_parts(b: np.ndarray, m: ModelConfig) -> list[np.ndarray]:
 
 
 def delta(a: np.ndarray, b: np.ndarray, scale: float, shape: tuple[int, ...]) -> np.ndarray:
-    """s A B for one layer: A [in..., r], B [r, out...] -> [in..., out...] (`shape`)."""
+    """s A B for one layer: A [in..., r], B [r, out...] -> [in..., out...] (`shape`); routed experts'
+    A [E, in, r], B [E, r, out] -> [E, in, out], expert by expert."""
+    if a.ndim == b.ndim == len(shape) == 3 and a.shape[0] == b.shape[0] == shape[0] and a.shape[2] == b.shape[1]:
+        return scale * np.einsum("eir,ero->eio", a.astype(np.float64), b.astype(np.float64))
     r = a.shape[-1]
     return (scale * (a.reshape(-1, r).astype(np.float64) @ b.reshape(r, -1).astype(np.float64))).reshape(shape)
 
@@ -147,6 +155,12 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     from megajax.checkpoint.dtypes import numpy_dtype
     from megajax.checkpoint.hf import _write_json, _write_safetensors
     from megajax.checkpoint.mapping import Part
+    experts = sorted(k for k in adapters if "/experts_fc" in k)
+    if experts:
+        raise CheckpointError(f"model.lora.targets holds experts (the routed experts' adapters, {experts[0]}, ...): "
+                              f"PEFT's LoRA format has no per-expert adapters of the stacked expert weights "
+                              f"transformers holds; export the merged model (export --format hf --merge-lora) or "
+                              f"train without `experts`.")
     kernels = kernel_adapters(adapters, m)
     mamba_out = sorted(k for k in kernels if k.endswith("/mixer/out/kernel"))
     if mamba_out:  # peft.tuners refuses out_proj (and conv1d) of Mamba models: fused kernels bypass its forward
