@@ -55,7 +55,8 @@ FAMILY_DEFAULTS = {
 }
 
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2", "q_proj", "q_down_proj", "q_up_proj", "kv_down_proj", "kv_up_proj",
+                "in_proj", "out_proj", "experts")
 
 
 @dataclass
@@ -64,8 +65,10 @@ class LoraConfig:
     y = x W becomes y = x W + (alpha / rank) dropout(x) A B with A [in, rank], B [rank, out] (zeros at
     the start), the base weights frozen. Targets (Megatron-Bridge's names, `linear_` prefix optional):
     qkv (the fused q/k/v projection: one A, one B over q, k and v), proj (attention output), fc1 (the
-    MLP's first projection, gate and up together under SwiGLU: one A), fc2, and multi-latent
-    attention's q_proj, q_down_proj, q_up_proj, kv_down_proj, kv_up_proj (its output is proj)."""
+    MLP's first projection, gate and up together under SwiGLU: one A), fc2, multi-latent
+    attention's q_proj, q_down_proj, q_up_proj, kv_down_proj, kv_up_proj (its output is proj), and a
+    hybrid model's Mamba-2 mixers' in_proj (z, x, B, C and dt together: one A) and out_proj, and
+    experts (a mixture of experts' routed experts: per expert, fc1 (gate and up: one A) and fc2)."""
     rank: int = 32
     alpha: float = 32.0
     dropout: float = 0.0
@@ -918,7 +921,12 @@ def validate_lora(m: ModelConfig) -> None:
     mla = m.multi_latent_attention
     has = {"proj"} | ({"q_down_proj", "q_up_proj"} if mla and m.q_lora_rank is not None else
                       {"q_proj"} if mla else set()) | ({"kv_down_proj", "kv_up_proj"} if mla else {"qkv"})
-    has |= {"fc1", "fc2"}  # the dense MLPs' (and shared experts') projections; a MoE layer's experts stay frozen
+    has |= {"fc1", "fc2"} | ({"experts"} if m.num_experts else set())  # the dense MLPs' (and shared experts')
+    if m.hybrid_layer_pattern:  # the linears of the layers the pattern has
+        kinds = set(m.hybrid_layer_pattern)
+        has = (({"qkv", "proj"} if "*" in kinds else set()) | ({"in_proj", "out_proj"} if "M" in kinds else set())
+               | ({"fc1", "fc2"} if "-" in kinds or ("E" in kinds and m.moe_shared_expert_ffn_size) else set())
+               | ({"experts"} if "E" in kinds else set()))
     bad = [t for t in lo.target_names() if t not in has]
     if not lo.targets or bad or len(set(lo.target_names())) != len(lo.targets):
         raise ConfigError(f"config key model.lora.targets = {lo.targets}: "
@@ -928,9 +936,10 @@ def validate_lora(m: ModelConfig) -> None:
     if mla and lo.dropout > 0:
         raise ConfigError(f"model.lora.dropout = {lo.dropout} with model.multi_latent_attention: its adapters take "
                           f"no input dropout; set model.lora.dropout=0.")
-    if m.hybrid_layer_pattern:
-        raise ConfigError("model.lora with model.hybrid_layer_pattern: adapters on the Mamba mixers are not "
-                          "supported; use a transformer model or drop model.lora.")
+    if "experts" in lo.target_names() and lo.dropout > 0:
+        raise ConfigError(f"model.lora.dropout = {lo.dropout} with the `experts` target: the experts' adapters are "
+                          f"merged into their kernels in the step and take no input dropout; set model.lora.dropout=0 "
+                          f"or drop `experts` from model.lora.targets.")
 
 
 def validate_vision(cfg: Config) -> None:

@@ -243,8 +243,9 @@ def make_rules(cfg: Config) -> ShardingRules:
     params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),
               # Low-rank adapters (megajax/models/lora.py): the rank dim replicated, the fused q/k/v
-              # and gate/up slots of a B beside their kernels' kv-head and mlp dims.
-              "lora_rank": (), "qkv_slot": (), "gate_up": (),
+              # and gate/up slots of a B beside their kernels' kv-head and mlp dims, a Mamba in_proj B's
+              # per-group z | x | B | C | dt columns beside its group dim.
+              "lora_rank": (), "qkv_slot": (), "gate_up": (), "in_proj_part": (),
               "experts": ("expert",), "expert_scores": (), "stage": ("pipeline",)}
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         params["layers"] = ("pipeline",)

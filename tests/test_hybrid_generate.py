@@ -86,6 +86,23 @@ def test_mamba_extend_in_pieces_equals_the_whole_sequence(mixer):
     close(s, state)
 
 
+def test_mamba_extend_with_unmerged_adapters_equals_the_whole_sequence():
+    """model.lora's in_proj and out_proj adapters (B nonzero) unmerged: generation's five products plus
+    the adapter's delta split as in_proj's give the fused training product's outputs."""
+    cfg = load_config(overrides=["model.hidden_size=32", *HYBRID, "model.lora.rank=4",
+                                 "model.lora.targets=[in_proj,out_proj]"]).model
+    mix = Mamba2Mixer(cfg, dtype=jnp.float32, ops=LinearOps(), rngs=nnx.Rngs(0))
+    for lora in (mix.in_proj_lora, mix.out.lora):
+        lora.b[...] = jax.random.normal(jax.random.key(2), lora.b.shape)
+    x = jax.random.normal(jax.random.key(1), (2, 10, 32))
+    full = mix(x)
+    mix.in_proj_lora.b[...] = jnp.zeros(mix.in_proj_lora.b.shape)
+    assert np.abs(np.asarray(full - mix(x))).max() > 0.1  # the in_proj adapter matters
+    mix.in_proj_lora.b[...] = jax.random.normal(jax.random.key(2), mix.in_proj_lora.b.shape)
+    y, _ = mix.extend(x, empty_state(cfg, 2))
+    close(y, full)
+
+
 @pytest.mark.parametrize("length", [1, 2, 6])  # shorter than the conv window (K - 1 = 3), and longer
 def test_mamba_left_padding_leaves_the_state_of_the_prompt_alone(mixer, length):
     """A prompt left-padded with arbitrary (nonzero) inputs: its outputs and its state after the prefill

@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 
 from layout_parity import MOE, assert_same_run, reference, run
+from test_hybrid import HYBRID
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+# A hybrid 'M*-E' model's every linear but the experts': the Mamba mixers' in_proj (one A over z, x, B,
+# C, dt; B split by groups over tensor) and out_proj (row-parallel), attention's and the MLP's.
+HYBRID_LORA = [*HYBRID, "model.lora.targets=[in_proj,out_proj,qkv,proj,fc1,fc2]"]
 # layout -> (the model's overrides, the layout's)
 LAYOUTS = {
     "data2_fsdp2_tensor2": ([], ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]),
@@ -18,13 +22,26 @@ LAYOUTS = {
     "pipeline2_tensor2_sp_data2": ([], ["mesh.pipeline=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
                                         "mesh.data=2", "train.micro_batch=2"]),
     "expert2_data4_moe": ([*MOE, "model.moe_layer_freq=2"], ["mesh.expert=2", "mesh.data=4"]),
+    # The routed experts' adapters (`experts`), split over expert 2 with their kernels (mlp over tensor 2).
+    "expert2_tensor2_sp_data2_moe_experts": ([*MOE, "model.moe_layer_freq=2",
+                                              "model.lora.targets=[qkv,proj,fc1,fc2,experts]"],
+                                             ["mesh.expert=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                              "mesh.data=2"]),
+    # The reference's microbatch: data-parallel size x the layout's (the balancing loss counts a microbatch).
+    "hybrid_tensor2_sp_data4": ([*HYBRID_LORA, "model.lora.dropout=0.1"],
+                                ["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.data=4",
+                                 "train.micro_batch=2", "reference:train.micro_batch=8"]),
+    "hybrid_pipeline2_expert2_context2": (HYBRID_LORA, ["mesh.pipeline=2", "mesh.expert=2", "mesh.context=2",
+                                                        "train.micro_batch=1", "reference:train.micro_batch=2"]),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_lora_layouts_match_one_device(small_config, layout):
     model, overrides = LAYOUTS[layout]
-    micro = [o for o in overrides if o.startswith("train.micro_batch")]
+    own = [o[len("reference:"):] for o in overrides if o.startswith("reference:")]
+    overrides = [o for o in overrides if not o.startswith("reference:")]
+    micro = own or [o for o in overrides if o.startswith("train.micro_batch")]
     ref = reference(small_config, *LORA, *model, *micro)
     got = run(small_config, *LORA, *model, *overrides, devices=jax.devices())
     assert_same_run(got, ref)
@@ -126,3 +143,24 @@ def test_analytic_memory_counts_the_frozen_base_without_gradients_or_adam_state(
     assert state.frozen is not None and per_device(state.frozen) > 5 * per_device(state.params)
     assert est["params"] == per_device(state.frozen) + per_device(state.params)
     assert est["grads"] == per_device(state.params) and est["optimizer"] == per_device(state.opt_state)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["model.lora.targets=[in_proj]"], r"model.lora.targets = \['in_proj'\]: unknown or repeated targets \['in_proj'\]; "
+                                       r"this model's linears are qkv, proj, fc1, fc2 "),
+    (["model.lora.targets=[fc1,experts]"], r"unknown or repeated targets \['experts'\]; this model's linears are "
+                                            r"qkv, proj, fc1, fc2 "),
+    ([*MOE, "model.lora.targets=[experts]", "model.lora.dropout=0.1"],
+     r"model.lora.dropout = 0.1 with the `experts` target: .* set model.lora.dropout=0 or drop `experts`"),
+    ([*HYBRID, "model.hybrid_layer_pattern=M-M-", "model.lora.targets=[in_proj,qkv]"],
+     r"unknown or repeated targets \['qkv'\]; this model's linears are fc1, fc2, in_proj, out_proj "),
+    ([*HYBRID, "model.hybrid_layer_pattern=MM", "model.num_experts=0"],  # the default targets
+     r"unknown or repeated targets \['qkv', 'proj', 'fc1', 'fc2'\]; this model's linears are in_proj, out_proj "),
+    ([*HYBRID, "model.lora.targets=[experts,linear_qkv,qkv]"],
+     r"unknown or repeated targets \['experts', 'linear_qkv', 'qkv'\]; this model's linears are qkv, proj, fc1, fc2, "
+     r"in_proj, out_proj, experts "),
+])
+def test_lora_targets_the_model_lacks_are_one_error(small_config, overrides, match):
+    from megajax.errors import ConfigError
+    with pytest.raises(ConfigError, match=match):
+        small_config(*LORA, *overrides)

@@ -51,13 +51,35 @@ def kernel_adapters(adapters: dict[str, np.ndarray], m: ModelConfig) -> dict[str
                         parent + "/v/kernel": (a, b[:, :, :, group + 1])})
         elif module == "gate_up_lora":  # b [L, r, F, 2]
             out.update({parent + "/gate/kernel": (a, b[..., 0]), parent + "/up/kernel": (a, b[..., 1])})
+        elif module == "experts_fc1_lora":  # a [L, E, D, r], b [L, E, r, F] or [L, E, r, F, 2] (gate, up)
+            out.update({parent + "/gate": (a, b[..., 0]), parent + "/up": (a, b[..., 1])} if b.ndim == 5 else
+                       {parent + "/fc1": (a, b)})
+        elif module == "experts_fc2_lora":
+            out[parent + "/fc2"] = (a, b)
+        elif module == "in_proj_lora":  # b [L, r, G, z | x | B | C | dt]: the group's H / G heads of z, x, dt
+            out.update({f"{parent}/{x}/kernel": (a, part) for x, part in zip(IN_PROJ, in_proj_parts(b, m))})
         else:
             raise CheckpointError(f"adapter parameter {path}: unknown adapter module {module!r}.")
     return out
 
 
+IN_PROJ = ("z", "x", "B", "C", "dt")  # a Mamba-2 mixer's in_proj parts, in the fused kernel's order
+
+
+def in_proj_parts(b: np.ndarray, m: ModelConfig) -> list[np.ndarray]:
+    """A Mamba in_proj adapter's B [..., r, G, z | x | B | C | dt] as the five kernels' B's: z, x
+    [..., r, H, P] (heads group-major), B, C [..., r, G, N], dt [..., r, H]."""
+    h, p, g, n = m.mamba_num_heads, m.mamba_head_dim, m.mamba_num_groups, m.mamba_state_dim
+    lead = b.shape[:-2]
+    z, x, bm, cm, dt = np.split(b, np.cumsum([h // g * p, h // g * p, n, n]), axis=-1)
+    return [z.reshape(*lead, h, p), x.reshape(*lead, h, p), bm, cm, dt.reshape(*lead, h)]
+
+
 def delta(a: np.ndarray, b: np.ndarray, scale: float, shape: tuple[int, ...]) -> np.ndarray:
-    """s A B for one layer: A [in..., r], B [r, out...] -> [in..., out...] (`shape`)."""
+    """s A B for one layer: A [in..., r], B [r, out...] -> [in..., out...] (`shape`); routed experts'
+    A [E, in, r], B [E, r, out] -> [E, in, out], expert by expert."""
+    if a.ndim == b.ndim == len(shape) == 3 and a.shape[0] == b.shape[0] == shape[0] and a.shape[2] == b.shape[1]:
+        return scale * np.einsum("eir,ero->eio", a.astype(np.float64), b.astype(np.float64))
     r = a.shape[-1]
     return (scale * (a.reshape(-1, r).astype(np.float64) @ b.reshape(r, -1).astype(np.float64))).reshape(shape)
 
@@ -104,9 +126,10 @@ def read_adapters(source) -> dict[str, np.ndarray]:
 # PEFT
 # ----------------------------------------------------------------------------
 
-def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, object, str]]:
-    """(Hugging Face module name, stack index, Part, kernel path) of every adapted kernel, in the
-    Hugging Face table's layer order."""
+def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, tuple, tuple]]:
+    """(Hugging Face module name, stack index, Parts, kernel paths) of every adapted Hugging Face
+    linear, in the Hugging Face table's layer order: one kernel, or the kernels a fused Hugging Face
+    linear holds side by side along its output (a Mamba mixer's in_proj: z, x, B, C, dt)."""
     from megajax.checkpoint.common import tensor_shapes  # noqa: F401  (the table needs the shapes)
     from megajax.checkpoint.hf import architecture, table
     from megajax.checkpoint.mapping import in_layer_order, rows_for
@@ -116,11 +139,11 @@ def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, o
     rows = rows_for(table(arch, m), {k: v for k, v in shapes.items()}, "Hugging Face " + arch)
     out = []
     for row, i, slot in in_layer_order(rows, m):
-        if len(row.parts) != 1 or row.parts[0].kind != "linear" or row.parts[0].path not in kernels:
+        if len(row.names(i)) != 1 or any(p.kind != "linear" or p.path not in kernels for p in row.parts):
             continue
         name = row.names(i)[0]
-        assert name.endswith(".weight"), name
-        out.append((name[:-len(".weight")], slot, row.parts[0], row.parts[0].path))
+        assert name.endswith(".weight") and len({p.n_in for p in row.parts}) == 1, name
+        out.append((name[:-len(".weight")], slot, row.parts, tuple(p.path for p in row.parts)))
     return out
 
 
@@ -132,17 +155,29 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     from megajax.checkpoint.dtypes import numpy_dtype
     from megajax.checkpoint.hf import _write_json, _write_safetensors
     from megajax.checkpoint.mapping import Part
+    experts = sorted(k for k in adapters if "/experts_fc" in k)
+    if experts:
+        raise CheckpointError(f"model.lora.targets holds experts (the routed experts' adapters, {experts[0]}, ...): "
+                              f"PEFT's LoRA format has no per-expert adapters of the stacked expert weights "
+                              f"transformers holds; export the merged model (export --format hf --merge-lora) or "
+                              f"train without `experts`.")
     kernels = kernel_adapters(adapters, m)
+    mamba_out = sorted(k for k in kernels if k.endswith("/mixer/out/kernel"))
+    if mamba_out:  # peft.tuners refuses out_proj (and conv1d) of Mamba models: fused kernels bypass its forward
+        raise CheckpointError(f"model.lora.targets holds out_proj (the Mamba mixers' output, {mamba_out[0]}, ...): "
+                              f"PEFT refuses LoRA on a Mamba model's out_proj; export the merged model "
+                              f"(export --format hf --merge-lora) or train without out_proj.")
     rows = _linear_rows(m, kernels)
-    if len(rows) != sum(kernels[k][0].shape[0] for k in kernels):
+    if sum(len(r[3]) for r in rows) != sum(kernels[k][0].shape[0] for k in kernels):
         raise CheckpointError(f"some adapters have no Hugging Face module to go with: "
-                              f"{sorted(set(kernels) - {r[3] for r in rows})}.")
+                              f"{sorted(set(kernels) - {p for r in rows for p in r[3]})}.")
     tensors = []
-    for module, slot, part, path in rows:
-        a, b = kernels[path]
-        a, b = (a, b) if slot is None else (a[slot], b[slot])
-        ext_a = Part(path, "linear", n_in=part.n_in).to_external(a)  # [r, in]
-        ext_b = Part(path, "linear", n_in=1).to_external(b)  # [out, r]
+    for module, slot, parts, paths in rows:
+        pairs = [kernels[path] if slot is None else (kernels[path][0][slot], kernels[path][1][slot]) for path in paths]
+        a = pairs[0][0]  # one shared A where the kernels are one Hugging Face linear (kernel_adapters)
+        assert all(np.array_equal(a, other) for other, _ in pairs), module
+        ext_a = Part(paths[0], "linear", n_in=parts[0].n_in).to_external(a)  # [r, in]
+        ext_b = np.concatenate([Part(p, "linear", n_in=1).to_external(b) for p, (_, b) in zip(paths, pairs)])  # [out, r]
         for which, x in (("lora_A", ext_a), ("lora_B", ext_b)):
             tensors.append((f"{PEFT_PREFIX}{module}.{which}.weight", x.shape, lambda x=x: x))
     modules = sorted({module.rsplit(".", 1)[1] for module, *_ in rows})
@@ -181,16 +216,19 @@ def import_peft(in_dir, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarra
     rows = _linear_rows(m, kernel_adapters(probe, m))
     found: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     used = set()
-    for module, slot, part, path in rows:
+    for module, slot, parts, paths in rows:
         ka, kb = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
         if ka not in stored:
             continue
         used |= {ka, kb}
         a_ext, b_ext = stored[ka].astype(np.float32), stored[kb].astype(np.float32)  # [r, in], [out, r]
-        in_shape = shapes_of_kernel(shapes, path)[:part.n_in]
-        out_shape = shapes_of_kernel(shapes, path)[part.n_in:]
-        found.setdefault(path, {})[0 if slot is None else slot] = (
-            a_ext.T.reshape(*in_shape, a_ext.shape[0]), b_ext.T.reshape(b_ext.shape[1], *out_shape))
+        kernel_shapes = [shapes_of_kernel(shapes, path) for path in paths]
+        outs = [math.prod(k[part.n_in:]) for k, part in zip(kernel_shapes, parts)]
+        if b_ext.shape[0] != sum(outs):
+            raise CheckpointError(f"{weights}: {kb} has {b_ext.shape[0]} output rows; {module} has {sum(outs)}.")
+        for path, part, k, b_part in zip(paths, parts, kernel_shapes, np.split(b_ext, np.cumsum(outs)[:-1])):
+            found.setdefault(path, {})[0 if slot is None else slot] = (
+                a_ext.T.reshape(*k[:part.n_in], a_ext.shape[0]), b_part.T.reshape(b_part.shape[1], *k[part.n_in:]))
     unused = sorted(set(stored) - used)
     if unused:
         raise CheckpointError(f"{weights}: tensors megajax's model has no place for: {', '.join(unused[:4])}"
@@ -207,14 +245,19 @@ def shapes_of_kernel(shapes: dict, path: str) -> tuple[int, ...]:
 
 
 def _all_targets(m: ModelConfig) -> list[str]:
+    if m.hybrid_layer_pattern:
+        kinds = set(m.hybrid_layer_pattern)
+        return ((["in_proj", "out_proj"] if "M" in kinds else []) + (["qkv", "proj"] if "*" in kinds else [])
+                + (["fc1", "fc2"] if "-" in kinds or ("E" in kinds and m.moe_shared_expert_ffn_size) else []))
     if m.multi_latent_attention:
         q = ["q_down_proj", "q_up_proj"] if m.q_lora_rank is not None else ["q_proj"]
         return q + ["kv_down_proj", "kv_up_proj", "proj", "fc1", "fc2"]
     return ["qkv", "proj", "fc1", "fc2"]
 
 
-_FUSED = {"qkv_lora": ("q", "k", "v"), "gate_up_lora": ("gate", "up")}
-_TARGET_OF = {"qkv_lora": "qkv", "gate_up_lora": "fc1", "o": "proj", "fc1": "fc1", "fc2": "fc2", "q": "q_proj",
+_FUSED = {"qkv_lora": ("q", "k", "v"), "gate_up_lora": ("gate", "up"), "in_proj_lora": IN_PROJ}
+_TARGET_OF = {"qkv_lora": "qkv", "gate_up_lora": "fc1", "in_proj_lora": "in_proj", "out": "out_proj",
+              "o": "proj", "fc1": "fc1", "fc2": "fc2", "q": "q_proj",
               "q_down": "q_down_proj", "q_up": "q_up_proj", "kv_down": "kv_down_proj", "kv_up": "kv_up_proj"}
 
 
@@ -224,7 +267,7 @@ def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: Mo
     for path in found:
         parent, kernel = path[:-len("/kernel")].rsplit("/", 1)
         fused = next((mod for mod, ks in _FUSED.items() if kernel in ks and parent.split("/")[-1] in
-                      ("attn", "mlp")), None)
+                      ("attn", "mlp", "mixer")), None)
         if fused and not (m.multi_latent_attention and fused == "qkv_lora"):
             groups.setdefault(f"{parent}/{fused}", (fused, [f"{parent}/{k}/kernel" for k in _FUSED[fused]]))
         else:
@@ -271,6 +314,11 @@ def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: Mo
                 b = np.concatenate([q.reshape(rank, g, -1, q.shape[-1]), k[:, :, None], v[:, :, None]], axis=2)
             elif module == "gate_up_lora":
                 b = np.stack(bs, axis=-1)
+            elif module == "in_proj_lora":  # [R, G, z | x | B | C | dt]
+                z, x, bm, cm, dt = bs
+                g = bm.shape[1]
+                b = np.concatenate([z.reshape(rank, g, -1), x.reshape(rank, g, -1), bm, cm, dt.reshape(rank, g, -1)],
+                                   axis=2)
             else:
                 b = bs[0]
             a_layers.append(a)

@@ -15,7 +15,10 @@ adapters run in the compute dtype):
 - beside a kernel replicated over tensor (MLA's down-projections): two plain products.
 
 Adapter parameters live in modules named `lora` (one linear's), `qkv_lora` (the fused q/k/v
-projection's: one A for q, k and v, one B laid out as the fused kernel) and `gate_up_lora`; their
+projection's: one A for q, k and v, one B laid out as the fused kernel), `gate_up_lora` and
+`in_proj_lora` (a Mamba-2 mixer's in_proj: one A, one B [r, groups, z | x | B | C | dt] laid out as
+its fused kernel, split over tensor by groups like it; megajax/models/mamba.py),
+`experts_fc1_lora` and `experts_fc2_lora` (a mixture of experts' routed experts, `ExpertLoRA`); their
 leaves are `a` and `b`. `split_trainable` separates them from the frozen rest of a parameter tree.
 """
 
@@ -31,7 +34,7 @@ from flax import nnx
 from megajax.config import LoraConfig
 from megajax.models.layers import LinearOps, dropout
 
-ADAPTER_MODULES = ("lora", "qkv_lora", "gate_up_lora")
+ADAPTER_MODULES = ("lora", "qkv_lora", "gate_up_lora", "in_proj_lora", "experts_fc1_lora", "experts_fc2_lora")
 
 
 class LoRA(nnx.Module):
@@ -59,6 +62,32 @@ class LoRA(nnx.Module):
         h = self.first(x, a, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
         y = self.second(h, b, (((h.ndim - 1,), (0,)), ((), ())))
         return y * jnp.asarray(self.scale, y.dtype)
+
+
+class ExpertLoRA(nnx.Module):
+    """The adapters of one routed-expert kernel W[E, in, out...] (model.lora's `experts`): A [E, in, r],
+    B [E, r, out...], one pair per expert stacked like the kernel (split over the expert axis with it,
+    the in / out dims as the kernel's). They are merged into the kernel inside the step,
+    W_e + (alpha / rank) A_e B_e (`merged`), so every dispatch (grouped, tiled, capacity buffers,
+    expert-parallel all-to-all) runs the adapted experts unchanged; exact, without input dropout. The
+    cost: the product A B (E x in x out x r multiply-adds) and the gradient of the merged kernel,
+    a kernel-sized temporary (no optimizer state), per MoE layer and step."""
+
+    def __init__(self, experts: int, in_features: int, out_features: Sequence[int], *, in_axis: str,
+                 out_axes: tuple, cfg: LoraConfig, rngs: nnx.Rngs):
+        out_features = tuple(out_features)
+        bound = 1.0 / math.sqrt(in_features)
+        self.a = nnx.Param(jax.random.uniform(rngs.params(), (experts, in_features, cfg.rank), jnp.float32, -bound,
+                                              bound), axes=("experts", in_axis, "lora_rank"))
+        self.b = nnx.Param(jnp.zeros((experts, cfg.rank, *out_features), jnp.float32),
+                           axes=("experts", "lora_rank", *out_axes))
+        self.scale = cfg.alpha / cfg.rank
+
+    def merged(self, kernel: jax.Array) -> jax.Array:
+        """kernel [E, in, out...] + (alpha / rank) A B, in fp32."""
+        b = self.b[...]
+        delta = jax.lax.dot_general(self.a[...], b, (((2,), (1,)), ((0,), (0,))))  # [E, in, out...]
+        return kernel.astype(jnp.float32) + self.scale * delta
 
 
 def adapter(cfg: LoraConfig | None, target: str, in_features, out_features, *, axes: tuple, kind: str,

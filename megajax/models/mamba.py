@@ -49,11 +49,13 @@ from flax import nnx, struct
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.layers import Dense, LinearOps
+from megajax.models.lora import adapter
 from pallas_kernels.ssd import CHUNK_STATES, ssd_chunked
 
 ACT_HEADS = ("batch", "length", "heads", "head_dim")
 ACT_GROUPS = ("batch", "length", "ssm_groups", "ssm_state")
 ACT_DT = ("batch", "length", "heads")
+RESIDUAL = ("batch", "residual_length", "embed")
 
 
 class MambaState(NamedTuple):
@@ -126,6 +128,11 @@ class Mamba2Mixer(nnx.Module):
         self.C = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.column, **col)
         self.dt = Dense(d, h, axes=("embed", "heads"), dot_general=ops.column, **col)
         self.in_product = ops.linear("column")  # in_proj: the five parts as one product (`in_proj`)
+        # model.lora's `in_proj`: one A [D, r] for the five parts, B [r, G, z | x | B | C | dt] laid out as
+        # the fused kernel (split over tensor by groups like it); `out_proj`: the row-parallel out's.
+        lora = dict(dtype=dtype, ops=ops, rngs=rngs)
+        self.in_proj_lora = adapter(cfg.lora, "in_proj", d, (g, (2 * p + 1) * (h // g) + 2 * n),
+                                    axes=("embed", "ssm_groups", "in_proj_part"), kind="column", **lora)
         bound = 1.0 / math.sqrt(k)  # PyTorch's conv1d default init (fan in = the kernel width)
         self.conv_x = nnx.Param(_uniform(rngs.params(), (h, p, k), bound), axes=("heads", "head_dim", "conv"))
         self.conv_x_bias = nnx.Param(_uniform(rngs.params(), (h, p), bound), axes=("heads", "head_dim"))
@@ -144,7 +151,9 @@ class Mamba2Mixer(nnx.Module):
         self.D = nnx.Param(jnp.ones((h,), jnp.float32), axes=("heads",))
         self.norm = nnx.Param(jnp.ones((h, p), jnp.float32), axes=("heads", "head_dim"))
         self.out = Dense((h, p), d, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
-                         dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), use_bias=False)
+                         dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), use_bias=False,
+                         lora=adapter(cfg.lora, "out_proj", (h, p), d, axes=("heads", "head_dim", "embed"), kind="row",
+                                      **lora))
         self.eps, self.chunk = cfg.norm_eps, cfg.mamba_chunk_size
         self.dt_limit = (float(cfg.mamba_time_step_min),
                          None if cfg.mamba_time_step_max is None else float(cfg.mamba_time_step_max))
@@ -153,11 +162,21 @@ class Mamba2Mixer(nnx.Module):
         self.ssd = ssd or ssd_chunked
         self.recompute = recompute
 
-    def in_proj(self, x_BxLxD):
+    def _split(self, out_BxLxGxF):
+        """(z, x, B, C, dt) of in_proj's output laid out per group [B, L, G, z | x | B | C | dt]."""
+        h, p = self.z.kernel.shape[1:]
+        g, n = self.B.kernel.shape[1:]
+        r = h // g
+        b, l = out_BxLxGxF.shape[:2]
+        z, xs, bm, cm, dt = jnp.split(out_BxLxGxF, np.cumsum([r * p, r * p, n, n]), axis=3)
+        return (z.reshape(b, l, h, p), xs.reshape(b, l, h, p), bm, cm, dt.reshape(b, l, h))
+
+    def in_proj(self, x_BxLxD, dropout_rng=None):
         """(z, x, B, C, dt) from one product whose kernel holds the five parts side by side per group:
         W[D, G, z | x | B | C | dt of the group's heads] (the heads of group g are g's consecutive
         H / G), split over G by tensor parallelism like the separate kernels: one input all-gather
-        under sequence parallelism, one reduction of the input's gradient."""
+        under sequence parallelism, one reduction of the input's gradient. An `in_proj` adapter adds
+        its [B, L, G, F] delta, laid out alike."""
         d, h, p = self.z.kernel.shape
         g, n = self.B.kernel.shape[1:]
         r = h // g
@@ -165,19 +184,21 @@ class Mamba2Mixer(nnx.Module):
                  self.B.kernel[...], self.C.kernel[...], self.dt.kernel[...].reshape(d, g, r)]
         w = jnp.concatenate(parts, axis=2).astype(self.z.dtype)
         out = self.in_product(x_BxLxD.astype(self.z.dtype), w, (((2,), (0,)), ((), ())))  # [B, L, G, F]
-        b, l = out.shape[:2]
-        cuts = np.cumsum([r * p, r * p, n, n])
-        z, xs, bm, cm, dt = jnp.split(out, cuts, axis=3)
-        return (z.reshape(b, l, h, p), xs.reshape(b, l, h, p), bm, cm, dt.reshape(b, l, h))
+        if self.in_proj_lora is not None:
+            out = out + self.in_proj_lora(x_BxLxD, dropout_rng, RESIDUAL).astype(out.dtype)
+        return self._split(out)
 
-    def projections(self, x_BxLxD, fused: bool = True):
+    def projections(self, x_BxLxD, fused: bool = True, dropout_rng=None):
         """(z, x, B, C, dt): in_proj's five parts (`fused=False`: five products reading the kernels in
-        place, for generation)."""
+        place, for generation, an adapter's delta split alike)."""
         if fused:
-            z, xs, b, c, dt = self.in_proj(x_BxLxD)
+            z, xs, b, c, dt = self.in_proj(x_BxLxD, dropout_rng)
         else:
             z, xs, b, c, dt = (self.z(x_BxLxD), self.x(x_BxLxD), self.B(x_BxLxD), self.C(x_BxLxD),
                                self.dt(x_BxLxD))
+            if self.in_proj_lora is not None:
+                delta = self._split(self.in_proj_lora(x_BxLxD).astype(z.dtype))
+                z, xs, b, c, dt = (u + v for u, v in zip((z, xs, b, c, dt), delta))
         return (logical_constraint(z, ACT_HEADS), logical_constraint(xs, ACT_HEADS), logical_constraint(b, ACT_GROUPS),
                 logical_constraint(c, ACT_GROUPS), logical_constraint(dt, ACT_DT))
 
@@ -185,9 +206,12 @@ class Mamba2Mixer(nnx.Module):
         """The parameters of the sequence mixing (conv, time steps, A, D), by name."""
         return {name: getattr(self, name)[...] for name in SEQUENCE_WEIGHTS}
 
-    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None) -> jax.Array:
-        """`segment_ids_BxL`: the documents of a packed batch (module docstring), or None."""
-        z, xs, b, c, dt = self.projections(x_BxLxD)
+    def __call__(self, x_BxLxD: jax.Array, segment_ids_BxL: jax.Array | None = None,
+                 dropout_rng: jax.Array | None = None) -> jax.Array:
+        """`segment_ids_BxL`: the documents of a packed batch (module docstring), or None;
+        `dropout_rng`: the adapters' input dropout key (model.lora.dropout), None in evaluation."""
+        rngs = [None, None] if dropout_rng is None else jax.random.split(dropout_rng)
+        z, xs, b, c, dt = self.projections(x_BxLxD, dropout_rng=rngs[0])
         mix = functools.partial(sequence_mix, chunk=self.chunk, dt_limit=self.dt_limit, ssd=self.ssd)
         if self.recompute == "selective":
             mix = jax.checkpoint(mix, prevent_cse=False,
@@ -198,7 +222,7 @@ class Mamba2Mixer(nnx.Module):
             y = self.sequence_mixer(mix, xs, b, c, dt, self.weights(), segment_ids_BxL)
         # b's groups: this shard's (tensor parallelism holds whole groups with their heads)
         y = gated_group_norm(y, z, self.norm[...], b.shape[2], self.eps).astype(self.dtype)
-        return self.out(logical_constraint(y, ACT_HEADS))
+        return self.out(logical_constraint(y, ACT_HEADS), rngs[1], ACT_HEADS)
 
     def extend(self, x_BxLxD: jax.Array, state, reset_B: jax.Array | None = None,
                valid_BxL: jax.Array | None = None):

@@ -43,6 +43,7 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.mesh import alike, like
 from megajax.models.layers import LinearOps, normal_init, softmax, softmax_lse
+from megajax.models.lora import ExpertLoRA
 from megajax.models.mlp import MLP
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2"), "squared_relu": ("fc1", "fc2")}
@@ -501,6 +502,15 @@ class MoE(nnx.Module):
         for name in EXPERT_KERNELS[cfg.activation]:
             shape, std = shapes[name]
             setattr(self, name, nnx.Param(normal_init(rngs.params(), shape, std), axes=EXPERT_KERNEL_AXES[name]))
+        # model.lora's `experts`: per-expert adapters of the first kernel(s) (gate and up under SwiGLU: one A,
+        # B [E, r, F, 2]) and of fc2, merged into the kernels in the step (ExpertLoRA).
+        experts = cfg.lora is not None and "experts" in cfg.lora.target_names()
+        swiglu = cfg.activation == "swiglu"
+        self.experts_fc1_lora = (ExpertLoRA(e, d, (f, 2) if swiglu else (f,), in_axis="embed",
+                                            out_axes=("mlp", "gate_up") if swiglu else ("mlp",), cfg=cfg.lora,
+                                            rngs=rngs) if experts else None)
+        self.experts_fc2_lora = (ExpertLoRA(e, f, (d,), in_axis="mlp", out_axes=("embed",), cfg=cfg.lora, rngs=rngs)
+                                 if experts else None)
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor,
                                                             cfg.moe_grouped_gemm_impl)
         # The experts' products with their own scaling state (FP8), one per kernel (`gate_product`, ...).
@@ -526,7 +536,7 @@ class MoE(nnx.Module):
         bias = None if expert_bias_E is None else jax.lax.stop_gradient(expert_bias_E.astype(jnp.float32))
         ids, weights = route(logits, self.topk, self.score_function, bias, self.scaling_factor, self.groups,
                              self.pre_softmax)
-        kernels = {name: getattr(self, name)[...].astype(self.dtype) for name in EXPERT_KERNELS[self.activation]}
+        kernels = self.expert_kernels()
         products = ({name: getattr(self, f"{name}_product") for name in EXPERT_KERNELS[self.activation]}
                     if self.fp8_experts else None)
         y, dropped = self.dispatch(x_BxLxD.astype(self.dtype), ids, weights, kernels, products)
@@ -540,6 +550,18 @@ class MoE(nnx.Module):
         stats = router_stats(logits.reshape(b * l, -1), ids.reshape(b * l, -1), dropped, self.score_function,
                              biased=bias is not None or self.groups is not None)
         return y, stats
+
+    def expert_kernels(self) -> dict:
+        """The routed experts' kernels by name in the compute dtype, model.lora's `experts` adapters merged in."""
+        kernels = {name: getattr(self, name)[...] for name in EXPERT_KERNELS[self.activation]}
+        if self.experts_fc1_lora is not None:
+            if self.activation == "swiglu":
+                both = self.experts_fc1_lora.merged(jnp.stack([kernels["gate"], kernels["up"]], axis=-1))
+                kernels["gate"], kernels["up"] = both[..., 0], both[..., 1]
+            else:
+                kernels["fc1"] = self.experts_fc1_lora.merged(kernels["fc1"])
+            kernels["fc2"] = self.experts_fc2_lora.merged(kernels["fc2"])
+        return {name: k.astype(self.dtype) for name, k in kernels.items()}
 
     def __call__(self, x_BxLxD: jax.Array, fused: bool = True, expert_bias_E: jax.Array | None = None) -> jax.Array:
         return self.forward(x_BxLxD, expert_bias_E, fused)[0]

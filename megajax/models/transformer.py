@@ -138,9 +138,9 @@ class HybridLayer(nnx.Module):
         elif self.kind == "moe":
             h, stats = self.mixer.forward(h, expert_bias_E)
         elif self.kind == "mamba":
-            h = self.mixer(h, segment_ids_BxL)
+            h = self.mixer(h, segment_ids_BxL, dropout_rng=rngs[0])
         else:
-            h = self.mixer(h)
+            h = self.mixer(h, dropout_rng=rngs[0])
         return logical_constraint(x_BxLxD + dropout(h, self.hidden_dropout, rngs[1], RESIDUAL), RESIDUAL), stats
 
     def extend(self, x_BxLxD, *, positions_BxL, inv_freq, cache_k, cache_v, start, mask_BxLxT, segment_ids_BxL,

@@ -243,28 +243,76 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
-                        stage_shared_param_bytes: int = 0, platform: str = "gpu") -> dict[str, int]:
+                        stage_shared_param_bytes: int = 0, platform: str = "gpu",
+                        lora_tensor_reduced_bytes: int = 0) -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
-    the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`). On
-    `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
+    the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
+    `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's). On `platform` cpu, XLA runs 16-bit
+    floating point arithmetic in fp32, its collectives included."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
-                                           stage_shared_param_bytes, platform).items():
+                                           stage_shared_param_bytes, platform, lora_tensor_reduced_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
 
 def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
-                          stage_shared_param_bytes: int = 0, platform: str = "gpu") -> dict[tuple[str, str], int]:
+                          stage_shared_param_bytes: int = 0, platform: str = "gpu",
+                          lora_tensor_reduced_bytes: int = 0) -> dict[tuple[str, str], int]:
     """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
     over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
     runs over both axes; it is counted under `data`."""
     return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
-                                                 stage_shared_param_bytes, platform).items()}
+                                                 stage_shared_param_bytes, platform,
+                                                 lora_tensor_reduced_bytes).items()}
+
+
+TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "ssm_groups", "vocab")  # the logical dims tensor parallelism splits
+
+
+def lora_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int],
+                              sp: bool) -> int:
+    """Bytes of the LoRA adapters' gradients a tensor-parallel rank all-reduces over `tensor` (per
+    microbatch): the adapter halves whole on every tensor rank (no tensor-split dim) whose gradient
+    sums over what the ranks split. Under sequence parallelism every such half (A beside a
+    column-parallel linear, B beside a row-parallel one: their inputs are sequence shards); without it
+    only the routed experts' (fc1's A, fc2's B: the merged kernel's gradient is split over the expert
+    ffn dim). Each as a device holds it outside the data axes (split over `expert`). 0 without adapters."""
+    from megajax.models.lora import is_adapter
+    shapes = dict(flatten(abstract_params))
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    total = 0
+    for path, names in flatten(axes):
+        keys = tuple(path.split("/"))
+        if not is_adapter(keys) or any(n in TENSOR_SPLIT for n in names if n):
+            continue
+        if sp or keys[-2].startswith("experts_"):
+            x = shapes[path]
+            total += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize // shard_factor(names, rules_params, no_data)
+    return total
+
+
+def _lora_linears(m) -> tuple[float, float]:
+    """(column-parallel, row-parallel) linears with a LoRA adapter per layer, averaged over the layers
+    (a hybrid's over its pattern; a MoE layer's MLP adapters are its shared expert's)."""
+    targets = set(m.lora.target_names())
+    column = ({"qkv", "fc1", "q_proj", "q_up_proj", "kv_up_proj", "in_proj"}) & targets
+    row = {"proj", "fc2", "out_proj"} & targets
+    if m.hybrid_layer_pattern:
+        pattern = m.hybrid_pattern()
+        per = {"M": ("in_proj", "out_proj"), "*": ("qkv", "proj"), "-": ("fc1", "fc2"),
+               "E": ("fc1", "fc2") if m.moe_shared_expert_ffn_size else ()}
+        col = sum(sum(t in column for t in per[k]) for k in pattern) / len(pattern)
+        rw = sum(sum(t in row for t in per[k]) for k in pattern) / len(pattern)
+        return col, rw
+    mlp = 1.0 - (m.num_moe_layers() / m.num_layers if m.num_experts and not m.moe_shared_expert_ffn_size else 0.0)
+    attention_col = len(column - {"fc1"})
+    return attention_col + mlp * ("fc1" in column), ("proj" in row) + mlp * ("fc2" in row)
 
 
 def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
-                   stage_shared_param_bytes: int, platform: str) -> dict[tuple[str, str], float]:
+                   stage_shared_param_bytes: int, platform: str,
+                   lora_reduced_bytes: int = 0) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -298,6 +346,22 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-reduce", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
                                             + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+        if m.lora is not None:
+            # Per adapted linear and layer pass one [tokens, rank] activation crosses the tensor ranks
+            # (models/lora.py): beside a row-parallel linear the row product's reduction forward (and
+            # the gather of its gradient backward under SP), beside a column-parallel one the column
+            # product's gather forward under SP and the reduction of h's gradient backward. The
+            # tensor-whole adapter halves' gradients are all-reduced per microbatch. The frozen output
+            # layer needs no gathered input for a weight gradient: one gather fewer under SP.
+            col, row = _lora_linears(m)
+            rb = tokens * m.lora.rank * act
+            fwd = n["fwd"] + n["extra"]
+            if sp:
+                out["all-gather", "tensor"] += (col * fwd + row * n["bwd"]) * rb - n["micro"] * bsh
+                out["reduce-scatter", "tensor"] += (row * fwd + col * n["bwd"]) * rb
+            else:
+                out["all-reduce", "tensor"] += (row * fwd + col * n["bwd"]) * rb
+            out["all-reduce", "tensor"] += n["micro"] * lora_reduced_bytes
     if cp > 1:  # attention over the sequence's chunks: k and v (kv heads of this tensor rank)
         # k and v together (multi-latent attention: k of N + P dims, v of V, or padded to N + P for the
         # fused kernels)

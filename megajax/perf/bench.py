@@ -68,7 +68,16 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
-    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend())
+    if plan.cfg.model.lora and "experts" in plan.cfg.model.lora.target_names():
+        # The experts' adapters are merged into the frozen expert kernels in the step: XLA reduces the
+        # merged kernels' gradient over the data axes (before its products with A and B, whose
+        # gradients then need no reduction of their own), as full training reduces the experts'.
+        merged = analytic.expert_shard_param_bytes(spec.frozen_axes, spec.abstract_frozen, rules.params, sizes)
+        local, experts = local - experts + merged, merged
+    sp = plan.cfg.parallel.sequence_parallel and sizes["tensor"] > 1
+    lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
+            if plan.cfg.model.lora else 0)
+    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
