@@ -331,3 +331,18 @@ def test_bad_paths(tmp_path):
             index_shards(shard_files(str(path)))
     with pytest.raises(DataError, match=r"a weighted list of datasets is not supported for image-text shards"):
         shard_files([0.5, "a", 0.5, "b"])
+
+
+def test_text_longer_than_a_row_is_cut_and_placeholders_past_it_are_reported(tmp_path):
+    """A long caption is cut at seq_len + 1 tokens; a marker whose placeholders would not all be inputs of
+    the row is reported naming the member (the sample skipped), never a row with part of an image."""
+    long = "x" * 100
+    write_shards([("0", "png", png((255, 0, 0)), {"caption": long}),
+                  ("1", "png", png((255, 0, 0)), {"caption": "y" * 38 + "<image>"})], tmp_path)
+    warnings = []
+    _, ds = dataset(tiny(), tmp_path, warn=warnings.append)
+    rows = [ds[i] for i in range(2)]
+    for s in rows:  # sample 1 skipped: sample 0 in its place
+        assert list(s["tokens"]) == [257] * 4 + [ord("x")] * 37 and s["loss_mask"][3:40].all()
+    assert len(warnings) == 1 and ("member '1.json': the image's placeholders end at token 42, beyond the "
+                                   "train.seq_len = 40 inputs of a row" in warnings[0])

@@ -13,6 +13,7 @@ user's shards. `held_out_pictures` draws pictures from another seed for tests of
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 
@@ -68,10 +69,17 @@ def held_out_pictures(count: int, seed: int = 12345) -> list[tuple[bytes, str]]:
 
 def shapes_shards(count: int = 4096, shard_size: int = 1024) -> str:
     """The directory of the embedded shards, written on first use."""
+    import os
+    import shutil
+    import tempfile
     from megajax.data.webdataset import write_shards
     out = user_cache_dir() / "shapes" / f"shapes-v{VERSION}-{count}-{shard_size}"
-    done = out / "complete"
-    if not done.is_file():
-        write_shards(pictures(count, seed=0), out, shard_size=shard_size)
-        done.write_text(f"{count} samples\n")
+    if not out.is_dir():  # written beside it, then renamed: processes starting together never see half of it
+        out.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+        write_shards(pictures(count, seed=0), scratch, shard_size=shard_size)
+        try:
+            os.rename(scratch, out)
+        except OSError:  # another process renamed its copy first
+            shutil.rmtree(scratch, ignore_errors=True)
     return str(out)

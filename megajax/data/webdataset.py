@@ -304,12 +304,11 @@ class ImageTextDataset:
         v = self.vision
         ids, trained = sample_text(record, where, self.tokenizer, self.template, self.loss_on, v.image_token_id,
                                    v.image_seq_length)
-        if len(ids) > self.limit:
-            last = int(np.flatnonzero(ids == v.image_token_id)[-1])
-            if last >= self.limit - 1:
-                raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond a row of "
-                                f"seq_len + 1 = {self.limit} tokens; raise train.seq_len.")
-            ids, trained = ids[:self.limit], trained[:self.limit]
+        last = int(np.flatnonzero(ids == v.image_token_id)[-1])
+        if last >= self.seq_len:  # every placeholder must be an input (row[:-1]) of the model
+            raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond the "
+                            f"train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len.")
+        ids, trained = ids[:self.limit], trained[:self.limit]
         try:
             image = process_image(self._read(s.image, shard), v)
         except DataError:
