@@ -2,7 +2,8 @@
 
 A dataset maps a sample index to a dict of [seq_len + 1] arrays (`tokens`,
 and with document-aware batches `segment_ids`, `positions`, `loss_mask`; chat data's packed rows
-always carry all four, megajax/data/sft_dataset.py).
+always carry all four, megajax/data/sft_dataset.py; image-text samples add `images` [N, H, W, 3],
+megajax/data/webdataset.py, read by a pool of decoding threads).
 The loader turns the global batch that starts at sample `start` into arrays
 [accumulation, micro_batch x dp, seq] placed with the batch sharding. Each
 process materialises only the rows its own devices hold
