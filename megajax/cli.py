@@ -3,6 +3,7 @@
     megajax train [--config FILE ...] [key.sub=value ...]
     megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
+    megajax preprocess --format webdataset --images DIR --captions FILE.jsonl --output-dir DIR [--shard-size N]
     megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
         [--with-optimizer] [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
@@ -84,6 +85,14 @@ def run_training(cfg, devices: list | None = None):
 
 
 def cmd_preprocess(args: argparse.Namespace) -> int:
+    if args.format == "webdataset":
+        return _preprocess_webdataset(args)
+    if args.images or args.captions or args.output_dir:
+        raise UserError("megajax preprocess: --images, --captions and --output-dir write image-text shards; "
+                        "add --format webdataset.")
+    if not args.output_prefix:
+        raise UserError("megajax preprocess needs --output-prefix P (the dataset files written: P_KEY_document.bin/.idx, "
+                        "or P.bin/.idx with --merge).")
     if bool(args.input) == bool(args.merge):
         raise UserError("megajax preprocess needs either --input FILE [FILE ...] (tokenize text) or "
                         "--merge P1 P2 [...] (concatenate datasets), not both and not neither.")
@@ -109,14 +118,41 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return 0
 
 
+def _preprocess_webdataset(args: argparse.Namespace) -> int:
+    """Image-text shards from a folder of images and a jsonl of their captions (megajax/data/webdataset.py)."""
+    if args.input or args.merge or args.output_prefix:
+        raise UserError("megajax preprocess --format webdataset reads --images DIR and --captions FILE.jsonl and "
+                        "writes --output-dir DIR; --input, --merge and --output-prefix are for text datasets.")
+    missing = [f for f, v in (("--images", args.images), ("--captions", args.captions),
+                              ("--output-dir", args.output_dir)) if not v]
+    if missing:
+        raise UserError(f"megajax preprocess --format webdataset needs {', '.join(missing)} (--images: the folder of "
+                        f"pictures; --captions: a jsonl of {{\"image\": FILE, \"caption\": TEXT}} lines; "
+                        f"--output-dir: where the .tar shards go).")
+    if args.shard_size <= 0:
+        raise UserError(f"--shard-size = {args.shard_size}: must be > 0 (samples per shard).")
+    import time
+    from megajax.data.webdataset import preprocess_images
+    start = time.perf_counter()
+    shards, count = preprocess_images(args.images, args.captions, args.output_dir, shard_size=args.shard_size)
+    seconds = time.perf_counter() - start
+    print(f"wrote {len(shards)} shard{'s' if len(shards) > 1 else ''} of {count} image-text samples to "
+          f"{args.output_dir} in {seconds:.1f} s ({count / max(seconds, 1e-9):,.0f} samples/s); train on them "
+          f"with data.format=webdataset data.path={args.output_dir}", file=sys.stderr)
+    return 0
+
+
 def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", default="indexed", choices=("indexed", "webdataset"),
+                   help="indexed: tokenize text into a Megatron .bin/.idx dataset (default); webdataset: write "
+                        "image-text tar shards from --images and --captions")
     p.add_argument("--input", nargs="+", default=[], metavar="FILE",
                    help="jsonl or plain-text files (optionally .gz), concatenated in order")
     p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
                    help="JSON fields to tokenize, one dataset each (default: text)")
     p.add_argument("--tokenizer", metavar="TOK",
                    help="'byte', a Hugging Face tokenizer.json, or a directory containing one")
-    p.add_argument("--output-prefix", required=True, metavar="P",
+    p.add_argument("--output-prefix", metavar="P",
                    help="writes P_KEY_document.{bin,idx} (with --merge: P.{bin,idx})")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-document id")
@@ -129,6 +165,13 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                         "replace (substitute U+FFFD)")
     p.add_argument("--merge", nargs="+", default=[], metavar="P",
                    help="instead of tokenizing, concatenate these dataset prefixes into --output-prefix")
+    p.add_argument("--images", metavar="DIR", help="--format webdataset: the folder of the pictures")
+    p.add_argument("--captions", metavar="FILE",
+                   help="--format webdataset: jsonl lines {\"image\": path in --images, \"caption\": text} (or "
+                        "\"messages\": a conversation with an <image> marker)")
+    p.add_argument("--output-dir", metavar="DIR", help="--format webdataset: where the shards are written")
+    p.add_argument("--shard-size", type=int, default=1000, metavar="N",
+                   help="--format webdataset: samples per .tar shard (default 1000)")
 
 
 def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> str:
@@ -596,7 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (no arguments: a small model on an embedded corpus)")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("preprocess", help="tokenize text into a Megatron dataset (.bin/.idx), or merge datasets")
+    p = sub.add_parser("preprocess", help="tokenize text into a Megatron dataset (.bin/.idx), merge datasets, "
+                                          "or write image-text shards (--format webdataset)")
     _add_preprocess_args(p)
     p.set_defaults(func=cmd_preprocess)
     p = sub.add_parser("export", help="write a checkpoint as Hugging Face or Megatron-Core files")

@@ -485,8 +485,10 @@ class DataConfig:
     # file or a directory of *.jsonl (or a weighted list of them).
     path: Union[str, list] = ""
     # gpt: Megatron .bin/.idx documents; chat: jsonl conversations rendered with the tokenizer's
-    # chat template (megajax/data/chat.py; Megatron's --sft).
-    format: Literal["gpt", "chat"] = "gpt"
+    # chat template (megajax/data/chat.py; Megatron's --sft); webdataset: tar shards of images and
+    # their captions or conversations for model.vision (megajax/data/webdataset.py; path empty: the
+    # embedded drawn shapes, megajax/data/shapes.py).
+    format: Literal["gpt", "chat", "webdataset"] = "gpt"
     loss_on: Literal["assistant", "all"] = "assistant"  # chat: train on the answers only, or on every token
     packing: bool = True  # chat: pack conversations into rows (else one conversation per row)
     split: str = "969,30,1"  # train, validation, test shares of the documents
@@ -497,6 +499,8 @@ class DataConfig:
     reset_attention_mask: bool = False  # attention does not cross end-of-document tokens
     eod_mask_loss: bool = False  # no loss on predictions made from an end-of-document token
     prefetch: int = 2  # batches prepared ahead in a background thread
+    num_workers: int = 4  # webdataset: threads decoding a batch's images (Megatron's --num-workers)
+    strict: bool = False  # webdataset: a damaged or unpaired sample is an error (else skipped and counted)
     corpus_max_mb: float = 8.0  # size cap of the embedded corpus
 
 
@@ -948,6 +952,11 @@ def validate_vision(cfg: Config) -> None:
     run it yet (pipeline and context parallelism)."""
     m = cfg.model
     v = m.vision
+    _positive("data.num_workers", cfg.data.num_workers)
+    if v is None and cfg.data.format == "webdataset":
+        raise ConfigError("data.format = 'webdataset' (image-text shards) needs model.vision, a vision-language "
+                          "model (e.g. --config model/tiny-llava); this model reads text only. Use data.format=gpt "
+                          "or chat for text.")
     if v is None:
         if m.freeze_language_model:
             raise ConfigError("model.freeze_language_model = true without model.vision: nothing would train; "

@@ -31,7 +31,8 @@ UNDER = {"mesh/gpu-8-tp.yaml": ["model/llama3-8b.yaml"], "mesh/4x8-gpu.yaml": ["
 # for. Other meshes need the product of their sizes (x mesh.dcn), or mesh.cpu_devices; the default
 # mesh (mesh.data=-1) of a model file alone runs on one device.
 DEVICES = {"mesh/gpu-8.yaml": 8, "mesh/gpu-8-tp.yaml": 8, "mesh/mi300x-8.yaml": 8, "mesh/4x8-gpu.yaml": 32,
-           "recipes/llama3-8b-8xh100.yaml": 8, "recipes/sft-tiny-cpu.yaml": 1}
+           "recipes/llama3-8b-8xh100.yaml": 8, "recipes/sft-tiny-cpu.yaml": 1,
+           "recipes/tiny-llava-cpu.yaml": 1}
 # Published parameter counts (GPT-2's with its vocabulary padded from 50257 to 50304 rows).
 PARAMETERS = {"model/llama3-8b.yaml": 8_030_261_248, "model/llama3.1-8b.yaml": 8_030_261_248,
               "model/llama3-70b.yaml": 70_553_706_496, "model/mixtral-8x7b.yaml": 46_702_792_704,

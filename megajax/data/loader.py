@@ -2,7 +2,8 @@
 
 A dataset maps a sample index to a dict of [seq_len + 1] arrays (`tokens`,
 and with document-aware batches `segment_ids`, `positions`, `loss_mask`; chat data's packed rows
-always carry all four, megajax/data/sft_dataset.py).
+always carry all four, megajax/data/sft_dataset.py; image-text samples add `images` [N, H, W, 3],
+megajax/data/webdataset.py, read by a pool of decoding threads).
 The loader turns the global batch that starts at sample `start` into arrays
 [accumulation, micro_batch x dp, seq] placed with the batch sharding. Each
 process materialises only the rows its own devices hold
@@ -47,7 +48,7 @@ def document_aware(cfg: Config) -> bool:
 
 def sample_loss_mask(cfg: Config) -> bool:
     """Whether the batch's loss_mask is the samples' own (eod_mask_loss, chat data's answer masks)."""
-    return cfg.data.eod_mask_loss or cfg.data.format == "chat"
+    return cfg.data.eod_mask_loss or cfg.data.format in ("chat", "webdataset")
 
 
 def split_sample_counts(cfg: Config) -> list[int]:
@@ -62,6 +63,8 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
     """(train, valid or None, report lines) for data.path, or the embedded corpus when it is empty."""
     if cfg.data.format == "chat":
         return build_chat_datasets(cfg, tokenizer)
+    if cfg.data.format == "webdataset":
+        return build_image_text_datasets(cfg, tokenizer)
     path = cfg.data.path or stdlib_corpus(cfg.data.tokenizer, cfg.data.corpus_max_mb)
     prefixes, _ = parse_data_path(path)
     for prefix in prefixes:
@@ -137,6 +140,47 @@ def build_chat_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, 
     return train, valid, report
 
 
+def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
+    """(train, valid or None, report lines) of data.format=webdataset: the samples of data.path's tar
+    shards (empty: the embedded drawn shapes, megajax/data/shapes.py) in shard order, split by
+    data.split; unpaired members are reported (or fatal with data.strict)."""
+    from megajax.data.chat_template import find_chat_template
+    from megajax.data.shapes import shapes_shards
+    from megajax.data.webdataset import ImageTextDataset, index_shards, shard_files
+    d, v = cfg.data, cfg.model.vision
+    path = d.path or shapes_shards()
+    index = index_shards(shard_files(path), strict=d.strict)
+    report = [f"data: {'embedded drawn shapes ' if not d.path else ''}{path}: {len(index.samples):,} image-text "
+              f"samples in {len(index.shards)} shard{'s' if len(index.shards) > 1 else ''}"
+              + (f", {len(index.problems)} left out (unpaired or repeated members)" if index.problems else "")]
+    for line in index.problems[:5]:
+        report.append(f"data: {line}")
+    if len(index.problems) > 5:
+        report.append(f"data: ... and {len(index.problems) - 5} more")
+    if not index.samples:
+        raise DataError(f"data.path = {path!r}: the shards hold no image-text samples (an image and a json of the "
+                        f"same key).")
+    template = find_chat_template(tokenizer)
+    if template is None and getattr(tokenizer, "name", "byte") == "byte":
+        template = chat_template_of(tokenizer)
+    counts = split_sample_counts(cfg)
+    datasets = []
+    for i, (name, rng) in enumerate(zip(SPLIT_NAMES[:2], split_ranges(d.split, len(index.samples))[:2])):
+        ds = None if rng is None else ImageTextDataset(
+            index, index.samples[rng[0]:rng[1]], tokenizer=tokenizer, template=template, vision=v,
+            seq_len=cfg.train.seq_len, seed=cfg.train.seed, num_samples=counts[i], loss_on=d.loss_on,
+            strict=d.strict, split_name=name)
+        if ds is not None:
+            report.append(f"image-text data {ds.report()}")
+        datasets.append(ds)
+    if datasets[0] is None:
+        raise DataError(f"data.split = {d.split!r} leaves no image-text samples for training in {path} "
+                        f"({len(index.samples)} samples); give the train split a positive share.")
+    if datasets[1] is None and cfg.train.eval_every:
+        _no_validation(cfg, path, f"{len(index.samples)} samples", "samples")
+    return datasets[0], datasets[1], report
+
+
 def check_vocabulary(ds: IndexedDataset, vocab_size: int, tokenizer: str, scan_tokens: int = 1 << 24) -> None:
     """Token ids in the data (the first `scan_tokens` of the .bin, so it stays instant) fit the model."""
     n = min(ds.num_tokens, scan_tokens)
@@ -159,9 +203,12 @@ class Loader:
     """Global batches of a dataset as sharded arrays; `batch(start)` covers samples [start, start + G)."""
 
     def __init__(self, dataset, *, layout, shardings: dict, eod_mask_loss: bool = False, prefetch: int = 2,
-                 order=None):
+                 order=None, num_workers: int = 1):
         """`layout` is the run's megajax.plan.BatchLayout: arrays are its `shape`,
-        [accumulation, micro_batch x data-parallel size, seq_len]."""
+        [accumulation, micro_batch x data-parallel size, seq_len]. A dataset of images (its
+        `images_shape`, [N, H, W, 3] per sample, e.g. megajax/data/webdataset.py) adds `images`
+        [accumulation, micro_batch x data-parallel size, N, H, W, 3] when `shardings` has that key;
+        its samples are then read (decoded) by `num_workers` threads."""
         self.dataset, self.global_batch, self.accumulation = dataset, layout.global_batch, layout.accumulation
         self.eod_mask_loss = eod_mask_loss
         # Token order along the sequence (context parallelism's load-balanced chunks), or None.
@@ -171,10 +218,18 @@ class Loader:
         self.prefetch = prefetch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-loader") if prefetch else None
         self._ahead: collections.OrderedDict = collections.OrderedDict()
+        self.images_shape = getattr(dataset, "images_shape", None)
+        if "images" in shardings and self.images_shape is None:
+            raise DataError("a batch with images needs an image-text dataset (data.format=webdataset); this "
+                            "dataset holds text only.")
+        self._workers = (ThreadPoolExecutor(num_workers, thread_name_prefix="megajax-decode")
+                         if self.images_shape is not None and num_workers > 1 else None)
 
     def abstract_batch(self) -> dict:
         """A batch's shapes, dtypes and shardings (what compiling a step needs), as ShapeDtypeStructs."""
-        return {k: jax.ShapeDtypeStruct(self.shape, np.float32 if k == "loss_mask" else np.int32, sharding=sh)
+        return {k: jax.ShapeDtypeStruct(self.shape[:2] + tuple(self.images_shape), np.float32, sharding=sh)
+                if k == "images" else
+                jax.ShapeDtypeStruct(self.shape, np.float32 if k == "loss_mask" else np.int32, sharding=sh)
                 for k, sh in self.shardings.items()}
 
     def _rows(self, start: int, micro: slice, rows: slice) -> dict[str, np.ndarray]:
@@ -182,16 +237,17 @@ class Loader:
         b = self.shape[1]
         micros, rows_ = range(*micro.indices(self.accumulation)), range(*rows.indices(b))
         out: dict[str, np.ndarray] = {}
-        for i, a in enumerate(micros):
-            for j, r in enumerate(rows_):
-                sample = self.dataset[start + a * b + r]
-                if not isinstance(sample, dict):
-                    sample = {"tokens": sample}
-                for k, v in sample.items():
-                    if k not in out:
-                        out[k] = np.empty((len(micros), len(rows_), self.seq_len + 1), np.int32
-                                          if k != "loss_mask" else np.float32)
-                    out[k][i, j] = v
+        where = [(i, j, start + a * b + r) for i, a in enumerate(micros) for j, r in enumerate(rows_)]
+        got = (self._workers.map(self.dataset.__getitem__, [w[2] for w in where]) if self._workers is not None
+               else (self.dataset[w[2]] for w in where))
+        for (i, j, _), sample in zip(where, got):
+            if not isinstance(sample, dict):
+                sample = {"tokens": sample}
+            for k, v in sample.items():
+                if k not in out:
+                    out[k] = np.empty((len(micros), len(rows_)) + np.shape(v), np.int32
+                                      if k not in ("loss_mask", "images") else np.float32)
+                out[k][i, j] = v
         return out
 
     def _make(self, start: int) -> dict:
@@ -212,13 +268,17 @@ class Loader:
                                     np.broadcast_to(np.arange(self.seq_len, dtype=np.int32),
                                                     s["tokens"][..., 1:].shape)),
             "segment_ids": lambda s: s["segment_ids"][..., :-1],
+            "images": None,
         }
         order = self.order if self.order is not None else slice(None)
 
         def piece(idx, field):
+            if len(idx) > 3:  # images [accumulation, batch, N, H, W, 3]: no sequence axis
+                return samples(idx)["images"][(slice(None), slice(None)) + tuple(idx[2:])]
             return field(samples(idx))[..., order][..., idx[2]]
 
-        return {k: jax.make_array_from_callback(self.shape, sh, lambda idx, f=fields[k]: piece(idx, f))
+        return {k: jax.make_array_from_callback(self.shape[:2] + tuple(self.images_shape) if k == "images"
+                                                else self.shape, sh, lambda idx, f=fields[k]: piece(idx, f))
                 for k, sh in self.shardings.items()}
 
     def batch(self, start: int) -> dict:
@@ -240,3 +300,6 @@ class Loader:
                 f.cancel()
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+            self._workers = None

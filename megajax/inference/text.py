@@ -122,6 +122,10 @@ def training_sample(trainer, result, say: Callable[[str], None]) -> None:
     and kept in `result.sample` (its prompt in `result.sample_prompt`)."""
     if trainer.cfg.train.sample_tokens <= 0 or jax.process_count() != 1:
         return
+    if trainer.cfg.model.vision is not None:
+        say("megajax: no end-of-training sample: the text generator does not run vision-language models "
+            "(model.vision) yet; train.sample_tokens=0 leaves this line out.")
+        return
     state = result.state
     result.sample_prompt, result.sample, settings = end_of_training_sample(trainer, state.params,
                                                                            state.moe_expert_bias)

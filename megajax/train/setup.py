@@ -117,18 +117,22 @@ class Setup:
     def ok_flag(self) -> jax.Array:
         return jax.device_put(jnp.asarray(True), NamedSharding(self.mesh, P()))
 
-    def eval_step(self) -> Callable:
+    def eval_step(self, images: bool = False) -> Callable:
         """jit of (params, batch, fp8 scaling state or None, expert bias or None, frozen parameters or
-        None) -> (sum of token losses, tokens)."""
+        None) -> (sum of token losses, tokens); `images` as train_step's."""
+        batch_sh = self.image_batch_shardings() if images else self.batch_shardings
         return jax.jit(make_eval_step(self.spec, self.mesh, self.rules, self.cfg),
-                       in_shardings=(self.state_shardings.params, self.batch_shardings, self.state_shardings.fp8,
+                       in_shardings=(self.state_shardings.params, batch_sh, self.state_shardings.fp8,
                                      self.state_shardings.moe_expert_bias, self.state_shardings.frozen))
 
     def loader(self, dataset, prefetch: int) -> Loader:
+        """The loader of `dataset`: image-text batches (image_batch_shardings) when its samples carry images."""
         context = self.plan.sizes["context"]
         order = load_balanced_order(self.batch.seq_len, context) if context > 1 else None
-        return Loader(dataset, layout=self.batch, shardings=self.batch_shardings,
-                      eod_mask_loss=sample_loss_mask(self.cfg), prefetch=prefetch, order=order)
+        images = getattr(dataset, "images_shape", None) is not None
+        return Loader(dataset, layout=self.batch, shardings=self.image_batch_shardings() if images
+                      else self.batch_shardings, eod_mask_loss=sample_loss_mask(self.cfg), prefetch=prefetch,
+                      order=order, num_workers=self.cfg.data.num_workers)
 
 
 def check_kernel_platform(impl: str, platform: str) -> None:
@@ -448,7 +452,7 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
         say(f"megajax: compiling the train step for mesh {plan.mesh_text()} ...")
         ok = setup.ok_flag()
         with CompileWatch() as watch:
-            compiled = setup.train_step().lower(setup.target(), loader.abstract_batch(), ok).compile()
+            compiled = setup.train_step(images=loader.images_shape is not None).lower(setup.target(), loader.abstract_batch(), ok).compile()
         compile_seconds = watch.seconds
         say(f"megajax: compiled the train step in {compile_seconds:.1f} s ({watch.source()})")
         if pending is not None:
@@ -465,5 +469,5 @@ def build_trainer(cfg: Config | RunPlan, devices: list | None = None,
     if check_compiled is not None:  # e.g. megajax.perf.fit.fit_check, handed down by the CLI
         check_compiled(setup, compiled)
     return Trainer(setup=setup, state=state, step_fn=compiled, loader=loader, valid_loader=valid_loader,
-                   eval_fn=setup.eval_step(), consumed_samples=consumed, origin=origin, resumed_step=resumed,
+                   eval_fn=setup.eval_step(images=loader.images_shape is not None), consumed_samples=consumed, origin=origin, resumed_step=resumed,
                    compile_seconds=compile_seconds, data_report=report, lora_base=lora_base)
