@@ -346,3 +346,16 @@ def test_text_longer_than_a_row_is_cut_and_placeholders_past_it_are_reported(tmp
         assert list(s["tokens"]) == [257] * 4 + [ord("x")] * 37 and s["loss_mask"][3:40].all()
     assert len(warnings) == 1 and ("member '1.json': the image's placeholders end at token 42, beyond the "
                                    "train.seq_len = 40 inputs of a row" in warnings[0])
+
+
+def test_bench_times_the_image_step_on_image_text_shards(tmp_path):
+    """`megajax bench` of a vision-language model on image-text shards compiles and times the step with
+    images (the encoder and projector in it), not the text-only one."""
+    from megajax.perf.bench import compiled_step
+    write_shards(solid_samples(12), tmp_path / "shards", shard_size=6)
+    step = compiled_step(tiny(f"data.path={tmp_path / 'shards'}", "train.global_batch=8", "mesh.data=-1"))
+    try:
+        assert step.batch["images"].shape[:3] == (1, 8, 1)
+        step.run()  # a step compiled for text alone refuses a batch that holds `images`
+    finally:
+        step.loader.close()

@@ -148,7 +148,8 @@ def compiled_step(cfg: Config) -> CompiledStep:
     # random draws of every parameter (seconds for the 64-expert tiny-moe's 102 M on 2 CPU cores).
     jax.block_until_ready(held)
     t0 = time.perf_counter()
-    compiled = setup.train_step().lower(held["state"], batch, held["ok"]).compile()
+    images = getattr(loader, "images_shape", None) is not None  # a vision-language model on image-text shards
+    compiled = setup.train_step(images=images).lower(held["state"], batch, held["ok"]).compile()
     return CompiledStep(plan, setup, compiled, time.perf_counter() - t0, batch, loader, held)
 
 
