@@ -182,21 +182,27 @@ def read_messages(record, where: str) -> list[dict]:
                     f"{{\"prompt\": ..., \"completion\": ...}}.")
 
 
+def jsonl_records(path, name=None, hint: str = ""):
+    """(line number, where "NAME:LINE", record) of every non-blank line of the jsonl file `path` (named `name` in
+    messages, default the path); a DataError naming file and line (then `hint`) for invalid JSON."""
+    with open(path, encoding="utf-8") as lines:
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            where = f"{path if name is None else name}:{n}"
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{where}: not valid JSON ({e}){hint}.") from None
+            yield n, where, record
+
+
 def read_conversations(files: list[Path]):
     """(where, messages) of every non-blank line of the files, in order; a DataError naming file and
     line for a line that is not a conversation."""
     for f in files:
-        with open(f, encoding="utf-8") as lines:
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                where = f"{f}:{n}"
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{where}: not valid JSON ({e}); each line of a chat jsonl file is one "
-                                    f"conversation object.") from None
-                yield where, read_messages(record, where)
+        for _, where, record in jsonl_records(f, hint="; each line of a chat jsonl file is one conversation object"):
+            yield where, read_messages(record, where)
 
 
 def tokenize_files(tokenizer, template: str, files: list[Path]) -> list[Conversation]:

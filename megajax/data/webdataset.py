@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.config import VisionConfig
-from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages
+from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.errors import DataError
 
@@ -402,33 +402,25 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
         raise DataError(f"--captions {captions!r}: no such file; give a jsonl of {{\"image\", \"caption\"}} lines.")
 
     def samples():
-        with open(lines, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{captions}:{n}"
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise DataError(f"{where}: not valid JSON ({e}).") from None
-                if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not (
-                        isinstance(record.get("caption"), str) or "messages" in record):
-                    raise DataError(f"{where}: each line is {{\"image\": FILE, \"caption\": TEXT}} (or \"messages\" "
-                                    f"instead of \"caption\"); got {line.strip()[:80]}.")
-                path = folder / record.pop("image")
-                fld = path.suffix.lower().lstrip(".")
-                if fld not in IMAGE_FIELDS:
-                    raise DataError(f"{where}: image {str(path)!r} is not one of {', '.join(IMAGE_FIELDS)}.")
-                try:
-                    data = path.read_bytes()
-                    with Image.open(io.BytesIO(data)) as img:
-                        img.load()
-                except Exception as e:
-                    raise DataError(f"{where}: image {str(path)!r} cannot be read ({type(e).__name__}: {e}).") \
-                        from None
-                if "messages" in record:
-                    check_messages(record["messages"], where)
-                yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record
+        for n, where, record in jsonl_records(lines, name=captions):
+            if not isinstance(record, dict) or not isinstance(record.get("image"), str) or not (
+                    isinstance(record.get("caption"), str) or "messages" in record):
+                raise DataError(f"{where}: each line is {{\"image\": FILE, \"caption\": TEXT}} (or \"messages\" "
+                                f"instead of \"caption\"); got {json.dumps(record)[:80]}.")
+            path = folder / record.pop("image")
+            fld = path.suffix.lower().lstrip(".")
+            if fld not in IMAGE_FIELDS:
+                raise DataError(f"{where}: image {str(path)!r} is not one of {', '.join(IMAGE_FIELDS)}.")
+            try:
+                data = path.read_bytes()
+                with Image.open(io.BytesIO(data)) as img:
+                    img.load()
+            except Exception as e:
+                raise DataError(f"{where}: image {str(path)!r} cannot be read ({type(e).__name__}: {e}).") \
+                    from None
+            if "messages" in record:
+                check_messages(record["messages"], where)
+            yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record
 
     count = 0
 
