@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -78,6 +79,33 @@ def test_batches_depend_only_on_position_so_resume_is_exact(corpus):
     first.close()
 
 
+class Slow(Recording):
+    """Each sample takes `delay` seconds to read."""
+
+    def __init__(self, ds, delay):
+        super().__init__(ds)
+        self.delay = delay
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def test_loader_counts_the_time_a_step_waits_for_data(corpus):
+    ds = Slow(GPTDataset(IndexedDataset(corpus), seq_len=16, seed=1), delay=0.02)
+    inline = make_loader(ds, prefetch=0)
+    inline.batch(0)
+    assert inline.wait_seconds >= 8 * 0.02  # read in the caller: all of it is waiting
+    ahead = make_loader(ds, prefetch=1)
+    ahead.batch(0)  # nothing queued yet: waits for it, and queues the next batch
+    first = ahead.wait_seconds
+    assert first >= 8 * 0.02
+    time.sleep(1.0)  # a step far longer than reading a batch
+    ahead.batch(8)
+    assert ahead.wait_seconds - first < 0.5 * first  # it was read while the step ran
+    ahead.close()
+
+
 def test_document_aware_fields(corpus):
     ds = GPTDataset(IndexedDataset(corpus), seq_len=16, seed=1, document_aware=True, eod_id=EOD)
     batch = make_loader(ds, keys=("tokens", "labels", "loss_mask", "positions", "segment_ids"),
@@ -98,6 +126,7 @@ def test_train_on_megatron_dataset_with_validation_and_documents(small_config, c
                                "data.split=90,10,0", steps=4))
     records = [json.loads(l) for l in (plain.run_dir / "metrics.jsonl").read_text().splitlines()]
     vals = [r for r in records if "val_loss" in r]
+    assert all(0.0 <= r["data_wait"] <= 1.0 for r in records if "loss" in r)
     assert [r["step"] for r in vals] == [2, 4] and vals[-1]["val_loss"] < vals[0]["val_loss"]
     assert vals[-1]["val_ppl"] == pytest.approx(np.exp(vals[-1]["val_loss"]))
     aware = train(small_config(f"data.path={corpus}", "data.split=90,10,0",

@@ -14,6 +14,7 @@ prepared in a background thread while the current step runs.
 from __future__ import annotations
 
 import collections
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -218,6 +219,7 @@ class Loader:
         self.prefetch = prefetch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megajax-loader") if prefetch else None
         self._ahead: collections.OrderedDict = collections.OrderedDict()
+        self.wait_seconds = 0.0  # time `batch` spent blocked on a batch not ready yet (all calls)
         self.images_shape = getattr(dataset, "images_shape", None)
         if "images" in shardings and self.images_shape is None:
             raise DataError("a batch with images needs an image-text dataset (data.format=webdataset); this "
@@ -283,8 +285,12 @@ class Loader:
 
     def batch(self, start: int) -> dict:
         """The batch at sample `start`; queues the following ones in the background."""
+        t0 = time.perf_counter()
         if self._pool is None:
-            return self._make(start)
+            try:
+                return self._make(start)
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
         for s in list(self._ahead):
             if s < start:
                 self._ahead.pop(s).cancel()
@@ -292,7 +298,10 @@ class Loader:
             s = start + k * self.global_batch
             if s not in self._ahead:
                 self._ahead[s] = self._pool.submit(self._make, s)
-        return self._ahead.pop(start).result()
+        try:
+            return self._ahead.pop(start).result()
+        finally:
+            self.wait_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         if self._pool is not None:

@@ -367,6 +367,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
                             f"to resume from it.")
 
     interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+    interval_wait = tr.loader.wait_seconds  # the loader's blocked time when the interval began
     interval_rates: list[float] = []
     try:
         for step_index in range(start, total):
@@ -384,12 +385,15 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
             if step % cfg.train.log_every == 0 or last or stopping:
                 host = settle()
                 step_time = (time.perf_counter() - interval_start - paused) / interval_steps
+                waited = (tr.loader.wait_seconds - interval_wait) / (step_time * interval_steps)
                 record = _record(tr, step, consumed, host, result.losses[-interval_steps:], step_time, peak, health)
+                record["data_wait"] = min(max(waited, 0.0), 1.0)
                 result.records.append(record)
                 log.log(record)
                 ops.publish(record)
                 interval_rates.append(record["tokens_per_sec"])
                 interval_start, interval_steps, paused = time.perf_counter(), 0, 0.0
+                interval_wait = tr.loader.wait_seconds
                 stop_if_unhealthy()
             ops.step_end(step, state)
             t0 = time.perf_counter()  # evaluation and saving are kept out of the throughput figures

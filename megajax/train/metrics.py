@@ -60,6 +60,8 @@ def format_line(r: dict, total_steps: int) -> str:
     parts += [f"{r['tokens_per_sec']:,.0f} tok/s", f"{readable_rate(r['tflops_per_device'] * 1e12)}/dev",
               f"MFU {readable_percent(r['mfu'])}" if r.get("mfu") is not None else "MFU n/a",
               f"{1000 * r['step_time']:.1f} ms/step"]
+    if r.get("data_wait"):
+        parts.append(f"data wait {readable_percent(r['data_wait'])}")
     if r.get("memory_gib") is not None:
         parts.append(f"mem {readable_bytes(r['memory_gib'] * 2**30)}")
     return " | ".join(parts)

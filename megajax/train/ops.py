@@ -148,6 +148,8 @@ RECORD_FIELDS = {
     "tflops_per_device": RecordField("model TFLOP/s per device", "megajax_tflops_per_device"),
     "mfu": RecordField("model FLOPs utilisation (0..1)", "megajax_mfu"),
     "step_time": RecordField("mean step time over the last log interval", "megajax_step_time_seconds"),
+    "data_wait": RecordField("fraction of the interval's wall time the step loop waited for the data loader "
+                             "(0: the loader kept ahead)", "megajax_data_wait_fraction"),
     "memory_gib": RecordField("memory in use (GiB): device bytes in use, or host peak RSS on CPU"),
     "memory_kind": RecordField("what memory_gib measures: device, or host peak RSS"),
     "skipped_steps": RecordField("steps skipped for non-finite loss or gradients so far"),
