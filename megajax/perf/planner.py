@@ -15,7 +15,8 @@ and estimated:
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
   recompute adds, at a per-device-kind fraction of the peak (`efficiency`),
-  stretched by the pipeline bubble of the plan's own schedule; plus each
+  stretched by the pipeline bubble of the plan's own schedule (a vision-language
+  model's encoder runs on the first stage, which then sets the pace); plus each
   axis's collectives (the analytic bytes `megajax bench` checks against the
   compiled HLO, split by axis) over that axis's links: NVLink (or the
   vendor's equivalent) when the axis lies inside a node, the inter-node
@@ -57,7 +58,7 @@ from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
 from megajax.plan import RunPlan, make_plan, plan_layout
-from megajax.train.flops import train_flops_per_token
+from megajax.train.flops import train_flops_per_token, vision_flops_per_token
 
 GIB = 2**30
 HEADROOM = 0.9  # the share of a device's memory a plan may fill
@@ -155,6 +156,9 @@ def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, mi
     return cfg
 
 
+_ENCODER = "encoder on stage 0"  # the part of a pipelined vision-language step its first stage adds
+
+
 def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[float, dict[str, float], float, float]:
     """(step seconds, seconds by part, MFU, pipeline bubble) of a plan on `kind`."""
     cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
@@ -167,17 +171,24 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
     flops = tokens * per_token / devices
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
-    bubble = 0.0
+    bubble, encoder = 0.0, 0.0
     if plan.pipeline is not None:
         c = plan.pipeline
         bubble = _bubble(c.schedule, c.stages, c.microbatches, c.virtual_stages)
-    busy = compute / (1 - bubble)
+        # A vision-language model's encoder and projector run on the first stage only: that stage's
+        # devices do all of their work (the even split above gave them 1/stages of it), and the
+        # slowest stage sets the pace of every microbatch.
+        vision = vision_flops_per_token(m, plan.batch.seq_len)
+        encoder = tokens * vision * (c.stages - 1) / devices / (peak * 1e12 * kind.efficiency)
+    busy = (compute + encoder) / (1 - bubble)
     rules = plan.rules
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
-    parts = {"compute": compute, "bubble": busy - compute}
+    parts = {"compute": compute, "bubble": busy - compute - encoder}
+    if encoder:
+        parts[_ENCODER] = encoder
     overlapped = 0.0
     for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared).items():
         n = sizes[axis]
@@ -192,7 +203,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
             continue
         parts[axis] = parts.get(axis, 0.0) + seconds
     exposed = max(0.0, overlapped - compute * 2 / 3)
-    critical = sum(v for k, v in parts.items() if k not in ("compute", "bubble") and "overlapped" not in k)
+    critical = sum(v for k, v in parts.items()
+                   if k not in ("compute", "bubble", _ENCODER) and "overlapped" not in k)
     step = busy + critical + exposed
     return step, parts, flops / (step * peak * 1e12), bubble
 
