@@ -988,13 +988,6 @@ def validate_vision(cfg: Config) -> None:
     if v.feature_select == "default" and not v.class_token:
         raise ConfigError(f"model.vision.feature_select = default drops the class token, which the {v.form} form "
                           f"has not; use feature_select=full (or form=clip).")
-    pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
-    context = cfg.mesh.context * cfg.mesh.dcn.context
-    if pipeline != 1 or context != 1:
-        raise ConfigError(f"model.vision with mesh.pipeline={cfg.mesh.pipeline}, mesh.context={cfg.mesh.context}: "
-                          f"a vision-language model runs on data, fsdp, tensor (with sequence parallelism) and "
-                          f"expert layouts; pipeline and context parallelism of its images are not supported yet. "
-                          f"Set mesh.pipeline=1 and mesh.context=1.")
 
 
 def validate_precision(cfg: Config) -> None:

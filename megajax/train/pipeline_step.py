@@ -25,6 +25,7 @@ from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_wi
 from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
 from megajax.models.lora import join
 from megajax.models.moe import router_losses
+from megajax.models.vision import frozen_parameters
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
@@ -155,6 +156,9 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
     ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
+    frozen = frozen_parameters(cfg.model)  # model.vision.freeze's, model.freeze_language_model's
+    if frozen is not None:
+        frozen_paths |= {p for p in flatten_dict(spec.axes) if frozen("/".join(p))}
     history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
 
     def model(tree):
@@ -184,7 +188,8 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
 
     def embed(params, m, key, layer_key):
         net = model(ungroup_stacks(params) if grouped else params)
-        x = net.embed_input(m["tokens"], positions(m), key)
+        # A vision-language model's encoder and projector run here, on the first stage only.
+        x = net.embed_input(m["tokens"], positions(m), key, **({"images_BxNxHxWxC": m["images"]} if "images" in m else {}))
         if dense_first:  # the first stage runs the dense layers (every stage holds them)
             x = net.dense_first_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
                                       dropout_rng=layer_key)
