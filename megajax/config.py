@@ -404,6 +404,10 @@ class ParallelConfig:
     context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"  # with mesh.pipeline > 1
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule)
+    # A vision-language model's encoder and projector split over this many of mesh.tensor's devices
+    # (Megatron's --encoder-tensor-model-parallel-size): 0 the language model's (mesh.tensor), 1 whole
+    # on every tensor rank.
+    encoder_tensor_parallel: int = 0
     # MoE token exchange over mesh.expert: fixed-size all_to_all buffers (every backend) | ragged
     # (jax.lax.ragged_all_to_all: only the real rows move; GPU/TPU, dropless routing only).
     moe_all_to_all: Literal["padded", "ragged"] = "padded"
@@ -892,6 +896,7 @@ def validate(cfg: Config) -> None:
                           + ", ".join(f"mesh.{a}=-1" for a in MESH_AXES if getattr(cfg.mesh, a) == -1) + ".")
     _positive("mesh.cpu_devices", cfg.mesh.cpu_devices, allow_zero=True)
     _positive("parallel.virtual_stages", cfg.parallel.virtual_stages)
+    _positive("parallel.encoder_tensor_parallel", cfg.parallel.encoder_tensor_parallel, allow_zero=True)
     if cfg.parallel.virtual_stages != 1 and cfg.parallel.pipeline_schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {cfg.parallel.virtual_stages} needs "
                           f"parallel.pipeline_schedule=interleaved (this config has "

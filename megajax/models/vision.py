@@ -22,8 +22,11 @@ Parameters (beside the language model's, megajax/models/layout.py):
     vision/post_norm/scale|bias [Dv]
     projector/fc1/kernel       [Dv, D] (+ bias)  mlp: fc1, GELU, fc2 [D, D]; affine: fc1 alone
 
-Only logical axis names appear (`embed`, `heads`, `head_dim`, `mlp`; the encoder's stack is `stack`,
-held whole by every device like the pipeline's shared stacks).
+Only logical axis names appear: the encoder's and projector's own `vision_heads` and `vision_mlp`
+(split over the tensor axis as parallel.encoder_tensor_parallel says, megajax/mesh.py), `embed`,
+`head_dim`; the encoder's stack is `stack`, held whole by every device like the pipeline's shared
+stacks. Under pipeline parallelism the encoder and projector run with the embedding on the first
+stage (megajax/train/pipeline_step.py).
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ from megajax.models.transformer import RESIDUAL, Transformer, _add_layers_axis
 
 # The encoder's activations: [images, patches, vision width]; q/k/v [images, patches, heads, head_dim].
 ACT_VISION = ("batch", None, "embed")
-ACT_VISION_HEADS = ("batch", None, "heads", "head_dim")
-ACT_VISION_MLP = ("batch", None, "mlp")
+ACT_VISION_HEADS = ("batch", None, "vision_heads", "head_dim")
+ACT_VISION_MLP = ("batch", None, "vision_mlp")
 IMAGE_AXES = (None, "batch", None, None, None, None)  # a batch's images: [accumulation, B, N, H, W, 3]
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -64,13 +67,13 @@ class EncoderLayer(nnx.Module):
         hd = d // h
         common = dict(use_bias=True, init_std=v.init_std, dtype=dtype, dot_general=dot, rngs=rngs)
         self.ln1 = LayerNorm(d, eps=v.norm_eps, dtype=dtype)
-        self.q = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.k = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.v = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.o = Dense((h, hd), d, axes=("heads", "head_dim", "embed"), **common)
+        self.q = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.k = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.v = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.o = Dense((h, hd), d, axes=("vision_heads", "head_dim", "embed"), **common)
         self.ln2 = LayerNorm(d, eps=v.norm_eps, dtype=dtype)
-        self.fc1 = Dense(d, f, axes=("embed", "mlp"), **common)
-        self.fc2 = Dense(f, d, axes=("mlp", "embed"), **common)
+        self.fc1 = Dense(d, f, axes=("embed", "vision_mlp"), **common)
+        self.fc2 = Dense(f, d, axes=("vision_mlp", "embed"), **common)
         self.activation = v.activation
 
     def __call__(self, x_IxPxD: jax.Array, core: Callable) -> jax.Array:
@@ -162,8 +165,8 @@ class Projector(nnx.Module):
 
     def __init__(self, v: VisionConfig, hidden_size: int, *, dtype, dot, init_std: float, rngs: nnx.Rngs):
         common = dict(use_bias=True, init_std=init_std, dtype=dtype, dot_general=dot, rngs=rngs)
-        self.fc1 = Dense(v.hidden_size, hidden_size, axes=("embed", "mlp"), **common)
-        self.fc2 = Dense(hidden_size, hidden_size, axes=("mlp", "embed"), **common) if v.projector == "mlp" else None
+        self.fc1 = Dense(v.hidden_size, hidden_size, axes=("embed", "vision_mlp"), **common)
+        self.fc2 = Dense(hidden_size, hidden_size, axes=("vision_mlp", "embed"), **common) if v.projector == "mlp" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.fc1(x)

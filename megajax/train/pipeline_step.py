@@ -64,6 +64,10 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
+    if m.vision is not None:  # the encoder and projector run whole on the first stage (their tensor split gathered)
+        encoder = gathered | set(rules.params["vision_heads"]) | set(rules.params["vision_mlp"])
+        stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, encoder)), param_specs[k])
+                        for k in ("vision", "projector")}
     fns, grad_dtype = stage_functions(spec, cfg, mesh, rules), precision_policy(cfg).grad_dtype
     grouped = m.interleaves_dense_layers()
 
