@@ -41,7 +41,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig, VisionConfig
 from megajax.errors import DataError
-from megajax.mesh import logical_constraint
+from megajax.mesh import logical_constraint, one_device_positions
 from megajax.models.attention import make_attention_core
 from megajax.models.layers import Dense, LayerNorm, dropout, normal_init
 from megajax.models.transformer import RESIDUAL, Transformer, _add_layers_axis
@@ -207,10 +207,28 @@ class VisionLanguageModel(Transformer):
 
 
 def splice_images(x_BxLxD: jax.Array, tokens_BxL: jax.Array, feats_BxMxD: jax.Array, image_token_id: int):
-    """x with its placeholder positions replaced by the features, the k-th placeholder of a row taking
-    the row's k-th feature."""
+    """x with its placeholder positions replaced by the features, the k-th placeholder of a row (in the
+    sequence's natural order) taking the row's k-th feature.
+
+    Under context parallelism the sequence is laid out in load-balanced chunks (megajax/mesh.py), so
+    the placeholders are counted in the natural order the layout gives. Inside a pipeline stage with
+    sequence parallelism x holds this tensor rank's part of the sequence [B, L / tp, D] while the
+    tokens are whole: the part's placeholders are taken."""
     is_image = tokens_BxL == image_token_id
-    k = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, feats_BxMxD.shape[1] - 1)
+    layout = one_device_positions(("batch", "length"), tokens_BxL.shape)
+    slots = None if layout is None else layout[1][1]  # the natural position of each slot, if reordered
+    if slots is not None and not isinstance(slots, int) and layout[0][1] == tokens_BxL.shape[1]:
+        natural = jnp.zeros_like(is_image).at[:, slots].set(is_image)
+        k = (jnp.cumsum(natural, axis=1) - 1)[:, slots]
+    else:
+        if layout is not None and layout[0][1] != tokens_BxL.shape[1]:
+            raise NotImplementedError("image placeholders in a sequence split over manual mesh axes")
+        k = jnp.cumsum(is_image, axis=1) - 1
+    n = x_BxLxD.shape[1]
+    if n != tokens_BxL.shape[1]:  # this tensor rank's part of the sequence (sequence parallelism)
+        start = one_device_positions(RESIDUAL, x_BxLxD.shape)[1][1]
+        is_image, k = (jax.lax.dynamic_slice_in_dim(a, start, n, axis=1) for a in (is_image, k))
+    k = jnp.clip(k, 0, feats_BxMxD.shape[1] - 1)
     taken = jnp.take_along_axis(feats_BxMxD, k[..., None], axis=1).astype(x_BxLxD.dtype)
     return logical_constraint(jnp.where(is_image[..., None], taken, x_BxLxD), RESIDUAL)
 
