@@ -7,7 +7,10 @@ products' scales (a layer's with its layer, split over `pipeline`; their "gradie
 step's amaxes, max-combined) and the MoE routers' expert bias [layers, E] (no gradient: dropped
 after). A model with dense layers between its MoE layers enters as one stack of groups; a
 dense-first model's dense layers run on the first stage with the embedding, the multi-token
-prediction depths on the last with the loss (both whole on every stage: the `stack` axis).
+prediction depths on the last with the loss (both whole on every stage: the `stack` axis). A
+vision-language model's encoder and projector run with the embedding on the first stage, on its
+microbatch's images; their weights enter the stages whole over `tensor` (the stages' products are
+written per shard, and the encoder's are plain).
 """
 
 from __future__ import annotations
