@@ -404,6 +404,10 @@ class ParallelConfig:
     context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"  # with mesh.pipeline > 1
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule)
+    # A vision-language model's encoder and projector split over this many of mesh.tensor's devices
+    # (Megatron's --encoder-tensor-model-parallel-size): 0 the language model's (mesh.tensor), 1 whole
+    # on every tensor rank.
+    encoder_tensor_parallel: int = 0
     # MoE token exchange over mesh.expert: fixed-size all_to_all buffers (every backend) | ragged
     # (jax.lax.ragged_all_to_all: only the real rows move; GPU/TPU, dropless routing only).
     moe_all_to_all: Literal["padded", "ragged"] = "padded"
@@ -892,6 +896,7 @@ def validate(cfg: Config) -> None:
                           + ", ".join(f"mesh.{a}=-1" for a in MESH_AXES if getattr(cfg.mesh, a) == -1) + ".")
     _positive("mesh.cpu_devices", cfg.mesh.cpu_devices, allow_zero=True)
     _positive("parallel.virtual_stages", cfg.parallel.virtual_stages)
+    _positive("parallel.encoder_tensor_parallel", cfg.parallel.encoder_tensor_parallel, allow_zero=True)
     if cfg.parallel.virtual_stages != 1 and cfg.parallel.pipeline_schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {cfg.parallel.virtual_stages} needs "
                           f"parallel.pipeline_schedule=interleaved (this config has "
@@ -948,8 +953,8 @@ def validate_lora(m: ModelConfig) -> None:
 
 def validate_vision(cfg: Config) -> None:
     """model.vision: positive sizes, an image that the patches tile, heads that divide the width, a
-    placeholder token inside the vocabulary, a feature layer the encoder has; the layouts that do not
-    run it yet (pipeline and context parallelism)."""
+    placeholder token inside the vocabulary, a feature layer the encoder has; the layout that does not
+    run it yet (pipeline and context parallelism together)."""
     m = cfg.model
     v = m.vision
     _positive("data.num_workers", cfg.data.num_workers)
@@ -990,11 +995,11 @@ def validate_vision(cfg: Config) -> None:
                           f"has not; use feature_select=full (or form=clip).")
     pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
     context = cfg.mesh.context * cfg.mesh.dcn.context
-    if pipeline != 1 or context != 1:
-        raise ConfigError(f"model.vision with mesh.pipeline={cfg.mesh.pipeline}, mesh.context={cfg.mesh.context}: "
-                          f"a vision-language model runs on data, fsdp, tensor (with sequence parallelism) and "
-                          f"expert layouts; pipeline and context parallelism of its images are not supported yet. "
-                          f"Set mesh.pipeline=1 and mesh.context=1.")
+    if pipeline != 1 and context != 1:
+        raise ConfigError(f"model.vision with mesh.pipeline={cfg.mesh.pipeline} and mesh.context={cfg.mesh.context}: "
+                          f"a vision-language model runs pipeline or context parallelism, not both at once yet "
+                          f"(the first stage would have to count the image placeholders across its context "
+                          f"shards). Set mesh.pipeline=1 or mesh.context=1.")
 
 
 def validate_precision(cfg: Config) -> None:

@@ -145,6 +145,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tensor-model-parallel-size", "mesh.tensor"),
     Flag("--pipeline-model-parallel-size", "mesh.pipeline"),
     Flag("--context-parallel-size", "mesh.context"),
+    Flag("--encoder-tensor-model-parallel-size", "parallel.encoder_tensor_parallel",
+         note="a vision-language model's encoder and projector: 0 as mesh.tensor, 1 whole on every tensor rank"),
     Flag("--expert-model-parallel-size", "mesh.expert"),
     Flag("--sequence-parallel", "parallel.sequence_parallel", SWITCH, True),
     Flag("--use-distributed-optimizer", "parallel.distributed_optimizer", SWITCH, True),

@@ -158,10 +158,9 @@ def model_dims(cfg: Config) -> dict[str, list[tuple[str, int]]]:
         dims["vocab"] = [("model.vocab_size", m.padded_vocab_size())]
     if m.vision is not None:  # the image encoder's (and its projector's, to the language model's width)
         v = m.vision
-        dims["heads"].append(("model.vision.num_heads", v.num_heads))
-        dims["mlp"].append(("model.vision.ffn_hidden_size", v.ffn_hidden_size))
+        dims["vision_heads"] = [("model.vision.num_heads", v.num_heads)]
+        dims["vision_mlp"] = [("model.vision.ffn_hidden_size", v.ffn_hidden_size), ("model.hidden_size", m.hidden_size)]
         dims["embed"].append(("model.vision.hidden_size", v.hidden_size))
-        dims["mlp"].append(("model.hidden_size", m.hidden_size))
     if "M" in m.hybrid_pattern():  # the Mamba mixers' heads and B/C groups
         dims["heads"].append(("model.mamba_num_heads", m.mamba_num_heads))
         dims["ssm_groups"] = [("model.mamba_num_groups", m.mamba_num_groups)]
@@ -198,6 +197,12 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
                 raise MeshError(f"{key}={value} is not divisible by {axis}={size}; change {axis} "
                                 f"(sizes that divide it and the {math.prod(s.values())} devices: "
                                 f"{_divisors(value, size, math.prod(s.values()))}) or {key}.")
+    enc = cfg.parallel.encoder_tensor_parallel
+    if enc not in (0, 1, tp):
+        raise MeshError(f"parallel.encoder_tensor_parallel={enc} with mesh.tensor={tp}: the encoder and projector "
+                        f"split over all of the tensor axis or none of it; accepted: 1 (whole on every tensor rank) "
+                        f"or {tp} (0: the same as mesh.tensor). Megatron also takes sizes below mesh.tensor, "
+                        f"which put the encoder on ranks of its own.")
     c = s["context"]
     if c > 1 and t.seq_len % (2 * c):
         devices = math.prod(s.values())
@@ -240,6 +245,10 @@ class ShardingRules:
 def make_rules(cfg: Config) -> ShardingRules:
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",), "ssm_groups": ("tensor",)}
+    # A vision-language model's encoder and projector: split like the language model, or whole on
+    # every tensor rank with parallel.encoder_tensor_parallel=1 (checked in validate_for_model).
+    encoder = () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
+    tensor_dims |= {"vision_heads": encoder, "vision_mlp": encoder}
     params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),
               # Low-rank adapters (megajax/models/lora.py): the rank dim replicated, the fused q/k/v

@@ -58,7 +58,10 @@ def image_batch(batch: int = 2, images: int = 1, seed: int = 1, seq: int = SEQ, 
     tokens = rng.integers(0, IMAGE_TOKEN, (batch, seq)).astype(np.int32)
     for b in range(batch):
         for n in range(images):
-            start = 1 + b + n * (per_image + 2)
+            # Several images: the last one near the row's end (under context parallelism its placeholders
+            # then come before the others' in the load-balanced layout).
+            last = n == images - 1 and n > 0
+            start = seq - per_image - 1 - b % 2 if last else 1 + b + n * (per_image + 2)
             tokens[b, start:start + per_image] = IMAGE_TOKEN
     return tokens, rng.normal(size=(batch, images, 16, 16, 3)).astype(np.float32)
 
@@ -162,15 +165,21 @@ def run_steps(cfg, devices, steps: int = 3):
     """(losses, grad norms, the state after the steps) of `steps` train steps of `cfg` on `devices` with one
     fixed image-text batch, the same each step: 2 microbatches of 4 rows (train.micro_batch per
     data-parallel rank), 2 images per row."""
+    from megajax.mesh import load_balanced_order
     from megajax.plan import make_plan
     from megajax.train.setup import build_setup
     setup = build_setup(make_plan(cfg, len(devices)), devices)
     state, step, ok = setup.fresh_state(), setup.train_step(images=True), setup.ok_flag()
+    context = setup.plan.sizes["context"]
     losses, norms = [], []
     for k in range(steps):
         tokens, images = image_batch(batch=8, images=2, seed=10)
         labels = np.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
         batch = {"tokens": tokens, "labels": labels, "loss_mask": np.ones_like(tokens, np.float32), "images": images}
+        if context > 1:  # the sequence in context parallelism's load-balanced chunks, as the loader lays it out
+            order = load_balanced_order(SEQ, context)
+            batch = {key: v[:, order] if key != "images" else v for key, v in batch.items()}
+            batch["positions"] = np.broadcast_to(order.astype(np.int32), tokens.shape)
         batch = {key: v.reshape((2, 4) + v.shape[1:]) for key, v in batch.items()}
         batch = jax.device_put(batch, setup.image_batch_shardings())
         state, metrics, ok = step(state, batch, ok)
@@ -196,6 +205,63 @@ def test_layouts_equal_one_device(layout):
     loss, norm, _ = run_steps(tiny_llava(*layout), jax.devices()[:4])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
+
+
+def assert_same_steps(layout, *reference: str):
+    """tiny-llava's loss and grad norm per step on `layout` (4 devices) equal one device's (fp32, 1e-5
+    relative); returns the run's state."""
+    ref_loss, ref_norm, _ = one_device(*reference)
+    assert ref_loss[-1] < ref_loss[0]
+    loss, norm, state = run_steps(tiny_llava(*reference, *layout), jax.devices()[:4])
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
+    np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
+    return state
+
+
+def test_pipeline_runs_the_encoder_on_the_first_stage_only(monkeypatch):
+    """Two pipeline stages x data 2 on the GPipe schedule with a frozen encoder: one device's loss and
+    grad norm; the encoder and projector run on stage 0 only (recorded from inside the stage loop:
+    without collectives in the stages each stage runs only its own work)."""
+    from megajax.models.vision import VisionLanguageModel
+    one_device("model.vision.freeze=true")  # the reference, before the encoder is wrapped
+    stages = []
+    embed = VisionLanguageModel.image_embeddings
+
+    def recorded(self, images):
+        jax.debug.callback(lambda s: stages.append(int(s)), jax.lax.axis_index("pipeline"))
+        return embed(self, images)
+
+    monkeypatch.setattr(VisionLanguageModel, "image_embeddings", recorded)
+    assert_same_steps(["mesh.pipeline=2", "mesh.data=2", "parallel.pipeline_schedule=gpipe", "train.micro_batch=2"],
+                      "model.vision.freeze=true")
+    assert stages and set(stages) == {0}, sorted(set(stages))
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.pipeline=2", "mesh.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline_schedule=1f1b",
+     "train.micro_batch=4"],
+    ["mesh.context=2", "mesh.data=2", "parallel.context_impl=ring", "train.micro_batch=2"],
+    ["mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true", "parallel.context_impl=allgather",
+     "train.micro_batch=4"],
+], ids=["pp2-tp2-sp-1f1b", "cp2-ring-data2", "cp2-allgather-tp2-sp"])
+def test_pipeline_and_context_layouts_equal_one_device(layout):
+    """Pipeline parallelism (the encoder on stage 0) with tensor and sequence parallelism on 1F1B, and
+    context parallelism (the placeholders counted in the sequence's natural order; the batch laid out
+    in load-balanced chunks) alone and with tensor + sequence parallelism: one device's loss and grad norm."""
+    assert_same_steps(layout)
+
+
+def test_encoder_tensor_parallel_one_keeps_the_encoder_whole():
+    """parallel.encoder_tensor_parallel=1 on tensor 2: the encoder's and projector's weights are whole on
+    every tensor rank (the language model's split), and the run equals one device's."""
+    state = assert_same_steps(["mesh.tensor=2", "mesh.data=2", "parallel.encoder_tensor_parallel=1",
+                               "train.micro_batch=2"])
+    split = {name: "tensor" in str(x.sharding.spec) for name, x in flatten(state.params)}
+    encoder = [name for name in split if name.startswith(("vision/", "projector/"))]
+    assert encoder and not any(split[name] for name in encoder)
+    assert any(split[name] for name in split if name.startswith("layers/"))
+    from megajax.mesh import make_rules  # by default (0) the encoder splits like the language model
+    assert make_rules(tiny_llava("mesh.tensor=2")).params["vision_heads"] == ("tensor",)
 
 
 def test_loss_masks_image_positions():
@@ -258,8 +324,15 @@ def test_bad_config_and_batches_are_named():
         tiny_llava("model.vision.image_token_id=300")
     with pytest.raises(ConfigError, match="feature_select = default drops the class token"):
         tiny_llava("model.vision.feature_select=default")
-    with pytest.raises(ConfigError, match="mesh.pipeline=2"):
-        tiny_llava("mesh.pipeline=2")
+    with pytest.raises(ConfigError, match="mesh.pipeline=2 and mesh.context=2: .* not both at once"):
+        tiny_llava("mesh.pipeline=2", "mesh.context=2")
+    from megajax.errors import MeshError
+    from megajax.plan import make_plan
+    with pytest.raises(MeshError, match=r"parallel.encoder_tensor_parallel=2 with mesh.tensor=4: .* accepted: 1 "
+                                        r"\(whole on every tensor rank\) or 4"):
+        make_plan(tiny_llava("mesh.tensor=4", "mesh.data=1", "model.num_kv_heads=4", "parallel.encoder_tensor_parallel=2"), 4)
+    with pytest.raises(ConfigError, match="parallel.encoder_tensor_parallel = -1: must be >= 0"):
+        tiny_llava("parallel.encoder_tensor_parallel=-1")
     cfg = tiny_llava()
     spec, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
     params = jax.jit(init)()

@@ -22,8 +22,11 @@ Parameters (beside the language model's, megajax/models/layout.py):
     vision/post_norm/scale|bias [Dv]
     projector/fc1/kernel       [Dv, D] (+ bias)  mlp: fc1, GELU, fc2 [D, D]; affine: fc1 alone
 
-Only logical axis names appear (`embed`, `heads`, `head_dim`, `mlp`; the encoder's stack is `stack`,
-held whole by every device like the pipeline's shared stacks).
+Only logical axis names appear: the encoder's and projector's own `vision_heads` and `vision_mlp`
+(split over the tensor axis as parallel.encoder_tensor_parallel says, megajax/mesh.py), `embed`,
+`head_dim`; the encoder's stack is `stack`, held whole by every device like the pipeline's shared
+stacks. Under pipeline parallelism the encoder and projector run with the embedding on the first
+stage (megajax/train/pipeline_step.py).
 """
 
 from __future__ import annotations
@@ -38,15 +41,15 @@ from flax import nnx
 
 from megajax.config import ModelConfig, VisionConfig
 from megajax.errors import DataError
-from megajax.mesh import logical_constraint
+from megajax.mesh import logical_constraint, one_device_positions
 from megajax.models.attention import make_attention_core
 from megajax.models.layers import Dense, LayerNorm, dropout, normal_init
 from megajax.models.transformer import RESIDUAL, Transformer, _add_layers_axis
 
 # The encoder's activations: [images, patches, vision width]; q/k/v [images, patches, heads, head_dim].
 ACT_VISION = ("batch", None, "embed")
-ACT_VISION_HEADS = ("batch", None, "heads", "head_dim")
-ACT_VISION_MLP = ("batch", None, "mlp")
+ACT_VISION_HEADS = ("batch", None, "vision_heads", "head_dim")
+ACT_VISION_MLP = ("batch", None, "vision_mlp")
 IMAGE_AXES = (None, "batch", None, None, None, None)  # a batch's images: [accumulation, B, N, H, W, 3]
 
 ACTIVATIONS: dict[str, Callable] = {
@@ -64,13 +67,13 @@ class EncoderLayer(nnx.Module):
         hd = d // h
         common = dict(use_bias=True, init_std=v.init_std, dtype=dtype, dot_general=dot, rngs=rngs)
         self.ln1 = LayerNorm(d, eps=v.norm_eps, dtype=dtype)
-        self.q = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.k = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.v = Dense(d, (h, hd), axes=("embed", "heads", "head_dim"), **common)
-        self.o = Dense((h, hd), d, axes=("heads", "head_dim", "embed"), **common)
+        self.q = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.k = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.v = Dense(d, (h, hd), axes=("embed", "vision_heads", "head_dim"), **common)
+        self.o = Dense((h, hd), d, axes=("vision_heads", "head_dim", "embed"), **common)
         self.ln2 = LayerNorm(d, eps=v.norm_eps, dtype=dtype)
-        self.fc1 = Dense(d, f, axes=("embed", "mlp"), **common)
-        self.fc2 = Dense(f, d, axes=("mlp", "embed"), **common)
+        self.fc1 = Dense(d, f, axes=("embed", "vision_mlp"), **common)
+        self.fc2 = Dense(f, d, axes=("vision_mlp", "embed"), **common)
         self.activation = v.activation
 
     def __call__(self, x_IxPxD: jax.Array, core: Callable) -> jax.Array:
@@ -162,8 +165,8 @@ class Projector(nnx.Module):
 
     def __init__(self, v: VisionConfig, hidden_size: int, *, dtype, dot, init_std: float, rngs: nnx.Rngs):
         common = dict(use_bias=True, init_std=init_std, dtype=dtype, dot_general=dot, rngs=rngs)
-        self.fc1 = Dense(v.hidden_size, hidden_size, axes=("embed", "mlp"), **common)
-        self.fc2 = Dense(hidden_size, hidden_size, axes=("mlp", "embed"), **common) if v.projector == "mlp" else None
+        self.fc1 = Dense(v.hidden_size, hidden_size, axes=("embed", "vision_mlp"), **common)
+        self.fc2 = Dense(hidden_size, hidden_size, axes=("vision_mlp", "embed"), **common) if v.projector == "mlp" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = self.fc1(x)
@@ -204,10 +207,28 @@ class VisionLanguageModel(Transformer):
 
 
 def splice_images(x_BxLxD: jax.Array, tokens_BxL: jax.Array, feats_BxMxD: jax.Array, image_token_id: int):
-    """x with its placeholder positions replaced by the features, the k-th placeholder of a row taking
-    the row's k-th feature."""
+    """x with its placeholder positions replaced by the features, the k-th placeholder of a row (in the
+    sequence's natural order) taking the row's k-th feature.
+
+    Under context parallelism the sequence is laid out in load-balanced chunks (megajax/mesh.py), so
+    the placeholders are counted in the natural order the layout gives. Inside a pipeline stage with
+    sequence parallelism x holds this tensor rank's part of the sequence [B, L / tp, D] while the
+    tokens are whole: the part's placeholders are taken."""
     is_image = tokens_BxL == image_token_id
-    k = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, feats_BxMxD.shape[1] - 1)
+    layout = one_device_positions(("batch", "length"), tokens_BxL.shape)
+    slots = None if layout is None else layout[1][1]  # the natural position of each slot, if reordered
+    if slots is not None and not isinstance(slots, int) and layout[0][1] == tokens_BxL.shape[1]:
+        natural = jnp.zeros_like(is_image).at[:, slots].set(is_image)
+        k = (jnp.cumsum(natural, axis=1) - 1)[:, slots]
+    else:
+        if layout is not None and layout[0][1] != tokens_BxL.shape[1]:
+            raise NotImplementedError("image placeholders in a sequence split over manual mesh axes")
+        k = jnp.cumsum(is_image, axis=1) - 1
+    n = x_BxLxD.shape[1]
+    if n != tokens_BxL.shape[1]:  # this tensor rank's part of the sequence (sequence parallelism)
+        start = one_device_positions(RESIDUAL, x_BxLxD.shape)[1][1]
+        is_image, k = (jax.lax.dynamic_slice_in_dim(a, start, n, axis=1) for a in (is_image, k))
+    k = jnp.clip(k, 0, feats_BxMxD.shape[1] - 1)
     taken = jnp.take_along_axis(feats_BxMxD, k[..., None], axis=1).astype(x_BxLxD.dtype)
     return logical_constraint(jnp.where(is_image[..., None], taken, x_BxLxD), RESIDUAL)
 

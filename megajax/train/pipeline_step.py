@@ -7,7 +7,10 @@ products' scales (a layer's with its layer, split over `pipeline`; their "gradie
 step's amaxes, max-combined) and the MoE routers' expert bias [layers, E] (no gradient: dropped
 after). A model with dense layers between its MoE layers enters as one stack of groups; a
 dense-first model's dense layers run on the first stage with the embedding, the multi-token
-prediction depths on the last with the loss (both whole on every stage: the `stack` axis).
+prediction depths on the last with the loss (both whole on every stage: the `stack` axis). A
+vision-language model's encoder and projector run with the embedding on the first stage, on its
+microbatch's images; their weights enter the stages whole over `tensor` (the stages' products are
+written per shard, and the encoder's are plain).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_wi
 from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
 from megajax.models.lora import join
 from megajax.models.moe import router_losses
+from megajax.models.vision import frozen_parameters
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
@@ -63,6 +67,10 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
+    if m.vision is not None:  # the encoder and projector run whole on the first stage (their tensor split gathered)
+        encoder = gathered | set(rules.params["vision_heads"]) | set(rules.params["vision_mlp"])
+        stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, encoder)), param_specs[k])
+                        for k in ("vision", "projector")}
     fns, grad_dtype = stage_functions(spec, cfg, mesh, rules), precision_policy(cfg).grad_dtype
     grouped = m.interleaves_dense_layers()
 
@@ -155,6 +163,9 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
     ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
+    frozen = frozen_parameters(cfg.model)  # model.vision.freeze's, model.freeze_language_model's
+    if frozen is not None:
+        frozen_paths |= {p for p in flatten_dict(spec.axes) if frozen("/".join(p))}
     history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)
 
     def model(tree):
@@ -184,7 +195,8 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
 
     def embed(params, m, key, layer_key):
         net = model(ungroup_stacks(params) if grouped else params)
-        x = net.embed_input(m["tokens"], positions(m), key)
+        # A vision-language model's encoder and projector run here, on the first stage only.
+        x = net.embed_input(m["tokens"], positions(m), key, **({"images_BxNxHxWxC": m["images"]} if "images" in m else {}))
         if dense_first:  # the first stage runs the dense layers (every stage holds them)
             x = net.dense_first_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
                                       dropout_rng=layer_key)
