@@ -222,3 +222,23 @@ def test_bad_checkpoints_are_named(tmp_path):
     cfg3, _, w3 = model("siglip", "model.vision.num_heads=2", "model.vision.hidden_size=32")
     with pytest.raises(CheckpointError, match=r"model.vision.num_heads=2 is not divisible by tensor_parallel=4"):
         export_megatron(DictSource(unflatten(w3), cfg3.model), tmp_path / "tp4", tensor_parallel=4)
+
+
+def test_cli_round_trip(tmp_path):
+    """`megajax import --format megatron` of a TP-2 LLaVA export, `megajax export --format megatron` of
+    that megajax checkpoint (torch_dist) and of the Megatron checkpoint itself (legacy): every parameter
+    back exactly (fp32)."""
+    from megajax.cli import main
+    cfg, _, w = model("clip")
+    legacy = export_megatron(DictSource(unflatten(w), cfg.model), tmp_path / "tp2", tensor_parallel=2, dtype="fp32")
+    assert main(["import", "--format", "megatron", "--input", str(legacy), "--output", str(tmp_path / "run")]) == 0
+    for src, extra in ((tmp_path / "run", []), (legacy, ["--ckpt-format", "torch"])):
+        out = tmp_path / f"out-{src.name}"
+        assert main(["export", "--format", "megatron", "--checkpoint", str(src), "--output", str(out), "--dtype",
+                     "fp32", "--tokenizer", "byte", *extra]) == 0
+        overrides, params = import_megatron(out)
+        assert overrides["vision"]["form"] == "clip"
+        got = dict(flatten(params))
+        for name, x in w.items():
+            if not name.startswith("vision/post_norm/"):
+                np.testing.assert_array_equal(got[name], x, err_msg=f"{out.name}: {name}")
