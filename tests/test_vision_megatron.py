@@ -93,7 +93,8 @@ def test_tp2_splits_the_encoder_per_head(tmp_path):
     for name, dim in ((L + "self_attention.linear_qkv.weight", 0), (L + "self_attention.linear_qkv.bias", 0),
                       (L + "mlp.linear_fc1.weight", 0), (L + "mlp.linear_fc1.bias", 0),
                       (L + "self_attention.linear_proj.weight", 1), (L + "mlp.linear_fc2.weight", 1),
-                      ("vision_projection.encoder.linear_fc1.weight", 0), ("vision_projection.encoder.linear_fc2.weight", 1)):
+                      ("vision_projection.encoder.linear_fc1.weight", 0),
+                      ("vision_projection.encoder.linear_fc2.weight", 1)):
         np.testing.assert_array_equal(torch.cat([two[0][name], two[1][name]], dim).numpy(), one[name].numpy(),
                                       err_msg=name)
     for name in (L + "input_layernorm.weight", L + "mlp.linear_fc2.bias", "vision_model.conv1.weight",
@@ -148,7 +149,8 @@ def test_megatron_core_loads_the_export_and_computes_megajax_features(form, mega
     from megajax.checkpoint.torch_dist import DistCheckpoint
     ckpt = DistCheckpoint(export_torch_dist(src, tmp_path / "dist", dtype="fp32") / "release")
     ours = {k: list(ckpt.shape(k)) for k in ckpt.keys()}
-    te = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    te = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+          "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
     for local, fused in te.items():
         keys = {(k.replace(local, fused) if k.startswith("vision_model.") else k): s for k, s in keys.items()}
     assert set(ours) == set(keys)
@@ -211,7 +213,8 @@ def test_bad_checkpoints_are_named(tmp_path):
          rf"{qkv} \(q\) has shape \[16, 32\].*imply \[32, 32\]"),
         (lambda c: c["model"].__setitem__("vision_model.extra.weight", torch.zeros(2)),
          "encoder tensors megajax does not know: vision_model.extra.weight"),
-        (lambda c: c["model"].__setitem__("image_newline", torch.zeros(2)), "neither the language model.*image_newline"),
+        (lambda c: c["model"].__setitem__("image_newline", torch.zeros(2)),
+         "neither the language model.*image_newline"),
         (lambda c: delattr(c["args"], "megajax_vision"), "vision_model_type='siglip' without megajax_vision"),
     ]
     for k, (edit, match) in enumerate(cases):

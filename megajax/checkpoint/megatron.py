@@ -14,6 +14,8 @@ an argparse.Namespace with the hyper-parameters Megatron reads back
 MEGATRON_ROWS names every tensor both ways: `linear_qkv` grouped per query
 group, SwiGLU's `linear_fc1` as [gate; up] per tensor rank, column/row/replicated
 tensor-parallel splits, the vocabulary padded to make_vocab_size_divisible_by x TP.
+A vision-language model is Megatron-Core's LLaVAModel: this table's names under `language_model.`
+beside its encoder's and projector's (megatron_vision.py).
 Pipeline stages hold consecutive layers numbered from 0 within the stage; the
 first holds the embeddings, the last the final norm and the output layer (with
 tied embeddings and PP > 1 a copy of the word embeddings, as Megatron keeps).
@@ -782,7 +784,8 @@ def _overrides_from_args(args) -> dict:
         try:
             out["vision"] = vision_config_of(fields)
         except TypeError as e:
-            raise CheckpointError(f"Megatron args {vision.ARG}={fields!r}: {e}; expected model.vision's fields.") from None
+            raise CheckpointError(f"Megatron args {vision.ARG}={fields!r}: {e}; expected model.vision's "
+                                  f"fields.") from None
     return out
 
 

@@ -4,18 +4,18 @@
 MultimodalProjector (megatron/core/models/vision/multimodal_projector.py).
 
 The language model's tensors are the GPT model's (megatron.py's table) under `language_model.`; the
-encoder's and the projector's (Dv the encoder's width, P its patches, H its heads, D the language
-model's width):
+encoder's and the projector's (Dv the encoder's width, P its patches, D the language model's
+width):
 
     vision_model.conv1.weight                     [Dv, 3, p, p]   vision/patch_embed/kernel (.bias: SigLIP)
     vision_model.class_token                      [1, 1, Dv]      vision/class_embedding (CLIP)
     vision_model.position_embeddings.weight       [P (+1), Dv]    vision/pos_embed
     vision_model.ln_pre.weight|bias               [Dv]            vision/pre_norm (CLIP)
     vision_model.decoder.layers.{i}.
-        input_layernorm.weight|bias               [Dv]            ln1 (torch_dist: self_attention.linear_qkv.layer_norm_*)
+        input_layernorm.weight|bias               [Dv]            ln1 (torch_dist: linear_qkv.layer_norm_*)
         self_attention.linear_qkv.weight|bias     [3 Dv, Dv]      q, k, v per head: [q_h; k_h; v_h] (column-parallel)
         self_attention.linear_proj.weight|bias    [Dv, Dv]        o (row-parallel)
-        pre_mlp_layernorm.weight|bias             [Dv]            ln2 (torch_dist: mlp.linear_fc1.layer_norm_*)
+        pre_mlp_layernorm.weight|bias             [Dv]            ln2 (torch_dist: linear_fc1.layer_norm_*)
         mlp.linear_fc1.weight|bias, mlp.linear_fc2.weight|bias    fc1 (column-), fc2 (row-parallel)
     vision_model.ln_post.weight|bias              [Dv]            vision/post_norm (SigLIP)
     vision_projection.encoder.linear_fc1|linear_fc2.weight|bias   projector/fc1|fc2 (mlp; column-, row-parallel)
@@ -31,8 +31,9 @@ Megatron-Core's CLIP-form encoder has no post-layernorm (CLIPViTModel builds ln_
 megajax's CLIP `vision/post_norm`, which LLaVA's features never use (only the pooled class token does),
 is not written, and is the identity (scale 1, bias 0) on import. Megatron-Core's LLaVAModel runs every
 encoder layer its config holds and, for SigLIP, ln_post after them; megajax takes the features of layer
-model.vision.feature_layer without ln_post: the checkpoint holds every layer (a lossless round trip), so
-Megatron-LM reproduces megajax's features with its vision num_layers cut to the feature layer's.
+model.vision.feature_layer without ln_post. The checkpoint holds every layer (a lossless round trip);
+Megatron-LM computes megajax's CLIP features with its vision num_layers cut to the feature layer's, but
+always applies SigLIP's ln_post (megatron-core has no switch for it).
 
 The args carry Megatron-LM's multimodal fields (vision_model_type, img_h, img_w, patch_dim,
 disable_vision_class_token) and model.vision whole (`megajax_vision`), which import reads back.
@@ -54,7 +55,8 @@ LANGUAGE, VISION, PROJECTION = "language_model.", "vision_model.", "vision_proje
 ARG = "megajax_vision"  # the args field holding model.vision
 _V = VISION + "decoder.layers.{i}"
 # A vision layer's norms: the local spec's name -> Transformer Engine's (torch_dist's).
-_TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+_TE_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+             "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
