@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 
-from megajax.config import ModelConfig
+from megajax.config import ModelConfig, VisionConfig
 from megajax.errors import CheckpointError, ConfigError
 from megajax.models.layout import tensor_shapes
 
@@ -127,8 +127,12 @@ def model_overrides(m: ModelConfig) -> dict:
 
 
 def resolved_model(overrides: dict) -> ModelConfig:
-    """ModelConfig from importer overrides, resolved (without a train config)."""
+    """ModelConfig from importer overrides (model.vision a VisionConfig or, as model_overrides gives it,
+    a dict of its fields), resolved (without a train config)."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    overrides = dict(overrides)
+    if isinstance(overrides.get("vision"), dict):
+        overrides["vision"] = VisionConfig(**overrides["vision"])
     m = ModelConfig(**{k: v for k, v in overrides.items() if k in fields})
     m.resolve(seq_len=m.max_position_embeddings or 1)
     return m

@@ -55,7 +55,8 @@ _HYBRID_SLOT = re.compile(r"layers/layer\d+/")  # a hybrid group's slot inside t
 class Part:
     """A megajax parameter (one layer of it) inside an external tensor: `same` (unchanged), `flat`
     (one dim), `linear` (PyTorch Linear: kernel [in..., out...] -> [out, in]), `conv1d` (GPT-2's
-    Conv1D: -> [in, out]) or `depthwise` (a depthwise Conv1d's weight: [channels..., K] -> [C, 1, K]);
+    Conv1D: -> [in, out]), `depthwise` (a depthwise Conv1d's weight: [channels..., K] -> [C, 1, K]),
+    `patch` (a ViT's patch kernel [p, p, 3, D] -> Conv2d's [D, 3, p, p]) or `token` ([D] -> [1, 1, D]);
     the kernel's first `n_in` dims are its inputs."""
     path: str
     kind: str
@@ -66,6 +67,10 @@ class Part:
     def external_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         if self.kind == "depthwise":
             return (math.prod(shape[:-1]), 1, shape[-1])
+        if self.kind == "patch":
+            return (shape[3], shape[2], shape[0], shape[1])
+        if self.kind == "token":
+            return (1, 1, math.prod(shape))
         n_in, n_out = math.prod(shape[:self.n_in]), math.prod(shape[self.n_in:])
         return {"same": tuple(shape), "flat": (n_in * n_out,), "linear": (n_out, n_in),
                 "conv1d": (n_in, n_out)}[self.kind]
@@ -77,16 +82,21 @@ class Part:
             return x if self.kind == "same" else x.reshape(-1)
         if self.kind == "depthwise":
             return x.reshape(-1, 1, x.shape[-1])
+        if self.kind in ("patch", "token"):
+            return np.transpose(x, (3, 2, 0, 1)) if self.kind == "patch" else x.reshape(1, 1, -1)
         x = x.reshape(math.prod(x.shape[:self.n_in]), -1)
         return x.T if self.kind == "linear" else x
 
     def to_ours(self, y: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        if self.kind == "patch":
+            return np.transpose(y, (2, 3, 1, 0)).reshape(shape)
         return (y.T if self.kind == "linear" else y).reshape(shape)
 
 
 same, flat = functools.partial(Part, kind="same"), functools.partial(Part, kind="flat")
 linear, conv1d = functools.partial(Part, kind="linear"), functools.partial(Part, kind="conv1d")
-depthwise = functools.partial(Part, kind="depthwise")
+depthwise, patch = functools.partial(Part, kind="depthwise"), functools.partial(Part, kind="patch")
+token = functools.partial(Part, kind="token")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +104,8 @@ class Row:
     """External tensor `name` holding `parts` joined along `axis`.
 
     groups: parts interleaved per group ([a_0 b_0 | a_1 b_1 | ...]): `kv_heads` (Megatron's
-        per-query-group q|k|v) or `tensor` (Megatron's per-rank [gate; up]); None: concatenated.
+        per-query-group q|k|v), `vision_heads` (the same for a vision encoder's heads) or `tensor`
+        (Megatron's per-rank [gate; up]); None: concatenated.
     vocab: dim 0 is the vocabulary: vocab_size rows outside, megajax's zero padding inside.
     split: tensor-parallel layout of formats stored per rank: `column` (dim 0), `row` (dim 1),
         `replicated`.
@@ -232,6 +243,8 @@ def index(slot: int | None, row: Row) -> tuple | type(Ellipsis):
 
 
 def _groups(row: Row, m: ModelConfig, tensor: int) -> int:
+    if row.groups == "vision_heads":
+        return m.vision.num_heads
     return {None: 1, "kv_heads": m.num_kv_heads, "tensor": tensor}[row.groups]
 
 

@@ -14,6 +14,8 @@ an argparse.Namespace with the hyper-parameters Megatron reads back
 MEGATRON_ROWS names every tensor both ways: `linear_qkv` grouped per query
 group, SwiGLU's `linear_fc1` as [gate; up] per tensor rank, column/row/replicated
 tensor-parallel splits, the vocabulary padded to make_vocab_size_divisible_by x TP.
+A vision-language model is Megatron-Core's LLaVAModel: this table's names under `language_model.`
+beside its encoder's and projector's (megatron_vision.py).
 Pipeline stages hold consecutive layers numbered from 0 within the stage; the
 first holds the embeddings, the last the final norm and the output layer (with
 tied embeddings and PP > 1 a copy of the word embeddings, as Megatron keeps).
@@ -40,7 +42,9 @@ import numpy as np
 from megajax.checkpoint.common import (REQUIRED, atomic_output_dir, check_source, check_tokenizer, model_overrides,
                                        read_fields, resolved_model, tokenizer_dir_spec)
 from megajax.checkpoint import megatron_hybrid as hybrid
+from megajax.checkpoint import megatron_vision as vision
 from megajax.checkpoint.dtypes import numpy_dtype, torch_dtype
+from megajax.checkpoint.hf_vision import language_shapes, vision_config_of
 from megajax.checkpoint.mapping import (MTP_STACK, Row, flat, index, layer_rows, linear, linear_rows, norm_rows,
                                         rows_for, same, to_external, to_ours)
 from megajax.checkpoint.source import unflatten
@@ -200,7 +204,10 @@ _LAST_EXTRA_STATE = "output_layer._extra_state"
 
 def _megatron_rows(shapes: dict, m: ModelConfig) -> list[Row]:
     """MEGATRON_ROWS for a model of layout `shapes`: linear_q_proj only for multi-latent attention
-    (otherwise q is in linear_qkv); a hybrid model's rows (megatron_hybrid.py)."""
+    (otherwise q is in linear_qkv); a hybrid model's rows (megatron_hybrid.py); a vision-language
+    model's language model's (its encoder's and projector's: megatron_vision.py)."""
+    if m.vision is not None:
+        shapes = language_shapes(shapes)
     if m.hybrid_layer_pattern:
         return hybrid.hybrid_rows(shapes, m, _DECODER_ROWS)
     rows = rows_for(MEGATRON_ROWS, shapes, "Megatron-Core")
@@ -264,6 +271,14 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     if m.multi_latent_attention and m.rope_scaling not in ("none", "yarn"):
         problems.append(f"model.multi_latent_attention=true with model.rope_scaling={m.rope_scaling}: megatron-core's "
                         f"multi-latent attention takes plain rope or yarn")
+    if m.vision is not None:
+        v = m.vision
+        for name, value in (("num_heads", v.num_heads), ("ffn_hidden_size", v.ffn_hidden_size)):
+            if value % tp:
+                problems.append(f"model.vision.{name}={value} is not divisible by tensor_parallel={tp}")
+        if pp > 1:
+            problems.append(f"pipeline_parallel={pp} with a vision-language model (megajax writes LLaVA "
+                            f"checkpoints at pipeline_parallel=1; Megatron-Core reshards a torch_dist one)")
     if problems:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {'; '.join(problems)}.")
 
@@ -317,6 +332,7 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
         trust_remote_code=False, tokenizer_special_tokens=None, tokenizer_metadata=None,
         **(hybrid.hybrid_args(m) if m.hybrid_layer_pattern else {}),
+        **(vision.megatron_args(m) if m.vision is not None else {}),
     )
 
 
@@ -354,9 +370,10 @@ def _moe_args(m: ModelConfig) -> dict:
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
-                     dtype, ep: int = 1, e: int = 0) -> dict:
+                     dtype, ep: int = 1, e: int = 0, vision_rows: list[Row] | None = None) -> dict:
     """The state dict of tensor rank t, pipeline stage s (and expert rank e of ep: its experts, numbered
-    from 0), reading the source one layer tensor at a time."""
+    from 0), reading the source one layer tensor at a time; `vision_rows`: a vision-language model's
+    encoder and projector (megatron_vision.py)."""
     torch = _torch()
     per_stage, local = m.num_layers // pp, (m.num_experts or 1) // ep
     sd: dict = {}
@@ -381,6 +398,11 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
         sd.update({key: None for key in _mtp_extra_state(m, local)})
+    if m.vision is not None:  # LLaVAModel: the language model under language_model., the encoder, the projector
+        sd = {vision.LANGUAGE + k: x for k, x in sd.items()}
+        sd.update({k: torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=dtype, copy=True)
+                   for k, x in vision.rank_tensors(source, vision_rows, m, tp, t).items()})
+        sd.update({k: None for k in vision.extra_state(m)})
     return sd
 
 
@@ -403,6 +425,9 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     if tensor_parallel < 1 or pipeline_parallel < 1 or expert_parallel < 1:
         raise CheckpointError(f"tensor_parallel={tensor_parallel}, pipeline_parallel={pipeline_parallel} and "
                               f"expert_parallel={expert_parallel} must be >= 1.")
+    if expert_parallel > 1 and m.vision is not None:
+        raise CheckpointError(f"cannot export to a Megatron checkpoint: expert_parallel={expert_parallel} with a "
+                              f"vision-language model (megajax writes LLaVA checkpoints at expert_parallel=1).")
     if expert_parallel > 1 and (not m.num_experts or m.num_experts % expert_parallel):
         raise CheckpointError(f"cannot export to a Megatron checkpoint: expert_parallel={expert_parallel} needs a "
                               f"mixture of experts whose model.num_experts={m.num_experts} it divides.")
@@ -412,6 +437,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     _check_exportable(m, tensor_parallel, pipeline_parallel)
     shapes = tensor_shapes(m, check_source(source))
     rows = _megatron_rows(shapes, m)
+    vrows = vision.vision_rows(shapes, m) if m.vision is not None else None
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(tensor_parallel)
     stored = torch_dtype(dtype)
@@ -429,7 +455,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
             for t in range(tensor_parallel):
                 for e in range(expert_parallel):
                     sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
-                                          stored, expert_parallel, e)
+                                          stored, expert_parallel, e, vrows)
                     path = tmp / step_dir / rank_dir(t, s, pipeline_parallel, e, expert_parallel) / CHECKPOINT_FILE
                     path.parent.mkdir(parents=True)
                     torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
@@ -466,8 +492,13 @@ def _dist_state_dict(sd: dict, m: ModelConfig) -> dict:
     `_extra_state` as the object Megatron-Core stores per layer (and expert): `KEY/shard_{i}_{L}`,
     `KEY/shard_{i}.{j}_{L}.{E}` (per layer: `KEY/shard_0_1`, `KEY/shard_{j}_{E}`). Multi-token
     prediction's `mtp.layers.{k}.*` are kept per depth, each depth's layer as a layer of its own, as
-    megatron-core keeps them."""
+    megatron-core keeps them. A vision-language model's language model as that under `language_model.`,
+    its encoder and projector as megatron_vision.py keeps them."""
     torch = _torch()
+    if m.vision is not None:
+        lm, rest, _ = vision.split(sd)
+        out = {vision.LANGUAGE + k: x for k, x in _dist_state_dict(lm, vision.language_model(m)).items()}
+        return dict(out, **vision.dist_state_dict(rest, m))
     out: dict = {}
     stacks: dict[str, dict] = {}
     L, E = m.num_layers, m.num_experts
@@ -585,11 +616,15 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
         raise CheckpointError("--with-optimizer: megajax writes megatron-core's optimizer state for dense models; "
                               "megatron-core keeps a mixture-of-experts model's expert parameters in a second "
                               "(chained) optimizer, which megajax does not write. Export without --with-optimizer.")
+    if adam is not None and m.vision is not None:
+        raise CheckpointError("--with-optimizer: megajax writes megatron-core's optimizer state for text models, "
+                              "not a vision-language model's. Export without --with-optimizer.")
     if adam is not None and iteration is None:
         raise CheckpointError("--with-optimizer: the checkpoint is of step 0; Megatron-LM loads no optimizer state "
                               "from a release checkpoint (written for step 0). Export without --with-optimizer.")
     shapes = tensor_shapes(m, check_source(source))
     rows = _megatron_rows(shapes, m)
+    vrows = vision.vision_rows(shapes, m) if m.vision is not None else None
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     padded = m.megatron_padded_vocab_size(1)
     tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
@@ -605,7 +640,8 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
             save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
-        state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype)), m)
+        state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype),
+                                                  vision_rows=vrows), m)
         if adam is not None:
             state.update(_dist_adam(adam, source, rows, m, padded, dtype))
         step = tmp / step_dir
@@ -743,6 +779,13 @@ def _overrides_from_args(args) -> dict:
     if out["vocab_size"] is None or out["max_position_embeddings"] is None:
         raise CheckpointError("Megatron args give neither vocab_size nor padded_vocab_size, or no "
                               "max_position_embeddings / seq_length.")
+    fields = vision.vision_overrides(args)
+    if fields is not None:
+        try:
+            out["vision"] = vision_config_of(fields)
+        except TypeError as e:
+            raise CheckpointError(f"Megatron args {vision.ARG}={fields!r}: {e}; expected model.vision's "
+                                  f"fields.") from None
     return out
 
 
@@ -872,13 +915,18 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     files = {(0, 0, 0): first["model"]}
     if pp > 1:  # the last stage's names say what its multi-token prediction block is
         files[0, pp - 1, 0] = load_torch_file(ranks[rank_dir(0, pp - 1, pp, 0, ep)], trust)["model"]
-    m = resolved_model(_with_mtp_block(_overrides_from_args(args), files[0, pp - 1, 0]))
+    m = resolved_model(_with_mtp_block(_overrides_from_args(args), _language_names(files[0, pp - 1, 0])))
+    if m.vision is not None and (pp > 1 or ep > 1):
+        raise CheckpointError(f"{str(step)!r}: args say pipeline_model_parallel_size={pp}, expert_model_parallel_"
+                              f"size={ep} for a vision-language model; megajax reads legacy LLaVA checkpoints "
+                              f"of one pipeline stage and expert rank (or torch_dist ones).")
     if ep > 1 and (not m.num_experts or m.num_experts % ep):
         raise CheckpointError(f"{str(step)!r}: args say expert_model_parallel_size={ep} with num_experts="
                               f"{m.num_experts}; expert parallelism needs a number of experts it divides.")
     vocab_padded = int(_arg(args, "padded_vocab_size", m.vocab_size))
     shapes = tensor_shapes(m)
     rows = _megatron_rows(shapes, m)
+    vrows = vision.vision_rows(shapes, m) if m.vision is not None else None
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0
     for s in range(pp):
@@ -886,6 +934,11 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
                                        load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
                                        for e in range(ep)], (m.num_experts or 1) // ep,
                                       f"{step.name}/{rank_dir(t, s, pp, 0, ep)}") for t in range(tp)]
+        vdicts = None
+        if vrows is not None:  # LLaVAModel: the language model's keys under language_model.
+            parts = [vision.split(d) for d in dicts]
+            _no_other_keys(parts[0][2], f"{step.name}/{rank_dir(0, s, pp, 0, ep)}")
+            dicts, vdicts = [p[0] for p in parts], [p[1] for p in parts]
         layers = sorted({int(k.split(".")[2]) for k in dicts[0] if k.startswith("decoder.layers.")})
         if layers != list(range(len(layers))):
             raise CheckpointError(f"Megatron checkpoint stage {s}: layer numbers {layers} are not 0..n-1.")
@@ -894,11 +947,26 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
         more = tp * ep - 1
         where = f"{step.name}/{rank_dir(0, s, pp, 0, ep)}" + (f" (and {more} more tensor or expert ranks)" if more else "")
         _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params)
+        if vdicts is not None:
+            vision.fill(vdicts, where, vrows, shapes, m, flat_params)
         offset += len(layers)
         del dicts
     if offset != m.num_layers:
         raise CheckpointError(f"Megatron checkpoint holds {offset} layers, but args num_layers={m.num_layers}.")
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
+
+
+def _language_names(names) -> set[str]:
+    """A checkpoint's tensor names, a vision-language model's language model's without `language_model.`."""
+    return {n[len(vision.LANGUAGE):] if n.startswith(vision.LANGUAGE) else n for n in names}
+
+
+def _no_other_keys(keys: list[str], where: str) -> None:
+    """CheckpointError for a LLaVA checkpoint's keys of neither its language model nor its encoder."""
+    if keys:
+        raise CheckpointError(f"Megatron checkpoint {where} holds tensors of neither the language model "
+                              f"({vision.LANGUAGE}*) nor the encoder ({vision.VISION}*, {vision.PROJECTION}*): "
+                              f"{', '.join(sorted(keys)[:6])}{' ...' if len(keys) > 6 else ''}.")
 
 
 class _DistStateDict(Mapping):
@@ -942,18 +1010,31 @@ def _import_torch_dist(step: Path, trust: bool) -> tuple[dict, dict]:
     ckpt = DistCheckpoint(step)
     common = _torch_dist_common(step, ckpt, trust)
     try:
-        m = resolved_model(_with_mtp_block(_overrides_from_args(common["args"]), set(ckpt.keys())))
+        m = resolved_model(_with_mtp_block(_overrides_from_args(common["args"]), _language_names(ckpt.keys())))
     except CheckpointError as e:
         where = step / COMMON_FILE if (step / COMMON_FILE).is_file() else step / METADATA
         raise CheckpointError(f"{str(where)!r}: {e}") from None
     shapes = tensor_shapes(m)
     rows = _megatron_rows(shapes, m)
+    lm = ckpt
+    if m.vision is not None:  # LLaVAModel: the language model's keys under language_model.
+        from megajax.checkpoint.megatron_optimizer import PrefixedCheckpoint
+        from megajax.checkpoint.torch_dist import NOT_MODEL
+        _no_other_keys([k for k in ckpt.keys() if not k.startswith((vision.LANGUAGE, vision.VISION, vision.PROJECTION)
+                                                                   + NOT_MODEL)], str(step))
+        lm = PrefixedCheckpoint(ckpt, vision.LANGUAGE)
     embedding = "embedding.word_embeddings.weight"
-    vocab_padded = ckpt.shape(embedding)[0] if embedding in ckpt.meta else m.vocab_size
+    vocab_padded = lm.shape(embedding)[0] if embedding in lm.meta else m.vocab_size
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
-    state = _DistStateDict(ckpt, m.num_layers)
+    state = _DistStateDict(lm, m.num_layers)
     _fill_stage([state], str(step), rows, shapes, m, True, True, list(range(m.num_layers)), 0, vocab_padded,
                 flat_params)
+    if m.vision is not None:
+        encoder = {}
+        for prefix, layers in ((vision.VISION, m.vision.num_layers), (vision.PROJECTION, 0)):
+            part = _DistStateDict(PrefixedCheckpoint(ckpt, prefix), layers)
+            encoder.update({prefix + k: part[k] for k in part})
+        vision.fill([encoder], str(step), vision.vision_rows(shapes, m), shapes, m, flat_params)
     return model_overrides(m), unflatten(dict(sorted(flat_params.items())))
 
 
@@ -979,6 +1060,8 @@ def import_megatron_adam(in_dir, *, trust: bool = False) -> dict | str:
     if count is None:
         return "its common state has no optimizer step (optimizer.state.common_step)"
     m = resolved_model(_with_mtp_block(_overrides_from_args(common["args"]), set(ckpt.keys())))
+    if m.vision is not None:
+        return "megajax reads the optimizer state of text models, not a vision-language model's"
     shapes = {k: v for k, v in tensor_shapes(m).items() if k != EXPERT_BIAS}  # a buffer: no Adam state
     rows = _megatron_rows(shapes, m)
     embedding = "embedding.word_embeddings.weight"
