@@ -31,3 +31,57 @@ def test_folded_pipeline_matches_one_device(small_config):
     got = run(small_config, "model.num_layers=4", *MOE, *FOLD, "mesh.data=1", "mesh.pipeline=2", "mesh.expert=2",
               "mesh.tensor=2", "train.micro_batch=2", devices=jax.devices(), steps=3)
     assert_same_run(got, ref)
+
+
+def test_folding_rules_split_the_experts_whole():
+    """Folded: the experts' dim over expert x context x tensor, their hidden dim whole; the attention's and the
+    shared MLP's `mlp` stay on `tensor`. Unset or equal to the tensor size: today's split."""
+    from megajax.config import load_config
+    from megajax.mesh import logical_to_spec, make_rules
+    from megajax.models.moe import EXPERT_KERNEL_AXES
+    from jax.sharding import PartitionSpec as P
+
+    def rules(*extra):
+        return make_rules(load_config(overrides=[*MOE, "mesh.data=1", "mesh.tensor=2", "mesh.expert=4", *extra])).params
+
+    folded = rules(*FOLD)
+    assert logical_to_spec(EXPERT_KERNEL_AXES["fc2"], folded) == P(("expert", "context", "tensor"), None, "fsdp")
+    assert logical_to_spec(("embed", "mlp"), folded) == P("fsdp", "tensor")
+    for plain in (rules(), rules("parallel.expert_tensor_parallel=2")):
+        assert logical_to_spec(EXPERT_KERNEL_AXES["fc2"], plain) == P("expert", "tensor", "fsdp")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.tensor=4", "parallel.expert_tensor_parallel=2"],
+     "parallel.expert_tensor_parallel = 2: accepted values are 1 .* = 4"),
+    (["mesh.tensor=-1", "mesh.data=1", "parallel.expert_tensor_parallel=1"], "mesh.tensor is -1"),
+    (["model.num_experts=0", "mesh.tensor=2", "parallel.expert_tensor_parallel=1"], "model.num_experts is 0"),
+])
+def test_bad_expert_tensor_parallel_is_refused(overrides, message):
+    from megajax.config import load_config
+    from megajax.errors import ConfigError
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*MOE, *overrides])
+
+
+def test_folded_experts_must_split_over_the_folded_group(small_config):
+    """8 experts cannot split over expert 2 x context 2 x tensor 2 x ... = 16 devices: the plan names the axes."""
+    from megajax.errors import MeshError
+    from megajax.mesh import validate_for_model
+    cfg = small_config(*MOE, *FOLD, "mesh.data=1", "mesh.expert=4", "mesh.context=2", "mesh.tensor=2")
+    with pytest.raises(MeshError, match=r"model.num_experts=8 is not divisible by mesh.expert x mesh.context x "
+                                        r"mesh.tensor=16"):
+        validate_for_model(cfg, {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 4, "context": 2, "tensor": 2})
+
+
+def test_megatron_expert_tensor_parallel_size_maps_to_folding():
+    from megajax.megatron_args import translate
+    base = ["--num-experts", "8", "--tensor-model-parallel-size", "2", "--context-parallel-size", "2"]
+    t = translate([*base, "--expert-model-parallel-size", "8", "--expert-tensor-parallel-size", "1"], defaults=False)
+    assert t.assignments["parallel.expert_tensor_parallel"][0] == 1
+    assert t.assignments["mesh.expert"][0] == 2  # 8 = expert 2 x context 2 x tensor 2
+    t = translate([*base, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"], defaults=False)
+    assert "mesh.expert" not in t.assignments
+    assert any("multiple of tensor x context = 4" in why for _, why in t.unmapped)
+    t = translate([*base, "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"], defaults=False)
+    assert t.assignments["mesh.expert"][0] == 2 and t.assignments["parallel.expert_tensor_parallel"][0] == 2
