@@ -134,11 +134,13 @@ def test_folded_run_exports_and_imports_equal(small_config, tmp_path):
     pytest.importorskip("safetensors")
     from megajax.cli import main
     from megajax.train.loop import build_trainer, train
-    run = train(small_config(*MOE, *FOLD, "mesh.data=1", "mesh.expert=4", "mesh.tensor=2",
-                             "parallel.sequence_parallel=true", steps=2), devices=jax.devices())
+    cfg = small_config(*MOE, *FOLD, "mesh.data=1", "mesh.expert=4", "mesh.tensor=2",
+                       "parallel.sequence_parallel=true", steps=2)
+    run = train(cfg, devices=jax.devices())
     trained = jax.device_get(run.state.params)
-    exports = {"hf": [], "megatron": [], "megatron-legacy": ["--ckpt-format", "torch", "--tensor-parallel", "2",
-                                                            "--expert-parallel", "2"]}
+    legacy = ["--ckpt-format", "torch", "--tensor-parallel", "2", "--expert-parallel", "4"]
+    exports = {"hf": [], "megatron": [], "megatron-legacy": legacy,
+               "megatron-legacyfolded": [*legacy, "--expert-tensor-parallel", "1"]}
     for fmt, extra in exports.items():
         assert main(["export", "--format", fmt.split("-")[0], "--checkpoint", str(run.run_dir), "--output", str(tmp_path / fmt),
                      "--dtype", "fp32", *extra]) == 0
@@ -151,3 +153,16 @@ def test_folded_run_exports_and_imports_equal(small_config, tmp_path):
             a, b = np.asarray(a), np.asarray(b)
             rows = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, b.shape))  # the padded vocabulary
             np.testing.assert_array_equal(b[rows], a[rows], err_msg=fmt)
+    # Megatron's files with expert-TP 1: ranks i < EP write, tensor rank i mod TP, expert rank i, experts whole.
+    import torch
+    step = tmp_path / "megatron-legacyfolded" / "iter_0000002"
+    assert sorted(p.name for p in step.iterdir()) == ["mp_rank_00_000", "mp_rank_00_002", "mp_rank_01_001",
+                                                       "mp_rank_01_003"]
+    sd = torch.load(step / "mp_rank_01_003" / "model_optim_rng.pt", weights_only=False)
+    assert sd["args"].expert_tensor_parallel_size == 1 and sd["args"].expert_model_parallel_size == 4
+    m = cfg.model
+    fc1 = {k: v for k, v in sd["model"].items() if "experts" in k and k.endswith("linear_fc1.weight")}
+    assert len(fc1) == 2 * 2  # 2 layers x its 2 local experts (6 and 7), each whole
+    assert all(tuple(v.shape) == ((2 if m.activation == "swiglu" else 1) * 64, m.hidden_size) for v in fc1.values())
+    qkv = next(v for k, v in sd["model"].items() if k.endswith("linear_qkv.weight"))
+    assert qkv.shape[0] == (m.num_heads + 2 * m.num_kv_heads) * m.head_dim // 2  # attention split over 2 ranks
