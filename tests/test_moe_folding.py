@@ -65,6 +65,14 @@ def test_bad_expert_tensor_parallel_is_refused(overrides, message):
         load_config(overrides=[*MOE, *overrides])
 
 
+def test_the_plan_line_names_the_folded_expert_group(small_config):
+    from megajax.plan import make_plan
+    plan = make_plan(small_config(*MOE, *FOLD, "mesh.data=1", "mesh.expert=2", "mesh.context=2", "mesh.tensor=2"), 8)
+    assert "experts whole over expert x context x tensor (expert parallel 8, expert tensor 1)" in plan.describe()
+    assert "experts whole" not in make_plan(small_config(*MOE, "mesh.data=1", "mesh.expert=4", "mesh.tensor=2"),
+                                            8).describe()
+
+
 def test_folded_experts_must_split_over_the_folded_group(small_config):
     """8 experts cannot split over expert 2 x context 2 x tensor 2 x ... = 16 devices: the plan names the axes."""
     from megajax.errors import MeshError
@@ -127,8 +135,8 @@ def test_folded_state_memory_equals_actual_shards():
 
 def test_folded_run_exports_and_imports_equal(small_config, tmp_path):
     """A run trained with folding (tensor 2 x expert 4, expert-TP 1) exports gathered, whole weights: to a
-    Hugging Face model and to Megatron checkpoints (torch_dist, and legacy at TP 2 x EP 2 with the
-    experts split over the tensor ranks), each imported back to the trained
+    Hugging Face model and to Megatron checkpoints (torch_dist, and legacy at TP 2 x EP 4 with expert-TP 1,
+    in the rank files Megatron writes for it), each imported back to the trained
     parameters, and a folded run resumes from the imported checkpoint."""
     pytest.importorskip("torch")
     pytest.importorskip("safetensors")
@@ -139,8 +147,7 @@ def test_folded_run_exports_and_imports_equal(small_config, tmp_path):
     run = train(cfg, devices=jax.devices())
     trained = jax.device_get(run.state.params)
     legacy = ["--ckpt-format", "torch", "--tensor-parallel", "2", "--expert-parallel", "4"]
-    exports = {"hf": [], "megatron": [], "megatron-legacy": legacy,
-               "megatron-legacyfolded": [*legacy, "--expert-tensor-parallel", "1"]}
+    exports = {"hf": [], "megatron": [], "megatron-legacyfolded": [*legacy, "--expert-tensor-parallel", "1"]}
     for fmt, extra in exports.items():
         assert main(["export", "--format", fmt.split("-")[0], "--checkpoint", str(run.run_dir), "--output", str(tmp_path / fmt),
                      "--dtype", "fp32", *extra]) == 0
