@@ -10,8 +10,10 @@ from layout_parity import MOE, assert_same_run, moe_accumulation_reference, refe
 
 FOLD = ["parallel.expert_tensor_parallel=1"]
 LAYOUTS = {
-    # Megatron's TP2 x ETP1 x EP8: the experts over expert 4 x tensor 2, tokens on the sequence split.
-    "tensor2_expert4_sp": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true"],
+    # Megatron's TP2 x ETP1 x EP8: the experts over expert 4 x tensor 2, tokens on the sequence split; the
+    # alltoall dispatcher (the GPU default; the other layouts take CPU's, allgather).
+    "tensor2_expert4_sp_alltoall": ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                    "parallel.moe_token_dispatcher=alltoall"],
     # Megatron's TP2 x CP2 x DP2 with ETP1 x EP4: the experts over context 2 x tensor 2; without sequence
     # parallelism each tensor rank dispatches half of its context shard.
     "tensor2_context2_data2": ["mesh.data=2", "mesh.context=2", "mesh.tensor=2"],
@@ -81,6 +83,15 @@ def test_folded_experts_must_split_over_the_folded_group(small_config):
     with pytest.raises(MeshError, match=r"model.num_experts=8 is not divisible by mesh.expert x mesh.context x "
                                         r"mesh.tensor=16"):
         validate_for_model(cfg, {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 4, "context": 2, "tensor": 2})
+
+
+def test_folded_without_sequence_parallelism_needs_the_sequence_to_split_over_tensor(small_config):
+    from megajax.errors import MeshError
+    from megajax.mesh import validate_for_model
+    cfg = small_config(*MOE, *FOLD, "mesh.data=1", "mesh.expert=2", "mesh.tensor=4", "train.seq_len=30")
+    with pytest.raises(MeshError, match=r"train.seq_len=30 is not divisible by mesh.tensor x mesh.context = 4: with "
+                                        r"parallel.expert_tensor_parallel=1 .* parallel.sequence_parallel=true"):
+        validate_for_model(cfg, {"pipeline": 1, "data": 1, "fsdp": 1, "expert": 2, "context": 1, "tensor": 4})
 
 
 def test_megatron_expert_tensor_parallel_size_maps_to_folding():
