@@ -184,3 +184,17 @@ def test_folded_run_exports_and_imports_equal(small_config, tmp_path):
     assert all(tuple(v.shape) == ((2 if m.activation == "swiglu" else 1) * 64, m.hidden_size) for v in fc1.values())
     qkv = next(v for k, v in sd["model"].items() if k.endswith("linear_qkv.weight"))
     assert qkv.shape[0] == (m.num_heads + 2 * m.num_kv_heads) * m.head_dim // 2  # attention split over 2 ranks
+
+
+@pytest.mark.parametrize("tp, ep, etp", [(4, 2, 2), (4, 2, 1)])
+def test_legacy_export_refuses_other_expert_tensor_sizes(small_config, tmp_path, tp, ep, etp):
+    """An expert tensor size between 1 and the tensor size, or 1 with the expert ranks not a multiple of the
+    tensor ranks (Megatron's writers would leave tensor ranks out): one error naming the values."""
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+    from megajax.checkpoint.megatron import export_megatron
+    from megajax.errors import CheckpointError
+    source = SimpleNamespace(model=small_config(*MOE).model)
+    with pytest.raises(CheckpointError, match=rf"expert_tensor_parallel={etp} with tensor_parallel={tp}; accepted: "
+                                              rf"the tensor size, or 1 .* \(here {ep}\)"):
+        export_megatron(source, tmp_path / "mc", tensor_parallel=tp, expert_parallel=ep, expert_tensor_parallel=etp)
