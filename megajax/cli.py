@@ -5,7 +5,8 @@
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax preprocess --format webdataset --images DIR --captions FILE.jsonl --output-dir DIR [--shard-size N]
     megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
-        [--with-optimizer] [--expert-parallel N] [--trust-checkpoint] [checkpoint.step=N]
+        [--with-optimizer] [--expert-parallel N] [--expert-tensor-parallel N] [--trust-checkpoint]
+        [checkpoint.step=N]
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
@@ -278,11 +279,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.ckpt_format == "torch":
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
-                                  dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer)
+                                  dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
+                                  expert_tensor_parallel=args.expert_tensor_parallel)
             fmt = "megatron, legacy torch format"
         else:
-            if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1):
-                raise UserError("megajax export: --tensor-parallel, --pipeline-parallel and --expert-parallel split "
+            if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
+                    args.expert_tensor_parallel is not None:
+                raise UserError("megajax export: --tensor-parallel, --pipeline-parallel, --expert-parallel and "
+                                "--expert-tensor-parallel split "
                                 "a legacy (--ckpt-format torch) checkpoint; a torch_dist one holds global tensors "
                                 "that megatron-core loads at any TP/PP/EP, so it takes none of them.")
             form = common_state_form(args.megatron_version)
@@ -655,6 +659,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="megatron, legacy torch format: split the experts over N expert ranks (mp_rank_TT_EEE)")
+    p.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="N",
+                   help="megatron, legacy torch format: the experts' tensor size (default the --tensor-parallel "
+                        "size; 1: each expert whole, rank files mp_rank_{i mod TP}_{i} as Megatron's MoE "
+                        "parallel folding writes them)")
     p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
                    help="megatron: torch_dist (global tensors, any TP/PP; default) or the legacy per-rank torch")
     p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",

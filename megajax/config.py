@@ -415,6 +415,11 @@ class ParallelConfig:
     # assignments to their experts' devices and back) | allgather (the expert group's tokens on every
     # device, partial sums reduce-scattered) | auto (allgather on CPU with padded buffers, else alltoall).
     moe_token_dispatcher: Literal["auto", "alltoall", "allgather"] = "auto"
+    # The routed experts' own tensor size (Megatron's --expert-tensor-parallel-size): None or the tensor
+    # size (mesh.tensor x mesh.dcn.tensor) splits each expert's hidden dim over `tensor` like the dense
+    # MLP; 1 folds the tensor and context devices into expert parallelism for the experts (Megatron's
+    # MoE parallel folding): the experts split over expert x context x tensor, each expert whole.
+    expert_tensor_parallel: int | None = None
 
 
 @dataclass
@@ -1012,6 +1017,33 @@ def validate_precision(cfg: Config) -> None:
                           f"{t.precision}); set train.precision=fp8 or leave model.matmul_impl=xla.")
 
 
+def expert_tensor_folded(cfg: Config) -> bool:
+    """Whether parallel.expert_tensor_parallel folds the tensor (and context) devices into the
+    experts' expert parallelism (it is 1 while the tensor size is > 1)."""
+    etp = cfg.parallel.expert_tensor_parallel
+    return etp is not None and etp != cfg.mesh.tensor * cfg.mesh.dcn.tensor
+
+
+def _check_expert_tensor_parallel(cfg: Config) -> None:
+    etp = cfg.parallel.expert_tensor_parallel
+    if etp is None:
+        return
+    tensor = cfg.mesh.tensor * cfg.mesh.dcn.tensor
+    if cfg.mesh.tensor == -1:
+        raise ConfigError(f"parallel.expert_tensor_parallel = {etp} needs the tensor size set: mesh.tensor is -1 "
+                          f"(filled from the device count). Set mesh.tensor (and another axis to -1), or leave "
+                          f"parallel.expert_tensor_parallel unset (null: the tensor size).")
+    if etp not in (1, tensor):
+        raise ConfigError(f"parallel.expert_tensor_parallel = {etp}: accepted values are 1 (the experts whole on "
+                          f"each device, the tensor and context devices folded into expert parallelism) or the "
+                          f"tensor size mesh.tensor x mesh.dcn.tensor = {tensor} (each expert split like the dense "
+                          f"MLP; null means this); sizes in between are not supported.")
+    if etp != tensor and not cfg.model.num_experts:
+        raise ConfigError(f"parallel.expert_tensor_parallel = {etp} sets the routed experts' tensor size, but "
+                          f"model.num_experts is 0 (dense). Set model.num_experts or leave "
+                          f"parallel.expert_tensor_parallel unset.")
+
+
 def validate_moe(cfg: Config) -> None:
     """Mixture-of-experts keys, and mesh.expert (which only a MoE model can use)."""
     m = cfg.model
@@ -1027,7 +1059,9 @@ def validate_moe(cfg: Config) -> None:
             raise ConfigError(f"mesh.expert = {cfg.mesh.expert} (x mesh.dcn.expert = {cfg.mesh.dcn.expert}) "
                               f"needs a mixture-of-experts model: model.num_experts is 0 (dense). Set "
                               f"model.num_experts or use mesh.expert=1.")
+        _check_expert_tensor_parallel(cfg)
         return
+    _check_expert_tensor_parallel(cfg)
     _positive("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)
     _check_router_groups(m)
     if m.moe_shared_expert_gate and not m.moe_shared_expert_ffn_size:

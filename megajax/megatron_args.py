@@ -162,7 +162,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--recompute-activations", "parallel.recompute", SWITCH, "selective"),
     _none("--recompute-method", "megajax's full recompute covers every layer", STR),
     _none("--recompute-num-layers", "megajax's full recompute covers every layer", INT),
-    _none("--expert-tensor-parallel-size", "megajax splits each expert over mesh.tensor (the tensor size)", INT),
+    Flag("--expert-tensor-parallel-size", "parallel.expert_tensor_parallel",
+         note="1 (MoE parallel folding) or the tensor size; with 1, mesh.expert = --expert-model-parallel-size / "
+              "(tensor x context sizes)"),
     _same("--overlap-grad-reduce", OVERLAP),
     _same("--overlap-param-gather", OVERLAP),
     _same("--overlap-p2p-communication", OVERLAP),
@@ -490,7 +492,8 @@ _DERIVED = {"num_query_groups", "group_query_attention", "train_samples", "lr_de
             "lr_warmup_samples", "lr_warmup_fraction", "virtual_pipeline_model_parallel_size",
             "num_layers_per_virtual_pipeline_stage", "save", "load", "tokenizer_model", "tokenizer_type",
             "profile", "profile_step_start", "profile_step_end", "data_path", "fp8_format",
-            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "use_torch_fsdp2"}
+            "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "use_torch_fsdp2",
+            "expert_model_parallel_size", "expert_tensor_parallel_size"}
 
 
 def translate(argv: list[str], defaults: bool = True) -> Translation:
@@ -579,10 +582,41 @@ def _derive_layout(g: _Given) -> None:
         g.derive(name, "parallel.virtual_stages", n, why)
         if not why:
             g.put("parallel.pipeline_schedule", "interleaved", g.origin(name))
+    _derive_expert_layout(g)
     # Fully sharded data parallelism: every data-parallel device on the fsdp axis.
     if "use_torch_fsdp2" in g:
         g.convert("use_torch_fsdp2", "mesh.fsdp")
         g.put("mesh.data", 1, g.origin("use_torch_fsdp2"))
+
+
+def _derive_expert_layout(g: _Given) -> None:
+    """Expert parallelism: Megatron's expert group with --expert-tensor-parallel-size 1 spans the tensor
+    and context ranks, so its size is mesh.expert x context x tensor (megajax's MoE parallel folding)."""
+    if "expert_model_parallel_size" in g and "expert_tensor_parallel_size" not in g:
+        g.convert("expert_model_parallel_size", "mesh.expert")
+    if "expert_tensor_parallel_size" not in g:
+        return
+    etp, tp = g.number("expert_tensor_parallel_size"), g.number("tensor_model_parallel_size") or 1
+    cp, ep = g.number("context_parallel_size") or 1, g.number("expert_model_parallel_size") or 1
+    if etp == tp:  # each expert split over the tensor ranks, as without the flag
+        g.derive("expert_tensor_parallel_size", "parallel.expert_tensor_parallel", etp)
+        if "expert_model_parallel_size" in g:
+            g.convert("expert_model_parallel_size", "mesh.expert")
+        return
+    if etp != 1:
+        g.unmapped("expert_tensor_parallel_size", f"megajax's expert tensor size is 1 or the tensor size "
+                                                  f"(--tensor-model-parallel-size {tp})")
+        if "expert_model_parallel_size" in g:
+            g.convert("expert_model_parallel_size", "mesh.expert")
+        return
+    g.derive("expert_tensor_parallel_size", "parallel.expert_tensor_parallel", 1)
+    if ep % (tp * cp):
+        why = (f"with --expert-tensor-parallel-size 1 megajax's expert group is expert x context x tensor, so "
+               f"this must be a multiple of tensor x context = {tp * cp}")
+        g.unmapped("expert_model_parallel_size" if "expert_model_parallel_size" in g
+                   else "expert_tensor_parallel_size", why)
+    elif "expert_model_parallel_size" in g:
+        g.derive("expert_model_parallel_size", "mesh.expert", ep // (tp * cp))
 
 
 def _derive_checkpoints(g: _Given) -> None:

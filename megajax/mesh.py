@@ -17,6 +17,8 @@ these tables:
   (attention itself is in megajax/parallel/context.py);
 - expert parallel: MoE kernels' `experts` over `expert`; outside the MoE layers
   `expert` splits the batch like `data` (token dispatch: megajax/parallel/experts.py);
+  with parallel.expert_tensor_parallel=1 (MoE parallel folding) over `expert`, `context` and
+  `tensor`, the experts' hidden dim `expert_mlp` whole (else over `tensor`, as `mlp`);
 - pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
   a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py);
   the `stack`s (a dense-first model's dense layers, the multi-token prediction
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.config import MESH_AXES, Config
+from megajax.config import MESH_AXES, Config, expert_tensor_folded
 from megajax.errors import MeshError
 
 Rules = Mapping[str, tuple[str, ...]]
@@ -152,8 +154,8 @@ def model_dims(cfg: Config) -> dict[str, list[tuple[str, int]]]:
             "mlp": [("model.ffn_hidden_size", m.ffn_hidden_size)], "embed": [("model.hidden_size", m.hidden_size)]}
     if m.num_experts:
         dims["experts"] = [("model.num_experts", m.num_experts)]
-        dims["mlp"] += [("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size),
-                        ("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)]
+        dims["expert_mlp"] = [("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size)]
+        dims["mlp"] += [("model.moe_shared_expert_ffn_size", m.moe_shared_expert_ffn_size)]
     if m.vocab_size is not None:
         dims["vocab"] = [("model.vocab_size", m.padded_vocab_size())]
     if m.vision is not None:  # the image encoder's (and its projector's, to the language model's width)
@@ -219,6 +221,12 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
         raise MeshError(f"model.mamba_num_heads={heads} is not divisible by mesh.tensor x mesh.context = {tp * c}: "
                         f"under context parallelism a Mamba layer's conv and scan run on whole sequences of "
                         f"1 / context of each tensor shard's heads; change the mesh or model.mamba_num_heads.")
+    if expert_tensor_folded(cfg) and cfg.model.num_experts and not cfg.parallel.sequence_parallel \
+            and t.seq_len % (tp * c):
+        raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c}: with "
+                        f"parallel.expert_tensor_parallel={cfg.parallel.expert_tensor_parallel} and no sequence "
+                        f"parallelism each tensor rank dispatches 1 / tensor of its sequence to the experts; "
+                        f"change train.seq_len or the mesh, or set parallel.sequence_parallel=true.")
     if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
         raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
                         f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
@@ -242,9 +250,23 @@ class ShardingRules:
     activations: Rules
 
 
+# The routed experts' split under MoE parallel folding (parallel.expert_tensor_parallel=1 below the
+# tensor size): the experts over these axes (the innermost three, so an expert group is a run of
+# neighbouring devices, as Megatron's expert ranks), each expert's hidden dim whole.
+FOLDED_EXPERT_AXES = ("expert", "context", "tensor")
+
+
+def expert_axes(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the mesh axes of the routed experts' `experts` dim, of their hidden dim `expert_mlp`)."""
+    if expert_tensor_folded(cfg):
+        return FOLDED_EXPERT_AXES, ()
+    return ("expert",), ("tensor",)
+
+
 def make_rules(cfg: Config) -> ShardingRules:
+    experts, expert_mlp = expert_axes(cfg)
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
-                   "mlp": ("tensor",), "ssm_groups": ("tensor",)}
+                   "mlp": ("tensor",), "ssm_groups": ("tensor",), "expert_mlp": expert_mlp}
     # A vision-language model's encoder and projector: split like the language model, or whole on
     # every tensor rank with parallel.encoder_tensor_parallel=1 (checked in validate_for_model).
     encoder = () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
@@ -255,7 +277,7 @@ def make_rules(cfg: Config) -> ShardingRules:
               # and gate/up slots of a B beside their kernels' kv-head and mlp dims, a Mamba in_proj B's
               # per-group z | x | B | C | dt columns beside its group dim.
               "lora_rank": (), "qkv_slot": (), "gate_up": (), "in_proj_part": (),
-              "experts": ("expert",), "expert_scores": (), "stage": ("pipeline",)}
+              "experts": experts, "expert_scores": (), "stage": ("pipeline",)}
     if cfg.mesh.pipeline != 1 or cfg.mesh.dcn.pipeline != 1:
         params["layers"] = ("pipeline",)
     opt_state = dict(params)
@@ -264,7 +286,7 @@ def make_rules(cfg: Config) -> ShardingRules:
     activations = {
         **tensor_dims,
         "batch": BATCH_AXES,
-        "experts": ("expert",),
+        "experts": experts,
         "expert_scores": (),
         "length": ("context",),  # sequence inside tensor-parallel regions
         "residual_length": ("context", "tensor") if cfg.parallel.sequence_parallel else ("context",),

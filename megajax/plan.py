@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig
+from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig, expert_tensor_folded
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, mesh_text, validate_for_model
@@ -132,6 +132,10 @@ class RunPlan:
         experts = f", {m.num_experts} experts top-{m.moe_router_topk}" if m.num_experts else ""
         flags = "".join(f", {name}" for name, on in (("sequence parallel", par.sequence_parallel),
                                                      ("distributed optimizer", par.distributed_optimizer)) if on)
+        if m.num_experts and expert_tensor_folded(self.cfg):  # MoE parallel folding: the experts' own layout
+            group = [a for a in self.rules.params["experts"] if self.sizes.get(a, 1) > 1]
+            ep = math.prod(self.sizes[a] for a in group)
+            flags += f", experts whole over {' x '.join(group) or 'one device'} (expert parallel {ep}, expert tensor 1)"
         parts = [f"{m.family} model ({m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads / "
                  f"{m.num_kv_heads} kv, ffn {m.ffn_hidden_size}{experts}, vocab {m.vocab_size} padded to "
                  f"{self.padded_vocab})",

@@ -47,8 +47,10 @@ def main(step_dir, tokens_file, out_file, rank, world, port, save_dir=None):
     args = torch.load(first, weights_only=False)["args"]
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = getattr(args, "expert_model_parallel_size", None) or 1
-    assert tp * ep == world, (tp, ep, world)
-    init(rank, world, port, tp, ep)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+    # Expert tensor size 1 below the tensor size (MoE parallel folding): the expert group spans the tensor ranks.
+    assert (tp * ep if etp == tp else ep) == world, (tp, ep, etp, world)
+    init(rank, world, port, tp, ep, etp)
     from megatron.core import parallel_state
     t, e = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_expert_model_parallel_rank()
 
@@ -57,7 +59,7 @@ def main(step_dir, tokens_file, out_file, rank, world, port, save_dir=None):
 
     stages = []
     for s in range(pp):
-        model = build_model(args, tp, pp, s, ep)
+        model = build_model(args, tp, pp, s, ep, etp)
         state = torch.load(os.path.join(step_dir, rank_folder(s), "model_optim_rng.pt"), weights_only=False)["model"]
         state = {k: v.float() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         model.load_state_dict(state, strict=True)
@@ -72,21 +74,22 @@ def main(step_dir, tokens_file, out_file, rank, world, port, save_dir=None):
     save_logits(stages, tokens_file, out_file, rank)
 
 
-def init(rank, world, port, tp=None, ep=1):
-    """A gloo process group of `world` CPU processes and megatron-core's parallel state (TP x EP = world;
-    TP = world by default)."""
+def init(rank, world, port, tp=None, ep=1, etp=None):
+    """A gloo process group of `world` CPU processes and megatron-core's parallel state (TP x EP = world, or
+    EP = world with expert tensor size `etp` 1; TP = world by default)."""
     tp = tp or world // ep
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None  # dist_checkpointing's save calls it unconditionally
 
 
-def build_model(args, tp, pp, s, ep=1):
+def build_model(args, tp, pp, s, ep=1, etp=None):
     """Megatron-Core's GPTModel for pipeline stage s of the architecture `args` describe (local spec, fp32)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -130,7 +133,8 @@ def build_model(args, tp, pp, s, ep=1):
         gated_linear_unit=args.swiglu,
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=args.add_qkv_bias,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, use_cpu_initialization=True, params_dtype=torch.float32,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp or tp,
+        use_cpu_initialization=True, params_dtype=torch.float32,
         hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
         qk_layernorm=getattr(args, "qk_layernorm", False),

@@ -360,6 +360,31 @@ def test_legacy_expert_parallel_round_trip_through_megatron_core(tp, ep, tmp_pat
     assert_round_trip(import_megatron(tmp_path / "back"), cfg, spec, params, toks)
 
 
+def test_legacy_expert_tensor_1_round_trip_through_megatron_core(tmp_path):
+    """`--expert-tensor-parallel 1` at TP 2 x EP 2 (MoE parallel folding): the rank files Megatron's writers
+    hold (mp_rank_00_000 and mp_rank_01_001: tensor rank i mod 2, expert rank i), each expert whole;
+    megatron-core's GPTModel on 2 processes with expert_tensor_parallel_size 1 loads each strictly and
+    computes megajax's logits, and what it saves back imports exactly."""
+    pytest.importorskip("megatron.core")
+    torch = pytest.importorskip("torch")
+    cfg, spec, params = make_model("llama", *MEGATRON_CASES["mixtral-tp2"][1])
+    out = export_megatron(DictSource(params, cfg.model), tmp_path / "mc", tensor_parallel=2, expert_parallel=2,
+                          expert_tensor_parallel=1, dtype="fp32", iteration=7)
+    step = out / "iter_0000007"
+    assert {p.name for p in step.iterdir()} == {"mp_rank_00_000", "mp_rank_01_001"}
+    saved = torch.load(step / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=False)
+    assert saved["args"].expert_tensor_parallel_size == 1
+    want = np.asarray(params["layers"]["mlp"]["fc2"][0, 2]).T  # layer 0's expert 2, [hidden, ffn], whole
+    np.testing.assert_array_equal(
+        saved["model"]["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].numpy(), want)
+    toks = tokens()
+    logits = megatron_core_logits(step, toks, 2, tmp_path, save_dir=tmp_path / "back")
+    np.testing.assert_allclose(logits[..., :VOCAB], megajax_logits(spec, params, toks), atol=1e-4, rtol=1e-4)
+    assert_round_trip(import_megatron(out), cfg, spec, params, toks)
+    assert {p.name for p in (tmp_path / "back" / "iter_0000001").iterdir()} == {"mp_rank_00_000", "mp_rank_01_001"}
+    assert_round_trip(import_megatron(tmp_path / "back"), cfg, spec, params, toks)
+
+
 def test_hf_export_refuses_a_shared_expert(tmp_path):
     """Mixtral has no shared expert: one error naming the key and the export that keeps it, nothing written."""
     cfg, _, params = make_model("llama", *MEGATRON_CASES["moe-shared-tp2"][1])

@@ -370,10 +370,11 @@ def _moe_args(m: ModelConfig) -> dict:
 
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
-                     dtype, ep: int = 1, e: int = 0, vision_rows: list[Row] | None = None) -> dict:
+                     dtype, ep: int = 1, e: int = 0, vision_rows: list[Row] | None = None,
+                     experts_whole: bool = False) -> dict:
     """The state dict of tensor rank t, pipeline stage s (and expert rank e of ep: its experts, numbered
-    from 0), reading the source one layer tensor at a time; `vision_rows`: a vision-language model's
-    encoder and projector (megatron_vision.py)."""
+    from 0; `experts_whole`: expert tensor size 1, each expert unsplit), reading the source one layer
+    tensor at a time; `vision_rows`: a vision-language model's encoder and projector (megatron_vision.py)."""
     torch = _torch()
     per_stage, local = m.num_layers // pp, (m.num_experts or 1) // ep
     sd: dict = {}
@@ -384,7 +385,9 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
                 continue
             match = _LOCAL_EXPERT.match(name)
             name = f"{match.group(1)}{row.expert % local}{match.group(3)}"
-        x = to_external(row, lambda path: source.get(path, layer=slot), m, tensor=tp, rank=t, vocab_rows=padded)
+        whole = experts_whole and row.expert is not None
+        x = to_external(row, lambda path: source.get(path, layer=slot), m, tensor=1 if whole else tp,
+                        rank=None if whole else t, vocab_rows=padded)
         # a fresh tensor: never a view holding the whole source tensor
         # The expert bias stays fp32 as Megatron-Core keeps it (a bf16 bias would change the routing).
         to = torch.float32 if row.parts[0].path == EXPERT_BIAS else dtype
@@ -406,8 +409,16 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
     return sd
 
 
+def folded_expert_ranks(tp: int, ep: int) -> list[tuple[int, int]]:
+    """(tensor rank, expert rank) of each file a legacy checkpoint with expert tensor size 1 has per pipeline
+    stage: Megatron's writers are the expert-data-parallel rank 0s, ranks i < ep of a stage (tensor rank
+    i mod tp, expert rank i)."""
+    return [(i % tp, i) for i in range(ep)]
+
+
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
-                    dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None) -> Path:
+                    dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None,
+                    expert_tensor_parallel: int | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
@@ -416,7 +427,10 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     tokenizer.json / its directory) is written as a Hugging Face tokenizer in
     `<out_dir>/tokenizer/` and named in args. `expert_parallel` > 1 splits a mixture of experts'
     experts over that many expert ranks (`mp_rank_TT[_PPP]_EEE`, each with the dense tensors of its
-    tensor and pipeline rank). Returns the directory.
+    tensor and pipeline rank). `expert_tensor_parallel` (None: `tensor_parallel`) 1 with
+    tensor_parallel > 1 is Megatron's MoE parallel folding: each expert unsplit, and the files are those
+    Megatron writes, `mp_rank_{i mod TP}[_PPP]_{i}` for i < expert_parallel (folded_expert_ranks).
+    Returns the directory.
     """
     from megajax.data.tokenizer import save_hf_tokenizer
     torch = _torch()
@@ -431,6 +445,12 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     if expert_parallel > 1 and (not m.num_experts or m.num_experts % expert_parallel):
         raise CheckpointError(f"cannot export to a Megatron checkpoint: expert_parallel={expert_parallel} needs a "
                               f"mixture of experts whose model.num_experts={m.num_experts} it divides.")
+    etp = tensor_parallel if expert_tensor_parallel is None else expert_tensor_parallel
+    folded = etp != tensor_parallel
+    if folded and (etp != 1 or not m.num_experts or expert_parallel % tensor_parallel):
+        raise CheckpointError(f"cannot export to a Megatron checkpoint: expert_tensor_parallel={etp} with "
+                              f"tensor_parallel={tensor_parallel}; accepted: the tensor size, or 1 for a mixture of "
+                              f"experts with expert_parallel (here {expert_parallel}) a multiple of tensor_parallel.")
     if iteration is not None and iteration < 1:
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
@@ -446,21 +466,22 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
                          padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
                          tokenizer_model=tokenizer_model)
     if m.num_experts:
-        args.expert_model_parallel_size, args.expert_tensor_parallel_size = expert_parallel, tensor_parallel
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = expert_parallel, etp
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
+    ranks = (folded_expert_ranks(tensor_parallel, expert_parallel) if folded else
+             [(t, e) for t in range(tensor_parallel) for e in range(expert_parallel)])
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
             save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
         for s in range(pipeline_parallel):
-            for t in range(tensor_parallel):
-                for e in range(expert_parallel):
-                    sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
-                                          stored, expert_parallel, e, vrows)
-                    path = tmp / step_dir / rank_dir(t, s, pipeline_parallel, e, expert_parallel) / CHECKPOINT_FILE
-                    path.parent.mkdir(parents=True)
-                    torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
-                                "iteration": iteration or 0, "args": args}, path)
-                    del sd
+            for t, e in ranks:
+                sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
+                                      stored, expert_parallel, e, vrows, experts_whole=folded)
+                path = tmp / step_dir / rank_dir(t, s, pipeline_parallel, e, expert_parallel) / CHECKPOINT_FILE
+                path.parent.mkdir(parents=True)
+                torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,
+                            "iteration": iteration or 0, "args": args}, path)
+                del sd
         (tmp / TRACKER).write_text("release" if iteration is None else str(iteration))
     return Path(out_dir)
 
@@ -869,8 +890,10 @@ def _list_expression(text: str):
 
 
 def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m: ModelConfig, first: bool,
-                last: bool, layers: list[int], offset: int, vocab_padded: int, out: dict) -> None:
-    """Fills `out` from one pipeline stage's state dicts (one per tensor rank), merging the shards."""
+                last: bool, layers: list[int], offset: int, vocab_padded: int, out: dict,
+                experts_whole: bool = False) -> None:
+    """Fills `out` from one pipeline stage's state dicts (one per tensor rank), merging the shards;
+    `experts_whole` (expert tensor size 1): the experts unsplit, all in the first dict."""
     def mismatch(name, got, want):
         return CheckpointError(f"Megatron checkpoint {where}: {name} has shape {list(got)} (tensor shards "
                                f"merged), but its args imply {list(want)}.")
@@ -883,11 +906,12 @@ def _fill_stage(dicts: list[dict], where: str, rows: list[Row], shapes: dict, m:
         used.add(key)
         if row.copy:  # the last stage's copy of the tied word embeddings
             continue
-        shards = [d.get(key) for d in (dicts[:1] if row.split == "replicated" else dicts)]
+        whole = row.split == "replicated" or (experts_whole and row.expert is not None)
+        shards = [d.get(key) for d in (dicts[:1] if whole else dicts)]
         if any(x is None for x in shards):
             raise CheckpointError(f"Megatron checkpoint {where}: tensor rank {shards.index(None)} has no {key}.")
         y = np.concatenate([x.float().numpy() for x in shards], axis=int(row.split == "row"))
-        for path, x in to_ours(row, key, y, shapes, m, tensor=len(dicts), vocab_rows=vocab_padded,
+        for path, x in to_ours(row, key, y, shapes, m, tensor=1 if whole else len(dicts), vocab_rows=vocab_padded,
                                mismatch=mismatch).items():
             out[path][index(slot, row)] = x
     left = sorted(k for k in dicts[0] if not k.endswith("_extra_state") and k not in used)
@@ -912,6 +936,7 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     step, ranks, first = _open(in_dir, trust)
     args = first["args"]
     tp, pp, ep = _rank_sizes(args, step)
+    folded = _expert_tensor_size(args, tp) != tp
     files = {(0, 0, 0): first["model"]}
     if pp > 1:  # the last stage's names say what its multi-token prediction block is
         files[0, pp - 1, 0] = load_torch_file(ranks[rank_dir(0, pp - 1, pp, 0, ep)], trust)["model"]
@@ -930,10 +955,16 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     flat_params = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
     offset = 0
     for s in range(pp):
-        dicts = [_expert_ranks_merged([files.pop((t, s, e), None) or
-                                       load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
-                                       for e in range(ep)], (m.num_experts or 1) // ep,
-                                      f"{step.name}/{rank_dir(t, s, pp, 0, ep)}") for t in range(tp)]
+        if folded:  # tensor rank t's dense tensors from expert rank t's file; every expert, whole, in dict 0
+            held = {e: files.pop((t, s, e), None) or load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
+                    for t, e in folded_expert_ranks(tp, ep)}
+            dicts = [_expert_ranks_merged([held[e] for e in range(ep)], m.num_experts // ep,
+                                          f"{step.name}/{rank_dir(0, s, pp, 0, ep)}")] + [held[t] for t in range(1, tp)]
+        else:
+            dicts = [_expert_ranks_merged([files.pop((t, s, e), None) or
+                                           load_torch_file(ranks[rank_dir(t, s, pp, e, ep)], trust)["model"]
+                                           for e in range(ep)], (m.num_experts or 1) // ep,
+                                          f"{step.name}/{rank_dir(t, s, pp, 0, ep)}") for t in range(tp)]
         vdicts = None
         if vrows is not None:  # LLaVAModel: the language model's keys under language_model.
             parts = [vision.split(d) for d in dicts]
@@ -946,7 +977,8 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
             raise CheckpointError(f"Megatron checkpoint holds more layers than args num_layers={m.num_layers}.")
         more = tp * ep - 1
         where = f"{step.name}/{rank_dir(0, s, pp, 0, ep)}" + (f" (and {more} more tensor or expert ranks)" if more else "")
-        _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params)
+        _fill_stage(dicts, where, rows, shapes, m, s == 0, s == pp - 1, layers, offset, vocab_padded, flat_params,
+                    experts_whole=folded)
         if vdicts is not None:
             vision.fill(vdicts, where, vrows, shapes, m, flat_params)
         offset += len(layers)
@@ -1098,16 +1130,23 @@ def _args(in_dir, trust: bool) -> tuple[Path, argparse.Namespace]:
 
 def _rank_sizes(args, step: Path) -> tuple[int, int, int]:
     """(tensor, pipeline, expert) parallel sizes of a legacy checkpoint's args; CheckpointError for an expert
-    tensor-parallel size other than the tensor one (its rank files split the experts otherwise)."""
+    tensor-parallel size other than the tensor one or 1 (MoE parallel folding, expert_model_parallel_size a
+    multiple of the tensor size: folded_expert_ranks)."""
     tp, pp = int(_arg(args, "tensor_model_parallel_size", 1)), int(_arg(args, "pipeline_model_parallel_size", 1))
     ep = int(_arg(args, "expert_model_parallel_size", 1))
-    etp = int(_arg(args, "expert_tensor_parallel_size", tp))
-    if etp != tp:
+    etp = _expert_tensor_size(args, tp)
+    if etp != tp and (etp != 1 or ep % tp):
         raise CheckpointError(f"{str(step)!r}: args say expert_tensor_parallel_size={etp} with "
-                              f"tensor_model_parallel_size={tp}; megajax reads legacy checkpoints whose experts "
-                              f"are split like the dense layers (expert_tensor_parallel_size = "
+                              f"tensor_model_parallel_size={tp} and expert_model_parallel_size={ep}; megajax reads "
+                              f"legacy checkpoints whose experts are split like the dense layers "
+                              f"(expert_tensor_parallel_size = tensor_model_parallel_size) or whole "
+                              f"(expert_tensor_parallel_size 1, expert_model_parallel_size a multiple of "
                               f"tensor_model_parallel_size); save it as torch_dist (global tensors) instead.")
     return tp, pp, ep
+
+
+def _expert_tensor_size(args, tp: int) -> int:
+    return int(_arg(args, "expert_tensor_parallel_size", tp) or tp)
 
 
 def _expert_ranks_merged(dicts: list[dict], local: int, where: str) -> dict:
@@ -1147,7 +1186,9 @@ def _open(in_dir, trust: bool) -> tuple[Path, dict[str, Path], dict]:
         raise CheckpointError(f"{str(step)!r} is not a Megatron checkpoint megajax can read ({what}; the "
                               f"architecture is read from the saved args).")
     tp, pp, ep = _rank_sizes(first["args"], step)
-    want = {rank_dir(t, s, pp, e, ep) for t in range(tp) for s in range(pp) for e in range(ep)}
+    pairs = (folded_expert_ranks(tp, ep) if _expert_tensor_size(first["args"], tp) != tp else
+             [(t, e) for t in range(tp) for e in range(ep)])
+    want = {rank_dir(t, s, pp, e, ep) for t, e in pairs for s in range(pp)}
     if set(ranks) != want:
         raise CheckpointError(f"{str(step)!r}: args say tensor_model_parallel_size={tp}, "
                               f"pipeline_model_parallel_size={pp}, expert_model_parallel_size={ep}, so its rank "

@@ -47,9 +47,10 @@ from megajax.models.lora import ExpertLoRA
 from megajax.models.mlp import MLP
 
 EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2"), "squared_relu": ("fc1", "fc2")}
-# The expert kernels' logical axes: [E, D, F] in, [E, F, D] out.
-EXPERT_KERNEL_AXES = {"gate": ("experts", "embed", "mlp"), "up": ("experts", "embed", "mlp"),
-                      "fc1": ("experts", "embed", "mlp"), "fc2": ("experts", "mlp", "embed")}
+# The expert kernels' logical axes: [E, D, F] in, [E, F, D] out. Their hidden dim is `expert_mlp`, not
+# the dense MLP's `mlp`: parallel.expert_tensor_parallel gives the experts their own tensor split.
+EXPERT_KERNEL_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
+                      "fc1": ("experts", "embed", "expert_mlp"), "fc2": ("experts", "expert_mlp", "embed")}
 
 
 class RouterStats(NamedTuple):
@@ -507,9 +508,10 @@ class MoE(nnx.Module):
         experts = cfg.lora is not None and "experts" in cfg.lora.target_names()
         swiglu = cfg.activation == "swiglu"
         self.experts_fc1_lora = (ExpertLoRA(e, d, (f, 2) if swiglu else (f,), in_axis="embed",
-                                            out_axes=("mlp", "gate_up") if swiglu else ("mlp",), cfg=cfg.lora,
+                                            out_axes=("expert_mlp", "gate_up") if swiglu else ("expert_mlp",),
+                                            cfg=cfg.lora,
                                             rngs=rngs) if experts else None)
-        self.experts_fc2_lora = (ExpertLoRA(e, f, (d,), in_axis="mlp", out_axes=("embed",), cfg=cfg.lora, rngs=rngs)
+        self.experts_fc2_lora = (ExpertLoRA(e, f, (d,), in_axis="expert_mlp", out_axes=("embed",), cfg=cfg.lora, rngs=rngs)
                                  if experts else None)
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor,
                                                             cfg.moe_grouped_gemm_impl)

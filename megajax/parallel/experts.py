@@ -25,6 +25,13 @@ sent per device instead of ep x tokens x K. With the tensor axis, every tensor r
 expert group holds the same tokens (gathered from the sequence-parallel split first) and computes
 a slice of the hidden dim; the outputs are summed over `tensor` (reduce-scattered back onto the
 sequence split under sequence parallelism), as in Megatron's expert tensor parallelism.
+
+MoE parallel folding (parallel.expert_tensor_parallel=1 with tensor > 1): the experts split over
+expert x context x tensor (mesh.FOLDED_EXPERT_AXES), each expert whole, and the all_to_alls run
+over those axes. The tokens already differ over `expert` (batch) and `context` (sequence), and over
+`tensor` under sequence parallelism, so each device dispatches its own; without sequence
+parallelism every tensor rank holds the same tokens, so each dispatches 1 / tensor of the sequence
+and the outputs are put together with a sum over `tensor`. No sum of partial outputs is needed.
 """
 
 from __future__ import annotations
@@ -83,9 +90,15 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     route_spec = P(x_spec[0], x_spec[1], None)
     length_inside = set(rules["length"])
     # The axes the body's collectives run over (those of size 1 have nothing to exchange).
-    sp_axes = tuple(a for a in entry_axes(x_spec[1]) if a not in length_inside and sizes[a] > 1)  # sequence-parallel
     exp_axes = tuple(a for a in rules["experts"] if sizes[a] > 1)
-    mlp_axes = tuple(a for a in rules["mlp"] if sizes[a] > 1)
+    token_axes = entry_axes(x_spec[0]) + entry_axes(x_spec[1])  # the axes the tokens are split over
+    # The sequence-parallel split (tensor), gathered when its devices split the experts' hidden dim.
+    sp_axes = tuple(a for a in entry_axes(x_spec[1]) if a not in length_inside and a not in exp_axes and sizes[a] > 1)
+    # Expert-parallel axes the tokens are not split over (MoE parallel folding's `tensor` without
+    # sequence parallelism): each of their ranks dispatches its own slice of the sequence.
+    split_axes = tuple(a for a in exp_axes if a not in token_axes)
+    split = math.prod(sizes[a] for a in split_axes)
+    mlp_axes = tuple(a for a in rules["expert_mlp"] if sizes[a] > 1)
     ep = math.prod(sizes[a] for a in exp_axes)
     e_local = num_experts // ep  # (the plan checks that the experts split: megajax/plan.py)
     names = EXPERT_KERNELS[activation]
@@ -94,7 +107,7 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
     all_axes = tuple(mesh.axis_names)
     # Devices that hold the same tokens (tensor ranks without sequence parallelism): their drop
     # counts repeat.
-    duplicates = math.prod(sizes[a] for a in all_axes if a not in entry_axes(x_spec[0]) + entry_axes(x_spec[1]))
+    duplicates = math.prod(sizes[a] for a in all_axes if a not in token_axes + split_axes)
 
     def local(x, ids, weights, kernels, products):
         if sp_axes:  # the sequence-parallel split gathered: every tensor rank routes the same tokens
@@ -103,6 +116,11 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
             # Each tensor rank's tokens typed as its own from here, so the gradient of its experts'
             # inputs is summed over `tensor` once, on the tokens [T, D], not on the exchanged rows.
             x = like(x, *kernels.values())
+        whole = x.shape[1]
+        if split_axes:  # this rank's 1 / split of the sequence (the others dispatch the rest)
+            at = jax.lax.axis_index(spec_entry(split_axes)) * (whole // split)
+            x, ids, weights = (jax.lax.dynamic_slice_in_dim(like(a, x), at, whole // split, axis=1)
+                               for a in (x, ids, weights))
         b, l, d = x.shape
         if capacity_factor is not None:
             exchange = ((lambda buf: jax.lax.all_to_all(buf, spec_entry(exp_axes), 0, 0, tiled=True)) if ep > 1
@@ -121,6 +139,9 @@ def expert_parallel_dispatch(mesh: Mesh, rules: Rules, *, activation: str, num_e
                                 e_local=e_local, ep=ep, exp_axes=exp_axes, products=products,
                                 grouped_impl=grouped_impl)
         y = y.reshape(b, l, d)
+        if split_axes:  # the slices' outputs put together on every rank of the split
+            y = jax.lax.dynamic_update_slice_in_dim(jnp.zeros((b, whole, d), y.dtype), y, at, axis=1)
+            y = jax.lax.psum(y, spec_entry(split_axes))
         if sp_axes:  # every tensor rank counted the same gathered tokens: each reports its share
             dropped = dropped / math.prod(sizes[a] for a in sp_axes)
         if mlp_axes:  # each tensor rank holds a slice of every expert's hidden dim: partial sums

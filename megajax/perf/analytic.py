@@ -42,7 +42,9 @@ reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp shard
 over `data`); the distributed optimizer reduce-scatters the gradients and
 all-gathers the updated parameters over `data`.
 
-Mixture of experts over `expert` (ep ranks), the alltoall dispatcher: each MoE layer sends a device's
+Mixture of experts over `expert` (ep ranks; with parallel.expert_tensor_parallel=1, MoE parallel
+folding, over expert x context x tensor, a device dispatching 1 / tensor of its tokens and, under
+sequence parallelism, the MoE layers' tensor all-gathers and reduce-scatters gone), the alltoall dispatcher: each MoE layer sends a device's
 tokens x top-k rows of h to the experts' devices and back, forward and
 backward, in fixed buffers with one slot per device (dropless: room for every
 assignment, so ep x the rows; capacity mode: the experts' capacity): 4
@@ -81,7 +83,7 @@ from collections import defaultdict
 import jax
 
 from megajax.checkpoint.source import flatten
-from megajax.config import moe_token_dispatcher
+from megajax.config import expert_tensor_folded, moe_token_dispatcher
 from megajax.mesh import Rules, logical_to_spec
 from megajax.models.vision import frozen_parameters
 from megajax.parallel.pipeline import build_schedule
@@ -386,7 +388,16 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         # Multi-token prediction's shifts along the sequence: per depth its tokens and positions (the
         # model), labels and loss mask (the loss), each [batch, sequence] of 4 bytes gathered whole.
         out["all-gather", "context"] += n["micro"] * 4 * m.mtp_num_layers * cp * tokens * 4
-    ep = sizes.get("expert", 1)
+    # The experts' group: `expert`, or with MoE parallel folding expert x context x tensor, where a
+    # device dispatches its own 1 / tensor of the tokens (no tensor collectives in the MoE layer under
+    # sequence parallelism: its input is not gathered, its output not reduce-scattered).
+    ep = math.prod(sizes.get(a, 1) for a in plan.rules.activations["experts"]) if m.num_experts else 1
+    folded = bool(m.num_experts) and expert_tensor_folded(cfg) and t > 1
+    if folded:
+        tokens = tokens / t
+        if sp:
+            out["all-gather", "tensor"] -= (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * bsh
+            out["reduce-scatter", "tensor"] -= (n["moe_fwd"] + n["moe_bwd"]) * bsh
     if m.num_experts and ep > 1 and moe_token_dispatcher(cfg, platform) == "allgather":
         # The expert group's tokens, routes (int32) and weights (fp32) gathered forward, the fp32
         # partial outputs reduce-scattered; backward the output's gradient gathered, the tokens' and
