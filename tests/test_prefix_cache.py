@@ -165,3 +165,10 @@ def test_block_pool_counts_references_and_evicts_the_least_recently_used():
     pool.release(fresh + more)
     with pytest.raises(RuntimeError, match="released more often"):
         pool.release(more)
+
+
+def test_serve_flag_turns_prefix_caching_on_and_off():
+    from megajax.cli import parse_args
+    assert parse_args(["serve", "--checkpoint", "x"]).enable_prefix_caching is True  # the default: on
+    assert parse_args(["serve", "--checkpoint", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
+    assert parse_args(["serve", "--checkpoint", "x", "--enable-prefix-caching"]).enable_prefix_caching is True
