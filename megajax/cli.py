@@ -14,8 +14,8 @@
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
-                  [--prefill-rows N] [--[no-]enable-prefix-caching] [--limit-images-per-prompt N]
-                  [--allowed-local-media-path DIR]
+                  [--prefill-rows N] [--enable-prefix-caching | --no-enable-prefix-caching]
+                  [--limit-images-per-prompt N] [--allowed-local-media-path DIR]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and

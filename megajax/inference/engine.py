@@ -4,7 +4,8 @@ leave when they end.
     Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
       .ready          both programs compiled (the engine's thread compiles them at start)
-      .stats()        running, waiting, kv_blocks_used, kv_blocks_total
+      .stats()        running, waiting, kv_blocks_used, kv_blocks_total, kv_blocks_cached, prefix_cache_queries,
+                    prefix_cache_hits, prefill_tokens
 
 The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
 (kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block), or
@@ -45,6 +46,16 @@ A vision-language model's request brings its images: the engine computes their p
 when it admits the request (one image per encoder call, a program compiled with the other two), and
 each prefill chunk takes the features of the image placeholders it holds, in order (an image may
 straddle chunks); the pools then hold the image, and decode steps are text alone.
+
+Prefix caching (`prefix_caching`, on by default): once a sequence's prefill has written a whole
+prompt block, the block is kept under the hash chain of its token prefix (`prefix_hashes`); a new
+sequence maps the cached blocks of its prompt's longest cached prefix (the last prompt token is
+always computed) and prefills from there, and one whose next block a running sequence is writing
+waits for it. Blocks are reference-counted; an unreferenced cached block counts as free and is
+taken back, least recently used first, when the free list is empty (`BlockPool`). A sequence that
+scores its prompt reuses the cached blocks' scores and recomputes the prefix's last position without
+rewriting its k/v. Not for requests with images, nor for models with Mamba layers (a row's state
+after a prefix is not per block). Outputs equal those without caching, bit for bit.
 
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
