@@ -624,7 +624,8 @@ class Engine:
             hashes = prefix_hashes(job.prompt_ids, self.block_size) if caching else []
             # at least the last prompt token is computed (its logits give the first new token)
             usable = hashes[:(len(job.prompt_ids) - 1) // self.block_size]
-            found = self.pool.lookup(usable, scores=job.score_prompt, top=job.top_logprobs > 0)
+            with self._lock:
+                found = self.pool.lookup(usable, scores=job.score_prompt, top=job.top_logprobs > 0)
             if len(found) < len(usable) and self._writing(usable[len(found)]):
                 held += 1
                 continue
