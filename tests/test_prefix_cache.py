@@ -6,7 +6,6 @@ shared only once fully written."""
 
 import queue
 
-import numpy as np
 import pytest
 
 from random_model import random_model
