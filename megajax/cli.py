@@ -15,7 +15,8 @@
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
-                  [--prefill-rows N] [--limit-images-per-prompt N] [--allowed-local-media-path DIR]
+                  [--prefill-rows N] [--enable-prefix-caching | --no-enable-prefix-caching]
+                  [--limit-images-per-prompt N] [--allowed-local-media-path DIR]
     megajax config from-megatron [--world-size N] -- ARGS...   (a Megatron-LM pretrain_gpt.py argument list)
 
 A user error (bad config, mesh, file) prints one paragraph on stderr and
@@ -573,6 +574,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           drain_timeout=args.drain_timeout, log_requests=not args.disable_log_requests,
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+          prefix_caching=args.enable_prefix_caching,
           limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
     return 0
 
@@ -759,6 +761,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts prefilled together per step, so many arriving requests start in a few steps "
                         "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
                         "multiple of the data-parallel size)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the KV blocks of prompt prefixes between requests (continuous batching; default "
+                        "on; off by itself for models with Mamba layers, not used for requests with images); "
+                        "--no-enable-prefix-caching turns it off")
     p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
                    help="images one chat request may hold (a vision-language model; default 4); they come as "
                         "base64 data URLs, nothing is fetched")

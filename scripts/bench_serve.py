@@ -6,6 +6,8 @@ per batching mode, the modes side by side in the same run.
         [--batching static continuous] [--clients 1 4 16] [--requests 2] [--prompt-len 32]
         [--new-tokens 64] [--long-tokens 256] [--short 8] [--stagger 0.02] [--max-batch 16] [--json FILE]
         [--serve-arg=--block-size=16 ...]
+    PYTHONPATH=. python scripts/bench_serve.py --scenario prefix [--context-tokens 512] [--questions 16]
+        [--choice-tokens 8] [--clients 2] [--chat-turns 6] [--turn-tokens 48] [--override train.seq_len=1024]
 
 Without --checkpoint the model config's own random initialisation (train.seed) is written to a
 temporary checkpoint, so every mode serves the same weights. Requests are OpenAI completions with
@@ -23,6 +25,16 @@ Scenarios, for each mode:
                --long-tokens/2 arrived), and the longest gap between two chunks of the long stream
                (a stall).
 Time to ready: from starting the process until GET /health answers 200.
+
+--scenario prefix: two continuous servers, --enable-prefix-caching and --no-enable-prefix-caching, each with
+  choices      --questions multiple-choice questions of 4 choices, each a --context-tokens context (its own,
+               random) plus --choice-tokens tokens, scored as an evaluation harness scores them (echo,
+               logprobs 1, max_tokens 0; one request of 4 prompts per question, --clients clients at once,
+               the first --clients value): requests (questions) per second, and the prompt tokens computed
+               (GET /metrics: prompt tokens minus prefix cache hits).
+  chat         one conversation of --chat-turns turns, each resending the whole history plus --turn-tokens
+               new tokens (16 random ids standing in for the previous answer, then the user's): time to
+               first token per turn.
 
 Each mode's numbers and the continuous/static ratios are printed as a table (and written with --json).
 """
@@ -226,6 +238,104 @@ def staggered(url: str, vocab: int, long_tokens: int, short: int, prompt_len: in
             "long_max_gap_s": round(max(gaps), 3) if gaps else None}
 
 
+def metric(url: str, name: str) -> float:
+    """A counter's value in GET /metrics (0 when absent)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        m = re.search(rf"^{name} (\S+)$", r.read().decode(), re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def post(url: str, body: dict) -> dict:
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=900)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = resp.read()
+    conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {out[:500]!r}")
+    return json.loads(out)
+
+
+def choices(url: str, questions: list[list[list[int]]], clients: int) -> dict:
+    """Each question's 4 prompts scored in one request (echo, logprobs 1, max_tokens 0), `clients` at once."""
+    before = metric(url, "megajax_serve_prompt_tokens_total"), metric(url, "megajax_serve_prefix_cache_hits_total")
+    todo = list(range(len(questions)))
+    lock = threading.Lock()
+    errors: list[str] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                q = todo.pop(0)
+            try:
+                post(url, {"model": "megajax", "prompt": questions[q], "max_tokens": 0, "echo": True, "logprobs": 1,
+                           "temperature": 0})
+            except Exception as e:  # reported, not hidden
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                return
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    prompt = metric(url, "megajax_serve_prompt_tokens_total") - before[0]
+    hits = metric(url, "megajax_serve_prefix_cache_hits_total") - before[1]
+    return {"questions": len(questions), "wall_s": round(wall, 3), "requests_per_s": round(len(questions) / wall, 3),
+            "prompt_tokens": int(prompt), "prompt_tokens_computed": int(prompt - hits)}
+
+
+def chat(url: str, first: list[int], turns: int, turn_tokens: int, vocab: int, rng) -> list[float]:
+    """Time to first token of each turn of one conversation that resends its history."""
+    history, ttft = list(first), []
+    for _ in range(turns):
+        ttft.append(round(stream(url, history, 16)["ttft"], 4))
+        history += [int(x) for x in rng.integers(1, vocab, turn_tokens)]
+    return ttft
+
+
+def prefix_scenario(args, checkpoint: Path, vocab: int, tmp: Path) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(0)
+
+    def question() -> list[list[int]]:
+        context = [int(x) for x in rng.integers(1, vocab, args.context_tokens)]
+        return [context + [int(x) for x in rng.integers(1, vocab, args.choice_tokens)] for _ in range(4)]
+
+    warm, questions = question(), [question() for _ in range(args.questions)]
+    opening = [int(x) for x in rng.integers(1, vocab, args.turn_tokens)]
+    report: dict = {"context_tokens": args.context_tokens, "choice_tokens": args.choice_tokens,
+                    "questions": args.questions, "clients": args.clients[0], "chat_turns": args.chat_turns,
+                    "turn_tokens": args.turn_tokens, "max_batch": args.max_batch, "modes": {}}
+    for name, flag in (("no_caching", "--no-enable-prefix-caching"), ("caching", "--enable-prefix-caching")):
+        print(f"--- {name} ---", flush=True)
+        server = Server(checkpoint, "continuous", args.max_batch, [*args.serve_arg, flag], tmp / f"serve-{name}.log")
+        try:
+            post(server.url, {"model": "megajax", "prompt": warm, "max_tokens": 0, "echo": True, "logprobs": 1})
+            stream(server.url, warm[0][:64], 4)
+            r = choices(server.url, questions, args.clients[0])
+            print(f"choices: {r['requests_per_s']:.2f} questions/s, {r['prompt_tokens_computed']} of "
+                  f"{r['prompt_tokens']} prompt tokens computed", flush=True)
+            r["chat_ttft_s"] = chat(server.url, opening, args.chat_turns, args.turn_tokens, vocab,
+                                    np.random.default_rng(1))
+            print(f"chat TTFT per turn (s): {r['chat_ttft_s']}", flush=True)
+        finally:
+            server.close()
+        report["modes"][name] = r
+    on, off = report["modes"]["caching"], report["modes"]["no_caching"]
+    report["caching_over_no_caching_requests_per_s"] = round(on["requests_per_s"] / off["requests_per_s"], 2)
+    print(json.dumps({k: v for k, v in report.items() if k != "modes"}, indent=1))
+    return report
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="model/tiny")
@@ -243,6 +353,14 @@ def main() -> int:
     ap.add_argument("--serve-arg", action="append", default=[], help="an extra `megajax serve` argument (repeat)")
     ap.add_argument("--skip-staggered", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--scenario", choices=("load", "prefix"), default="load",
+                    help="load: the batching modes under concurrent clients (default); prefix: prefix caching on "
+                         "and off, a 4-choice workload with a shared context and a multi-turn chat")
+    ap.add_argument("--context-tokens", type=int, default=512, help="prefix: each question's shared context")
+    ap.add_argument("--choice-tokens", type=int, default=8, help="prefix: tokens of each choice")
+    ap.add_argument("--questions", type=int, default=16, help="prefix: questions of 4 choices")
+    ap.add_argument("--chat-turns", type=int, default=6, help="prefix: turns of the conversation")
+    ap.add_argument("--turn-tokens", type=int, default=48, help="prefix: new tokens each turn")
     args = ap.parse_args()
 
     import numpy as np
@@ -255,6 +373,11 @@ def main() -> int:
     if vocab is None:
         from megajax.inference.load import find_source, generation_config
         vocab = generation_config(find_source(str(checkpoint), None)).model.vocab_size
+    if args.scenario == "prefix":
+        report = prefix_scenario(args, checkpoint, vocab, tmp)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     rng = np.random.default_rng(0)
     prompts = [[int(x) for x in rng.integers(1, vocab, args.prompt_len)] for _ in range(64)]
 

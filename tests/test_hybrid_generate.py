@@ -199,6 +199,9 @@ def test_engine_equals_the_generator(name):
     try:
         assert run(engine, prompts, 10) == want
         assert run(engine, prompts[::-1], 10, stagger=True)[::-1] == want
+        # a Mamba layer's state after a prefix is per row, not per block: no prefix caching
+        assert not engine.prefix_caching and engine.stats()["prefix_cache_queries"] == 0
+        assert "prefix caching off: the model has Mamba layers" in engine._caching_text()
     finally:
         engine.close()
 

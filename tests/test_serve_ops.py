@@ -125,12 +125,14 @@ def test_metrics_move_by_what_the_requests_did(server):
 def test_gauges_read_the_batchers_stats_at_scrape_time(server):
     metrics = server.service.metrics
     try:
-        metrics.bind(lambda: {"running": 3, "waiting": 5, "kv_blocks_used": 7, "kv_blocks_total": 16})
+        metrics.bind(lambda: {"running": 3, "waiting": 5, "kv_blocks_used": 7, "kv_blocks_total": 16,
+                              "prefix_cache_queries": 900, "prefix_cache_hits": 640})
         got = scrape(server)
     finally:
         metrics.bind(server.service.batcher.stats)
     assert [got[(f"megajax_serve_{n}", ())] for n in ("requests_running", "requests_waiting", "kv_blocks_used",
-                                                      "kv_blocks_capacity")] == [3, 5, 7, 16]
+                                                      "kv_blocks_capacity", "prefix_cache_queries_total",
+                                                      "prefix_cache_hits_total")] == [3, 5, 7, 16, 900, 640]
 
 
 def test_without_prometheus_client_metrics_says_what_to_install(server, monkeypatch):

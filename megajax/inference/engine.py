@@ -4,7 +4,8 @@ leave when they end.
     Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
       .ready          both programs compiled (the engine's thread compiles them at start)
-      .stats()        running, waiting, kv_blocks_used, kv_blocks_total
+      .stats()        running, waiting, kv_blocks_used, kv_blocks_total, kv_blocks_cached, prefix_cache_queries,
+                    prefix_cache_hits, prefill_tokens
 
 The KV cache is, per layer, a k and a v pool `[num_blocks * block_size, kv_heads, head_dim]`
 (kv_heads over `tensor`; replicated over the data axes, so every data shard can read any block), or
@@ -46,6 +47,16 @@ when it admits the request (one image per encoder call, a program compiled with 
 each prefill chunk takes the features of the image placeholders it holds, in order (an image may
 straddle chunks); the pools then hold the image, and decode steps are text alone.
 
+Prefix caching (`prefix_caching`, on by default): once a sequence's prefill has written a whole
+prompt block, the block is kept under the hash chain of its token prefix (`prefix_hashes`); a new
+sequence maps the cached blocks of its prompt's longest cached prefix (the last prompt token is
+always computed) and prefills from there, and one whose next block a running sequence is writing
+waits for it. Blocks are reference-counted; an unreferenced cached block counts as free and is
+taken back, least recently used first, when the free list is empty (`BlockPool`). A sequence that
+scores its prompt reuses the cached blocks' scores and recomputes the prefix's last position without
+rewriting its k/v. Not for requests with images, nor for models with Mamba layers (a row's state
+after a prefix is not per block). Outputs equal those without caching, bit for bit.
+
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
 calls.
@@ -54,6 +65,7 @@ calls.
 from __future__ import annotations
 
 import collections
+import hashlib
 import math
 import os
 import queue
@@ -83,27 +95,111 @@ DEFAULT_PREFILL_ROWS_PER_SHARD = 4  # prompts per prefill call and data shard (-
 
 
 class BlockPool:
-    """The KV pool's blocks on the host: a free list; a sequence's blocks are its table."""
+    """The KV pool's blocks on the host: a free list and each block's reference count (the sequences
+    whose table holds it); with prefix caching, the full prompt blocks kept by their prefix hash.
+
+    A cached block (`cache`) is found by the hash of its whole token prefix (`prefix_hashes`) and may be
+    in several tables at once; when its last sequence releases it, it stays cached, unreferenced, in a
+    least-recently-used line, and `allocate` takes it back (forgetting its hash) only when the free list
+    is empty. `free` counts both: blocks a new sequence can have."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._free = collections.deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._scores: dict[int, tuple] = {}  # block -> (log p of its tokens, their top alternatives or None)
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, unreferenced; LRU first
+        self.evicted = 0  # cached blocks taken back for new sequences so far
 
     @property
     def free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._idle)
+
+    @property
+    def cached(self) -> int:
+        """Blocks that hold a cached prefix (referenced or not)."""
+        return len(self._by_hash)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int] | None:
-        """`count` blocks, or None when fewer are free."""
-        if count > len(self._free):
+        """`count` fresh blocks (each referenced once), or None when fewer are free; the free list first,
+        then the least recently used cached blocks, which leave the cache."""
+        if count > self.free:
             return None
-        return [self._free.popleft() for _ in range(count)]
+        blocks = []
+        for _ in range(count):
+            if self._free:
+                b = self._free.popleft()
+            else:
+                b, _ = self._idle.popitem(last=False)
+                del self._by_hash[self._hash_of.pop(b)]
+                self._scores.pop(b, None)
+                self.evicted += 1
+            self.refs[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def take(self, blocks: list[int]) -> None:
+        """One more reference to each of these cached blocks (a new sequence's prefix)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                del self._idle[b]
+            self.refs[b] += 1
 
     def release(self, blocks: list[int]) -> None:
-        self._free.extend(blocks)
+        """One reference fewer to each block: an unreferenced cached block waits in the LRU line, another
+        goes back to the free list."""
+        for b in blocks:
+            if self.refs[b] < 1:
+                raise RuntimeError(f"KV block {b} released more often than taken")
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                if b in self._hash_of:
+                    self._idle[b] = None
+                else:
+                    self._free.append(b)
+
+    def lookup(self, hashes: list[bytes], scores: bool = False, top: bool = False) -> list[int]:
+        """The cached blocks of the longest prefix of `hashes` (with their tokens' scores when `scores`, and
+        their top alternatives when `top`); unreferenced: `take` them."""
+        blocks = []
+        for h in hashes:
+            b = self._by_hash.get(h)
+            if b is None or (scores and (b not in self._scores or (top and self._scores[b][1] is None))):
+                break
+            blocks.append(b)
+        for b in blocks:  # most recently used now
+            if b in self._idle:
+                self._idle.move_to_end(b)
+        return blocks
+
+    def scores(self, block: int) -> tuple:
+        return self._scores[block]
+
+    def cache(self, block: int, h: bytes, scores: tuple | None) -> None:
+        """Keeps a referenced, fully written block under its prefix hash `h` (a block with the same hash
+        already cached keeps that one; this one stays private and is freed at the end). `scores`: the log
+        p of the block's tokens (and top alternatives or None) when its sequence scored its prompt."""
+        held = self._by_hash.get(h)
+        if held is None and block not in self._hash_of:
+            self._by_hash[h], self._hash_of[block] = block, h
+            held = block
+        if held is not None and scores is not None and (held not in self._scores or self._scores[held][1] is None):
+            self._scores[held] = scores
+
+
+def prefix_hashes(tokens: list[int], block_size: int) -> list[bytes]:
+    """The hash chain of `tokens`' full blocks: block i's is sha256(block i-1's hash + block i's tokens),
+    so equal hashes mean equal whole prefixes (the KV of a position depends on every token before it)."""
+    out, h = [], b"megajax-kv"
+    for i in range(len(tokens) // block_size):
+        h = hashlib.sha256(h + np.asarray(tokens[i * block_size:(i + 1) * block_size], np.int64).tobytes()).digest()
+        out.append(h)
+    return out
 
 
 @dataclass
@@ -120,6 +216,9 @@ class _Sequence:
     prompt_top: list[list[tuple[int, float]]] = field(default_factory=list)
     last: float = 0.0  # when its previous tokens were handed out
     features: np.ndarray | None = None  # its images' features [placeholders, hidden] (a vision-language model)
+    hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks' prefix hashes (prefix caching)
+    cached: int = 0  # its leading blocks in the prefix cache (found there or put there once written)
+    write_from: int = 0  # the first position its prefill writes (earlier ones are in shared blocks)
 
     @property
     def decoding(self) -> bool:
@@ -138,7 +237,7 @@ class Engine:
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_rows: int | None = None, decode_steps: int = 8, attention_blocks: int | None = 4,
-                 observer: Observer | None = None, quiet: bool = True):
+                 prefix_caching: bool = True, observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
@@ -159,6 +258,12 @@ class Engine:
         wanted = prefill_rows if prefill_rows is not None else DEFAULT_PREFILL_ROWS_PER_SHARD * dp
         self.prefill_rows = min(-(-wanted // dp) * dp, self.rows)
         self.pool = BlockPool(self.num_blocks, block_size)
+        # Prefix caching: not for a model with Mamba layers (a row's state after a prefix is not kept per block)
+        self.mamba = any(isinstance(jax.eval_shape(lambda layer=layer: layer.empty_pool("k", 1, 1, g.dtype)), MambaState)
+                         for layer in g.layers)
+        self.prefix_caching = prefix_caching and not self.mamba
+        self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found there
+        self.prefill_tokens = 0  # prompt tokens prefilled (computed) so far
         self.batches = 0  # engine iterations run so far
         self.sequences = 0  # sequences ended so far
         self.compile_s: float | None = None  # seconds the two programs took to compile (None: not yet)
@@ -189,9 +294,13 @@ class Engine:
         return self.pool.blocks_for(prompt_tokens + max_new_tokens) <= self.num_blocks
 
     def stats(self) -> dict:
+        """Sequences running and waiting; KV blocks held by sequences, in the pool, and holding a cached
+        prefix; prompt tokens looked up in the prefix cache, found there, and prefilled (computed)."""
         with self._lock:
             return {"running": len(self._running), "waiting": len(self._waiting) + self._queue.qsize(),
-                    "kv_blocks_used": self.num_blocks - self.pool.free, "kv_blocks_total": self.num_blocks}
+                    "kv_blocks_used": self.num_blocks - self.pool.free, "kv_blocks_total": self.num_blocks,
+                    "kv_blocks_cached": self.pool.cached, "prefix_cache_queries": self.prefix_queries,
+                    "prefix_cache_hits": self.prefix_hits, "prefill_tokens": self.prefill_tokens}
 
     # ------------------------------------------------------------ traced
 
@@ -221,10 +330,10 @@ class Engine:
         return block.reshape(positions.shape) * bs + positions % bs
 
     def _forward(self, params, pools_k, pools_v, tokens_BxL, start_B, valid_BxL, table_BxM, rows_B, all_positions,
-                 image_features=None):
+                 image_features=None, write_from_B=None):
         """The model over L new tokens per row at positions start..start+L-1, writing the valid ones to
         the pools (a Mamba layer: to the state of the sequence's row `rows_B`, started afresh at
-        position 0): (logits, pools_k, pools_v). `image_features` [B, L, D]: the features the rows' image
+        position 0), those at `write_from_B` or later when given: (logits, pools_k, pools_v). `image_features` [B, L, D]: the features the rows' image
         placeholders among these tokens take, in order (a vision-language model's prefill)."""
         g = self.generator
         model, layers = g._model(params)
@@ -232,7 +341,8 @@ class Engine:
         t = self.max_blocks * self.block_size
         positions = jnp.minimum(start_B[:, None] + jnp.arange(l), g.context - 1)  # padding past the end: clamped
         drop = self.num_blocks * self.block_size  # outside the pool: the write is dropped
-        write = jnp.where(valid_BxL, self._slots(table_BxM, positions), drop)
+        written = valid_BxL if write_from_B is None else valid_BxL & (positions >= write_from_B[:, None])
+        write = jnp.where(written, self._slots(table_BxM, positions), drop)
         used = (jnp.max(start_B) + l + self.block_size - 1) // self.block_size  # table entries any row reads
         caches = [self._caches(pools, write, table_BxM, used, rows_B, start_B == 0, valid_BxL)
                   for pools in (pools_k, pools_v)]
@@ -256,17 +366,20 @@ class Engine:
         ids, lp = jax.lax.cond(want_top, top, lambda: (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.float32)))
         return chosen, ids, lp
 
-    def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, targets_RxC, table_RxM, rows_R,
-                    temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt, features_RxCxD=None):
-        """One chunk of up to R prompts: their k/v written, the scores of the next prompt tokens
-        (`targets`, when `want_prompt`), and the first new token of each row (used for a row whose
-        prompt ends in this chunk). A vision-language model's `features_RxCxD`: the image features of
+    def _prefill_fn(self, params, pools_k, pools_v, tokens_RxC, start_R, length_R, write_from_R, targets_RxC,
+                    table_RxM, rows_R, temperature_R, top_k_R, top_p_R, keys_Rx2, want_top, want_prompt,
+                    features_RxCxD=None):
+        """One chunk of up to R prompts: their k/v written (positions from `write_from`: a row may
+        recompute the last position of its cached prefix for its score, not rewrite the shared block), the
+        scores of the next prompt tokens (`targets`, when `want_prompt`), and the first new token of each
+        row (used for a row whose prompt ends in this chunk). A vision-language model's `features_RxCxD`: the image features of
         the chunk's placeholders, in order (the cache then holds the images)."""
         with activation_sharding(self.generator.mesh, self.generator.rules):
             valid = jnp.arange(tokens_RxC.shape[1])[None, :] < length_R[:, None]
             logits, pools_k, pools_v = self._forward(params, pools_k, pools_v, tokens_RxC, start_R, valid,
                                                      table_RxM, rows_R, all_positions=True,
-                                                     image_features=features_RxCxD)  # [R, C, V]
+                                                     image_features=features_RxCxD,
+                                                     write_from_B=write_from_R)  # [R, C, V]
             last = jnp.take_along_axis(logits, jnp.maximum(length_R - 1, 0)[:, None, None], axis=1)[:, 0]
             first = next_tokens(last, keys_Rx2, jnp.int32(0), temperature_R, top_k_R, top_p_R)
             shape, top = tokens_RxC.shape, tokens_RxC.shape + (MAX_TOP_LOGPROBS,)
@@ -347,7 +460,16 @@ class Engine:
         if not self.quiet:
             print(f"megajax serve: continuous batching compiled its prefill-chunk program ({self.prefill_rows} x "
                   f"{self.chunk} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
-                  f"KV pool {self.num_blocks} blocks x {self.block_size} positions", file=sys.stderr, flush=True)
+                  f"KV pool {self.num_blocks} blocks x {self.block_size} positions; {self._caching_text()}",
+                  file=sys.stderr, flush=True)
+
+    def _caching_text(self) -> str:
+        if self.prefix_caching:
+            return "prefix caching on (not for requests with images)"
+        if self.mamba:
+            return ("prefix caching off: the model has Mamba layers, whose per-row state after a prefix is not "
+                    "kept per block")
+        return "prefix caching off"
 
     def _table(self, seqs: list[_Sequence], rows: int) -> np.ndarray:
         table = np.zeros((rows, self.max_blocks), np.int32)
@@ -375,18 +497,18 @@ class Engine:
     def _prefill_inputs(self, seqs: list[_Sequence]) -> tuple:
         r, c = self.prefill_rows, self.chunk
         tokens, targets = np.zeros((r, c), np.int32), np.zeros((r, c), np.int32)
-        start, length = np.zeros((r,), np.int32), np.zeros((r,), np.int32)
+        start, length, write_from = np.zeros((r,), np.int32), np.zeros((r,), np.int32), np.zeros((r,), np.int32)
         for i, s in enumerate(seqs):
             prompt, a = s.job.prompt_ids, s.prefilled
             piece = prompt[a:a + c]
-            tokens[i, :len(piece)], start[i], length[i] = piece, a, len(piece)
+            tokens[i, :len(piece)], start[i], length[i], write_from[i] = piece, a, len(piece), s.write_from
             nxt = prompt[a + 1:a + 1 + c]
             targets[i, :len(nxt)] = nxt
         temperature, top_k, top_p, keys, _, _ = self._sampling([s.job for s in seqs], r)
         want_top = any(s.job.top_logprobs for s in seqs)
         want_prompt = any(s.job.score_prompt for s in seqs)
-        rows = [tokens, start, length, targets, self._table(seqs, r), self._row_ids(seqs, r), temperature, top_k,
-                top_p, keys]
+        rows = [tokens, start, length, write_from, targets, self._table(seqs, r), self._row_ids(seqs, r), temperature,
+                top_k, top_p, keys]
         v = self.generator.model.vision
         if v is not None:  # each row's features of this chunk's placeholders, in order
             features = np.zeros((r, c, self.generator.model.hidden_size), self.generator.dtype)
@@ -399,8 +521,8 @@ class Engine:
                 features[i, :here] = s.features[before:before + here]
             rows.append(features)
         arrays = self._rows(*rows)
-        extra = tuple(arrays[10:])
-        return (*arrays[:10], jnp.bool_(want_top), jnp.bool_(want_prompt), *extra)
+        extra = tuple(arrays[11:])
+        return (*arrays[:11], jnp.bool_(want_top), jnp.bool_(want_prompt), *extra)
 
     def _decode_inputs(self, seqs: list[_Sequence]) -> tuple:
         b = self.rows
@@ -477,9 +599,13 @@ class Engine:
             self._end(s, "cancelled", event=False)
 
     def _admit(self) -> None:
-        """Waiting jobs into free rows, first come first served, while the pool holds their blocks."""
-        while self._waiting and len(self._running) < self.max_batch:
-            job = self._waiting[0]
+        """Waiting jobs into free rows, first come first served, while the pool holds their blocks. With
+        prefix caching a job maps the cached blocks of its prompt's longest cached prefix and prefills the
+        rest; a job whose next block is being prefilled by a running sequence waits for it (jobs behind it
+        may go first)."""
+        held = 0  # waiting jobs passed over (their prefix is being written)
+        while held < len(self._waiting) and len(self._running) < self.max_batch:
+            job = self._waiting[held]
             size = len(job.prompt_ids) + job.max_new_tokens
             need = self.pool.blocks_for(size)
             wrong = None
@@ -490,17 +616,39 @@ class Engine:
                 wrong = f"the sequence needs {need} KV blocks; the pool has {self.num_blocks} (--num-kv-blocks)"
             if wrong is not None:
                 with self._lock:
-                    self._waiting.popleft()
+                    del self._waiting[held]
                 job.events.put(("error", job.index, wrong))
                 self.observer.finished(job, "error", 0)
                 continue
+            caching = self.prefix_caching and job.images is None
+            hashes = prefix_hashes(job.prompt_ids, self.block_size) if caching else []
+            # at least the last prompt token is computed (its logits give the first new token)
+            usable = hashes[:(len(job.prompt_ids) - 1) // self.block_size]
             with self._lock:
-                blocks = self.pool.allocate(need)
+                found = self.pool.lookup(usable, scores=job.score_prompt, top=job.top_logprobs > 0)
+            if len(found) < len(usable) and self._writing(usable[len(found)]):
+                held += 1
+                continue
+            with self._lock:
+                self.pool.take(found)
+                blocks = self.pool.allocate(need - len(found))
                 if blocks is None:
+                    self.pool.release(found)
                     return  # the pool is full: wait for running sequences to free theirs
-                self._waiting.popleft()
+                del self._waiting[held]
                 row = min(set(range(self.rows)) - set(self._running))
-                self._running[row] = s = _Sequence(job, row, blocks)
+                self._running[row] = s = _Sequence(job, row, found + blocks, hashes=hashes, cached=len(found))
+                if caching:
+                    self.prefix_queries += len(job.prompt_ids)
+                    self.prefix_hits += len(found) * self.block_size
+            if found:
+                s.prefilled = s.write_from = len(found) * self.block_size
+                if job.score_prompt:  # the scores of the cached tokens; the prefix's last position is recomputed
+                    for b in found:    # for the score of the first token after it (its k/v is not rewritten)
+                        lps, top = self.pool.scores(b)
+                        s.prompt_logprobs += lps
+                        s.prompt_top += top if top is not None else [[] for _ in lps]
+                    s.prefilled -= 1
             if job.images is not None:
                 try:
                     self.generator.check_images([job.prompt_ids], [job.images])
@@ -510,6 +658,25 @@ class Engine:
                     job.events.put(("error", job.index, str(e)))
                     continue
             self.observer.admitted(job)
+
+    def _writing(self, h: bytes) -> bool:
+        """Whether a running sequence is prefilling the block of prefix hash `h` (it will be cached)."""
+        return any(h in s.hashes[s.cached:] for s in self._running.values())
+
+    def _cache_written(self, s: _Sequence) -> None:
+        """Puts the sequence's prompt blocks that its prefill has filled into the prefix cache, with their
+        tokens' scores when it scores its prompt (block i holds tokens i*bs..: the score of token t is
+        prompt_logprobs[t - 1]; token 0 has none)."""
+        bs, job = self.block_size, s.job
+        while s.cached < len(s.hashes) and (s.cached + 1) * bs <= s.prefilled:
+            i = s.cached
+            scores = None
+            if job.score_prompt:
+                part = slice(max(i * bs - 1, 0), (i + 1) * bs - 1)
+                scores = (s.prompt_logprobs[part], s.prompt_top[part] if job.top_logprobs > 0 else None)
+            with self._lock:
+                self.pool.cache(s.blocks[i], s.hashes[i], scores)
+            s.cached += 1
 
     def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
         self._pools_k, self._pools_v, out = self._prefill(self.generator.params, self._pools_k, self._pools_v,
@@ -523,6 +690,9 @@ class Engine:
                     s.prompt_logprobs.append(float(p_lp[i, j]))
                     s.prompt_top.append(_top(p_ids[i, j], p_top[i, j], job.top_logprobs > 0))
             s.prefilled += length
+            self.prefill_tokens += length
+            if self.prefix_caching:
+                self._cache_written(s)
             if not s.decoding:
                 continue
             if job.stream and job.score_prompt:

@@ -20,6 +20,8 @@ The metrics (Prometheus conventions: base units in the names, counters end in `_
     megajax_serve_requests_finished_total     counter    sequences ended, by reason (stop, length,
                                                          cancelled, error)
     megajax_serve_http_errors_total           counter    HTTP answers with status >= 400, by status
+    megajax_serve_prefix_cache_queries_total  counter    prompt tokens looked up in the prefix cache
+    megajax_serve_prefix_cache_hits_total     counter    prompt tokens found there (their KV not computed)
 
 A request asking for several prompts or n > 1 choices is several sequences (jobs); a prompt asked
 for n times counts n times in the prompt tokens. The metrics need the prometheus-client package
@@ -49,6 +51,8 @@ PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
 GENERATION_TOKENS = PREFIX + "generation_tokens_total"
 REQUESTS_FINISHED = PREFIX + "requests_finished_total"
 HTTP_ERRORS = PREFIX + "http_errors_total"
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -58,6 +62,12 @@ GAUGES = {
     REQUESTS_WAITING: ("waiting", "sequences queued, not admitted yet (queue depth)"),
     KV_BLOCKS_USED: ("kv_blocks_used", "KV cache blocks in use (0 without a paged cache)"),
     KV_BLOCKS_CAPACITY: ("kv_blocks_total", "KV cache blocks in the pool (0 without a paged cache)"),
+}
+
+# counter name -> (the batcher's stats() key, help): counted by the engine, read at scrape time
+STATS_COUNTERS = {
+    PREFIX_CACHE_QUERIES: ("prefix_cache_queries", "prompt tokens looked up in the prefix cache (0 without one)"),
+    PREFIX_CACHE_HITS: ("prefix_cache_hits", "prompt tokens found in the prefix cache: their KV not computed"),
 }
 
 # Seconds, from a GPU's milliseconds to a CPU's (or a first request's compile) tens of seconds.
@@ -72,7 +82,8 @@ MISSING_CLIENT = ("GET /metrics needs the prometheus-client package, which is no
 def metric_names() -> set[str]:
     """Every metric name GET /metrics exports, as a scrape spells its samples' family (counters with _total)."""
     return {REQUESTS_RUNNING, REQUESTS_WAITING, KV_BLOCKS_USED, KV_BLOCKS_CAPACITY, TIME_TO_FIRST_TOKEN,
-            INTER_TOKEN_LATENCY, REQUEST_DURATION, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_FINISHED, HTTP_ERRORS}
+            INTER_TOKEN_LATENCY, REQUEST_DURATION, PROMPT_TOKENS, GENERATION_TOKENS, REQUESTS_FINISHED, HTTP_ERRORS,
+            PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS}
 
 
 @dataclass
@@ -222,18 +233,20 @@ class _RepeatHistogram:
 
 
 class _StatsCollector:
-    """The gauges, read from the batcher's stats() at scrape time (and the inter-token latency histogram)."""
+    """The gauges and the engine's counters, read from the batcher's stats() at scrape time (and the
+    inter-token latency histogram)."""
 
     def __init__(self, metrics: ServeMetrics):
         self.metrics = metrics
 
     def _families(self, stats: dict):
-        from prometheus_client.core import GaugeMetricFamily
-        for name, (key, doc) in GAUGES.items():
-            family = GaugeMetricFamily(name, doc)
-            if stats is not None:
-                family.add_metric([], float(stats.get(key, 0)))
-            yield family
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        for kind, metrics in ((GaugeMetricFamily, GAUGES), (CounterMetricFamily, STATS_COUNTERS)):
+            for name, (key, doc) in metrics.items():
+                family = kind(name, doc)
+                if stats is not None:
+                    family.add_metric([], float(stats.get(key, 0)))
+                yield family
 
     def describe(self):
         return [*self._families(None), self.metrics.itl.family()]

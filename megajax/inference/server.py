@@ -94,7 +94,8 @@ class CompletionService:
 
     def __init__(self, loaded, max_batch: int = 8, chunk: int = 16, chat_template: str | None = None,
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None, quiet: bool = True,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None,
+                 prefix_caching: bool = True, quiet: bool = True,
                  limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None):
         self.loaded = loaded
         if limit_images < 0:
@@ -123,7 +124,8 @@ class CompletionService:
         self.metrics = ServeMetrics()
         if batching == "continuous":
             self.batcher = Engine(self.generator, max_batch, block_size=block_size, num_blocks=num_kv_blocks,
-                                  prefill_chunk=prefill_chunk, prefill_rows=prefill_rows, observer=self.metrics,
+                                  prefill_chunk=prefill_chunk, prefill_rows=prefill_rows,
+                                  prefix_caching=prefix_caching, observer=self.metrics,
                                   quiet=quiet)
         elif batching == "static":
             self.batcher = Batcher(self.generator, max_batch=max_batch, chunk=chunk, observer=self.metrics)
@@ -623,7 +625,7 @@ class CompletionServer:
     def __init__(self, loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, chunk: int = 16,
                  quiet: bool = False, chat_template: str | None = None, log_requests: bool = True, **batching):
         """`batching`: CompletionService's batching, block_size, num_kv_blocks, prefill_chunk, prefill_rows,
-        limit_images, allowed_local_media_path.
+        prefix_caching, limit_images, allowed_local_media_path.
         The address is bound first (OSError: taken, or not this machine's), then the service starts its
         batcher (UserError: a chat template or KV pool it cannot use)."""
         handler = type("Handler", (_Handler,), {"quiet": quiet, "log_requests": log_requests and not quiet})
