@@ -122,3 +122,18 @@ def test_estimates_rank_the_recorded_layouts_as_measured():
     now = s.estimates(record, use_table=True)
     rho = s.spearman(now, [r["measured"] for r in record["layouts"]])
     assert rho >= 0.6 and math.isfinite(rho)
+
+
+def test_devices_sharing_a_host_lose_no_time_to_the_pipeline_bubble(tmp_path):
+    """The CPU kind's simulated devices share the host's cores: an idle stage's cores work for the others."""
+    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=4", "mesh.pipeline=2",
+                                       "train.micro_batch=1"])
+    shared = planner.estimate(cfg, "8xCPU")
+    assert shared.bubble > 0 and shared.parts["bubble"] == 0
+    f = tmp_path / "kinds.yaml"
+    f.write_text("CPU: {shared_host: false}\n")
+    apart = planner.estimate(cfg, "8xCPU", str(f))
+    assert apart.parts["bubble"] == pytest.approx(apart.parts["compute"] * shared.bubble / (1 - shared.bubble))
+    f.write_text("CPU: {shared_host: 1}\n")
+    with pytest.raises(ConfigError, match="kind 'CPU': shared_host = 1: expected true or false"):
+        load_device_kinds(str(f))

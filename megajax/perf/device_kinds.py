@@ -36,6 +36,9 @@ class DeviceKind:
     # with them the compute time is each product's at its shape's share; `efficiency` is then attention's
     # and what the table's products leave out
     gemm_efficiency: tuple | None = None
+    # the devices share one host's cores (simulated CPU devices): a device idle in a pipeline bubble
+    # leaves its cores to the others, so the bubble costs no time
+    shared_host: bool = False
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
@@ -61,7 +64,8 @@ def cpu_device_kind(devices: int = 8) -> DeviceKind:
         mem = int(re.search(r"MemTotal:\s*(\d+) kB", open("/proc/meminfo").read()).group(1)) / 2**20
     except (OSError, AttributeError):
         mem = 16.0
-    return DeviceKind(mem / devices, {p: peak for p in ("fp32", "bf16", "fp16", "fp8")}, devices, 10.0, 10.0)
+    return DeviceKind(mem / devices, {p: peak for p in ("fp32", "bf16", "fp16", "fp8")}, devices, 10.0, 10.0,
+                      shared_host=True)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the keys of a peak_tflops mapping
@@ -102,6 +106,11 @@ def _checked(where: str, entry: dict) -> dict:
     for key, value in entry.items():
         if key == "peak_tflops":
             out[key] = _peak(where, value)
+            continue
+        if key == "shared_host":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: shared_host = {value!r}: expected true or false.")
+            out[key] = value
             continue
         if key == "gemm_efficiency":
             from megajax.perf.gemm import check_table

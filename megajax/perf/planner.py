@@ -186,7 +186,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         # slowest stage sets the pace of every microbatch.
         vision = vision_flops_per_token(m, plan.batch.seq_len)
         encoder = tokens * vision * (c.stages - 1) / devices / (peak * 1e12 * kind.efficiency)
-    busy = (compute + encoder) / (1 - bubble)
+    # Devices that share a host's cores (simulated CPU devices) lend an idle device's cores to the others.
+    busy = (compute + encoder) / (1 if kind.shared_host else 1 - bubble)
     rules = plan.rules
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
