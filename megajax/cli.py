@@ -9,7 +9,7 @@
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
-                  [--sweep key=v1,v2,...] [--topology 8xH100]
+                  [--sweep key=v1,v2,...] [--topology 8xH100] [--gemm-table FILE.yaml]
     megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] [--image FILE] --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
