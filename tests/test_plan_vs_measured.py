@@ -137,3 +137,16 @@ def test_devices_sharing_a_host_lose_no_time_to_the_pipeline_bubble(tmp_path):
     f.write_text("CPU: {shared_host: 1}\n")
     with pytest.raises(ConfigError, match="kind 'CPU': shared_host = 1: expected true or false"):
         load_device_kinds(str(f))
+
+
+def test_bench_gemm_table_writes_a_device_kinds_file(tmp_path, monkeypatch, capsys):
+    """`megajax bench --gemm-table FILE.yaml` (a 2^3 grid here) writes what --device-kinds reads."""
+    from megajax.cli import main
+    monkeypatch.setitem(gemm.SIZES, "cpu", (8, 16))
+    out = tmp_path / "t" / "cpu.yaml"
+    assert main(["bench", "--gemm-table", str(out)]) == 0
+    assert f"wrote {out} (device kind CPU" in capsys.readouterr().out
+    assert out.read_text().startswith(f"# megajax bench --gemm-table {out}")
+    assert len(load_device_kinds(str(out))["CPU"].gemm_efficiency) == 8
+    c = planner.estimate(load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8"]), "8xCPU", str(out))
+    assert c.step_seconds > 0 and math.isfinite(c.step_seconds)
