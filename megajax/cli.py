@@ -10,7 +10,7 @@
         (DIR: a megajax run or step, or a Megatron save / iter_ directory, legacy or torch_dist)
     megajax import --format hf|megatron|peft --input DIR --output DIR [--base DIR] [--trust-checkpoint]
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
-                  [--sweep key=v1,v2,...] [--topology 8xH100]
+                  [--sweep key=v1,v2,...] [--topology 8xH100] [--gemm-table FILE.yaml]
     megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] [--image FILE] --prompt TEXT [...] | --prompts-file F
                      [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
@@ -437,6 +437,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.json:
             write_json(report, args.json)
         return 0
+    if args.gemm_table:
+        return _gemm_table(cfg, args.gemm_table)
     _simulate_cpu_devices(cfg.mesh.cpu_devices)
     from megajax.perf import bench
     kw = dict(steps=args.steps, warmup=args.warmup, baseline=args.baseline)
@@ -459,6 +461,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         bench.write_json(report, args.json)
         print(f"json: {args.json}")
+    return 0
+
+
+def _gemm_table(cfg, path: str) -> int:
+    """`megajax bench --gemm-table FILE.yaml`: matmul throughput by shape on this machine's first device,
+    written as a --device-kinds file for `megajax plan`."""
+    import jax
+    from megajax.perf import gemm
+    from megajax.precision.policy import precision_policy
+    from megajax.train.flops import peak_tflops_per_device
+    _check_outputs(("--gemm-table", path))
+    device = jax.devices()[0]
+    key = precision_policy(cfg).peak_flops_key
+    dtype = "float32" if device.platform == "cpu" or key == "fp32" else "bfloat16"
+    # On CPU a lone matmul has all of the host's cores: its share is of the host's peak.
+    peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
+                                          "fp32" if dtype == "float32" else key, 1, cfg.train.peak_tflops)
+    measured = gemm.measure(dtype)
+    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path)
+    for m, k, n, tflops in measured["rows"]:
+        print(f"  [{m:>5} x {k:>5}] x [{k:>5} x {n:>5}]  {tflops:8.3f} TFLOP/s  {tflops / peak:6.1%} of peak")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+    except OSError as e:
+        raise ConfigError(f"--gemm-table {path}: cannot write the table there ({e.strerror}).") from None
+    print(f"wrote {path} (device kind {kind}: megajax plan --device-kinds {path} --cluster Nx{kind})")
     return 0
 
 
@@ -702,6 +731,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="where the sweep's plot goes (default: beside --json)")
     p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
                                                        "(e.g. 8xH100) and say whether the config fits")
+    p.add_argument("--gemm-table", metavar="FILE.yaml", help="measure matmul throughput by shape (M, K, N) on this "
+                                                               "machine's device and write it for megajax plan "
+                                                               "--device-kinds FILE.yaml (no train step is run)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plan", help="choose a mesh for a cluster: every layout estimated (memory, step time), "
                                     "ranked; the best written as a mesh config")
@@ -712,7 +744,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     p.add_argument("--device-kinds", metavar="FILE.yaml", help="more device kinds, or other figures for known "
                                                               "ones (memory_gib, peak_tflops, node_size, "
-                                                              "intra_node_gbps, inter_node_gbps, efficiency)")
+                                                              "intra_node_gbps, inter_node_gbps, efficiency, "
+                                                              "gemm_efficiency: megajax bench --gemm-table)")
     p.add_argument("--json", metavar="FILE", help="also write the ranked layouts as JSON")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")

@@ -20,6 +20,8 @@ step `megajax train` runs and reports:
 `--topology 8xH100` estimates the per-device memory of the config on a
 device kind the machine does not have (analytic: XLA cannot compile for a
 GPU without its plugin and a device) and says whether it fits.
+`--gemm-table FILE.yaml` measures matmul throughput by shape on this machine's
+device instead (megajax/perf/gemm.py), for `megajax plan --device-kinds`.
 """
 
 from __future__ import annotations

@@ -32,6 +32,13 @@ class DeviceKind:
     inter_node_gbps: float = 50.0
     efficiency: float = 0.5  # share of the peak the model's matmuls reach in a step
     link_efficiency: float = 0.7  # share of the links' bandwidth collectives reach
+    # [M, K, N, share of the peak] rows measured by `megajax bench --gemm-table` (megajax/perf/gemm.py):
+    # with them the compute time is each product's at its shape's share; `efficiency` is then attention's
+    # and what the table's products leave out
+    gemm_efficiency: tuple | None = None
+    # the devices share one host's cores (simulated CPU devices): a device idle in a pipeline bubble
+    # leaves its cores to the others, so the bubble costs no time
+    shared_host: bool = False
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
@@ -42,6 +49,24 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
     "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0),
     "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4),
 }
+
+
+
+def cpu_device_kind(devices: int = 8) -> DeviceKind:
+    """This host's simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): `devices`
+    of them in one node sharing the host's cores and memory, each with host peak / devices (fp32: XLA
+    runs 16-bit arithmetic in fp32 on CPU). Their collectives are copies in the host's memory: 10 GB/s
+    per device (a share of one socket's copy bandwidth), none across nodes."""
+    from megajax.train.flops import cpu_peak_tflops
+    peak = cpu_peak_tflops("fp32")
+    peak = peak / devices if math.isfinite(peak) else 0.1
+    try:
+        mem = int(re.search(r"MemTotal:\s*(\d+) kB", open("/proc/meminfo").read()).group(1)) / 2**20
+    except (OSError, AttributeError):
+        mem = 16.0
+    return DeviceKind(mem / devices, {p: peak for p in ("fp32", "bf16", "fp16", "fp8")}, devices, 10.0, 10.0,
+                      shared_host=True)
+
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the keys of a peak_tflops mapping
 MAX_DEVICES = 2**20  # a --cluster count beyond any machine room (the plan enumerates the count's divisors)
@@ -82,6 +107,15 @@ def _checked(where: str, entry: dict) -> dict:
         if key == "peak_tflops":
             out[key] = _peak(where, value)
             continue
+        if key == "shared_host":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: shared_host = {value!r}: expected true or false.")
+            out[key] = value
+            continue
+        if key == "gemm_efficiency":
+            from megajax.perf.gemm import check_table
+            out[key] = tuple(check_table(where, value))
+            continue
         test, accepted = _RANGES[key]
         if not _number(value) or not test(value):
             raise ConfigError(f"{where}: {key} = {value!r}: expected {accepted}.")
@@ -91,7 +125,7 @@ def _checked(where: str, entry: dict) -> dict:
 
 def load_device_kinds(path: str | None) -> dict[str, DeviceKind]:
     """The built-in table, extended by a YAML file of {KIND: {memory_gib, peak_tflops: {bf16: ...}, ...}}."""
-    kinds = dict(DEVICE_KINDS)
+    kinds = {**DEVICE_KINDS, "CPU": cpu_device_kind()}
     if not path:
         return kinds
     try:

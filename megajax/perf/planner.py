@@ -15,6 +15,8 @@ and estimated:
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
   recompute adds, at a per-device-kind fraction of the peak (`efficiency`),
+  (or, with a measured matmul table for the kind, `megajax bench --gemm-table`, the
+  sum of the step's products at their shapes' shares of the peak: megajax/perf/gemm.py),
   stretched by the pipeline bubble of the plan's own schedule (a vision-language
   model's encoder runs on the first stage, which then sets the pace); plus each
   axis's collectives (the analytic bytes `megajax bench` checks against the
@@ -55,7 +57,7 @@ from megajax.config import MESH_AXES, Config
 from megajax.errors import ConfigError, MeshError, UserError
 from megajax.mesh import data_parallel_size
 from megajax.parallel.pipeline import build_schedule
-from megajax.perf import analytic
+from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
 from megajax.plan import RunPlan, make_plan, plan_layout
 from megajax.train.flops import train_flops_per_token, vision_flops_per_token
@@ -171,6 +173,10 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
     flops = tokens * per_token / devices
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
+    if kind.gemm_efficiency:  # each product at its shape's measured share; the rest (attention) at `efficiency`
+        products, product_flops = gemm.gemm_seconds(gemm.step_gemms(plan, spec), kind.gemm_efficiency, peak)
+        rest = max(0.0, tokens * (per_token + extra) / devices - product_flops)
+        compute = products + rest / (peak * 1e12 * kind.efficiency)
     bubble, encoder = 0.0, 0.0
     if plan.pipeline is not None:
         c = plan.pipeline
@@ -180,7 +186,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         # slowest stage sets the pace of every microbatch.
         vision = vision_flops_per_token(m, plan.batch.seq_len)
         encoder = tokens * vision * (c.stages - 1) / devices / (peak * 1e12 * kind.efficiency)
-    busy = (compute + encoder) / (1 - bubble)
+    # Devices that share a host's cores (simulated CPU devices) lend an idle device's cores to the others.
+    busy = (compute + encoder) / (1 if kind.shared_host else 1 - bubble)
     rules = plan.rules
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -219,6 +226,25 @@ def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
     """The all-reduces over expert (the other parameters' gradients) and context (the gradients,
     without a pipeline) are data-parallel reductions; context's other transfers are attention's."""
     return kind_name == "all-reduce" and axis in ("expert", "context")
+
+
+def estimate(cfg: Config, cluster: str, device_kinds: str | None = None) -> Candidate:
+    """One layout's estimate: `cfg`'s own mesh (all of it inside a node) planned on the cluster's
+    devices as `megajax train` plans it, timed and sized as plan_cluster times and sizes each candidate."""
+    from megajax.train.state import build_model_spec
+    kinds = load_device_kinds(device_kinds)
+    devices, _, kind = parse_cluster(cluster, kinds)
+    plan = make_plan(cfg, devices)
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    mem = analytic.memory_estimate(plan, spec)
+    c = Candidate(sizes=dict(plan.sizes), ici=dict(plan.ici), dcn=dict(plan.dcn),
+                  parallel={k: getattr(plan.cfg.parallel, k) for k in ("sequence_parallel", "distributed_optimizer",
+                                                                       "pipeline_schedule", "virtual_stages",
+                                                                       "recompute")},
+                  micro_batch=plan.batch.micro_batch, memory=mem,
+                  fits=mem["total"] <= int(kind.memory_gib * GIB * HEADROOM))
+    c.step_seconds, c.parts, c.mfu, c.bubble = _step_time(plan, spec, kind, devices)
+    return c
 
 
 def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top: int = 5) -> dict[str, Any]:

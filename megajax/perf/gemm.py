@@ -1,0 +1,207 @@
+"""Matmul efficiency by shape: measured per device kind, read by `megajax plan`.
+
+    megajax bench --gemm-table FILE.yaml         measure it on this machine's device, write it
+    megajax plan --device-kinds FILE.yaml ...    estimate compute time from it
+
+A table is a device kind's `gemm_efficiency`: rows [M, K, N, share of the peak] for a grid of
+shapes (every combination of the M, K and N sizes measured), a product [M, K] x [K, N] in the
+table's precision. `efficiency(table, m, k, n)` interpolates it linearly in log2 of each size
+(clamped to the grid's edges). `step_gemms(plan, spec)` lists the products one device runs in a
+step: per layer kernel (q, k, v, o, the MLP's, the routers, the routed experts'), the output layer,
+each forward and its two backward products (the input's gradient [M, N] x [N, K], the kernel's
+[K, M] x [M, N]), at the device's shard of the kernel (split over tensor and expert; FSDP gathers
+it whole) and its tokens (the micro batch of its sequence chunk under context parallelism; with
+sequence parallelism the gathered sequence). A routed expert gets its expected share of the
+expert group's tokens: ep x tokens x top-k / experts rows.
+
+On CPU a lone matmul has every core of the host: its share is of the host's peak (the simulated
+devices of a step share those cores, each with host peak / devices).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from typing import Any
+
+from megajax.checkpoint.source import flatten
+from megajax.errors import ConfigError
+from megajax.mesh import logical_to_spec
+
+# The sizes measured for each of M, K, N: the table is their grid (4^3 products).
+SIZES = {"cpu": (16, 64, 256, 1024), "gpu": (128, 512, 2048, 8192)}
+_STACKED = ("layers", "experts")  # leading dims of a stacked kernel that are not a product's K or N
+
+
+def check_table(where: str, rows) -> list[tuple[int, int, int, float]]:
+    """The rows of a gemm_efficiency table checked: [M, K, N, share] with whole sizes >= 1, a share
+    in (0, 1], and every combination of the sizes present (ConfigError naming where and the row)."""
+    accepted = "a list of [M, K, N, share of the peak] rows (sizes >= 1, share in (0, 1]) over a full grid of sizes"
+    if not isinstance(rows, list) or not rows:
+        raise ConfigError(f"{where}: gemm_efficiency = {str(rows)[:80]!r}: expected {accepted}.")
+    out = []
+    for row in rows:
+        ok = (isinstance(row, (list, tuple)) and len(row) == 4
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in row[:3])
+              and isinstance(row[3], (int, float)) and not isinstance(row[3], bool) and 0 < row[3] <= 1)
+        if not ok:
+            raise ConfigError(f"{where}: gemm_efficiency row {row!r}: expected {accepted}.")
+        out.append((int(row[0]), int(row[1]), int(row[2]), float(row[3])))
+    axes = [sorted({r[i] for r in out}) for i in range(3)]
+    have = {r[:3] for r in out}
+    missing = [(m, k, n) for m in axes[0] for k in axes[1] for n in axes[2] if (m, k, n) not in have]
+    if missing:
+        raise ConfigError(f"{where}: gemm_efficiency has no row for [M, K, N] = {list(missing[0])} "
+                          f"({len(missing)} of the grid's {math.prod(map(len, axes))} missing): expected {accepted}.")
+    return out
+
+
+def efficiency(rows, m: float, k: float, n: float) -> float:
+    """The table's share of the peak at [m, k] x [k, n]: linear in log2 of each size between the grid's
+    sizes, the edge's value beyond them."""
+    table = {tuple(r[:3]): r[3] for r in rows}
+    axes = [sorted({r[i] for r in rows}) for i in range(3)]
+
+    def bracket(sizes, x):
+        x = min(max(x, sizes[0]), sizes[-1])
+        for lo, hi in zip(sizes, sizes[1:]):
+            if x <= hi:
+                w = (math.log2(x) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+                return ((lo, 1 - w), (hi, w))
+        return ((sizes[0], 1.0),)
+
+    total = 0.0
+    for a, wa in bracket(axes[0], m):
+        for b, wb in bracket(axes[1], k):
+            for c, wc in bracket(axes[2], n):
+                total += wa * wb * wc * table[a, b, c]
+    return total
+
+
+def _kernel_dims(name: str, names: tuple, shape: tuple, rules, sizes: dict[str, int]) -> tuple[float, int, int, int]:
+    """(layer count a device runs, local experts, K, N) of a kernel's shard on a device: the sizes split
+    over tensor, expert and pipeline (not over the data axes: FSDP gathers the kernel for its products).
+    A kernel whose first product dim is `embed` maps it to N = the rest (q, k, v, fc1, router, output);
+    otherwise K is every dim but the last (o, fc2)."""
+    split = {**sizes, "data": 1, "fsdp": 1}
+    local = []
+    for dim, size, entry in zip(names, shape, logical_to_spec(names, rules)):
+        pieces = math.prod(split[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+        local.append((dim, size / pieces))
+    layers = math.prod(s for d, s in local if d == "layers")
+    experts = int(math.prod(s for d, s in local if d == "experts"))
+    dims = [(d, s) for d, s in local if d not in _STACKED]
+    if dims[0][0] == "embed":
+        k, n = dims[0][1], math.prod(s for _, s in dims[1:])
+    else:
+        k, n = math.prod(s for _, s in dims[:-1]), dims[-1][1]
+    return layers, experts, max(1, round(k)), max(1, round(n))
+
+
+def step_gemms(plan, spec) -> list[dict[str, Any]]:
+    """The products one device runs in a step, forward and backward: [{name, m, k, n, count}] (count:
+    how many times per step; FLOPs 2 m k n each). Full recompute adds the layers' forward products again."""
+    from megajax.train.flops import expert_kernel_pattern
+    cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
+    rules = plan.rules.params
+    cp, stages = sizes["context"], sizes["pipeline"]
+    rows = plan.batch.micro_batch * plan.batch.seq_len / cp  # a microbatch's tokens on a device
+    micro = plan.batch.accumulation
+    shapes = dict(flatten(spec.abstract_params))
+    pattern = expert_kernel_pattern(m)
+    tied = "output" not in shapes
+    full = cfg.parallel.recompute == "full"
+    out = []
+    for name, names in flatten(spec.axes):
+        if name.startswith(("vision/", "projector/")):
+            continue
+        is_expert = bool(m.num_experts) and re.fullmatch(pattern, name) is not None
+        is_router = name.endswith(("/mlp/router", "/mixer/router"))
+        is_output = name == "output" or (tied and name == "embed/embedding")
+        if not (name.endswith("/kernel") or is_expert or is_router or is_output):
+            continue
+        shape = shapes[name].shape
+        if is_output and name == "embed/embedding":  # tied: the table [vocab, embed] multiplied as [embed, vocab]
+            names, shape = names[::-1], shape[::-1]
+        layers, experts, k, n = _kernel_dims(name, names, shape, rules, sizes)
+        count = micro * (layers if "layers" in names else (1 + m.mtp_num_layers) / stages)
+        mrows = rows
+        if is_expert:  # each local expert's expected rows of the expert group's tokens
+            mrows = sizes["expert"] * rows * m.moe_router_topk / m.num_experts
+            count *= experts
+        mrows = max(1, round(mrows))
+        fwd = count * (2 if full and "layers" in names else 1)
+        out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd})
+        out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count})
+        out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count})
+    return out
+
+
+def gemm_seconds(gemms, rows, peak_tflops: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of the products at the table's interpolated share of `peak_tflops`."""
+    seconds = flops = 0.0
+    for g in gemms:
+        f = 2.0 * g["m"] * g["k"] * g["n"] * g["count"]
+        flops += f
+        seconds += f / (efficiency(rows, g["m"], g["k"], g["n"]) * peak_tflops * 1e12)
+    return seconds, flops
+
+
+def measure(dtype: str = "bfloat16", sizes=None, min_seconds: float = 0.05) -> dict[str, Any]:
+    """Times [M, K] x [K, N] for every combination of `sizes` (the platform's SIZES by default) on the
+    first device: {platform, device_kind, dtype, rows: [[M, K, N, TFLOP/s]]}, the median of a few
+    runs of at least `min_seconds` in all (after one compiling run)."""
+    import jax
+    import jax.numpy as jnp
+    device = jax.devices()[0]
+    sizes = sizes or SIZES["cpu" if device.platform == "cpu" else "gpu"]
+    key = jax.random.PRNGKey(0)
+    out = []
+    for mm in sizes:
+        for kk in sizes:
+            for nn in sizes:
+                a = jax.device_put(jax.random.normal(key, (mm, kk), jnp.float32).astype(dtype), device)
+                b = jax.device_put(jax.random.normal(key, (kk, nn), jnp.float32).astype(dtype), device)
+                f = jax.jit(jnp.matmul)
+                jax.block_until_ready(f(a, b))
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(a, b))
+                once = max(time.perf_counter() - t0, 1e-7)
+                reps = max(1, min(1000, int(min_seconds / once / 3)))
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    for _ in range(reps):
+                        r = f(a, b)
+                    jax.block_until_ready(r)
+                    times.append((time.perf_counter() - t0) / reps)
+                out.append([mm, kk, nn, 2.0 * mm * kk * nn / statistics.median(times) / 1e12])
+    return {"platform": device.platform, "device_kind": getattr(device, "device_kind", ""), "dtype": dtype,
+            "rows": out}
+
+
+def kind_name(platform: str, device_kind: str) -> str:
+    """The `--cluster` kind a measured table belongs to: a known kind named in the device's kind, CPU
+    for the host's devices, else the device kind's letters and digits."""
+    from megajax.train.flops import PEAK_TFLOPS
+    for name in PEAK_TFLOPS:
+        if name in device_kind.upper().replace(" ", ""):
+            return name
+    if platform == "cpu":
+        return "CPU"
+    return re.sub(r"[^A-Za-z0-9]", "", device_kind).upper() or platform.upper()
+
+
+def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, command: str) -> tuple[str, str]:
+    """(kind, the --device-kinds YAML of the measured table): each row's TFLOP/s as a share of
+    `peak_tflops` (capped at 1: a peak estimate below what the device reaches)."""
+    import yaml
+    kind = kind_name(measured["platform"], measured["device_kind"])
+    rows = [[m, k, n, round(min(1.0, t / peak_tflops), 4)] for m, k, n, t in measured["rows"]]
+    header = (f"{command}\n{measured['device_kind'] or measured['platform']}: [M, K] x [K, N] {measured['dtype']}, "
+              f"share of {peak_tflops:.4g} TFLOP/s ({peak_source}); megajax plan --device-kinds THIS_FILE "
+              f"--cluster Nx{kind}\n")
+    body = yaml.safe_dump({kind: {"gemm_efficiency": rows}}, default_flow_style=None, sort_keys=False)
+    return kind, "".join(f"# {line}\n" for line in header.splitlines()) + body

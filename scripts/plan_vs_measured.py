@@ -1,0 +1,203 @@
+"""`megajax plan`'s step-time estimate against measured steps, on this host's 8 simulated CPU devices.
+
+    python scripts/plan_vs_measured.py --output tests/data/plan_vs_measured.json [--steps 3] [--only llama]
+
+For a small Llama and a small MoE, each layout in LAYOUTS (data / FSDP / tensor / pipeline / context /
+expert combinations and micro batches on 8 devices) is timed as `megajax bench` times it
+(megajax.perf.bench.bench_one: the train step `megajax train` runs; the fastest of a few steps after
+a warm-up, as other work on a shared host only adds time), in its own process with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 and the test suite's fast-compile flags; and estimated by `megajax plan`'s model (megajax.perf.planner.estimate)
+for the kind CPU (megajax/perf/device_kinds.py: host peak / 8 per device) with the matmul table
+`megajax bench --gemm-table` measures here (written beside the output), and without it (the
+constant efficiency). The JSON holds the device kind's figures, the table, each layout's
+(overrides, estimate with and without the table, measured) and per model and overall the Spearman
+rank correlation and the worst estimate / measured ratio (each model's estimates scaled by their
+median ratio first: the CPU kind's peak is a rough figure, the ranking is what the plan uses).
+tests/test_plan_vs_measured.py recomputes the estimates for the recorded layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# model/tiny and model/tiny-moe at half their width and sequence (a step of a few seconds here).
+COMMON = ["model.hidden_size=128", "model.ffn_hidden_size=512", "train.seq_len=128", "train.global_batch=8", "data.corpus_max_mb=0.5", "train.sample_tokens=0", "train.eval_every=0",
+          "logging.tensorboard=false", "logging.progress=false"]
+MODELS = {"llama": "model/tiny", "moe": "model/tiny-moe"}
+EXTRA = {"moe": ["model.moe_ffn_hidden_size=256"]}
+_PIPE = ["train.micro_batch=1"]
+LAYOUTS = {
+    "llama": [
+        ["mesh.data=8"],
+        ["mesh.data=8", "train.micro_batch=1"],
+        ["mesh.data=8", "parallel.distributed_optimizer=true"],
+        ["mesh.data=8", "parallel.recompute=full"],
+        ["mesh.data=1", "mesh.fsdp=8"],
+        ["mesh.data=4", "mesh.fsdp=2"],
+        ["mesh.data=4", "mesh.tensor=2"],
+        ["mesh.data=2", "mesh.tensor=4"],
+        ["mesh.data=2", "mesh.tensor=4", "parallel.sequence_parallel=true"],
+        ["mesh.data=4", "mesh.pipeline=2", *_PIPE],
+        ["mesh.data=2", "mesh.pipeline=4", *_PIPE],
+        ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", *_PIPE],
+        ["mesh.data=4", "mesh.context=2"],
+        ["mesh.data=2", "mesh.context=4"],
+        ["mesh.data=2", "mesh.tensor=2", "mesh.context=2"],
+    ],
+    "moe": [
+        ["mesh.data=8"],
+        ["mesh.data=8", "train.micro_batch=1"],
+        ["mesh.data=1", "mesh.expert=8"],
+        ["mesh.data=2", "mesh.expert=4"],
+        ["mesh.data=4", "mesh.expert=2"],
+        ["mesh.data=1", "mesh.fsdp=8"],
+        ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"],
+        ["mesh.data=4", "mesh.tensor=2"],
+        ["mesh.data=1", "mesh.tensor=2", "mesh.expert=4"],
+        ["mesh.data=4", "mesh.pipeline=2", *_PIPE],
+        ["mesh.data=1", "mesh.context=2", "mesh.expert=4"],
+        ["mesh.data=1", "mesh.expert=8", "train.micro_batch=1"],
+    ],
+}
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation: the Pearson correlation of the ranks (ties get their mean rank)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=float)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=float)
+        for v in np.unique(x):  # ties: the mean of their ranks
+            r[x == v] = r[x == v].mean()
+        return r
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+
+
+def worst_ratio(estimates, measured) -> float:
+    """The largest factor between an estimate and its measurement (max(r, 1/r) of estimate / measured),
+    the estimates scaled by their median ratio first."""
+    r = np.asarray(estimates, float) / np.asarray(measured, float)
+    r = r / np.median(r)
+    return float(np.max(np.maximum(r, 1 / r)))
+
+
+def device_kinds_yaml(kind: dict, table_rows) -> str:
+    """The --device-kinds file of the recorded CPU figures (and the table, when given)."""
+    import yaml
+    entry = {k: kind[k] for k in ("memory_gib", "peak_tflops", "node_size", "intra_node_gbps", "inter_node_gbps",
+                                  "efficiency", "link_efficiency", "shared_host")}
+    if table_rows:
+        entry["gemm_efficiency"] = [list(r) for r in table_rows]
+    return yaml.safe_dump({"CPU": entry}, default_flow_style=None)
+
+
+def estimates(record: dict, use_table: bool) -> list[float]:
+    """The planner's step seconds for every recorded layout, from the recorded device figures."""
+    from megajax.config import load_config
+    from megajax.perf import planner
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "cpu.yaml"
+        path.write_text(device_kinds_yaml(record["device_kind"], record["gemm_table"] if use_table else None))
+        return [planner.estimate(load_config([r["config"]], r["overrides"]), "8xCPU", str(path)).step_seconds
+                for r in record["layouts"]]
+
+
+def _measure_here(config: str, overrides: list[str], steps: int) -> dict:
+    """(in the child process) bench_one's step time for the layout."""
+    from megajax.config import load_config
+    from megajax.perf.bench import bench_one
+    with tempfile.TemporaryDirectory() as d:
+        cfg = load_config([config], [*overrides, f"train.run_dir={d}"])
+        r = bench_one(cfg, steps=steps, warmup=1, rounds=1)
+    # The fastest step: on a shared host other work only adds time, the fastest is the least disturbed.
+    return {"step_seconds": r["step_seconds"]["min"], "all": r["step_seconds"]["all"],
+            "compile_seconds": r["compile_seconds"]}
+
+
+def measure(config: str, overrides: list[str], steps: int) -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
+    out = subprocess.run([sys.executable, __file__, "--child", config, str(steps), *overrides], env=env,
+                         capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"{config} {' '.join(overrides)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summary(record: dict) -> dict:
+    out = {}
+    rows = record["layouts"]
+    for name in [*MODELS, "all"]:
+        sel = [r for r in rows if name == "all" or r["model"] == name]
+        if len(sel) < 3:
+            continue
+        meas = [r["measured"] for r in sel]
+        out[name] = {key: {"spearman": spearman([r[key] for r in sel], meas),
+                           "worst_ratio": worst_ratio([r[key] for r in sel], meas)}
+                     for key in ("estimate", "estimate_constant")}
+    return out
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        config, steps, overrides = sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+        print(json.dumps(_measure_here(config, overrides, steps)))
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output", default="tests/data/plan_vs_measured.json")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--only", choices=list(MODELS), help="measure one model's layouts again, keep the other's")
+    args = ap.parse_args()
+    import dataclasses
+    import yaml
+    from megajax.perf.device_kinds import load_device_kinds
+    # The table first, on one device in its own process (all of the host's cores).
+    table = Path(args.output).with_suffix(".gemm.yaml")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("XLA_FLAGS", None)
+    subprocess.run([sys.executable, "-m", "megajax.cli", "bench", "--gemm-table", str(table)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    kind = dataclasses.asdict(load_device_kinds(None)["CPU"])
+    record = {"command": "python " + " ".join(sys.argv), "device_kind": kind,
+              "gemm_table": yaml.safe_load(table.read_text())["CPU"]["gemm_efficiency"],
+              "note": "measured on a shared 2-core host with other work running: the times are noisy",
+              "layouts": []}
+    if args.only and Path(args.output).exists():  # the other model's recorded layouts are kept
+        record["layouts"] = [r for r in json.loads(Path(args.output).read_text())["layouts"] if r["model"] != args.only]
+    for model, config in MODELS.items():
+        if args.only and model != args.only:
+            continue
+        for overrides in LAYOUTS[model]:
+            ov = [*COMMON, *EXTRA.get(model, []), *overrides]
+            m = measure(config, ov, args.steps)
+            record["layouts"].append({"model": model, "config": config, "overrides": ov, "layout": overrides,
+                                      "measured": m["step_seconds"], "measured_all": m["all"],
+                                      "compile_seconds": m["compile_seconds"]})
+            print(f"{model:5} {' '.join(overrides):70} {m['step_seconds']:.3f} s", flush=True)
+    for key, use in (("estimate", True), ("estimate_constant", False)):
+        for r, e in zip(record["layouts"], estimates(record, use)):
+            r[key] = e
+    record["summary"] = summary(record)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps(record["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

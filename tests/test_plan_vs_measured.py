@@ -1,0 +1,152 @@
+"""`megajax plan`'s compute model: the matmul table (megajax/perf/gemm.py) and the estimates against
+the step times scripts/plan_vs_measured.py recorded on 8 simulated CPU devices (no timing here)."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megajax.config import load_config
+from megajax.errors import ConfigError
+from megajax.perf import gemm, planner
+from megajax.perf.device_kinds import load_device_kinds
+from megajax.plan import make_plan
+from megajax.train.flops import train_flops_per_token
+from megajax.train.state import build_model_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "tests" / "data" / "plan_vs_measured.json"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plan_vs_measured", ROOT / "scripts" / "plan_vs_measured.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+GRID = [[m, k, n, 0.1 + 0.2 * (m == 64) + 0.3 * (n == 64)] for m in (4, 64) for k in (4, 64) for n in (4, 64)]
+
+
+def test_interpolation_is_linear_in_log_size_and_clamped():
+    assert gemm.efficiency(GRID, 4, 4, 4) == pytest.approx(0.1)
+    assert gemm.efficiency(GRID, 64, 4, 64) == pytest.approx(0.6)
+    assert gemm.efficiency(GRID, 16, 4, 4) == pytest.approx(0.2)  # halfway in log2 between 4 and 64
+    assert gemm.efficiency(GRID, 16, 30, 16) == pytest.approx(0.1 + 0.1 + 0.15)
+    assert gemm.efficiency(GRID, 1, 1, 1) == pytest.approx(0.1)
+    assert gemm.efficiency(GRID, 10**6, 10**6, 10**6) == pytest.approx(0.6)
+
+
+def test_bad_tables_are_refused_naming_the_file_and_row(tmp_path):
+    f = tmp_path / "kinds.yaml"
+    f.write_text("H100: {gemm_efficiency: [[4, 4, 4, 1.5]]}\n")
+    with pytest.raises(ConfigError, match=r"kinds.yaml, kind 'H100': gemm_efficiency row \[4, 4, 4, 1.5\]"):
+        load_device_kinds(str(f))
+    f.write_text("H100: {gemm_efficiency: [[4, 4, 4, 0.5], [8, 4, 4, 0.5], [4, 8, 4, 0.5]]}\n")
+    with pytest.raises(ConfigError, match=r"no row for \[M, K, N\] = \[8, 8, 4\]"):
+        load_device_kinds(str(f))
+    f.write_text("H100: {gemm_efficiency: 0.5}\n")
+    with pytest.raises(ConfigError, match="gemm_efficiency = '0.5': expected a list of"):
+        load_device_kinds(str(f))
+
+
+def test_measured_table_round_trips_through_device_kinds(tmp_path):
+    measured = gemm.measure("float32", sizes=(8, 16), min_seconds=0.001)
+    assert len(measured["rows"]) == 8 and all(r[3] > 0 for r in measured["rows"])
+    kind, text = gemm.table_yaml(measured, 1e-3, "test", "megajax bench --gemm-table t.yaml")
+    assert kind == "CPU" and text.startswith("# megajax bench --gemm-table t.yaml")
+    f = tmp_path / "t.yaml"
+    f.write_text(text)
+    rows = load_device_kinds(str(f))["CPU"].gemm_efficiency
+    assert [list(r[:3]) for r in rows] == [r[:3] for r in measured["rows"]] and all(0 < r[3] <= 1 for r in rows)
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("model/tiny", ["mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2", "train.micro_batch=1"]),
+    ("model/tiny", ["mesh.data=2", "mesh.context=2", "mesh.fsdp=2"]),
+    ("model/tiny-moe", ["mesh.data=2", "mesh.expert=4"]),
+    ("model/tiny-moe", ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=4"]),
+])
+def test_step_products_add_up_to_the_model_flops_less_attention(config, overrides):
+    """A device's products are its even share of the step's matmul FLOPs (6 x matmul parameters per
+    token; attention is the rest), whatever the layout splits (a MoE router, whole on every tensor rank,
+    would add its repeats under tensor parallelism)."""
+    cfg = load_config([config], ["train.global_batch=16", *overrides])
+    plan = make_plan(cfg, 8)
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    products = sum(2 * g["m"] * g["k"] * g["n"] * g["count"] for g in gemm.step_gemms(plan, spec))
+    m, s = plan.cfg.model, plan.batch.seq_len
+    attention = 6 * m.num_layers * s * m.num_heads * m.head_dim
+    tokens = plan.batch.global_batch * s
+    assert products == pytest.approx(tokens * (train_flops_per_token(m, s, plan.padded_vocab) - attention) / 8,
+                                     rel=1e-6)
+    if m.num_experts:  # a routed expert's rows: its share of the expert group's tokens
+        rows = {g["m"] for g in gemm.step_gemms(plan, spec) if g["name"] == "layers/mlp/fc2"}
+        assert rows == {plan.sizes["expert"] * plan.batch.micro_batch * s * m.moe_router_topk // m.num_experts}
+
+
+def test_a_table_changes_only_the_compute_part(tmp_path):
+    """Without a table the estimate is the constant efficiency's; a table of one share everywhere equal to
+    `efficiency` gives the same compute time; a slower table a longer one, the collectives unchanged."""
+    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=2", "mesh.tensor=4"])
+    plain = planner.estimate(cfg, "8xH100")
+    f = tmp_path / "kinds.yaml"
+    grid = lambda share: [[m, k, n, share] for m in (16, 4096) for k in (16, 4096) for n in (16, 4096)]  # noqa: E731
+    f.write_text(json.dumps({"H100": {"gemm_efficiency": grid(0.5)}}))
+    same = planner.estimate(cfg, "8xH100", str(f))
+    assert same.parts["compute"] == pytest.approx(plain.parts["compute"], rel=1e-9)
+    f.write_text(json.dumps({"H100": {"gemm_efficiency": grid(0.05)}}))
+    slow = planner.estimate(cfg, "8xH100", str(f))
+    assert slow.parts["compute"] > 5 * plain.parts["compute"]
+    assert slow.parts["tensor"] == plain.parts["tensor"]
+
+
+def test_spearman_by_ranks():
+    s = _script()
+    assert s.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert s.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert s.spearman([1, 2, 3, 4, 5], [1, 3, 2, 5, 4]) == pytest.approx(0.8)  # 1 - 6 * 4 / (5 * 24)
+    assert s.worst_ratio([1, 2, 4], [1, 2, 2]) == pytest.approx(2.0)
+
+
+@pytest.mark.skipif(not RECORD.exists(), reason="no recorded measurements")
+def test_estimates_rank_the_recorded_layouts_as_measured():
+    """The planner's estimates, recomputed now for the recorded layouts and device figures, rank them as
+    the recorded step times do (Spearman >= 0.6 over both models; scripts/plan_vs_measured.py)."""
+    s = _script()
+    record = json.loads(RECORD.read_text())
+    assert len([r for r in record["layouts"] if r["model"] == "llama"]) >= 10
+    assert len([r for r in record["layouts"] if r["model"] == "moe"]) >= 10
+    now = s.estimates(record, use_table=True)
+    rho = s.spearman(now, [r["measured"] for r in record["layouts"]])
+    assert rho >= 0.6 and math.isfinite(rho)
+
+
+def test_devices_sharing_a_host_lose_no_time_to_the_pipeline_bubble(tmp_path):
+    """The CPU kind's simulated devices share the host's cores: an idle stage's cores work for the others."""
+    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=4", "mesh.pipeline=2",
+                                       "train.micro_batch=1"])
+    shared = planner.estimate(cfg, "8xCPU")
+    assert shared.bubble > 0 and shared.parts["bubble"] == 0
+    f = tmp_path / "kinds.yaml"
+    f.write_text("CPU: {shared_host: false}\n")
+    apart = planner.estimate(cfg, "8xCPU", str(f))
+    assert apart.parts["bubble"] == pytest.approx(apart.parts["compute"] * shared.bubble / (1 - shared.bubble))
+    f.write_text("CPU: {shared_host: 1}\n")
+    with pytest.raises(ConfigError, match="kind 'CPU': shared_host = 1: expected true or false"):
+        load_device_kinds(str(f))
+
+
+def test_bench_gemm_table_writes_a_device_kinds_file(tmp_path, monkeypatch, capsys):
+    """`megajax bench --gemm-table FILE.yaml` (a 2^3 grid here) writes what --device-kinds reads."""
+    from megajax.cli import main
+    monkeypatch.setitem(gemm.SIZES, "cpu", (8, 16))
+    out = tmp_path / "t" / "cpu.yaml"
+    assert main(["bench", "--gemm-table", str(out)]) == 0
+    assert f"wrote {out} (device kind CPU" in capsys.readouterr().out
+    assert out.read_text().startswith(f"# megajax bench --gemm-table {out}")
+    assert len(load_device_kinds(str(out))["CPU"].gemm_efficiency) == 8
+    c = planner.estimate(load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8"]), "8xCPU", str(out))
+    assert c.step_seconds > 0 and math.isfinite(c.step_seconds)
