@@ -1,13 +1,14 @@
-"""The Mamba mixer's causal conv: its written gradient against autodiff of the conv tap by tap, and
-the one conv over x, B and C laid out per group against a conv of each (values, windows, gradients),
-with and without document boundaries and a carried window."""
+"""The Mamba mixer's pieces with written gradients: the causal conv against autodiff of the conv tap
+by tap, the one conv over x, B and C laid out per group against a conv of each (values, windows,
+gradients), with and without document boundaries and a carried window; the gated group norm against
+autodiff of its formula."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from megajax.models.mamba import MambaState, _conv_xbc, causal_conv
+from megajax.models.mamba import MambaState, _conv_xbc, causal_conv, gated_group_norm
 
 K = 4
 
@@ -89,3 +90,22 @@ def test_one_conv_over_x_b_c_equals_a_conv_of_each(case):
     for a, e in zip(jax.tree.leaves(jax.grad(loss(fused), (0, 1, 2, 3))(xs, bm, cm, w)),
                     jax.tree.leaves(jax.grad(loss(each), (0, 1, 2, 3))(xs, bm, cm, w))):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_the_gated_norm_and_its_gradient_equal_autodiff_of_its_formula(groups):
+    ks = jax.random.split(jax.random.key(4), 4)
+    y, z, cot = (jax.random.normal(k, (2, 5, 6, 3)) for k in ks[:3])
+    weight = jax.random.normal(ks[3], (6, 3))
+
+    def formula(y, z, weight):
+        b, l, h, p = y.shape
+        g = (y * jax.nn.silu(z)).reshape(b, l, groups, h // groups * p)
+        g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + 1e-5)
+        return g.reshape(b, l, h, p) * weight
+
+    ours = lambda *a: jnp.sum(cot * gated_group_norm(*a, groups, 1e-5))
+    ref = lambda *a: jnp.sum(cot * formula(*a))
+    np.testing.assert_allclose(gated_group_norm(y, z, weight, groups, 1e-5), formula(y, z, weight), rtol=1e-6)
+    for got, want in zip(jax.grad(ours, (0, 1, 2))(y, z, weight), jax.grad(ref, (0, 1, 2))(y, z, weight)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
