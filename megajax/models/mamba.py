@@ -84,26 +84,96 @@ def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: ja
     xp = jnp.concatenate([window.astype(x_BxLx_.dtype), x_BxLx_], axis=1).astype(jnp.float32)
     w = jnp.moveaxis(w_xK.astype(jnp.float32), -1, 0)  # [K, channels...]
     if segment_ids_BxL is None:
-        out = sum(xp[:, i:i + l] * w[i] for i in range(k)) + bias.astype(jnp.float32)
+        out = _taps(xp, w) + bias.astype(jnp.float32)
     else:  # tap i reads position t - (K - 1 - i): zero unless it is in t's document
         seg = jnp.concatenate([jnp.repeat(segment_ids_BxL[:, :1], k - 1, axis=1), segment_ids_BxL], axis=1)
-        same = lambda i: (seg[:, i:i + l] == segment_ids_BxL).reshape((b, l) + (1,) * (xp.ndim - 2))
-        out = sum(jnp.where(same(i), xp[:, i:i + l], 0.0) * w[i] for i in range(k)) + bias.astype(jnp.float32)
+        same = jnp.stack([seg[:, i:i + l] == segment_ids_BxL for i in range(k)])  # [K, B, L]
+        out = _masked_taps(xp, w, same.reshape(same.shape + (1,) * (xp.ndim - 2))) + bias.astype(jnp.float32)
     if end_B is None:
         return out, xp[:, l:].astype(x_BxLx_.dtype)
     at = (end_B[:, None] + jnp.arange(k - 1)).reshape((b, k - 1) + (1,) * (xp.ndim - 2))  # [B, K-1, 1...]
     return out, jnp.take_along_axis(xp, at, axis=1).astype(x_BxLx_.dtype)
 
 
+def _tap_sum(xp, w_Kx_, same=None):
+    """sum_i tap_i w[i], tap i = xp[:, i:i + L] (zero where `same[i]` [K, B, L, 1...] is false)."""
+    k = w_Kx_.shape[0]
+    l = xp.shape[1] - (k - 1)
+    tap = lambda i: xp[:, i:i + l] if same is None else jnp.where(same[i], xp[:, i:i + l], 0.0)
+    return sum(tap(i) * w_Kx_[i] for i in range(k))
+
+
+def _tap_sum_bwd(xp, w_Kx_, same, g):
+    """The gradients of _tap_sum for its output's cotangent g: of xp (each tap's g w[i] put back at
+    its offset) and of w (each tap's g tap_i summed over batch and sequence)."""
+    k = w_Kx_.shape[0]
+    l = g.shape[1]
+    gs = [g if same is None else jnp.where(same[i], g, 0.0) for i in range(k)]
+    pad = lambda v, i: jnp.pad(v, [(0, 0), (i, k - 1 - i)] + [(0, 0)] * (v.ndim - 2))
+    d_xp = sum(pad(gs[i] * w_Kx_[i], i) for i in range(k))
+    d_w = jnp.stack([jnp.sum(gs[i] * xp[:, i:i + l], axis=(0, 1)) for i in range(k)])
+    return d_xp, d_w
+
+
+# The conv's taps with a hand-written gradient: autodiff would keep each of the K shifted copies of
+# the input for the weights' gradient; this keeps the input once (a smaller compiled step).
+@jax.custom_vjp
+def _taps(xp, w_Kx_):
+    return _tap_sum(xp, w_Kx_)
+
+
+_taps.defvjp(lambda xp, w: (_tap_sum(xp, w), (xp, w)), lambda res, g: _tap_sum_bwd(*res, None, g))
+
+
+@jax.custom_vjp
+def _masked_taps(xp, w_Kx_, same):
+    return _tap_sum(xp, w_Kx_, same)
+
+
+_masked_taps.defvjp(lambda xp, w, same: (_tap_sum(xp, w, same), (xp, w, same)),
+                    lambda res, g: _tap_sum_bwd(*res, g) + (None,))
+
+
 def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax.Array, groups: int,
                      eps: float) -> jax.Array:
     """RMSNorm(y * SiLU(z)) over each group's heads x head_dim (Mamba-2's gated norm, norm after the
     gate, grouped by the B/C groups), times the weight; fp32."""
-    b, l, h, p = y_BxLxHxP.shape
-    g = y_BxLxHxP.astype(jnp.float32) * jax.nn.silu(z_BxLxHxP.astype(jnp.float32))
-    g = g.reshape(b, l, groups, h // groups * p)
-    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
-    return g.reshape(b, l, h, p) * weight_HxP.astype(jnp.float32)
+    return _gated_norm(y_BxLxHxP.astype(jnp.float32), z_BxLxHxP.astype(jnp.float32), weight_HxP.astype(jnp.float32),
+                       groups, eps)
+
+
+def _gated_normed(y, z, groups: int, eps: float):
+    """(RMSNorm(y * SiLU(z)) per group [B, L, G, F], its rsqrt [B, L, G, 1])."""
+    b, l, h, p = y.shape
+    g = (y * jax.nn.silu(z)).reshape(b, l, groups, h // groups * p)
+    r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g * r, r
+
+
+# The gated norm with a hand-written gradient that keeps only y and z (autodiff keeps the gate, the
+# gated input and the normed output besides: a smaller compiled step).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gated_norm(y, z, weight, groups: int, eps: float):
+    return _gated_normed(y, z, groups, eps)[0].reshape(y.shape) * weight
+
+
+def _gated_norm_fwd(y, z, weight, groups, eps):
+    return _gated_norm(y, z, weight, groups, eps), (y, z, weight)
+
+
+def _gated_norm_bwd(groups, eps, res, d_out):
+    y, z, weight = res
+    b, l, h, p = y.shape
+    n, r = _gated_normed(y, z, groups, eps)
+    d_weight = jnp.sum(d_out * n.reshape(y.shape), axis=(0, 1))
+    d_n = (d_out * weight).reshape(n.shape)
+    # n = g r with r = (mean g^2 + eps)^-1/2: dg = r (dn - n mean(dn n))
+    d_g = (r * (d_n - n * jnp.mean(d_n * n, axis=-1, keepdims=True))).reshape(y.shape)
+    sig = jax.nn.sigmoid(z)
+    return d_g * z * sig, d_g * y * sig * (1 + z * (1 - sig)), d_weight
+
+
+_gated_norm.defvjp(_gated_norm_fwd, _gated_norm_bwd)
 
 
 def _uniform(key, shape, bound):
@@ -258,10 +328,7 @@ def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Cal
     if valid_BxL is not None:
         xs, b, c = (jnp.where(valid_BxL[:, :, None, None], v, 0) for v in (xs, b, c))
         end = jnp.max(jnp.where(valid_BxL, jnp.arange(1, valid_BxL.shape[1] + 1), 0), axis=1)  # [B]
-    xs, wx = causal_conv(xs, w["conv_x"], w["conv_x_bias"], None if state is None else state.conv_x, end, segment_ids)
-    b, wb = causal_conv(b, w["conv_B"], w["conv_B_bias"], None if state is None else state.conv_B, end, segment_ids)
-    c, wc = causal_conv(c, w["conv_C"], w["conv_C_bias"], None if state is None else state.conv_C, end, segment_ids)
-    xs, b, c = jax.nn.silu(xs), jax.nn.silu(b), jax.nn.silu(c)
+    (xs, b, c), (wx, wb, wc) = _conv_xbc(xs, b, c, w, None if state is None else state, end, segment_ids)
     dt = jax.nn.softplus(dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
     lo, hi = dt_limit
     if lo > 0 or hi is not None:
@@ -281,6 +348,31 @@ def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Cal
     new = MambaState(wx.astype(state.conv_x.dtype), wb.astype(state.conv_B.dtype), wc.astype(state.conv_C.dtype),
                      ssm.astype(state.ssm.dtype))
     return y, new
+
+
+def _conv_xbc(xs, b, c, w: dict, state: MambaState | None, end, segment_ids):
+    """The causal convs and SiLU of x [B, L, h, P], B and C [B, L, g, N] as one conv over their
+    channels laid out per group, [B, L, g, x of the group's heads | B | C] (the concatenation is
+    local to a shard of groups, and the conv is per channel: the same numbers as three convs, in a
+    third of the program). Returns ((x, B, C) convolved and SiLU'd, fp32; their windows, as
+    causal_conv)."""
+    bs, l, h, p = xs.shape
+    g, n = b.shape[2:]
+    k = w["conv_x"].shape[-1]
+    per_group = lambda v, lead: v.reshape(lead + (g, -1))
+    u = jnp.concatenate([per_group(xs, (bs, l)), b.astype(xs.dtype), c.astype(xs.dtype)], axis=3)
+    wt = jnp.concatenate([w["conv_x"].reshape(g, h // g * p, k), w["conv_B"], w["conv_C"]], axis=1)
+    bias = jnp.concatenate([w["conv_x_bias"].reshape(g, h // g * p), w["conv_B_bias"], w["conv_C_bias"]], axis=1)
+    window = None
+    if state is not None:
+        window = jnp.concatenate([per_group(state.conv_x, (bs, k - 1)), state.conv_B.astype(state.conv_x.dtype),
+                                  state.conv_C.astype(state.conv_x.dtype)], axis=3)
+    out, win = causal_conv(u, wt, bias, window, end, segment_ids)
+    cuts = np.cumsum([h // g * p, n])
+    xo, bo, co = jnp.split(jax.nn.silu(out), cuts, axis=3)
+    wx, wb, wc = jnp.split(win, cuts, axis=3)
+    return ((xo.reshape(bs, l, h, p), bo, co),
+            (wx.reshape((bs, k - 1, h, p)), wb, wc))
 
 
 def ssd_step(x_Bx1xHxP, dt_Bx1xH, a_H, b_Bx1xGxN, c_Bx1xGxN, state_BxHxPxN):
