@@ -124,3 +124,25 @@ def test_memory_ranking_matches_the_compiled_programs(small_config):
         estimated[name] = r["memory"]["analytic"]["total"]
     assert sorted(compiled, key=compiled.get) == sorted(estimated, key=estimated.get) == \
         ["fsdp8", "data8_distopt", "data8"]
+
+
+def test_a_pipelined_vision_language_model_pays_for_its_encoder_on_stage_0():
+    """The encoder and projector run on the first pipeline stage only: a pipelined layout's estimate
+    adds what the other stages' share of the encoder's work costs that stage, and nothing without a
+    pipeline."""
+    from megajax.train.flops import vision_flops_per_token
+    args = ("train.global_batch=16", "train.seq_len=4096", "mesh.pipeline=2", "mesh.tensor=2", "mesh.context=1",
+            "mesh.expert=1")
+    pp = _plan("model/llava-siglip-llama3-8b", "8xH100", *args, top=1)
+    c = next(c for c in pp["ranked"] if c.sizes["pipeline"] == 2)
+    cfg = load_config(["model/llava-siglip-llama3-8b"], list(args))
+    kind = planner.DEVICE_KINDS["H100"]
+    peak = kind.peak_tflops.get(cfg.train.precision) or kind.peak_tflops["bf16"]
+    vision = vision_flops_per_token(cfg.model, 4096)
+    assert vision > 0
+    # compute holds each device's even share; stage 0 does the other stage's share of the encoder too
+    expected = 16 * 4096 * vision * (2 - 1) / 8 / (peak * 1e12 * kind.efficiency)
+    assert c.parts["encoder on stage 0"] == pytest.approx(expected, rel=1e-6)
+    free = _plan("model/llava-siglip-llama3-8b", "8xH100", "train.global_batch=16", "train.seq_len=4096", top=1)
+    assert {c.sizes["pipeline"] for c in free["ranked"]} > {1}
+    assert all(("encoder on stage 0" in c.parts) == (c.sizes["pipeline"] > 1) for c in free["ranked"])
