@@ -110,6 +110,10 @@ class VisionConfig:
     feature_layer: int = -2
     feature_select: Literal["default", "full"] | None = None
     freeze: bool = False  # the encoder takes no gradient and no optimizer state (LLaVA's first stage)
+    # Megatron's --pixel-shuffle (InternVL, NVLM): the features' patch grid [h, w, Dv] regrouped into
+    # [h/2, w/2, 4 Dv], each 2 x 2 neighbourhood concatenated (top-left, top-right, bottom-left,
+    # bottom-right): a quarter of the placeholders, a projector input 4x as wide. The grid side must be even.
+    pixel_shuffle: bool = False
     init_std: float = 0.02
 
     def resolve(self) -> None:
@@ -127,8 +131,16 @@ class VisionConfig:
 
     @property
     def image_seq_length(self) -> int:
-        """Placeholders per image in the text: the patches (and a class token kept by feature_select=full)."""
+        """Placeholders per image in the text (the one count every part uses): the patches (and a class
+        token kept by feature_select=full), a quarter of the patches under pixel_shuffle."""
+        if self.pixel_shuffle:
+            return self.num_patches // 4
         return self.num_patches + (self.class_token and self.feature_select == "full")
+
+    @property
+    def feature_width(self) -> int:
+        """The width of one image feature, the projector's input: hidden_size, 4x under pixel_shuffle."""
+        return self.hidden_size * (4 if self.pixel_shuffle else 1)
 
     def feature_layers(self) -> int:
         """Encoder layers run to reach the feature layer."""
@@ -998,6 +1010,15 @@ def validate_vision(cfg: Config) -> None:
     if v.feature_select == "default" and not v.class_token:
         raise ConfigError(f"model.vision.feature_select = default drops the class token, which the {v.form} form "
                           f"has not; use feature_select=full (or form=clip).")
+    if v.pixel_shuffle:
+        side = v.image_size // v.patch_size
+        if side % 2:
+            raise ConfigError(f"model.vision.pixel_shuffle = true needs an even patch grid side, but "
+                              f"model.vision.image_size={v.image_size} // model.vision.patch_size={v.patch_size} = "
+                              f"{side}; accepted: image_size // patch_size a multiple of 2.")
+        if v.class_token and v.feature_select == "full":
+            raise ConfigError("model.vision.pixel_shuffle = true regroups the patch grid, which a kept class token "
+                              "is not part of; with form=clip use feature_select=default (drops the class token).")
     pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
     context = cfg.mesh.context * cfg.mesh.dcn.context
     if pipeline != 1 and context != 1:

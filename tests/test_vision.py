@@ -343,3 +343,80 @@ def test_bad_config_and_batches_are_named():
     with pytest.raises(DataError, match=r"images have shape \[2, 2, 16, 8, 3\]; expected \[batch, images per row, "
                                         r"16, 16, 3\]"):
         spec.apply(params, tokens, images=images[:, :, :, :8])
+
+
+# ----------------------------------------------------------------------------
+# Pixel shuffle (model.vision.pixel_shuffle)
+# ----------------------------------------------------------------------------
+
+SHUFFLE = ("model.vision.patch_size=4", "model.vision.pixel_shuffle=true")  # 16 x 16 images: a 4 x 4 grid
+
+
+def test_pixel_shuffle_matches_a_numpy_reference():
+    """Feature (i, j) of a 4 x 6 grid is patches (2i, 2j), (2i, 2j+1), (2i+1, 2j), (2i+1, 2j+1) concatenated,
+    row-major; and the encoder's features under pixel_shuffle are that regrouping of its plain ones."""
+    from megajax.models.vision import VisionEncoder, pixel_shuffle
+    grid = np.arange(2 * 6 * 6 * 3, dtype=np.float32).reshape(2, 6 * 6, 3)
+    want = np.empty((2, 9, 12), np.float32)
+    for img in range(2):
+        for i in range(3):
+            for j in range(3):
+                parts = [grid[img, r * 6 + c] for r, c in ((2 * i, 2 * j), (2 * i, 2 * j + 1),
+                                                           (2 * i + 1, 2 * j), (2 * i + 1, 2 * j + 1))]
+                want[img, i * 3 + j] = np.concatenate(parts)
+    np.testing.assert_array_equal(np.asarray(pixel_shuffle(jnp.asarray(grid))), want)
+
+    plain, shuffled = tiny_llava(SHUFFLE[0]).model.vision, tiny_llava(*SHUFFLE).model.vision
+    images = np.random.default_rng(3).normal(size=(3, 16, 16, 3)).astype(np.float32)
+    feats = [np.asarray(VisionEncoder(v, dtype=jnp.float32, rngs=nnx.Rngs(0)).features(images))
+             for v in (plain, shuffled)]
+    assert feats[0].shape == (3, 16, 32) and feats[1].shape == (3, 4, 128)
+    ref = feats[0].reshape(3, 2, 2, 2, 2, 32).transpose(0, 1, 3, 2, 4, 5).reshape(3, 4, 128)
+    np.testing.assert_array_equal(feats[1], ref)
+
+
+def test_pixel_shuffle_takes_a_quarter_of_the_placeholders():
+    """image_seq_length, the one count (the webdataset loader's too): a quarter of the patches, in the
+    prompt expansion, the model's placeholder check and the FLOPs; the projector's input 4x as wide."""
+    from megajax.inference.images import image_prompt_ids
+    from megajax.models.vision import encoder_forward_flops
+    from megajax.data.tokenizer import ByteTokenizer
+    plain, cfg = tiny_llava(SHUFFLE[0]), tiny_llava(*SHUFFLE)
+    v = cfg.model.vision
+    assert (plain.model.vision.image_seq_length, v.image_seq_length, v.feature_width) == (16, 4, 128)
+    ids = image_prompt_ids(ByteTokenizer(), "<image>a photo", 1, v)
+    assert ids.count(IMAGE_TOKEN) == 4
+    _, projector = encoder_forward_flops(v, cfg.model.hidden_size)
+    assert projector == 2 * 4 * 128 * 64 + 2 * 4 * 64 * 64
+    spec, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    params = jax.jit(init)()
+    assert params["projector"]["fc1"]["kernel"].shape == (128, 64)
+    tokens, images = image_batch(batch=2, images=2)  # 4 placeholders per image
+    assert np.isfinite(np.asarray(spec.apply(params, tokens, images=images))).all()
+    with pytest.raises(DataError, match=r"but 1 image\(s\) x 4 features = 4"):
+        spec.apply(params, tokens, images=images[:, :1])
+
+
+def test_pixel_shuffle_layout_equals_one_device():
+    """tiny-llava with pixel_shuffle: a finite, falling loss; loss and grad norm per step on data 2 x
+    tensor 2 (sequence parallel) equal one device's (fp32, 1e-5 relative)."""
+    ref_loss, ref_norm, _ = one_device(*SHUFFLE)
+    assert np.isfinite(ref_loss).all() and np.isfinite(ref_norm).all()
+    assert_same_steps(["mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch=2"],
+                      *SHUFFLE)
+
+
+def test_pixel_shuffle_bad_config_and_hf_export_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"pixel_shuffle = true needs an even patch grid side, but "
+                                          r"model.vision.image_size=24 // model.vision.patch_size=8 = 3"):
+        tiny_llava("model.vision.pixel_shuffle=true", "model.vision.image_size=24")
+    with pytest.raises(ConfigError, match="pixel_shuffle = true regroups the patch grid, which a kept class token"):
+        tiny_llava(*SHUFFLE, "model.vision.form=clip", "model.vision.feature_select=full")
+    from megajax.errors import CheckpointError
+    cfg = tiny_llava(*SHUFFLE)
+    spec, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    with pytest.raises(CheckpointError, match="model.vision.pixel_shuffle=true: Hugging Face's LLaVA .* no pixel "
+                                              "shuffle"):
+        export_hf(DictSource(jax.device_get(jax.jit(init)()), cfg.model), tmp_path / "hf", tokenizer_spec="byte",
+                  dtype="fp32")
+    assert not (tmp_path / "hf").exists()

@@ -245,3 +245,23 @@ def test_cli_round_trip(tmp_path):
         for name, x in w.items():
             if not name.startswith("vision/post_norm/"):
                 np.testing.assert_array_equal(got[name], x, err_msg=f"{out.name}: {name}")
+
+
+def test_pixel_shuffle_round_trip(tmp_path):
+    """model.vision.pixel_shuffle exported: Megatron-LM's args pixel_shuffle, the projector's first linear
+    [D, 4 Dv]; the import (TP 2) gives the config, the parameters and the logits back."""
+    cfg, spec, w = model("siglip", "model.vision.patch_size=4", "model.vision.pixel_shuffle=true")
+    src = DictSource(unflatten(w), cfg.model)
+    out = export_megatron(src, tmp_path / "tp1", dtype="fp32")
+    ckpt = rank_file(out)
+    assert ckpt["args"].pixel_shuffle is True
+    assert tuple(ckpt["model"]["vision_projection.encoder.linear_fc1.weight"].shape) == (64, 128)
+    overrides, params = import_megatron(export_megatron(src, tmp_path / "tp2", tensor_parallel=2, dtype="fp32"))
+    back = load_config(base={"model": overrides}, overrides=[f"train.seq_len={cfg.train.seq_len}"]).model
+    assert back.vision == cfg.model.vision and back.vision.image_seq_length == 4
+    got = dict(flatten(params))
+    for name, x in w.items():
+        np.testing.assert_array_equal(got[name], x, err_msg=name)
+    tokens, images = image_batch(images=2)
+    np.testing.assert_allclose(np.asarray(spec.apply(unflatten(got), tokens, images=images)),
+                               np.asarray(spec.apply(unflatten(w), tokens, images=images)), atol=1e-5, rtol=1e-5)

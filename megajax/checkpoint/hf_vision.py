@@ -113,6 +113,10 @@ def check_exportable(m: ModelConfig) -> None:
     if v.projector != "mlp":
         raise CheckpointError(f"model.vision.projector={v.projector}: Hugging Face's LLaVA projector is an MLP "
                               f"(linear_1, GELU, linear_2); accepted: mlp. A Megatron export keeps the affine one.")
+    if v.pixel_shuffle:
+        raise CheckpointError("model.vision.pixel_shuffle=true: Hugging Face's LLaVA feeds every patch feature to "
+                              "its projector and has no pixel shuffle (accepted: false); a Megatron export "
+                              "(--format megatron) keeps it.")
 
 
 def llava_config(m: ModelConfig, text_config: dict, dtype: str) -> dict:

@@ -21,6 +21,9 @@ width):
     vision_projection.encoder.linear_fc1|linear_fc2.weight|bias   projector/fc1|fc2 (mlp; column-, row-parallel)
     vision_projection.encoder.weight|bias         [D, Dv]         projector/fc1 (affine: one column-parallel linear)
 
+Under model.vision.pixel_shuffle (Megatron-LM's --pixel-shuffle, written to the args as pixel_shuffle)
+the projector's first linear takes 4 Dv inputs ([.., 4 Dv]), as Megatron-LM's LLaVA builds it.
+
 A legacy checkpoint names the layer norms as the local layer spec builds them (Megatron-LM's multimodal
 example's ViT spec without Transformer Engine); torch_dist as Transformer Engine's spec does (the norms
 fused into linear_qkv and linear_fc1, megatron-core's get_vit_layer_with_transformer_engine_spec); either
@@ -36,7 +39,7 @@ Megatron-LM computes megajax's CLIP features with its vision num_layers cut to t
 always applies SigLIP's ln_post (megatron-core has no switch for it).
 
 The args carry Megatron-LM's multimodal fields (vision_model_type, img_h, img_w, patch_dim,
-disable_vision_class_token) and model.vision whole (`megajax_vision`), which import reads back.
+disable_vision_class_token, pixel_shuffle) and model.vision whole (`megajax_vision`), which import reads back.
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ def megatron_args(m: ModelConfig) -> dict:
     fields = {k: val for k, val in dataclasses.asdict(v).items() if k != "freeze"}
     return dict(vision_model_type=v.form, img_h=v.image_size, img_w=v.image_size, patch_dim=v.patch_size,
                 disable_vision_class_token=v.feature_select == "full", encoder_num_layers=v.num_layers,
-                projector_type=v.projector, freeze_ViT=v.freeze, **{ARG: fields})
+                projector_type=v.projector, freeze_ViT=v.freeze, pixel_shuffle=v.pixel_shuffle, **{ARG: fields})
 
 
 def vision_overrides(args) -> dict | None:
@@ -238,4 +241,7 @@ def vision_overrides(args) -> dict | None:
         return None
     if not isinstance(fields, dict):
         raise CheckpointError(f"Megatron args {ARG}={fields!r}: expected a dict of model.vision fields.")
-    return dict(fields)
+    fields = dict(fields)
+    if "pixel_shuffle" not in fields:  # model.vision written before the field existed: Megatron-LM's arg
+        fields["pixel_shuffle"] = bool(getattr(args, "pixel_shuffle", False))
+    return fields

@@ -1,7 +1,8 @@
 """Vision-language models (LLaVA; Megatron-Core's LLaVAModel): a ViT image encoder, a projector and a
 language model of any family.
 
-    images [B, N, H, W, 3] -> patches -> ViT (features of layer `feature_layer`) -> projector
+    images [B, N, H, W, 3] -> patches -> ViT (features of layer `feature_layer`) [-> pixel shuffle]
+        -> projector
         -> [B, N x image_seq_length, D]: the embeddings of the text's image placeholders, in order
     tokens [B, L] -> embed, placeholders replaced -> the language model's layers -> logits [B, L, V]
 
@@ -21,6 +22,7 @@ Parameters (beside the language model's, megajax/models/layout.py):
     vision/layers/...          [Lv, ...]         ln1, attn/q|k|v|o, ln2, fc1, fc2 (all with biases)
     vision/post_norm/scale|bias [Dv]
     projector/fc1/kernel       [Dv, D] (+ bias)  mlp: fc1, GELU, fc2 [D, D]; affine: fc1 alone
+                                                 ([4 Dv, D] under pixel_shuffle)
 
 Only logical axis names appear: the encoder's and projector's own `vision_heads` and `vision_mlp`
 (split over the tensor axis as parallel.encoder_tensor_parallel says, megajax/mesh.py), `embed`,
@@ -155,9 +157,21 @@ class VisionEncoder(nnx.Module):
 
     def features(self, images_IxHxWxC: jax.Array) -> jax.Array:
         """LLaVA's image features: layer `feature_layer`'s output, the class token dropped by
-        feature_select=default: [I, image_seq_length, Dv]."""
+        feature_select=default, pixel-shuffled by pixel_shuffle: [I, image_seq_length, feature_width]."""
         x = self.hidden_states(images_IxHxWxC, self.v.feature_layers())
-        return x[:, 1:] if self.v.feature_select == "default" else x
+        x = x[:, 1:] if self.v.feature_select == "default" else x
+        return pixel_shuffle(x) if self.v.pixel_shuffle else x
+
+
+def pixel_shuffle(x_IxPxD: jax.Array) -> jax.Array:
+    """model.vision.pixel_shuffle: the row-major patch grid [I, h x w, D] regrouped into [I, h/2 x w/2, 4 D],
+    feature (i, j) the concatenation of patches (2i, 2j), (2i, 2j+1), (2i+1, 2j), (2i+1, 2j+1) (top-left,
+    top-right, bottom-left, bottom-right; Megatron's and InternVL's pixel_shuffle, version 2), the
+    features row-major."""
+    i, p, d = x_IxPxD.shape
+    side = math.isqrt(p)
+    x = x_IxPxD.reshape(i, side // 2, 2, side // 2, 2, d).transpose(0, 1, 3, 2, 4, 5)
+    return logical_constraint(x.reshape(i, p // 4, 4 * d), ACT_VISION)
 
 
 class Projector(nnx.Module):
@@ -165,7 +179,7 @@ class Projector(nnx.Module):
 
     def __init__(self, v: VisionConfig, hidden_size: int, *, dtype, dot, init_std: float, rngs: nnx.Rngs):
         common = dict(use_bias=True, init_std=init_std, dtype=dtype, dot_general=dot, rngs=rngs)
-        self.fc1 = Dense(v.hidden_size, hidden_size, axes=("embed", "vision_mlp"), **common)
+        self.fc1 = Dense(v.feature_width, hidden_size, axes=("embed", "vision_mlp"), **common)
         self.fc2 = Dense(hidden_size, hidden_size, axes=("vision_mlp", "embed"), **common) if v.projector == "mlp" else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -287,5 +301,5 @@ def encoder_forward_flops(v: VisionConfig, text_hidden: int) -> tuple[float, flo
     per_layer = 2 * t * (4 * d * d + 2 * d * f) + 2 * 2 * t * t * d  # q, k, v, o, fc1, fc2; QK^T and AV
     patch = 2 * v.num_patches * v.patch_size ** 2 * 3 * d
     feats = v.image_seq_length
-    projector = 2 * feats * d * text_hidden + (2 * feats * text_hidden * text_hidden if v.projector == "mlp" else 0)
+    projector = 2 * feats * v.feature_width * text_hidden + (2 * feats * text_hidden * text_hidden if v.projector == "mlp" else 0)
     return float(v.feature_layers() * per_layer + patch), float(projector)
