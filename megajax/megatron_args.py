@@ -102,6 +102,8 @@ FLAGS: tuple[Flag, ...] = (
     _none("--apply-layernorm-1p", "megajax stores the norm scale itself, not a zero-centred offset"),
     Flag("--squared-relu", "model.activation", SWITCH, "squared_relu"),
     _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", INT),
+    Flag("--pixel-shuffle", "model.vision.pixel_shuffle", SWITCH, True,
+         note="a vision-language model's image features: each 2 x 2 patch neighbourhood one feature"),
     # Hybrid (Mamba) models: pretrain_mamba.py's flags
     Flag("--hybrid-override-pattern", "model.hybrid_layer_pattern", STR,
          note="one character per layer: M Mamba-2, * attention, - MLP, E MoE"),
