@@ -420,3 +420,10 @@ def test_pixel_shuffle_bad_config_and_hf_export_are_named(tmp_path):
         export_hf(DictSource(jax.device_get(jax.jit(init)()), cfg.model), tmp_path / "hf", tokenizer_spec="byte",
                   dtype="fp32")
     assert not (tmp_path / "hf").exists()
+    torch = pytest.importorskip("torch")
+    model = tiny_hf("siglip")  # a LLaVA whose projector takes 2 x 2 patches' features: refused on import
+    model.model.multi_modal_projector.linear_1 = torch.nn.Linear(4 * 32, 64)
+    model.save_pretrained(tmp_path / "shuffled")
+    with pytest.raises(CheckpointError, match=r"multi_modal_projector.linear_1.weight in .* has shape \[64, 128\]: "
+                                              r"a projector of 4 x 32 inputs, pixel-shuffled"):
+        import_hf(tmp_path / "shuffled")

@@ -902,6 +902,11 @@ def _import_llava(d: Path, c: dict) -> tuple[dict, dict]:
             file, f = weights[found]
             want = shapes[path][1:] if layer is not None else shapes[path]
             y = np.asarray(f.get_tensor(found), np.float32)
+            if path == "projector/fc1/kernel" and y.ndim == 2 and y.shape[1] == 4 * want[0]:
+                raise CheckpointError(f"tensor {found} in {file.name} has shape {list(y.shape)}: a projector of "
+                                      f"4 x {want[0]} inputs, pixel-shuffled image features, which Hugging Face's "
+                                      f"LLaVA cannot express (model.vision.pixel_shuffle: accepted false on import; "
+                                      f"Megatron checkpoints carry it).")
             if tuple(y.shape) != hf_shape(kind, path, want):
                 raise CheckpointError(f"tensor {found} in {file.name} has shape {list(y.shape)}, but config.json "
                                       f"implies {list(hf_shape(kind, path, want))}.")
