@@ -52,7 +52,7 @@ def test_a_second_run_reads_its_programs_from_the_cache_and_says_so(tmp_path):
                   "megajax: compiled and ran the first evaluation batch in"):
         assert _line(second, start).endswith("(from the compilation cache)"), start
     # The programs read back compute what the compiled ones did.
-    timing = ("tokens_per_sec", "tflops_per_device", "mfu", "step_time", "memory_gib")
+    timing = ("tokens_per_sec", "tflops_per_device", "mfu", "step_time", "data_wait", "memory_gib")
     a, b = ([{k: v for k, v in json.loads(line).items() if k not in timing}
              for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in "ab")
     assert a == b and any("val_loss" in r for r in a)

@@ -39,7 +39,8 @@ def test_divisibility_follows_the_rules_tables(small_config):
 def test_model_dims_name_the_config_keys(small_config):
     dims = model_dims(small_config("model.num_experts=4", "model.moe_ffn_hidden_size=32"))
     assert dims["experts"] == [("model.num_experts", 4)]
-    assert ("model.moe_ffn_hidden_size", 32) in dims["mlp"] and dims["heads"] == [("model.num_heads", 8)]
+    assert dims["expert_mlp"] == [("model.moe_ffn_hidden_size", 32)] and dims["heads"] == [("model.num_heads", 8)]
+    assert ("model.moe_ffn_hidden_size", 32) not in dims["mlp"]  # the experts' own axis (MoE parallel folding)
     assert "experts" not in model_dims(small_config())
 
 
