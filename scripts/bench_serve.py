@@ -164,6 +164,21 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(int(round(q / 100 * (len(xs) - 1))), len(xs) - 1)]
 
 
+def run_clients(calls: list[tuple], errors: list[str]) -> float:
+    """Runs each (function, args) in its own thread at once; their wall time in seconds (a
+    RuntimeError naming the first of `errors` the clients recorded, if any)."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=f, args=a) for f, a in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return wall
+
+
 def concurrency(url: str, clients: int, requests: int, prompts: list[list[int]], new_tokens: int) -> dict:
     results: list[dict] = []
     errors: list[str] = []
@@ -180,15 +195,7 @@ def concurrency(url: str, clients: int, requests: int, prompts: list[list[int]],
             with lock:
                 results.append(out)
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    wall = run_clients([(client, (c,)) for c in range(clients)], errors)
     ttft, lat = [r["ttft"] for r in results], [r["latency"] for r in results]
     tokens = sum(r["tokens"] for r in results)
     return {"clients": clients, "requests": len(results), "tokens": tokens, "wall_s": round(wall, 3),
@@ -278,15 +285,7 @@ def choices(url: str, questions: list[list[list[int]]], clients: int) -> dict:
                     errors.append(f"{type(e).__name__}: {e}")
                 return
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    wall = run_clients([(client, ())] * clients, errors)
     prompt = metric(url, "megajax_serve_prompt_tokens_total") - before[0]
     hits = metric(url, "megajax_serve_prefix_cache_hits_total") - before[1]
     return {"questions": len(questions), "wall_s": round(wall, 3), "requests_per_s": round(len(questions) / wall, 3),
