@@ -4,9 +4,10 @@
 
 For a small Llama and a small MoE, each layout in LAYOUTS (data / FSDP / tensor / pipeline / context /
 expert combinations and micro batches on 8 devices) is timed as `megajax bench` times it
-(megajax.perf.bench.bench_one: the train step `megajax train` runs; the fastest of a few steps after
-a warm-up, as other work on a shared host only adds time), in its own process with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 and the test suite's fast-compile flags; and estimated by `megajax plan`'s model (megajax.perf.planner.estimate)
+(megajax.perf.bench.compiled_step: the train step `megajax train` runs, at XLA's default optimisation),
+in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=8: the fastest of a few
+steps after a warm-up, by the process's CPU seconds over the host's cores (other work on a shared
+host stretches a step's wall time, hardly its CPU time; the wall times are recorded too); and estimated by `megajax plan`'s model (megajax.perf.planner.estimate)
 for the kind CPU (megajax/perf/device_kinds.py: host peak / 8 per device) with the matmul table
 `megajax bench --gemm-table` measures here (written beside the output), and without it (the
 constant efficiency). The JSON holds the device kind's figures, the table, each layout's
@@ -24,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +72,6 @@ LAYOUTS = {
         ["mesh.data=1", "mesh.expert=8", "train.micro_batch=1"],
     ],
 }
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def spearman(a, b) -> float:
@@ -100,7 +101,7 @@ def device_kinds_yaml(kind: dict, table_rows) -> str:
     """The --device-kinds file of the recorded CPU figures (and the table, when given)."""
     import yaml
     entry = {k: kind[k] for k in ("memory_gib", "peak_tflops", "node_size", "intra_node_gbps", "inter_node_gbps",
-                                  "efficiency", "link_efficiency", "shared_host")}
+                                  "efficiency", "link_efficiency", "shared_host", "grouped_gemm_tile") if k in kind}
     if table_rows:
         entry["gemm_efficiency"] = [list(r) for r in table_rows]
     return yaml.safe_dump({"CPU": entry}, default_flow_style=None)
@@ -118,20 +119,33 @@ def estimates(record: dict, use_table: bool) -> list[float]:
 
 
 def _measure_here(config: str, overrides: list[str], steps: int) -> dict:
-    """(in the child process) bench_one's step time for the layout."""
+    """(in the child process) the train step `megajax bench` times (megajax.perf.bench.compiled_step),
+    run `steps` times after a warm-up: each step's wall seconds and the process's CPU seconds (every
+    thread's) over it."""
     from megajax.config import load_config
-    from megajax.perf.bench import bench_one
+    from megajax.perf.bench import compiled_step
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config([config], [*overrides, f"train.run_dir={d}"])
-        r = bench_one(cfg, steps=steps, warmup=1, rounds=1)
-    # The fastest step: on a shared host other work only adds time, the fastest is the least disturbed.
-    return {"step_seconds": r["step_seconds"]["min"], "all": r["step_seconds"]["all"],
-            "compile_seconds": r["compile_seconds"]}
+        built = compiled_step(cfg)
+        built.run()
+        wall, cpu = [], []
+        for _ in range(steps):
+            t, p = time.perf_counter(), time.process_time()
+            built.run()
+            wall.append(time.perf_counter() - t)
+            cpu.append(time.process_time() - p)
+        built.loader.close()
+    # The host's work per step, spread over its cores: what the step takes with the host to itself.
+    # Other processes on a shared host stretch the wall time but hardly the CPU time, so the CPU
+    # time is the steadier measure (the fastest step: the least disturbed).
+    cores = os.cpu_count() or 1
+    return {"step_seconds": min(cpu) / cores, "all": [c / cores for c in cpu], "wall": wall,
+            "compile_seconds": built.compile_seconds}
 
 
 def measure(config: str, overrides: list[str], steps: int) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}")
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
     out = subprocess.run([sys.executable, __file__, "--child", config, str(steps), *overrides], env=env,
                          capture_output=True, text=True, check=False)
     if out.returncode:
@@ -162,7 +176,13 @@ def main() -> int:
     ap.add_argument("--output", default="tests/data/plan_vs_measured.json")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--only", choices=list(MODELS), help="measure one model's layouts again, keep the other's")
+    ap.add_argument("--estimate-only", action="store_true",
+                    help="measure nothing: the estimates and summary of --output's recorded layouts again")
     args = ap.parse_args()
+    if args.estimate_only:
+        record = json.loads(Path(args.output).read_text())
+        finish(record, args.output)
+        return 0
     import dataclasses
     import yaml
     from megajax.perf.device_kinds import load_device_kinds
@@ -175,7 +195,8 @@ def main() -> int:
     kind = dataclasses.asdict(load_device_kinds(None)["CPU"])
     record = {"command": "python " + " ".join(sys.argv), "device_kind": kind,
               "gemm_table": yaml.safe_load(table.read_text())["CPU"]["gemm_efficiency"],
-              "note": "measured on a shared 2-core host with other work running: the times are noisy",
+              "note": ("measured: a step's CPU seconds (every thread of the process) / the host's cores, the fastest "
+                       "of --steps after a warm-up; wall: each step's wall seconds on the shared host"),
               "layouts": []}
     if args.only and Path(args.output).exists():  # the other model's recorded layouts are kept
         record["layouts"] = [r for r in json.loads(Path(args.output).read_text())["layouts"] if r["model"] != args.only]
@@ -186,17 +207,24 @@ def main() -> int:
             ov = [*COMMON, *EXTRA.get(model, []), *overrides]
             m = measure(config, ov, args.steps)
             record["layouts"].append({"model": model, "config": config, "overrides": ov, "layout": overrides,
-                                      "measured": m["step_seconds"], "measured_all": m["all"],
+                                      "measured": m["step_seconds"], "measured_all": m["all"], "wall": m["wall"],
                                       "compile_seconds": m["compile_seconds"]})
             print(f"{model:5} {' '.join(overrides):70} {m['step_seconds']:.3f} s", flush=True)
+            Path(args.output).with_suffix(".partial.json").write_text(json.dumps(record, indent=1) + "\n")
+    finish(record, args.output)
+    Path(args.output).with_suffix(".partial.json").unlink(missing_ok=True)
+    return 0
+
+
+def finish(record: dict, output: str) -> None:
+    """The planner's estimates (with the table and without) and the summary, written to `output`."""
     for key, use in (("estimate", True), ("estimate_constant", False)):
         for r, e in zip(record["layouts"], estimates(record, use)):
             r[key] = e
     record["summary"] = summary(record)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(record, indent=1) + "\n")
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record["summary"], indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -150,3 +150,31 @@ def test_bench_gemm_table_writes_a_device_kinds_file(tmp_path, monkeypatch, caps
     assert len(load_device_kinds(str(out))["CPU"].gemm_efficiency) == 8
     c = planner.estimate(load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8"]), "8xCPU", str(out))
     assert c.step_seconds > 0 and math.isfinite(c.step_seconds)
+
+
+def test_expert_rows_are_padded_to_whole_tiles_where_the_host_tiles(tmp_path):
+    """On XLA:CPU the routed experts run as a loop over tiles of GROUPED_GEMM_TILE rows, each expert's rows
+    padded to whole tiles: the CPU kind times the padded products (a GPU's grouped GEMM the exact rows),
+    and more experts per device with fewer rows each cost more time for the same FLOPs."""
+    from megajax.models.moe import GROUPED_GEMM_TILE
+    cfg = load_config(["model/tiny-moe"], ["train.global_batch=8", "train.seq_len=128", "mesh.data=8"])
+    plan = make_plan(cfg, 8)
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
+    exact = {g["m"] for g in gemm.step_gemms(plan, spec) if g["name"] == "layers/mlp/fc2"}
+    tiled = {g["m"] for g in gemm.step_gemms(plan, spec, GROUPED_GEMM_TILE) if g["name"] == "layers/mlp/fc2"}
+    assert exact == {128 * 2 // 8} and tiled == {GROUPED_GEMM_TILE}
+    assert load_device_kinds(None)["CPU"].grouped_gemm_tile == GROUPED_GEMM_TILE
+    assert load_device_kinds(None)["H100"].grouped_gemm_tile == 0
+    f = tmp_path / "kinds.yaml"
+    grid = [[m, k, n, 0.5] for m in (16, 4096) for k in (16, 4096) for n in (16, 4096)]
+    f.write_text(json.dumps({"CPU": {"gemm_efficiency": grid, "grouped_gemm_tile": 0}}))
+    plain = planner.estimate(cfg, "8xCPU", str(f))
+    f.write_text(json.dumps({"CPU": {"gemm_efficiency": grid}}))
+    padded = planner.estimate(cfg, "8xCPU", str(f))
+    assert padded.parts["compute"] > plain.parts["compute"]
+    ep = planner.estimate(load_config(["model/tiny-moe"], ["train.global_batch=8", "train.seq_len=128",
+                                                           "mesh.data=1", "mesh.expert=8"]), "8xCPU", str(f))
+    assert ep.parts["compute"] < padded.parts["compute"]  # 256 rows of one expert: no padding
+    f.write_text("CPU: {grouped_gemm_tile: -1}\n")
+    with pytest.raises(ConfigError, match=r"grouped_gemm_tile = -1: expected a whole number of rows >= 0"):
+        load_device_kinds(str(f))

@@ -39,6 +39,10 @@ class DeviceKind:
     # the devices share one host's cores (simulated CPU devices): a device idle in a pipeline bubble
     # leaves its cores to the others, so the bubble costs no time
     shared_host: bool = False
+    # rows per tile of the routed experts' products: each expert's rows are padded to whole tiles
+    # (XLA:CPU runs them as a loop over tiles, megajax.models.moe.expert_ffn_tiled); 0: exact rows
+    # (a grouped GEMM)
+    grouped_gemm_tile: int = 0
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
@@ -64,8 +68,9 @@ def cpu_device_kind(devices: int = 8) -> DeviceKind:
         mem = int(re.search(r"MemTotal:\s*(\d+) kB", open("/proc/meminfo").read()).group(1)) / 2**20
     except (OSError, AttributeError):
         mem = 16.0
+    from megajax.models.moe import GROUPED_GEMM_TILE
     return DeviceKind(mem / devices, {p: peak for p in ("fp32", "bf16", "fp16", "fp8")}, devices, 10.0, 10.0,
-                      shared_host=True)
+                      shared_host=True, grouped_gemm_tile=GROUPED_GEMM_TILE)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the keys of a peak_tflops mapping
@@ -80,6 +85,7 @@ _RANGES = {
     "inter_node_gbps": (lambda v: v > 0, "a bandwidth in GB/s > 0"),
     "efficiency": (lambda v: 0 < v <= 1, "a share of the peak in (0, 1], e.g. 0.5"),
     "link_efficiency": (lambda v: 0 < v <= 1, "a share of the links' bandwidth in (0, 1], e.g. 0.7"),
+    "grouped_gemm_tile": (lambda v: isinstance(v, int) and v >= 0, "a whole number of rows >= 0 (0: exact rows)"),
 }
 _PEAK = ("a number of TFLOP/s > 0 (the one peak for every precision), or a mapping of precision "
          f"({', '.join(PRECISIONS)}) to TFLOP/s > 0 that holds bf16 (the peak of the precisions it leaves out)")

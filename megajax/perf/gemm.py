@@ -100,9 +100,11 @@ def _kernel_dims(name: str, names: tuple, shape: tuple, rules, sizes: dict[str, 
     return layers, experts, max(1, round(k)), max(1, round(n))
 
 
-def step_gemms(plan, spec) -> list[dict[str, Any]]:
+def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     """The products one device runs in a step, forward and backward: [{name, m, k, n, count}] (count:
-    how many times per step; FLOPs 2 m k n each). Full recompute adds the layers' forward products again."""
+    how many times per step; FLOPs 2 m k n each). Full recompute adds the layers' forward products again.
+    `expert_tile` > 0: a routed expert's rows padded to whole tiles of that many rows (the tiled loop
+    XLA:CPU runs; dropless routing only: capacity mode's buffers are their own size)."""
     from megajax.train.flops import expert_kernel_pattern
     cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
     rules = plan.rules.params
@@ -130,6 +132,8 @@ def step_gemms(plan, spec) -> list[dict[str, Any]]:
         mrows = rows
         if is_expert:  # each local expert's expected rows of the expert group's tokens
             mrows = sizes["expert"] * rows * m.moe_router_topk / m.num_experts
+            if expert_tile and m.moe_expert_capacity_factor is None and _tiled(m.moe_grouped_gemm_impl):
+                mrows = math.ceil(mrows / expert_tile) * expert_tile
             count *= experts
         mrows = max(1, round(mrows))
         fwd = count * (2 if full and "layers" in names else 1)
@@ -137,6 +141,11 @@ def step_gemms(plan, spec) -> list[dict[str, Any]]:
         out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count})
         out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count})
     return out
+
+
+def _tiled(impl: str) -> bool:
+    """model.moe_grouped_gemm_impl runs tiles on a host that tiles (`auto` resolves to tiled on XLA:CPU)."""
+    return impl in ("auto", "tiled")
 
 
 def gemm_seconds(gemms, rows, peak_tflops: float) -> tuple[float, float]:

@@ -175,6 +175,9 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
     if kind.gemm_efficiency:  # each product at its shape's measured share; the rest (attention) at `efficiency`
         products, product_flops = gemm.gemm_seconds(gemm.step_gemms(plan, spec), kind.gemm_efficiency, peak)
+        if kind.grouped_gemm_tile:  # the experts' rows padded to whole tiles: their padding's time too
+            products, _ = gemm.gemm_seconds(gemm.step_gemms(plan, spec, kind.grouped_gemm_tile),
+                                            kind.gemm_efficiency, peak)
         rest = max(0.0, tokens * (per_token + extra) / devices - product_flops)
         compute = products + rest / (peak * 1e12 * kind.efficiency)
     bubble, encoder = 0.0, 0.0
