@@ -227,6 +227,19 @@ def test_tiled_layout_equals_one_device():
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
 
 
+def test_flops_and_memory_count_every_picture_of_a_sample():
+    """The encoder's FLOPs per token and its activation memory: max_tiles (4 + the thumbnail) pictures per
+    sample, 5x the untiled model's."""
+    from megajax.perf.analytic import vision_activation_bytes
+    from megajax.plan import make_plan
+    from megajax.train.flops import vision_flops_per_token
+    tiled, plain = tiny_llava(), tiny_llava("model.vision.max_num_tiles=1", "model.vision.use_thumbnail=false")
+    assert tiled.model.vision.max_tiles == 5 and plain.model.vision.max_tiles == 1
+    assert vision_flops_per_token(tiled.model, SEQ) == pytest.approx(5 * vision_flops_per_token(plain.model, SEQ))
+    memory = [vision_activation_bytes(make_plan(c, 1)) for c in (tiled, plain)]
+    assert memory[1] > 0 and memory[0] == pytest.approx(5 * memory[1], rel=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # Configuration, Megatron, Hugging Face
 # ----------------------------------------------------------------------------
