@@ -1038,10 +1038,10 @@ def validate_vision(cfg: Config) -> None:
             raise ConfigError("model.vision.pixel_shuffle = true regroups the patch grid, which a kept class token "
                               "is not part of; with form=clip use feature_select=default (drops the class token).")
     _positive("model.vision.max_num_tiles", v.max_num_tiles)
-    for key in ("use_thumbnail", "tile_tags"):
+    for key, what in (("use_thumbnail", "add a thumbnail to"), ("tile_tags", "tag")):
         if getattr(v, key) and not v.tiled:
             raise ConfigError(f"model.vision.{key} = true with model.vision.max_num_tiles = {v.max_num_tiles}: "
-                              f"an untiled image has no tiles to {'add a thumbnail to' if key == 'use_thumbnail' else 'tag'}; "
+                              f"an untiled image has no tiles to {what}; "
                               f"set max_num_tiles above 1 (Megatron's --use-tiling --max-num-tiles N) or drop {key}.")
     pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
     context = cfg.mesh.context * cfg.mesh.dcn.context

@@ -110,7 +110,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--use-thumbnail", "model.vision.use_thumbnail", SWITCH, True,
          note="the whole image as a last tile when an image takes several"),
     Flag("--use-tile-tags", "model.vision.tile_tags", SWITCH, True,
-         note="NVLM's <tile_1>, ..., <tile_global_thumbnail> text tags before each tile's placeholders"),
+         note="NVLM's text tags (`<tile_1>`, ..., `<tile_global_thumbnail>`) before each tile's placeholders"),
     # Hybrid (Mamba) models: pretrain_mamba.py's flags
     Flag("--hybrid-override-pattern", "model.hybrid_layer_pattern", STR,
          note="one character per layer: M Mamba-2, * attention, - MLP, E MoE"),
