@@ -561,15 +561,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     loaded = _load_model(args)
     images = None
     if args.image:
-        from megajax.inference.images import preprocess
+        from megajax.inference.images import preprocess_tiles
         if loaded.cfg.model.vision is None:
             raise UserError(f"--image {args.image[0]!r}: this model has no image encoder (model.vision is unset); "
                             f"it takes text alone. Drop --image, or load a vision-language model.")
         import numpy as np
-        images = np.stack([preprocess(p, loaded.cfg.model.vision) for p in pictures])
+        pictures = [preprocess_tiles(p, loaded.cfg.model.vision) for p in pictures]  # [tiles, H, W, 3] each
+        images, tiles = np.concatenate(pictures), [len(p) for p in pictures]
     from megajax.inference.text import complete
     results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size,
-                       images)
+                       images, tiles=None if images is None else tiles)
     for i, r in enumerate(results):
         print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
         print(r["prompt"] + r["text"])

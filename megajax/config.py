@@ -114,6 +114,15 @@ class VisionConfig:
     # [h/2, w/2, 4 Dv], each 2 x 2 neighbourhood concatenated (top-left, top-right, bottom-left,
     # bottom-right): a quarter of the placeholders, a projector input 4x as wide. The grid side must be even.
     pixel_shuffle: bool = False
+    # NVLM's and InternVL's dynamic tiling (Megatron's --use-tiling --max-num-tiles N): above 1, an image is
+    # resized to the (columns, rows) grid of at most max_num_tiles image_size tiles closest to its aspect
+    # ratio and cut into those tiles, each a picture to the encoder; its placeholders are every tile's
+    # image_seq_length, tile after tile. use_thumbnail (--use-thumbnail) adds the whole image resized as a
+    # last tile when there are several; tile_tags (--use-tile-tags) puts NVLM's text tags (<tile_1>, ...,
+    # <tile_global_thumbnail> before the last tile) before each tile's placeholders.
+    max_num_tiles: int = 1
+    use_thumbnail: bool = False
+    tile_tags: bool = False
     init_std: float = 0.02
 
     def resolve(self) -> None:
@@ -141,6 +150,15 @@ class VisionConfig:
     def feature_width(self) -> int:
         """The width of one image feature, the projector's input: hidden_size, 4x under pixel_shuffle."""
         return self.hidden_size * (4 if self.pixel_shuffle else 1)
+
+    @property
+    def tiled(self) -> bool:
+        return self.max_num_tiles > 1
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles one image may take (the loader's tile axis): max_num_tiles, plus the thumbnail."""
+        return self.max_num_tiles + (self.tiled and self.use_thumbnail)
 
     def feature_layers(self) -> int:
         """Encoder layers run to reach the feature layer."""
@@ -1019,6 +1037,12 @@ def validate_vision(cfg: Config) -> None:
         if v.class_token and v.feature_select == "full":
             raise ConfigError("model.vision.pixel_shuffle = true regroups the patch grid, which a kept class token "
                               "is not part of; with form=clip use feature_select=default (drops the class token).")
+    _positive("model.vision.max_num_tiles", v.max_num_tiles)
+    for key, what in (("use_thumbnail", "add a thumbnail to"), ("tile_tags", "tag")):
+        if getattr(v, key) and not v.tiled:
+            raise ConfigError(f"model.vision.{key} = true with model.vision.max_num_tiles = {v.max_num_tiles}: "
+                              f"an untiled image has no tiles to {what}; "
+                              f"set max_num_tiles above 1 (Megatron's --use-tiling --max-num-tiles N) or drop {key}.")
     pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
     context = cfg.mesh.context * cfg.mesh.dcn.context
     if pipeline != 1 and context != 1:

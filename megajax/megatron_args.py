@@ -104,6 +104,13 @@ FLAGS: tuple[Flag, ...] = (
     _none("--rotary-seq-len-interpolation-factor", "megajax's RoPE scaling is Llama 3's (--use-rope-scaling)", INT),
     Flag("--pixel-shuffle", "model.vision.pixel_shuffle", SWITCH, True,
          note="a vision-language model's image features: each 2 x 2 patch neighbourhood one feature"),
+    _same("--use-tiling", "images are tiled whenever model.vision.max_num_tiles (--max-num-tiles) is above 1"),
+    Flag("--max-num-tiles", "model.vision.max_num_tiles",
+         note="tiles per image (NVLM's dynamic tiling); megajax tiles when it is above 1, --use-tiling or not"),
+    Flag("--use-thumbnail", "model.vision.use_thumbnail", SWITCH, True,
+         note="the whole image as a last tile when an image takes several"),
+    Flag("--use-tile-tags", "model.vision.tile_tags", SWITCH, True,
+         note="NVLM's text tags (`<tile_1>`, ..., `<tile_global_thumbnail>`) before each tile's placeholders"),
     # Hybrid (Mamba) models: pretrain_mamba.py's flags
     Flag("--hybrid-override-pattern", "model.hybrid_layer_pattern", STR,
          note="one character per layer: M Mamba-2, * attention, - MLP, E MoE"),

@@ -117,6 +117,11 @@ def check_exportable(m: ModelConfig) -> None:
         raise CheckpointError("model.vision.pixel_shuffle=true: Hugging Face's LLaVA feeds every patch feature to "
                               "its projector and has no pixel shuffle (accepted: false); a Megatron export "
                               "(--format megatron) keeps it.")
+    if v.tiled:
+        raise CheckpointError(f"model.vision.max_num_tiles={v.max_num_tiles}: Hugging Face's LLaVA takes one "
+                              f"picture per image and has no tiles (accepted: 1, untiled); a Megatron export "
+                              f"(--format megatron) keeps the tiling (use_tiling, max_num_tiles, use_thumbnail, "
+                              f"use_tile_tags).")
 
 
 def llava_config(m: ModelConfig, text_config: dict, dtype: str) -> dict:

@@ -39,7 +39,9 @@ Megatron-LM computes megajax's CLIP features with its vision num_layers cut to t
 always applies SigLIP's ln_post (megatron-core has no switch for it).
 
 The args carry Megatron-LM's multimodal fields (vision_model_type, img_h, img_w, patch_dim,
-disable_vision_class_token, pixel_shuffle) and model.vision whole (`megajax_vision`), which import reads back.
+disable_vision_class_token, pixel_shuffle, and the tiling: use_tiling, max_num_tiles, use_thumbnail,
+use_tile_tags) and model.vision whole (`megajax_vision`), which import reads back. Megatron-LM's
+tiling lives in its data pipeline, not in the weights: the checkpoint is the same tiled or not.
 """
 
 from __future__ import annotations
@@ -225,7 +227,9 @@ def megatron_args(m: ModelConfig) -> dict:
     fields = {k: val for k, val in dataclasses.asdict(v).items() if k != "freeze"}
     return dict(vision_model_type=v.form, img_h=v.image_size, img_w=v.image_size, patch_dim=v.patch_size,
                 disable_vision_class_token=v.feature_select == "full", encoder_num_layers=v.num_layers,
-                projector_type=v.projector, freeze_ViT=v.freeze, pixel_shuffle=v.pixel_shuffle, **{ARG: fields})
+                projector_type=v.projector, freeze_ViT=v.freeze, pixel_shuffle=v.pixel_shuffle,
+                use_tiling=v.tiled, max_num_tiles=v.max_num_tiles, use_thumbnail=v.use_thumbnail,
+                use_tile_tags=v.tile_tags, **{ARG: fields})
 
 
 def vision_overrides(args) -> dict | None:
@@ -244,4 +248,8 @@ def vision_overrides(args) -> dict | None:
     fields = dict(fields)
     if "pixel_shuffle" not in fields:  # model.vision written before the field existed: Megatron-LM's arg
         fields["pixel_shuffle"] = bool(getattr(args, "pixel_shuffle", False))
+    if "max_num_tiles" not in fields and getattr(args, "use_tiling", False):  # likewise the tiling
+        fields["max_num_tiles"] = int(getattr(args, "max_num_tiles", 1))
+        fields["use_thumbnail"] = bool(getattr(args, "use_thumbnail", False))
+        fields["tile_tags"] = bool(getattr(args, "use_tile_tags", False))
     return fields

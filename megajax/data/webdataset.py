@@ -29,7 +29,10 @@ mean and standard deviation (SigLIP 0.5 / 0.5; CLIP OpenAI's).
 
 `dataset[i]` is a dict: tokens [seq_len + 1] int32 (padded with pad_id), loss_mask [seq_len + 1]
 float32 (loss_mask[t] = 1 when the token at t + 1 is trained: a caption or answer token, not a
-placeholder, not padding), images [1, image_size, image_size, 3] float32.
+placeholder, not padding), images [1, image_size, image_size, 3] float32. With model.vision.max_num_tiles
+> 1 the image is cut into tiles (megajax/data/tiles.py; squashed to the tile grid whatever the form)
+and images is [max_tiles, image_size, image_size, 3]: the sample's tiles first, then zero pictures,
+which no placeholder takes (the text holds the placeholders, and tags, of the sample's own tiles).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import numpy as np
 from megajax.config import VisionConfig
 from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
+from megajax.data.tiles import cut_tiles, image_run
 from megajax.errors import DataError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -157,10 +161,28 @@ def index_shards(shards: list[Path], strict: bool = False) -> ShardIndex:
 def process_image(data: bytes, v: VisionConfig) -> np.ndarray:
     """Encoded image bytes -> [image_size, image_size, 3] float32, resized and normalised as the encoder
     expects (module docstring). Raises whatever Pillow raises on a damaged image."""
+    return _resized(_decode(data), v)
+
+
+def process_tiles(data: bytes, v: VisionConfig) -> np.ndarray:
+    """Encoded image bytes -> its tiles [tiles, image_size, image_size, 3] float32: with
+    model.vision.max_num_tiles > 1 the image cut into tiles (megajax/data/tiles.py), each normalised,
+    else the one resized image."""
+    img = _decode(data)
+    if not v.tiled:
+        return _resized(img, v)[None]
+    return np.stack([_normalised(t, v) for t in cut_tiles(img, v)])
+
+
+def _decode(data: bytes):
     from PIL import Image
     with Image.open(io.BytesIO(data)) as img:
         img.load()
-        img = img.convert("RGB")
+        return img.convert("RGB")
+
+
+def _resized(img, v: VisionConfig) -> np.ndarray:
+    from PIL import Image
     size = v.image_size
     if v.form == "clip":  # shorter side to `size`, then the centre square
         w, h = img.size
@@ -171,16 +193,23 @@ def process_image(data: bytes, v: VisionConfig) -> np.ndarray:
         img = img.crop((left, top, left + size, top + size))
     elif img.size != (size, size):
         img = img.resize((size, size), Image.Resampling.BICUBIC)
+    return _normalised(img, v)
+
+
+def _normalised(img, v: VisionConfig) -> np.ndarray:
     mean, std = NORMALIZATION[v.form]
     x = np.asarray(img, np.float32) / 255.0
     return (x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
 
 
 def encode_with_images(tokenizer, text: str, spans: list[tuple[int, int]], image_token_id: int,
-                       image_seq_length: int) -> tuple[np.ndarray, np.ndarray, int]:
+                       image_seq_length: int, run: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """(ids [T] int32, trained [T] bool, images): the text encoded piece by piece around its `<image>`
-    markers, each marker replaced by image_seq_length placeholders; a token is trained when it overlaps
-    one of the character spans and is no placeholder."""
+    markers, each marker replaced by image_seq_length placeholders (or the ids `run`: a tiled image's
+    tiles' placeholders and tags, megajax/data/tiles.py); a token is trained when it overlaps one of
+    the character spans and is not part of an image."""
+    if run is None:
+        run = np.full(image_seq_length, image_token_id, np.int32)
     ids, offsets, is_image = [], [], []
     at, images = 0, 0
     while True:
@@ -193,9 +222,9 @@ def encode_with_images(tokenizer, text: str, spans: list[tuple[int, int]], image
             is_image.append(np.zeros(len(p_ids), bool))
         if k < 0:
             break
-        ids.append(np.full(image_seq_length, image_token_id, np.int32))
-        offsets.append(np.tile(np.asarray([[k, k + len(MARKER)]], np.int64), (image_seq_length, 1)))
-        is_image.append(np.ones(image_seq_length, bool))
+        ids.append(run)
+        offsets.append(np.tile(np.asarray([[k, k + len(MARKER)]], np.int64), (len(run), 1)))
+        is_image.append(np.ones(len(run), bool))
         images += 1
         at = k + len(MARKER)
     ids_ = np.concatenate(ids) if ids else np.zeros(0, np.int32)
@@ -205,14 +234,15 @@ def encode_with_images(tokenizer, text: str, spans: list[tuple[int, int]], image
 
 
 def sample_text(record, where: str, tokenizer, template: str | None, loss_on: str, image_token_id: int,
-                image_seq_length: int) -> tuple[np.ndarray, np.ndarray]:
+                image_seq_length: int, run: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(ids, trained) of a sample's json: its caption (trained, then the end-of-document token) or its
-    conversation (its answers, or every token with loss_on=all); one image marker, placed first when absent."""
+    conversation (its answers, or every token with loss_on=all); one image marker, placed first when
+    absent, becoming `run` (encode_with_images)."""
     if isinstance(record, dict) and isinstance(record.get("caption"), str):
         caption = record["caption"]
         text = caption if MARKER in caption else MARKER + caption
         ids, trained, images = encode_with_images(tokenizer, text, [(0, len(text))], image_token_id,
-                                                  image_seq_length)
+                                                  image_seq_length, run)
         eod = getattr(tokenizer, "eod_id", None)
         if eod is not None:
             ids, trained = np.append(ids, np.int32(eod)), np.append(trained, True)
@@ -236,7 +266,7 @@ def sample_text(record, where: str, tokenizer, template: str | None, loss_on: st
             raise DataError(f"{where}: {e}.") from None
         if loss_on == "all":
             spans = [(0, len(text))]
-        ids, trained, images = encode_with_images(tokenizer, text, spans, image_token_id, image_seq_length)
+        ids, trained, images = encode_with_images(tokenizer, text, spans, image_token_id, image_seq_length, run)
     else:
         raise DataError(f"{where}: {json.dumps(record)[:80]} holds neither a \"caption\" string nor a "
                         f"\"messages\" conversation.")
@@ -265,7 +295,8 @@ class ImageTextDataset:
         self.pad_id = getattr(tokenizer, "eod_id", None) or 0
         n = len(samples)
         self.epochs = max(1, -(-(num_samples or n) // n))
-        self.images_shape = (1, vision.image_size, vision.image_size, 3)
+        # A sample's tiles, the tile axis padded to max_tiles with zero pictures that no placeholder takes.
+        self.images_shape = (vision.max_tiles, vision.image_size, vision.image_size, 3)
         self._perms: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
         self.skipped: dict[int, str] = {}  # sample -> why it was passed over
@@ -302,25 +333,28 @@ class ImageTextDataset:
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}).") from None
         v = self.vision
-        ids, trained = sample_text(record, where, self.tokenizer, self.template, self.loss_on, v.image_token_id,
-                                   v.image_seq_length)
-        last = int(np.flatnonzero(ids == v.image_token_id)[-1])
-        if last >= self.seq_len:  # every placeholder must be an input (row[:-1]) of the model
-            raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond the "
-                            f"train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len.")
-        ids, trained = ids[:self.limit], trained[:self.limit]
         try:
-            image = process_image(self._read(s.image, shard), v)
+            tiles = process_tiles(self._read(s.image, shard), v)
         except DataError:
             raise
         except Exception as e:  # Pillow's errors on damaged data: OSError, SyntaxError, ValueError, ...
             raise DataError(f"shard {shard}: member {s.image.name!r} is not a readable image "
                             f"({type(e).__name__}: {e}).") from None
+        run = image_run(self.tokenizer, len(tiles), v)[0]
+        ids, trained = sample_text(record, where, self.tokenizer, self.template, self.loss_on, v.image_token_id,
+                                   v.image_seq_length, run)
+        last = int(np.flatnonzero(ids == v.image_token_id)[-1])
+        if last >= self.seq_len:  # every placeholder must be an input (row[:-1]) of the model
+            raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond the "
+                            f"train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len.")
+        ids, trained = ids[:self.limit], trained[:self.limit]
         tokens = np.full(self.limit, self.pad_id, np.int32)
         tokens[:len(ids)] = ids
         mask = np.zeros(self.limit, np.float32)
         mask[:len(ids) - 1] = trained[1:]
-        return {"tokens": tokens, "loss_mask": mask, "images": image[None]}
+        images = np.zeros(self.images_shape, np.float32)
+        images[:len(tiles)] = tiles
+        return {"tokens": tokens, "loss_mask": mask, "images": images}
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         i = int(i)

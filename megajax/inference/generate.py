@@ -474,8 +474,8 @@ class Generator:
             count = sum(1 for t in ids if t == v.image_token_id)
             if count != n * v.image_seq_length:
                 raise UserError(f"prompt {i} holds {count} image placeholders (model.vision.image_token_id="
-                                f"{v.image_token_id}) but comes with {n} image(s) x image_seq_length="
-                                f"{v.image_seq_length} = {n * v.image_seq_length}.")
+                                f"{v.image_token_id}) but comes with {n} {'tile' if v.tiled else 'image'}(s) x "
+                                f"image_seq_length={v.image_seq_length} = {n * v.image_seq_length}.")
 
     def start(self, prompts: Sequence[Sequence[int]], samplings: Sequence[Sampling],
               budgets: Sequence[int], *, top_n: int = 0, score_prompt: bool = False,

@@ -3,13 +3,18 @@ expects, and the prompt's `<image>` markers expanded to the placeholder tokens.
 
     decode_image(data, what) -> PIL image (RGB)               one clear error naming `what` otherwise
     preprocess(image, vision) -> float32 [image_size, image_size, 3]
-    image_prompt_ids(tokenizer, text, images, vision) -> token ids with image_seq_length placeholders per image
+    preprocess_tiles(image, vision) -> float32 [tiles, image_size, image_size, 3]   (one tile untiled)
+    image_prompt_ids(tokenizer, text, images, vision, tiles) -> token ids with image_seq_length
+                                                               placeholders per image (per tile when tiled)
 
 The encoder forms' preprocessing (what their checkpoints were trained with):
 
     siglip: resize to image_size x image_size (bicubic), pixels / 255, then (x - 0.5) / 0.5
     clip:   resize the shorter side to image_size (bicubic), center crop image_size x image_size,
             pixels / 255, then (x - mean) / std with OpenAI's CLIP mean and std
+
+With model.vision.max_num_tiles > 1 an image is cut into tiles as the training data's are
+(megajax/data/tiles.py: resized to its tile grid, no crop, whatever the form), each normalised as above.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import io
 import numpy as np
 
 from megajax.config import VisionConfig
+from megajax.data.tiles import cut_tiles, image_run
 from megajax.errors import DataError
 
 IMAGE_MARKER = "<image>"  # where a prompt's image goes (prepended when the prompt has none)
@@ -66,15 +72,30 @@ def preprocess(image, v: VisionConfig) -> np.ndarray:
         pixels = np.asarray(image)[top:top + size, left:left + size]
     else:
         pixels = np.asarray(image.resize((size, size), Image.Resampling.BICUBIC))
+    return _normalised(pixels, v)
+
+
+def _normalised(pixels, v: VisionConfig) -> np.ndarray:
     mean, std = (np.asarray(x, np.float32) for x in NORMALISATION[v.form])
-    x = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)
+    x = (np.asarray(pixels).astype(np.float64) * (1 / 255)).astype(np.float32)
     return (x - mean) / std
 
 
-def image_prompt_ids(tokenizer, text: str, images: int, v: VisionConfig) -> list[int]:
+def preprocess_tiles(image, v: VisionConfig) -> np.ndarray:
+    """A PIL image as the encoder's pictures [tiles, image_size, image_size, 3]: its tiles with
+    model.vision.max_num_tiles > 1 (megajax/data/tiles.py), else the one preprocess'd image."""
+    if not v.tiled:
+        return preprocess(image, v)[None]
+    return np.stack([_normalised(t, v) for t in cut_tiles(image.convert("RGB"), v)])
+
+
+def image_prompt_ids(tokenizer, text: str, images: int, v: VisionConfig, tiles: list[int] | None = None) -> list[int]:
     """The ids of `text` with each `<image>` marker replaced by image_seq_length placeholder ids
-    (model.vision.image_token_id); without a marker, the images' placeholders come first, one marker
-    per image (Hugging Face's LLaVA processors' form). DataError when the markers are not the images."""
+    (model.vision.image_token_id), for each of its image's `tiles` (one each when None; their tags with
+    model.vision.tile_tags, megajax/data/tiles.py); without a marker, the images' placeholders come
+    first, one marker per image (Hugging Face's LLaVA processors' form). DataError when the markers are
+    not the images."""
+    tiles = [1] * images if tiles is None else list(tiles)
     markers = text.count(IMAGE_MARKER)
     if markers == 0 and images:
         text = IMAGE_MARKER * images + "\n" + text
@@ -86,10 +107,10 @@ def image_prompt_ids(tokenizer, text: str, images: int, v: VisionConfig) -> list
     ids: list[int] = []
     for n, piece in enumerate(pieces):
         if n:
-            ids += [v.image_token_id] * v.image_seq_length
+            ids += image_run(tokenizer, tiles[n - 1], v)[0].tolist()
         if piece:
             ids += list(tokenizer.encode(piece))
-    stray = sum(1 for t in ids if t == v.image_token_id) - images * v.image_seq_length
+    stray = sum(1 for t in ids if t == v.image_token_id) - sum(tiles) * v.image_seq_length
     if stray:
         raise DataError(f"the prompt's text encodes to the image placeholder id {v.image_token_id} "
                         f"(model.vision.image_token_id) {stray} time(s) outside its {IMAGE_MARKER} markers; "

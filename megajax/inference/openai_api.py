@@ -37,7 +37,7 @@ from megajax.errors import DataError
 from megajax.inference.batcher import Job
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, TokenScores
-from megajax.inference.images import IMAGE_MARKER, decode_image, image_prompt_ids, preprocess
+from megajax.inference.images import IMAGE_MARKER, decode_image, image_prompt_ids, preprocess_tiles
 from megajax.inference.request import OPENAI_FIELDS, RequestError, checked, field, random_seed
 from megajax.inference.sampling import Sampling
 from megajax.inference.text import StopText, completion_text, cut_at_stop
@@ -344,7 +344,8 @@ class OpenAIDialect:
     # ------------------------------------------------------------ chat
 
     def _image_part(self, part: dict, where: str) -> np.ndarray:
-        """An `image_url` content part's image, preprocessed for the encoder; RequestError naming the part."""
+        """An `image_url` content part's image, preprocessed for the encoder ([tiles, H, W, 3], one tile
+        untiled); RequestError naming the part."""
         vision = self.service.generator.model.vision
         if vision is None:
             raise RequestError(f"{where} is an image, but this model has no image encoder (model.vision is "
@@ -364,7 +365,7 @@ class OpenAIDialect:
         else:
             data = self._data_url(url, where)
         try:
-            return preprocess(decode_image(data, where), vision)
+            return preprocess_tiles(decode_image(data, where), vision)
         except DataError as e:
             raise RequestError(str(e), "messages", code="invalid_image") from None
 
@@ -401,7 +402,8 @@ class OpenAIDialect:
 
     def chat_prompt_images(self, messages: Any, param: str = "messages") -> tuple[list[int], np.ndarray | None]:
         """(prompt ids, images [N, H, W, 3] or None): the messages rendered with the chat template, each
-        image part an `<image>` marker in its message's text, expanded to image_seq_length placeholders."""
+        image part an `<image>` marker in its message's text, expanded to image_seq_length placeholders
+        (per tile of a tiled image, whose tiles are its pictures in `images`, image after image)."""
         template = self.service.chat_template
         if template is None:
             raise RequestError("this model's tokenizer has no chat template (no 'chat_template' in its "
@@ -450,10 +452,10 @@ class OpenAIDialect:
                                f"marker(s) for {len(images)} image part(s); {IMAGE_MARKER} in a text part is "
                                f"reserved for an image.", param)
         try:
-            ids = image_prompt_ids(self.tokenizer, text, len(images), vision)
+            ids = image_prompt_ids(self.tokenizer, text, len(images), vision, [len(x) for x in images])
         except DataError as e:
             raise RequestError(str(e), param) from None
-        return ids, np.stack(images) if images else None
+        return ids, np.concatenate(images) if images else None
 
     def _chat_logprobs(self, ids: list[int], scores: TokenScores, count: int) -> dict:
         def entry(token, lp):

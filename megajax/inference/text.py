@@ -23,17 +23,19 @@ def completion_text(tokenizer, completion: Completion) -> str:
 
 
 def complete(generator: Generator, tokenizer, prompts: Sequence[str], sampling: Sampling, max_new_tokens: int,
-             batch_size: int = 16, images=None) -> list[dict]:
+             batch_size: int = 16, images=None, tiles: list[int] | None = None) -> list[dict]:
     """One dict per prompt: prompt, prompt_ids, completion_ids, text (the completion), finish_reason,
     and the timing of the batch it ran in (time_to_first_token_s, decode_tokens_per_s, batch_size,
     compile_s). Prompt i samples with seed sampling.seed + i (greedy ignores seeds). `images`
     [N, image_size, image_size, 3] (megajax.inference.images.preprocess'd): the images of every prompt,
-    at its `<image>` markers (first, without one)."""
+    at its `<image>` markers (first, without one); tiled (preprocess_tiles), their tiles, image after
+    image, `tiles` saying how many each image has."""
     if images is not None and len(images):
         from megajax.inference.images import image_prompt_ids
         if generator.model.vision is None:
             generator.check_images([[]], [images])  # the error: a text-only model
-        encoded = [image_prompt_ids(tokenizer, p, len(images), generator.model.vision) for p in prompts]
+        count = len(images) if tiles is None else len(tiles)
+        encoded = [image_prompt_ids(tokenizer, p, count, generator.model.vision, tiles) for p in prompts]
     else:
         images = None
         encoded = [tokenizer.encode(p) for p in prompts]

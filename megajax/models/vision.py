@@ -6,6 +6,12 @@ language model of any family.
         -> [B, N x image_seq_length, D]: the embeddings of the text's image placeholders, in order
     tokens [B, L] -> embed, placeholders replaced -> the language model's layers -> logits [B, L, V]
 
+Tiled images (model.vision.max_num_tiles > 1, megajax/data/tiles.py) come as their tiles: the N
+pictures of a row are its images' tiles, image after image, each with its image_seq_length
+placeholders in the text; a row's tile axis is padded at its end with pictures that no placeholder
+takes (the loader's [max_tiles, ...] per sample), so the k-th placeholder takes the k-th feature and
+only the valid tiles' features land in the text, whatever the row's tile count.
+
 The encoder (SigLIP or CLIP form, model.vision.form) is pre-norm: x + attn(ln1(x)), then
 x + mlp(ln2(x)), non-causal attention over the patches, learned position embeddings; the SigLIP form
 has no class token, the CLIP form a class token and a layernorm before the first layer. Both end in a
@@ -249,7 +255,8 @@ def splice_images(x_BxLxD: jax.Array, tokens_BxL: jax.Array, feats_BxMxD: jax.Ar
 
 def check_image_tokens(tokens, images, v: VisionConfig) -> None:
     """One clear error when a row's placeholders are not its images' features (image_seq_length per
-    image) or the images are not image_size square; nothing for traced arrays (under jit the shapes are
+    image; tiled: per valid tile, the row's pictures ending in padding) or the images are not
+    image_size square; nothing for traced arrays (under jit the shapes are
     checked, the counts by the data pipeline that builds the batch)."""
     shape = tuple(images.shape)
     if len(shape) != 5 or shape[2:] != (v.image_size, v.image_size, 3):
@@ -259,6 +266,15 @@ def check_image_tokens(tokens, images, v: VisionConfig) -> None:
         return
     counts = np.sum(np.asarray(tokens) == v.image_token_id, axis=-1).reshape(-1)
     want = shape[1] * v.image_seq_length
+    if v.tiled:  # the row's own tiles first, then padding pictures: whole tiles, at most the pictures given
+        bad = np.flatnonzero((counts % v.image_seq_length != 0) | (counts > want))
+        if bad.size:
+            row = int(bad[0])
+            raise DataError(f"row {row} of the batch holds {int(counts[row])} image placeholders "
+                            f"(model.vision.image_token_id={v.image_token_id}) for its {shape[1]} tile pictures; "
+                            f"a tiled image's text takes image_seq_length={v.image_seq_length} placeholders per "
+                            f"tile, so a multiple of it and at most {want}.")
+        return
     bad = np.flatnonzero(counts != want)
     if bad.size:
         row = int(bad[0])

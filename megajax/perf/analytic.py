@@ -148,13 +148,14 @@ def activation_bytes(plan: RunPlan) -> int:
 
 
 def vision_activation_bytes(plan: RunPlan) -> int:
-    """A vision-language model's encoder activations for one microbatch (one image per sequence): per
+    """A vision-language model's encoder activations for one microbatch (one image per sequence, its
+    model.vision.max_tiles pictures when tiled): per
     layer that runs, Korthikanti's count without tensor or sequence splitting (the encoder's activations
     are replicated over tensor), none of its layers' inputs kept when it is frozen (no backward)."""
     v = plan.cfg.model.vision
     if v is None or v.freeze:
         return 0
-    t, d, a, b = v.num_patches + v.class_token, v.hidden_size, v.num_heads, plan.batch.micro_batch
+    t, d, a, b = v.num_patches + v.class_token, v.hidden_size, v.num_heads, plan.batch.micro_batch * v.max_tiles
     per_layer = t * b * d * (34 + 5 * a * t / d)
     scale = precision_policy(plan.cfg).activation_bytes / 2
     return int(per_layer * v.feature_layers() * scale)

@@ -86,14 +86,15 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> 
 
 def vision_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """A vision-language model's image encoder and projector per text token, counted for one image per
-    sequence (LLaVA's samples): the encoder layers that run (to model.vision.feature_layer: matmuls and
+    sequence (LLaVA's samples; model.vision.max_tiles pictures when tiled, the loader's tile axis, all
+    encoded): the encoder layers that run (to model.vision.feature_layer: matmuls and
     attention) and the patch embedding 3x forward, 1x when model.vision.freeze (no backward through a
     frozen encoder whose input is data); the projector 3x. 0 without model.vision."""
     v = cfg.vision
     if v is None:
         return 0.0
     encoder, projector = encoder_forward_flops(v, cfg.hidden_size)
-    return ((1.0 if v.freeze else 3.0) * encoder + 3.0 * projector) / seq_len
+    return v.max_tiles * ((1.0 if v.freeze else 3.0) * encoder + 3.0 * projector) / seq_len
 
 
 def cpu_peak_tflops(precision: str) -> float:
