@@ -1,6 +1,6 @@
 """`megajax plan`'s step-time estimate against measured steps, on this host's 8 simulated CPU devices.
 
-    python scripts/plan_vs_measured.py --output tests/data/plan_vs_measured.json [--steps 3] [--only llama]
+    python scripts/plan_vs_measured.py --output tests/data/plan_vs_measured.json [--steps 3] [--rounds 2] [--only llama]
 
 For a small Llama and a small MoE, each layout in LAYOUTS (data / FSDP / tensor / pipeline / context /
 expert combinations and micro batches on 8 devices) is timed as `megajax bench` times it
@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--output", default="tests/data/plan_vs_measured.json")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--only", choices=list(MODELS), help="measure one model's layouts again, keep the other's")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="times every layout is measured, in turn over all layouts; measured = the rounds' mean")
     ap.add_argument("--estimate-only", action="store_true",
                     help="measure nothing: the estimates and summary of --output's recorded layouts again")
     args = ap.parse_args()
@@ -195,22 +197,29 @@ def main() -> int:
     kind = dataclasses.asdict(load_device_kinds(None)["CPU"])
     record = {"command": "python " + " ".join(sys.argv), "device_kind": kind,
               "gemm_table": yaml.safe_load(table.read_text())["CPU"]["gemm_efficiency"],
-              "note": ("measured: a step's CPU seconds (every thread of the process) / the host's cores, the fastest "
-                       "of --steps after a warm-up; wall: each step's wall seconds on the shared host"),
+              "note": ("measured: the mean over --rounds of a round's step, a step's CPU seconds (every thread of "
+                       "the process) / the host's cores, the fastest of --steps after a warm-up (runs: each round's; "
+                       "measured_all: each step's of the last round); wall: the last round's wall seconds per step "
+                       "on the shared host"),
               "layouts": []}
     if args.only and Path(args.output).exists():  # the other model's recorded layouts are kept
         record["layouts"] = [r for r in json.loads(Path(args.output).read_text())["layouts"] if r["model"] != args.only]
-    for model, config in MODELS.items():
-        if args.only and model != args.only:
-            continue
-        for overrides in LAYOUTS[model]:
+    todo = [(model, config, overrides) for model, config in MODELS.items() if not (args.only and model != args.only)
+            for overrides in LAYOUTS[model]]
+    rows = {}
+    for _ in range(args.rounds):  # round after round over every layout: a slow spell of the host hits all
+        for model, config, overrides in todo:
             ov = [*COMMON, *EXTRA.get(model, []), *overrides]
             m = measure(config, ov, args.steps)
-            record["layouts"].append({"model": model, "config": config, "overrides": ov, "layout": overrides,
-                                      "measured": m["step_seconds"], "measured_all": m["all"], "wall": m["wall"],
-                                      "compile_seconds": m["compile_seconds"]})
+            r = rows.setdefault((model, tuple(overrides)), {"model": model, "config": config, "overrides": ov,
+                                                             "layout": overrides, "runs": []})
+            r["runs"].append(m["step_seconds"])
+            r.update(measured=sum(r["runs"]) / len(r["runs"]), measured_all=m["all"], wall=m["wall"],
+                     compile_seconds=m["compile_seconds"])
             print(f"{model:5} {' '.join(overrides):70} {m['step_seconds']:.3f} s", flush=True)
-            Path(args.output).with_suffix(".partial.json").write_text(json.dumps(record, indent=1) + "\n")
+            partial = {**record, "layouts": [*record["layouts"], *rows.values()]}
+            Path(args.output).with_suffix(".partial.json").write_text(json.dumps(partial, indent=1) + "\n")
+    record["layouts"] += list(rows.values())
     finish(record, args.output)
     Path(args.output).with_suffix(".partial.json").unlink(missing_ok=True)
     return 0
