@@ -64,8 +64,11 @@ def compare(gen, **sizes):
     """(the workload with caching, without, the caching engine's stats)."""
     results = {}
     for caching in (True, False):
-        engine = Engine(gen, 3, block_size=4, prefill_chunk=8, prefix_caching=caching, **sizes)
+        engine = Engine(gen, 8, block_size=4, prefill_chunk=8, prefill_rows=1, prefix_caching=caching, **sizes)
         try:
+            # prefill programs of 1 x 8 ... 8 x 1 tokens (data=2: 2 x 8 ... 8 x 2; data=4: 4 x 8, 8 x 4): short
+            # pieces share calls
+            assert [r * c for r, c in engine.shapes] == [8 * gen.data_parallel] * (4 - gen.data_parallel // 2)
             results[caching] = workload(engine)
             check_idle(engine)
             results[caching, "stats"] = engine.stats()
@@ -171,3 +174,31 @@ def test_serve_flag_turns_prefix_caching_on_and_off():
     assert parse_args(["serve", "--checkpoint", "x"]).enable_prefix_caching is True  # the default: on
     assert parse_args(["serve", "--checkpoint", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parse_args(["serve", "--checkpoint", "x", "--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+@pytest.mark.parametrize("mesh", [[], ["mesh.tensor=2"]])
+def test_a_chat_turn_maps_its_history_up_to_the_previous_reply(model, mesh):
+    """Each turn resends the conversation (prompt + reply + 3 tokens): it maps the blocks of the previous
+    prompt, not those of the reply (the decode steps wrote their k/v: a prefill of the same tokens gives other
+    last bits), and its tokens and log probabilities equal those without caching bit for bit (decode
+    programs of 3 rows, prefill programs of 3 x 16 tokens and smaller chunks)."""
+    cfg, params = model
+    sharded = load_config(base=cfg.to_dict(), overrides=mesh)
+    gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded) if mesh else None,
+                    rules=make_rules(sharded).activations if mesh else None)
+    out = {}
+    for caching in (True, False):
+        engine = Engine(gen, 3, block_size=4, num_blocks=30, prefill_chunk=16, prefix_caching=caching)
+        try:
+            chat, turns = list(range(20, 30)), []
+            for turn in range(3):
+                [c] = run(engine, [chat], 7)
+                turns.append((c.completion_ids, c.scores.logprobs, engine.stats()["prefix_cache_hits"]))
+                chat = chat + c.completion_ids + [5, 6, 7]
+            check_idle(engine)
+        finally:
+            engine.close()
+        out[caching] = turns
+    assert [t[:2] for t in out[True]] == [t[:2] for t in out[False]]
+    # turn 2 (20 tokens) maps the 2 full blocks of turn 1's 10-token prompt; turn 3 (30 tokens) turn 2's 5
+    assert [t[2] for t in out[True]] == [0, 8, 8 + 20]

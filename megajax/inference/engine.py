@@ -92,6 +92,7 @@ from megajax.models.mamba import MambaSlots, MambaState
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_PREFILL_ROWS_PER_SHARD = 4  # prompts per prefill call and data shard (--prefill-rows default)
+PREFILL_SHAPES = 4  # prefill programs at most: the chunk, its half, quarter and eighth (with 2, 4, 8 x the rows)
 
 
 class BlockPool:
@@ -257,6 +258,12 @@ class Engine:
         # prompts advanced by one chunk per iteration: a multiple of the data-parallel size, at most the rows
         wanted = prefill_rows if prefill_rows is not None else DEFAULT_PREFILL_ROWS_PER_SHARD * dp
         self.prefill_rows = min(-(-wanted // dp) * dp, self.rows)
+        # the prefill program's shapes (rows, chunk): prefill_rows x chunk, and twice (4x, 8x) the rows of half
+        # (a quarter, an eighth of) the chunk while they fit the rows: one program each, all of prefill_rows x
+        # chunk tokens (the same matrix products: a position's numbers do not depend on the shape). Short
+        # pieces (a prompt's tail, the rest after a cached prefix) of many prompts share one call.
+        self.shapes = [(self.prefill_rows * 2 ** i, self.chunk // 2 ** i) for i in range(PREFILL_SHAPES)
+                       if self.chunk % 2 ** i == 0 and self.prefill_rows * 2 ** i <= self.rows]
         self.pool = BlockPool(self.num_blocks, block_size)
         # Prefix caching: not for a model with Mamba layers (a row's state after a prefix is not kept per block)
         self.mamba = any(isinstance(jax.eval_shape(lambda layer=layer: layer.empty_pool("k", 1, 1, g.dtype)), MambaState)
@@ -451,15 +458,16 @@ class Engine:
         self._pools_k, self._pools_v = pools
         prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), out_shardings=out)
         decode = jax.jit(self._decode_fn, donate_argnums=(1, 2), out_shardings=out)
-        self._prefill = prefill.lower(g.params, self._pools_k, self._pools_v, *self._prefill_inputs([])).compile()
+        self._prefill = {shape: prefill.lower(g.params, self._pools_k, self._pools_v,
+                                              *self._prefill_inputs([], shape)).compile() for shape in self.shapes}
         self._decode = decode.lower(g.params, self._pools_k, self._pools_v, *self._decode_inputs([])).compile()
         v = g.model.vision
         if v is not None:  # the encoder's program for one image (a request's images go one at a time)
             g.image_features(np.zeros((1, v.image_size, v.image_size, 3), np.float32))
         self.compile_s = time.perf_counter() - t0
         if not self.quiet:
-            print(f"megajax serve: continuous batching compiled its prefill-chunk program ({self.prefill_rows} x "
-                  f"{self.chunk} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
+            print(f"megajax serve: continuous batching compiled its prefill-chunk programs "
+                  f"({', '.join(f'{r} x {c}' for r, c in self.shapes)} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
                   f"KV pool {self.num_blocks} blocks x {self.block_size} positions; {self._caching_text()}",
                   file=sys.stderr, flush=True)
 
@@ -494,8 +502,16 @@ class Engine:
             keys[i] = seed_key_data(s.seed)
         return [temperature, top_k, top_p, keys, presence, frequency]
 
-    def _prefill_inputs(self, seqs: list[_Sequence]) -> tuple:
-        r, c = self.prefill_rows, self.chunk
+    def _prefill_shape(self, seqs: list[_Sequence]) -> tuple[int, int]:
+        """The prefill shape (rows, chunk) that prefills the most prompt tokens of `seqs` (first come first
+        served) in one call; the longer chunk of two that prefill as many."""
+        def tokens(shape):
+            r, c = shape
+            return sum(min(c, len(s.job.prompt_ids) - s.prefilled) for s in seqs[:r])
+        return max(self.shapes, key=tokens)
+
+    def _prefill_inputs(self, seqs: list[_Sequence], shape: tuple[int, int]) -> tuple:
+        r, c = shape
         tokens, targets = np.zeros((r, c), np.int32), np.zeros((r, c), np.int32)
         start, length, write_from = np.zeros((r,), np.int32), np.zeros((r,), np.int32), np.zeros((r,), np.int32)
         for i, s in enumerate(seqs):
@@ -584,7 +600,8 @@ class Engine:
         self._admit()
         prefilling = sorted((s for s in self._running.values() if not s.decoding), key=lambda s: s.job.submitted)
         if prefilling:
-            self._prefill_chunk(prefilling[:self.prefill_rows])
+            shape = self._prefill_shape(prefilling)
+            self._prefill_chunk(prefilling[:shape[0]], shape)
         decoding = [s for s in self._running.values() if s.decoding and s.tokens]
         if decoding:
             self._decode_step(decoding)
@@ -678,13 +695,14 @@ class Engine:
                 self.pool.cache(s.blocks[i], s.hashes[i], scores)
             s.cached += 1
 
-    def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
-        self._pools_k, self._pools_v, out = self._prefill(self.generator.params, self._pools_k, self._pools_v,
-                                                          *self._prefill_inputs(seqs))
+    def _prefill_chunk(self, seqs: list[_Sequence], shape: tuple[int, int]) -> None:
+        c = shape[1]
+        self._pools_k, self._pools_v, out = self._prefill[shape](self.generator.params, self._pools_k,
+                                                                 self._pools_v, *self._prefill_inputs(seqs, shape))
         first, lp, top_ids, top_lp, p_lp, p_ids, p_top = jax.device_get(out)
         for i, s in enumerate(seqs):
             job, prompt = s.job, s.job.prompt_ids
-            start, length = s.prefilled, min(self.chunk, len(prompt) - s.prefilled)
+            start, length = s.prefilled, min(c, len(prompt) - s.prefilled)
             if job.score_prompt:  # position j predicts prompt token j + 1
                 for j in range(min(length, len(prompt) - 1 - start)):
                     s.prompt_logprobs.append(float(p_lp[i, j]))
