@@ -238,7 +238,7 @@ class Engine:
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_rows: int | None = None, decode_steps: int = 8, attention_blocks: int | None = 4,
-                 prefix_caching: bool = True, observer: Observer | None = None, quiet: bool = True):
+                 prefix_caching: bool = True, prefill_shapes: int = PREFILL_SHAPES, observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
@@ -262,7 +262,7 @@ class Engine:
         # (a quarter, an eighth of) the chunk while they fit the rows: one program each, all of prefill_rows x
         # chunk tokens (the same matrix products: a position's numbers do not depend on the shape). Short
         # pieces (a prompt's tail, the rest after a cached prefix) of many prompts share one call.
-        self.shapes = [(self.prefill_rows * 2 ** i, self.chunk // 2 ** i) for i in range(PREFILL_SHAPES)
+        self.shapes = [(self.prefill_rows * 2 ** i, self.chunk // 2 ** i) for i in range(prefill_shapes)
                        if self.chunk % 2 ** i == 0 and self.prefill_rows * 2 ** i <= self.rows]
         self.pool = BlockPool(self.num_blocks, block_size)
         # Prefix caching: not for a model with Mamba layers (a row's state after a prefix is not kept per block)
