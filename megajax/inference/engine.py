@@ -23,11 +23,14 @@ preempted); its blocks go back to the pool the moment it ends, is stopped or is 
 
 Each iteration of the engine's thread admits waiting jobs into free rows, runs one prefill chunk
 (`prefill_chunk` tokens of up to `prefill_rows` prompts, default 4 per data shard: a long prompt
-does not stall the running decodes, and many arriving prompts start within a few iterations), then
+does not stall the running decodes, and many arriving prompts start within a few iterations; or, when
+that prefills more prompt tokens, half (a quarter, an eighth of) the chunk of twice (4x, 8x) the
+prompts, up to the rows: the same token count, so the same matrix products and the same numbers for
+every position, and short pieces such as the rest of a prompt after a cached prefix share a call), then
 `decode_steps` decode steps for every decoding row in one program call (one host round trip per
 few tokens; a row stops at its end-of-document or budget on the device), hands out the new tokens
 (streaming jobs get a piece per step), checks stop callbacks (tokens past a stop are dropped), and
-frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk length,
+frees finished rows. The programs have fixed shapes (max_batch rows, the prefill shapes,
 context / block_size table entries) and are compiled once, before `ready`: a new prompt length
 never compiles while clients wait.
 
@@ -55,7 +58,9 @@ waits for it. Blocks are reference-counted; an unreferenced cached block counts 
 taken back, least recently used first, when the free list is empty (`BlockPool`). A sequence that
 scores its prompt reuses the cached blocks' scores and recomputes the prefix's last position without
 rewriting its k/v. Not for requests with images, nor for models with Mamba layers (a row's state
-after a prefix is not per block). Outputs equal those without caching, bit for bit.
+after a prefix is not per block), nor for the blocks of generated tokens (the decode steps wrote
+their k/v, which differ from a prefill's of the same tokens in the last bits). Outputs equal those
+without caching, bit for bit.
 
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
@@ -466,8 +471,9 @@ class Engine:
             g.image_features(np.zeros((1, v.image_size, v.image_size, 3), np.float32))
         self.compile_s = time.perf_counter() - t0
         if not self.quiet:
-            print(f"megajax serve: continuous batching compiled its prefill-chunk programs "
-                  f"({', '.join(f'{r} x {c}' for r, c in self.shapes)} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
+            shapes = ", ".join(f"{r} x {c}" for r, c in self.shapes)
+            print(f"megajax serve: continuous batching compiled its prefill-chunk programs ({shapes} tokens) and "
+                  f"decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
                   f"KV pool {self.num_blocks} blocks x {self.block_size} positions; {self._caching_text()}",
                   file=sys.stderr, flush=True)
 
