@@ -176,16 +176,15 @@ def test_serve_flag_turns_prefix_caching_on_and_off():
     assert parse_args(["serve", "--checkpoint", "x", "--enable-prefix-caching"]).enable_prefix_caching is True
 
 
-@pytest.mark.parametrize("mesh", [[], ["mesh.tensor=2"]])
-def test_a_chat_turn_maps_its_history_up_to_the_previous_reply(model, mesh):
+def test_a_chat_turn_maps_its_history_up_to_the_previous_reply(model):
     """Each turn resends the conversation (prompt + reply + 3 tokens): it maps the blocks of the previous
     prompt, not those of the reply (the decode steps wrote their k/v: a prefill of the same tokens gives other
     last bits), and its tokens and log probabilities equal those without caching bit for bit (decode
-    programs of 3 rows, prefill programs of 3 x 16 tokens and smaller chunks)."""
+    programs of 3 rows, prefill programs of 3 x 16 tokens and smaller chunks; on tensor=2, where the numbers
+    are the most sensitive to the shapes)."""
     cfg, params = model
-    sharded = load_config(base=cfg.to_dict(), overrides=mesh)
-    gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded) if mesh else None,
-                    rules=make_rules(sharded).activations if mesh else None)
+    sharded = load_config(base=cfg.to_dict(), overrides=["mesh.tensor=2"])
+    gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded), rules=make_rules(sharded).activations)
     out = {}
     for caching in (True, False):
         engine = Engine(gen, 3, block_size=4, num_blocks=30, prefill_chunk=16, prefix_caching=caching)
