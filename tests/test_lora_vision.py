@@ -3,6 +3,8 @@ they and the projector train (the encoder too unless model.vision.freeze), every
 (outside the train state, no optimizer state), by the one predicate of megajax/models/trainable.py; a
 layout equals one device; what cannot be exported is refused by name."""
 
+import functools
+
 import jax
 import numpy as np
 import optax
@@ -62,14 +64,23 @@ def test_lora_on_a_vision_language_model_trains_the_adapters_and_the_projector(f
     assert not freeze == any(not np.array_equal(after[n], before[n]) for n in encoder if "/layers/" in n)
 
 
-def test_lora_on_a_vision_language_model_layout_equals_one_device():
-    """tiny-llava with adapters, data 2 x tensor 2 with sequence parallelism: one device's loss and grad
-    norm per step (fp32, 1e-5 relative)."""
-    ref_loss, ref_norm, _ = run_steps(tiny_llava(*LORA, "mesh.data=1"), jax.devices()[:1])
-    loss, norm, _ = run_steps(tiny_llava(*LORA, "mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
-                                         "train.micro_batch=2"), jax.devices()[:4])
+@pytest.mark.parametrize("layout", [["mesh.data=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+                                     "train.micro_batch=2"],
+                                    ["mesh.pipeline=2", "mesh.data=2", "train.micro_batch=2"]],
+                         ids=["data2-tp2-sp", "pp2-data2"])
+def test_lora_on_a_vision_language_model_layout_equals_one_device(layout):
+    """tiny-llava with adapters on data 2 x tensor 2 with sequence parallelism, and on 2 pipeline stages
+    (the encoder and projector on the first) x data 2: one device's loss and grad norm per step (fp32,
+    1e-5 relative)."""
+    ref_loss, ref_norm, _ = one_device_lora()
+    loss, norm, _ = run_steps(tiny_llava(*LORA, *layout), jax.devices()[:4])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
+
+
+@functools.lru_cache(maxsize=None)
+def one_device_lora():
+    return run_steps(tiny_llava(*LORA, "mesh.data=1"), jax.devices()[:1])
 
 
 def test_lora_with_a_frozen_language_model_is_refused_by_name():

@@ -46,6 +46,8 @@ def workload(engine):
             out.append((c.completion_ids, c.scores.logprobs, c.prompt_scores.logprobs, c.prompt_scores.top))
     for c in run(engine, prompts, 5):
         out.append((c.completion_ids, c.scores.logprobs))
+    for c in run(engine, prompts + [[t + 1 for t in p] for p in prompts], 2):  # 8 at once: short pieces share calls
+        out.append((c.completion_ids, c.scores.logprobs))
     chat = list(CONTEXT_TOKENS[:9])
     for turn in range(3):
         [c] = run(engine, [chat], 4)
@@ -73,6 +75,7 @@ def compare(gen, **sizes):
             check_idle(engine)
             results[caching, "stats"] = engine.stats()
             results[caching, "evicted"] = engine.pool.evicted
+            results[caching, "shapes"] = set(engine.prefill_calls)
         finally:
             engine.close()
     return results
@@ -88,6 +91,7 @@ def test_cached_prefixes_give_the_uncached_tokens_and_scores_bit_for_bit(model):
     cfg, params = model
     r = compare(Generator(cfg.model, params, eod_id=None), num_blocks=40)
     assert r[True] == r[False]
+    assert len(r[True, "shapes"]) > 1 and len(r[False, "shapes"]) > 1  # the smaller chunks were used
     on, off = r[True, "stats"], r[False, "stats"]
     # 4 + 4 + 4 choices share 5 blocks (20 tokens) of context: after the first, the rest of each
     # question's choices hit them (they wait for the first one's blocks); chat turns hit their history
@@ -114,6 +118,7 @@ def test_on_the_mesh_cached_prefixes_give_the_uncached_outputs_bit_for_bit(model
     gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded), rules=make_rules(sharded).activations)
     r = compare(gen, num_blocks=40)
     assert r[True] == r[False] and r[True, "stats"]["prefix_cache_hits"] > 0
+    assert len(r[True, "shapes"]) > 1  # with caching, the tails took smaller chunks than without
 
 
 def test_a_block_is_shared_only_once_written_and_identical_prompts_wait_for_it(model):

@@ -276,6 +276,7 @@ class Engine:
         self.prefix_caching = prefix_caching and not self.mamba
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found there
         self.prefill_tokens = 0  # prompt tokens prefilled (computed) so far
+        self.prefill_calls: collections.Counter = collections.Counter()  # prefill calls so far, by shape
         self.batches = 0  # engine iterations run so far
         self.sequences = 0  # sequences ended so far
         self.compile_s: float | None = None  # seconds the two programs took to compile (None: not yet)
@@ -703,6 +704,7 @@ class Engine:
 
     def _prefill_chunk(self, seqs: list[_Sequence], shape: tuple[int, int]) -> None:
         c = shape[1]
+        self.prefill_calls[shape] += 1
         self._pools_k, self._pools_v, out = self._prefill[shape](self.generator.params, self._pools_k,
                                                                  self._pools_v, *self._prefill_inputs(seqs, shape))
         first, lp, top_ids, top_lp, p_lp, p_ids, p_top = jax.device_get(out)
