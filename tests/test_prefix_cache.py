@@ -1,8 +1,9 @@
 """Automatic prefix caching in the continuous engine (megajax/inference/engine.py): requests that
 share a prompt prefix map its cached KV blocks and prefill only the rest, with the tokens, log
 probabilities and prompt scores of the engine without caching, bit for bit (one device, data=2 x
-tensor=4, tensor=2; a pool small enough to evict); reference counts return to zero and a block is
-shared only once fully written."""
+tensor=4, tensor=2; a pool small enough to evict; prefill calls of several shapes); reference counts
+return to zero and a block is shared only once fully written; a chat turn does not map its previous
+reply's blocks."""
 
 import queue
 

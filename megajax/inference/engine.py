@@ -1,7 +1,7 @@
 """Continuous batching over a paged KV cache: sequences join the running batch at the next step and
 leave when they end.
 
-    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
+    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows, prefill_shapes)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
       .ready          both programs compiled (the engine's thread compiles them at start)
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total, kv_blocks_cached, prefix_cache_queries,

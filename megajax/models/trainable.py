@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Callable
 
 from megajax.config import ModelConfig
+from megajax.models.lora import is_adapter
 
 VISION, PROJECTOR = "vision/", "projector/"
 
 
 def frozen_parameters(m: ModelConfig) -> Callable[[str], bool] | None:
     """path -> whether the parameter is frozen (no gradient, no optimizer state); None: every one trains."""
-    from megajax.models.lora import is_adapter
     v = m.vision
     freeze_vision = v is not None and v.freeze
     if not (freeze_vision or m.freeze_language_model or m.lora is not None):
