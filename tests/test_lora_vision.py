@@ -132,3 +132,26 @@ def test_a_lora_vision_language_model_merges_with_its_projector_and_refuses_peft
     assert main(["export", "--format", "peft", "--checkpoint", str(lora), "--output", str(tmp_path / "no")]) == 2
     assert re.search(r"model.vision: the adapters of a vision-language model are not exported in PEFT's format.*"
                      r"--merge-lora", capsys.readouterr().err)
+
+
+def test_one_predicate_for_every_way_of_freezing():
+    """frozen_parameters over paths: LoRA's base, model.vision.freeze's encoder, model.freeze_language_model's
+    language model; None when everything trains."""
+    from megajax.config import load_config
+    text = load_config(overrides=["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
+                                  "model.vocab_size=258", "train.seq_len=16", *LORA]).model
+    paths = ["layers/attn/qkv/kernel", "layers/attn/qkv_lora/a", "layers/mlp/fc2/lora/b", "embed/embedding",
+             "vision/layers/attn/qkv/kernel", "projector/fc1/kernel"]
+
+    def frozen(m):
+        f = frozen_parameters(m)
+        return None if f is None else [p for p in paths if f(p)]
+    # a text model's params named like a vision model's count as its base
+    assert frozen(text) == ["layers/attn/qkv/kernel", "embed/embedding", "vision/layers/attn/qkv/kernel",
+                            "projector/fc1/kernel"]
+    assert frozen(tiny_llava().model) is None
+    assert frozen(tiny_llava("model.vision.freeze=true").model) == ["vision/layers/attn/qkv/kernel"]
+    assert frozen(tiny_llava("model.vision.freeze=true", "model.freeze_language_model=true").model) == paths[:-1]
+    assert frozen(tiny_llava(*LORA).model) == ["layers/attn/qkv/kernel", "embed/embedding"]
+    assert frozen(tiny_llava(*LORA, "model.vision.freeze=true").model) == [
+        "layers/attn/qkv/kernel", "embed/embedding", "vision/layers/attn/qkv/kernel"]

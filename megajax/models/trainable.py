@@ -30,9 +30,9 @@ def frozen_parameters(m: ModelConfig) -> Callable[[str], bool] | None:
         return None
 
     def frozen(path: str) -> bool:
-        if path.startswith(VISION):
+        if v is not None and path.startswith(VISION):
             return freeze_vision
-        if path.startswith(PROJECTOR):
+        if v is not None and path.startswith(PROJECTOR):
             return False
         if m.lora is not None:
             return not is_adapter(tuple(path.split("/")))
