@@ -289,7 +289,9 @@ class ModelConfig:
     mamba_time_step_max: float | None = None
     mamba_dt_min: float = 0.001
     mamba_dt_max: float = 0.1
-    # Low-rank adapters on the named linears, the rest of the model frozen (LoraConfig); None: none.
+    # Low-rank adapters on the named linears, the rest of the model frozen (LoraConfig): a vision-language
+    # model's adapters are its language model's, its projector trains beside them (and its encoder unless
+    # model.vision.freeze; megajax/models/trainable.py). None: none.
     lora: LoraConfig | None = None
     # A vision-language model: the image encoder and projector in front of this language model
     # (VisionConfig); None: text only.
@@ -1002,9 +1004,10 @@ def validate_vision(cfg: Config) -> None:
             raise ConfigError("model.freeze_language_model = true without model.vision: nothing would train; "
                               "set model.vision or drop freeze_language_model.")
         return
-    if m.lora is not None:
-        raise ConfigError("model.lora with model.vision: adapters on a vision-language model are not supported yet; "
-                          "drop model.lora (model.vision.freeze and model.freeze_language_model choose what trains).")
+    if m.lora is not None and m.freeze_language_model:
+        raise ConfigError("model.lora with model.freeze_language_model = true: the adapters are the language model's, "
+                          "so they would not train; drop one of them (with model.lora the language model's base "
+                          "weights are frozen anyway).")
     for key in ("image_size", "patch_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size",
                 "norm_eps", "init_std"):
         _positive(f"model.vision.{key}", getattr(v, key))

@@ -7,7 +7,8 @@ per batching mode, the modes side by side in the same run.
         [--new-tokens 64] [--long-tokens 256] [--short 8] [--stagger 0.02] [--max-batch 16] [--json FILE]
         [--serve-arg=--block-size=16 ...]
     PYTHONPATH=. python scripts/bench_serve.py --scenario prefix [--context-tokens 512] [--questions 16]
-        [--choice-tokens 8] [--clients 2] [--chat-turns 6] [--turn-tokens 48] [--override train.seq_len=1024]
+        [--rounds 3] [--choice-tokens 8] [--clients 2] [--chat-turns 6] [--turn-tokens 48]
+        [--override train.seq_len=1024]
 
 Without --checkpoint the model config's own random initialisation (train.seed) is written to a
 temporary checkpoint, so every mode serves the same weights. Requests are OpenAI completions with
@@ -26,8 +27,10 @@ Scenarios, for each mode:
                (a stall).
 Time to ready: from starting the process until GET /health answers 200.
 
---scenario prefix: two continuous servers, --enable-prefix-caching and --no-enable-prefix-caching, each with
-  choices      --questions multiple-choice questions of 4 choices, each a --context-tokens context (its own,
+--scenario prefix: two continuous servers, --enable-prefix-caching and --no-enable-prefix-caching, both started
+(and warmed) first, then taking turns (only one works at a time), each with
+  choices      --rounds rounds (the servers alternating round by round, on the same questions; new ones each
+               round) of --questions multiple-choice questions of 4 choices, each a --context-tokens context (its own,
                random) plus --choice-tokens tokens, scored as an evaluation harness scores them (echo,
                logprobs 1, max_tokens 0; one request of 4 prompts per question, --clients clients at once,
                the first --clients value): requests (questions) per second, and the prompt tokens computed
@@ -309,28 +312,39 @@ def prefix_scenario(args, checkpoint: Path, vocab: int, tmp: Path) -> dict:
         context = [int(x) for x in rng.integers(1, vocab, args.context_tokens)]
         return [context + [int(x) for x in rng.integers(1, vocab, args.choice_tokens)] for _ in range(4)]
 
-    warm, questions = question(), [question() for _ in range(args.questions)]
+    warm = question()
+    rounds = [[question() for _ in range(args.questions)] for _ in range(args.rounds)]  # new contexts each round
     opening = [int(x) for x in rng.integers(1, vocab, args.turn_tokens)]
     report: dict = {"context_tokens": args.context_tokens, "choice_tokens": args.choice_tokens,
-                    "questions": args.questions, "clients": args.clients[0], "chat_turns": args.chat_turns,
-                    "turn_tokens": args.turn_tokens, "max_batch": args.max_batch, "modes": {}}
-    for name, flag in (("no_caching", "--no-enable-prefix-caching"), ("caching", "--enable-prefix-caching")):
-        print(f"--- {name} ---", flush=True)
-        server = Server(checkpoint, "continuous", args.max_batch, [*args.serve_arg, flag], tmp / f"serve-{name}.log")
-        try:
-            post(server.url, {"model": "megajax", "prompt": warm, "max_tokens": 0, "echo": True, "logprobs": 1})
-            stream(server.url, warm[0][:64], 4)
-            r = choices(server.url, questions, args.clients[0])
-            print(f"choices: {r['requests_per_s']:.2f} questions/s, {r['prompt_tokens_computed']} of "
-                  f"{r['prompt_tokens']} prompt tokens computed", flush=True)
-            r["chat_ttft_s"] = chat(server.url, opening, args.chat_turns, args.turn_tokens, vocab,
-                                    np.random.default_rng(1))
-            print(f"chat TTFT per turn (s): {r['chat_ttft_s']}", flush=True)
-        finally:
+                    "questions": args.questions, "rounds": args.rounds, "clients": args.clients[0],
+                    "chat_turns": args.chat_turns, "turn_tokens": args.turn_tokens, "max_batch": args.max_batch,
+                    "modes": {}}
+    modes = (("no_caching", "--no-enable-prefix-caching"), ("caching", "--enable-prefix-caching"))
+    servers: dict[str, Server] = {}
+    try:
+        for name, flag in modes:  # both up and warm; only one works at a time
+            servers[name] = Server(checkpoint, "continuous", args.max_batch, [*args.serve_arg, flag],
+                                   tmp / f"serve-{name}.log")
+            post(servers[name].url, {"model": "megajax", "prompt": warm, "max_tokens": 0, "echo": True, "logprobs": 1})
+            stream(servers[name].url, warm[0][:64], 4)
+            report["modes"][name] = {"choices": []}
+        for k, questions in enumerate(rounds):  # the modes alternate, round by round, on the same questions
+            for name, _ in modes:
+                r = choices(servers[name].url, questions, args.clients[0])
+                report["modes"][name]["choices"].append(r)
+                print(f"round {k + 1} {name}: {r['requests_per_s']:.2f} questions/s, {r['prompt_tokens_computed']} of "
+                      f"{r['prompt_tokens']} prompt tokens computed", flush=True)
+        for name, _ in modes:
+            ttft = chat(servers[name].url, opening, args.chat_turns, args.turn_tokens, vocab, np.random.default_rng(1))
+            report["modes"][name]["chat_ttft_s"] = ttft
+            print(f"{name}: chat TTFT per turn (s): {ttft}", flush=True)
+    finally:
+        for server in servers.values():
             server.close()
-        report["modes"][name] = r
-    on, off = report["modes"]["caching"], report["modes"]["no_caching"]
-    report["caching_over_no_caching_requests_per_s"] = round(on["requests_per_s"] / off["requests_per_s"], 2)
+    on, off = report["modes"]["caching"]["choices"], report["modes"]["no_caching"]["choices"]
+    ratios = [round(a["requests_per_s"] / b["requests_per_s"], 2) for a, b in zip(on, off)]
+    report["caching_over_no_caching_requests_per_s"] = ratios
+    report["median_ratio"] = round(statistics.median(ratios), 2)
     print(json.dumps({k: v for k, v in report.items() if k != "modes"}, indent=1))
     return report
 
@@ -357,7 +371,8 @@ def main() -> int:
                          "and off, a 4-choice workload with a shared context and a multi-turn chat")
     ap.add_argument("--context-tokens", type=int, default=512, help="prefix: each question's shared context")
     ap.add_argument("--choice-tokens", type=int, default=8, help="prefix: tokens of each choice")
-    ap.add_argument("--questions", type=int, default=16, help="prefix: questions of 4 choices")
+    ap.add_argument("--questions", type=int, default=16, help="prefix: questions of 4 choices per round")
+    ap.add_argument("--rounds", type=int, default=3, help="prefix: rounds of questions, the two servers alternating")
     ap.add_argument("--chat-turns", type=int, default=6, help="prefix: turns of the conversation")
     ap.add_argument("--turn-tokens", type=int, default=48, help="prefix: new tokens each turn")
     args = ap.parse_args()

@@ -1,8 +1,9 @@
 """Automatic prefix caching in the continuous engine (megajax/inference/engine.py): requests that
 share a prompt prefix map its cached KV blocks and prefill only the rest, with the tokens, log
 probabilities and prompt scores of the engine without caching, bit for bit (one device, data=2 x
-tensor=4, tensor=2; a pool small enough to evict); reference counts return to zero and a block is
-shared only once fully written."""
+tensor=4, tensor=2; a pool small enough to evict; prefill calls of several shapes); reference counts
+return to zero and a block is shared only once fully written; a chat turn does not map its previous
+reply's blocks."""
 
 import queue
 
@@ -46,6 +47,8 @@ def workload(engine):
             out.append((c.completion_ids, c.scores.logprobs, c.prompt_scores.logprobs, c.prompt_scores.top))
     for c in run(engine, prompts, 5):
         out.append((c.completion_ids, c.scores.logprobs))
+    for c in run(engine, prompts + [[t + 1 for t in p] for p in prompts], 2):  # 8 at once: short pieces share calls
+        out.append((c.completion_ids, c.scores.logprobs))
     chat = list(CONTEXT_TOKENS[:9])
     for turn in range(3):
         [c] = run(engine, [chat], 4)
@@ -64,12 +67,16 @@ def compare(gen, **sizes):
     """(the workload with caching, without, the caching engine's stats)."""
     results = {}
     for caching in (True, False):
-        engine = Engine(gen, 3, block_size=4, prefill_chunk=8, prefix_caching=caching, **sizes)
+        engine = Engine(gen, 8, block_size=4, prefill_chunk=8, prefill_rows=1, prefix_caching=caching, **sizes)
         try:
+            # prefill programs of 1 x 8 ... 8 x 1 tokens (data=2: 2 x 8 ... 8 x 2; data=4: 4 x 8, 8 x 4): short
+            # pieces share calls
+            assert [r * c for r, c in engine.shapes] == [8 * gen.data_parallel] * (4 - gen.data_parallel // 2)
             results[caching] = workload(engine)
             check_idle(engine)
             results[caching, "stats"] = engine.stats()
             results[caching, "evicted"] = engine.pool.evicted
+            results[caching, "shapes"] = set(engine.prefill_calls)
         finally:
             engine.close()
     return results
@@ -85,6 +92,7 @@ def test_cached_prefixes_give_the_uncached_tokens_and_scores_bit_for_bit(model):
     cfg, params = model
     r = compare(Generator(cfg.model, params, eod_id=None), num_blocks=40)
     assert r[True] == r[False]
+    assert len(r[True, "shapes"]) > 1 and len(r[False, "shapes"]) > 1  # the smaller chunks were used
     on, off = r[True, "stats"], r[False, "stats"]
     # 4 + 4 + 4 choices share 5 blocks (20 tokens) of context: after the first, the rest of each
     # question's choices hit them (they wait for the first one's blocks); chat turns hit their history
@@ -111,6 +119,7 @@ def test_on_the_mesh_cached_prefixes_give_the_uncached_outputs_bit_for_bit(model
     gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded), rules=make_rules(sharded).activations)
     r = compare(gen, num_blocks=40)
     assert r[True] == r[False] and r[True, "stats"]["prefix_cache_hits"] > 0
+    assert len(r[True, "shapes"]) > 1  # with caching, the tails took smaller chunks than without
 
 
 def test_a_block_is_shared_only_once_written_and_identical_prompts_wait_for_it(model):
@@ -171,3 +180,30 @@ def test_serve_flag_turns_prefix_caching_on_and_off():
     assert parse_args(["serve", "--checkpoint", "x"]).enable_prefix_caching is True  # the default: on
     assert parse_args(["serve", "--checkpoint", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parse_args(["serve", "--checkpoint", "x", "--enable-prefix-caching"]).enable_prefix_caching is True
+
+
+def test_a_chat_turn_maps_its_history_up_to_the_previous_reply(model):
+    """Each turn resends the conversation (prompt + reply + 3 tokens): it maps the blocks of the previous
+    prompt, not those of the reply (the decode steps wrote their k/v: a prefill of the same tokens gives other
+    last bits), and its tokens and log probabilities equal those without caching bit for bit (decode
+    programs of 3 rows, prefill programs of 3 x 16 tokens and smaller chunks; on tensor=2, where the numbers
+    are the most sensitive to the shapes)."""
+    cfg, params = model
+    sharded = load_config(base=cfg.to_dict(), overrides=["mesh.tensor=2"])
+    gen = Generator(cfg.model, params, eod_id=None, mesh=make_mesh(sharded), rules=make_rules(sharded).activations)
+    out = {}
+    for caching in (True, False):
+        engine = Engine(gen, 3, block_size=4, num_blocks=30, prefill_chunk=16, prefix_caching=caching)
+        try:
+            chat, turns = list(range(20, 30)), []
+            for turn in range(3):
+                [c] = run(engine, [chat], 7)
+                turns.append((c.completion_ids, c.scores.logprobs, engine.stats()["prefix_cache_hits"]))
+                chat = chat + c.completion_ids + [5, 6, 7]
+            check_idle(engine)
+        finally:
+            engine.close()
+        out[caching] = turns
+    assert [t[:2] for t in out[True]] == [t[:2] for t in out[False]]
+    # turn 2 (20 tokens) maps the 2 full blocks of turn 1's 10-token prompt; turn 3 (30 tokens) turn 2's 5
+    assert [t[2] for t in out[True]] == [0, 8, 8 + 20]

@@ -93,7 +93,8 @@ class MergedSource:
         self.model = dataclasses.replace(base.model, lora=None)
         self.step_dir = getattr(base, "step_dir", None)
         self.kernels = kernel_adapters(adapters, self.model)
-        missing = sorted(set(self.kernels) - set(base.names()))
+        self.trained = trained_beside(adapters)  # a vision-language model's projector (encoder): in place of the base's
+        missing = sorted((set(self.kernels) | set(self.trained)) - set(base.names()))
         if missing:
             raise CheckpointError(f"the adapters belong to kernels the base model lacks: {', '.join(missing[:4])}.")
 
@@ -107,6 +108,9 @@ class MergedSource:
         return self.base.stored(key)
 
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
+        if name in self.trained:
+            w = self.trained[name]
+            return w if layer is None else w[layer]
         w = self.base.get(name, layer)
         if name not in self.kernels:
             return w
@@ -118,8 +122,17 @@ class MergedSource:
 
 
 def read_adapters(source) -> dict[str, np.ndarray]:
-    """Every adapter array of a LoRA checkpoint (a CheckpointSource of its parameters), whole."""
-    return {name: source.get(name) for name in source.names() if name.endswith(("/a", "/b"))}
+    """Every parameter of a LoRA checkpoint (a CheckpointSource of its parameters), whole: the adapters, and
+    what trained beside them (a vision-language model's projector, its encoder unless frozen; `trained_beside`)."""
+    from megajax.models.trainable import frozen_parameters
+    frozen = frozen_parameters(source.model)
+    return {name: source.get(name) for name in source.names() if not frozen(name)}
+
+
+def trained_beside(adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The parameters of a LoRA checkpoint that are not adapters: they replace the base's (trainable.py)."""
+    from megajax.models.lora import is_adapter
+    return {name: x for name, x in adapters.items() if not is_adapter(tuple(name.split("/")))}
 
 
 # ----------------------------------------------------------------------------
@@ -155,6 +168,11 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     from megajax.checkpoint.dtypes import numpy_dtype
     from megajax.checkpoint.hf import _write_json, _write_safetensors
     from megajax.checkpoint.mapping import Part
+    if m.vision is not None:
+        raise CheckpointError("model.vision: the adapters of a vision-language model are not exported in PEFT's "
+                              "format (its projector trains beside them, which a PEFT LoRA adapter of transformers' "
+                              "LLaVA would carry as modules_to_save; not written); export the merged model "
+                              "(export --format hf --merge-lora).")
     experts = sorted(k for k in adapters if "/experts_fc" in k)
     if experts:
         raise CheckpointError(f"model.lora.targets holds experts (the routed experts' adapters, {experts[0]}, ...): "
@@ -356,6 +374,7 @@ def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:
     import jax
     lora, adapters = load_adapter(path, m)
     kernels = kernel_adapters(adapters, m)
+    trained = trained_beside(adapters)
     scale = lora.alpha / lora.rank
     out = dict(params)
 
@@ -370,9 +389,16 @@ def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:
         new = np.stack([host[i] + delta(a[i], b[i], scale, host.shape[1:]) for i in range(host.shape[0])])
         return jax.device_put(new.astype(w.dtype), w.sharding)
 
-    for name in kernels:
+    def replaced(w):
+        x = trained[name]
+        if x.shape != w.shape:
+            raise CheckpointError(f"--adapter {path}: {name} has shape {list(x.shape)}, the base model's "
+                                  f"{list(w.shape)}.")
+        return jax.device_put(x.astype(w.dtype), w.sharding)
+
+    for name in [*kernels, *trained]:
         try:
-            out = put(out, name.split("/"), merged)
+            out = put(out, name.split("/"), merged if name in kernels else replaced)
         except KeyError:
             raise CheckpointError(f"--adapter {path}: adapts {name}, which the base model lacks.") from None
     return out, (f"LoRA adapters from {path} merged in (rank {lora.rank}, alpha {lora.alpha:g}, "

@@ -1,7 +1,7 @@
 """Continuous batching over a paged KV cache: sequences join the running batch at the next step and
 leave when they end.
 
-    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows)
+    Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows, prefill_shapes)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
       .ready          both programs compiled (the engine's thread compiles them at start)
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total, kv_blocks_cached, prefix_cache_queries,
@@ -23,11 +23,14 @@ preempted); its blocks go back to the pool the moment it ends, is stopped or is 
 
 Each iteration of the engine's thread admits waiting jobs into free rows, runs one prefill chunk
 (`prefill_chunk` tokens of up to `prefill_rows` prompts, default 4 per data shard: a long prompt
-does not stall the running decodes, and many arriving prompts start within a few iterations), then
+does not stall the running decodes, and many arriving prompts start within a few iterations; or, when
+that prefills more prompt tokens, half (a quarter, an eighth of) the chunk of twice (4x, 8x) the
+prompts, up to the rows: the same token count, so the same matrix products and the same numbers for
+every position, and short pieces such as the rest of a prompt after a cached prefix share a call), then
 `decode_steps` decode steps for every decoding row in one program call (one host round trip per
 few tokens; a row stops at its end-of-document or budget on the device), hands out the new tokens
 (streaming jobs get a piece per step), checks stop callbacks (tokens past a stop are dropped), and
-frees finished rows. Both programs have fixed shapes (max_batch rows, the chunk length,
+frees finished rows. The programs have fixed shapes (max_batch rows, the prefill shapes,
 context / block_size table entries) and are compiled once, before `ready`: a new prompt length
 never compiles while clients wait.
 
@@ -55,7 +58,9 @@ waits for it. Blocks are reference-counted; an unreferenced cached block counts 
 taken back, least recently used first, when the free list is empty (`BlockPool`). A sequence that
 scores its prompt reuses the cached blocks' scores and recomputes the prefix's last position without
 rewriting its k/v. Not for requests with images, nor for models with Mamba layers (a row's state
-after a prefix is not per block). Outputs equal those without caching, bit for bit.
+after a prefix is not per block), nor for the blocks of generated tokens (the decode steps wrote
+their k/v, which differ from a prefill's of the same tokens in the last bits). Outputs equal those
+without caching, bit for bit.
 
 Events and Completions are the static Batcher's (megajax/inference/batcher.py), so the HTTP
 layers do not know which batcher runs; the observer (megajax/inference/observer.py) hears the same
@@ -92,6 +97,7 @@ from megajax.models.mamba import MambaSlots, MambaState
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_PREFILL_CHUNK = 128
 DEFAULT_PREFILL_ROWS_PER_SHARD = 4  # prompts per prefill call and data shard (--prefill-rows default)
+PREFILL_SHAPES = 4  # prefill programs at most: the chunk, its half, quarter and eighth (with 2, 4, 8 x the rows)
 
 
 class BlockPool:
@@ -237,7 +243,7 @@ class Engine:
     def __init__(self, generator: Generator, max_batch: int = 8, *, block_size: int = DEFAULT_BLOCK_SIZE,
                  num_blocks: int | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  prefill_rows: int | None = None, decode_steps: int = 8, attention_blocks: int | None = 4,
-                 prefix_caching: bool = True, observer: Observer | None = None, quiet: bool = True):
+                 prefix_caching: bool = True, prefill_shapes: int = PREFILL_SHAPES, observer: Observer | None = None, quiet: bool = True):
         g = generator
         if not g.layer_buffers:
             raise ValueError("the continuous engine runs a Generator with per-layer buffers (layer_buffers=True)")
@@ -257,6 +263,12 @@ class Engine:
         # prompts advanced by one chunk per iteration: a multiple of the data-parallel size, at most the rows
         wanted = prefill_rows if prefill_rows is not None else DEFAULT_PREFILL_ROWS_PER_SHARD * dp
         self.prefill_rows = min(-(-wanted // dp) * dp, self.rows)
+        # the prefill program's shapes (rows, chunk): prefill_rows x chunk, and twice (4x, 8x) the rows of half
+        # (a quarter, an eighth of) the chunk while they fit the rows: one program each, all of prefill_rows x
+        # chunk tokens (the same matrix products: a position's numbers do not depend on the shape). Short
+        # pieces (a prompt's tail, the rest after a cached prefix) of many prompts share one call.
+        self.shapes = [(self.prefill_rows * 2 ** i, self.chunk // 2 ** i) for i in range(prefill_shapes)
+                       if self.chunk % 2 ** i == 0 and self.prefill_rows * 2 ** i <= self.rows]
         self.pool = BlockPool(self.num_blocks, block_size)
         # Prefix caching: not for a model with Mamba layers (a row's state after a prefix is not kept per block)
         self.mamba = any(isinstance(jax.eval_shape(lambda layer=layer: layer.empty_pool("k", 1, 1, g.dtype)), MambaState)
@@ -264,6 +276,7 @@ class Engine:
         self.prefix_caching = prefix_caching and not self.mamba
         self.prefix_queries = self.prefix_hits = 0  # prompt tokens looked up in the prefix cache, and found there
         self.prefill_tokens = 0  # prompt tokens prefilled (computed) so far
+        self.prefill_calls: collections.Counter = collections.Counter()  # prefill calls so far, by shape
         self.batches = 0  # engine iterations run so far
         self.sequences = 0  # sequences ended so far
         self.compile_s: float | None = None  # seconds the two programs took to compile (None: not yet)
@@ -451,15 +464,17 @@ class Engine:
         self._pools_k, self._pools_v = pools
         prefill = jax.jit(self._prefill_fn, donate_argnums=(1, 2), out_shardings=out)
         decode = jax.jit(self._decode_fn, donate_argnums=(1, 2), out_shardings=out)
-        self._prefill = prefill.lower(g.params, self._pools_k, self._pools_v, *self._prefill_inputs([])).compile()
+        self._prefill = {shape: prefill.lower(g.params, self._pools_k, self._pools_v,
+                                              *self._prefill_inputs([], shape)).compile() for shape in self.shapes}
         self._decode = decode.lower(g.params, self._pools_k, self._pools_v, *self._decode_inputs([])).compile()
         v = g.model.vision
         if v is not None:  # the encoder's program for one image (a request's images go one at a time)
             g.image_features(np.zeros((1, v.image_size, v.image_size, 3), np.float32))
         self.compile_s = time.perf_counter() - t0
         if not self.quiet:
-            print(f"megajax serve: continuous batching compiled its prefill-chunk program ({self.prefill_rows} x "
-                  f"{self.chunk} tokens) and decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
+            shapes = ", ".join(f"{r} x {c}" for r, c in self.shapes)
+            print(f"megajax serve: continuous batching compiled its prefill-chunk programs ({shapes} tokens) and "
+                  f"decode-step program ({self.rows} rows) in {self.compile_s:.1f} s; "
                   f"KV pool {self.num_blocks} blocks x {self.block_size} positions; {self._caching_text()}",
                   file=sys.stderr, flush=True)
 
@@ -494,8 +509,16 @@ class Engine:
             keys[i] = seed_key_data(s.seed)
         return [temperature, top_k, top_p, keys, presence, frequency]
 
-    def _prefill_inputs(self, seqs: list[_Sequence]) -> tuple:
-        r, c = self.prefill_rows, self.chunk
+    def _prefill_shape(self, seqs: list[_Sequence]) -> tuple[int, int]:
+        """The prefill shape (rows, chunk) that prefills the most prompt tokens of `seqs` (first come first
+        served) in one call; the longer chunk of two that prefill as many."""
+        def tokens(shape):
+            r, c = shape
+            return sum(min(c, len(s.job.prompt_ids) - s.prefilled) for s in seqs[:r])
+        return max(self.shapes, key=tokens)
+
+    def _prefill_inputs(self, seqs: list[_Sequence], shape: tuple[int, int]) -> tuple:
+        r, c = shape
         tokens, targets = np.zeros((r, c), np.int32), np.zeros((r, c), np.int32)
         start, length, write_from = np.zeros((r,), np.int32), np.zeros((r,), np.int32), np.zeros((r,), np.int32)
         for i, s in enumerate(seqs):
@@ -584,7 +607,8 @@ class Engine:
         self._admit()
         prefilling = sorted((s for s in self._running.values() if not s.decoding), key=lambda s: s.job.submitted)
         if prefilling:
-            self._prefill_chunk(prefilling[:self.prefill_rows])
+            shape = self._prefill_shape(prefilling)
+            self._prefill_chunk(prefilling[:shape[0]], shape)
         decoding = [s for s in self._running.values() if s.decoding and s.tokens]
         if decoding:
             self._decode_step(decoding)
@@ -678,13 +702,15 @@ class Engine:
                 self.pool.cache(s.blocks[i], s.hashes[i], scores)
             s.cached += 1
 
-    def _prefill_chunk(self, seqs: list[_Sequence]) -> None:
-        self._pools_k, self._pools_v, out = self._prefill(self.generator.params, self._pools_k, self._pools_v,
-                                                          *self._prefill_inputs(seqs))
+    def _prefill_chunk(self, seqs: list[_Sequence], shape: tuple[int, int]) -> None:
+        c = shape[1]
+        self.prefill_calls[shape] += 1
+        self._pools_k, self._pools_v, out = self._prefill[shape](self.generator.params, self._pools_k,
+                                                                 self._pools_v, *self._prefill_inputs(seqs, shape))
         first, lp, top_ids, top_lp, p_lp, p_ids, p_top = jax.device_get(out)
         for i, s in enumerate(seqs):
             job, prompt = s.job, s.job.prompt_ids
-            start, length = s.prefilled, min(self.chunk, len(prompt) - s.prefilled)
+            start, length = s.prefilled, min(c, len(prompt) - s.prefilled)
             if job.score_prompt:  # position j predicts prompt token j + 1
                 for j in range(min(length, len(prompt) - 1 - start)):
                     s.prompt_logprobs.append(float(p_lp[i, j]))

@@ -19,7 +19,8 @@ projection's: one A for q, k and v, one B laid out as the fused kernel), `gate_u
 `in_proj_lora` (a Mamba-2 mixer's in_proj: one A, one B [r, groups, z | x | B | C | dt] laid out as
 its fused kernel, split over tensor by groups like it; megajax/models/mamba.py),
 `experts_fc1_lora` and `experts_fc2_lora` (a mixture of experts' routed experts, `ExpertLoRA`); their
-leaves are `a` and `b`. `split_trainable` separates them from the frozen rest of a parameter tree.
+leaves are `a` and `b`. With adapters everything else but a vision-language model's projector (and its
+encoder unless model.vision.freeze) is frozen (megajax/models/trainable.py).
 """
 
 from __future__ import annotations
@@ -107,37 +108,3 @@ def is_adapter(path: tuple) -> bool:
     """Whether a parameter path (of key names) is an adapter's A or B."""
     names = [str(getattr(k, "key", k)) for k in path]
     return len(names) >= 2 and names[-2] in ADAPTER_MODULES and names[-1] in ("a", "b")
-
-
-def _flat(tree: dict, prefix: tuple = ()) -> dict:
-    out = {}
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, prefix + (k,)))
-        else:
-            out[prefix + (k,)] = v
-    return out
-
-
-def _nest(flat: dict) -> dict:
-    out: dict = {}
-    for path, v in flat.items():
-        node = out
-        for k in path[:-1]:
-            node = node.setdefault(k, {})
-        node[path[-1]] = v
-    return out
-
-
-def split_trainable(params: dict) -> tuple[dict, dict]:
-    """(the adapters, the frozen rest) of a nested parameter dict."""
-    flat = _flat(params)
-    return (_nest({p: v for p, v in flat.items() if is_adapter(p)}),
-            _nest({p: v for p, v in flat.items() if not is_adapter(p)}))
-
-
-def join(frozen: dict | None, trainable: dict) -> dict:
-    """split_trainable undone: one nested parameter dict."""
-    if not frozen:
-        return trainable
-    return _nest({**_flat(frozen), **_flat(trainable)})

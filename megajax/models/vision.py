@@ -284,24 +284,6 @@ def check_image_tokens(tokens, images, v: VisionConfig) -> None:
                         f"image_seq_length={v.image_seq_length} times per image.")
 
 
-def frozen_parameters(m: ModelConfig) -> Callable[[str], bool] | None:
-    """Which parameters ('/'-joined paths) take no gradient and no optimizer state:
-    model.vision.freeze the encoder's, model.freeze_language_model the language model's; None: none."""
-    v = m.vision
-    freeze_vision = v is not None and v.freeze
-    if not (freeze_vision or m.freeze_language_model):
-        return None
-
-    def frozen(path: str) -> bool:
-        if path.startswith("vision/"):
-            return freeze_vision
-        if path.startswith("projector/"):
-            return False
-        return m.freeze_language_model
-
-    return frozen
-
-
 def build_model(cfg: ModelConfig, **kwargs) -> Transformer:
     """The model of `cfg`: a VisionLanguageModel with model.vision, else a Transformer."""
     if cfg.vision is None:

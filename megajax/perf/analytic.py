@@ -85,7 +85,7 @@ import jax
 from megajax.checkpoint.source import flatten
 from megajax.config import expert_tensor_folded, moe_token_dispatcher
 from megajax.mesh import Rules, logical_to_spec
-from megajax.models.vision import frozen_parameters
+from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
@@ -104,7 +104,7 @@ def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
 def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_opt: Rules,
                 sizes: dict[str, int], frozen=None) -> dict[str, int]:
     """Per-device bytes of parameters, gradients and Adam state (all fp32); `frozen` (a predicate over
-    parameter names, megajax.models.vision.frozen_parameters) names parameters without Adam state."""
+    parameter names, megajax.models.trainable.frozen_in_state) names parameters without Adam state."""
     shapes = dict(flatten(abstract_params))
     params = opt = 0
     for name, names in flatten(axes):
@@ -486,7 +486,7 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
     est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
-                         frozen_parameters(plan.cfg.model)),
+                         frozen_in_state(plan.cfg.model)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
     if getattr(spec, "frozen_axes", None) is not None:  # model.lora: the frozen base, no gradient, no Adam state

@@ -15,7 +15,7 @@ from flax import struct
 
 from megajax.config import Config
 from megajax.models.moe import router_losses
-from megajax.models.vision import frozen_parameters
+from megajax.models.trainable import frozen_in_state
 from megajax.models.transformer import shift_left
 from megajax.precision.fp8 import with_scales
 from megajax.train.state import ModelSpec, TrainState
@@ -118,7 +118,7 @@ def microbatch_loss(cfg: Config) -> Callable:
     moe = cfg.model.num_experts > 0
     depths = cfg.model.mtp_num_layers
 
-    frozen_path = frozen_parameters(cfg.model)
+    frozen_path = frozen_in_state(cfg.model)  # model.vision.freeze's, model.freeze_language_model's
 
     def loss_fn(model: ModelSpec, params, fp8_scales, micro, rng, inputs: StepInputs, fp8, expert_bias, frozen=None):
         fp8 = None if fp8 is None else with_scales(fp8, fp8_scales)

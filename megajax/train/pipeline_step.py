@@ -26,9 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_without, tree_specs
 from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
-from megajax.models.lora import join
 from megajax.models.moe import router_losses
-from megajax.models.vision import frozen_parameters
+from megajax.models.trainable import frozen_in_state, join
 from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
@@ -163,7 +162,7 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
     ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
-    frozen = frozen_parameters(cfg.model)  # model.vision.freeze's, model.freeze_language_model's
+    frozen = frozen_in_state(cfg.model)  # model.vision.freeze's, model.freeze_language_model's
     if frozen is not None:
         frozen_paths |= {p for p in flatten_dict(spec.axes) if frozen("/".join(p))}
     history = {} if spec.abstract_fp8 is None else flatten_dict(spec.abstract_fp8)

@@ -31,7 +31,7 @@ from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
-from megajax.models.vision import frozen_parameters
+from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.plan import BatchLayout, RunPlan, make_plan
@@ -148,7 +148,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_parameters(cfg.model))
+    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_in_state(cfg.model))
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
                         lambda: initial_expert_bias(cfg.model), spec.split)

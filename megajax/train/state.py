@@ -33,7 +33,7 @@ from megajax.models.layout import has_expert_bias
 from megajax.errors import ConfigError
 from megajax.models.attention import BLOCK_ATTENTION, make_attention_core
 from megajax.models.layers import LinearOps, flat_dot_general
-from megajax.models.lora import join, split_trainable
+from megajax.models.trainable import frozen_parameters, join, split_frozen
 from megajax.models.transformer import shift_left
 from megajax.parallel.context import (context_parallel_attention, mamba_context, sequence_shift, sharded_attention,
                                       sharded_ssd)
@@ -72,13 +72,14 @@ class ModelSpec:
     # Multi-token prediction's shift along the sequence for this layout (the model's, for its labels).
     sequence_shift: Callable = shift_left
     # model.lora: the frozen parameters' axes and shapes (`axes` and `abstract_params` are then the
-    # adapters'); None without adapters.
+    # trainable ones': the adapters, a vision-language model's projector ...); None without adapters.
     frozen_axes: dict | None = None
     abstract_frozen: dict | None = None
+    frozen_path: Callable[[str], bool] | None = None  # with frozen_axes: which paths they are (trainable.py)
 
     def split(self, params: dict) -> tuple[dict, dict | None]:
         """(trainable, frozen) parts of a whole parameter tree: (params, None) without adapters."""
-        return (params, None) if self.frozen_axes is None else split_trainable(params)
+        return (params, None) if self.frozen_axes is None else split_frozen(params, self.frozen_path)
 
     def apply(self, params: dict, *args, fp8: dict | None = None, frozen: dict | None = None, **kwargs) -> jax.Array:
         """The model on `params` (and, with FP8 scaling state, `fp8`; a fresh state when None); with
@@ -187,12 +188,14 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     graphdef, abstract_params, abstract_fp8 = nnx.split(abstract, nnx.Param, Fp8Meta)
     abstract_fp8 = nnx.to_pure_dict(abstract_fp8)
     axes, abstract_params = param_axes(abstract), nnx.to_pure_dict(abstract_params)
-    frozen_axes = abstract_frozen = None
-    if cfg.model.lora is not None:
-        (axes, frozen_axes), (abstract_params, abstract_frozen) = split_trainable(axes), split_trainable(abstract_params)
+    frozen_axes = abstract_frozen = frozen = None
+    if cfg.model.lora is not None:  # the frozen base outside the train state (megajax/models/trainable.py)
+        frozen = frozen_parameters(cfg.model)
+        (axes, frozen_axes), (abstract_params, abstract_frozen) = (split_frozen(axes, frozen),
+                                                                   split_frozen(abstract_params, frozen))
     spec = ModelSpec(graphdef=graphdef, axes=axes, abstract_params=abstract_params,
                      abstract_fp8=abstract_fp8 or None, sequence_shift=shift, frozen_axes=frozen_axes,
-                     abstract_frozen=abstract_frozen)
+                     abstract_frozen=abstract_frozen, frozen_path=frozen)
     # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
     assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves((spec.abstract_params, abstract_frozen))), policy
 
