@@ -84,7 +84,7 @@ def test_hybrid_fp8_products_track_one_device(small_config):
 @pytest.mark.parametrize("overrides,match", [
     (["model.hybrid_layer_pattern=M*X-"], r"model.hybrid_layer_pattern = 'M\*X-': unknown symbol\(s\) 'X'"),
     (["model.hybrid_layer_pattern=M*M-", "model.num_layers=6"], r"model.num_layers = 6 contradicts .* 4 layers"),
-    (["model.hybrid_layer_pattern=M*|M-"], r"its pipeline stages \['M\*', 'M-'\] differ"),
+    (["model.hybrid_layer_pattern=M*-E|"], r"'M\*-E\|' has a pipeline stage without layers"),
     (["model.hybrid_layer_pattern=M*ME", "model.num_experts=0"], r"has mixture-of-experts layers \(E\) and "
                                                                  r"model.num_experts = 0"),
     (["model.mamba_num_groups=3"], r"model.mamba_num_groups = 3 does not divide model.mamba_num_heads = 16"),
@@ -99,6 +99,9 @@ def test_a_wrong_hybrid_config_is_one_error_naming_the_key(small_config, overrid
 @pytest.mark.parametrize("overrides,match", [
     (["model.hybrid_layer_pattern=M*-E|M*-E", "mesh.pipeline=4", "mesh.data=2"],
      r"marks 2 pipeline stages \('\|'\) but this run has mesh.pipeline=4"),
+    (["model.hybrid_layer_pattern=M*-EM*|-E", "mesh.pipeline=2", "mesh.data=4"],
+     r"marks pipeline stages \['M\*-EM\*', '-E'\] that differ, and mesh.pipeline=2 .* every stage must hold the "
+     r"same layers"),
     (["mesh.pipeline=4", "mesh.data=2"], r"is 2 repeat\(s\) of 'M\*-E', .* mesh.pipeline=4 x "
                                          r"parallel.virtual_stages=1 must divide 2; accepted mesh.pipeline: 1, 2"),
     (["mesh.context=8", "mesh.data=1", "model.mamba_num_heads=4", "model.mamba_num_groups=1"],
@@ -109,6 +112,17 @@ def test_a_layout_the_pattern_cannot_take_is_refused_before_compiling(small_conf
     from megajax.plan import make_plan
     with pytest.raises(MeshError, match=match):
         make_plan(small_config(*HYBRID, "train.micro_batch=1", *overrides), 8)
+
+
+def test_stage_boundaries_are_ignored_without_pipeline_parallelism(small_config):
+    """A pattern whose '|' stages differ (a Megatron run's irregular stages) plans on any layout without
+    pipeline parallelism, its layers those of the pattern without the '|'; with pipeline stages it is
+    refused above."""
+    from megajax.plan import make_plan
+    cfg = small_config(*HYBRID, "model.hybrid_layer_pattern=M*-EM*|-E", "mesh.tensor=2", "mesh.data=4")
+    assert cfg.model.hybrid_pattern() == "M*-EM*-E" and cfg.model.hybrid_group() == "M*-E"
+    assert cfg.model.num_layers == 8
+    make_plan(cfg, 8)
 
 
 def test_mfu_counts_the_ssd_and_the_attention_layers_only():
