@@ -206,6 +206,34 @@ def test_engine_equals_the_generator(name):
         engine.close()
 
 
+def test_generation_and_the_engine_on_data_4_tensor_2_equal_one_device(tmp_path):
+    """The hybrid's checkpoint saved with mesh.tensor=2 and loaded as `megajax generate` loads it: on
+    data 4 x tensor 2 (each Mamba state's heads and groups split over `tensor` like the mixer's
+    weights) the Generator's greedy tokens and the continuous engine's (paged attention KV, per-row
+    Mamba states, chunked prefill) equal one device's."""
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.inference.load import find_source, generation_config, load_model
+    cfg, _, params = model("hybrid")
+    out = tmp_path / "run"
+    write_params_checkpoint(params, load_config(base=cfg.to_dict(), overrides=["mesh.tensor=2"]), out)
+    source = find_source(str(out), None)
+    one = load_model(generation_config(source, []), source, devices=jax.devices()[:1])
+    sharded = load_model(generation_config(source, ["mesh.data=4", "mesh.tensor=2"]), source, user_mesh=True)
+    assert sharded.mesh_text == "data=4 x tensor=2"
+    want = [c.completion_ids for c in one.generator.generate(PROMPTS, Sampling(), 10)[0]]
+    assert [c.completion_ids for c in sharded.generator.generate(PROMPTS, Sampling(), 10)[0]] == want
+    state = sharded.generator.start(PROMPTS, [Sampling()] * 4, [4] * 4)
+    mamba = state.cache_k[0]
+    assert isinstance(mamba, MambaState)
+    for leaf, dim in zip(mamba, (2, 2, 2, 1)):  # conv_x [B, K-1, heads, p], conv_B/C [.., groups, n], ssm [B, heads, ..]
+        assert leaf.sharding.spec[dim] == "tensor", leaf.sharding.spec
+    engine = Engine(sharded.generator, 3, block_size=4, num_blocks=16, prefill_chunk=8)
+    try:
+        assert run(engine, list(PROMPTS), 10) == want
+    finally:
+        engine.close()
+
+
 # ------------------------------------------------------------------ the generate command
 
 
