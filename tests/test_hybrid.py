@@ -82,11 +82,12 @@ def _fp8_one_device(small_config, steps):
 # and every product's amaxes and scales, and the scaling state identical on every replica. A layout
 # changes bf16 roundings (a row-parallel sum's order, a gathered or split product), an input's e4m3
 # or a gradient's e5m2 rounding flips with them, and Adam's first update (each gradient entry's sign
-# times the learning rate) passes the flips on, so from step 2 on FP8 runs of the same model differ
-# by layout more than bf16 ones. The hybrid differs as a transformer does (measured, loss and grad
-# norm over 4 steps, the worst step): tensor 2 x expert 2 x data 2: 6.7e-4 and 1.4 % (an MoE
-# transformer of 4 layers: 5.6e-4, 0.9 %); data 8: 8.1e-4, 0.4 %; tensor 2 + SP x data 4, a
-# Mamba + attention hybrid: 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %). On tensor 2 + SP x
+# times the learning rate) passes the flips on, so from step 2 on runs of the same model differ by
+# layout (bf16 ones too: a Mamba + attention hybrid in bf16 is 4.1 % off in grad norm on data 8 by
+# step 3). The hybrid differs as a transformer does (measured, loss and grad norm over 4 steps, the
+# worst step): tensor 2 x expert 2 x data 2: 6.7e-4 and 1.4 % (an MoE transformer of 4 layers:
+# 5.6e-4, 0.9 %); data 8: 8.1e-4, 0.4 %; tensor 2 + SP x data 4, a Mamba + attention hybrid:
+# 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %). On tensor 2 + SP x
 # expert 2 x data 2 the hybrid's grad norm is 2.4 % off at step 2 (an MoE transformer's 0.1 %), past
 # the 2^-6 bar, so that layout is compared at step 1 and its replicas after 3 steps; the step-1
 # amaxes and scales there are within 1.2 % and identical on every replica, so the mixers' scaling
