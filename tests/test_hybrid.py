@@ -87,11 +87,12 @@ def _fp8_one_device(small_config, steps):
 # step 3). The hybrid differs as a transformer does (measured, loss and grad norm over 4 steps, the
 # worst step): tensor 2 x expert 2 x data 2: 6.7e-4 and 1.4 % (an MoE transformer of 4 layers:
 # 5.6e-4, 0.9 %); data 8: 8.1e-4, 0.4 %; tensor 2 + SP x data 4, a Mamba + attention hybrid:
-# 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %). On tensor 2 + SP x
+# 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %) (scripts/layout_drift.py). On tensor 2 + SP x
 # expert 2 x data 2 the hybrid's grad norm is 2.4 % off at step 2 (an MoE transformer's 0.1 %), past
-# the 2^-6 bar, so that layout is compared at step 1 and its replicas after 3 steps; the step-1
-# amaxes and scales there are within 1.2 % and identical on every replica, so the mixers' scaling
-# state is reduced and held as a transformer's is.
+# the 2^-6 bar, so that layout is compared at step 1 and its replicas after 3 steps; the mixers'
+# step-1 scales there are within 1.2 % (every product's within the 2^-4 bar; the worst, 3.3 %, an
+# expert's fc1) and identical on every replica: their scaling state is reduced and held as a
+# transformer's is.
 FP8_LAYOUTS = {
     "tensor2_sp_expert2_data2": (["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.expert=2", "mesh.data=2"], 1),
     "tensor2_expert2_data2": (["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"], 3),
