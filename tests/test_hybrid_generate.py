@@ -1,8 +1,9 @@
 """Generation for hybrid Mamba-2 models: a Mamba layer's decode state skips padding (left, right, a
 finished row) exactly; cached greedy tokens equal full forward passes (per-layer and stacked caches, a
 hybrid and a pure Mamba model) and a batched prompt's equal its own; the continuous engine (paged KV for
-attention, one state per row for Mamba, chunked prefill, reused rows) equals the Generator; `megajax
-generate` on a trained hybrid checkpoint; a pure Mamba model's decode memory is flat in the length."""
+attention, one state per row for Mamba, chunked prefill, reused rows) equals the Generator; both on data
+4 x tensor 2 equal one device, with the chunked and the Pallas prefill scan; `megajax generate` on a
+trained hybrid checkpoint; a pure Mamba model's decode memory is flat in the length."""
 
 import importlib
 import json
