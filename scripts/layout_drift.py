@@ -2,9 +2,9 @@
 """How far a layout's loss and grad norm stray from one device's, step by step, for a small model in
 reduced precision: the measurements behind the hybrid's FP8 bars (docs/models.md, tests/test_hybrid.py).
 
-Trains the model --steps steps on one CPU device (the batch of 8 at once) and on each --layout (8
-simulated CPU devices, `a=b,c=d` overrides), with the FP8 tests' settings (no warmup, lr 3e-3, Adam
-eps 1e-8), and prints each layout's relative difference of loss and grad norm per step, and, with
+Trains the model --steps steps on one CPU device (the batch of 8 at once) and on each --layout
+(`a=b,c=d` overrides, on --devices of 8 simulated CPU devices), with the FP8 tests' settings (no
+warmup, lr 3e-3, Adam eps 1e-8), and prints each layout's relative difference of loss and grad norm per step, and, with
 FP8, the largest relative difference of a product's scale after step 1 and whether every replica
 holds the same scaling state.
 
@@ -13,6 +13,7 @@ holds the same scaling state.
       --layout mesh.tensor=2,mesh.expert=2,mesh.data=2 --layout mesh.data=8,train.micro_batch=1
   PYTHONPATH=. python3 scripts/layout_drift.py --model mamba-attention --precision bf16 \\
       --layout mesh.data=8,train.micro_batch=1
+  PYTHONPATH=. python3 scripts/layout_drift.py --model hybrid --devices 1 --layout mesh.data=1,train.micro_batch=4
 
 Models: `hybrid` (pattern M*-EM*-E: Mamba-2, attention, squared-ReLU MLP, 4 experts), `mamba-attention`
 (M*M*), `dense` (4 Llama layers), `dense-moe` (4 layers, every second one 4 experts top-2); all of
@@ -71,7 +72,8 @@ def main() -> int:
     ap.add_argument("--model", choices=sorted(MODELS), default="hybrid")
     ap.add_argument("--precision", choices=["fp8", "bf16", "fp32"], default="fp8")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--layout", action="append", required=True, help="overrides a=b,c=d on 8 devices")
+    ap.add_argument("--layout", action="append", required=True, help="overrides a=b,c=d on --devices devices")
+    ap.add_argument("--devices", type=int, default=8, help="devices of the layouts (1: e.g. another micro_batch)")
     args = ap.parse_args()
     from megajax.config import load_config
     run_dir = tempfile.mkdtemp()
@@ -83,7 +85,7 @@ def main() -> int:
     print(f"{args.model} {args.precision}, one device: loss {one[:, 0].round(5).tolist()} "
           f"grad norm {one[:, 1].round(5).tolist()}")
     for i, layout in enumerate(args.layout, 1):
-        got, got_fp8, final = steps_of(cfg(i, *layout.split(",")), jax.devices(), args.steps)
+        got, got_fp8, final = steps_of(cfg(i, *layout.split(",")), jax.devices()[:args.devices], args.steps)
         rel = np.abs(got / one - 1)
         print(f"{layout}\n  loss rel {' '.join(f'{v:.2e}' for v in rel[:, 0])}   "
               f"grad norm rel {' '.join(f'{v:.2e}' for v in rel[:, 1])}")

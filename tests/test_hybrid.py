@@ -84,7 +84,8 @@ def _fp8_one_device(small_config, steps):
 # or a gradient's e5m2 rounding flips with them, and Adam's first update (each gradient entry's sign
 # times the learning rate) passes the flips on, so from step 2 on runs of the same model differ by
 # layout (bf16 ones too: a Mamba + attention hybrid in bf16 is 4.1 % off in grad norm on data 8 by
-# step 3). The hybrid differs as a transformer does (measured, loss and grad norm over 4 steps, the
+# step 3), and even on one device by its microbatches (the hybrid in FP8, 2 microbatches instead of
+# 1: 1.3 % by step 3). The hybrid differs as a transformer does (measured, loss and grad norm over 4 steps, the
 # worst step): tensor 2 x expert 2 x data 2: 6.7e-4 and 1.4 % (an MoE transformer of 4 layers:
 # 5.6e-4, 0.9 %); data 8: 8.1e-4, 0.4 %; tensor 2 + SP x data 4, a Mamba + attention hybrid:
 # 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %) (scripts/layout_drift.py). On tensor 2 + SP x
