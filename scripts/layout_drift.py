@@ -13,7 +13,7 @@ holds the same scaling state.
       --layout mesh.tensor=2,mesh.expert=2,mesh.data=2 --layout mesh.data=8,train.micro_batch=1
   PYTHONPATH=. python3 scripts/layout_drift.py --model mamba-attention --precision bf16 \\
       --layout mesh.data=8,train.micro_batch=1
-  PYTHONPATH=. python3 scripts/layout_drift.py --model hybrid --devices 1 --layout mesh.data=1,train.micro_batch=4
+  PYTHONPATH=. python3 scripts/layout_drift.py --model mamba-attention --devices 1 --layout mesh.data=1,train.micro_batch=1
 
 Models: `hybrid` (pattern M*-EM*-E: Mamba-2, attention, squared-ReLU MLP, 4 experts), `mamba-attention`
 (M*M*), `dense` (4 Llama layers), `dense-moe` (4 layers, every second one 4 experts top-2); all of

@@ -78,22 +78,19 @@ def _fp8_one_device(small_config, steps):
 
 
 # FP8 (delayed scaling) for every projection of a hybrid, the Mamba mixers' fused in_proj and out_proj
-# among them, against one device, with the bars of tests/test_fp8_training.py: step 1's loss, grad norm
-# and every product's amaxes and scales, and the scaling state identical on every replica. A layout
-# changes bf16 roundings (a row-parallel sum's order, a gathered or split product), an input's e4m3
-# or a gradient's e5m2 rounding flips with them, and Adam's first update (each gradient entry's sign
-# times the learning rate) passes the flips on, so from step 2 on runs of the same model differ by
-# layout (bf16 ones too: a Mamba + attention hybrid in bf16 is 4.1 % off in grad norm on data 8 by
-# step 3), and even on one device by its microbatches (the hybrid in FP8, 2 microbatches instead of
-# 1: 1.3 % by step 3). The hybrid differs as a transformer does (measured, loss and grad norm over 4 steps, the
-# worst step): tensor 2 x expert 2 x data 2: 6.7e-4 and 1.4 % (an MoE transformer of 4 layers:
-# 5.6e-4, 0.9 %); data 8: 8.1e-4, 0.4 %; tensor 2 + SP x data 4, a Mamba + attention hybrid:
-# 1.0e-3, 0.75 % (a transformer: 1.1e-3, 1.5 %) (scripts/layout_drift.py). On tensor 2 + SP x
-# expert 2 x data 2 the hybrid's grad norm is 2.4 % off at step 2 (an MoE transformer's 0.1 %), past
-# the 2^-6 bar, so that layout is compared at step 1 and its replicas after 3 steps; the mixers'
-# step-1 scales there are within 1.2 % (every product's within the 2^-4 bar; the worst, 3.3 %, an
-# expert's fc1) and identical on every replica: their scaling state is reduced and held as a
-# transformer's is.
+# among them, against one device, with the bars of tests/test_fp8_training.py: the loss and grad norm
+# per step, step 1's amaxes and scales of every product, and the scaling state identical on every
+# replica. Past step 1 a hybrid in reduced precision is more sensitive than a transformer to where
+# roundings fall: a few weights whose summed gradient is near zero take the other sign in Adam's
+# first step. On one device, 8 microbatches instead of 1 move a Mamba + attention hybrid's grad norm
+# by 1.0 % in FP8 and 1.6 % in bf16 (a transformer's in FP8 by 0.02 %; the hybrid's in fp32 by 1e-7),
+# its FP8 scales after step 1 identical. Over 4 steps on layouts (loss, grad norm; the worst step):
+# tensor 2 x expert 2 x data 2: 6.7e-4, 1.4 % (an MoE transformer: 5.6e-4, 0.9 %); data 8: 8.1e-4,
+# 0.4 %; tensor 2 + SP x expert 2 x data 2: 3.5e-4, 2.4 % at step 2 (bf16: 0.4 %; an MoE transformer
+# in FP8: 0.1 %), past the 2^-6 bar, so that layout is compared at step 1 and its replicas after 3
+# steps. The mixers' step-1 scales there are within 1.2 % (every product's within the 2^-4 bar; the
+# worst, 3.3 %, an expert's fc1) and identical on every replica: their scaling state is reduced and
+# held as a transformer's is. (scripts/layout_drift.py measures these.)
 FP8_LAYOUTS = {
     "tensor2_sp_expert2_data2": (["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.expert=2", "mesh.data=2"], 1),
     "tensor2_expert2_data2": (["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"], 3),
