@@ -1216,12 +1216,9 @@ def validate_hybrid(cfg: Config) -> None:
         raise ConfigError(f"model.num_layers = {m.num_layers} contradicts model.hybrid_layer_pattern = {pattern!r}, "
                           f"which has {len(m.hybrid_pattern())} layers; leave num_layers unset (the pattern gives it) "
                           f"or make them agree.")
-    segments = pattern.split("|")
-    if "|" in pattern and (len(set(segments)) != 1):
-        raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r}: its pipeline stages {segments} differ; every "
-                          f"stage runs the same program over its share of the stacked layers, so the stages' "
-                          f"patterns must be equal (e.g. 'M*-E|M*-E'), or leave the '|' out and let the layers "
-                          f"split evenly.")
+    if "|" in pattern and "" in pattern.split("|"):
+        raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r} has a pipeline stage without layers ('|' at "
+                          f"an end or '||'); every stage needs at least one layer (e.g. 'M*-E|M*-E').")
     if "E" in pattern and not m.num_experts:
         raise ConfigError(f"model.hybrid_layer_pattern = {pattern!r} has mixture-of-experts layers (E) and "
                           f"model.num_experts = 0; set num_experts (and moe_router_topk).")

@@ -241,9 +241,18 @@ def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int]
 
 def validate_hybrid_stages(m, p: int, v: int) -> None:
     """A hybrid's pipeline stages hold whole repeats of its pattern's group (model.hybrid_group()), every
-    stage the same layers; a '|' in the pattern fixes the stage count."""
+    stage the same layers; a '|' in the pattern fixes the stage count, and its stages must be equal
+    (mesh.pipeline=1 ignores the '|': any placement is accepted there)."""
     pattern, group = m.hybrid_layer_pattern, m.hybrid_group()
     groups = m.num_layers // len(group)
+    stages = pattern.split("|")
+    if len(set(stages)) > 1:
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} marks pipeline stages {stages} that differ, and "
+                        f"mesh.pipeline={p} x parallel.virtual_stages={v}: the pipeline is one program that every "
+                        f"stage runs over its share of the stacked layer groups ({group!r}), so every stage must "
+                        f"hold the same layers (e.g. 'M*-E|M*-E'); leave the '|' out to split the pattern's "
+                        f"repeats evenly, or run without pipeline parallelism (mesh.pipeline=1 reads any '|' and "
+                        f"ignores it).")
     if "|" in pattern and pattern.count("|") + 1 != p * v:
         raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} marks {pattern.count('|') + 1} pipeline stages "
                         f"('|') but this run has mesh.pipeline={p} x parallel.virtual_stages={v} = {p * v}; make them "

@@ -1,9 +1,11 @@
 """Generation for hybrid Mamba-2 models: a Mamba layer's decode state skips padding (left, right, a
 finished row) exactly; cached greedy tokens equal full forward passes (per-layer and stacked caches, a
 hybrid and a pure Mamba model) and a batched prompt's equal its own; the continuous engine (paged KV for
-attention, one state per row for Mamba, chunked prefill, reused rows) equals the Generator; `megajax
-generate` on a trained hybrid checkpoint; a pure Mamba model's decode memory is flat in the length."""
+attention, one state per row for Mamba, chunked prefill, reused rows) equals the Generator; both on data
+4 x tensor 2 equal one device, with the chunked and the Pallas prefill scan; `megajax generate` on a
+trained hybrid checkpoint; a pure Mamba model's decode memory is flat in the length."""
 
+import importlib
 import json
 import queue
 
@@ -202,6 +204,58 @@ def test_engine_equals_the_generator(name):
         # a Mamba layer's state after a prefix is per row, not per block: no prefix caching
         assert not engine.prefix_caching and engine.stats()["prefix_cache_queries"] == 0
         assert "prefix caching off: the model has Mamba layers" in engine._caching_text()
+    finally:
+        engine.close()
+
+
+def test_generation_and_the_engine_on_data_4_tensor_2_equal_one_device(tmp_path, monkeypatch):
+    """The hybrid's checkpoint saved with mesh.tensor=2 and loaded as `megajax generate` loads it: on
+    data 4 x tensor 2 (each Mamba state's heads and groups split over `tensor` like the mixer's
+    weights) the Generator's greedy tokens and the continuous engine's (paged attention KV, per-row
+    Mamba states, chunked prefill) equal one device's; so do they with model.mamba_ssd_impl=pallas,
+    whose prefills (and prefill chunks, from the carried state) run the Pallas scan per shard (taken
+    here as on a GPU, the kernels interpreted on CPU)."""
+    from functools import partial
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.inference import generate as generate_module
+    from megajax.inference.load import find_source, generation_config, load_model
+    cfg, _, params = model("hybrid")
+    out = tmp_path / "run"
+    write_params_checkpoint(params, load_config(base=cfg.to_dict(), overrides=["mesh.tensor=2"]), out)
+    source = find_source(str(out), None)
+    one = load_model(generation_config(source, []), source, devices=jax.devices()[:1])
+    sharded = load_model(generation_config(source, ["mesh.data=4", "mesh.tensor=2"]), source, user_mesh=True)
+    assert sharded.mesh_text == "data=4 x tensor=2"
+    want = [c.completion_ids for c in one.generator.generate(PROMPTS, Sampling(), 10)[0]]
+    assert [c.completion_ids for c in sharded.generator.generate(PROMPTS, Sampling(), 10)[0]] == want
+    state = sharded.generator.start(PROMPTS, [Sampling()] * 4, [4] * 4)
+    mamba = state.cache_k[0]
+    assert isinstance(mamba, MambaState)
+    for leaf, dim in zip(mamba, (2, 2, 2, 1)):  # conv_x [B, K-1, heads, p], conv_B/C [.., groups, n], ssm [B, heads, ..]
+        assert leaf.sharding.spec[dim] == "tensor", leaf.sharding.spec
+    engine = Engine(sharded.generator, 3, block_size=4, num_blocks=16, prefill_chunk=8)
+    try:
+        assert run(engine, list(PROMPTS), 10) == want
+    finally:
+        engine.close()
+    kernels = importlib.import_module("pallas_kernels.ssd")  # the module (the package exports its ssd)
+    calls = []
+
+    def counted(*args, **kwargs):  # the kernels' scan, counting the prefills it traces from a carried state
+        calls.append(kwargs["initial_state"].shape)
+        return kernel_ssd(*args, **kwargs)
+    kernel_ssd = kernels.ssd
+    monkeypatch.setattr(kernels, "ssd", counted)
+    monkeypatch.setattr(generate_module, "generation_ssd", partial(generate_module.generation_ssd, platform="gpu"))
+    pallas = load_model(generation_config(source, ["mesh.data=4", "mesh.tensor=2", "model.mamba_ssd_impl=pallas",
+                                                   "model.mamba_chunk_size=16"]), source, user_mesh=True)
+    assert pallas.generator.graphdef != sharded.generator.graphdef  # the model holds the kernels' scan
+    assert [c.completion_ids for c in pallas.generator.generate(PROMPTS, Sampling(), 10)[0]] == want
+    # per shard: 1 of the 4 rows (data 4) and 8 of the 16 heads, in each of the 2 Mamba layers
+    assert calls == [(1, 8, 8, 8)] * 2, calls
+    engine = Engine(pallas.generator, 3, block_size=4, num_blocks=16, prefill_chunk=8)
+    try:
+        assert run(engine, list(PROMPTS), 10) == want
     finally:
         engine.close()
 

@@ -154,6 +154,13 @@ def test_args_carry_the_hybrid_and_import_reads_either_pattern(model, tmp_path):
     assert (args.squared_relu, args.swiglu, args.position_embedding_type, args.add_position_embedding) == (
         True, False, "none", False)
     assert args.spec == ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+    args.hybrid_layer_pattern = "M*-EM*|-E"  # a Megatron run's pipeline stages of other layers
+    torch.save(saved, path)
+    overrides, back = import_megatron(out)
+    assert overrides["hybrid_layer_pattern"] == "M*-EM*|-E"  # read and kept; it moves no layer
+    assert_same(back, params)
+    from megajax.config import load_config
+    assert load_config(base=cfg.to_dict(), overrides=["model.hybrid_layer_pattern=M*-EM*|-E"]).model.num_layers == 8
     del args.hybrid_layer_pattern  # megatron-core 0.16's args: the override pattern alone
     torch.save(saved, path)
     assert import_megatron(out)[0]["hybrid_layer_pattern"] == "M*-EM*-E"

@@ -61,7 +61,8 @@ def layouts(draw):
     steps = [a for a in _divisors(GLOBAL_BATCH // dp)
              if a >= pipeline and (schedule != "interleaved" or a % pipeline == 0)]
     accumulation = draw(st.sampled_from(steps))
-    # A hybrid's FP8 runs drift from one device's past step 1 (tests/test_hybrid.py): fp32 and bf16.
+    # A hybrid's FP8 runs pass the FP8 bars on some layouts and not on others past step 1, as a
+    # transformer's sit near them (tests/test_hybrid.py's measurements): fp32 and bf16 here.
     precision = draw(st.sampled_from(["fp32", "bf16"] if kind == "hybrid" else ["fp32", "bf16", "fp8"]))
     if kind == "hybrid":
         body = hybrid(moe)

@@ -63,7 +63,7 @@ from megajax.models.layout import STACK_NAMES, layer_slots
 from megajax.models.layers import LinearOps
 from megajax.models.transformer import layer_caches
 from megajax.models.vision import build_model
-from megajax.parallel.context import sharded_attention
+from megajax.parallel.context import sharded_attention, sharded_ssd
 
 MIN_BUCKET = 16  # the smallest padded prompt length and new-token room
 MAX_TOP_LOGPROBS = 20  # the most likely tokens a step can report (a batch computes all of them or none)
@@ -168,15 +168,32 @@ def generation_attention(impl: str, mesh: Mesh | None = None, rules: Rules | Non
     return core
 
 
-def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attention_core: Callable | None = None
-                     ) -> tuple:
+def generation_ssd(impl: str, mesh: Mesh | None = None, rules: Rules | None = None,
+                   platform: str | None = None) -> Callable | None:
+    """The SSD scan a Mamba layer's prefill (or prefill chunk) runs from its carried state:
+    model.mamba_ssd_impl's Pallas kernels on a GPU (per shard under a mesh, like training's), the
+    chunked jnp form (None: the model's default) on a CPU, where the kernels would run interpreted.
+    `platform`: the devices' (default: the mesh's, or the default device's). A decode step runs the
+    one-token recurrence whatever this is."""
+    platform = platform or (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
+    if impl == "xla" or platform == "cpu":
+        return None
+    from pallas_kernels.ssd import ssd
+    if mesh is not None and mesh.devices.size > 1:
+        return sharded_ssd(ssd, mesh, generation_rules(rules))
+    return ssd
+
+
+def generation_model(model: ModelConfig, padded_vocab_size: int, dtype, attention_core: Callable | None = None,
+                     ssd: Callable | None = None) -> tuple:
     """(graphdef, logical axes, abstract params) of the model with plain products: generation
-    needs none of training's (sequence-parallel collectives, CPU backward products)."""
+    needs none of training's (sequence-parallel collectives, CPU backward products). `ssd`: the
+    Mamba layers' scan (generation_ssd; None: the chunked jnp form)."""
     def make():
         dot = fp32_accumulating_dot
         return build_model(model, padded_vocab_size=padded_vocab_size, dtype=dtype, ops=LinearOps(column=dot, row=dot),
                            attention_core=attention_core or make_attention_core("xla", "none"), vision_dot=dot,
-                           rngs=nnx.Rngs(0))
+                           ssd=ssd, rngs=nnx.Rngs(0))
     abstract = nnx.eval_shape(make)
     graphdef, state = nnx.split(abstract)
     return graphdef, param_axes(abstract), nnx.to_pure_dict(state)
@@ -255,7 +272,8 @@ class Generator:
         self.dtype = dtype
         core = generation_attention(model.attention_impl, mesh, rules)
         self.graphdef, self.axes, self.abstract_params = generation_model(
-            model, padded_vocab_size or model.padded_vocab_size(), dtype, core)
+            model, padded_vocab_size or model.padded_vocab_size(), dtype, core,
+            generation_ssd(model.mamba_ssd_impl, mesh, rules))
         self.layer_buffers = layer_buffers
         self.params = split_layers(params, model, dtype) if layer_buffers else params
         self.mesh = mesh

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from megajax.mesh import Rules, like, load_balanced_order, logical_to_spec, mesh_sizes, spec_entry
+from megajax.mesh import Rules, entry_axes, like, load_balanced_order, logical_to_spec, mesh_sizes, spec_entry
 from megajax.models.attention import ACT_KV, ACT_Q
 from megajax.models.transformer import shift_left
 from megajax.parallel.manual import shard_map_fn
@@ -381,16 +381,32 @@ def mamba_context(mesh: Mesh | None, rules: Rules | None) -> Callable | None:
 def sharded_ssd(ssd: Callable, mesh: Mesh, rules: Rules) -> Callable:
     """A Mamba mixer's SSD kernel (pallas_kernels/ssd.py's Pallas `ssd`, which XLA cannot partition)
     per shard: batch over the data axes, heads and their groups over tensor; also inside a pipeline
-    stage or context parallelism's head shards (megajax/parallel/manual.py: the kernel itself)."""
+    stage or context parallelism's head shards (megajax/parallel/manual.py: the kernel itself). A
+    generation prefill's carried state [B, H, P, N] (initial_state, and the final state returned) is
+    split like x: rows and heads."""
     from megajax.models.mamba import ACT_DT, ACT_GROUPS, ACT_HEADS
     x_spec, g_spec, dt_spec, a_spec = (logical_to_spec(a, rules) for a in (ACT_HEADS, ACT_GROUPS, ACT_DT, ("heads",)))
 
     seg_spec = logical_to_spec(SEG_AXES, rules)
+    sizes = mesh_sizes(mesh)
 
     def scan(x, dt, a, b, c, *, chunk_size, initial_state=None, return_final_state=False, segment_ids=None):
-        if initial_state is not None or return_final_state:  # generation: one device
-            return ssd(x, dt, a, b, c, chunk_size=chunk_size, initial_state=initial_state,
-                       return_final_state=return_final_state, segment_ids=segment_ids)
+        if initial_state is not None or return_final_state:  # generation: from a carried state
+            # rows over the data axes where they divide (the continuous engine's rows need not), heads
+            # over tensor; the state [B, H, P, N] like x
+            rows = x_spec[0] if x.shape[0] % math.prod(sizes[n] for n in entry_axes(x_spec[0])) == 0 else None
+            xs_, dts, gs = (jax.sharding.PartitionSpec(rows, *spec[1:]) for spec in (x_spec, dt_spec, g_spec))
+            state_spec = jax.sharding.PartitionSpec(rows, x_spec[2], None, None)
+
+            def local_state(x, dt, a, b, c, h0, seg):
+                return ssd(x, dt, a, b, c, chunk_size=chunk_size, initial_state=h0, return_final_state=True,
+                           segment_ids=seg)
+            if initial_state is None:
+                initial_state = jnp.zeros(x.shape[:1] + x.shape[2:] + b.shape[3:], jnp.float32)
+            seg = None if segment_ids is None else jax.sharding.PartitionSpec(rows, None)
+            y, final = shard_map_fn(local_state, mesh, (xs_, dts, a_spec, gs, gs, state_spec, seg), (xs_, state_spec),
+                                    check_vma=False)(x, dt, a, b, c, initial_state, segment_ids)
+            return (y, final) if return_final_state else y
 
         def local(x, dt, a, b, c, seg):
             return ssd(x, dt, a, b, c, chunk_size=chunk_size, segment_ids=seg)
