@@ -433,6 +433,17 @@ def one_device_positions(names: tuple[str | None, ...], shape: tuple[int, ...]):
     return tuple(whole), tuple(where)
 
 
+def manual_split_axes(names: tuple[str | None, ...], dim: int) -> tuple[str, ...]:
+    """The manual mesh axes (of size > 1, major to minor) that split dim `dim` of an activation
+    traced here with logical dims `names`: what one device holds a shard of (empty outside shard_map)."""
+    active, context = _ACTIVE.get(), jax.sharding.get_abstract_mesh()
+    if active is None or context.empty:
+        return ()
+    sizes, manual = mesh_sizes(context), set(context.manual_axes)
+    entry = tuple(logical_to_spec(names, active[1]))[dim]
+    return tuple(a for a in entry_axes(entry) if a in manual and sizes.get(a, 1) > 1)
+
+
 # Inside shard_map: the manual axes a value varies over (the MoE products and parallel/ use these).
 
 def varying_axes(x) -> frozenset:

@@ -207,12 +207,12 @@ def test_layouts_equal_one_device(layout):
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
 
 
-def assert_same_steps(layout, *reference: str):
-    """tiny-llava's loss and grad norm per step on `layout` (4 devices) equal one device's (fp32, 1e-5
-    relative); returns the run's state."""
+def assert_same_steps(layout, *reference: str, devices: int = 4):
+    """tiny-llava's loss and grad norm per step on `layout` (on `devices` devices) equal one device's
+    (fp32, 1e-5 relative); returns the run's state."""
     ref_loss, ref_norm, _ = one_device(*reference)
     assert ref_loss[-1] < ref_loss[0]
-    loss, norm, state = run_steps(tiny_llava(*reference, *layout), jax.devices()[:4])
+    loss, norm, state = run_steps(tiny_llava(*reference, *layout), jax.devices()[:devices])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
     return state
@@ -249,6 +249,19 @@ def test_pipeline_and_context_layouts_equal_one_device(layout):
     context parallelism (the placeholders counted in the sequence's natural order; the batch laid out
     in load-balanced chunks) alone and with tensor + sequence parallelism: one device's loss and grad norm."""
     assert_same_steps(layout)
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.pipeline=2", "mesh.context=2", "mesh.data=2", "parallel.context_impl=ring", "train.micro_batch=2"],
+    ["mesh.pipeline=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+     "parallel.context_impl=allgather", "parallel.pipeline_schedule=gpipe", "train.micro_batch=4"],
+], ids=["pp2-cp2-ring-data2", "pp2-cp2-allgather-tp2-sp-gpipe"])
+def test_pipeline_with_context_parallelism_equals_one_device(layout):
+    """Pipeline x context parallelism on 8 devices: the first stage gathers its context shard's tokens
+    over `context` to count the placeholders in the row's natural order (the batch's last image near the
+    row's end, so its placeholders come first in the load-balanced layout), and each shard (and, under
+    sequence parallelism, each tensor rank's part) takes its own features: one device's loss and grad norm."""
+    assert_same_steps(layout, devices=8)
 
 
 def test_encoder_tensor_parallel_one_keeps_the_encoder_whole():
@@ -324,8 +337,6 @@ def test_bad_config_and_batches_are_named():
         tiny_llava("model.vision.image_token_id=300")
     with pytest.raises(ConfigError, match="feature_select = default drops the class token"):
         tiny_llava("model.vision.feature_select=default")
-    with pytest.raises(ConfigError, match="mesh.pipeline=2 and mesh.context=2: .* not both at once"):
-        tiny_llava("mesh.pipeline=2", "mesh.context=2")
     from megajax.errors import MeshError
     from megajax.plan import make_plan
     with pytest.raises(MeshError, match=r"parallel.encoder_tensor_parallel=2 with mesh.tensor=4: .* accepted: 1 "
