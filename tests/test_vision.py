@@ -264,6 +264,48 @@ def test_pipeline_with_context_parallelism_equals_one_device(layout):
     assert_same_steps(layout, devices=8)
 
 
+def device_bytes(tree, device, keep=lambda name: True) -> int:
+    """Bytes of the arrays of `tree` (named by keep) that `device` holds."""
+    return sum(shard.data.nbytes for name, x in flatten(tree) if keep(name)
+               for shard in x.addressable_shards if shard.device == device)
+
+
+def test_pipeline_stages_share_one_copy_of_the_encoder():
+    """Under pipeline parallelism only the first stage runs the encoder and projector, so their weights and
+    Adam moments are kept split over `pipeline`: a device of either stage holds half of what one copy takes
+    (less the patch and position embeddings, norms and some biases: whole on every stage), where every device held
+    a whole copy before. The analytic memory counts each device's parameter and Adam bytes exactly, and the
+    run equals one device (test_pipeline_runs_the_encoder_on_the_first_stage_only and the PP x CP test)."""
+    from megajax.perf.analytic import memory_estimate
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    plan = make_plan(tiny_llava("mesh.pipeline=2", "mesh.data=2", "train.micro_batch=2"), 4)
+    assert plan.rules.params["vision_heads"] == plan.rules.params["vision_mlp"] == ("tensor", "pipeline")
+    setup = build_setup(plan, jax.devices()[:4])
+    state = setup.fresh_state()
+    encoder = lambda name: name.startswith(("vision/", "projector/"))
+    whole = sum(x.nbytes for name, x in flatten(state.params) if encoder(name))
+    vectors = sum(x.nbytes for name, x in flatten(state.params)  # what no vision_heads / vision_mlp dim splits
+                  if encoder(name) and "pipeline" not in str(x.sharding.spec))
+    assert 0 < vectors < 0.2 * whole  # the patch embedding most (tiny here: 8 x 8 x 3 x 32)
+    adam = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    est = memory_estimate(plan, setup.spec)
+    for stage in range(2):
+        for device in setup.mesh.devices[stage].flat:
+            assert device_bytes(state.params, device, encoder) == (whole - vectors) // 2 + vectors
+            moments = device_bytes(adam.mu, device, encoder) + device_bytes(adam.nu, device, encoder)
+            assert moments == 2 * ((whole - vectors) // 2 + vectors)
+            assert device_bytes(state.params, device) == est["params"]
+            assert device_bytes(adam.mu, device) + device_bytes(adam.nu, device) == est["optimizer"]
+    # A split the dims do not divide keeps the encoder whole on every stage (vision heads 4 over tensor 2 x 4 stages).
+    from megajax.mesh import make_rules
+    cfg = tiny_llava("mesh.pipeline=4", "mesh.tensor=2", "model.num_layers=4")
+    rules = make_rules(cfg, {"pipeline": 4, "tensor": 2})
+    assert rules.params["vision_heads"] == ("tensor",) and rules.params["vision_mlp"] == ("tensor", "pipeline")
+    assert rules.activations["vision_heads"] == ("tensor",)
+
+
 def test_encoder_tensor_parallel_one_keeps_the_encoder_whole():
     """parallel.encoder_tensor_parallel=1 on tensor 2: the encoder's and projector's weights are whole on
     every tensor rank (the language model's split), and the run equals one device's."""

@@ -28,7 +28,8 @@ Only logical axis names appear: the encoder's and projector's own `vision_heads`
 (split over the tensor axis as parallel.encoder_tensor_parallel says, megajax/mesh.py), `embed`,
 `head_dim`; the encoder's stack is `stack`, held whole by every device like the pipeline's shared
 stacks. Under pipeline parallelism the encoder and projector run with the embedding on the first
-stage (megajax/train/pipeline_step.py).
+stage (megajax/train/pipeline_step.py), and their weights are kept split over `pipeline` between steps
+(megajax.mesh.encoder_storage_axes).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ chunk v P + s. The embedding, the final norm and the output layer are held by
 every stage (replicated over `pipeline`); the first stage runs the embedding and
 the last stage the final norm, output layer and loss. So do the stacks every stage
 holds whole (the `stack` logical axis): a dense-first model's dense layers run
-with the embedding, the multi-token prediction depths with the loss.
+with the embedding, the multi-token prediction depths with the loss, a
+vision-language model's encoder with the embedding (its weights enter whole, the
+caller's gather; the images whole over `context`).
 
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs

@@ -462,8 +462,10 @@ def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Ru
 def stage_shared_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
                              sizes: dict[str, int]) -> int:
     """The part of tensor_shard_param_bytes outside the stacked layers (embedding, final norm,
-    output layer): what every pipeline stage holds."""
-    no_data = {**sizes, "data": 1, "fsdp": 1}
+    output layer): what every pipeline stage holds during the step, and whose gradient the stages
+    all-reduce (a vision-language model's encoder whole: it is kept split over `pipeline` between
+    steps, megajax.mesh.encoder_storage_axes, and gathered for the step)."""
+    no_data = {**sizes, "data": 1, "fsdp": 1, "pipeline": 1}
     shared = {k: v for k, v in flatten(axes) if "layers" not in v}
     shapes = {k: v for k, v in flatten(abstract_params) if k in shared}
     return sum(math.prod(shapes[k].shape) * jax.numpy.dtype(shapes[k].dtype).itemsize
