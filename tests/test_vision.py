@@ -298,6 +298,13 @@ def test_pipeline_stages_share_one_copy_of_the_encoder():
             assert moments == 2 * ((whole - vectors) // 2 + vectors)
             assert device_bytes(state.params, device) == est["params"]
             assert device_bytes(adam.mu, device) + device_bytes(adam.nu, device) == est["optimizer"]
+    # The step gathers the split weights over `pipeline` (what `megajax bench` measures in the HLO: 13 all-gathers
+    # of these bytes on this layout), and the stages all-reduce the whole encoder's gradient.
+    from megajax.perf import analytic
+    args = (setup.spec.axes, setup.spec.abstract_params, plan.rules.params, plan.sizes)
+    assert analytic.stage_gathered_param_bytes(*args) == whole - vectors
+    text = sum(x.nbytes for name, x in flatten(state.params) if not encoder(name) and not name.startswith("layers/"))
+    assert analytic.stage_shared_param_bytes(*args) == whole + text
     # A split the dims do not divide keeps the encoder whole on every stage (vision heads 4 over tensor 2 x 4 stages).
     from megajax.mesh import make_rules
     cfg = tiny_llava("mesh.pipeline=4", "mesh.tensor=2", "model.num_layers=4")
