@@ -265,6 +265,13 @@ def expert_axes(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("expert",), ("tensor",)
 
 
+def encoder_tensor_axes(cfg: Config) -> tuple[str, ...]:
+    """The mesh axes a vision-language model's encoder and projector split over like the language
+    model's heads and MLP: `tensor`, or none with parallel.encoder_tensor_parallel=1 (whole on every
+    tensor rank; other sizes refused in validate_for_model)."""
+    return () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
+
+
 def encoder_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
     """Where a vision-language model's encoder and projector weights (and their optimizer state) are
     kept between steps: {`vision_heads`, `vision_mlp`: mesh axes}. Their tensor split (`tensor`, or
@@ -275,9 +282,7 @@ def encoder_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) ->
     (default: the config's fixed sizes)."""
     if sizes is None:
         sizes = {a: max(getattr(cfg.mesh, a), 1) * getattr(cfg.mesh.dcn, a) for a in ("pipeline", "tensor")}
-    # Split like the language model, or whole on every tensor rank with parallel.encoder_tensor_parallel=1
-    # (other sizes refused in validate_for_model).
-    encoder = () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
+    encoder = encoder_tensor_axes(cfg)
     out = {"vision_heads": encoder, "vision_mlp": encoder}
     if cfg.model.vision is None or sizes.get("pipeline", 1) == 1:
         return out
@@ -295,8 +300,7 @@ def make_rules(cfg: Config, sizes: Mapping[str, int] | None = None) -> ShardingR
     experts, expert_mlp = expert_axes(cfg)
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",), "ssm_groups": ("tensor",), "expert_mlp": expert_mlp}
-    encoder = () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
-    tensor_dims |= {"vision_heads": encoder, "vision_mlp": encoder}
+    tensor_dims |= {"vision_heads": encoder_tensor_axes(cfg), "vision_mlp": encoder_tensor_axes(cfg)}
     params = {**tensor_dims, **encoder_storage_axes(cfg, sizes),
               "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),

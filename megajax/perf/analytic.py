@@ -85,7 +85,7 @@ import jax
 
 from megajax.checkpoint.source import flatten
 from megajax.config import expert_tensor_folded, moe_token_dispatcher
-from megajax.mesh import Rules, logical_to_spec
+from megajax.mesh import Rules, logical_to_spec, spec_axes
 from megajax.models.vision import frozen_parameters
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
@@ -479,7 +479,7 @@ def stage_gathered_param_bytes(axes: dict, abstract_params: dict, rules_params: 
     """The part of stage_shared_param_bytes kept split over `pipeline` between steps (a vision-language
     model's encoder and projector): gathered whole onto every stage once per step."""
     def kept_split(names):
-        return "layers" not in names and "pipeline" in str(logical_to_spec(names, rules_params))
+        return "layers" not in names and "pipeline" in spec_axes(logical_to_spec(names, rules_params))
     return _shard_bytes(axes, abstract_params, rules_params, sizes, kept_split) if sizes.get("pipeline", 1) > 1 else 0
 
 
