@@ -990,8 +990,7 @@ def validate_lora(m: ModelConfig) -> None:
 
 def validate_vision(cfg: Config) -> None:
     """model.vision: positive sizes, an image that the patches tile, heads that divide the width, a
-    placeholder token inside the vocabulary, a feature layer the encoder has; the layout that does not
-    run it yet (pipeline and context parallelism together)."""
+    placeholder token inside the vocabulary, a feature layer the encoder has."""
     m = cfg.model
     v = m.vision
     _positive("data.num_workers", cfg.data.num_workers)
@@ -1046,13 +1045,6 @@ def validate_vision(cfg: Config) -> None:
             raise ConfigError(f"model.vision.{key} = true with model.vision.max_num_tiles = {v.max_num_tiles}: "
                               f"an untiled image has no tiles to {what}; "
                               f"set max_num_tiles above 1 (Megatron's --use-tiling --max-num-tiles N) or drop {key}.")
-    pipeline = cfg.mesh.pipeline * cfg.mesh.dcn.pipeline
-    context = cfg.mesh.context * cfg.mesh.dcn.context
-    if pipeline != 1 and context != 1:
-        raise ConfigError(f"model.vision with mesh.pipeline={cfg.mesh.pipeline} and mesh.context={cfg.mesh.context}: "
-                          f"a vision-language model runs pipeline or context parallelism, not both at once yet "
-                          f"(the first stage would have to count the image placeholders across its context "
-                          f"shards). Set mesh.pipeline=1 or mesh.context=1.")
 
 
 def validate_precision(cfg: Config) -> None:

@@ -22,7 +22,8 @@ these tables:
 - pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
   a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py);
   the `stack`s (a dense-first model's dense layers, the multi-token prediction
-  depths) are whole on every stage.
+  depths) are whole on every stage; a vision-language model's encoder, which the
+  first stage alone runs, is kept split over `pipeline` (encoder_storage_axes).
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
     and activation rules name (e.g. `heads` over mesh.tensor, `embed` over mesh.fsdp, and with the
     distributed optimizer over mesh.data x mesh.fsdp, `experts` over mesh.expert)."""
     s = sizes
-    rules = rules or make_rules(cfg)
+    rules = rules or make_rules(cfg, sizes)
     t = cfg.train
     tp = s["tensor"]
     tables = (("", rules.params), (" (distributed optimizer)", rules.opt_state), ("", rules.activations))
@@ -203,8 +204,9 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
     if enc not in (0, 1, tp):
         raise MeshError(f"parallel.encoder_tensor_parallel={enc} with mesh.tensor={tp}: the encoder and projector "
                         f"split over all of the tensor axis or none of it; accepted: 1 (whole on every tensor rank) "
-                        f"or {tp} (0: the same as mesh.tensor). Megatron also takes sizes below mesh.tensor, "
-                        f"which put the encoder on ranks of its own.")
+                        f"or {tp} (0: the same as mesh.tensor). A size in between would split it over part "
+                        f"of the one `tensor` mesh axis, which a sharding cannot name (Megatron puts such an "
+                        f"encoder on ranks of its own).")
     c = s["context"]
     if c > 1 and t.seq_len % (2 * c):
         devices = math.prod(s.values())
@@ -263,15 +265,44 @@ def expert_axes(cfg: Config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return ("expert",), ("tensor",)
 
 
-def make_rules(cfg: Config) -> ShardingRules:
+def encoder_tensor_axes(cfg: Config) -> tuple[str, ...]:
+    """The mesh axes a vision-language model's encoder and projector split over like the language
+    model's heads and MLP: `tensor`, or none with parallel.encoder_tensor_parallel=1 (whole on every
+    tensor rank; other sizes refused in validate_for_model)."""
+    return () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
+
+
+def encoder_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) -> dict[str, tuple[str, ...]]:
+    """Where a vision-language model's encoder and projector weights (and their optimizer state) are
+    kept between steps: {`vision_heads`, `vision_mlp`: mesh axes}. Their tensor split (`tensor`, or
+    none with parallel.encoder_tensor_parallel=1), and under pipeline parallelism `pipeline` too:
+    only the first stage runs them, so the stages share one copy, 1 / stages each, gathered for
+    the step (megajax/train/pipeline_step.py). A dim whose sizes (model_dims) the split does not
+    divide stays whole over `pipeline` (every stage then keeps a copy). `sizes`: the mesh's
+    (default: the config's fixed sizes)."""
+    if sizes is None:
+        sizes = {a: max(getattr(cfg.mesh, a), 1) * getattr(cfg.mesh.dcn, a) for a in ("pipeline", "tensor")}
+    encoder = encoder_tensor_axes(cfg)
+    out = {"vision_heads": encoder, "vision_mlp": encoder}
+    if cfg.model.vision is None or sizes.get("pipeline", 1) == 1:
+        return out
+    dims = model_dims(cfg)
+    for dim, axes in out.items():
+        split = math.prod(sizes.get(a, 1) for a in (*axes, "pipeline"))
+        if all(value % split == 0 for _, value in dims[dim]):
+            out[dim] = (*axes, "pipeline")
+    return out
+
+
+def make_rules(cfg: Config, sizes: Mapping[str, int] | None = None) -> ShardingRules:
+    """The rules tables of `cfg` on a mesh of `sizes` (default: the config's fixed sizes; only the
+    encoder's storage over `pipeline` depends on them, encoder_storage_axes)."""
     experts, expert_mlp = expert_axes(cfg)
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",), "ssm_groups": ("tensor",), "expert_mlp": expert_mlp}
-    # A vision-language model's encoder and projector: split like the language model, or whole on
-    # every tensor rank with parallel.encoder_tensor_parallel=1 (checked in validate_for_model).
-    encoder = () if cfg.parallel.encoder_tensor_parallel == 1 else ("tensor",)
-    tensor_dims |= {"vision_heads": encoder, "vision_mlp": encoder}
-    params = {**tensor_dims, "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
+    tensor_dims |= {"vision_heads": encoder_tensor_axes(cfg), "vision_mlp": encoder_tensor_axes(cfg)}
+    params = {**tensor_dims, **encoder_storage_axes(cfg, sizes),
+              "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),
               # Low-rank adapters (megajax/models/lora.py): the rank dim replicated, the fused q/k/v
               # and gate/up slots of a B beside their kernels' kv-head and mlp dims, a Mamba in_proj B's
@@ -431,6 +462,17 @@ def one_device_positions(names: tuple[str | None, ...], shape: tuple[int, ...]):
         else:
             where.append(block * n if count > 1 else None)
     return tuple(whole), tuple(where)
+
+
+def manual_split_axes(names: tuple[str | None, ...], dim: int) -> tuple[str, ...]:
+    """The manual mesh axes (of size > 1, major to minor) that split dim `dim` of an activation
+    traced here with logical dims `names`: what one device holds a shard of (empty outside shard_map)."""
+    active, context = _ACTIVE.get(), jax.sharding.get_abstract_mesh()
+    if active is None or context.empty:
+        return ()
+    sizes, manual = mesh_sizes(context), set(context.manual_axes)
+    entry = tuple(logical_to_spec(names, active[1]))[dim]
+    return tuple(a for a in entry_axes(entry) if a in manual and sizes.get(a, 1) > 1)
 
 
 # Inside shard_map: the manual axes a value varies over (the MoE products and parallel/ use these).

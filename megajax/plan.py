@@ -230,7 +230,7 @@ def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int]
     x inter-node factors `dcn`, after every pre-flight check: the model's dims against the mesh
     (megajax.mesh.validate_for_model), the batch (BatchLayout.resolve) and the pipeline."""
     sizes = {a: ici[a] * dcn[a] for a in MESH_AXES}
-    rules = make_rules(cfg)
+    rules = make_rules(cfg, sizes)
     validate_for_model(cfg, sizes, rules)
     where = " x ".join(f"mesh.{a}={sizes[a]}" for a in rules.activations["batch"]
                        if sizes[a] > 1 or a in ("data", "fsdp"))

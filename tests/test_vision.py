@@ -207,12 +207,12 @@ def test_layouts_equal_one_device(layout):
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
 
 
-def assert_same_steps(layout, *reference: str):
-    """tiny-llava's loss and grad norm per step on `layout` (4 devices) equal one device's (fp32, 1e-5
-    relative); returns the run's state."""
+def assert_same_steps(layout, *reference: str, devices: int = 4):
+    """tiny-llava's loss and grad norm per step on `layout` (on `devices` devices) equal one device's
+    (fp32, 1e-5 relative); returns the run's state."""
     ref_loss, ref_norm, _ = one_device(*reference)
     assert ref_loss[-1] < ref_loss[0]
-    loss, norm, state = run_steps(tiny_llava(*reference, *layout), jax.devices()[:4])
+    loss, norm, state = run_steps(tiny_llava(*reference, *layout), jax.devices()[:devices])
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=0, err_msg="loss per step")
     np.testing.assert_allclose(norm, ref_norm, rtol=1e-5, atol=0, err_msg="grad norm per step")
     return state
@@ -249,6 +249,68 @@ def test_pipeline_and_context_layouts_equal_one_device(layout):
     context parallelism (the placeholders counted in the sequence's natural order; the batch laid out
     in load-balanced chunks) alone and with tensor + sequence parallelism: one device's loss and grad norm."""
     assert_same_steps(layout)
+
+
+@pytest.mark.parametrize("layout", [
+    ["mesh.pipeline=2", "mesh.context=2", "mesh.data=2", "parallel.context_impl=ring", "train.micro_batch=2"],
+    ["mesh.pipeline=2", "mesh.context=2", "mesh.tensor=2", "parallel.sequence_parallel=true",
+     "parallel.context_impl=allgather", "parallel.pipeline_schedule=gpipe", "train.micro_batch=4"],
+], ids=["pp2-cp2-ring-data2", "pp2-cp2-allgather-tp2-sp-gpipe"])
+def test_pipeline_with_context_parallelism_equals_one_device(layout):
+    """Pipeline x context parallelism on 8 devices: the first stage gathers its context shard's tokens
+    over `context` to count the placeholders in the row's natural order (the batch's last image near the
+    row's end, so its placeholders come first in the load-balanced layout), and each shard (and, under
+    sequence parallelism, each tensor rank's part) takes its own features: one device's loss and grad norm."""
+    assert_same_steps(layout, devices=8)
+
+
+def device_bytes(tree, device, keep=lambda name: True) -> int:
+    """Bytes of the arrays of `tree` (named by keep) that `device` holds."""
+    return sum(shard.data.nbytes for name, x in flatten(tree) if keep(name)
+               for shard in x.addressable_shards if shard.device == device)
+
+
+def test_pipeline_stages_share_one_copy_of_the_encoder():
+    """Under pipeline parallelism only the first stage runs the encoder and projector, so their weights and
+    Adam moments are kept split over `pipeline`: a device of either stage holds half of what one copy takes
+    (less the patch and position embeddings, norms and some biases: whole on every stage), where every device held
+    a whole copy before. The analytic memory counts each device's parameter and Adam bytes exactly, and the
+    run equals one device (test_pipeline_runs_the_encoder_on_the_first_stage_only and the PP x CP test)."""
+    from megajax.perf.analytic import memory_estimate
+    from megajax.plan import make_plan
+    from megajax.train.setup import build_setup
+    plan = make_plan(tiny_llava("mesh.pipeline=2", "mesh.data=2", "train.micro_batch=2"), 4)
+    assert plan.rules.params["vision_heads"] == plan.rules.params["vision_mlp"] == ("tensor", "pipeline")
+    setup = build_setup(plan, jax.devices()[:4])
+    state = setup.fresh_state()
+    encoder = lambda name: name.startswith(("vision/", "projector/"))
+    whole = sum(x.nbytes for name, x in flatten(state.params) if encoder(name))
+    vectors = sum(x.nbytes for name, x in flatten(state.params)  # what no vision_heads / vision_mlp dim splits
+                  if encoder(name) and "pipeline" not in str(x.sharding.spec))
+    assert 0 < vectors < 0.2 * whole  # the patch embedding most (tiny here: 8 x 8 x 3 x 32)
+    adam = [s for s in jax.tree.leaves(state.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState))
+            if isinstance(s, optax.ScaleByAdamState)][0]
+    est = memory_estimate(plan, setup.spec)
+    for stage in range(2):
+        for device in setup.mesh.devices[stage].flat:
+            assert device_bytes(state.params, device, encoder) == (whole - vectors) // 2 + vectors
+            moments = device_bytes(adam.mu, device, encoder) + device_bytes(adam.nu, device, encoder)
+            assert moments == 2 * ((whole - vectors) // 2 + vectors)
+            assert device_bytes(state.params, device) == est["params"]
+            assert device_bytes(adam.mu, device) + device_bytes(adam.nu, device) == est["optimizer"]
+    # The step gathers the split weights over `pipeline` (what `megajax bench` measures in the HLO: 13 all-gathers
+    # of these bytes on this layout), and the stages all-reduce the whole encoder's gradient.
+    from megajax.perf import analytic
+    args = (setup.spec.axes, setup.spec.abstract_params, plan.rules.params, plan.sizes)
+    assert analytic.stage_gathered_param_bytes(*args) == whole - vectors
+    text = sum(x.nbytes for name, x in flatten(state.params) if not encoder(name) and not name.startswith("layers/"))
+    assert analytic.stage_shared_param_bytes(*args) == whole + text
+    # A split the dims do not divide keeps the encoder whole on every stage (vision heads 4 over tensor 2 x 4 stages).
+    from megajax.mesh import make_rules
+    cfg = tiny_llava("mesh.pipeline=4", "mesh.tensor=2", "model.num_layers=4")
+    rules = make_rules(cfg, {"pipeline": 4, "tensor": 2})
+    assert rules.params["vision_heads"] == ("tensor",) and rules.params["vision_mlp"] == ("tensor", "pipeline")
+    assert rules.activations["vision_heads"] == ("tensor",)
 
 
 def test_encoder_tensor_parallel_one_keeps_the_encoder_whole():
@@ -324,8 +386,6 @@ def test_bad_config_and_batches_are_named():
         tiny_llava("model.vision.image_token_id=300")
     with pytest.raises(ConfigError, match="feature_select = default drops the class token"):
         tiny_llava("model.vision.feature_select=default")
-    with pytest.raises(ConfigError, match="mesh.pipeline=2 and mesh.context=2: .* not both at once"):
-        tiny_llava("mesh.pipeline=2", "mesh.context=2")
     from megajax.errors import MeshError
     from megajax.plan import make_plan
     with pytest.raises(MeshError, match=r"parallel.encoder_tensor_parallel=2 with mesh.tensor=4: .* accepted: 1 "

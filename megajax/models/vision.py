@@ -34,7 +34,8 @@ Only logical axis names appear: the encoder's and projector's own `vision_heads`
 (split over the tensor axis as parallel.encoder_tensor_parallel says, megajax/mesh.py), `embed`,
 `head_dim`; the encoder's stack is `stack`, held whole by every device like the pipeline's shared
 stacks. Under pipeline parallelism the encoder and projector run with the embedding on the first
-stage (megajax/train/pipeline_step.py).
+stage (megajax/train/pipeline_step.py), and their weights are kept split over `pipeline` between steps
+(megajax.mesh.encoder_storage_axes).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from flax import nnx
 
 from megajax.config import ModelConfig, VisionConfig
 from megajax.errors import DataError
-from megajax.mesh import logical_constraint, one_device_positions
+from megajax.mesh import logical_constraint, manual_split_axes, one_device_positions
 from megajax.models.attention import make_attention_core
 from megajax.models.layers import Dense, LayerNorm, dropout, normal_init
 from megajax.models.transformer import RESIDUAL, Transformer, _add_layers_axis
@@ -230,27 +231,44 @@ def splice_images(x_BxLxD: jax.Array, tokens_BxL: jax.Array, feats_BxMxD: jax.Ar
     """x with its placeholder positions replaced by the features, the k-th placeholder of a row (in the
     sequence's natural order) taking the row's k-th feature.
 
-    Under context parallelism the sequence is laid out in load-balanced chunks (megajax/mesh.py), so
-    the placeholders are counted in the natural order the layout gives. Inside a pipeline stage with
-    sequence parallelism x holds this tensor rank's part of the sequence [B, L / tp, D] while the
-    tokens are whole: the part's placeholders are taken."""
-    is_image = tokens_BxL == image_token_id
-    layout = one_device_positions(("batch", "length"), tokens_BxL.shape)
-    slots = None if layout is None else layout[1][1]  # the natural position of each slot, if reordered
-    if slots is not None and not isinstance(slots, int) and layout[0][1] == tokens_BxL.shape[1]:
-        natural = jnp.zeros_like(is_image).at[:, slots].set(is_image)
-        k = (jnp.cumsum(natural, axis=1) - 1)[:, slots]
-    else:
-        if layout is not None and layout[0][1] != tokens_BxL.shape[1]:
-            raise NotImplementedError("image placeholders in a sequence split over manual mesh axes")
-        k = jnp.cumsum(is_image, axis=1) - 1
-    n = x_BxLxD.shape[1]
-    if n != tokens_BxL.shape[1]:  # this tensor rank's part of the sequence (sequence parallelism)
-        start = one_device_positions(RESIDUAL, x_BxLxD.shape)[1][1]
-        is_image, k = (jax.lax.dynamic_slice_in_dim(a, start, n, axis=1) for a in (is_image, k))
+    The placeholders are counted over the whole row in its natural order, then each slot of x takes
+    its own: under context parallelism the sequence is laid out in load-balanced chunks
+    (megajax/mesh.py); inside a pipeline stage (manual over every mesh axis) the tokens are this
+    context shard's [B, L / context] and are gathered over `context` first (ints: no gradient), and
+    with sequence parallelism x holds this tensor rank's part of the shard [B, L / (context tp), D]."""
+    is_image_BxL, slots = whole_row(tokens_BxL == image_token_id)
+    natural = jnp.zeros_like(is_image_BxL).at[:, slots].set(is_image_BxL)  # [B, L] in natural order
+    k_natural = jnp.cumsum(natural, axis=1) - 1  # the k of each natural position's placeholder
+    where = natural_positions(RESIDUAL, x_BxLxD.shape, axis=1)  # x's slots' natural positions [n]
+    is_image, k = natural[:, where], k_natural[:, where]
     k = jnp.clip(k, 0, feats_BxMxD.shape[1] - 1)
     taken = jnp.take_along_axis(feats_BxMxD, k[..., None], axis=1).astype(x_BxLxD.dtype)
     return logical_constraint(jnp.where(is_image[..., None], taken, x_BxLxD), RESIDUAL)
+
+
+def natural_positions(names: tuple, shape: tuple[int, ...], axis: int) -> jax.Array:
+    """int32 [shape[axis]]: the natural sequence position of each slot of dim `axis` of an activation
+    traced here with logical dims `names` (megajax.mesh.one_device_positions)."""
+    n = shape[axis]
+    layout = one_device_positions(names, shape)
+    where = None if layout is None else layout[1][axis]
+    if where is None:
+        return jnp.arange(n, dtype=jnp.int32)
+    if isinstance(where, int) or getattr(where, "ndim", 1) == 0:  # a contiguous block's start
+        return where + jnp.arange(n, dtype=jnp.int32)
+    return where
+
+
+def whole_row(x_BxL: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(x [B, L] whole along the sequence, in the layout's order; the natural position of each of its
+    slots [L]): a shard of manual mesh axes (a pipeline stage's context shard) gathered over them."""
+    names = ("batch", "length")
+    slots = natural_positions(names, x_BxL.shape, axis=1)
+    axes = manual_split_axes(names, 1)
+    if not axes:
+        return x_BxL, slots
+    gather = lambda a, dim: jax.lax.all_gather(a, axes, axis=dim, tiled=True)
+    return gather(x_BxL, 1), gather(slots, 0)
 
 
 def check_image_tokens(tokens, images, v: VisionConfig) -> None:

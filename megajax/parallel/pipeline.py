@@ -7,7 +7,9 @@ chunk v P + s. The embedding, the final norm and the output layer are held by
 every stage (replicated over `pipeline`); the first stage runs the embedding and
 the last stage the final norm, output layer and loss. So do the stacks every stage
 holds whole (the `stack` logical axis): a dense-first model's dense layers run
-with the embedding, the multi-token prediction depths with the loss.
+with the embedding, the multi-token prediction depths with the loss, a
+vision-language model's encoder with the embedding (its weights enter whole, the
+caller's gather; the images whole over `context`).
 
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs
@@ -254,8 +256,10 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     other_in = {k: x for k, x in param_specs.items() if k != "layers"}
     layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_in))
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
-    seq = lambda x: (spec_entry(seq_axes),) if x.ndim > 2 else ()
-    batch_spec = jax.tree.map(lambda x: P(None, spec_entry(batch_axes), *seq(x)), batch)
+    # [M, B, L] split over the sequence axes too; a vision-language model's images [M, B, N, H, W, 3]
+    # whole over them (every context shard of a row runs the encoder on the row's images).
+    seq = lambda k, x: (spec_entry(seq_axes),) if x.ndim > 2 and k != "images" else ()
+    batch_spec = {k: P(None, spec_entry(batch_axes), *seq(k, x)) for k, x in batch.items()}
     router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(axis)}
     fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, other_in, batch_spec, P(), P(), P()),
                        out_specs=(layer_out, other_out, P(), router_out))

@@ -67,7 +67,8 @@ with its backward in the backward half; the compiled loop counts both halves in
 every tick (the HLO does not say which ticks take a half's branch), and the
 figures count them the same way. Each tick sends an activation and a cotangent
 (collective-permute); the embedding and output layer's gradients (held by
-every stage) are all-reduced over `pipeline`, and the interleaved schedule
+every stage) are all-reduced over `pipeline` (a vision-language model's encoder,
+kept split over `pipeline` between steps, is all-gathered before the loop), and the interleaved schedule
 moves the layers into its chunk order and their gradients back once per step.
 Layer activations: the stages recompute a chunk's forward in its backward, so a
 device holds its stashed stage inputs (s*b*h each; the schedule's stash:
@@ -84,7 +85,7 @@ import jax
 
 from megajax.checkpoint.source import flatten
 from megajax.config import expert_tensor_folded, moe_token_dispatcher
-from megajax.mesh import Rules, logical_to_spec
+from megajax.mesh import Rules, logical_to_spec, spec_axes
 from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
@@ -247,27 +248,30 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu",
-                        lora_tensor_reduced_bytes: int = 0) -> dict[str, int]:
+                        lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
-    `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's). On `platform` cpu, XLA runs 16-bit
-    floating point arithmetic in fp32, its collectives included."""
+    `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's; `stage_gathered_param_bytes`: the part
+    of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's). On
+    `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
-                                           stage_shared_param_bytes, platform, lora_tensor_reduced_bytes).items():
+                                           stage_shared_param_bytes, platform, lora_tensor_reduced_bytes,
+                                           stage_gathered_param_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
 
 def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                           stage_shared_param_bytes: int = 0, platform: str = "gpu",
-                          lora_tensor_reduced_bytes: int = 0) -> dict[tuple[str, str], int]:
+                          lora_tensor_reduced_bytes: int = 0,
+                          stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], int]:
     """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
     over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
     runs over both axes; it is counted under `data`."""
     return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
                                                  stage_shared_param_bytes, platform,
-                                                 lora_tensor_reduced_bytes).items()}
+                                                 lora_tensor_reduced_bytes, stage_gathered_param_bytes).items()}
 
 
 TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "ssm_groups", "vocab")  # the logical dims tensor parallelism splits
@@ -315,7 +319,7 @@ def _lora_linears(m) -> tuple[float, float]:
 
 def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
                    stage_shared_param_bytes: int, platform: str,
-                   lora_reduced_bytes: int = 0) -> dict[tuple[str, str], float]:
+                   lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -329,6 +333,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     if pipe is not None:  # each tick sends an activation forward and a cotangent back
         out["collective-permute", "pipeline"] += 2 * n["ticks"] * bsh / (t if sp else 1)
         out["all-reduce", "pipeline"] += stage_shared_param_bytes
+        out["all-gather", "pipeline"] += stage_gathered_param_bytes  # a vision-language model's encoder
         if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
             out["collective-permute", "pipeline"] += 2 * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
@@ -455,20 +460,42 @@ def mamba_context_bytes(m, tokens: float, t: int, cp: int, act: int, n: dict) ->
 
 def tensor_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
                              sizes: dict[str, int]) -> int:
-    """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard."""
-    no_data = {**sizes, "data": 1, "fsdp": 1}
-    return state_bytes(axes, abstract_params, rules_params, rules_params, no_data)["params"]
+    """Bytes of the gradient a device reduces over the data axes: its tensor-parallel shard (the
+    parameters outside the stacked layers whole over `pipeline`: the stage loop returns their
+    gradients whole, a vision-language model's encoder included)."""
+    return _shard_bytes(axes, abstract_params, rules_params, sizes, lambda names: True)
 
 
 def stage_shared_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
                              sizes: dict[str, int]) -> int:
     """The part of tensor_shard_param_bytes outside the stacked layers (embedding, final norm,
-    output layer): what every pipeline stage holds."""
+    output layer): what every pipeline stage holds during the step, and whose gradient the stages
+    all-reduce (a vision-language model's encoder whole: it is kept split over `pipeline` between
+    steps, megajax.mesh.encoder_storage_axes, and gathered for the step)."""
+    return _shard_bytes(axes, abstract_params, rules_params, sizes, lambda names: "layers" not in names)
+
+
+def stage_gathered_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                               sizes: dict[str, int]) -> int:
+    """The part of stage_shared_param_bytes kept split over `pipeline` between steps (a vision-language
+    model's encoder and projector): gathered whole onto every stage once per step."""
+    def kept_split(names):
+        return "layers" not in names and "pipeline" in spec_axes(logical_to_spec(names, rules_params))
+    return _shard_bytes(axes, abstract_params, rules_params, sizes, kept_split) if sizes.get("pipeline", 1) > 1 else 0
+
+
+def _shard_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int], keep) -> int:
+    """Bytes of a device's shard outside the data axes of the parameters whose logical dims `keep`
+    accepts, those outside the stacked layers whole over `pipeline`."""
     no_data = {**sizes, "data": 1, "fsdp": 1}
-    shared = {k: v for k, v in flatten(axes) if "layers" not in v}
-    shapes = {k: v for k, v in flatten(abstract_params) if k in shared}
-    return sum(math.prod(shapes[k].shape) * jax.numpy.dtype(shapes[k].dtype).itemsize
-               // shard_factor(names, rules_params, no_data) for k, names in shared.items())
+    shapes = dict(flatten(abstract_params))
+    total = 0
+    for name, names in flatten(axes):
+        if keep(names):
+            split = no_data if "layers" in names else {**no_data, "pipeline": 1}
+            x = shapes[name]
+            total += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize // shard_factor(names, rules_params, split)
+    return total
 
 
 def expert_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,

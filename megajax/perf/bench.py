@@ -70,6 +70,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
+    gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     if plan.cfg.model.lora and "experts" in plan.cfg.model.lora.target_names():
         # The experts' adapters are merged into the frozen expert kernels in the step: XLA reduces the
         # merged kernels' gradient over the data axes (before its products with A and B, whose
@@ -79,7 +80,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     sp = plan.cfg.parallel.sequence_parallel and sizes["tensor"] > 1
     lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
             if plan.cfg.model.lora else 0)
-    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora)
+    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)

@@ -200,7 +200,9 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     if encoder:
         parts[_ENCODER] = encoder
     overlapped = 0.0
-    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared).items():
+    gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared,
+                                                                     stage_gathered_param_bytes=gathered).items():
         n = sizes[axis]
         if n <= 1 or nbytes <= 0:
             continue

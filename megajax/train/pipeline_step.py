@@ -10,7 +10,8 @@ dense-first model's dense layers run on the first stage with the embedding, the 
 prediction depths on the last with the loss (both whole on every stage: the `stack` axis). A
 vision-language model's encoder and projector run with the embedding on the first stage, on its
 microbatch's images; their weights enter the stages whole over `tensor` (the stages' products are
-written per shard, and the encoder's are plain).
+written per shard, and the encoder's are plain) and over `pipeline` (between steps the stages keep
+one copy split among them: megajax.mesh.encoder_storage_axes).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
-    if m.vision is not None:  # the encoder and projector run whole on the first stage (their tensor split gathered)
+    if m.vision is not None:  # the encoder and projector run whole on the first stage (their tensor and pipeline splits gathered)
         encoder = gathered | set(rules.params["vision_heads"]) | set(rules.params["vision_mlp"])
         stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, encoder)), param_specs[k])
                         for k in ("vision", "projector")}
