@@ -1,7 +1,7 @@
 """Gradients of the hand-written backward passes against autodiff of plain jnp references:
 the CPU projection (`flat_dot_general`, also inside shard_map where it sums cotangents over manual
-axes), ring (and all-gather) context-parallel attention, the sequence-parallel projections and the
-cross entropy's fused backward."""
+axes), ring (and all-gather) context-parallel attention, the sequence-parallel projections, and the
+cross entropy (vocab-split logits never gathered)."""
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +69,8 @@ def _cross_entropy_reference(logits, labels):
 
 
 def test_cross_entropy_matches_autodiff_of_logsumexp():
-    """(softmax - one-hot) x cotangent against autodiff of logsumexp minus the label's logit, with
-    logits far from zero (the max is subtracted) and a label at each end of the vocabulary."""
+    """Value and gradient against logsumexp minus the label's logit (gathered), with logits far
+    from zero (the max is subtracted) and a label at each end of the vocabulary."""
     [logits] = _normal(3, (2, 8, 40))
     logits = logits * 6.0 + 30.0
     labels = jax.random.randint(jax.random.key(4), (2, 8), 0, 40).at[0, 0].set(0).at[1, 7].set(39)

@@ -21,42 +21,15 @@ from megajax.precision.fp8 import with_scales
 from megajax.train.state import ModelSpec, TrainState
 
 
-def _label_hits(logits: jax.Array, labels_BxL: jax.Array) -> jax.Array:
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    return vocab_ids == labels_BxL[..., None]
-
-
-@jax.custom_vjp
-def _cross_entropy(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> jax.Array:
-    return _cross_entropy_fwd(logits_BxLxV, labels_BxL)[0]
-
-
-def _cross_entropy_fwd(logits_BxLxV, labels_BxL):
-    logits = logits_BxLxV.astype(jnp.float32)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[..., 0]
-    label_logit = jnp.sum(jnp.where(_label_hits(logits, labels_BxL), logits, 0.0), axis=-1)
-    return lse - label_logit, (logits_BxLxV, labels_BxL, lse)
-
-
-def _cross_entropy_bwd(res, g_BxL):
-    logits, labels, lse = res
-    probs = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
-    d = (probs - _label_hits(logits, labels).astype(jnp.float32)) * g_BxL[..., None]
-    return d.astype(logits.dtype), None
-
-
-_cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
-
-
 def cross_entropy(logits_BxLxV: jax.Array, labels_BxL: jax.Array) -> jax.Array:
     """Per-token cross entropy in fp32, written so a vocab-sharded `logits` is never gathered:
-    only [B, L] reductions (max, sum of exp, the label's logit) cross the vocab shards.
-
-    Its gradient, (softmax - one-hot(label)) x the token's cotangent, is one elementwise pass over
-    the logits and their log-sum-exp (kept from the forward), instead of autodiff's separate
-    softmax and label terms over [B, L, V] added together."""
-    return _cross_entropy(logits_BxLxV, labels_BxL)
+    only [B, L] reductions (max, sum of exp, the label's logit) cross the vocab shards."""
+    logits = logits_BxLxV.astype(jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1)) + m[..., 0]
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    label_logit = jnp.sum(jnp.where(vocab_ids == labels_BxL[..., None], logits, 0.0), axis=-1)
+    return lse - label_logit
 
 
 @struct.dataclass
