@@ -74,8 +74,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int,
     `update(grads, state, params, learning_rate=lr)` takes the step's learning rate from the caller
     (lr_schedule's value at this update's count, which the train step computes anyway): the same
     numbers, but the schedule's scalar arithmetic is then one input of the update rather than a copy
-    in each parameter's update loop, where XLA's fusion puts it (the tiny hybrid's 35 parameters:
-    35 copies). Without it the schedule is evaluated from the state's count."""
+    in each parameter's update loop, where XLA's fusion puts it (the tiny hybrid's 32 parameters:
+    32 copies). Without it the schedule is evaluated from the state's count."""
     def build(schedule: optax.Schedule) -> optax.GradientTransformation:
         # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
         adamw = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
