@@ -20,7 +20,7 @@ Without segment ids none of this is traced.
 
 Three implementations, equal up to rounding:
   ssd_reference  the recurrence step by step (lax.scan over L): the ground truth.
-  ssd_chunked    plain jnp in chunks of Q = chunk_size (autodiff gives the gradients): with
+  ssd_chunked    plain jnp in chunks of Q = chunk_size (a written backward, custom_vjp): with
                  acs_t = a_1 + ... + a_t inside a chunk,
                    y_t   = sum_{s<=t} exp(acs_t - acs_s) (C_t . B_s) dt_s x_s    (within the chunk)
                          + exp(acs_t) H_c @ C_t                                  (state carried in)
@@ -197,16 +197,18 @@ def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=Fals
 # --------------------------------------------------------------------------- chunked jnp
 
 
-def _chunk_cumsum(a_xQ, axis: int = -1):
+def _chunk_cumsum(a_xQ, axis: int = -1, reverse: bool = False):
     """Cumulative sum along `axis` (a chunk's length) as one product with a lower-triangular matrix of
-    ones. jnp.cumsum reaches XLA as a reduce-window (and its gradient as another), which the CPU
-    backend compiles and runs several times slower at chunk sizes than this product: the chunked
-    scan's forward and backward at b 8, L 128, 16 heads, chunk 32 compiled in 0.97 s instead of 2.09 s
-    and ran in 9.3 ms instead of 20.8 ms. fp32 products are exact; only the summation order differs."""
+    ones (`reverse`: the sums from each position to the chunk's end, the upper triangle). jnp.cumsum
+    reaches XLA as a reduce-window (and its gradient as another), which the CPU backend compiles and
+    runs several times slower at chunk sizes than this product: the chunked scan's forward and
+    backward at b 8, L 128, 16 heads, chunk 32 compiled in 0.97 s instead of 2.09 s and ran in 9.3 ms
+    instead of 20.8 ms. fp32 products are exact; only the summation order differs."""
     a = jnp.moveaxis(a_xQ, axis, -1)
     q = a.shape[-1]
     tri_TxS = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :]).astype(a.dtype)
-    return jnp.moveaxis(jnp.einsum("...s,ts->...t", a, tri_TxS, precision=_HIGHEST), -1, axis)
+    spec = "...t,ts->...s" if reverse else "...s,ts->...t"
+    return jnp.moveaxis(jnp.einsum(spec, a, tri_TxS, precision=_HIGHEST), -1, axis)
 
 
 def _segsum(a_xQ):
@@ -225,44 +227,161 @@ def _segsum(a_xQ):
 CHUNK_STATES = "ssd_chunk_states"
 
 
-def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
-                segment_ids=None):
-    """The SSD scan in chunks of `chunk_size`, in plain jnp (fp32); see the module docstring.
-    Differentiable by autodiff; cost linear in L. Same arguments and results as ssd_reference."""
-    _check(x, dt, A, B, C, initial_state, segment_ids)
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """The chunked form's fp32 operands, padded to whole chunks of q (dt = 0 past L: the state passes
+    unchanged): x [b, c, q, g, r, p], B and C [b, c, q, g, n], dt and acs (the cumulative sums of
+    dt * A within each chunk) [b, c, g, r, q]; the decays: within a chunk [b, c, g, r, q, s]
+    (exp(acs_t - acs_s) for s <= t, else 0), of each token's input to its chunk's end (to_end), of
+    the carried state to each token (out) [b, c, g, r, q] and across each chunk (across) [b, c, g, r];
+    with segment ids each is 0 across a document boundary (module docstring)."""
+    x: jax.Array
+    B: jax.Array
+    C: jax.Array
+    dt: jax.Array
+    acs: jax.Array
+    within: jax.Array
+    to_end: jax.Array
+    out: jax.Array
+    across: jax.Array
+
+
+def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
     b, l, h, p = x.shape
     g, n = B.shape[2:]
-    r, q = h // g, int(chunk_size)
-    nc = -(-l // q)
-    f32 = lambda t: _pad_to(t.astype(jnp.float32), 1, nc * q)        # dt = 0 past L: state unchanged
-    x_ = f32(x).reshape(b, nc, q, g, r, p)
-    B_, C_ = f32(B).reshape(b, nc, q, g, n), f32(C).reshape(b, nc, q, g, n)
+    r, nc = h // g, -(-l // q)
+    f32 = lambda t: _pad_to(t.astype(jnp.float32), 1, nc * q)
     dt_ = jnp.moveaxis(f32(dt).reshape(b, nc, q, g, r), 2, -1)       # [b, c, g, r, q]
     a = dt_ * A.astype(jnp.float32).reshape(g, r)[..., None]
-    acs = _chunk_cumsum(a)                                           # [b, c, g, r, q]
-
-    # Within each chunk: the quadratic (attention-like) form.
-    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", C_, B_)                    # [b, c, g, q, s]
-    m = cb[:, :, :, None] * jnp.exp(_segsum(a)) * dt_[..., None, :]  # [b, c, g, r, q, s]
-    if segment_ids is not None:  # decays across a document boundary are zero
-        seg, keep_in, keep_out = _chunk_segments(_pad_segments(segment_ids, nc * q), q)  # [b, c, q] each
-        m = m * (seg[..., :, None] == seg[..., None, :])[:, :, None, None]
-    y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, x_)
-    # Each chunk's own final state, then the states carried between chunks.
-    w = jnp.exp(acs[..., -1:] - acs) * dt_                           # [b, c, g, r, q]
-    chunk_decay = jnp.exp(acs[..., -1])                              # [b, c, g, r]
+    acs = _chunk_cumsum(a)
+    within = jnp.exp(_segsum(a))                                     # [b, c, g, r, q, s]
+    to_end = jnp.exp(acs[..., -1:] - acs)
+    out, across = jnp.exp(acs), jnp.exp(acs[..., -1])
     if segment_ids is not None:
-        w = w * keep_out[:, :, None, None]
-        chunk_decay = chunk_decay * keep_in[:, :, None, None, -1]
-    s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", w, x_, B_)          # [b, c, g, r, p, n]
-    h0 = (jnp.zeros((b, g, r, p, n), jnp.float32) if initial_state is None
-          else initial_state.astype(jnp.float32).reshape(b, g, r, p, n))
-    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(chunk_decay, 1, 0), h0)
+        seg, keep_in, keep_out = _chunk_segments(_pad_segments(segment_ids, nc * q), q)  # [b, c, q] each
+        within = within * (seg[..., :, None] == seg[..., None, :])[:, :, None, None]
+        to_end = to_end * keep_out[:, :, None, None]
+        out = out * keep_in[:, :, None, None]
+        across = across * keep_in[:, :, None, None, -1]
+    return _Chunks(f32(x).reshape(b, nc, q, g, r, p), f32(B).reshape(b, nc, q, g, n),
+                   f32(C).reshape(b, nc, q, g, n), dt_, acs, within, to_end, out, across)
+
+
+def _chunked_forward(x, dt, A, B, C, h0, segment_ids, q: int):
+    """(y [B, L, H, P] fp32, the final state [B, H, P, N], the states entering each chunk
+    [chunks, b, g, r, p, n]); h0 [B, H, P, N] fp32."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    k = _chunks(x, dt, A, B, C, segment_ids, q)
+    # Within each chunk: the quadratic (attention-like) form.
+    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", k.C, k.B)                  # [b, c, g, q, s]
+    m = cb[:, :, :, None] * k.within * k.dt[..., None, :]           # [b, c, g, r, q, s]
+    y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, k.x)
+    # Each chunk's own final state, then the states carried between chunks.
+    s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", k.to_end * k.dt, k.x, k.B)  # [b, c, g, r, p, n]
+    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(k.across, 1, 0), h0.reshape(b, g, h // g, p, n))
     h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
-    out_decay = jnp.exp(acs) if segment_ids is None else jnp.exp(acs) * keep_in[:, :, None, None]
-    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", C_, h_in, out_decay)
-    y = y.reshape(b, nc * q, h, p)[:, :l].astype(x.dtype)
-    return (y, final.reshape(b, h, p, n)) if return_final_state else y
+    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", k.C, h_in, k.out)
+    return y.reshape(b, -1, h, p)[:, :l], final.reshape(b, h, p, n), h_in
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _ssd_chunked(x, dt, A, B, C, h0, segment_ids, q):
+    y, final, _ = _chunked_forward(x, dt, A, B, C, h0, segment_ids, q)
+    return y, final
+
+
+def _ssd_chunked_fwd(x, dt, A, B, C, h0, segment_ids, q):
+    y, final, h_in = _chunked_forward(x, dt, A, B, C, h0, segment_ids, q)
+    return (y, final), (x, dt, A, B, C, h_in, segment_ids)
+
+
+def _ssd_chunked_bwd(q, res, cts):
+    """The chunked form's gradients written out: the intra-chunk products recomputed from the inputs
+    (only the inputs and the chunk states are kept), the state passing run backwards, and the
+    gradients of the cumulative decays turned into dt's and A's by reverse cumulative sums. The same
+    decomposition as the Pallas backward kernels (_chunk_scan_bwd_kernel), over all chunks at once."""
+    x, dt, A, B, C, h_in, segment_ids = res
+    dy, dfinal = cts
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    r = h // g
+    k = _chunks(x, dt, A, B, C, segment_ids, q)
+    dy_ = _pad_to(dy.astype(jnp.float32), 1, k.x.shape[1] * q).reshape(k.x.shape)  # [b, c, q, g, r, p]
+    h_c = jnp.moveaxis(h_in, 0, 1)                                   # [b, c, g, r, p, n]
+
+    # The state passing backwards: G_c = dH_c (from the chunk's outputs) + across_c G_c+1 from
+    # G_nc = dfinal; the chunk's own state S_c gets G_c+1, its decay across <G_c+1, H_c>.
+    dh_out = jnp.einsum("bcqgrp,bcqgn,bcgrq->cbgrpn", dy_, k.C, k.out)
+
+    def back(g_next, inp):
+        dh, across, h_prev = inp
+        return dh + across[..., None, None] * g_next, (g_next, jnp.sum(g_next * h_prev, axis=(-2, -1)))
+
+    dh0, (ds, dacross) = lax.scan(back, _vary_like(dfinal.astype(jnp.float32).reshape(b, g, r, p, n), dh_out, h_in),
+                                  (dh_out, jnp.moveaxis(k.across, 1, 0), h_in), reverse=True)
+    ds, dacross = jnp.moveaxis(ds, 0, 1), jnp.moveaxis(dacross, 0, 1)  # [b, c, g, r, p, n], [b, c, g, r]
+
+    # Within each chunk: y_t = sum_s (C_t . B_s) within[t, s] dt_s x_s.
+    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", k.C, k.B)
+    dyx = jnp.einsum("bcqgrp,bcsgrp->bcgrqs", dy_, k.x)              # dy_t . x_s
+    e0 = cb[:, :, :, None] * k.within * dyx                          # d loss / d dt_s, per (t, s)
+    e = e0 * k.dt[..., None, :]                                      # d loss / d (acs_t - acs_s)
+    dcb = jnp.einsum("bcgrqs,bcgrs->bcgqs", dyx * k.within, k.dt)   # summed over the group's heads
+    dx = jnp.einsum("bcgrqs,bcqgrp->bcsgrp", cb[:, :, :, None] * k.within * k.dt[..., None, :], dy_)
+    dc = jnp.einsum("bcgqs,bcsgn->bcqgn", dcb, k.B)
+    db = jnp.einsum("bcgqs,bcqgn->bcsgn", dcb, k.C)
+    dacs = jnp.sum(e, axis=-1) - jnp.sum(e, axis=-2)                 # [b, c, g, r, q]
+    ddt = jnp.sum(e0, axis=-2)
+
+    # The carried state's outputs: y_t += out_t H_c C_t.
+    dyh = jnp.einsum("bcqgrp,bcgrpn->bcqgrn", dy_, h_c)
+    dc = dc + jnp.einsum("bcqgrn,bcgrq->bcqgn", dyh, k.out)
+    dacs = dacs + k.out * jnp.einsum("bcqgrn,bcqgn->bcgrq", dyh, k.C)
+
+    # Each chunk's own state: S_c = sum_s to_end_s dt_s x_s (outer) B_s.
+    w = k.to_end * k.dt
+    xds = jnp.einsum("bcqgrp,bcgrpn->bcqgrn", k.x, ds)               # x_s^T dS
+    db = db + jnp.einsum("bcqgrn,bcgrq->bcqgn", xds, w)
+    dx = dx + jnp.einsum("bcgrq,bcgrpn,bcqgn->bcqgrp", w, ds, k.B)
+    f0 = jnp.einsum("bcqgrn,bcqgn->bcgrq", xds, k.B)                 # x_s^T dS B_s
+    ddt = ddt + k.to_end * f0
+    f = w * f0
+    last = jnp.sum(f, axis=-1) + dacross * k.across                  # acs_Q's: own states and the decay across
+    dacs = dacs - f + jnp.where(jnp.arange(q) == q - 1, last[..., None], 0.0)
+
+    da = _chunk_cumsum(dacs, reverse=True)                           # d loss / d (dt * A)
+    a32 = A.astype(jnp.float32).reshape(g, r)
+    ddt = ddt + da * a32[..., None]
+    dA = jnp.sum(da * k.dt, axis=(0, 1, 4)).reshape(h)
+    unchunk = lambda t, *shape: t.reshape((b, -1) + shape)[:, :l]
+    dsegs = None if segment_ids is None else (np.zeros(segment_ids.shape, jax.dtypes.float0)
+                                              if not jnp.issubdtype(segment_ids.dtype, jnp.inexact)
+                                              else jnp.zeros_like(segment_ids))
+    return (unchunk(dx, h, p).astype(x.dtype), unchunk(jnp.moveaxis(ddt, -1, 2), h).astype(dt.dtype),
+            dA.astype(A.dtype), unchunk(db, g, n).astype(B.dtype), unchunk(dc, g, n).astype(C.dtype),
+            dh0.reshape(b, h, p, n), dsegs)
+
+
+_ssd_chunked.defvjp(_ssd_chunked_fwd, _ssd_chunked_bwd)
+
+
+def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_state=False,
+                segment_ids=None):
+    """The SSD scan in chunks of `chunk_size`, in plain jnp (fp32); see the module docstring. Its
+    gradient is written out (_ssd_chunked_bwd: the intra-chunk products recomputed rather than kept,
+    a far smaller program than autodiff's); cost linear in L. Same arguments and results as
+    ssd_reference."""
+    _check(x, dt, A, B, C, initial_state, segment_ids)
+    b, l, h, p = x.shape
+    h0 = (jnp.zeros((b, h, p, B.shape[3]), jnp.float32) if initial_state is None
+          else initial_state.astype(jnp.float32))
+    # One varying type for all (inside a shard_map that checks it): the written gradients then have
+    # their inputs' types, and the casts' transposes sum the gradients of the inputs that vary less.
+    x, dt, A, B, C, h0 = (_vary_like(t, x, dt, A, B, C, h0) for t in (x, dt, A, B, C, h0))
+    y, final = _ssd_chunked(x, dt, A, B, C, h0, segment_ids, int(chunk_size))
+    y = y.astype(x.dtype)
+    return (y, final) if return_final_state else y
 
 
 # --------------------------------------------------------------------------- Pallas kernels

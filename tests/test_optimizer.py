@@ -107,6 +107,32 @@ def test_adamw_update_matches_the_formula():
     np.testing.assert_allclose(p["w"], want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("frozen", [None, lambda path: path.startswith("frozen")])
+def test_a_given_learning_rate_is_the_schedule_s_value_and_is_not_recomputed_per_parameter(frozen):
+    """update(..., learning_rate=lr) with lr the schedule's value at the update's count (what the train
+    step passes): the same updates and state, bit for bit, over warmup and decay; and the compiled
+    update evaluates no schedule (without it, XLA copies the cosine into each parameter's loop)."""
+    cfg = OptimConfig(lr=0.1, min_lr=0.01, warmup_steps=2, decay_steps=6, decay_style="cosine",
+                      weight_decay=0.1)
+    tx, schedule = make_optimizer(cfg, 6, frozen), lr_schedule(cfg, 6)
+    rng = np.random.default_rng(0)
+    params = {name: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+              for name, shape in [("w", (4, 3)), ("b/bias", (3,)), ("norm/scale", (3,)), ("frozen", (2,))]}
+    given = jax.jit(lambda g, s, p: tx.update(g, s, p, learning_rate=schedule(update_count(s))))
+    own = jax.jit(tx.update)
+    s_given = s_own = tx.init(params)
+    for _ in range(5):
+        grads = {k: jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for k, v in params.items()}
+        (u_given, s_given), (u_own, s_own) = given(grads, s_given, params), own(grads, s_own, params)
+        for a, b in zip(jax.tree.leaves((u_given, s_given)), jax.tree.leaves((u_own, s_own))):
+            np.testing.assert_array_equal(a, b)
+        params = optax.apply_updates(params, u_own)
+    text = lambda f, *a: jax.jit(f).lower(*a).compile().as_text()
+    assert "cosine(" not in text(lambda g, s, p, lr: tx.update(g, s, p, learning_rate=lr), grads, s_own, params,
+                                 jnp.float32(0.1))
+    assert text(tx.update, grads, s_own, params).count("cosine(") >= 1
+
+
 def megatron_clip(grads: list[np.ndarray], max_norm: float) -> tuple[list[np.ndarray], float]:
     """Megatron-Core's get_grad_norm_fp32 + clip_grad_by_total_norm_fp32, in numpy."""
     total = float(np.sqrt(sum(np.sum(g.astype(np.float64) ** 2) for g in grads)))

@@ -203,7 +203,9 @@ def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.A
     """Slots' tokens and weights from their assignments (a = token x K + choice; T x K: padding,
     token T, weight 0)."""
     t, k = weights_TxK.shape
-    tokens = jnp.where(assignment_S < t * k, assignment_S // k, t)
+    # lax.div truncates, which is the floor for these non-negative indices: one instruction where
+    # `//` (floor_divide) adds its sign corrections, in every tile loop's body
+    tokens = jnp.where(assignment_S < t * k, jax.lax.div(assignment_S, jnp.asarray(k, assignment_S.dtype)), t)
     return tokens, jnp.take(weights_TxK.reshape(-1), assignment_S, mode="fill", fill_value=0)
 
 

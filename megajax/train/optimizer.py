@@ -66,18 +66,33 @@ def trainable_mask(frozen: Callable[[str], bool]) -> Callable[[dict], dict]:
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int,
-                   frozen: Callable[[str], bool] | None = None) -> optax.GradientTransformation:
+                   frozen: Callable[[str], bool] | None = None) -> optax.GradientTransformationExtraArgs:
     """AdamW; with `frozen` (a predicate over parameter paths, e.g. model.vision.freeze's) AdamW runs on
     the other parameters alone (optax.masked: the frozen ones have no moments), and the frozen ones'
-    updates are zero."""
-    # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
-    adamw = optax.adamw(lr_schedule(cfg, total_steps), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, mask=decay_mask)
-    if frozen is None:
-        return adamw
-    trains = trainable_mask(frozen)
-    return optax.chain(optax.masked(adamw, trains),
-                       optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda t: not t, trains(p))))
+    updates are zero.
+
+    `update(grads, state, params, learning_rate=lr)` takes the step's learning rate from the caller
+    (lr_schedule's value at this update's count, which the train step computes anyway): the same
+    numbers, but the schedule's scalar arithmetic is then one input of the update rather than a copy
+    in each parameter's update loop, where XLA's fusion puts it (the tiny hybrid's 32 parameters:
+    32 copies). Without it the schedule is evaluated from the state's count."""
+    def build(schedule: optax.Schedule) -> optax.GradientTransformation:
+        # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
+        adamw = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, mask=decay_mask)
+        if frozen is None:
+            return adamw
+        trains = trainable_mask(frozen)
+        return optax.chain(optax.masked(adamw, trains),
+                           optax.masked(optax.set_to_zero(), lambda p: jax.tree.map(lambda t: not t, trains(p))))
+
+    scheduled = build(lr_schedule(cfg, total_steps))
+
+    def update(updates, state, params=None, *, learning_rate: jax.Array | None = None, **_):
+        tx = scheduled if learning_rate is None else build(lambda count: learning_rate)
+        return tx.update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(scheduled.init, update)
 
 
 def update_count(opt_state) -> jax.Array:

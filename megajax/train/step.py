@@ -98,9 +98,11 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
         lr = schedule(update_count(state.opt_state))
         factor = clip_coefficient(grad_norm, clip) / inputs.scale  # unscale and clip: one product
 
-        def update(grads, opt_state, params):
+        def update(grads, opt_state, params, lr):
             grads = jax.tree.map(lambda x: x * factor, grads)
-            updates, new_opt = tx.update(grads, opt_state, params)
+            # lr: this update's learning rate, an operand of the branch (make_optimizer)
+            extra = {"learning_rate": lr} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+            updates, new_opt = tx.update(grads, opt_state, params, **extra)
             return optax.apply_updates(params, updates), new_opt
 
         # The parameters and optimizer state change only where the step is finite (and `ok`, the
@@ -108,8 +110,8 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
         # loops, which write the new state once (a select after them would read and write every
         # parameter and moment again, and the scaled gradients would be a pass of their own).
         apply = finite if ok is None else finite & ok
-        new_params, new_opt = jax.lax.cond(apply, update, lambda g, o, p: (p, o), g.grads, state.opt_state,
-                                           state.params)
+        new_params, new_opt = jax.lax.cond(apply, update, lambda g, o, p, lr: (p, o), g.grads, state.opt_state,
+                                           state.params, lr)
 
         def keep_if_skipped(new, old):
             return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
