@@ -308,6 +308,7 @@ def test_bench_command_reports_and_writes_json(tmp_path, capsys):
         assert words in text, words
     r = json.loads(out.read_text())
     assert r["layout"]["mesh"]["tensor"] == 4 and r["step_seconds"]["n"] == 3
+    assert r["cpu_step_seconds"]["n"] == 3 and r["cpu_step_seconds"]["min"] > 0 and "host work  median" in text
     assert r["tokens_per_sec"] > 0 and r["compile_seconds"] > 0
     assert r["memory"]["compiled"]["total"] > 0 and r["memory"]["analytic"]["params"] > 0
     assert r["communication"]["all-gather"]["count"] > 0
@@ -326,8 +327,11 @@ def test_bench_sweep_plots_and_baseline_runs_interleaved(tmp_path, capsys):
     for p in r["points"]:
         assert p["baseline"]["name"] == "torch" and p["baseline"]["megajax_over_baseline"] > 0
         assert p["baseline"]["step_seconds"]["n"] == p["step_seconds"]["n"]
+        assert p["baseline"]["cpu_step_seconds"]["n"] == p["cpu_step_seconds"]["n"]
+        assert p["baseline"]["megajax_over_baseline_cpu"] == pytest.approx(
+            p["baseline"]["cpu_step_seconds"]["median"] / p["cpu_step_seconds"]["median"])
     text = capsys.readouterr().out
-    assert "megajax / torch" in text
+    assert "megajax / torch" in text and "megajax / torch by host work" in text
     if importlib.util.find_spec("matplotlib") is None:
         assert "plot: skipped" in text
     else:

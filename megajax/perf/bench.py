@@ -30,6 +30,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import re
 import statistics
 import time
@@ -107,12 +108,17 @@ def memory_table(plan: RunPlan, compiled, spec, device) -> dict[str, Any]:
     return out
 
 
-def _timed(step, n: int) -> list[float]:
-    out = []
+def _timed(step, n: int, cpu: list[float] | None = None) -> list[float]:
+    """Each of n steps' wall seconds; with `cpu`, each step's host work appended to it: the process's
+    CPU seconds (every thread's) over the host's cores. Other processes on a shared host stretch it less
+    than the wall time, though a thread that spins while it waits for a descheduled one adds to it."""
+    out, cores = [], os.cpu_count() or 1
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         step()
         out.append(time.perf_counter() - t)
+        if cpu is not None:
+            cpu.append((time.process_time() - c) / cores)
     return out
 
 
@@ -174,19 +180,20 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     megajax_step = built.run
 
     _timed(megajax_step, warmup)
-    base = None
+    base, ours_cpu = None, []
     if baseline:
         from megajax.perf.baseline import BASELINES
         base_step, base_desc = BASELINES[baseline](cfg)
         _timed(base_step, warmup)
-        ours, theirs = [], []
+        ours, theirs, base_cpu = [], [], []
         per = max(1, steps // rounds)
         for _ in range(rounds):  # interleaved, so both see the same load on a shared machine
-            ours += _timed(megajax_step, per)
-            theirs += _timed(base_step, per)
-        base = {"name": baseline, "description": base_desc, "step_seconds": _spread(theirs)}
+            ours += _timed(megajax_step, per, ours_cpu)
+            theirs += _timed(base_step, per, base_cpu)
+        base = {"name": baseline, "description": base_desc, "step_seconds": _spread(theirs),
+                "cpu_step_seconds": _spread(base_cpu)}
     else:
-        ours = _timed(megajax_step, steps)
+        ours = _timed(megajax_step, steps, ours_cpu)
     loader.close()
 
     timing = _spread(ours)
@@ -210,6 +217,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
         "host_allocator": host_allocator.described(),
         "compile_seconds": compile_seconds,
         "step_seconds": timing,
+        "cpu_step_seconds": _spread(ours_cpu),  # host work per step: CPU seconds over the host's cores
         "tokens_per_sec": tps,
         "tokens_per_sec_per_device": tps / n_dev,
         "tflops_per_device": tflops,
@@ -227,6 +235,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
     if base is not None:
         base["tokens_per_sec"] = tokens / base["step_seconds"]["median"]
         base["megajax_over_baseline"] = tps / base["tokens_per_sec"]
+        base["megajax_over_baseline_cpu"] = base["cpu_step_seconds"]["median"] / report["cpu_step_seconds"]["median"]
         report["baseline"] = base
     return report
 
@@ -300,6 +309,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"compile    {r['compile_seconds']:.2f} s",
         f"step       median {t['median'] * 1e3:.1f} ms (min {t['min'] * 1e3:.1f}, p90 {t['p90'] * 1e3:.1f}, "
         f"max {t['max'] * 1e3:.1f}; {t['n']} steps)",
+        *([f"host work  median {r['cpu_step_seconds']['median'] * 1e3:.1f} ms of CPU per step over the host's cores "
+           f"(min {r['cpu_step_seconds']['min'] * 1e3:.1f}; every thread's, waiting threads that spin included)"]
+          if lay["platform"] == "cpu" and "cpu_step_seconds" in r else []),
         f"throughput {r['tokens_per_sec']:,.0f} tokens/s, {r['tokens_per_sec_per_device']:,.0f} per device; "
         f"{readable_rate(r['tflops_per_device'] * 1e12)} per device"
         + (f"; MFU {readable_percent(r['mfu'])} of a {readable_rate(r['peak_tflops'] * 1e12)} peak "
@@ -338,6 +350,9 @@ def format_report(r: dict[str, Any]) -> str:
                   f"           median {bt['median'] * 1e3:.1f} ms/step (min {bt['min'] * 1e3:.1f}, max "
                   f"{bt['max'] * 1e3:.1f}), {b['tokens_per_sec']:,.0f} tokens/s; megajax / {b['name']} = "
                   f"{b['megajax_over_baseline']:.2f}x (interleaved in this run, the same host allocator)"]
+        if lay["platform"] == "cpu" and "megajax_over_baseline_cpu" in b:
+            lines.append(f"           host work median {b['cpu_step_seconds']['median'] * 1e3:.1f} ms of CPU per step; "
+                         f"megajax / {b['name']} by host work = {b['megajax_over_baseline_cpu']:.2f}x")
     return "\n".join(lines)
 
 
