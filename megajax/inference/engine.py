@@ -3,7 +3,7 @@ leave when they end.
 
     Engine(generator, max_batch, block_size, num_blocks, prefill_chunk, prefill_rows, prefill_shapes)
       .submit(jobs)   queued; admitted into a free row when the pool holds blocks for the whole sequence
-      .ready          both programs compiled (the engine's thread compiles them at start)
+      .ready          its programs compiled (the engine's thread compiles them at start)
       .stats()        running, waiting, kv_blocks_used, kv_blocks_total, kv_blocks_cached, prefix_cache_queries,
                     prefix_cache_hits, prefill_tokens
 
@@ -279,7 +279,7 @@ class Engine:
         self.prefill_calls: collections.Counter = collections.Counter()  # prefill calls so far, by shape
         self.batches = 0  # engine iterations run so far
         self.sequences = 0  # sequences ended so far
-        self.compile_s: float | None = None  # seconds the two programs took to compile (None: not yet)
+        self.compile_s: float | None = None  # seconds its prefill and decode programs took to compile (None: not yet)
         self.ready = False
         self.error: str | None = None  # why the engine could not start
         self._queue: queue.Queue[Job | None] = queue.Queue()
@@ -441,7 +441,7 @@ class Engine:
                                                                                  g.rules)) for a in arrays])
 
     def _start(self) -> None:
-        """The pools and both programs, compiled (on example inputs of the fixed shapes)."""
+        """The pools, the prefill program of each shape and the decode program, compiled (on example inputs of the fixed shapes)."""
         g = self.generator
         t0 = time.perf_counter()
         slots = self.num_blocks * self.block_size
