@@ -4,8 +4,8 @@ parameter count, on this machine (one CPU device, no compilation cache).
 
 Builds the train step exactly as `megajax bench` does (megajax.perf.bench.compiled_step) for the
 hybrid and for the dense model, alternately, --repeats times each, and prints each one's median
-compile time (tracing, lowering and XLA's compile), the instructions of its optimised HLO and the
-hybrid/dense ratio of both. Alternating keeps the ratio fair on a shared machine.
+compile time (tracing, lowering and XLA's compile, each also on its own), the instructions of its
+optimised HLO and the hybrid/dense ratio of both. Alternating keeps the ratio fair on a shared machine.
 
   PYTHONPATH=. python3 scripts/bench_hybrid_compile.py                          # tiny-hybrid
   PYTHONPATH=. python3 scripts/bench_hybrid_compile.py --hybrid model/tiny-mamba2 --repeats 5
@@ -37,6 +37,7 @@ from megajax.perf.bench import compiled_step  # noqa: E402
 from megajax.train.loop import count_params  # noqa: E402
 
 _INSTRUCTION = re.compile(r"^\s+(ROOT\s+)?[%\w.\-]+\s+=\s", re.M)
+PHASES = ("trace", "lower", "compile")  # megajax.perf.bench.CompiledStep.phases
 COMMON = ["mesh.cpu_devices=1", "ops.compile_cache=false", "train.global_batch=2", "train.micro_batch=2"]
 
 
@@ -48,7 +49,8 @@ def instructions(hlo_text: str) -> int:
 def measure(cfg) -> dict:
     built = compiled_step(cfg)
     built.loader.close()
-    return {"seconds": built.compile_seconds, "instructions": instructions(built.compiled.as_text()),
+    return {"seconds": built.compile_seconds, "phases": built.phases,
+            "instructions": instructions(built.compiled.as_text()),
             "parameters": count_params(built.setup.spec.abstract_params)}
 
 
@@ -93,13 +95,17 @@ def main() -> int:
     for name, rs in runs.items():
         out[name] = {"compile_seconds": statistics.median(r["seconds"] for r in rs),
                      "all_seconds": [round(r["seconds"], 3) for r in rs],
+                     "phases": {k: statistics.median(r["phases"][k] for r in rs) for k in PHASES},
                      "instructions": rs[0]["instructions"], "parameters": rs[0]["parameters"]}
         print(f"{name:7s} {out[name]['parameters']:>10,d} params  compile {out[name]['compile_seconds']:.2f} s "
               f"(runs {out[name]['all_seconds']})  HLO {out[name]['instructions']:,d} instructions")
+        print("        " + ", ".join(f"{k} {out[name]['phases'][k]:.2f} s" for k in PHASES))
     out["ratio"] = {"compile": out["hybrid"]["compile_seconds"] / out["dense"]["compile_seconds"],
+                    "phases": {k: out["hybrid"]["phases"][k] / out["dense"]["phases"][k] for k in PHASES},
                     "instructions": out["hybrid"]["instructions"] / out["dense"]["instructions"]}
     print(f"hybrid / dense: compile {out['ratio']['compile']:.2f}x, HLO {out['ratio']['instructions']:.2f}x "
-          f"({jax.devices()[0].platform}, jax {jax.__version__})")
+          f"({jax.devices()[0].platform}, jax {jax.__version__}); by phase: "
+          + ", ".join(f"{k} {out['ratio']['phases'][k]:.2f}x" for k in PHASES))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return 0

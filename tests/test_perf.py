@@ -310,6 +310,9 @@ def test_bench_command_reports_and_writes_json(tmp_path, capsys):
     assert r["layout"]["mesh"]["tensor"] == 4 and r["step_seconds"]["n"] == 3
     assert r["cpu_step_seconds"]["n"] == 3 and r["cpu_step_seconds"]["min"] > 0 and "host work  median" in text
     assert r["tokens_per_sec"] > 0 and r["compile_seconds"] > 0
+    phases = r["compile_phases"]  # the compile's stages, timed one after another
+    assert set(phases) == {"trace", "lower", "compile"} and min(phases.values()) > 0
+    assert sum(phases.values()) == pytest.approx(r["compile_seconds"], rel=1e-6)
     assert r["memory"]["compiled"]["total"] > 0 and r["memory"]["analytic"]["params"] > 0
     assert r["communication"]["all-gather"]["count"] > 0
 

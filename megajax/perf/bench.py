@@ -133,6 +133,9 @@ class CompiledStep:
     batch: dict
     loader: Any
     held: dict  # the state and the ok flag, replaced by every step (both donated)
+    # compile_seconds in its phases: Python tracing to a jaxpr ("trace"), lowering to StableHLO
+    # ("lower") and XLA's compile, its HLO passes and code generation ("compile")
+    phases: dict = dataclasses.field(default_factory=dict)
 
     def run(self) -> None:
         self.held["state"], metrics, self.held["ok"] = self.compiled(self.held["state"], self.batch, self.held["ok"])
@@ -158,8 +161,14 @@ def compiled_step(cfg: Config) -> CompiledStep:
     jax.block_until_ready(held)
     t0 = time.perf_counter()
     images = getattr(loader, "images_shape", None) is not None  # a vision-language model on image-text shards
-    compiled = setup.train_step(images=images).lower(held["state"], batch, held["ok"]).compile()
-    return CompiledStep(plan, setup, compiled, time.perf_counter() - t0, batch, loader, held)
+    traced = setup.train_step(images=images).trace(held["state"], batch, held["ok"])
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3 = time.perf_counter()
+    return CompiledStep(plan, setup, compiled, t3 - t0, batch, loader, held,
+                        phases={"trace": t1 - t0, "lower": t2 - t1, "compile": t3 - t2})
 
 
 def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | None = None,
@@ -216,6 +225,7 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
                    "accumulation": layout.accumulation, "seq_len": layout.seq_len},
         "host_allocator": host_allocator.described(),
         "compile_seconds": compile_seconds,
+        "compile_phases": built.phases,  # trace, lower, compile (XLA): seconds, summing to compile_seconds
         "step_seconds": timing,
         "cpu_step_seconds": _spread(ours_cpu),  # host work per step: CPU seconds over the host's cores
         "tokens_per_sec": tps,
