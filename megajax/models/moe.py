@@ -136,8 +136,13 @@ def _tile_mlp(x_TxD: jax.Array, w: dict, activation: str) -> jax.Array:
     return (_hidden({name: x_TxD @ w[name] for name in first}, activation) @ w["fc2"]).astype(x_TxD.dtype)
 
 
+def _index(a: jax.Array, g: jax.Array) -> jax.Array:
+    """a[g] for a non-negative traced g (no index correction)."""
+    return jax.lax.dynamic_index_in_dim(a, g, keepdims=False, allow_negative_indices=False)
+
+
 def _expert_kernels(kernels: dict, g: jax.Array) -> dict:
-    return {name: jax.lax.dynamic_index_in_dim(k, g, keepdims=False) for name, k in kernels.items()}
+    return {name: _index(k, g) for name, k in kernels.items()}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -194,18 +199,36 @@ def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, 
     return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
 
 
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+_ADD_ROWS = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                            scatter_dims_to_operand_dims=(0,))
+
+
 def _rows(x_TxD: jax.Array, tokens_S: jax.Array) -> jax.Array:
-    """Rows of x by token index; index T (padding) gives 0."""
-    return jnp.take(x_TxD, tokens_S, axis=0, mode="fill", fill_value=0)
+    """Rows of x by token index, an index past the rows giving the last row (XLA's clamped gather: no
+    bounds checks; the tile loops give such padding slots weight 0 and drop their outputs)."""
+    return jax.lax.gather(x_TxD, tokens_S[:, None], _ROWS, (1, x_TxD.shape[1]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _add_rows(y_TxD: jax.Array, tokens_S: jax.Array, rows_SxD: jax.Array) -> jax.Array:
+    """y with each row of `rows_SxD` added into its token's row; an index past the rows adds nothing."""
+    return jax.lax.scatter_add(y_TxD, tokens_S[:, None], rows_SxD, _ADD_ROWS,
+                               mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _slice(a: jax.Array, n: jax.Array, size: int) -> jax.Array:
+    """a[n x size : (n + 1) x size] (the loop's index is never negative: no index correction)."""
+    return jax.lax.dynamic_slice_in_dim(a, n * size, size, allow_negative_indices=False)
 
 
 def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Slots' tokens and weights from their assignments (a = token x K + choice; T x K: padding,
-    token T, weight 0)."""
-    t, k = weights_TxK.shape
-    # lax.div truncates, which is the floor for these non-negative indices: one instruction where
-    # `//` (floor_divide) adds its sign corrections, in every tile loop's body
-    tokens = jnp.where(assignment_S < t * k, jax.lax.div(assignment_S, jnp.asarray(k, assignment_S.dtype)), t)
+    token T, weight 0), computed once for all slots outside the tile loops."""
+    k = weights_TxK.shape[1]
+    # lax.div truncates, which is the floor for these non-negative indices (no sign corrections);
+    # the padding assignment T x K gives token T
+    tokens = jax.lax.div(assignment_S, jnp.asarray(k, assignment_S.dtype))
     return tokens, jnp.take(weights_TxK.reshape(-1), assignment_S, mode="fill", fill_value=0)
 
 
@@ -213,13 +236,17 @@ def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.A
 def _routed_tiles(x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles, activation, tile):
     """y [T, D] fp32 = sum over the slots s of tiles n < live_tiles of
     w[a] * MLP_{tile_group[n]}(x[a // K]), a = assignment_S[s], w = weights_TxK flattened, slot s of
-    tile n = s // tile; a = T x K is a padding slot. Each tile gathers its rows and weights, runs its
-    expert's MLP and adds its weighted outputs into their tokens: no [slots, D] buffers, work in
-    proportion to the live tiles, and only the assignments kept for the backward pass."""
+    tile n = s // tile; a = T x K is a padding slot. The slots' tokens and weights are gathered once;
+    each tile gathers its rows, runs its expert's MLP and adds its weighted outputs into their
+    tokens: no [slots, D] buffers, work in proportion to the live tiles, and only the assignments
+    kept for the backward pass."""
+    tokens_S, w_S = _slot_tokens(assignment_S, weights_TxK)
+
     def body(n, y_TxD):
-        tokens, w = _slot_tokens(jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile), weights_TxK)
-        out = _tile_mlp(_rows(x_TxD, tokens), _expert_kernels(kernels, tile_group_N[n]), activation)
-        return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop")
+        tokens, w = _slice(tokens_S, n, tile), _slice(w_S, n, tile)
+        k = _expert_kernels(kernels, _slice(tile_group_N, n, 1)[0])
+        out = _tile_mlp(_rows(x_TxD, tokens), k, activation)
+        return _add_rows(y_TxD, tokens, out.astype(jnp.float32) * w[:, None])
     return jax.lax.fori_loop(0, live_tiles, body, like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD))
 
 
@@ -232,20 +259,21 @@ def _routed_bwd(activation, tile, res, dy_TxD):
     """Per live tile: its first products again (gate and up, or fc1; keeping them from the forward
     would take [slots, ffn] buffers of the worst case), g = dy W2^T, the hidden layer's gradient
     w g and the weight's <hidden, g> (the output itself is not recomputed); the rows' gradients
-    added into their tokens, the weights' into their assignments, the kernels' into their expert's
-    slice, in place."""
+    added into their tokens, the kernels' into their expert's slice, in place, the slots' weights'
+    gradients written per slot and added into their assignments after the loop. A padding slot
+    (weight 0, a clamped row) adds 0 to the rows and kernels; its weight's gradient is dropped."""
     x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles = res
     first = EXPERT_KERNELS[activation][:-1]
+    tokens_S, w_S = _slot_tokens(assignment_S, weights_TxK)
 
     def body(n, carry):
-        dx_TxD, dw_A, dk = carry
-        g = tile_group_N[n]
-        assignment = jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile)
-        tokens, w = _slot_tokens(assignment, weights_TxK)
+        dx_TxD, dw_S, dk = carry
+        g = _slice(tile_group_N, n, 1)[0]
+        tokens, w = _slice(tokens_S, n, tile), _slice(w_S, n, tile)
         k = _expert_kernels(kernels, g)
         x = _rows(x_TxD, tokens)
         hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), {name: x @ k[name] for name in first})
-        dy = _rows(dy_TxD, tokens)  # [tile, D] fp32; padding slots 0
+        dy = _rows(dy_TxD, tokens)  # [tile, D] fp32
         grad_h = jnp.dot(dy.astype(x.dtype), k["fc2"].T, preferred_element_type=jnp.float32)  # d<out, dy>/d hidden
         dw = jnp.sum(hidden.astype(jnp.float32) * grad_h, axis=-1)
         (dpre,) = hidden_vjp((grad_h * w[:, None]).astype(x.dtype))
@@ -253,14 +281,15 @@ def _routed_bwd(activation, tile, res, dy_TxD):
         dk_g.update({name: x.T @ dpre[name] for name in first})
         dx = sum(dpre[name] @ k[name].T for name in first)
         dk = {name: jax.lax.dynamic_update_index_in_dim(
-            acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dk_g[name].astype(acc.dtype), g, 0)
+            acc, _index(acc, g) + dk_g[name].astype(acc.dtype), g, 0, allow_negative_indices=False)
             for name, acc in dk.items()}
-        return (dx_TxD.at[tokens].add(dx.astype(dx_TxD.dtype), mode="drop"),
-                dw_A.at[assignment].add(dw.astype(dw_A.dtype), mode="drop"), dk)
+        dw_S = jax.lax.dynamic_update_slice_in_dim(dw_S, dw.astype(dw_S.dtype), n * tile, 0,
+                                                   allow_negative_indices=False)
+        return _add_rows(dx_TxD, tokens, dx.astype(dx_TxD.dtype)), dw_S, dk
 
-    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(weights_TxK.reshape(-1)),
-             {name: jnp.zeros_like(k) for name, k in kernels.items()})
-    dx_TxD, dw_A, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(w_S), {name: jnp.zeros_like(k) for name, k in kernels.items()})
+    dx_TxD, dw_S, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    dw_A = _add_rows(jnp.zeros_like(weights_TxK.reshape(-1, 1)), assignment_S, dw_S[:, None])
     return dx_TxD, dw_A.reshape(weights_TxK.shape), dk, None, None, None
 
 
