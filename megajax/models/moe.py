@@ -310,17 +310,46 @@ def routed_expert_sum(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
     g = next(iter(kernels.values())).shape[0]
     a = t * k  # assignment a = token a // K
     local = ids_TxK.reshape(-1) - first
-    order, sizes = sort_by_expert(jnp.where((local >= 0) & (local < g), local, g), g + 1)  # group G: not here
+    local = jnp.where((local >= 0) & (local < g), local, g)  # group G: not here
     if products is None and grouped_gemm_impl(grouped_impl) == "tiled":
-        src, _, tile_group, live = tile_layout(sizes[:g], a, tile)
-        assignment = jnp.take(order, src, mode="fill", fill_value=a)  # [N x tile]; a: padding
+        assignment, tile_group, live_tiles = routed_slots(local, g, tile)
         x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles = alike(
-            x_TxD, weights_TxK, kernels, assignment, tile_group, jnp.sum(live).astype(jnp.int32))
+            x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles)
         return _routed_tiles(x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles, activation, tile)
+    order, sizes = sort_by_expert(local, g + 1)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
     out_sorted = expert_ffn(rows, sizes[:g], kernels, activation, products, grouped_impl)  # others' rows: 0
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
     return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+
+
+def routed_slots(group_A: jax.Array, g: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The assignments sorted by group (0 .. g - 1; g: none of them, left out), each group padded to
+    whole tiles, N = ceil(A / tile) + g tiles: (assignment [N x tile]: the assignment each slot
+    holds, A for padding; tile's group [N]; live tiles []). One stable sort, each assignment's slot
+    its sorted position shifted by its group's padding before it, one scatter into the slots."""
+    a = group_A.shape[0]
+    n = -(-a // tile) + g
+    sorted_A, order_A = jax.lax.sort((group_A, jnp.arange(a, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    below = group_A[:, None] < jnp.arange(1, g + 1, dtype=group_A.dtype)  # [A, g]: in a group < g' + 1
+    row_end = jnp.sum(below, axis=0, dtype=jnp.int32)  # [g]
+    sizes = row_end - jnp.concatenate([jnp.zeros((1,), jnp.int32), row_end[:-1]])
+    tile_end = jnp.cumsum((sizes + tile - 1) // tile)
+    # sorted position p of group e -> slot p + (tile_start[e] x tile - row_start[e]); group g past the slots
+    shift = jnp.concatenate([(tile_end - (sizes + tile - 1) // tile) * tile - (row_end - sizes),
+                             jnp.full((1,), n * tile, jnp.int32)])
+    slot = jnp.arange(a, dtype=jnp.int32) + jax.lax.gather(
+        shift, sorted_A[:, None], jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
+                                                                  start_index_map=(0,)), (1,),
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    assignment = jax.lax.scatter(
+        jnp.full((n * tile,), a, jnp.int32), slot[:, None], order_A,
+        jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                        scatter_dims_to_operand_dims=(0,)),
+        indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    tile_group = jnp.minimum(jnp.sum(tile_end[None, :] <= jnp.arange(n, dtype=jnp.int32)[:, None], axis=1,
+                                     dtype=jnp.int32), g - 1)
+    return assignment, tile_group, tile_end[-1]
 
 
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
