@@ -226,10 +226,11 @@ def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.A
     """Slots' tokens and weights from their assignments (a = token x K + choice; T x K: padding,
     token T, weight 0), computed once for all slots outside the tile loops."""
     k = weights_TxK.shape[1]
-    # lax.div truncates, which is the floor for these non-negative indices (no sign corrections);
-    # the padding assignment T x K gives token T
-    tokens = jax.lax.div(assignment_S, jnp.asarray(k, assignment_S.dtype))
-    return tokens, jnp.take(weights_TxK.reshape(-1), assignment_S, mode="fill", fill_value=0)
+    # unsigned division: the floor of these non-negative indices without sign corrections; the
+    # padding assignment T x K gives token T, and weight 0 from the zero appended to the weights
+    tokens = jax.lax.div(assignment_S.astype(jnp.uint32), jnp.uint32(k)).astype(assignment_S.dtype)
+    padded = jnp.concatenate([weights_TxK.reshape(-1, 1), jnp.zeros((1, 1), weights_TxK.dtype)])  # [A + 1, 1]
+    return tokens, _rows(padded, assignment_S)[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
