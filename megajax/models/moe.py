@@ -136,8 +136,13 @@ def _tile_mlp(x_TxD: jax.Array, w: dict, activation: str) -> jax.Array:
     return (_hidden({name: x_TxD @ w[name] for name in first}, activation) @ w["fc2"]).astype(x_TxD.dtype)
 
 
+def _index(a: jax.Array, g: jax.Array) -> jax.Array:
+    """a[g] for a non-negative traced g (no index correction)."""
+    return jax.lax.dynamic_index_in_dim(a, g, keepdims=False, allow_negative_indices=False)
+
+
 def _expert_kernels(kernels: dict, g: jax.Array) -> dict:
-    return {name: jax.lax.dynamic_index_in_dim(k, g, keepdims=False) for name, k in kernels.items()}
+    return {name: _index(k, g) for name, k in kernels.items()}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -194,32 +199,55 @@ def expert_ffn_tiled(x_MxD: jax.Array, group_sizes_G: jax.Array, kernels: dict, 
     return jnp.take(y_NxTxD.reshape(n * tile, -1), dest, axis=0, mode="fill", fill_value=0)
 
 
+_ROWS = jax.lax.GatherDimensionNumbers(offset_dims=(1,), collapsed_slice_dims=(0,), start_index_map=(0,))
+_ADD_ROWS = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                            scatter_dims_to_operand_dims=(0,))
+
+
 def _rows(x_TxD: jax.Array, tokens_S: jax.Array) -> jax.Array:
-    """Rows of x by token index; index T (padding) gives 0."""
-    return jnp.take(x_TxD, tokens_S, axis=0, mode="fill", fill_value=0)
+    """Rows of x by token index, an index past the rows giving the last row (XLA's clamped gather: no
+    bounds checks; the tile loops give such padding slots weight 0 and drop their outputs)."""
+    return jax.lax.gather(x_TxD, tokens_S[:, None], _ROWS, (1, x_TxD.shape[1]),
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def _add_rows(y_TxD: jax.Array, tokens_S: jax.Array, rows_SxD: jax.Array) -> jax.Array:
+    """y with each row of `rows_SxD` added into its token's row; an index past the rows adds nothing."""
+    return jax.lax.scatter_add(y_TxD, tokens_S[:, None], rows_SxD, _ADD_ROWS,
+                               mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+def _slice(a: jax.Array, n: jax.Array, size: int) -> jax.Array:
+    """a[n x size : (n + 1) x size] (the loop's index is never negative: no index correction)."""
+    return jax.lax.dynamic_slice_in_dim(a, n * size, size, allow_negative_indices=False)
 
 
 def _slot_tokens(assignment_S: jax.Array, weights_TxK: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Slots' tokens and weights from their assignments (a = token x K + choice; T x K: padding,
-    token T, weight 0)."""
-    t, k = weights_TxK.shape
-    # lax.div truncates, which is the floor for these non-negative indices: one instruction where
-    # `//` (floor_divide) adds its sign corrections, in every tile loop's body
-    tokens = jnp.where(assignment_S < t * k, jax.lax.div(assignment_S, jnp.asarray(k, assignment_S.dtype)), t)
-    return tokens, jnp.take(weights_TxK.reshape(-1), assignment_S, mode="fill", fill_value=0)
+    token T, weight 0), computed once for all slots outside the tile loops."""
+    k = weights_TxK.shape[1]
+    # unsigned division: the floor of these non-negative indices without sign corrections; the
+    # padding assignment T x K gives token T, and weight 0 from the zero appended to the weights
+    tokens = jax.lax.div(assignment_S.astype(jnp.uint32), jnp.uint32(k)).astype(assignment_S.dtype)
+    padded = jnp.concatenate([weights_TxK.reshape(-1, 1), jnp.zeros((1, 1), weights_TxK.dtype)])  # [A + 1, 1]
+    return tokens, _rows(padded, assignment_S)[:, 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _routed_tiles(x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles, activation, tile):
     """y [T, D] fp32 = sum over the slots s of tiles n < live_tiles of
     w[a] * MLP_{tile_group[n]}(x[a // K]), a = assignment_S[s], w = weights_TxK flattened, slot s of
-    tile n = s // tile; a = T x K is a padding slot. Each tile gathers its rows and weights, runs its
-    expert's MLP and adds its weighted outputs into their tokens: no [slots, D] buffers, work in
-    proportion to the live tiles, and only the assignments kept for the backward pass."""
+    tile n = s // tile; a = T x K is a padding slot. The slots' tokens and weights are gathered once;
+    each tile gathers its rows, runs its expert's MLP and adds its weighted outputs into their
+    tokens: no [slots, D] buffers, work in proportion to the live tiles, and only the assignments
+    kept for the backward pass."""
+    tokens_S, w_S = _slot_tokens(assignment_S, weights_TxK)
+
     def body(n, y_TxD):
-        tokens, w = _slot_tokens(jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile), weights_TxK)
-        out = _tile_mlp(_rows(x_TxD, tokens), _expert_kernels(kernels, tile_group_N[n]), activation)
-        return y_TxD.at[tokens].add(out.astype(jnp.float32) * w[:, None], mode="drop")
+        tokens, w = _slice(tokens_S, n, tile), _slice(w_S, n, tile)
+        k = _expert_kernels(kernels, _slice(tile_group_N, n, 1)[0])
+        out = _tile_mlp(_rows(x_TxD, tokens), k, activation)
+        return _add_rows(y_TxD, tokens, out.astype(jnp.float32) * w[:, None])
     return jax.lax.fori_loop(0, live_tiles, body, like(jnp.zeros(x_TxD.shape, jnp.float32), x_TxD))
 
 
@@ -232,20 +260,21 @@ def _routed_bwd(activation, tile, res, dy_TxD):
     """Per live tile: its first products again (gate and up, or fc1; keeping them from the forward
     would take [slots, ffn] buffers of the worst case), g = dy W2^T, the hidden layer's gradient
     w g and the weight's <hidden, g> (the output itself is not recomputed); the rows' gradients
-    added into their tokens, the weights' into their assignments, the kernels' into their expert's
-    slice, in place."""
+    added into their tokens, the kernels' into their expert's slice, in place, the slots' weights'
+    gradients written per slot and added into their assignments after the loop. A padding slot
+    (weight 0, a clamped row) adds 0 to the rows and kernels; its weight's gradient is dropped."""
     x_TxD, weights_TxK, kernels, assignment_S, tile_group_N, live_tiles = res
     first = EXPERT_KERNELS[activation][:-1]
+    tokens_S, w_S = _slot_tokens(assignment_S, weights_TxK)
 
     def body(n, carry):
-        dx_TxD, dw_A, dk = carry
-        g = tile_group_N[n]
-        assignment = jax.lax.dynamic_slice_in_dim(assignment_S, n * tile, tile)
-        tokens, w = _slot_tokens(assignment, weights_TxK)
+        dx_TxD, dw_S, dk = carry
+        g = _slice(tile_group_N, n, 1)[0]
+        tokens, w = _slice(tokens_S, n, tile), _slice(w_S, n, tile)
         k = _expert_kernels(kernels, g)
         x = _rows(x_TxD, tokens)
         hidden, hidden_vjp = jax.vjp(lambda p: _hidden(p, activation), {name: x @ k[name] for name in first})
-        dy = _rows(dy_TxD, tokens)  # [tile, D] fp32; padding slots 0
+        dy = _rows(dy_TxD, tokens)  # [tile, D] fp32
         grad_h = jnp.dot(dy.astype(x.dtype), k["fc2"].T, preferred_element_type=jnp.float32)  # d<out, dy>/d hidden
         dw = jnp.sum(hidden.astype(jnp.float32) * grad_h, axis=-1)
         (dpre,) = hidden_vjp((grad_h * w[:, None]).astype(x.dtype))
@@ -253,14 +282,15 @@ def _routed_bwd(activation, tile, res, dy_TxD):
         dk_g.update({name: x.T @ dpre[name] for name in first})
         dx = sum(dpre[name] @ k[name].T for name in first)
         dk = {name: jax.lax.dynamic_update_index_in_dim(
-            acc, jax.lax.dynamic_index_in_dim(acc, g, keepdims=False) + dk_g[name].astype(acc.dtype), g, 0)
+            acc, _index(acc, g) + dk_g[name].astype(acc.dtype), g, 0, allow_negative_indices=False)
             for name, acc in dk.items()}
-        return (dx_TxD.at[tokens].add(dx.astype(dx_TxD.dtype), mode="drop"),
-                dw_A.at[assignment].add(dw.astype(dw_A.dtype), mode="drop"), dk)
+        dw_S = jax.lax.dynamic_update_slice_in_dim(dw_S, dw.astype(dw_S.dtype), n * tile, 0,
+                                                   allow_negative_indices=False)
+        return _add_rows(dx_TxD, tokens, dx.astype(dx_TxD.dtype)), dw_S, dk
 
-    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(weights_TxK.reshape(-1)),
-             {name: jnp.zeros_like(k) for name, k in kernels.items()})
-    dx_TxD, dw_A, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    carry = (jnp.zeros_like(x_TxD), jnp.zeros_like(w_S), {name: jnp.zeros_like(k) for name, k in kernels.items()})
+    dx_TxD, dw_S, dk = jax.lax.fori_loop(0, live_tiles, body, carry)
+    dw_A = _add_rows(jnp.zeros_like(weights_TxK.reshape(-1, 1)), assignment_S, dw_S[:, None])
     return dx_TxD, dw_A.reshape(weights_TxK.shape), dk, None, None, None
 
 
@@ -281,17 +311,46 @@ def routed_expert_sum(x_TxD: jax.Array, ids_TxK: jax.Array, weights_TxK: jax.Arr
     g = next(iter(kernels.values())).shape[0]
     a = t * k  # assignment a = token a // K
     local = ids_TxK.reshape(-1) - first
-    order, sizes = sort_by_expert(jnp.where((local >= 0) & (local < g), local, g), g + 1)  # group G: not here
+    local = jnp.where((local >= 0) & (local < g), local, g)  # group G: not here
     if products is None and grouped_gemm_impl(grouped_impl) == "tiled":
-        src, _, tile_group, live = tile_layout(sizes[:g], a, tile)
-        assignment = jnp.take(order, src, mode="fill", fill_value=a)  # [N x tile]; a: padding
+        assignment, tile_group, live_tiles = routed_slots(local, g, tile)
         x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles = alike(
-            x_TxD, weights_TxK, kernels, assignment, tile_group, jnp.sum(live).astype(jnp.int32))
+            x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles)
         return _routed_tiles(x_TxD, weights_TxK, kernels, assignment, tile_group, live_tiles, activation, tile)
+    order, sizes = sort_by_expert(local, g + 1)
     rows = jnp.take(x_TxD, order // k, axis=0)  # [A, D] sorted by expert
     out_sorted = expert_ffn(rows, sizes[:g], kernels, activation, products, grouped_impl)  # others' rows: 0
     out = jnp.take(out_sorted, jnp.argsort(order), axis=0)  # [A, D] in assignment order
     return jnp.sum(out.reshape(t, k, -1).astype(jnp.float32) * weights_TxK[..., None], axis=1)
+
+
+def routed_slots(group_A: jax.Array, g: int, tile: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The assignments sorted by group (0 .. g - 1; g: none of them, left out), each group padded to
+    whole tiles, N = ceil(A / tile) + g tiles: (assignment [N x tile]: the assignment each slot
+    holds, A for padding; tile's group [N]; live tiles []). One stable sort, each assignment's slot
+    its sorted position shifted by its group's padding before it, one scatter into the slots."""
+    a = group_A.shape[0]
+    n = -(-a // tile) + g
+    sorted_A, order_A = jax.lax.sort((group_A, jnp.arange(a, dtype=jnp.int32)), num_keys=1, is_stable=True)
+    below = group_A[:, None] < jnp.arange(1, g + 1, dtype=group_A.dtype)  # [A, g]: in a group < g' + 1
+    row_end = jnp.sum(below, axis=0, dtype=jnp.int32)  # [g]
+    sizes = row_end - jnp.concatenate([jnp.zeros((1,), jnp.int32), row_end[:-1]])
+    tile_end = jnp.cumsum((sizes + tile - 1) // tile)
+    # sorted position p of group e -> slot p + (tile_start[e] x tile - row_start[e]); group g past the slots
+    shift = jnp.concatenate([(tile_end - (sizes + tile - 1) // tile) * tile - (row_end - sizes),
+                             jnp.full((1,), n * tile, jnp.int32)])
+    slot = jnp.arange(a, dtype=jnp.int32) + jax.lax.gather(
+        shift, sorted_A[:, None], jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(0,),
+                                                                  start_index_map=(0,)), (1,),
+        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    assignment = jax.lax.scatter(
+        jnp.full((n * tile,), a, jnp.int32), slot[:, None], order_A,
+        jax.lax.ScatterDimensionNumbers(update_window_dims=(), inserted_window_dims=(0,),
+                                        scatter_dims_to_operand_dims=(0,)),
+        indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+    tile_group = jnp.minimum(jnp.sum(tile_end[None, :] <= jnp.arange(n, dtype=jnp.int32)[:, None], axis=1,
+                                     dtype=jnp.int32), g - 1)
+    return assignment, tile_group, tile_end[-1]
 
 
 def sort_by_expert(ids_A: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
