@@ -66,10 +66,10 @@ import yaml
 from megajax.config import MESH_AXES, Config
 from megajax.errors import ConfigError, MeshError, UserError
 from megajax.mesh import data_parallel_size
+from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
-from megajax.models.trainable import frozen_in_state
 from megajax.plan import RunPlan, make_plan, plan_layout
 from megajax.train.flops import train_flops_per_token, vision_flops_per_token
 
@@ -186,7 +186,7 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[policy]
     flops = tokens * per_token / devices
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
-    if kind.gemm_efficiency:  # each product at its shape's measured share; the rest (attention) at `efficiency`
+    if kind.gemm_efficiency:  # each product at its shape's measured share; the rest at `efficiency`
         products, product_flops = gemm.gemm_seconds(gemm.step_gemms(plan, spec), kind.gemm_efficiency, peak)
         if kind.grouped_gemm_tile:  # the experts' rows padded to whole tiles: their padding's time too
             products, _ = gemm.gemm_seconds(gemm.step_gemms(plan, spec, kind.grouped_gemm_tile),
