@@ -479,9 +479,14 @@ def _gemm_table(cfg, path: str) -> int:
     peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
                                           "fp32" if dtype == "float32" else key, 1, cfg.train.peak_tflops)
     measured = gemm.measure(dtype)
-    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path)
+    # The memory bandwidth and fixed costs: on CPU per simulated device of the kind (they share the host).
+    from megajax.perf.device_kinds import cpu_device_kind
+    probes = gemm.measure_probes(cpu_device_kind().node_size if device.platform == "cpu" else 1)
+    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path, probes)
     for m, k, n, tflops in measured["rows"]:
         print(f"  [{m:>5} x {k:>5}] x [{k:>5} x {n:>5}]  {tflops:8.3f} TFLOP/s  {tflops / peak:6.1%} of peak")
+    for name, value in probes.items():
+        print(f"  {name} {value:.4g}")
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text)
@@ -733,8 +738,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topology", metavar="NxKIND", help="estimate per-device memory on N devices of KIND "
                                                        "(e.g. 8xH100) and say whether the config fits")
     p.add_argument("--gemm-table", metavar="FILE.yaml", help="measure matmul throughput by shape (M, K, N) on this "
-                                                               "machine's device and write it for megajax plan "
-                                                               "--device-kinds FILE.yaml (no train step is run)")
+                                                               "machine's device, its memory bandwidth and (with "
+                                                               "several devices) a collective's latency, and write "
+                                                               "them for megajax plan --device-kinds FILE.yaml (no "
+                                                               "train step is run)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("plan", help="choose a mesh for a cluster: every layout estimated (memory, step time), "
                                     "ranked; the best written as a mesh config")

@@ -10,7 +10,9 @@ steps after a warm-up, by the process's CPU seconds over the host's cores (other
 host stretches a step's wall time, hardly its CPU time; the wall times are recorded too); and estimated by `megajax plan`'s model (megajax.perf.planner.estimate)
 for the kind CPU (megajax/perf/device_kinds.py: host peak / 8 per device) with the matmul table
 `megajax bench --gemm-table` measures here (written beside the output), and without it (the
-constant efficiency). The JSON holds the device kind's figures, the table, each layout's
+constant efficiency); both with the memory bandwidth and fixed costs that command's probes measure
+on the 8 devices (`probes`). `--table-only` measures the table and probes again and keeps the
+recorded steps. The JSON holds the device kind's figures, the table, the probes, each layout's
 (overrides, estimate with and without the table, measured) and per model and overall the Spearman
 rank correlation and the worst estimate / measured ratio (each model's estimates scaled by their
 median ratio first: the CPU kind's peak is a rough figure, the ranking is what the plan uses).
@@ -97,11 +99,17 @@ def worst_ratio(estimates, measured) -> float:
     return float(np.max(np.maximum(r, 1 / r)))
 
 
-def device_kinds_yaml(kind: dict, table_rows) -> str:
-    """The --device-kinds file of the recorded CPU figures (and the table, when given)."""
+PROBES = ("memory_gbps", "memory_efficiency", "collective_latency_us", "tick_overhead_us")
+
+
+def device_kinds_yaml(kind: dict, table_rows, probes: dict | None = None) -> str:
+    """The --device-kinds file of the recorded CPU figures (and the table, when given), with the memory
+    bandwidth and fixed costs the table's probes measured (`probes`; else the kind's recorded ones)."""
     import yaml
     entry = {k: kind[k] for k in ("memory_gib", "peak_tflops", "node_size", "intra_node_gbps", "inter_node_gbps",
-                                  "efficiency", "link_efficiency", "shared_host", "grouped_gemm_tile") if k in kind}
+                                  "efficiency", "link_efficiency", "shared_host", "grouped_gemm_tile", *PROBES)
+             if k in kind}
+    entry.update(probes or {})
     if table_rows:
         entry["gemm_efficiency"] = [list(r) for r in table_rows]
     return yaml.safe_dump({"CPU": entry}, default_flow_style=None)
@@ -113,7 +121,8 @@ def estimates(record: dict, use_table: bool) -> list[float]:
     from megajax.perf import planner
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "cpu.yaml"
-        path.write_text(device_kinds_yaml(record["device_kind"], record["gemm_table"] if use_table else None))
+        path.write_text(device_kinds_yaml(record["device_kind"], record["gemm_table"] if use_table else None,
+                                          record.get("probes")))
         return [planner.estimate(load_config([r["config"]], r["overrides"]), "8xCPU", str(path)).step_seconds
                 for r in record["layouts"]]
 
@@ -180,23 +189,24 @@ def main() -> int:
                     help="times every layout is measured, in turn over all layouts; measured = the rounds' mean")
     ap.add_argument("--estimate-only", action="store_true",
                     help="measure nothing: the estimates and summary of --output's recorded layouts again")
+    ap.add_argument("--table-only", action="store_true",
+                    help="measure the table (megajax bench --gemm-table: the products and the probes) again, keep "
+                         "--output's recorded steps, and estimate them again")
     args = ap.parse_args()
     if args.estimate_only:
         record = json.loads(Path(args.output).read_text())
         finish(record, args.output)
         return 0
     import dataclasses
-    import yaml
     from megajax.perf.device_kinds import load_device_kinds
-    # The table first, on one device in its own process (all of the host's cores).
-    table = Path(args.output).with_suffix(".gemm.yaml")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    env.pop("XLA_FLAGS", None)
-    subprocess.run([sys.executable, "-m", "megajax.cli", "bench", "--gemm-table", str(table)], env=env, check=True,
-                   stdout=subprocess.DEVNULL)
     kind = dataclasses.asdict(load_device_kinds(None)["CPU"])
-    record = {"command": "python " + " ".join(sys.argv), "device_kind": kind,
-              "gemm_table": yaml.safe_load(table.read_text())["CPU"]["gemm_efficiency"],
+    if args.table_only:
+        record = json.loads(Path(args.output).read_text())
+        record.update(device_kind=kind, **measure_table(args.output))
+        record["table_command"] = "python " + " ".join(sys.argv)
+        finish(record, args.output)
+        return 0
+    record = {"command": "python " + " ".join(sys.argv), "device_kind": kind, **measure_table(args.output),
               "note": ("measured: the mean over --rounds of a round's step, a step's CPU seconds (every thread of "
                        "the process) / the host's cores, the fastest of --steps after a warm-up (runs: each round's; "
                        "measured_all: each step's of the last round); wall: the last round's wall seconds per step "
@@ -223,6 +233,20 @@ def main() -> int:
     finish(record, args.output)
     Path(args.output).with_suffix(".partial.json").unlink(missing_ok=True)
     return 0
+
+
+def measure_table(output: str) -> dict:
+    """`megajax bench --gemm-table` (written beside `output`) in its own process with the 8 devices: the
+    products on the first device (all of the host's cores), the memory bandwidth and fixed costs on all
+    of them at once. {gemm_table: rows, probes: the measured device figures}."""
+    import yaml
+    table = Path(output).with_suffix(".gemm.yaml")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    subprocess.run([sys.executable, "-m", "megajax.cli", "bench", "--gemm-table", str(table)], env=env, check=True,
+                   stdout=subprocess.DEVNULL)
+    entry = yaml.safe_load(table.read_text())["CPU"]
+    return {"gemm_table": entry["gemm_efficiency"], "probes": {k: entry[k] for k in PROBES if k in entry}}
 
 
 def finish(record: dict, output: str) -> None:

@@ -30,7 +30,8 @@ def test_llama3_70b_on_32_h100_and_megatrons_tp8_pp4():
     tp8 = pinned["ranked"][0]
     assert tp8.sizes["tensor"] == 8 and tp8.sizes["pipeline"] == 4 and tp8.dcn["pipeline"] == 4
     assert tp8.step_seconds >= best.step_seconds
-    slowest_part = max((k for k in tp8.parts if k != "compute"), key=tp8.parts.get)
+    # its slowest part beside the work itself (the products, the memory-bound element-wise ops)
+    slowest_part = max((k for k in tp8.parts if k not in ("compute", "memory-bound")), key=tp8.parts.get)
     assert slowest_part == "tensor" and "tensor" in planner.reasons(tp8)
 
 

@@ -11,6 +11,7 @@ import pytest
 from megajax.config import load_config
 from megajax.errors import ConfigError
 from megajax.perf import gemm, planner
+from megajax.parallel.pipeline import build_schedule
 from megajax.perf.device_kinds import load_device_kinds
 from megajax.plan import make_plan
 from megajax.train.flops import train_flops_per_token
@@ -76,8 +77,21 @@ def test_step_products_add_up_to_the_model_flops_less_attention(config, override
     cfg = load_config([config], ["train.global_batch=16", *overrides])
     plan = make_plan(cfg, 8)
     spec, _ = build_model_spec(plan.cfg, plan.padded_vocab)
-    products = sum(2 * g["m"] * g["k"] * g["n"] * g["count"] for g in gemm.step_gemms(plan, spec))
+    gemms = gemm.step_gemms(plan, spec)
+
+    def once(g):  # a pipeline's backward half recomputes its layers' forward products: counted once here
+        again = plan.pipeline is not None and g["name"].startswith("layers/") and "grad)" not in g["name"]
+        return g["count"] / (2 if again else 1)
+    products = sum(2 * g["m"] * g["k"] * g["n"] * once(g) for g in gemms if not g["name"].startswith("attention"))
     m, s = plan.cfg.model, plan.batch.seq_len
+    # attention's own products (attention_impl xla): scores and output over the whole square, 3 passes
+    # (and the forward again in a pipeline); under the context ring its blocks of half chunks
+    scores = sum(2 * g["m"] * g["k"] * g["n"] * g["count"] for g in gemms if g["name"].startswith("attention"))
+    forward = 4 * plan.batch.global_batch * s * s * m.num_heads * m.head_dim * m.num_layers / 8
+    if plan.sizes["context"] == 1:  # the backward's four products are twice the forward's two
+        assert scores == pytest.approx(forward * (3 + (plan.pipeline is not None)), rel=1e-6)
+    else:  # the ring skips the blocks above the diagonal
+        assert 0 < scores < forward * 3
     attention = 6 * m.num_layers * s * m.num_heads * m.head_dim
     tokens = plan.batch.global_batch * s
     assert products == pytest.approx(tokens * (train_flops_per_token(m, s, plan.padded_vocab) - attention) / 8,
@@ -90,7 +104,9 @@ def test_step_products_add_up_to_the_model_flops_less_attention(config, override
 def test_a_table_changes_only_the_compute_part(tmp_path):
     """Without a table the estimate is the constant efficiency's; a table of one share everywhere equal to
     `efficiency` gives the same compute time; a slower table a longer one, the collectives unchanged."""
-    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=2", "mesh.tensor=4"])
+    # (with fused attention: no products of its own for the table to time)
+    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=2", "mesh.tensor=4",
+                                       "model.attention_impl=cudnn"])
     plain = planner.estimate(cfg, "8xH100")
     f = tmp_path / "kinds.yaml"
     grid = lambda share: [[m, k, n, share] for m in (16, 4096) for k in (16, 4096) for n in (16, 4096)]  # noqa: E731
@@ -133,7 +149,8 @@ def test_devices_sharing_a_host_lose_no_time_to_the_pipeline_bubble(tmp_path):
     f = tmp_path / "kinds.yaml"
     f.write_text("CPU: {shared_host: false}\n")
     apart = planner.estimate(cfg, "8xCPU", str(f))
-    assert apart.parts["bubble"] == pytest.approx(apart.parts["compute"] * shared.bubble / (1 - shared.bubble))
+    work = apart.parts["compute"] + apart.parts["memory-bound"]
+    assert apart.parts["bubble"] == pytest.approx(work * shared.bubble / (1 - shared.bubble))
     f.write_text("CPU: {shared_host: 1}\n")
     with pytest.raises(ConfigError, match="kind 'CPU': shared_host = 1: expected true or false"):
         load_device_kinds(str(f))
@@ -147,7 +164,11 @@ def test_bench_gemm_table_writes_a_device_kinds_file(tmp_path, monkeypatch, caps
     assert main(["bench", "--gemm-table", str(out)]) == 0
     assert f"wrote {out} (device kind CPU" in capsys.readouterr().out
     assert out.read_text().startswith(f"# megajax bench --gemm-table {out}")
-    assert len(load_device_kinds(str(out))["CPU"].gemm_efficiency) == 8
+    kind = load_device_kinds(str(out))["CPU"]
+    assert len(kind.gemm_efficiency) == 8
+    # the probes: the memory bandwidth, and with the 8 devices a collective's latency and a tick's cost
+    assert kind.memory_gbps > 0 and kind.memory_efficiency == 1.0
+    assert kind.collective_latency_us > 0 and kind.tick_overhead_us > 0
     c = planner.estimate(load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8"]), "8xCPU", str(out))
     assert c.step_seconds > 0 and math.isfinite(c.step_seconds)
 
@@ -178,3 +199,44 @@ def test_expert_rows_are_padded_to_whole_tiles_where_the_host_tiles(tmp_path):
     f.write_text("CPU: {grouped_gemm_tile: -1}\n")
     with pytest.raises(ConfigError, match=r"grouped_gemm_tile = -1: expected a whole number of rows >= 0"):
         load_device_kinds(str(f))
+
+
+def test_lockstep_stages_on_a_shared_host_compute_the_bubble(tmp_path):
+    """With collectives inside the chunks (tensor parallelism) every device runs every tick's halves, an idle
+    stage on zeros: on devices sharing a host that work costs the bubble's time; each tick's transfers and
+    its own fixed cost are charged per tick."""
+    cfg = load_config(["model/tiny"], ["train.global_batch=16", "mesh.data=2", "mesh.tensor=2", "mesh.pipeline=2",
+                                       "train.micro_batch=1"])
+    lock = planner.estimate(cfg, "8xCPU")
+    work = lock.parts["compute"] + lock.parts["memory-bound"]
+    assert lock.bubble > 0 and lock.parts["bubble"] == pytest.approx(work * lock.bubble / (1 - lock.bubble))
+    f = tmp_path / "kinds.yaml"
+    f.write_text("CPU: {tick_overhead_us: 0, collective_latency_us: 0}\n")
+    free = planner.estimate(cfg, "8xCPU", str(f))
+    c = make_plan(cfg, 8).pipeline
+    ticks = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).ticks
+    kind = load_device_kinds(None)["CPU"]
+    calls = (lock.parts["pipeline"] - free.parts["pipeline"]) * 1e6
+    assert calls == pytest.approx(ticks * (kind.tick_overhead_us + 2 * kind.collective_latency_us))
+
+
+def test_memory_bound_work_and_the_optimizer_at_the_kinds_bandwidth(tmp_path):
+    """The element-wise work and the optimizer's update take bytes / memory bandwidth: half the bandwidth
+    doubles both; the distributed optimizer updates 1 / data of the Adam state."""
+    cfg = load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8"])
+    base = planner.estimate(cfg, "8xH100")
+    f = tmp_path / "kinds.yaml"
+    f.write_text("H100: {memory_gbps: 1675}\n")
+    half = planner.estimate(cfg, "8xH100", str(f))
+    for part in ("memory-bound", "optimizer"):
+        assert base.parts[part] > 0 and half.parts[part] == pytest.approx(2 * base.parts[part])
+    assert half.parts["compute"] == pytest.approx(base.parts["compute"])
+    dist = planner.estimate(load_config(["model/tiny"], ["train.global_batch=8", "mesh.data=8",
+                                                         "parallel.distributed_optimizer=true"]), "8xH100")
+    assert dist.parts["optimizer"] == pytest.approx(base.parts["optimizer"] / 8, rel=0.05)
+    for bad, accepted in (("memory_gbps: 0", "a bandwidth in GB/s > 0"),
+                          ("collective_latency_us: -1", "a time in microseconds >= 0"),
+                          ("memory_efficiency: 2", r"a share of the memory bandwidth in \(0, 1\]")):
+        f.write_text(f"H100: {{{bad}}}\n")
+        with pytest.raises(ConfigError, match=f"kind 'H100': {bad.split(':')[0]} = .*: expected {accepted}"):
+            load_device_kinds(str(f))

@@ -521,3 +521,113 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
                                      plan.sizes)["params"]
     est["total"] = sum(est.values())
     return est
+
+
+# ---- Memory-bound work and fixed costs, for the step-time estimate (megajax/perf/planner.py) ----
+
+ADAM_BYTES_PER_PARAM_BYTE = 7 / 2  # per byte of Adam state (two fp32 moments): read p, g, m, v, write p, m, v
+
+
+def _layer_passes(plan: RunPlan) -> tuple[float, float, float]:
+    """(layer forward passes, backward passes, microbatches) a device does useful work on in a step:
+    its layers (layers / pipeline stages) per microbatch; the forward again where it is recomputed
+    (recompute=full, and a pipeline's backward half, which recomputes its chunk from the stashed
+    input); the output layer and loss once per microbatch (a pipeline's last stage, spread over the
+    stages). A pipeline's bubble is the caller's (the schedule's idle halves)."""
+    m, pipe = plan.cfg.model, plan.pipeline
+    stages = plan.sizes["pipeline"]
+    micro = pipe.microbatches if pipe is not None else plan.batch.accumulation
+    layers = micro * m.num_layers / stages
+    recompute = plan.cfg.parallel.recompute == "full" or pipe is not None
+    return layers * (2 if recompute else 1), layers, micro / stages
+
+
+def elementwise_bytes(plan: RunPlan, platform: str = "gpu") -> float:
+    """Bytes a device's memory-bound (element-wise) work reads and writes in a step: per token of a layer
+    forward, its two norms (read, write: 4 h) and two residual adds (6 h), split over tensor only
+    under sequence parallelism; rotary embedding of q and k (read, write); the attention's softmax
+    over the scores where they are materialised (attention_impl xla: 4 passes over heads x the
+    sequence); the MLP's activation (gated: read gate and up, write: 3 f; else 2 f), a MoE layer's
+    over its top-k experts' rows plus the dispatch's copies of h in and out and the router's softmax;
+    each split over tensor. The backward reads and writes twice what the forward does. Per
+    microbatch the loss's softmax over the logits (3 passes forward, 3 backward, the vocabulary split
+    over tensor). At the compute dtype's bytes (fp32 on CPU)."""
+    cfg, sizes = plan.cfg, plan.sizes
+    m, t = cfg.model, sizes["tensor"]
+    sp = cfg.parallel.sequence_parallel and t > 1
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
+    h = m.hidden_size
+    rep = h / (t if sp else 1)
+    qk = (m.num_heads + m.num_kv_heads) * m.head_dim / t
+    scores = 4 * m.num_heads / t * plan.batch.seq_len if m.attention_impl == "xla" else 0.0
+    gated = 3 if m.activation == "swiglu" else 2
+    dense = 10 * rep + 2 * qk + scores + gated * m.ffn_hidden_size / t
+    layer = dense
+    if m.num_experts:
+        k = m.moe_router_topk
+        moe_ffn = m.moe_ffn_hidden_size or m.ffn_hidden_size
+        etp = 1 if expert_tensor_folded(cfg) else t
+        moe = (10 * rep + 2 * qk + scores + gated * k * moe_ffn / etp + 4 * k * h + 3 * m.num_experts
+               + gated * m.moe_shared_expert_ffn_size / t)
+        share = m.num_moe_layers() / m.num_layers
+        layer = (1 - share) * dense + share * moe
+    fwd, bwd, micro = _layer_passes(plan)
+    logits = 6 * plan.padded_vocab / t * (1 + m.mtp_num_layers)
+    act = 4 if platform == "cpu" else precision_policy(cfg).activation_bytes
+    return tokens * act * ((fwd + 2 * bwd) * layer + micro * logits)
+
+
+def optimizer_bytes(optimizer_state_bytes: int) -> float:
+    """Bytes the optimizer's update reads and writes on a device: per parameter of its Adam state's
+    shard (its two fp32 moments: `optimizer_state_bytes`), the parameter, gradient and moments read,
+    the parameter and moments written."""
+    return ADAM_BYTES_PER_PARAM_BYTE * optimizer_state_bytes
+
+
+def collective_calls(plan: RunPlan, platform: str = "gpu") -> dict[str, float]:
+    """Collective calls per step on a device's critical path, by mesh axis (each pays the kind's
+    latency): per layer pass the tensor-parallel reductions (2 forward, 2 backward, with sequence
+    parallelism an all-gather and a reduce-scatter each), the embedding's and output layer's, and the
+    vocabulary-parallel loss's; the context ring's hops (C - 1 forward of k and v, C backward of k, v
+    and their gradients, and the keys' segment ids where documents are masked, each its own transfer;
+    the all-gather implementation one gather forward, one reduce-scatter backward); the experts' dispatch (all-to-all:
+    2 forward, 2 backward; allgather: 3 gathers and a reduce-scatter forward, a gather and 2
+    reduce-scatters backward) per MoE layer pass; a pipeline's 2 transfers per tick. The counts are
+    the compiled program's (a pipeline: both halves of every tick, analytic._passes). The data-parallel
+    reductions, once per step or microbatch and overlapping the backward, are left out."""
+    cfg, sizes = plan.cfg, plan.sizes
+    m, t, cp = cfg.model, sizes["tensor"], sizes["context"]
+    sp = cfg.parallel.sequence_parallel and t > 1
+    n = _passes(plan)
+    out: dict[str, float] = defaultdict(float)
+    if plan.pipeline is not None:
+        out["pipeline"] += 2 * n["ticks"]
+    if t > 1:
+        r = 1 if m.hybrid_layer_pattern else 2
+        per = r * (n["fwd"] + n["bwd"] + n["extra"]) + 2 * n["micro"]
+        out["tensor"] += per * (2 if sp else 1) + n["micro"]
+    if cp > 1:
+        fwd = n["fwd"] + n["extra"]
+        if cfg.parallel.context_impl == "ring":  # each array of the hop's tree is its own transfer
+            seg = 1 if cfg.data.reset_attention_mask else 0  # the keys' segment ids travel with them
+            out["context"] += fwd * (cp - 1) * (2 + seg) + n["bwd"] * cp * (4 + seg)
+        else:
+            out["context"] += fwd + n["bwd"]
+    ep = math.prod(sizes.get(a, 1) for a in plan.rules.activations["experts"]) if m.num_experts else 1
+    if m.num_experts and ep > 1:
+        fwd, bwd = n["moe_fwd"] + n["moe_extra"], n["moe_bwd"]
+        if moe_token_dispatcher(cfg, platform) == "allgather":
+            out["expert"] += 4 * fwd + 3 * bwd
+        else:
+            out["expert"] += 2 * fwd + 2 * bwd
+    return dict(out)
+
+
+def pipeline_lockstep(plan: RunPlan) -> bool:
+    """Whether a pipeline's chunks hold collectives (tensor, context, the experts'), so that every
+    device runs every half some stage runs at a tick, on zeros where it has no work of its own
+    (megajax/train/pipeline_step.py)."""
+    if plan.pipeline is None:
+        return False
+    acts = plan.rules.activations
+    return bool(plan.cfg.model.num_experts) or any(plan.sizes[a] > 1 for a in (*acts["heads"], *acts["length"]))

@@ -43,15 +43,26 @@ class DeviceKind:
     # (XLA:CPU runs them as a loop over tiles, megajax.models.moe.expert_ffn_tiled); 0: exact rows
     # (a grouped GEMM)
     grouped_gemm_tile: int = 0
+    # memory bandwidth per device (GB/s) for the memory-bound work: element-wise ops on the activations
+    # (norms, activations, residual adds, softmax, the loss) and the optimizer's update; the share of it
+    # such streams reach
+    memory_gbps: float = 2000.0
+    memory_efficiency: float = 0.8
+    # fixed costs: a collective's latency per call (microseconds; what a tiny all-reduce takes), and
+    # one pipeline tick's own (the stage loop's iteration and its branches, without their work)
+    collective_latency_us: float = 15.0
+    tick_overhead_us: float = 10.0
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
-# (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways).
+# (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways);
+# memory bandwidth: HBM3 3.35 TB/s (H100), HBM3e 4.8 TB/s (H200), HBM2e 2.04 TB/s (A100 80GB),
+# HBM3 5.3 TB/s (MI300X).
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0),
-    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0),
-    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0),
-    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4),
+    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0, memory_gbps=3350.0),
+    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0, memory_gbps=4800.0),
+    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0, memory_gbps=2039.0),
+    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4, memory_gbps=5300.0),
 }
 
 
@@ -60,7 +71,9 @@ def cpu_device_kind(devices: int = 8) -> DeviceKind:
     """This host's simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=N): `devices`
     of them in one node sharing the host's cores and memory, each with host peak / devices (fp32: XLA
     runs 16-bit arithmetic in fp32 on CPU). Their collectives are copies in the host's memory: 10 GB/s
-    per device (a share of one socket's copy bandwidth), none across nodes."""
+    per device (a share of one socket's copy bandwidth), none across nodes. The fixed costs and the
+    memory bandwidth are in the same host-shared units as the peak: the host's time for what all the
+    devices do at once (a collective's latency: the host's CPU time for one call on every device)."""
     from megajax.train.flops import cpu_peak_tflops
     peak = cpu_peak_tflops("fp32")
     peak = peak / devices if math.isfinite(peak) else 0.1
@@ -69,8 +82,12 @@ def cpu_device_kind(devices: int = 8) -> DeviceKind:
     except (OSError, AttributeError):
         mem = 16.0
     from megajax.models.moe import GROUPED_GEMM_TILE
+    # Unmeasured, rough figures of a small host (`megajax bench --gemm-table` measures this one's):
+    # 20 GB/s of the host's memory bandwidth shared by the devices, a collective's rendezvous of the
+    # devices' threads 50 us, a stage loop's tick 10 us.
     return DeviceKind(mem / devices, {p: peak for p in ("fp32", "bf16", "fp16", "fp8")}, devices, 10.0, 10.0,
-                      shared_host=True, grouped_gemm_tile=GROUPED_GEMM_TILE)
+                      shared_host=True, grouped_gemm_tile=GROUPED_GEMM_TILE, memory_gbps=20.0 / devices,
+                      memory_efficiency=1.0, collective_latency_us=50.0, tick_overhead_us=10.0)
 
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")  # the keys of a peak_tflops mapping
@@ -86,6 +103,10 @@ _RANGES = {
     "efficiency": (lambda v: 0 < v <= 1, "a share of the peak in (0, 1], e.g. 0.5"),
     "link_efficiency": (lambda v: 0 < v <= 1, "a share of the links' bandwidth in (0, 1], e.g. 0.7"),
     "grouped_gemm_tile": (lambda v: isinstance(v, int) and v >= 0, "a whole number of rows >= 0 (0: exact rows)"),
+    "memory_gbps": (lambda v: v > 0, "a bandwidth in GB/s > 0"),
+    "memory_efficiency": (lambda v: 0 < v <= 1, "a share of the memory bandwidth in (0, 1], e.g. 0.8"),
+    "collective_latency_us": (lambda v: v >= 0, "a time in microseconds >= 0"),
+    "tick_overhead_us": (lambda v: v >= 0, "a time in microseconds >= 0"),
 }
 _PEAK = ("a number of TFLOP/s > 0 (the one peak for every precision), or a mapping of precision "
          f"({', '.join(PRECISIONS)}) to TFLOP/s > 0 that holds bf16 (the peak of the precisions it leaves out)")

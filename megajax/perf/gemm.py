@@ -16,6 +16,10 @@ expert group's tokens: ep x tokens x top-k / experts rows.
 
 On CPU a lone matmul has every core of the host: its share is of the host's peak (the simulated
 devices of a step share those cores, each with host peak / devices).
+
+`megajax bench --gemm-table` also measures the kind's other figures (`measure_probes`): its memory
+bandwidth per device (an element-wise stream) and, with several devices, a collective's latency per
+call and a pipeline tick's fixed cost.
 """
 
 from __future__ import annotations
@@ -114,7 +118,8 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     shapes = dict(flatten(spec.abstract_params))
     pattern = expert_kernel_pattern(m)
     tied = "output" not in shapes
-    full = cfg.parallel.recompute == "full"
+    # Full recompute, and a pipeline's backward half (which recomputes its chunk), run the forward again.
+    full = cfg.parallel.recompute == "full" or plan.pipeline is not None
     out = []
     for name, names in flatten(spec.axes):
         if name.startswith(("vision/", "projector/")):
@@ -140,7 +145,49 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
         out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd})
         out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count})
         out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count})
-    return out
+    return out + attention_gemms(plan, full)
+
+
+def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
+    """Attention's products where they are plain matmuls (model.attention_impl xla): per layer, microbatch
+    and (batch row, local head) the scores [sq, d] x [d, skv] and the output [sq, skv] x [skv, d]
+    forward, backward their four products (dP, dV, dQ, dK), the forward again where it is recomputed
+    (full or selective recompute, a pipeline's backward half). sq: the device's query rows (its
+    sequence chunk under context parallelism); skv: the keys of one product (the whole sequence, also
+    the all-gather implementation's; the ring's blocks of half chunks). The batch rows and heads of a
+    batched product are folded into its rows M (one program runs them together)."""
+    cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
+    if m.attention_impl != "xla" or not m.num_heads:
+        return []
+    cp, t = sizes["context"], sizes["tensor"]
+    seq = plan.batch.seq_len
+    ring = cp > 1 and cfg.parallel.context_impl == "ring"
+    # The ring (megajax/parallel/context.py) splits a device's chunk in halves of seq / (2 C) rows: 3
+    # blocks of a half against a half on its own chunk, then 2 C - 2 more (a whole chunk against a
+    # half, as two) over the C - 1 hops; its backward recomputes each block's forward.
+    sq = skv = seq / (2 * cp) if ring else seq / cp
+    if not ring:
+        skv = seq
+    hops = 2 * cp + 1 if ring else 1
+    attention_layers = m.num_layers
+    if m.hybrid_layer_pattern:
+        pattern = m.hybrid_pattern()
+        attention_layers = m.num_layers * pattern.count("*") / len(pattern)
+    if m.multi_latent_attention:
+        dq, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    else:
+        dq = dv = m.head_dim
+    fold = plan.batch.micro_batch * max(1.0, m.num_heads / t)
+    count = plan.batch.accumulation * attention_layers / sizes["pipeline"] * hops
+    if plan.pipeline is not None:
+        count = plan.pipeline.microbatches * attention_layers / sizes["pipeline"] * hops
+    again = 2 if full or ring or cfg.parallel.recompute == "selective" else 1
+    r, kv = max(1, round(fold * sq)), max(1, round(skv))
+    fw = [("scores", r, dq, kv), ("output", r, kv, dv)]
+    bw = [("scores (dP)", r, dv, kv), ("output (dV)", max(1, round(fold * skv)), round(sq), dv),
+          ("scores (dQ)", r, kv, dq), ("scores (dK)", max(1, round(fold * skv)), round(sq), dq)]
+    return ([{"name": f"attention {n}", "m": a, "k": b, "n": c, "count": count * again} for n, a, b, c in fw]
+            + [{"name": f"attention {n}", "m": a, "k": b, "n": c, "count": count} for n, a, b, c in bw])
 
 
 def _tiled(impl: str) -> bool:
@@ -214,14 +261,99 @@ def kind_name(platform: str, device_kind: str) -> str:
     return re.sub(r"[^A-Za-z0-9]", "", device_kind).upper() or platform.upper()
 
 
-def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, command: str) -> tuple[str, str]:
+def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, command: str,
+               probes: dict[str, float] | None = None) -> tuple[str, str]:
     """(kind, the --device-kinds YAML of the measured table): each row's TFLOP/s as a share of
-    `peak_tflops` (capped at 1: a peak estimate below what the device reaches)."""
+    `peak_tflops` (capped at 1: a peak estimate below what the device reaches), and the figures
+    `measure_probes` measured (memory_gbps, with memory_efficiency 1: the probe's bandwidth is what a
+    stream reaches; collective_latency_us, tick_overhead_us)."""
     import yaml
     kind = kind_name(measured["platform"], measured["device_kind"])
     rows = [[m, k, n, round(min(1.0, t / peak_tflops), 4)] for m, k, n, t in measured["rows"]]
     header = (f"{command}\n{measured['device_kind'] or measured['platform']}: [M, K] x [K, N] {measured['dtype']}, "
               f"share of {peak_tflops:.4g} TFLOP/s ({peak_source}); megajax plan --device-kinds THIS_FILE "
               f"--cluster Nx{kind}\n")
-    body = yaml.safe_dump({kind: {"gemm_efficiency": rows}}, default_flow_style=None, sort_keys=False)
+    entry: dict[str, Any] = {"gemm_efficiency": rows}
+    if probes:
+        entry.update({k: round(v, 4) for k, v in probes.items()})
+        if "memory_gbps" in probes:
+            entry["memory_efficiency"] = 1.0
+    body = yaml.safe_dump({kind: entry}, default_flow_style=None, sort_keys=False)
     return kind, "".join(f"# {line}\n" for line in header.splitlines()) + body
+
+
+# The memory-bound and fixed-cost probes `megajax bench --gemm-table` adds to the table (the device
+# kind's memory_gbps, collective_latency_us, tick_overhead_us): per device 2^18 fp32 elements (1 MiB,
+# the size of a small model's activations), and tiny arrays for the fixed costs, each probe a loop
+# inside one program so that no dispatch from Python is timed.
+PROBE_ELEMENTS = 2**18
+PROBE_ITERATIONS = 64
+
+
+def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 0.2) -> dict[str, float]:
+    """The kind's memory bandwidth per device and fixed costs, measured on every local device at once:
+    `memory_gbps`, from y = a x + y over PROBE_ELEMENTS per device (3 arrays' bytes moved per
+    iteration), as bytes per device over the time (divided by `shared_devices` when measured on fewer
+    devices than share the host: a lone device has every core); with more than one device,
+    `collective_latency_us`, an all-reduce of 4 elements over all of them per iteration, and
+    `tick_overhead_us`, a scan whose every tick takes two `lax.cond` branches on 4 elements (a
+    pipeline's tick without its work or transfers). Timed as `measure` times (the fastest of
+    `runs`; on CPU the process's CPU seconds over the host's cores, the host's time for what all the
+    devices do)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+    devices = jax.devices()
+    n = len(devices)
+    cpu = devices[0].platform == "cpu"
+    if cpu:
+        cores = os.cpu_count() or 1
+        clock = lambda: time.process_time() / cores  # noqa: E731
+        min_seconds = max(min_seconds, 0.03 * runs)
+    else:
+        clock = time.perf_counter
+    mesh = Mesh(np.array(devices), ("d",))
+    spec = NamedSharding(mesh, P("d"))
+    iters = PROBE_ITERATIONS
+
+    def timed(f, *args) -> float:
+        jax.block_until_ready(f(*args))
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        once = max(time.perf_counter() - t0, 1e-7)
+        reps = max(1, min(1000, int(min_seconds / once / runs)))
+        best = math.inf
+        for _ in range(runs):
+            t0 = clock()
+            for _ in range(reps):
+                r = f(*args)
+            jax.block_until_ready(r)
+            best = min(best, max(clock() - t0, 1e-9) / reps)
+        return best / iters
+
+    def per_device(body, size):
+        x = jax.device_put(jnp.ones((n * size,), jnp.float32), spec)
+        f = jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, iters, body, x), mesh=mesh, in_specs=P("d"),
+                                  out_specs=P("d")))
+        return timed(f, x)
+
+    y = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
+    x = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
+    stream = jax.jit(jax.shard_map(lambda x, y: jax.lax.fori_loop(0, iters, lambda i, c: x * 1.0001 + c, y),
+                                   mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
+    seconds = timed(stream, x, y)
+    out = {"memory_gbps": 3 * 4 * PROBE_ELEMENTS / seconds / 1e9 / (shared_devices if n < shared_devices else 1)}
+    if n > 1:
+        reduce = per_device(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1, 4)
+        plain = per_device(lambda i, c: c * 0.5 + 0.1, 4)
+        out["collective_latency_us"] = max(reduce - plain, 0.0) * 1e6
+
+        def tick(c, i):
+            c = jax.lax.cond(i % 2 == 0, lambda c: c * 0.5 + 1.0, lambda c: c, c)
+            return jax.lax.cond(i % 3 == 0, lambda c: c * 0.25 + 1.0, lambda c: c, c), None
+        ticks = jax.jit(jax.shard_map(lambda x: jax.lax.scan(tick, x, jnp.arange(iters))[0], mesh=mesh,
+                                      in_specs=P("d"), out_specs=P("d")))
+        out["tick_overhead_us"] = timed(ticks, jax.device_put(jnp.ones((n * 4,), jnp.float32), spec)) * 1e6
+    return out

@@ -14,11 +14,21 @@ and estimated:
   `megajax bench` prints beside XLA's compiled one), against the device's
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
-  recompute adds, at a per-device-kind fraction of the peak (`efficiency`),
+  recompute adds (a pipeline's backward half always recomputes its chunk), at a
+  per-device-kind fraction of the peak (`efficiency`),
   (or, with a measured matmul table for the kind, `megajax bench --gemm-table`, the
   sum of the step's products at their shapes' shares of the peak: megajax/perf/gemm.py),
-  stretched by the pipeline bubble of the plan's own schedule (a vision-language
-  model's encoder runs on the first stage, which then sets the pace); plus each
+  plus the memory-bound work, the bytes the element-wise ops read and write
+  (analytic.elementwise_bytes: norms, residual adds, rotary embedding, softmax,
+  the MLP's activation, the loss) over the kind's memory bandwidth
+  (`memory_gbps` x `memory_efficiency`), all stretched by the pipeline bubble of
+  the plan's own schedule (a vision-language model's encoder runs on the first
+  stage, which then sets the pace; devices sharing a host lose no time to it
+  unless the stages run in lockstep, when idle stages compute on zeros); plus
+  the optimizer's update (7 fp32 reads and writes per parameter of the device's
+  shard of the Adam state, at the memory bandwidth); plus fixed costs: each
+  collective call's latency (`collective_latency_us`, analytic.collective_calls)
+  and each pipeline tick's (`tick_overhead_us`); plus each
   axis's collectives (the analytic bytes `megajax bench` checks against the
   compiled HLO, split by axis) over that axis's links: NVLink (or the
   vendor's equivalent) when the axis lies inside a node, the inter-node
@@ -56,6 +66,7 @@ import yaml
 from megajax.config import MESH_AXES, Config
 from megajax.errors import ConfigError, MeshError, UserError
 from megajax.mesh import data_parallel_size
+from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
@@ -170,16 +181,24 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     per_token = train_flops_per_token(m, plan.batch.seq_len, plan.padded_vocab)
     attention = 6 * m.num_layers * plan.batch.seq_len * m.num_heads * m.head_dim
     layers = per_token - attention  # (with the output layer: a slight overcount of what recompute redoes)
-    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
+    # A pipeline's backward half recomputes its chunk's forward (megajax/parallel/pipeline.py): as full recompute.
+    policy = "full" if plan.pipeline is not None else cfg.parallel.recompute
+    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[policy]
     flops = tokens * per_token / devices
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
-    if kind.gemm_efficiency:  # each product at its shape's measured share; the rest (attention) at `efficiency`
+    if kind.gemm_efficiency:  # each product at its shape's measured share; the rest at `efficiency`
         products, product_flops = gemm.gemm_seconds(gemm.step_gemms(plan, spec), kind.gemm_efficiency, peak)
         if kind.grouped_gemm_tile:  # the experts' rows padded to whole tiles: their padding's time too
             products, _ = gemm.gemm_seconds(gemm.step_gemms(plan, spec, kind.grouped_gemm_tile),
                                             kind.gemm_efficiency, peak)
         rest = max(0.0, tokens * (per_token + extra) / devices - product_flops)
         compute = products + rest / (peak * 1e12 * kind.efficiency)
+    platform = "cpu" if kind.shared_host else "gpu"
+    rules = plan.rules
+    # Memory-bound work: the element-wise ops on the activations, at the kind's memory bandwidth.
+    bandwidth = kind.memory_gbps * 1e9 * kind.memory_efficiency
+    memory = analytic.elementwise_bytes(plan, platform) / bandwidth
+    compute += memory
     bubble, encoder = 0.0, 0.0
     if plan.pipeline is not None:
         c = plan.pipeline
@@ -189,19 +208,26 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         # slowest stage sets the pace of every microbatch.
         vision = vision_flops_per_token(m, plan.batch.seq_len)
         encoder = tokens * vision * (c.stages - 1) / devices / (peak * 1e12 * kind.efficiency)
-    # Devices that share a host's cores (simulated CPU devices) lend an idle device's cores to the others.
-    busy = (compute + encoder) / (1 if kind.shared_host else 1 - bubble)
-    rules = plan.rules
+    # Devices that share a host's cores (simulated CPU devices) lend an idle device's cores to the others,
+    # unless the stages run in lockstep (collectives inside the chunks): then every device computes every
+    # tick's halves, an idle stage on zeros.
+    lost = bubble if not kind.shared_host or analytic.pipeline_lockstep(plan) else 0.0
+    busy = (compute + encoder) / (1 - lost)
+    # The optimizer's update of the device's shard of the Adam state, after the step's gradients.
+    opt_state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes,
+                                     frozen_in_state(m))["optimizer"]
+    optimizer = analytic.optimizer_bytes(opt_state) / bandwidth
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
-    parts = {"compute": compute, "bubble": busy - compute - encoder}
+    parts = {"compute": compute - memory, "memory-bound": memory, "bubble": busy - compute - encoder,
+             "optimizer": optimizer}
     if encoder:
         parts[_ENCODER] = encoder
     overlapped = 0.0
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared,
+    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared, platform,
                                                                      stage_gathered_param_bytes=gathered).items():
         n = sizes[axis]
         if n <= 1 or nbytes <= 0:
@@ -214,9 +240,17 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
             parts[f"{axis} (overlapped)"] = parts.get(f"{axis} (overlapped)", 0.0) + seconds
             continue
         parts[axis] = parts.get(axis, 0.0) + seconds
+    # Fixed costs: each collective call's latency on its axis, and the stage loop's ticks.
+    for axis, calls in analytic.collective_calls(plan, platform).items():
+        if sizes[axis] > 1 and calls > 0:
+            parts[axis] = parts.get(axis, 0.0) + calls * kind.collective_latency_us * 1e-6
+    if plan.pipeline is not None:
+        c = plan.pipeline
+        ticks = _ticks(c.schedule, c.stages, c.microbatches, c.virtual_stages)
+        parts["pipeline"] = parts.get("pipeline", 0.0) + ticks * kind.tick_overhead_us * 1e-6
     exposed = max(0.0, overlapped - compute * 2 / 3)
     critical = sum(v for k, v in parts.items()
-                   if k not in ("compute", "bubble", _ENCODER) and "overlapped" not in k)
+                   if k not in ("compute", "memory-bound", "bubble", _ENCODER) and "overlapped" not in k)
     step = busy + critical + exposed
     return step, parts, flops / (step * peak * 1e12), bubble
 
@@ -225,6 +259,11 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
 def _bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
     """The schedule's bubble, built once per shape (every recompute policy of a layout shares it)."""
     return build_schedule(schedule, stages, microbatches, virtual).bubble_fraction
+
+
+@functools.lru_cache(maxsize=None)
+def _ticks(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
+    return build_schedule(schedule, stages, microbatches, virtual).ticks
 
 
 def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
