@@ -369,10 +369,23 @@ def _conv_xbc(xs, b, c, w: dict, state: MambaState | None, end, segment_ids):
                                   state.conv_C.astype(state.conv_x.dtype)], axis=3)
     out, win = causal_conv(u, wt, bias, window, end, segment_ids)
     cuts = np.cumsum([h // g * p, n])
-    xo, bo, co = jnp.split(jax.nn.silu(out), cuts, axis=3)
+    xo, bo, co = jnp.split(_silu(out), cuts, axis=3)
     wx, wb, wc = jnp.split(win, cuts, axis=3)
     return ((xo.reshape(bs, l, h, p), bo, co),
             (wx.reshape((bs, k - 1, h, p)), wb, wc))
+
+
+@jax.custom_vjp
+def _silu(x):
+    return x / (1 + jnp.exp(-x))
+
+
+def _silu_bwd(x, g):
+    s = jax.nn.sigmoid(x)
+    return (g * s * (1 + x * (1 - s)),)
+
+
+_silu.defvjp(lambda x: (_silu(x), x), _silu_bwd)
 
 
 def ssd_step(x_Bx1xHxP, dt_Bx1xH, a_H, b_Bx1xGxN, c_Bx1xGxN, state_BxHxPxN):
