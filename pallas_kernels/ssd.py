@@ -226,21 +226,24 @@ def _segsum(a_xQ, transposed: bool = False):
     return out if transposed else jnp.swapaxes(out, -1, -2)
 
 
-# The name of the states carried into each chunk [chunks, b, h, p, n] in ssd_chunked, for a remat
+# The name of the states carried into each chunk [b, h, chunks, p, n] in ssd_chunked, for a remat
 # policy that keeps them and recomputes the rest (jax.checkpoint_policies.save_only_these_names).
 CHUNK_STATES = "ssd_chunk_states"
+
+_NO_PASS = -1e30  # the log of a zero decay across a chunk (a finite -inf: the segment sums stay NaN-free)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Chunks:
     """The chunked form's fp32 operands, padded to whole chunks of q (dt = 0 past L: the state passes
-    unchanged), chunks first and each head's (or group's) rows of a chunk last but one, so that every
-    product of the forward and the backward is a batched matmul over (chunk, batch, head) with no
-    transpose between them: x [c, b, h, q, p], B and C per group [c, b, g, q, n], dt and acs (the
-    cumulative sums of dt * A within each chunk) [c, b, h, q]; the decays: within a chunk, transposed,
-    [c, b, h, s, t] (exp(acs_t - acs_s) for s <= t, else 0), of each token's input to its chunk's end
-    (to_end), of the carried state to each token (out) [c, b, h, q] and across each chunk (across)
-    [c, b, h]; with segment ids each is 0 across a document boundary (module docstring)."""
+    unchanged), laid out so that every product of the forward and the backward is a batched matmul
+    over (batch, head, chunk) with no transpose between them: x [b, h, c, q, p], B and C per group
+    [b, g, c, q, n], dt and acs (the cumulative sums of dt * A within each chunk) [b, h, c, q]; the
+    decays: within a chunk, transposed, [b, h, c, s, t] (exp(acs_t - acs_s) for s <= t, else 0), of
+    each token's input to its chunk's end (to_end), of the carried state to each token (out)
+    [b, h, c, q], across each chunk (across [b, h, c]) and from the state after chunk j (h0 for j = 0)
+    to the state entering chunk i (between [b, h, c + 1, c + 1], i then j); with segment ids each is 0
+    across a document boundary (module docstring)."""
     x: jax.Array
     B: jax.Array
     C: jax.Array
@@ -250,68 +253,81 @@ class _Chunks:
     to_end: jax.Array
     out: jax.Array
     across: jax.Array
+    between: jax.Array
 
-    def per_head(self, m_CxBxGxQxN):
-        """A group's [c, b, g, ...] rows for each of its heads [c, b, h, ...]."""
-        c, b, g = m_CxBxGxQxN.shape[:3]
-        r = self.x.shape[2] // g
-        return jnp.broadcast_to(m_CxBxGxQxN[:, :, :, None], (c, b, g, r) + m_CxBxGxQxN.shape[3:]).reshape(
-            (c, b, g * r) + m_CxBxGxQxN.shape[3:])
+    def per_head(self, m_BxGx_):
+        """A group's [b, g, ...] rows for each of its heads [b, h, ...]."""
+        b, g = m_BxGx_.shape[:2]
+        r = self.x.shape[1] // g
+        return jnp.broadcast_to(m_BxGx_[:, :, None], (b, g, r) + m_BxGx_.shape[2:]).reshape(
+            (b, g * r) + m_BxGx_.shape[2:])
 
-    def per_group(self, m_CxBxHx_, g: int):
-        """The sum over each group's heads of [c, b, h, ...] -> [c, b, g, ...]."""
-        c, b, h = m_CxBxHx_.shape[:3]
-        return m_CxBxHx_.reshape((c, b, g, h // g) + m_CxBxHx_.shape[3:]).sum(3)
+
+def _per_group(m_BxHx_, g: int):
+    """The sum over each group's heads of [b, h, ...] -> [b, g, ...]."""
+    b, h = m_BxHx_.shape[:2]
+    return m_BxHx_.reshape((b, g, h // g) + m_BxHx_.shape[2:]).sum(2)
 
 
 def _to_chunks(t, nc: int, q: int):
-    """[B, L, H, ...] -> [chunks, B, H, Q, ...] fp32, L padded with zeros to nc * q."""
+    """[B, L, H, ...] -> [B, H, chunks, Q, ...] fp32, L padded with zeros to nc * q."""
     b, _, h = t.shape[:3]
     t = _pad_to(t.astype(jnp.float32), 1, nc * q).reshape((b, nc, q, h) + t.shape[3:])
-    return jnp.moveaxis(t, (1, 2), (0, 3))
+    return jnp.moveaxis(t, 3, 1)
 
 
 def _from_chunks(t, l: int):
-    """[chunks, B, H, Q, ...] -> [B, L, H, ...] (the padding dropped)."""
-    nc, b, h, q = t.shape[:4]
-    return jnp.moveaxis(t, (0, 3), (1, 2)).reshape((b, nc * q, h) + t.shape[4:])[:, :l]
+    """[B, H, chunks, Q, ...] -> [B, L, H, ...] (the padding dropped)."""
+    b, h, nc, q = t.shape[:4]
+    return jnp.moveaxis(t, 1, 3).reshape((b, nc * q, h) + t.shape[4:])[:, :l]
 
 
 def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
     b, l, h, p = x.shape
     nc = -(-l // q)
-    dt_ = _to_chunks(dt, nc, q)                                      # [c, b, h, q]
-    a = dt_ * A.astype(jnp.float32)[:, None]
-    acs = _chunk_cumsum(a)
-    within_t = jnp.exp(_segsum(a, transposed=True))                  # [c, b, h, s, t]
+    # One product gives dt's cumulative sums in each chunk and, by its identity half, dt itself: every
+    # later use reads dt from that product's output (a buffer) rather than each recomputing its
+    # softplus and layout (a smaller program; the identity's products are exact).
+    dt_ = _to_chunks(dt, nc, q)                                      # [b, h, c, q]
+    a32 = A.astype(jnp.float32)[:, None, None]
+    both = jnp.einsum("...s,sk->...k", dt_, jnp.concatenate([_tri(q), jnp.eye(q, dtype=jnp.float32)], axis=1),
+                      precision=_HIGHEST)
+    acs, dt_ = both[..., :q] * a32, both[..., q:]
+    a = dt_ * a32
+    within_t = jnp.exp(_segsum(a, transposed=True))                  # [b, h, c, s, t]
     to_end = jnp.exp(acs[..., -1:] - acs)
-    out, across = jnp.exp(acs), jnp.exp(acs[..., -1])
+    out, log_across = jnp.exp(acs), acs[..., -1]
     if segment_ids is not None:
-        seg, keep_in, keep_out = (jnp.moveaxis(t, 1, 0)[:, :, None] for t in
-                                  _chunk_segments(_pad_segments(segment_ids, nc * q), q))  # [c, b, 1, q] each
+        seg, keep_in, keep_out = (t[:, None] for t in
+                                  _chunk_segments(_pad_segments(segment_ids, nc * q), q))  # [b, 1, c, q] each
         within_t = within_t * (seg[..., :, None] == seg[..., None, :])
         to_end = to_end * keep_out
         out = out * keep_in
-        across = across * keep_in[..., -1]
+        log_across = jnp.where(keep_in[..., -1], log_across, _NO_PASS)
+    # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
+    # (j = 0: the initial state) decayed to the start of chunk i.
+    log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
+    between = jnp.exp(_segsum(log_across_0))                         # [b, h, c + 1, c + 1]
     return _Chunks(_to_chunks(x, nc, q), _to_chunks(B, nc, q), _to_chunks(C, nc, q), dt_, acs, within_t, to_end,
-                   out, across)
+                   out, jnp.exp(log_across), between)
 
 
 def _chunked_forward(x, dt, A, B, C, h0, segment_ids, q: int):
     """(y [B, L, H, P] fp32, the final state [B, H, P, N], the states entering each chunk
-    [chunks, b, h, p, n]); h0 [B, H, P, N] fp32."""
-    l, g = x.shape[1], B.shape[2]
+    [b, h, chunks, p, n]); h0 [B, H, P, N] fp32."""
+    l = x.shape[1]
     k = _chunks(x, dt, A, B, C, segment_ids, q)
     # Within each chunk: the quadratic (attention-like) form, m[s, t] = (B_s . C_t) within[s, t] dt_s.
-    bc = jnp.einsum("cbgsn,cbgtn->cbgst", k.B, k.C)                  # [c, b, g, s, t]
-    m = k.per_head(bc) * k.within_t * k.dt[..., None]               # [c, b, h, s, t]
-    y = jnp.einsum("cbhst,cbhsp->cbhtp", m, k.x)
-    # Each chunk's own final state, then the states carried between chunks.
-    s = jnp.einsum("cbhsp,cbhsn->cbhpn", k.x * (k.to_end * k.dt)[..., None], k.per_head(k.B))
-    h_in, final = _pass_states(s, k.across, h0)
-    h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
-    y = y + k.out[..., None] * jnp.einsum("cbhtn,cbhpn->cbhtp", k.per_head(k.C), h_in)
-    return _from_chunks(y, l), final, h_in
+    bc = jnp.einsum("bgcsn,bgctn->bgcst", k.B, k.C)                  # [b, g, c, s, t]
+    m = k.per_head(bc) * k.within_t * k.dt[..., None]               # [b, h, c, s, t]
+    y = jnp.einsum("bhcst,bhcsp->bhctp", m, k.x)
+    # Each chunk's own final state, then the states carried between chunks: one product of the
+    # decays between chunks with (h0, the chunks' own states).
+    s = jnp.einsum("bhcsp,bhcsn->bhcpn", k.x * (k.to_end * k.dt)[..., None], k.per_head(k.B))
+    states = jnp.einsum("bhij,bhjpn->bhipn", k.between, jnp.concatenate([h0[:, :, None], s], axis=2))
+    h_in = checkpoint_name(states[:, :, :-1], CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
+    y = y + k.out[..., None] * jnp.einsum("bhctn,bhcpn->bhctp", k.per_head(k.C), h_in)
+    return _from_chunks(y, l), states[:, :, -1], h_in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -327,51 +343,49 @@ def _ssd_chunked_fwd(x, dt, A, B, C, h0, segment_ids, q):
 
 def _ssd_chunked_bwd(q, res, cts):
     """The chunked form's gradients written out: the intra-chunk products recomputed from the inputs
-    (only the inputs and the chunk states are kept), the state passing run backwards, and the
-    gradients of the cumulative decays turned into dt's and A's by reverse cumulative sums. The same
-    decomposition as the Pallas backward kernels (_chunk_scan_bwd_kernel), over all chunks at once,
-    each product a batched matmul over (chunk, batch, head) in _Chunks' layout."""
+    (only the inputs and the chunk states are kept), the state passing run backwards (one product
+    with the decays between chunks), and the gradients of the cumulative decays turned into dt's and
+    A's by reverse cumulative sums. The same decomposition as the Pallas backward kernels
+    (_chunk_scan_bwd_kernel), over all chunks at once, each product a batched matmul over (batch,
+    head, chunk) in _Chunks' layout."""
     x, dt, A, B, C, h_in, segment_ids = res
     dy, dfinal = cts
     l, g = x.shape[1], B.shape[2]
     k = _chunks(x, dt, A, B, C, segment_ids, q)
-    nc = k.x.shape[0]
-    dy_ = _to_chunks(dy, nc, q)                                      # [c, b, h, q, p]
-    b_h, c_h = k.per_head(k.B), k.per_head(k.C)                      # [c, b, h, q, n]
+    dy_ = _to_chunks(dy, k.x.shape[2], q)                            # [b, h, c, q, p]
+    b_h, c_h = k.per_head(k.B), k.per_head(k.C)                      # [b, h, c, q, n]
 
-    # The state passing backwards: G_c = dH_c (from the chunk's outputs) + across_c G_c+1 from
-    # G_nc = dfinal; the chunk's own state S_c gets G_c+1, its decay across <G_c+1, H_c>.
-    dh_out = jnp.einsum("cbhtp,cbhtn->cbhpn", dy_ * k.out[..., None], c_h)
-
-    def back(g_next, inp):
-        dh, across, h_prev = inp
-        return dh + across[..., None, None] * g_next, (g_next, jnp.sum(g_next * h_prev, axis=(-2, -1)))
-
-    dh0, (ds, dacross) = lax.scan(back, _vary_like(dfinal.astype(jnp.float32), dh_out, h_in),
-                                  (dh_out, k.across, h_in), reverse=True)  # [c, b, h, p, n], [c, b, h]
+    # The state passing backwards: the gradient of the state entering chunk j (j = nc: the final
+    # state) from the outputs is dH_j; the total one G_j = sum_i>=j between[i, j] dH_i. h0 gets G_0,
+    # chunk c's own state G_c+1, and its decay across <G_c+1, H_c>.
+    dh_out = jnp.einsum("bhctp,bhctn->bhcpn", dy_ * k.out[..., None], c_h)
+    dstates = jnp.einsum("bhij,bhipn->bhjpn", k.between,
+                         jnp.concatenate([dh_out, dfinal.astype(jnp.float32)[:, :, None]], axis=2))
+    dh0, ds = dstates[:, :, 0], dstates[:, :, 1:]
+    dacross = jnp.sum(ds * h_in, axis=(-2, -1))                      # [b, h, c]
 
     # Within each chunk: y_t = sum_s (B_s . C_t) within[s, t] dt_s x_s.
-    bc = k.per_head(jnp.einsum("cbgsn,cbgtn->cbgst", k.B, k.C))     # [c, b, h, s, t]
-    xdy = jnp.einsum("cbhsp,cbhtp->cbhst", k.x, dy_)                 # x_s . dy_t
+    bc = k.per_head(jnp.einsum("bgcsn,bgctn->bgcst", k.B, k.C))     # [b, h, c, s, t]
+    xdy = jnp.einsum("bhcsp,bhctp->bhcst", k.x, dy_)                 # x_s . dy_t
     e0 = bc * k.within_t * xdy                                       # d loss / d dt_s, per (s, t)
     e = e0 * k.dt[..., None]                                         # d loss / d (acs_t - acs_s)
-    dbc = k.per_group(xdy * k.within_t * k.dt[..., None], g)         # [c, b, g, s, t]
-    dx = jnp.einsum("cbhst,cbhtp->cbhsp", bc * k.within_t * k.dt[..., None], dy_)
-    db = jnp.einsum("cbgst,cbgtn->cbgsn", dbc, k.C)
-    dc = jnp.einsum("cbgst,cbgsn->cbgtn", dbc, k.B)
-    dacs = jnp.sum(e, axis=-2) - jnp.sum(e, axis=-1)                 # [c, b, h, q]
+    dbc = _per_group(xdy * k.within_t * k.dt[..., None], g)          # [b, g, c, s, t]
+    dx = jnp.einsum("bhcst,bhctp->bhcsp", bc * k.within_t * k.dt[..., None], dy_)
+    db = jnp.einsum("bgcst,bgctn->bgcsn", dbc, k.C)
+    dc = jnp.einsum("bgcst,bgcsn->bgctn", dbc, k.B)
+    dacs = jnp.sum(e, axis=-2) - jnp.sum(e, axis=-1)                 # [b, h, c, q]
     ddt = jnp.sum(e0, axis=-1)
 
     # The carried state's outputs: y_t += out_t H_c C_t.
-    dyh = jnp.einsum("cbhtp,cbhpn->cbhtn", dy_, h_in)
+    dyh = jnp.einsum("bhctp,bhcpn->bhctn", dy_, h_in)
     dacs = dacs + k.out * jnp.sum(dyh * c_h, axis=-1)
 
     # Each chunk's own state: S_c = sum_s to_end_s dt_s x_s (outer) B_s.
     w = k.to_end * k.dt
-    xds = jnp.einsum("cbhsp,cbhpn->cbhsn", k.x, ds)                  # x_s^T dS
-    dx = dx + w[..., None] * jnp.einsum("cbhsn,cbhpn->cbhsp", b_h, ds)
-    db = db + k.per_group(w[..., None] * xds, g)
-    dc = dc + k.per_group(k.out[..., None] * dyh, g)
+    xds = jnp.einsum("bhcsp,bhcpn->bhcsn", k.x, ds)                  # x_s^T dS
+    dx = dx + w[..., None] * jnp.einsum("bhcsn,bhcpn->bhcsp", b_h, ds)
+    db = db + _per_group(w[..., None] * xds, g)
+    dc = dc + _per_group(k.out[..., None] * dyh, g)
     f0 = jnp.sum(xds * b_h, axis=-1)                                 # x_s^T dS B_s
     ddt = ddt + k.to_end * f0
     f = w * f0
@@ -379,8 +393,8 @@ def _ssd_chunked_bwd(q, res, cts):
     dacs = dacs - f + jnp.where(jnp.arange(q) == q - 1, last[..., None], 0.0)
 
     da = _chunk_cumsum(dacs, reverse=True)                           # d loss / d (dt * A)
-    ddt = ddt + da * A.astype(jnp.float32)[:, None]
-    dA = jnp.sum(da * k.dt, axis=(0, 1, 3))
+    ddt = ddt + da * A.astype(jnp.float32)[:, None, None]
+    dA = jnp.sum(da * k.dt, axis=(0, 2, 3))
     dsegs = None if segment_ids is None else (np.zeros(segment_ids.shape, jax.dtypes.float0)
                                               if not jnp.issubdtype(segment_ids.dtype, jnp.inexact)
                                               else jnp.zeros_like(segment_ids))
