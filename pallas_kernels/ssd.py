@@ -25,8 +25,14 @@ Three implementations, equal up to rounding:
                    y_t   = sum_{s<=t} exp(acs_t - acs_s) (C_t . B_s) dt_s x_s    (within the chunk)
                          + exp(acs_t) H_c @ C_t                                  (state carried in)
                    S_c   = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s         (chunk's own state)
-                   H_c+1 = exp(acs_Q) H_c + S_c                                  (scan over chunks)
-                 Work and memory are linear in L: the largest intermediates are [Q, Q] per chunk.
+                   H_c+1 = exp(acs_Q) H_c + S_c                                  (between chunks)
+                 laid out [B, H, chunks, Q, ...] so that every product is a batched matmul with no
+                 transpose between them; the states between chunks are one product with the
+                 [chunks + 1, chunks + 1] matrix of the decays from each chunk's end to each later
+                 chunk's start (no sequential scan). Memory is linear in L (the largest intermediates
+                 are [Q, Q] per chunk); work is too but for that product, (L / Q)^2 P N per head:
+                 about a sixth of the intra-chunk products' at L 8192, Q 128, P 64, N 128, as much
+                 as them near L 50k, more beyond.
   ssd            the same decomposition as Pallas kernels (Triton on GPU, interpret mode on CPU),
                  differentiable through a custom_vjp.
 
@@ -197,92 +203,137 @@ def ssd_reference(x, dt, A, B, C, *, initial_state=None, return_final_state=Fals
 # --------------------------------------------------------------------------- chunked jnp
 
 
-def _chunk_cumsum(a_xQ, axis: int = -1, reverse: bool = False):
-    """Cumulative sum along `axis` (a chunk's length) as one product with a lower-triangular matrix of
-    ones (`reverse`: the sums from each position to the chunk's end, the upper triangle). jnp.cumsum
-    reaches XLA as a reduce-window (and its gradient as another), which the CPU backend compiles and
-    runs several times slower at chunk sizes than this product: the chunked scan's forward and
-    backward at b 8, L 128, 16 heads, chunk 32 compiled in 0.97 s instead of 2.09 s and ran in 9.3 ms
-    instead of 20.8 ms. fp32 products are exact; only the summation order differs."""
-    a = jnp.moveaxis(a_xQ, axis, -1)
-    q = a.shape[-1]
-    tri_TxS = (jnp.arange(q)[:, None] >= jnp.arange(q)[None, :]).astype(a.dtype)
-    spec = "...t,ts->...s" if reverse else "...s,ts->...t"
-    return jnp.moveaxis(jnp.einsum(spec, a, tri_TxS, precision=_HIGHEST), -1, axis)
+def _tri(q: int, upper: bool = False):
+    """[Q, Q] fp32: 1 where s <= t for [s, t] (the lower triangle, `upper`: s >= t), else 0."""
+    s, t = np.arange(q)[:, None], np.arange(q)[None, :]
+    return jnp.asarray(s >= t if upper else s <= t, jnp.float32)
 
 
-def _segsum(a_xQ):
-    """[..., Q] -> [..., Q, Q]: out[t, s] = a_{s+1} + ... + a_t for s <= t, -inf above the diagonal.
-    Sums of masked terms rather than differences of cumulative sums (no cancellation), and the
-    mask applied before exp, so exp's gradient is 0 (not NaN) above the diagonal."""
+def _chunk_cumsum(a_xQ, reverse: bool = False):
+    """Cumulative sum along the last axis (a chunk's length) as one product with a triangular matrix
+    of ones (`reverse`: the sums from each position to the chunk's end). jnp.cumsum reaches XLA as a
+    reduce-window (and its gradient as another), which the CPU backend compiles and runs several
+    times slower at chunk sizes than this product: the chunked scan's forward and backward at b 8,
+    L 128, 16 heads, chunk 32 compiled in 0.97 s instead of 2.09 s and ran in 9.3 ms instead of
+    20.8 ms. fp32 products are exact; only the summation order differs."""
+    return jnp.einsum("...s,st->...t", a_xQ, _tri(a_xQ.shape[-1], upper=reverse), precision=_HIGHEST)
+
+
+def _segsum(a_xQ, transposed: bool = False):
+    """[..., Q] -> [..., Q, Q]: out[t, s] = a_{s+1} + ... + a_t for s <= t, -inf above the diagonal
+    (`transposed`: out[s, t], the layout the chunked form uses). Sums of masked terms rather than
+    differences of cumulative sums (no cancellation), and the mask applied before exp, so exp's
+    gradient is 0 (not NaN) above the diagonal. One product: terms[s, k] = a_k for k > s, summed
+    over k <= t."""
     q = a_xQ.shape[-1]
-    t = jnp.arange(q)[:, None]
-    s = jnp.arange(q)[None, :]
-    terms = jnp.where(t > s, a_xQ[..., :, None], 0.0)                 # [..., k, s]: a_k for k > s
-    return jnp.where(t >= s, _chunk_cumsum(terms, axis=-2), -jnp.inf)
+    s, k = np.arange(q)[:, None], np.arange(q)[None, :]
+    terms = jnp.where(k > s, a_xQ[..., None, :], 0.0)               # [..., s, k]
+    out = jnp.where(s <= k, jnp.einsum("...sk,kt->...st", terms, _tri(q), precision=_HIGHEST), -jnp.inf)
+    return out if transposed else jnp.swapaxes(out, -1, -2)
 
 
-# The name of the states carried into each chunk [chunks, b, g, r, p, n] in ssd_chunked, for a remat
+# The name of the states carried into each chunk [b, h, chunks, p, n] in ssd_chunked, for a remat
 # policy that keeps them and recomputes the rest (jax.checkpoint_policies.save_only_these_names).
 CHUNK_STATES = "ssd_chunk_states"
+
+_NO_PASS = -1e30  # the log of a zero decay across a chunk (a finite -inf: the segment sums stay NaN-free)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Chunks:
     """The chunked form's fp32 operands, padded to whole chunks of q (dt = 0 past L: the state passes
-    unchanged): x [b, c, q, g, r, p], B and C [b, c, q, g, n], dt and acs (the cumulative sums of
-    dt * A within each chunk) [b, c, g, r, q]; the decays: within a chunk [b, c, g, r, q, s]
-    (exp(acs_t - acs_s) for s <= t, else 0), of each token's input to its chunk's end (to_end), of
-    the carried state to each token (out) [b, c, g, r, q] and across each chunk (across) [b, c, g, r];
-    with segment ids each is 0 across a document boundary (module docstring)."""
+    unchanged), laid out so that every product of the forward and the backward is a batched matmul
+    over (batch, head, chunk) with no transpose between them: x [b, h, c, q, p], B and C per group
+    [b, g, c, q, n], dt and acs (the cumulative sums of dt * A within each chunk) [b, h, c, q]; the
+    decays: within a chunk, transposed, [b, h, c, s, t] (exp(acs_t - acs_s) for s <= t, else 0), of
+    each token's input to its chunk's end (to_end), of the carried state to each token (out)
+    [b, h, c, q], across each chunk (across [b, h, c]) and from the state after chunk j (h0 for j = 0)
+    to the state entering chunk i (between [b, h, c + 1, c + 1], i then j); with segment ids each is 0
+    across a document boundary (module docstring)."""
     x: jax.Array
     B: jax.Array
     C: jax.Array
     dt: jax.Array
     acs: jax.Array
-    within: jax.Array
+    within_t: jax.Array
     to_end: jax.Array
     out: jax.Array
     across: jax.Array
+    between: jax.Array
+
+    def per_head(self, m_BxGx_):
+        """A group's [b, g, ...] rows for each of its heads [b, h, ...]."""
+        b, g = m_BxGx_.shape[:2]
+        r = self.x.shape[1] // g
+        return jnp.broadcast_to(m_BxGx_[:, :, None], (b, g, r) + m_BxGx_.shape[2:]).reshape(
+            (b, g * r) + m_BxGx_.shape[2:])
+
+
+def _per_group(m_BxHx_, g: int):
+    """The sum over each group's heads of [b, h, ...] -> [b, g, ...]."""
+    b, h = m_BxHx_.shape[:2]
+    return m_BxHx_.reshape((b, g, h // g) + m_BxHx_.shape[2:]).sum(2)
+
+
+def _to_chunks(t, nc: int, q: int):
+    """[B, L, H, ...] -> [B, H, chunks, Q, ...] fp32, L padded with zeros to nc * q."""
+    b, _, h = t.shape[:3]
+    t = _pad_to(t.astype(jnp.float32), 1, nc * q).reshape((b, nc, q, h) + t.shape[3:])
+    return jnp.moveaxis(t, 3, 1)
+
+
+def _from_chunks(t, l: int):
+    """[B, H, chunks, Q, ...] -> [B, L, H, ...] (the padding dropped)."""
+    b, h, nc, q = t.shape[:4]
+    return jnp.moveaxis(t, 1, 3).reshape((b, nc * q, h) + t.shape[4:])[:, :l]
 
 
 def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
     b, l, h, p = x.shape
-    g, n = B.shape[2:]
-    r, nc = h // g, -(-l // q)
-    f32 = lambda t: _pad_to(t.astype(jnp.float32), 1, nc * q)
-    dt_ = jnp.moveaxis(f32(dt).reshape(b, nc, q, g, r), 2, -1)       # [b, c, g, r, q]
-    a = dt_ * A.astype(jnp.float32).reshape(g, r)[..., None]
-    acs = _chunk_cumsum(a)
-    within = jnp.exp(_segsum(a))                                     # [b, c, g, r, q, s]
+    nc = -(-l // q)
+    # One product gives dt's cumulative sums in each chunk and, by its identity half, dt itself: every
+    # later use reads dt from that product's output (a buffer) rather than each recomputing its
+    # softplus and layout (a smaller program; the identity's products are exact).
+    dt_ = _to_chunks(dt, nc, q)                                      # [b, h, c, q]
+    a32 = A.astype(jnp.float32)[:, None, None]
+    both = jnp.einsum("...s,sk->...k", dt_, jnp.concatenate([_tri(q), jnp.eye(q, dtype=jnp.float32)], axis=1),
+                      precision=_HIGHEST)
+    acs, dt_ = both[..., :q] * a32, both[..., q:]
+    a = dt_ * a32
+    within_t = jnp.exp(_segsum(a, transposed=True))                  # [b, h, c, s, t]
     to_end = jnp.exp(acs[..., -1:] - acs)
-    out, across = jnp.exp(acs), jnp.exp(acs[..., -1])
+    out, log_across = jnp.exp(acs), acs[..., -1]
     if segment_ids is not None:
-        seg, keep_in, keep_out = _chunk_segments(_pad_segments(segment_ids, nc * q), q)  # [b, c, q] each
-        within = within * (seg[..., :, None] == seg[..., None, :])[:, :, None, None]
-        to_end = to_end * keep_out[:, :, None, None]
-        out = out * keep_in[:, :, None, None]
-        across = across * keep_in[:, :, None, None, -1]
-    return _Chunks(f32(x).reshape(b, nc, q, g, r, p), f32(B).reshape(b, nc, q, g, n),
-                   f32(C).reshape(b, nc, q, g, n), dt_, acs, within, to_end, out, across)
+        seg, keep_in, keep_out = (t[:, None] for t in
+                                  _chunk_segments(_pad_segments(segment_ids, nc * q), q))  # [b, 1, c, q] each
+        within_t = within_t * (seg[..., :, None] == seg[..., None, :])
+        to_end = to_end * keep_out
+        out = out * keep_in
+        log_across = jnp.where(keep_in[..., -1], log_across, _NO_PASS)
+    # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
+    # (j = 0: the initial state) decayed to the start of chunk i.
+    log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
+    between = jnp.exp(_segsum(log_across_0))                         # [b, h, c + 1, c + 1]
+    return _Chunks(_to_chunks(x, nc, q), _to_chunks(B, nc, q), _to_chunks(C, nc, q), dt_, acs, within_t, to_end,
+                   out, jnp.exp(log_across), between)
 
 
 def _chunked_forward(x, dt, A, B, C, h0, segment_ids, q: int):
     """(y [B, L, H, P] fp32, the final state [B, H, P, N], the states entering each chunk
-    [chunks, b, g, r, p, n]); h0 [B, H, P, N] fp32."""
-    b, l, h, p = x.shape
-    g, n = B.shape[2:]
+    [b, h, chunks, p, n]); h0 [B, H, P, N] fp32."""
+    l = x.shape[1]
     k = _chunks(x, dt, A, B, C, segment_ids, q)
-    # Within each chunk: the quadratic (attention-like) form.
-    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", k.C, k.B)                  # [b, c, g, q, s]
-    m = cb[:, :, :, None] * k.within * k.dt[..., None, :]           # [b, c, g, r, q, s]
-    y = jnp.einsum("bcgrqs,bcsgrp->bcqgrp", m, k.x)
-    # Each chunk's own final state, then the states carried between chunks.
-    s = jnp.einsum("bcgrq,bcqgrp,bcqgn->bcgrpn", k.to_end * k.dt, k.x, k.B)  # [b, c, g, r, p, n]
-    h_in, final = _pass_states(jnp.moveaxis(s, 1, 0), jnp.moveaxis(k.across, 1, 0), h0.reshape(b, g, h // g, p, n))
-    h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
-    y = y + jnp.einsum("bcqgn,cbgrpn,bcgrq->bcqgrp", k.C, h_in, k.out)
-    return y.reshape(b, -1, h, p)[:, :l], final.reshape(b, h, p, n), h_in
+    # Within each chunk: the quadratic (attention-like) form, m[s, t] = (B_s . C_t) within[s, t] dt_s.
+    bc = jnp.einsum("bgcsn,bgctn->bgcst", k.B, k.C)                  # [b, g, c, s, t]
+    m = k.per_head(bc) * k.within_t * k.dt[..., None]               # [b, h, c, s, t]
+    y = jnp.einsum("bhcst,bhcsp->bhctp", m, k.x)
+    # Each chunk's own final state, then the states carried between chunks: one product of the
+    # decays between chunks with (h0, the chunks' own states).
+    s = jnp.einsum("bhcsp,bhcsn->bhcpn", k.x * (k.to_end * k.dt)[..., None], k.per_head(k.B))
+    states = jnp.einsum("bhij,bhjpn->bhipn", k.between, jnp.concatenate([h0[:, :, None], s], axis=2))
+    h_in = checkpoint_name(states[:, :, :-1], CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
+    y = y + k.out[..., None] * jnp.einsum("bhctn,bhcpn->bhctp", k.per_head(k.C), h_in)
+    return _from_chunks(y, l), states[:, :, -1], h_in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -298,69 +349,63 @@ def _ssd_chunked_fwd(x, dt, A, B, C, h0, segment_ids, q):
 
 def _ssd_chunked_bwd(q, res, cts):
     """The chunked form's gradients written out: the intra-chunk products recomputed from the inputs
-    (only the inputs and the chunk states are kept), the state passing run backwards, and the
-    gradients of the cumulative decays turned into dt's and A's by reverse cumulative sums. The same
-    decomposition as the Pallas backward kernels (_chunk_scan_bwd_kernel), over all chunks at once."""
+    (only the inputs and the chunk states are kept), the state passing run backwards (one product
+    with the decays between chunks), and the gradients of the cumulative decays turned into dt's and
+    A's by reverse cumulative sums. The same decomposition as the Pallas backward kernels
+    (_chunk_scan_bwd_kernel), over all chunks at once, each product a batched matmul over (batch,
+    head, chunk) in _Chunks' layout."""
     x, dt, A, B, C, h_in, segment_ids = res
     dy, dfinal = cts
-    b, l, h, p = x.shape
-    g, n = B.shape[2:]
-    r = h // g
+    l, g = x.shape[1], B.shape[2]
     k = _chunks(x, dt, A, B, C, segment_ids, q)
-    dy_ = _pad_to(dy.astype(jnp.float32), 1, k.x.shape[1] * q).reshape(k.x.shape)  # [b, c, q, g, r, p]
-    h_c = jnp.moveaxis(h_in, 0, 1)                                   # [b, c, g, r, p, n]
+    dy_ = _to_chunks(dy, k.x.shape[2], q)                            # [b, h, c, q, p]
+    b_h, c_h = k.per_head(k.B), k.per_head(k.C)                      # [b, h, c, q, n]
 
-    # The state passing backwards: G_c = dH_c (from the chunk's outputs) + across_c G_c+1 from
-    # G_nc = dfinal; the chunk's own state S_c gets G_c+1, its decay across <G_c+1, H_c>.
-    dh_out = jnp.einsum("bcqgrp,bcqgn,bcgrq->cbgrpn", dy_, k.C, k.out)
+    # The state passing backwards: the gradient of the state entering chunk j (j = nc: the final
+    # state) from the outputs is dH_j; the total one G_j = sum_i>=j between[i, j] dH_i. h0 gets G_0,
+    # chunk c's own state G_c+1, and its decay across <G_c+1, H_c>.
+    dh_out = jnp.einsum("bhctp,bhctn->bhcpn", dy_ * k.out[..., None], c_h)
+    dstates = jnp.einsum("bhij,bhipn->bhjpn", k.between,
+                         jnp.concatenate([dh_out, dfinal.astype(jnp.float32)[:, :, None]], axis=2))
+    dh0, ds = dstates[:, :, 0], dstates[:, :, 1:]
+    dacross = jnp.sum(ds * h_in, axis=(-2, -1))                      # [b, h, c]
 
-    def back(g_next, inp):
-        dh, across, h_prev = inp
-        return dh + across[..., None, None] * g_next, (g_next, jnp.sum(g_next * h_prev, axis=(-2, -1)))
-
-    dh0, (ds, dacross) = lax.scan(back, _vary_like(dfinal.astype(jnp.float32).reshape(b, g, r, p, n), dh_out, h_in),
-                                  (dh_out, jnp.moveaxis(k.across, 1, 0), h_in), reverse=True)
-    ds, dacross = jnp.moveaxis(ds, 0, 1), jnp.moveaxis(dacross, 0, 1)  # [b, c, g, r, p, n], [b, c, g, r]
-
-    # Within each chunk: y_t = sum_s (C_t . B_s) within[t, s] dt_s x_s.
-    cb = jnp.einsum("bcqgn,bcsgn->bcgqs", k.C, k.B)
-    dyx = jnp.einsum("bcqgrp,bcsgrp->bcgrqs", dy_, k.x)              # dy_t . x_s
-    e0 = cb[:, :, :, None] * k.within * dyx                          # d loss / d dt_s, per (t, s)
-    e = e0 * k.dt[..., None, :]                                      # d loss / d (acs_t - acs_s)
-    dcb = jnp.einsum("bcgrqs,bcgrs->bcgqs", dyx * k.within, k.dt)   # summed over the group's heads
-    dx = jnp.einsum("bcgrqs,bcqgrp->bcsgrp", cb[:, :, :, None] * k.within * k.dt[..., None, :], dy_)
-    dc = jnp.einsum("bcgqs,bcsgn->bcqgn", dcb, k.B)
-    db = jnp.einsum("bcgqs,bcqgn->bcsgn", dcb, k.C)
-    dacs = jnp.sum(e, axis=-1) - jnp.sum(e, axis=-2)                 # [b, c, g, r, q]
-    ddt = jnp.sum(e0, axis=-2)
+    # Within each chunk: y_t = sum_s (B_s . C_t) within[s, t] dt_s x_s.
+    bc = k.per_head(jnp.einsum("bgcsn,bgctn->bgcst", k.B, k.C))     # [b, h, c, s, t]
+    xdy = jnp.einsum("bhcsp,bhctp->bhcst", k.x, dy_)                 # x_s . dy_t
+    e0 = bc * k.within_t * xdy                                       # d loss / d dt_s, per (s, t)
+    e = e0 * k.dt[..., None]                                         # d loss / d (acs_t - acs_s)
+    dbc = _per_group(xdy * k.within_t * k.dt[..., None], g)          # [b, g, c, s, t]
+    dx = jnp.einsum("bhcst,bhctp->bhcsp", bc * k.within_t * k.dt[..., None], dy_)
+    db = jnp.einsum("bgcst,bgctn->bgcsn", dbc, k.C)
+    dc = jnp.einsum("bgcst,bgcsn->bgctn", dbc, k.B)
+    dacs = jnp.sum(e, axis=-2) - jnp.sum(e, axis=-1)                 # [b, h, c, q]
+    ddt = jnp.sum(e0, axis=-1)
 
     # The carried state's outputs: y_t += out_t H_c C_t.
-    dyh = jnp.einsum("bcqgrp,bcgrpn->bcqgrn", dy_, h_c)
-    dc = dc + jnp.einsum("bcqgrn,bcgrq->bcqgn", dyh, k.out)
-    dacs = dacs + k.out * jnp.einsum("bcqgrn,bcqgn->bcgrq", dyh, k.C)
+    dyh = jnp.einsum("bhctp,bhcpn->bhctn", dy_, h_in)
+    dacs = dacs + k.out * jnp.sum(dyh * c_h, axis=-1)
 
     # Each chunk's own state: S_c = sum_s to_end_s dt_s x_s (outer) B_s.
     w = k.to_end * k.dt
-    xds = jnp.einsum("bcqgrp,bcgrpn->bcqgrn", k.x, ds)               # x_s^T dS
-    db = db + jnp.einsum("bcqgrn,bcgrq->bcqgn", xds, w)
-    dx = dx + jnp.einsum("bcgrq,bcgrpn,bcqgn->bcqgrp", w, ds, k.B)
-    f0 = jnp.einsum("bcqgrn,bcqgn->bcgrq", xds, k.B)                 # x_s^T dS B_s
+    xds = jnp.einsum("bhcsp,bhcpn->bhcsn", k.x, ds)                  # x_s^T dS
+    dx = dx + w[..., None] * jnp.einsum("bhcsn,bhcpn->bhcsp", b_h, ds)
+    db = db + _per_group(w[..., None] * xds, g)
+    dc = dc + _per_group(k.out[..., None] * dyh, g)
+    f0 = jnp.sum(xds * b_h, axis=-1)                                 # x_s^T dS B_s
     ddt = ddt + k.to_end * f0
     f = w * f0
     last = jnp.sum(f, axis=-1) + dacross * k.across                  # acs_Q's: own states and the decay across
     dacs = dacs - f + jnp.where(jnp.arange(q) == q - 1, last[..., None], 0.0)
 
     da = _chunk_cumsum(dacs, reverse=True)                           # d loss / d (dt * A)
-    a32 = A.astype(jnp.float32).reshape(g, r)
-    ddt = ddt + da * a32[..., None]
-    dA = jnp.sum(da * k.dt, axis=(0, 1, 4)).reshape(h)
-    unchunk = lambda t, *shape: t.reshape((b, -1) + shape)[:, :l]
+    ddt = ddt + da * A.astype(jnp.float32)[:, None, None]
+    dA = jnp.sum(da * k.dt, axis=(0, 2, 3))
     dsegs = None if segment_ids is None else (np.zeros(segment_ids.shape, jax.dtypes.float0)
                                               if not jnp.issubdtype(segment_ids.dtype, jnp.inexact)
                                               else jnp.zeros_like(segment_ids))
-    return (unchunk(dx, h, p).astype(x.dtype), unchunk(jnp.moveaxis(ddt, -1, 2), h).astype(dt.dtype),
-            dA.astype(A.dtype), unchunk(db, g, n).astype(B.dtype), unchunk(dc, g, n).astype(C.dtype),
-            dh0.reshape(b, h, p, n), dsegs)
+    return (_from_chunks(dx, l).astype(x.dtype), _from_chunks(ddt, l).astype(dt.dtype), dA.astype(A.dtype),
+            _from_chunks(db, l).astype(B.dtype), _from_chunks(dc, l).astype(C.dtype), dh0, dsegs)
 
 
 _ssd_chunked.defvjp(_ssd_chunked_fwd, _ssd_chunked_bwd)

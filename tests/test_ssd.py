@@ -3,7 +3,6 @@
 linear in the sequence length (no [L, L] intermediate in its jaxpr)."""
 
 import itertools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -128,11 +127,10 @@ def test_chunked_written_gradient_matches_autodiff_of_its_forward(b, l, h, p, g,
     assert abs(float(v - v_ad)) <= 1e-6 * abs(float(v_ad))
     for name, gv, wv in zip(ARGS if with_state else ARGS[:5], grads, want):
         assert _rel(gv, wv) < 2e-6, name
-    if documents:  # its compiled gradient is the smaller program (the point of writing it)
-        size = lambda f: len(re.findall(r"^\s+(?:ROOT\s+)?%\S+ = ", jax.jit(jax.grad(
-            lambda *a: jnp.sum(f(*a, **k) * cts[0]), argnums=(0, 1, 2, 3, 4))).lower(*args[:5]).compile().as_text(),
-            re.M))
-        assert size(ssd_chunked) < 0.95 * size(_autodiff_chunked)
+    if documents:  # it keeps far less for the backward (the point of writing it): the inputs and chunk states
+        kept = lambda f: sum(int(np.prod(t.shape)) for t in jax.tree.leaves(
+            jax.vjp(lambda *a: f(*a, **k), *args[:5])[1]) if hasattr(t, "shape"))
+        assert kept(ssd_chunked) < 0.5 * kept(_autodiff_chunked)
 
 
 def test_chunked_written_gradient_sums_the_inputs_that_vary_less_under_shard_map():

@@ -69,12 +69,14 @@ class MambaState(NamedTuple):
 
 
 def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: jax.Array | None = None,
-                end_B: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None):
+                end_B: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None, silu: bool = False):
     """Depthwise causal conv along the sequence: out[t] = sum_k w[k] x[t + k - (K - 1)] + bias, the
     channels any trailing dims of x (w [channels..., K], bias [channels...]); `window` [B, K-1, ...]:
     the inputs before x (zeros when None). Returns (out in fp32, the K - 1 inputs before position
     `end_B` [B] of each row (default L: the last K - 1), the window a continuation reads).
-    `segment_ids_BxL` (no window): a tap reaching a token of another document reads zero."""
+    `segment_ids_BxL` (no window): a tap reaching a token of another document reads zero. `silu`: the
+    output is SiLU(conv), its gradient written with the conv's (recomputing the conv, keeping only
+    its input)."""
     k = w_xK.shape[-1]
     b, l = x_BxLx_.shape[:2]
     if window is None:
@@ -83,12 +85,12 @@ def causal_conv(x_BxLx_: jax.Array, w_xK: jax.Array, bias: jax.Array, window: ja
         raise ValueError("causal_conv: segment ids continue no window (a packed batch starts every document afresh)")
     xp = jnp.concatenate([window.astype(x_BxLx_.dtype), x_BxLx_], axis=1).astype(jnp.float32)
     w = jnp.moveaxis(w_xK.astype(jnp.float32), -1, 0)  # [K, channels...]
-    if segment_ids_BxL is None:
-        out = _taps(xp, w) + bias.astype(jnp.float32)
-    else:  # tap i reads position t - (K - 1 - i): zero unless it is in t's document
+    same = None
+    if segment_ids_BxL is not None:  # tap i reads position t - (K - 1 - i): zero unless it is in t's document
         seg = jnp.concatenate([jnp.repeat(segment_ids_BxL[:, :1], k - 1, axis=1), segment_ids_BxL], axis=1)
         same = jnp.stack([seg[:, i:i + l] == segment_ids_BxL for i in range(k)])  # [K, B, L]
-        out = _masked_taps(xp, w, same.reshape(same.shape + (1,) * (xp.ndim - 2))) + bias.astype(jnp.float32)
+        same = same.reshape(same.shape + (1,) * (xp.ndim - 2))
+    out = _conv_taps(xp, w, bias.astype(jnp.float32), same, silu)
     if end_B is None:
         return out, xp[:, l:].astype(x_BxLx_.dtype)
     at = (end_B[:, None] + jnp.arange(k - 1)).reshape((b, k - 1) + (1,) * (xp.ndim - 2))  # [B, K-1, 1...]
@@ -111,27 +113,33 @@ def _tap_sum_bwd(xp, w_Kx_, same, g):
     gs = [g if same is None else jnp.where(same[i], g, 0.0) for i in range(k)]
     pad = lambda v, i: jnp.pad(v, [(0, 0), (i, k - 1 - i)] + [(0, 0)] * (v.ndim - 2))
     d_xp = sum(pad(gs[i] * w_Kx_[i], i) for i in range(k))
-    d_w = jnp.stack([jnp.sum(gs[i] * xp[:, i:i + l], axis=(0, 1)) for i in range(k)])
+    d_w = jnp.sum(jnp.stack(gs) * jnp.stack([xp[:, i:i + l] for i in range(k)]), axis=(1, 2))  # one reduction
     return d_xp, d_w
 
 
-# The conv's taps with a hand-written gradient: autodiff would keep each of the K shifted copies of
-# the input for the weights' gradient; this keeps the input once (a smaller compiled step).
-@jax.custom_vjp
-def _taps(xp, w_Kx_):
-    return _tap_sum(xp, w_Kx_)
+# The conv's taps (plus bias, and SiLU with `silu`) with a hand-written gradient: autodiff would keep
+# each of the K shifted copies of the input for the weights' gradient, and the conv's output for
+# SiLU's; this keeps the input once and recomputes the rest (a smaller compiled step). SiLU is
+# x / (1 + exp(-x)): ending in a division, XLA computes it once for all its users rather than
+# inside each of them. `same`: the taps' document masks, or None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _conv_taps(xp, w_Kx_, bias, same, silu: bool):
+    out = _tap_sum(xp, w_Kx_, same) + bias
+    return out / (1 + jnp.exp(-out)) if silu else out
 
 
-_taps.defvjp(lambda xp, w: (_tap_sum(xp, w), (xp, w)), lambda res, g: _tap_sum_bwd(*res, None, g))
+def _conv_taps_bwd(silu, res, g):
+    xp, w, bias, same = res
+    if silu:  # SiLU'(x) = s (1 + x (1 - s)), s = sigmoid(x)
+        out = _tap_sum(xp, w, same) + bias
+        s = jax.nn.sigmoid(out)
+        g = g * s * (1 + out * (1 - s))
+    d_xp, d_w = _tap_sum_bwd(xp, w, same, g)
+    return d_xp, d_w, jnp.sum(g, axis=(0, 1)), None
 
 
-@jax.custom_vjp
-def _masked_taps(xp, w_Kx_, same):
-    return _tap_sum(xp, w_Kx_, same)
-
-
-_masked_taps.defvjp(lambda xp, w, same: (_tap_sum(xp, w, same), (xp, w, same)),
-                    lambda res, g: _tap_sum_bwd(*res, g) + (None,))
+_conv_taps.defvjp(lambda xp, w, bias, same, silu: (_conv_taps(xp, w, bias, same, silu), (xp, w, bias, same)),
+                  _conv_taps_bwd)
 
 
 def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax.Array, groups: int,
@@ -367,9 +375,9 @@ def _conv_xbc(xs, b, c, w: dict, state: MambaState | None, end, segment_ids):
     if state is not None:
         window = jnp.concatenate([per_group(state.conv_x, (bs, k - 1)), state.conv_B.astype(state.conv_x.dtype),
                                   state.conv_C.astype(state.conv_x.dtype)], axis=3)
-    out, win = causal_conv(u, wt, bias, window, end, segment_ids)
+    out, win = causal_conv(u, wt, bias, window, end, segment_ids, silu=True)
     cuts = np.cumsum([h // g * p, n])
-    xo, bo, co = jnp.split(jax.nn.silu(out), cuts, axis=3)
+    xo, bo, co = jnp.split(out, cuts, axis=3)
     wx, wb, wc = jnp.split(win, cuts, axis=3)
     return ((xo.reshape(bs, l, h, p), bo, co),
             (wx.reshape((bs, k - 1, h, p)), wb, wc))
