@@ -27,12 +27,12 @@ Three implementations, equal up to rounding:
                    S_c   = sum_s exp(acs_Q - acs_s) dt_s x_s (outer) B_s         (chunk's own state)
                    H_c+1 = exp(acs_Q) H_c + S_c                                  (between chunks)
                  laid out [B, H, chunks, Q, ...] so that every product is a batched matmul with no
-                 transpose between them; the states between chunks are one product with the
-                 [chunks + 1, chunks + 1] matrix of the decays from each chunk's end to each later
-                 chunk's start (no sequential scan). Memory is linear in L (the largest intermediates
-                 are [Q, Q] per chunk); work is too but for that product, (L / Q)^2 P N per head:
-                 about a sixth of the intra-chunk products' at L 8192, Q 128, P 64, N 128, as much
-                 as them near L 50k, more beyond.
+                 transpose between them; up to PRODUCT_MAX_CHUNKS chunks the states between chunks
+                 are one product with the [chunks + 1, chunks + 1] matrix of the decays from each
+                 chunk's end to each later chunk's start (no sequential scan; its work, (L / Q)^2 P N
+                 per head, then stays under a tenth of the intra-chunk products'), beyond that a scan
+                 over the chunks. Memory and work are linear in L (the largest intermediates are
+                 [Q, Q] per chunk).
   ssd            the same decomposition as Pallas kernels (Triton on GPU, interpret mode on CPU),
                  differentiable through a custom_vjp.
 
@@ -236,6 +236,13 @@ def _segsum(a_xQ, transposed: bool = False):
 # policy that keeps them and recomputes the rest (jax.checkpoint_policies.save_only_these_names).
 CHUNK_STATES = "ssd_chunk_states"
 
+# Up to this many chunks ssd_chunked passes the states between chunks by one product with the
+# [chunks + 1, chunks + 1] matrix of decays between them (a smaller program than a scan forward and
+# backward); beyond, by a scan over the chunks, whose work and memory stay linear in L. At 32 chunks
+# the product's work is at most (32 / Q) P N / (Q (P + N)) of the intra-chunk products' (under 1/10
+# for Q >= 64 whatever P and N).
+PRODUCT_MAX_CHUNKS = 32
+
 _NO_PASS = -1e30  # the log of a zero decay across a chunk (a finite -inf: the segment sums stay NaN-free)
 
 
@@ -311,9 +318,12 @@ def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
         out = out * keep_in
         log_across = jnp.where(keep_in[..., -1], log_across, _NO_PASS)
     # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
-    # (j = 0: the initial state) decayed to the start of chunk i.
-    log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
-    between = jnp.exp(_segsum(log_across_0))                         # [b, h, c + 1, c + 1]
+    # (j = 0: the initial state) decayed to the start of chunk i. Its size and work grow with the
+    # square of the chunks, so past PRODUCT_MAX_CHUNKS the states pass by a scan instead (None).
+    between = None
+    if nc <= PRODUCT_MAX_CHUNKS:
+        log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
+        between = jnp.exp(_segsum(log_across_0))                     # [b, h, c + 1, c + 1]
     return _Chunks(_to_chunks(x, nc, q), _to_chunks(B, nc, q), _to_chunks(C, nc, q), dt_, acs, within_t, to_end,
                    out, jnp.exp(log_across), between)
 
@@ -330,10 +340,15 @@ def _chunked_forward(x, dt, A, B, C, h0, segment_ids, q: int):
     # Each chunk's own final state, then the states carried between chunks: one product of the
     # decays between chunks with (h0, the chunks' own states).
     s = jnp.einsum("bhcsp,bhcsn->bhcpn", k.x * (k.to_end * k.dt)[..., None], k.per_head(k.B))
-    states = jnp.einsum("bhij,bhjpn->bhipn", k.between, jnp.concatenate([h0[:, :, None], s], axis=2))
-    h_in = checkpoint_name(states[:, :, :-1], CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
+    if k.between is not None:
+        states = jnp.einsum("bhij,bhjpn->bhipn", k.between, jnp.concatenate([h0[:, :, None], s], axis=2))
+        h_in, final = states[:, :, :-1], states[:, :, -1]
+    else:  # many chunks: the recurrence by a scan over them (linear work and memory)
+        h_in, final = _pass_states(jnp.moveaxis(s, 2, 0), jnp.moveaxis(k.across, 2, 0), h0)
+        h_in = jnp.moveaxis(h_in, 0, 2)
+    h_in = checkpoint_name(h_in, CHUNK_STATES)  # what a selective recompute keeps (the model's policy)
     y = y + k.out[..., None] * jnp.einsum("bhctn,bhcpn->bhctp", k.per_head(k.C), h_in)
-    return _from_chunks(y, l), states[:, :, -1], h_in
+    return _from_chunks(y, l), final, h_in
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
@@ -365,9 +380,18 @@ def _ssd_chunked_bwd(q, res, cts):
     # state) from the outputs is dH_j; the total one G_j = sum_i>=j between[i, j] dH_i. h0 gets G_0,
     # chunk c's own state G_c+1, and its decay across <G_c+1, H_c>.
     dh_out = jnp.einsum("bhctp,bhctn->bhcpn", dy_ * k.out[..., None], c_h)
-    dstates = jnp.einsum("bhij,bhipn->bhjpn", k.between,
-                         jnp.concatenate([dh_out, dfinal.astype(jnp.float32)[:, :, None]], axis=2))
-    dh0, ds = dstates[:, :, 0], dstates[:, :, 1:]
+    if k.between is not None:
+        dstates = jnp.einsum("bhij,bhipn->bhjpn", k.between,
+                             jnp.concatenate([dh_out, dfinal.astype(jnp.float32)[:, :, None]], axis=2))
+        dh0, ds = dstates[:, :, 0], dstates[:, :, 1:]
+    else:  # many chunks: G_c = dH_c + across_c G_c+1 from G_nc = dfinal, a reverse scan
+        def back(g_next, inp):
+            dh, across = inp
+            return dh + across[..., None, None] * g_next, g_next
+
+        dh0, ds = lax.scan(back, _vary_like(dfinal.astype(jnp.float32), dh_out),
+                           (jnp.moveaxis(dh_out, 2, 0), jnp.moveaxis(k.across, 2, 0)), reverse=True)
+        ds = jnp.moveaxis(ds, 0, 2)
     dacross = jnp.sum(ds * h_in, axis=(-2, -1))                      # [b, h, c]
 
     # Within each chunk: y_t = sum_s (B_s . C_t) within[s, t] dt_s x_s.

@@ -2,6 +2,7 @@
 (interpret mode on CPU) against the reference, forward and backward; the chunked form's cost is
 linear in the sequence length (no [L, L] intermediate in its jaxpr)."""
 
+import importlib
 import itertools
 
 import jax
@@ -190,6 +191,24 @@ def _largest_per_head(f, l, chunk):
     shapes = list(_avals(fwd)) + list(_avals(bwd))
     largest = max(int(np.prod(s)) for s in shapes) // 2
     return largest, any(list(s).count(l) >= 2 for s in shapes)
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_states_between_chunks_by_product_and_by_scan_agree(monkeypatch, documents):
+    """Few chunks pass the states by one product of the decays between chunks, many by a scan over
+    the chunks (PRODUCT_MAX_CHUNKS): both give the reference's outputs, final state and gradients."""
+    ssd_module = importlib.import_module("pallas_kernels.ssd")  # the package exports a function `ssd`
+    b, l, h, p, g, n, chunk = 2, 50, 4, 8, 2, 6, 8
+    args, cts = _inputs(b, l, h, p, g, n, seed=5)
+    seg = _segment_ids(2, 50, SEGMENTS) if documents else None
+    v_ref, want = _value_and_grads(lambda *a, **kw: ssd_reference(*a, segment_ids=seg, **kw), cts, True)(*args)
+    for limit in (ssd_module.PRODUCT_MAX_CHUNKS, 0):  # 7 chunks: the product, then the scan
+        monkeypatch.setattr(ssd_module, "PRODUCT_MAX_CHUNKS", limit)
+        v, grads = _value_and_grads(lambda *a, **kw: ssd_chunked(*a, chunk_size=chunk, segment_ids=seg, **kw),
+                                    cts, True)(*args)
+        assert abs(float(v - v_ref)) <= 1e-5 * abs(float(v_ref)), limit
+        for name, gv, wv in zip(ARGS, grads, want):
+            assert _rel(gv, wv) < 1e-4, (limit, name)
 
 
 def _quadratic(x, dt, A, B, C, *, chunk_size):
