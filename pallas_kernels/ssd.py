@@ -316,14 +316,11 @@ def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
     # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
     # (j = 0: the initial state) decayed to the start of chunk i. Its size and work grow with the
     # square of the chunks, so past PRODUCT_MAX_CHUNKS the states pass by a scan instead (None).
-    # The [b, h, c, Q, Q] decays by one exp, the per-token and per-chunk ones by another (together
-    # they would make the largest intermediate a little more than L * Q per head).
-    within_t, = _exp_all([_segsum(a, transposed=True)])
-    logs = [acs[..., -1:] - acs, acs, log_across]                    # to_end, out, across
+    logs = [_segsum(a, transposed=True), acs[..., -1:] - acs, acs, log_across]  # within_t, to_end, out, across
     if nc <= PRODUCT_MAX_CHUNKS:
         log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
         logs.append(_segsum(log_across_0))                           # [b, h, c + 1, c + 1]
-    to_end, out, across, *between = _exp_all(logs)
+    within_t, to_end, out, across, *between = _exp_all(logs)
     between = between[0] if between else None
     if segment_ids is not None:
         seg, keep_in, keep_out = keep
@@ -336,8 +333,8 @@ def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
 
 def _exp_all(logs_BxHx_):
     """exp of each [b, h, ...] array, as one exp over their concatenation flattened to [b, h * total]:
-    one loop whose innermost dimension is long, instead of loops over short (Q-long) innermost
-    dimensions, which XLA:CPU's LLVM unrolls with the vectorised exp polynomial copied
+    one loop whose innermost dimension is long, instead of one loop per decay over short (Q-long)
+    innermost dimensions, which XLA:CPU's LLVM unrolls with the vectorised exp polynomial copied
     into every unrolled iteration (the masked [b, h, c, Q, Q] exp alone compiled to 0.4 MB of
     optimised IR). The same numbers: exp is elementwise."""
     b = logs_BxHx_[0].shape[0]
