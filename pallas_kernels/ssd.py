@@ -228,8 +228,7 @@ def _segsum(a_xQ, transposed: bool = False):
     q = a_xQ.shape[-1]
     s, k = np.arange(q)[:, None], np.arange(q)[None, :]
     terms = jnp.where(k > s, a_xQ[..., None, :], 0.0)               # [..., s, k]
-    sums = jnp.einsum("...sk,kt->...st", terms, _tri(q), precision=_HIGHEST)
-    out = jnp.where((s <= k).reshape(-1), sums.reshape(sums.shape[:-2] + (q * q,)), -jnp.inf).reshape(sums.shape)
+    out = jnp.where(s <= k, jnp.einsum("...sk,kt->...st", terms, _tri(q), precision=_HIGHEST), -jnp.inf)
     return out if transposed else jnp.swapaxes(out, -1, -2)
 
 
@@ -308,39 +307,25 @@ def _chunks(x, dt, A, B, C, segment_ids, q: int) -> _Chunks:
                       precision=_HIGHEST)
     acs, dt_ = both[..., :q] * a32, both[..., q:]
     a = dt_ * a32
-    log_across = acs[..., -1]
-    keep = None
+    within_t = jnp.exp(_segsum(a, transposed=True))                  # [b, h, c, s, t]
+    to_end = jnp.exp(acs[..., -1:] - acs)
+    out, log_across = jnp.exp(acs), acs[..., -1]
     if segment_ids is not None:
-        keep = tuple(t[:, None] for t in _chunk_segments(_pad_segments(segment_ids, nc * q), q))  # [b, 1, c, q] each
-        log_across = jnp.where(keep[1][..., -1], log_across, _NO_PASS)
-    # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
-    # (j = 0: the initial state) decayed to the start of chunk i. Its size and work grow with the
-    # square of the chunks, so past PRODUCT_MAX_CHUNKS the states pass by a scan instead (None).
-    logs = [_segsum(a, transposed=True), acs[..., -1:] - acs, acs, log_across]  # within_t, to_end, out, across
-    if nc <= PRODUCT_MAX_CHUNKS:
-        log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
-        logs.append(_segsum(log_across_0))                           # [b, h, c + 1, c + 1]
-    within_t, to_end, out, across, *between = _exp_all(logs)
-    between = between[0] if between else None
-    if segment_ids is not None:
-        seg, keep_in, keep_out = keep
+        seg, keep_in, keep_out = (t[:, None] for t in
+                                  _chunk_segments(_pad_segments(segment_ids, nc * q), q))  # [b, 1, c, q] each
         within_t = within_t * (seg[..., :, None] == seg[..., None, :])
         to_end = to_end * keep_out
         out = out * keep_in
+        log_across = jnp.where(keep_in[..., -1], log_across, _NO_PASS)
+    # between[i, j] = exp(log_across_j + ... + log_across_i-1) (j <= i): the state after chunk j - 1
+    # (j = 0: the initial state) decayed to the start of chunk i. Its size and work grow with the
+    # square of the chunks, so past PRODUCT_MAX_CHUNKS the states pass by a scan instead (None).
+    between = None
+    if nc <= PRODUCT_MAX_CHUNKS:
+        log_across_0 = jnp.concatenate([jnp.zeros_like(log_across[..., :1]), log_across], axis=-1)
+        between = jnp.exp(_segsum(log_across_0))                     # [b, h, c + 1, c + 1]
     return _Chunks(_to_chunks(x, nc, q), _to_chunks(B, nc, q), _to_chunks(C, nc, q), dt_, acs, within_t, to_end,
-                   out, across, between)
-
-
-def _exp_all(logs_BxHx_):
-    """exp of each [b, h, ...] array, as one exp over their concatenation flattened to [b, h * total]:
-    one loop whose innermost dimension is long, instead of one loop per decay over short (Q-long)
-    innermost dimensions, which XLA:CPU's LLVM unrolls with the vectorised exp polynomial copied
-    into every unrolled iteration (the masked [b, h, c, Q, Q] exp alone compiled to 0.4 MB of
-    optimised IR). The same numbers: exp is elementwise."""
-    b = logs_BxHx_[0].shape[0]
-    flat = jnp.exp(jnp.concatenate([t.reshape(b, -1) for t in logs_BxHx_], axis=1))
-    cuts = np.cumsum([t[0].size for t in logs_BxHx_])[:-1]
-    return [f.reshape(t.shape) for f, t in zip(jnp.split(flat, cuts, axis=1), logs_BxHx_)]
+                   out, jnp.exp(log_across), between)
 
 
 def _chunked_forward(x, dt, A, B, C, h0, segment_ids, q: int):
@@ -374,9 +359,7 @@ def _ssd_chunked(x, dt, A, B, C, h0, segment_ids, q):
 
 def _ssd_chunked_fwd(x, dt, A, B, C, h0, segment_ids, q):
     y, final, h_in = _chunked_forward(x, dt, A, B, C, h0, segment_ids, q)
-    # dt kept flattened [B, L * H]: the loop that writes it into a layer scan's stacked residuals then
-    # has a long innermost dimension rather than H (see _exp_all).
-    return (y, final), (x, dt.reshape(dt.shape[0], -1), A, B, C, h_in, segment_ids)
+    return (y, final), (x, dt, A, B, C, h_in, segment_ids)
 
 
 def _ssd_chunked_bwd(q, res, cts):
@@ -387,7 +370,6 @@ def _ssd_chunked_bwd(q, res, cts):
     (_chunk_scan_bwd_kernel), over all chunks at once, each product a batched matmul over (batch,
     head, chunk) in _Chunks' layout."""
     x, dt, A, B, C, h_in, segment_ids = res
-    dt = dt.reshape(x.shape[:3])
     dy, dfinal = cts
     l, g = x.shape[1], B.shape[2]
     k = _chunks(x, dt, A, B, C, segment_ids, q)

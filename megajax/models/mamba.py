@@ -142,14 +142,6 @@ _conv_taps.defvjp(lambda xp, w, bias, same, silu: (_conv_taps(xp, w, bias, same,
                   _conv_taps_bwd)
 
 
-def _flat(f, x_Bx_):
-    """The elementwise f of x [B, ...] computed over x flattened to [B, everything else]: a loop with
-    a long innermost dimension. XLA:CPU's LLVM fully unrolls a loop over a short one (a head_dim or
-    a head count of 16) with f's vectorised exp / log polynomial copied into every iteration:
-    softplus over [B, L, 16] heads compiled to 0.2 MB of optimised IR. The same numbers."""
-    return f(x_Bx_.reshape(x_Bx_.shape[0], -1)).reshape(x_Bx_.shape)
-
-
 def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax.Array, groups: int,
                      eps: float) -> jax.Array:
     """RMSNorm(y * SiLU(z)) over each group's heads x head_dim (Mamba-2's gated norm, norm after the
@@ -161,7 +153,7 @@ def gated_group_norm(y_BxLxHxP: jax.Array, z_BxLxHxP: jax.Array, weight_HxP: jax
 def _gated_normed(y, z, groups: int, eps: float):
     """(RMSNorm(y * SiLU(z)) per group [B, L, G, F], its rsqrt [B, L, G, 1])."""
     b, l, h, p = y.shape
-    g = (y * _flat(jax.nn.silu, z)).reshape(b, l, groups, h // groups * p)
+    g = (y * jax.nn.silu(z)).reshape(b, l, groups, h // groups * p)
     r = jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
     return g * r, r
 
@@ -174,22 +166,18 @@ def _gated_norm(y, z, weight, groups: int, eps: float):
 
 
 def _gated_norm_fwd(y, z, weight, groups, eps):
-    # z kept flattened [B, L * H * P]: the backward's sigmoid then runs over a long innermost dimension
-    # (_flat) also where a layer scan stacks the residuals (a reshape of the stacked [B, L, H, P]
-    # slice would be moved back past the sigmoid).
-    return _gated_norm(y, z, weight, groups, eps), (y, z.reshape(z.shape[0], -1), weight)
+    return _gated_norm(y, z, weight, groups, eps), (y, z, weight)
 
 
 def _gated_norm_bwd(groups, eps, res, d_out):
     y, z, weight = res
-    z = z.reshape(y.shape)
     b, l, h, p = y.shape
     n, r = _gated_normed(y, z, groups, eps)
     d_weight = jnp.sum(d_out * n.reshape(y.shape), axis=(0, 1))
     d_n = (d_out * weight).reshape(n.shape)
     # n = g r with r = (mean g^2 + eps)^-1/2: dg = r (dn - n mean(dn n))
     d_g = (r * (d_n - n * jnp.mean(d_n * n, axis=-1, keepdims=True))).reshape(y.shape)
-    sig = _flat(jax.nn.sigmoid, z)
+    sig = jax.nn.sigmoid(z)
     return d_g * z * sig, d_g * y * sig * (1 + z * (1 - sig)), d_weight
 
 
@@ -349,7 +337,7 @@ def sequence_mix(xs, b, c, dt, w: dict, *, chunk: int, dt_limit: tuple, ssd: Cal
         xs, b, c = (jnp.where(valid_BxL[:, :, None, None], v, 0) for v in (xs, b, c))
         end = jnp.max(jnp.where(valid_BxL, jnp.arange(1, valid_BxL.shape[1] + 1), 0), axis=1)  # [B]
     (xs, b, c), (wx, wb, wc) = _conv_xbc(xs, b, c, w, None if state is None else state, end, segment_ids)
-    dt = _flat(jax.nn.softplus, dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
+    dt = jax.nn.softplus(dt.astype(jnp.float32) + w["dt_bias"].astype(jnp.float32))
     lo, hi = dt_limit
     if lo > 0 or hi is not None:
         dt = jnp.clip(dt, lo, hi)
