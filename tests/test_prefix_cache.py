@@ -91,8 +91,8 @@ def model():
 
 def _assert_same_results(got, want):
     """The same tokens (ids, top alternatives' ids) and the same scores: bit for bit where XLA:CPU's
-    products round alike at every prefill shape (an AVX-512 host), else to 2e-6 relative (on an AVX2
-    host, a cached prefix's shorter prefill call rounds a few products' sums differently)."""
+    programs round alike at every prefill shape (as on an AVX-512 host), else to 2e-6 relative (on an
+    AVX2 host a cached prefix's shorter prefill call rounds a few scores differently in the last bits)."""
     if got == want:
         return
 
