@@ -34,14 +34,12 @@ from pathlib import Path
 from megajax.errors import ConfigError, UserError
 from megajax.paths import check_outputs as _check_outputs
 
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
 def _simulate_cpu_devices(count: int) -> None:
-    """Asks XLA for `count` host devices, unless the caller already chose a count."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if count > 0 and DEVICE_COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+    """Sets megajax's XLA flags before JAX starts (megajax.xla_env.prepare): `count` simulated host
+    devices unless the caller already chose a count, and on a CPU-only run the CPU code-generation
+    options."""
+    from megajax import xla_env
+    xla_env.prepare(count)
 
 
 TRUST_HELP = ("a Megatron checkpoint's files are read without running code they name (Megatron's classes as "

@@ -26,9 +26,11 @@ import statistics
 import sys
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from megajax import xla_env  # noqa: E402
+
+xla_env.prepare(1)  # one CPU device and megajax's CPU code-generation options, as `megajax bench` runs
 
 import jax  # noqa: E402
 
