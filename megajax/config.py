@@ -343,6 +343,15 @@ class ModelConfig:
         n = len(pattern)
         return next(pattern[:p] for p in range(1, n + 1) if n % p == 0 and pattern[:p] * (n // p) == pattern)
 
+    def attention_layers(self) -> int:
+        """Layers with attention: a hybrid pattern's `*` layers, every layer of a transformer (its
+        multi-token prediction layers not counted)."""
+        return self.hybrid_pattern().count("*") if self.hybrid_layer_pattern else self.num_layers
+
+    def mamba_layers(self) -> int:
+        """A hybrid pattern's Mamba (`M`) layers; 0 for a transformer."""
+        return self.hybrid_pattern().count("M")
+
     def mamba_inner_size(self) -> int:
         """A Mamba mixer's inner width (Megatron's d_inner): heads x head dim."""
         return (self.mamba_num_heads or 0) * self.mamba_head_dim

@@ -380,8 +380,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             widths = 2 * m.head_dim
         kv = tokens * (m.num_kv_heads / t) * widths * act
         if m.hybrid_layer_pattern:  # only its attention layers; its Mamba layers: mamba_context_bytes
-            pattern = m.hybrid_pattern()
-            kv *= pattern.count("*") / len(pattern)
+            kv *= m.attention_layers() / m.num_layers
             for kind, volume in mamba_context_bytes(m, tokens, t, cp, act, n).items():
                 out[kind, "context"] += volume
         kv32 = kv * 4 / act  # their gradients accumulate in fp32
@@ -450,7 +449,7 @@ def mamba_context_bytes(m, tokens: float, t: int, cp: int, act: int, n: dict) ->
     """A hybrid's Mamba layers under context parallelism, per step: the all-to-alls of x and dt to head
     shards and of y (fp32) back, forward and the same backward; B and C all-gathered over the context
     forward and their gradients reduce-scattered backward (each device's share of its tensor shard)."""
-    layers = m.hybrid_pattern().count("M") / m.num_layers
+    layers = m.mamba_layers() / m.num_layers
     d, g = m.mamba_inner_size() / t, m.mamba_num_groups * m.mamba_state_dim / t
     fwd, bwd = (n["fwd"] + n["extra"]) * layers, n["bwd"] * layers
     a2a = tokens * ((d + m.mamba_num_heads / t) * act + d * 4)  # whole buffers, as the HLO counts them

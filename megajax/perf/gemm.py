@@ -169,10 +169,7 @@ def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
     if not ring:
         skv = seq
     hops = 2 * cp + 1 if ring else 1
-    attention_layers = m.num_layers
-    if m.hybrid_layer_pattern:
-        pattern = m.hybrid_pattern()
-        attention_layers = m.num_layers * pattern.count("*") / len(pattern)
+    attention_layers = m.attention_layers()
     if m.multi_latent_attention:
         dq, dv = m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
     else:

@@ -76,9 +76,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> 
     dims = ((cfg.qk_head_dim + cfg.qk_pos_emb_head_dim + cfg.v_head_dim) / 2 if cfg.multi_latent_attention
             else cfg.head_dim)
     if cfg.hybrid_layer_pattern:
-        pattern = cfg.hybrid_pattern()
-        attention = 6 * pattern.count("*") * seq_len * cfg.num_heads * dims
-        ssd = 3 * pattern.count("M") * ssd_flops_per_token(cfg, seq_len) if "M" in pattern else 0.0
+        attention = 6 * cfg.attention_layers() * seq_len * cfg.num_heads * dims
+        ssd = 3 * cfg.mamba_layers() * ssd_flops_per_token(cfg, seq_len) if cfg.mamba_layers() else 0.0
         return 6.0 * matmul_params(cfg, padded_vocab) + attention + ssd + vision_flops_per_token(cfg, seq_len)
     attention = 6 * (cfg.num_layers + cfg.mtp_num_layers) * seq_len * cfg.num_heads * dims
     return 6.0 * matmul_params(cfg, padded_vocab) + attention + vision_flops_per_token(cfg, seq_len)

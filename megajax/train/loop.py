@@ -73,7 +73,7 @@ def count_params(abstract_params: dict) -> int:
 
 def describe(tr: Trainer, peak_source: str) -> str:
     """The line after compilation (the plan itself is the run's first line)."""
-    ssd = " + the Mamba layers' chunked SSD" if "M" in tr.cfg.model.hybrid_pattern() else ""
+    ssd = " + the Mamba layers' chunked SSD" if tr.cfg.model.mamba_layers() else ""
     return (f"megajax: {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters on {jax.device_count()} "
             f"{jax.devices()[0].platform} devices; compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul "
             f"params + causal attention (lower triangle){ssd} per token, no recompute; peak from {peak_source}.")
