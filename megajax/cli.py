@@ -33,13 +33,7 @@ from pathlib import Path
 
 from megajax.errors import ConfigError, UserError
 from megajax.paths import check_outputs as _check_outputs
-
-def _simulate_cpu_devices(count: int) -> None:
-    """Sets megajax's XLA flags before JAX starts (megajax.xla_env.prepare): `count` simulated host
-    devices unless the caller already chose a count, and on a CPU-only run the CPU code-generation
-    options."""
-    from megajax import xla_env
-    xla_env.prepare(count)
+from megajax.xla_env import prepare as _prepare_xla  # before JAX starts: XLA reads XLA_FLAGS once
 
 
 TRUST_HELP = ("a Megatron checkpoint's files are read without running code they name (Megatron's classes as "
@@ -58,7 +52,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     cfg = train_config(args.config, args.overrides)
-    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices)
     from megajax import compile_cache, distributed
     compile_cache.enable(cfg.ops.compile_cache)  # before the first compile
     plan = distributed.plan_processes(cfg.distributed)
@@ -437,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.gemm_table:
         return _gemm_table(cfg, args.gemm_table)
-    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices)
     from megajax.perf import bench
     kw = dict(steps=args.steps, warmup=args.warmup, baseline=args.baseline)
     if args.sweep:
@@ -543,7 +537,7 @@ def _load_model(args: argparse.Namespace):
     from megajax.inference.load import find_source, generation_config
     source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides), args.adapter)
     cfg = generation_config(source, args.overrides)
-    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
     loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
     for note in loaded.notes:

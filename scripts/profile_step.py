@@ -67,10 +67,10 @@ def main() -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides, as megajax bench")
     args = ap.parse_args()
 
-    from megajax.cli import _simulate_cpu_devices
+    from megajax import xla_env
     from megajax.config import load_config
     cfg = load_config(args.config, args.overrides)
-    _simulate_cpu_devices(cfg.mesh.cpu_devices)
+    xla_env.prepare(cfg.mesh.cpu_devices)
     import jax
 
     from megajax.perf.bench import compiled_step

@@ -99,7 +99,8 @@ def _assert_same_results(got, want):
     def split(x, ids, scores):
         if isinstance(x, (list, tuple)):
             if len(x) == 2 and isinstance(x[0], int) and isinstance(x[1], float):  # (token, logprob)
-                ids.append(x[0]), scores.append(x[1])
+                ids.append(x[0])
+                scores.append(x[1])
             else:
                 for y in x:
                     split(y, ids, scores)
