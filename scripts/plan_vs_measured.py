@@ -99,7 +99,8 @@ def worst_ratio(estimates, measured) -> float:
     return float(np.max(np.maximum(r, 1 / r)))
 
 
-PROBES = ("memory_gbps", "memory_efficiency", "collective_latency_us", "tick_overhead_us")
+PROBES = ("memory_gbps", "memory_efficiency", "optimizer_gbps", "collective_latency_us", "collective_gbps",
+          "tick_overhead_us")
 
 
 def device_kinds_yaml(kind: dict, table_rows, probes: dict | None = None) -> str:

@@ -52,6 +52,12 @@ class DeviceKind:
     # one pipeline tick's own (the stage loop's iteration and its branches, without their work)
     collective_latency_us: float = 15.0
     tick_overhead_us: float = 10.0
+    # measured bandwidths per device (GB/s; 0: not measured, the figures above apply): the optimizer's
+    # update, which streams the parameters, their gradients and the Adam moments through main memory
+    # once per step (memory_gbps is the element-wise work's on activations, which may sit in a cache);
+    # and a collective's bus bandwidth among a node's devices, in place of intra_node_gbps x link_efficiency
+    optimizer_gbps: float = 0.0
+    collective_gbps: float = 0.0
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
@@ -107,6 +113,8 @@ _RANGES = {
     "memory_efficiency": (lambda v: 0 < v <= 1, "a share of the memory bandwidth in (0, 1], e.g. 0.8"),
     "collective_latency_us": (lambda v: v >= 0, "a time in microseconds >= 0"),
     "tick_overhead_us": (lambda v: v >= 0, "a time in microseconds >= 0"),
+    "optimizer_gbps": (lambda v: v >= 0, "a bandwidth in GB/s >= 0 (0: not measured, memory_gbps x memory_efficiency)"),
+    "collective_gbps": (lambda v: v >= 0, "a bandwidth in GB/s >= 0 (0: not measured, intra_node_gbps x link_efficiency)"),
 }
 _PEAK = ("a number of TFLOP/s > 0 (the one peak for every precision), or a mapping of precision "
          f"({', '.join(PRECISIONS)}) to TFLOP/s > 0 that holds bf16 (the peak of the precisions it leaves out)")

@@ -18,8 +18,9 @@ On CPU a lone matmul has every core of the host: its share is of the host's peak
 devices of a step share those cores, each with host peak / devices).
 
 `megajax bench --gemm-table` also measures the kind's other figures (`measure_probes`): its memory
-bandwidth per device (an element-wise stream) and, with several devices, a collective's latency per
-call and a pipeline tick's fixed cost.
+bandwidth per device (an element-wise stream), the optimizer's (Adam's update over arrays larger than
+the caches) and, with several devices, a collective's latency per call and bus bandwidth and a
+pipeline tick's fixed cost.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, c
     """(kind, the --device-kinds YAML of the measured table): each row's TFLOP/s as a share of
     `peak_tflops` (capped at 1: a peak estimate below what the device reaches), and the figures
     `measure_probes` measured (memory_gbps, with memory_efficiency 1: the probe's bandwidth is what a
-    stream reaches; collective_latency_us, tick_overhead_us)."""
+    stream reaches; optimizer_gbps, collective_latency_us, collective_gbps, tick_overhead_us)."""
     import yaml
     kind = kind_name(measured["platform"], measured["device_kind"])
     rows = [[m, k, n, round(min(1.0, t / peak_tflops), 4)] for m, k, n, t in measured["rows"]]
@@ -280,19 +281,31 @@ def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, c
 
 
 # The memory-bound and fixed-cost probes `megajax bench --gemm-table` adds to the table (the device
-# kind's memory_gbps, collective_latency_us, tick_overhead_us): per device 2^18 fp32 elements (1 MiB,
+# kind's memory_gbps, collective_latency_us, tick_overhead_us; and the bandwidths below): per device
+# 2^18 fp32 elements (1 MiB,
 # the size of a small model's activations), and tiny arrays for the fixed costs, each probe a loop
 # inside one program so that no dispatch from Python is timed.
 PROBE_ELEMENTS = 2**18
 PROBE_ITERATIONS = 64
+# The optimizer's update streams the parameters, their gradients and the Adam moments through main
+# memory once per step: its probe is that update over more elements per device than the caches hold
+# (on CPU 4 MiB per array and device, 8 devices' 28 MiB each beyond a host's last-level cache; on a
+# GPU 256 MiB per array, beyond its L2), and the collective's bandwidth probe an all-reduce of 4 MiB
+# per device (the gradients of a small model's shard).
+OPTIMIZER_PROBE_ELEMENTS = {"cpu": 2**20, "gpu": 2**26}
+OPTIMIZER_PROBE_ITERATIONS = 4
+COLLECTIVE_PROBE_ELEMENTS = 2**20
 
 
 def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 0.2) -> dict[str, float]:
     """The kind's memory bandwidth per device and fixed costs, measured on every local device at once:
     `memory_gbps`, from y = a x + y over PROBE_ELEMENTS per device (3 arrays' bytes moved per
     iteration), as bytes per device over the time (divided by `shared_devices` when measured on fewer
-    devices than share the host: a lone device has every core); with more than one device,
-    `collective_latency_us`, an all-reduce of 4 elements over all of them per iteration, and
+    devices than share the host: a lone device has every core); `optimizer_gbps`, from Adam's update
+    over OPTIMIZER_PROBE_ELEMENTS per device (7 arrays' bytes: read p, g, m, v, write p, m, v); with
+    more than one device, `collective_latency_us`, an all-reduce of 4 elements over all of them per
+    iteration, `collective_gbps`, an all-reduce of COLLECTIVE_PROBE_ELEMENTS per device (its bus
+    bandwidth: 2 (n - 1) / n of the buffer over the time it adds to the loop), and
     `tick_overhead_us`, a scan whose every tick takes two `lax.cond` branches on 4 elements (a
     pipeline's tick without its work or transfers). Timed as `measure` times (the fastest of
     `runs`; on CPU the process's CPU seconds over the host's cores, the host's time for what all the
@@ -315,7 +328,7 @@ def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 
     spec = NamedSharding(mesh, P("d"))
     iters = PROBE_ITERATIONS
 
-    def timed(f, *args) -> float:
+    def timed(f, *args, iters: int = iters) -> float:
         jax.block_until_ready(f(*args))
         t0 = time.perf_counter()
         jax.block_until_ready(f(*args))
@@ -330,22 +343,51 @@ def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 
             best = min(best, max(clock() - t0, 1e-9) / reps)
         return best / iters
 
-    def per_device(body, size):
+    def per_device_iters(body, size, loops):
         x = jax.device_put(jnp.ones((n * size,), jnp.float32), spec)
-        f = jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, iters, body, x), mesh=mesh, in_specs=P("d"),
+        f = jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, loops, body, x), mesh=mesh, in_specs=P("d"),
                                   out_specs=P("d")))
-        return timed(f, x)
+        return timed(f, x, iters=loops)
+
+    def per_device(body, size):
+        return per_device_iters(body, size, iters)
 
     y = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
     x = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
     stream = jax.jit(jax.shard_map(lambda x, y: jax.lax.fori_loop(0, iters, lambda i, c: x * 1.0001 + c, y),
                                    mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d")))
     seconds = timed(stream, x, y)
-    out = {"memory_gbps": 3 * 4 * PROBE_ELEMENTS / seconds / 1e9 / (shared_devices if n < shared_devices else 1)}
+    share = shared_devices if n < shared_devices else 1  # a lone device of a shared host has every core
+    out = {"memory_gbps": 3 * 4 * PROBE_ELEMENTS / seconds / 1e9 / share}
+    # The optimizer's update (optax's Adam moments, then the parameter): read p, g, m, v, write p, m, v.
+    size = OPTIMIZER_PROBE_ELEMENTS["cpu" if cpu else "gpu"]
+
+    def adam(g):
+        def step(i, c):
+            p, m, v = c
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            return p - 1e-3 * m / (jnp.sqrt(v) + 1e-8), m, v
+        return step
+
+    update = jax.jit(jax.shard_map(
+        lambda p, g, m, v: jax.lax.fori_loop(0, OPTIMIZER_PROBE_ITERATIONS, adam(g), (p, m, v)),
+        mesh=mesh, in_specs=(P("d"),) * 4, out_specs=(P("d"),) * 3))
+    state = [jax.device_put(jnp.full((n * size,), v, jnp.float32), spec) for v in (1.0, 0.01, 0.0, 0.0)]
+    seconds = timed(update, *state, iters=OPTIMIZER_PROBE_ITERATIONS)
+    out["optimizer_gbps"] = 7 * 4 * size / seconds / 1e9 / share
+    del state
     if n > 1:
         reduce = per_device(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1, 4)
         plain = per_device(lambda i, c: c * 0.5 + 0.1, 4)
         out["collective_latency_us"] = max(reduce - plain, 0.0) * 1e6
+        # an all-reduce's bus bandwidth: 2 (n - 1) / n of the buffer per device (the planner's count), over
+        # the time the all-reduce adds to the same loop without it
+        iters_c = 8
+        big = lambda body: per_device_iters(body, COLLECTIVE_PROBE_ELEMENTS, iters_c)  # noqa: E731
+        added = big(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1) - big(lambda i, c: c * 0.5 + 0.1)
+        if added > 0:
+            out["collective_gbps"] = 4 * COLLECTIVE_PROBE_ELEMENTS * 2 * (n - 1) / n / added / 1e9
 
         def tick(c, i):
             c = jax.lax.cond(i % 2 == 0, lambda c: c * 0.5 + 1.0, lambda c: c, c)

@@ -26,20 +26,23 @@ and estimated:
   stage, which then sets the pace; devices sharing a host lose no time to it
   unless the stages run in lockstep, when idle stages compute on zeros); plus
   the optimizer's update (7 fp32 reads and writes per parameter of the device's
-  shard of the Adam state, at the memory bandwidth); plus fixed costs: each
+  shard of the Adam state, at the memory bandwidth, or at `optimizer_gbps` where
+  `megajax bench --gemm-table` measured the update's own); plus fixed costs: each
   collective call's latency (`collective_latency_us`, analytic.collective_calls)
   and each pipeline tick's (`tick_overhead_us`); plus each
   axis's collectives (the analytic bytes `megajax bench` checks against the
   compiled HLO, split by axis) over that axis's links: NVLink (or the
-  vendor's equivalent) when the axis lies inside a node, the inter-node
-  network when it crosses nodes. A ring all-reduce moves 2(n-1)/n of its
-  buffer per device, an all-gather, reduce-scatter or all-to-all (n-1)/n, a
-  collective-permute all of it. The data-parallel reductions (data, FSDP, and
-  the gradients' reductions over expert and context) overlap the backward
-  pass (Megatron's --overlap-grad-reduce / --overlap-param-gather; XLA's
-  asynchronous collectives): only what exceeds the backward's compute time
-  counts. Tensor, context, expert and pipeline transfers sit on the critical
-  path and count whole.
+  vendor's equivalent, or the measured bus bandwidth `collective_gbps`) when
+  the axis lies inside a node, the inter-node network when it crosses nodes.
+  A ring all-reduce moves 2(n-1)/n of its buffer per device, an all-gather,
+  reduce-scatter or all-to-all (n-1)/n, a collective-permute all of it. The
+  data-parallel reductions (data, FSDP, and the gradients' reductions over
+  expert and context) overlap the backward pass (Megatron's
+  --overlap-grad-reduce / --overlap-param-gather; XLA's asynchronous
+  collectives): only what exceeds the backward's compute time counts (all of
+  it on devices that share a host's cores, `shared_host`, whose collectives
+  are copies and sums done by the cores that compute). Tensor, context,
+  expert and pipeline transfers sit on the critical path and count whole.
 
 The layouts that fit are ranked by estimated step time (then by memory); the
 top few are printed with the parts of their time, and `--output FILE.yaml`
@@ -216,7 +219,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     # The optimizer's update of the device's shard of the Adam state, after the step's gradients.
     opt_state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes,
                                      frozen_in_state(m))["optimizer"]
-    optimizer = analytic.optimizer_bytes(opt_state) / bandwidth
+    # (it streams the parameters, gradients and moments through main memory: at `optimizer_gbps` where measured)
+    optimizer = analytic.optimizer_bytes(opt_state) / (kind.optimizer_gbps * 1e9 or bandwidth)
     local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -233,9 +237,14 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         if n <= 1 or nbytes <= 0:
             continue
         factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind_name, (n - 1) / n)
-        bw = kind.inter_node_gbps if plan.dcn[axis] > 1 else kind.intra_node_gbps
-        seconds = nbytes * factor / (bw * 1e9 * kind.link_efficiency)
-        if axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name):  # overlaps the backward
+        if plan.dcn[axis] > 1:
+            bw = kind.inter_node_gbps * kind.link_efficiency
+        else:  # inside a node: the measured bus bandwidth, where the kind has one
+            bw = kind.collective_gbps or kind.intra_node_gbps * kind.link_efficiency
+        seconds = nbytes * factor / (bw * 1e9)
+        # The data-parallel reductions overlap the backward, except on devices that share a host's cores:
+        # there a collective's copies and sums are work for the cores that compute.
+        if (axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name)) and not kind.shared_host:
             overlapped += seconds
             parts[f"{axis} (overlapped)"] = parts.get(f"{axis} (overlapped)", 0.0) + seconds
             continue
