@@ -282,9 +282,8 @@ def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, c
 
 # The memory-bound and fixed-cost probes `megajax bench --gemm-table` adds to the table (the device
 # kind's memory_gbps, collective_latency_us, tick_overhead_us; and the bandwidths below): per device
-# 2^18 fp32 elements (1 MiB,
-# the size of a small model's activations), and tiny arrays for the fixed costs, each probe a loop
-# inside one program so that no dispatch from Python is timed.
+# 2^18 fp32 elements (1 MiB, the size of a small model's activations), and tiny arrays for the fixed
+# costs, each probe a loop inside one program so that no dispatch from Python is timed.
 PROBE_ELEMENTS = 2**18
 PROBE_ITERATIONS = 64
 # The optimizer's update streams the parameters, their gradients and the Adam moments through main
@@ -295,6 +294,7 @@ PROBE_ITERATIONS = 64
 OPTIMIZER_PROBE_ELEMENTS = {"cpu": 2**20, "gpu": 2**26}
 OPTIMIZER_PROBE_ITERATIONS = 4
 COLLECTIVE_PROBE_ELEMENTS = 2**20
+COLLECTIVE_PROBE_ITERATIONS = 8
 
 
 def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 0.2) -> dict[str, float]:
@@ -383,9 +383,9 @@ def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 
         out["collective_latency_us"] = max(reduce - plain, 0.0) * 1e6
         # an all-reduce's bus bandwidth: 2 (n - 1) / n of the buffer per device (the planner's count), over
         # the time the all-reduce adds to the same loop without it
-        iters_c = 8
-        big = lambda body: per_device_iters(body, COLLECTIVE_PROBE_ELEMENTS, iters_c)  # noqa: E731
-        added = big(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1) - big(lambda i, c: c * 0.5 + 0.1)
+        def large(body):
+            return per_device_iters(body, COLLECTIVE_PROBE_ELEMENTS, COLLECTIVE_PROBE_ITERATIONS)
+        added = large(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1) - large(lambda i, c: c * 0.5 + 0.1)
         if added > 0:
             out["collective_gbps"] = 4 * COLLECTIVE_PROBE_ELEMENTS * 2 * (n - 1) / n / added / 1e9
 
