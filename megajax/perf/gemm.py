@@ -343,14 +343,11 @@ def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 
             best = min(best, max(clock() - t0, 1e-9) / reps)
         return best / iters
 
-    def per_device_iters(body, size, loops):
+    def per_device(body, size, loops: int = iters):
         x = jax.device_put(jnp.ones((n * size,), jnp.float32), spec)
         f = jax.jit(jax.shard_map(lambda x: jax.lax.fori_loop(0, loops, body, x), mesh=mesh, in_specs=P("d"),
                                   out_specs=P("d")))
         return timed(f, x, iters=loops)
-
-    def per_device(body, size):
-        return per_device_iters(body, size, iters)
 
     y = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
     x = jax.device_put(jnp.ones((n * PROBE_ELEMENTS,), jnp.float32), spec)
@@ -384,7 +381,7 @@ def measure_probes(shared_devices: int = 1, runs: int = 7, min_seconds: float = 
         # an all-reduce's bus bandwidth: 2 (n - 1) / n of the buffer per device (the planner's count), over
         # the time the all-reduce adds to the same loop without it
         def large(body):
-            return per_device_iters(body, COLLECTIVE_PROBE_ELEMENTS, COLLECTIVE_PROBE_ITERATIONS)
+            return per_device(body, COLLECTIVE_PROBE_ELEMENTS, COLLECTIVE_PROBE_ITERATIONS)
         added = large(lambda i, c: c * 0.5 + jax.lax.psum(c, "d") * 0.1) - large(lambda i, c: c * 0.5 + 0.1)
         if added > 0:
             out["collective_gbps"] = 4 * COLLECTIVE_PROBE_ELEMENTS * 2 * (n - 1) / n / added / 1e9

@@ -77,7 +77,8 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, padded_vocab: int) -> 
             else cfg.head_dim)
     if cfg.hybrid_layer_pattern:
         attention = 6 * cfg.attention_layers() * seq_len * cfg.num_heads * dims
-        ssd = 3 * cfg.mamba_layers() * ssd_flops_per_token(cfg, seq_len) if cfg.mamba_layers() else 0.0
+        mamba = cfg.mamba_layers()
+        ssd = 3 * mamba * ssd_flops_per_token(cfg, seq_len) if mamba else 0.0
         return 6.0 * matmul_params(cfg, padded_vocab) + attention + ssd + vision_flops_per_token(cfg, seq_len)
     attention = 6 * (cfg.num_layers + cfg.mtp_num_layers) * seq_len * cfg.num_heads * dims
     return 6.0 * matmul_params(cfg, padded_vocab) + attention + vision_flops_per_token(cfg, seq_len)
