@@ -250,8 +250,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.format == "megatron" or (args.format == "hf" and not args.merge_lora):
             raise UserError(f"megajax export: {where} holds LoRA adapters, not a whole model: export them with "
                             f"--format peft, or the merged model with --format hf --merge-lora.")
-        from megajax.checkpoint.lora import MergedSource, export_peft, read_adapters
-        base, base_source = _lora_base(meta, where)
+        from megajax.checkpoint.lora import MergedSource, read_adapters
+        from megajax.checkpoint.peft import export_peft
+        from megajax.checkpoint.lora_base import base_source as lora_base_source
+        base, base_source = lora_base_source(meta.get("lora_base"), str(where))
         if args.format == "peft":
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
                               dtype=args.dtype)
@@ -299,60 +301,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_base(meta: dict, where) -> tuple[Path, object]:
-    """(the base's directory, a TensorSource of its parameters) of a LoRA checkpoint (its `lora_base`): a
-    megajax step directory, or a Hugging Face model directory (read whole into host memory)."""
-    from megajax.checkpoint.manager import CheckpointSource, require_step_dir
-    ref = meta.get("lora_base") or {}
-    if ref.get("format") == "hf":
-        from megajax.checkpoint.common import resolved_model
-        from megajax.checkpoint.hf import import_hf
-        from megajax.checkpoint.source import DictSource
-        d = Path(ref["path"])
-        if not (d / "config.json").is_file():
-            raise UserError(f"megajax: {where} holds adapters whose base, the Hugging Face model {d}, is not there "
-                            f"any more (no config.json); the adapters need the base they were trained on.")
-        overrides, params = import_hf(d)
-        return d, DictSource(params, resolved_model(overrides))
-    if ref.get("format") != "megajax":
-        raise UserError(f"megajax: {where} holds adapters whose base is "
-                        f"{'a model initialised from train.seed=' + str(ref['seed']) if 'seed' in ref else ref or 'not recorded'}"
-                        f"; exporting or loading them needs a base saved as a megajax checkpoint or a Hugging Face "
-                        f"directory (train the adapters with checkpoint.load=BASE).")
-    base = require_step_dir(ref["path"], "the adapters' base model")
-    return base, CheckpointSource(base)
-
-
 def _import_peft(args: argparse.Namespace) -> int:
     """A PEFT LoRA adapter directory -> a megajax LoRA checkpoint naming its base."""
-    import dataclasses
-    import json
-    from megajax.checkpoint.lora import PEFT_CONFIG, import_peft
-    from megajax.checkpoint.manager import CheckpointSource, read_meta, write_params_checkpoint
-    from megajax.config import load_config
-    from megajax.train.setup import base_reference
-    base = args.base
-    if base is None:
-        config = Path(args.input) / PEFT_CONFIG
-        base = json.loads(config.read_text()).get("base_model_name_or_path") if config.is_file() else None
-        if not base:
-            raise UserError(f"megajax import --format peft: pass --base DIR, the megajax checkpoint of the base model "
-                            f"(the adapter at {args.input} names none in {PEFT_CONFIG}).")
-    source = CheckpointSource(base, key="--base")
-    lora, adapters = import_peft(args.input, source.model)
-    saved = read_meta(source.step_dir)["config"]
-    saved["model"] = dataclasses.asdict(dataclasses.replace(source.model, lora=lora))
-    saved.setdefault("checkpoint", {})["load"] = str(source.step_dir.absolute())
-    cfg = load_config(base=saved)
-    nested: dict = {}
-    for path, x in adapters.items():
-        node = nested
-        for k in path.split("/")[:-1]:
-            node = node.setdefault(k, {})
-        node[path.split("/")[-1]] = x
-    step_dir = write_params_checkpoint(nested, cfg, args.output, meta={"lora_base": base_reference(cfg)})
+    from megajax.checkpoint.peft import import_peft_checkpoint
+    step_dir, lora, base = import_peft_checkpoint(args.input, args.base, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets "
-          f"{', '.join(lora.targets)}; base {source.step_dir})")
+          f"{', '.join(lora.targets)}; base {base})")
     return 0
 
 

@@ -55,22 +55,23 @@ def find_source(checkpoint: str | None, hf: str | None, step: int | None = None,
                               f"directory with adapter_config.json).")
     if checkpoint:
         step_dir = require_step_dir(checkpoint, "--checkpoint", step)
-        ref = read_meta(step_dir).get("lora_base")
-        if ref is None:
+        meta = read_meta(step_dir)
+        ref = meta.get("lora_base")
+        if ref is None and not (meta.get("config", {}).get("model") or {}).get("lora"):
             return Source(step_dir=step_dir, adapter=None if adapter is None else Path(adapter))
         if adapter is not None:
             raise CheckpointError(f"--checkpoint {checkpoint} holds LoRA adapters itself; give its base as "
                                   f"--checkpoint and the adapters as --adapter, or this checkpoint alone.")
-        if ref.get("format") == "hf":  # trained on checkpoint.load=<Hugging Face directory>
+        from megajax.checkpoint.lora_base import verified_base
+        ref = verified_base(ref, f"--checkpoint {checkpoint}")  # the base is there, unchanged, and saved
+        if ref["format"] == "hf":  # trained on checkpoint.load=<Hugging Face directory>
             from megajax.checkpoint.hf import import_hf
             d = Path(ref["path"])
-            if not (d / "config.json").is_file():
-                raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base, the Hugging Face model {d}, is "
-                                      f"not there any more (no config.json).")
             return Source(hf_dir=d, hf_import=import_hf(d), adapter=step_dir)
-        if ref.get("format") != "megajax":
-            raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base ({ref}) is not a saved megajax "
-                                  f"checkpoint; name the base with --checkpoint and these adapters with --adapter.")
+        if ref["format"] != "megajax":
+            raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base is the Megatron checkpoint "
+                                  f"{ref['path']}; import it (megajax import --format megatron), then name it with "
+                                  f"--checkpoint and these adapters with --adapter.")
         return Source(step_dir=require_step_dir(ref["path"], "the adapters' base model"), adapter=step_dir)
     if step is not None:
         raise CheckpointError(f"checkpoint.step={step} selects a step of a megajax checkpoint (--checkpoint DIR); "
