@@ -166,7 +166,7 @@ def _layer(module: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def read_pairs(c: PeftConfig, tensors: dict[str, np.ndarray], weights: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def read_pairs(c: PeftConfig, tensors: dict[str, np.ndarray], weights: Path) -> dict[str, tuple]:
     """{module: (lora_A [r, in], lora_B [out, r])} of the tensors; each a whole pair of the declared rank."""
     pairs: dict[str, dict[str, np.ndarray]] = {}
     strange = []
@@ -209,8 +209,9 @@ def import_peft(in_dir, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarra
     by_module = {module: (slot, parts, paths) for module, slot, parts, paths in rows}
     alien = sorted(set(pairs) - set(by_module))
     if alien:
+        kinds = ", ".join(sorted({k.rsplit(".", 1)[-1] for k in by_module}))
         raise CheckpointError(f"{weights}: adapters of {_listed(alien)}, which is no linear of the base model megajax "
-                              f"can adapt (its {m.num_layers} layers' {', '.join(sorted({k.rsplit('.', 1)[-1] for k in by_module}))}).")
+                              f"can adapt (its {m.num_layers} layers' {kinds}).")
     _check_targets(c, m, set(pairs), set(by_module), weights)
     found: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for module, (a_ext, b_ext) in pairs.items():  # [r, in], [out, r]
@@ -361,7 +362,7 @@ def import_peft_checkpoint(in_dir, base: str | None, out_dir) -> tuple[Path, Lor
     key = "--base"
     if base is None:
         if not c.base:
-            raise CheckpointError(f"megajax import --format peft: pass --base DIR, the base model (a megajax "
+            raise CheckpointError(f"import --format peft needs --base DIR, the base model (a megajax "
                                   f"checkpoint or a Hugging Face directory): {c.file} names none in "
                                   f"base_model_name_or_path.")
         base, key = c.base, f"{c.file.name}'s base_model_name_or_path (pass --base DIR to name another)"

@@ -53,6 +53,9 @@ def find_source(checkpoint: str | None, hf: str | None, step: int | None = None,
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"--adapter {adapter!r}: not a directory (a megajax LoRA checkpoint or a PEFT adapter "
                               f"directory with adapter_config.json).")
+    if adapter is not None and (Path(adapter) / "adapter_config.json").is_file():
+        from megajax.checkpoint.peft_files import read_peft_config
+        read_peft_config(adapter)  # a PEFT config that cannot be read is refused before the base model is
     if checkpoint:
         step_dir = require_step_dir(checkpoint, "--checkpoint", step)
         meta = read_meta(step_dir)

@@ -35,6 +35,7 @@ from megajax.precision.policy import precision_policy
 from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
+from megajax.train.resume_changes import refuse_lora_changes
 from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
                                  make_init_fn, state_shardings)
@@ -221,6 +222,7 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
         meta = read_meta(verify_step(resume))
+        refuse_lora_changes(meta.get("config", {}), cfg.model, resume)  # before a restore would drop adapters
         state, note = restore_state(resume, target.replace(frozen=None), cfg)
         if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
             frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
