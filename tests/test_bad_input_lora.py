@@ -282,6 +282,12 @@ def test_export_refuses_a_replaced_base(replaced, tmp_path, capsys, command):
     assert not out.exists()
 
 
+def test_an_adapter_merged_into_its_replaced_base_is_refused(replaced, tmp_path, capsys):
+    """--adapter LORA_CHECKPOINT onto the --checkpoint it records as its base, since saved over."""
+    p = inproc(capsys, "generate", "--checkpoint", tmp_path / "base", "--adapter", replaced, "--prompt", "hi")
+    paragraph(p, "generate", f"--adapter {replaced}", "has changed since the adapters were trained")
+
+
 def test_serve_refuses_a_replaced_base_at_start(replaced, tmp_path):
     refused(serve(replaced, "--port", "0"), "has changed since the adapters were trained")
 

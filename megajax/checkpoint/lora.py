@@ -147,12 +147,26 @@ def load_adapter(path, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray
     return source.model.lora, read_adapters(source)
 
 
-def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:
-    """(the parameters (nested, on their devices) with the adapters of `path` (load_adapter) merged in, a note)."""
+def merge_adapter(params: dict, path, m: ModelConfig, base=None) -> tuple[dict, str]:
+    """(the parameters (nested, on their devices) with the adapters of `path` (load_adapter) merged in, a note).
+
+    `base`: the directory the parameters came from. Adapters of a megajax LoRA checkpoint merged into the
+    base they record are checked against it (lora_base.verified_base: not saved over since); merged into
+    another model, as asked, the note names the base they were trained on."""
     lora, adapters = load_adapter(path, m)
+    trained_on = ""
+    from megajax.checkpoint.manager import find_step_dir, read_meta
+    step_dir = find_step_dir(path) if base is not None else None
+    ref = read_meta(step_dir).get("lora_base") if step_dir is not None else None
+    if ref and ref.get("path"):
+        if Path(ref["path"]).resolve() == Path(base).resolve():
+            from megajax.checkpoint.lora_base import verified_base
+            verified_base(ref, f"--adapter {path}")
+        else:
+            trained_on = f"; trained on {ref['path']}, merged into {base} as asked"
     return merge_adapters(params, lora, adapters, m, f"--adapter {path}"), (
         f"LoRA adapters from {path} merged in (rank {lora.rank}, alpha {lora.alpha:g}, "
-        f"{len(kernel_adapters(adapters, m))} kernels)")
+        f"{len(kernel_adapters(adapters, m))} kernels{trained_on})")
 
 
 def merge_adapters(params: dict, lora: LoraConfig, adapters: dict[str, np.ndarray], m: ModelConfig,

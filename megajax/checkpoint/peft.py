@@ -95,7 +95,7 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     # without adapters too (adapters on some layers' linears only): then every adapted module by name.
     modules = sorted({module.rsplit(".", 1)[1] for module, *_ in rows})
     adapted = {module for module, *_ in rows}
-    if {mod for mod, *_ in _adaptable(m, lora.rank)[1] if mod.rsplit(".", 1)[1] in modules} != adapted:
+    if {mod for mod, *_ in _adaptable(m)[1] if mod.rsplit(".", 1)[1] in modules} != adapted:
         modules = sorted(adapted)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
@@ -108,11 +108,11 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     return Path(out_dir)
 
 
-def _adaptable(m: ModelConfig, r: int) -> tuple[dict, list]:
-    """(megajax's parameter shapes with an adapter on every kernel one could have, the rows of
+def _adaptable(m: ModelConfig) -> tuple[dict, list]:
+    """(megajax's parameter shapes with a rank-1 adapter on every kernel one could have, the rows of
     _linear_rows for them: every Hugging Face linear a PEFT adapter of `m` may adapt)."""
     from megajax.models.layout import param_shapes
-    full = LoraConfig(rank=r, alpha=1.0, targets=_all_targets(m))
+    full = LoraConfig(rank=1, alpha=1.0, targets=_all_targets(m))
     shapes = param_shapes(dataclasses.replace(m, lora=full))
     probe = {k: np.zeros(s, np.float32) for k, s in shapes.items() if k.endswith(("/a", "/b"))}
     return shapes, _linear_rows(m, kernel_adapters(probe, m))
@@ -205,7 +205,7 @@ def import_peft(in_dir, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarra
     c = read_peft_config(in_dir)
     weights = in_dir / PEFT_WEIGHTS
     pairs = read_pairs(c, read_peft_tensors(in_dir), weights)
-    shapes, rows = _adaptable(m, c.r)
+    shapes, rows = _adaptable(m)
     by_module = {module: (slot, parts, paths) for module, slot, parts, paths in rows}
     alien = sorted(set(pairs) - set(by_module))
     if alien:

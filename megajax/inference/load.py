@@ -173,7 +173,7 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
         params = jax.tree.map(lambda x, s: jax.device_put(x, s), numpy_params, shardings)
     if source.adapter is not None:
         from megajax.checkpoint.lora import merge_adapter
-        params, note = merge_adapter(params, source.adapter, plan.model)
+        params, note = merge_adapter(params, source.adapter, plan.model, base=source.step_dir or source.hf_dir)
         notes.append(note)
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
                           rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None),
