@@ -107,6 +107,8 @@ CONFIGS = {
     "fan-in-fan-out": (_set(fan_in_fan_out=True), ["fan_in_fan_out = true"]),
     "unknown-feature": (_set(warp_factor=9), ["warp_factor = 9", "does not know"]),
     "rslora-text": (_set(use_rslora="yes"), ['use_rslora = "yes"']),
+    "layers-text": (_set(layers_to_transform="0"), ['layers_to_transform = "0"', "a layer index"]),
+    "layers-with-regex": (_set(target_modules=".*q_proj", layers_to_transform=[0]), ["PEFT refuses the pair"]),
 }
 
 

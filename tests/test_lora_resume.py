@@ -205,3 +205,45 @@ def test_peft_round_trip_of_an_adapter_trained_on_a_hugging_face_directory(tmp_p
     paragraph(megajax("train", *own, *LORA, "train.steps=4", f"checkpoint.load={hf}", f"train.run_dir={run}"),
               "train", changed)
     assert not (tmp_path / "p2").exists()
+
+
+@pytest.mark.parametrize("options", [
+    dict(target_modules=["q_proj", "v_proj"]),  # PEFT's default for Llama: k gets zeros beside them
+    dict(target_modules=["up_proj", "down_proj"], use_rslora=True, layers_to_transform=[1]),
+    dict(target_modules=r"model\.layers\.\d+\.(self_attn\.o|mlp\.gate)_proj", lora_dropout=0.05,
+         init_lora_weights="gaussian"),
+    dict(target_modules="all-linear"),
+], ids=["q-v", "rslora-one-layer", "regex", "all-linear"])
+def test_an_adapter_trained_in_peft_imports_computing_peft_logits(tmp_path, options):
+    """Adapters written by peft itself (each module its own A, some modules or layers left out, rsLoRA's
+    scale) become megajax adapters computing peft's logits on the same base (fp32, 1e-4)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from test_lora_export import megajax_logits
+    from random_model import VOCAB, random_model
+    cfg, _, params = random_model("llama")
+    base = write_params_checkpoint(params, cfg, tmp_path / "base")
+    assert main(["export", "--format", "hf", "--checkpoint", str(base), "--output", str(tmp_path / "hf"),
+                 "--dtype", "fp32"]) == 0
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, **options))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # B starts at zero: give the adapters something to do
+    adapted.save_pretrained(tmp_path / "peft")
+    assert main(["import", "--format", "peft", "--input", str(tmp_path / "peft"), "--base", str(base), "--output",
+                 str(tmp_path / "back")]) == 0
+    back = CheckpointSource(tmp_path / "back")
+    spec, _ = build_model_spec(load_config(base={**cfg.to_dict(), "model": {**cfg.to_dict()["model"],
+                                                                            "lora": vars(back.model.lora)}}),
+                               cfg.model.padded_vocab_size())
+    adapters = unflatten({name: back.get(name) for name in back.names()})
+    toks = np.random.default_rng(1).integers(0, VOCAB, (2, 32)).astype(np.int32)
+    want = megajax_logits(spec, adapters, toks, frozen=params)
+    with torch.no_grad():
+        got = adapted.eval()(torch.from_numpy(toks).long()).logits.numpy()[..., :VOCAB]
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert np.abs(want - megajax_logits(random_model("llama")[1], params, toks)).max() > 0.05  # the adapters matter

@@ -263,36 +263,42 @@ def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: Mo
             groups.setdefault(f"{parent}/{fused}", (fused, [f"{parent}/{k}/kernel" for k in _FUSED[fused]]))
         else:
             groups[f"{parent}/{kernel}/lora"] = ("lora", [path])
-    # Per owner and layer: (A [in..., R], [B_k [R, out_k...]]) with R the owner's rank.
+    # Per owner and layer: (A [in..., R], [B_k [R, out_k...]]) with R the owner's rank. A kernel or a layer
+    # the PEFT adapter leaves out (q and v adapted without k; layers_to_transform) gets zeros in its
+    # place: the same function, as megajax's adapters cover every kernel of a fused projection and
+    # every layer of a target.
     packed, rank = {}, r
     for owner, (module, paths) in groups.items():
-        missing = [p for p in paths if p not in found]
-        if missing:
-            raise CheckpointError(f"the PEFT adapter adapts some of {', '.join(paths)} but not {', '.join(missing)}: "
-                                  f"megajax adapts them together (one fused projection).")
-        layers = sorted(found[paths[0]])
+        present = [p for p in paths if p in found]
+        n_layers = shapes[owner + "/a"][0] if owner + "/a" in shapes else None
+        if n_layers is None:
+            raise CheckpointError(f"the PEFT adapter adapts {', '.join(present)}, which megajax's model holds no "
+                                  f"adapter of.")
+        first = next(iter(found[present[0]].values()))[0]
+        in_dims = first.shape[:-1]
+
+        def zero_b(path, rows):
+            return np.zeros((rows, *shapes_of_kernel(shapes, path)[len(in_dims):]), np.float32)
         per_layer = {}
-        for i in layers:
-            pairs = [found[p][i] for p in paths]
-            if all(np.array_equal(pairs[0][0], a) for a, _ in pairs):
-                per_layer[i] = (pairs[0][0], [b for _, b in pairs])
+        for i in range(n_layers):
+            have = [p for p in present if i in found[p]]
+            pairs = {p: found[p][i] for p in have}
+            if not have:
+                a, blocks = np.zeros((*in_dims, r), np.float32), {}
+            elif all(np.array_equal(pairs[have[0]][0], x) for x, _ in pairs.values()):
+                a, blocks = pairs[have[0]][0], {p: b for p, (_, b) in pairs.items()}
             else:  # stack the A's along the rank, B block-diagonal
-                n = len(pairs)
-                a = np.concatenate([a for a, _ in pairs], axis=-1)
-                bs = []
-                for k, (_, b) in enumerate(pairs):
-                    z = np.zeros((n * r, *b.shape[1:]), np.float32)
-                    z[k * r:(k + 1) * r] = b
-                    bs.append(z)
-                per_layer[i] = (a, bs)
-            rank = max(rank, per_layer[i][0].shape[-1])
+                a = np.concatenate([pairs[p][0] for p in have], axis=-1)
+                blocks = {}
+                for k, p in enumerate(have):
+                    blocks[p] = zero_b(p, len(have) * r)
+                    blocks[p][k * r:(k + 1) * r] = pairs[p][1]
+            per_layer[i] = (a, [blocks[p] if p in blocks else zero_b(p, a.shape[-1]) for p in paths])
+            rank = max(rank, a.shape[-1])
         packed[owner] = (module, per_layer)
     out = {}
     for owner, (module, per_layer) in packed.items():
-        n_layers = shapes[owner + "/a"][0] if owner + "/a" in shapes else None
-        if n_layers is None or sorted(per_layer) != list(range(n_layers)):
-            raise CheckpointError(f"the PEFT adapter adapts {owner} in layers {sorted(per_layer)} only; megajax's "
-                                  f"adapters cover every layer of a target (PEFT's layers_to_transform is not read).")
+        n_layers = len(per_layer)
         a_layers, b_layers = [], []
         for i in range(n_layers):
             a, bs = per_layer[i]
@@ -319,8 +325,6 @@ def _pack(found: dict, shapes: dict, r: int, alpha: float, dropout: float, m: Mo
                       for o in packed})
     lora = LoraConfig(rank=rank, alpha=alpha * rank / r, dropout=float(dropout), targets=targets)
     return lora, out
-
-
 
 
 def _base_config(base: str, key: str) -> tuple[dict, ModelConfig, Path]:

@@ -152,6 +152,9 @@ def read_peft_config(in_dir) -> PeftConfig:
             isinstance(i, int) and not isinstance(i, bool) for i in layers)):
         raise CheckpointError(f"{file}: layers_to_transform = {json.dumps(layers)}: expected a layer index, a list "
                               f"of them, or null.")
+    if layers is not None and isinstance(targets, str):
+        raise CheckpointError(f"{file}: layers_to_transform = {json.dumps(layers)} with target_modules a regular "
+                              f"expression ({targets!r}): PEFT refuses the pair (name the modules in a list).")
     refused = []
     if c.get("bias", "none") != "none":
         refused.append(f"bias = {json.dumps(c['bias'])} (trained biases of the adapted layers; megajax's adapters "
