@@ -20,7 +20,7 @@ from conftest import SMALL  # noqa: E402
 from random_model import random_weights  # noqa: E402
 from test_bad_input import megajax, paragraph  # noqa: E402
 from megajax.checkpoint.manager import CheckpointSource, write_params_checkpoint  # noqa: E402
-from megajax.checkpoint.source import flatten, unflatten  # noqa: E402
+from megajax.checkpoint.source import unflatten  # noqa: E402
 from megajax.checkpoint.stored_model import train_config  # noqa: E402
 from megajax.cli import main  # noqa: E402
 from megajax.config import load_config  # noqa: E402

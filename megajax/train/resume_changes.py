@@ -10,6 +10,7 @@ adapters (`refuse_lora_changes`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from megajax.config import Config, LoraConfig, ModelConfig, OptimConfig, _build
 from megajax.errors import CheckpointError
@@ -73,7 +74,9 @@ def refuse_lora_changes(saved: dict, m: ModelConfig, where) -> None:
     holds no adapters; a LoRA run's holds no trained base). `saved`: the checkpoint's saved config.
     model.lora.dropout may change: it changes training, not the parameters (describe_changes notes it)."""
     stored = (saved.get("model") or {}).get("lora")
-    old = None if stored is None else _build(LoraConfig, copy.deepcopy(stored), "model.lora")
+    known = {f.name for f in dataclasses.fields(LoraConfig)}  # keys of other versions left out
+    old = None if stored is None else _build(LoraConfig, {k: copy.deepcopy(v) for k, v in stored.items()
+                                                          if k in known}, "model.lora")
     new = m.lora
     if old is None and new is None:
         return
