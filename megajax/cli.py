@@ -224,16 +224,64 @@ def _megatron_export_source(args: argparse.Namespace):
     return megatron_source(args.checkpoint, trust=args.trust_checkpoint), tokenizer, Path(args.checkpoint)
 
 
+# export's options that apply to some formats only: (attribute, what it does, the formats it applies to)
+EXPORT_ONLY_FOR = {
+    "--merge-lora": ("merge_lora", "writes a LoRA run's base with the adapters merged in, a whole model",
+                     ("hf", "megatron")),
+    "--tensor-parallel": ("tensor_parallel", "splits a legacy Megatron checkpoint over tensor ranks", ("megatron",)),
+    "--pipeline-parallel": ("pipeline_parallel", "splits a legacy Megatron checkpoint into pipeline stages", ("megatron",)),
+    "--expert-parallel": ("expert_parallel", "splits a legacy Megatron checkpoint's experts over expert ranks",
+                          ("megatron",)),
+    "--expert-tensor-parallel": ("expert_tensor_parallel", "sets a legacy Megatron checkpoint's experts' tensor "
+                                                           "size", ("megatron",)),
+    "--ckpt-format": ("ckpt_format", "chooses Megatron's checkpoint format", ("megatron",)),
+    "--megatron-version": ("megatron_version", "chooses the megatron-core a torch_dist checkpoint is written for",
+                           ("megatron",)),
+    "--with-optimizer": ("with_optimizer", "writes the optimizer state for megatron-core", ("megatron",)),
+    "--tokenizer": ("tokenizer", "chooses the tokenizer a whole model's export carries", ("hf", "megatron")),
+}
+EXPORT_DEFAULTS = {"merge_lora": False, "tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
+                   "expert_tensor_parallel": None, "ckpt_format": None, "megatron_version": None,
+                   "with_optimizer": False, "tokenizer": None}
+
+
+def _export_options(args: argparse.Namespace, megatron_source: bool) -> None:
+    """Refuses an option export would ignore for --format (and --trust-checkpoint without a Megatron
+    --checkpoint), then fills in the defaults of the options given as None."""
+    from megajax.checkpoint.torch_dist import NEWEST_MEGATRON
+    if args.format == "peft" and args.merge_lora:
+        raise UserError("--format peft writes a LoRA run's adapters alone (adapter_config.json and "
+                        "adapter_model.safetensors, which PEFT loads onto the base's Hugging Face export); "
+                        "--merge-lora writes the base with the adapters merged in, a whole model, in --format hf or "
+                        "megatron. Choose one: drop --merge-lora, or use --format hf --merge-lora.")
+    for option, (attr, what, formats) in EXPORT_ONLY_FOR.items():
+        value = getattr(args, attr)
+        if value != EXPORT_DEFAULTS[attr] and args.format not in formats:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise UserError(f"{option}{shown} {what}: it applies to --format "
+                            f"{' and '.join(formats)}, not to --format {args.format}; drop it.")
+    if args.trust_checkpoint and not megatron_source:
+        raise UserError(f"--trust-checkpoint unpickles a Megatron checkpoint's files; --checkpoint "
+                        f"{args.checkpoint} is not a Megatron checkpoint; drop it.")
+    args.ckpt_format = args.ckpt_format or "torch_dist"
+    if args.megatron_version is not None and args.ckpt_format != "torch_dist":
+        raise UserError(f"--megatron-version {args.megatron_version} chooses the form of a torch_dist "
+                        f"checkpoint; --ckpt-format torch writes the legacy per-rank files; drop one of them.")
+    args.megatron_version = args.megatron_version or NEWEST_MEGATRON
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import CheckpointSource, read_meta
     from megajax.checkpoint.megatron import is_megatron_checkpoint
     _check_outputs(("--output", args.output), directory=True)
-    if args.with_optimizer and (args.format, args.ckpt_format) != ("megatron", "torch_dist"):
-        raise UserError("megajax export: --with-optimizer writes megatron-core's optimizer state into a torch_dist "
+    megatron_source = is_megatron_checkpoint(args.checkpoint)
+    _export_options(args, megatron_source)
+    if args.with_optimizer and args.ckpt_format != "torch_dist":
+        raise UserError("--with-optimizer writes megatron-core's optimizer state into a torch_dist "
                         "checkpoint: it goes with --format megatron and --ckpt-format torch_dist (the default).")
-    if is_megatron_checkpoint(args.checkpoint):
+    if megatron_source:
         if args.with_optimizer:
-            raise UserError(f"megajax export: --with-optimizer writes the optimizer state of a megajax run's "
+            raise UserError(f"--with-optimizer writes the optimizer state of a megajax run's "
                             f"checkpoint; {args.checkpoint} is a Megatron checkpoint (continue it in Megatron-LM "
                             f"as it is).")
         source, tokenizer, where = _megatron_export_source(args)
@@ -241,17 +289,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
         meta, where = read_meta(source.step_dir), source.step_dir
-        tokenizer = _export_tokenizer(args, meta, source.step_dir)
+        # a PEFT export is the adapters alone: no tokenizer (the base's Hugging Face export carries it)
+        tokenizer = None if args.format == "peft" else _export_tokenizer(args, meta, source.step_dir)
     lora = getattr(source.model, "lora", None)
     if lora is None and (args.merge_lora or args.format == "peft"):
-        raise UserError(f"megajax export: {'--merge-lora' if args.merge_lora else '--format peft'} exports the "
+        raise UserError(f"{'--merge-lora' if args.merge_lora else '--format peft'} exports the "
                         f"adapters of a LoRA run (model.lora); {where} has none.")
     if lora is not None:
-        if args.format == "megatron" or (args.format == "hf" and not args.merge_lora):
-            raise UserError(f"megajax export: {where} holds LoRA adapters, not a whole model: export them with "
-                            f"--format peft, or the merged model with --format hf --merge-lora.")
-        from megajax.checkpoint.lora import MergedSource, export_peft, read_adapters
-        base, base_source = _lora_base(meta, where)
+        if args.format != "peft" and not args.merge_lora:
+            raise UserError(f"{where} holds LoRA adapters, not a whole model: export them with "
+                            f"--format peft, or the merged model with --format {args.format} --merge-lora.")
+        if args.with_optimizer:
+            raise UserError(f"--with-optimizer with --merge-lora: {where}'s optimizer state is its "
+                            f"adapters' (the base was frozen), which megatron-core cannot load for the merged "
+                            f"model; export the merged model without it.")
+        from megajax.checkpoint.lora import MergedSource, read_adapters
+        from megajax.checkpoint.peft import export_peft
+        from megajax.checkpoint.lora_base import base_source as lora_base_source
+        base, base_source = lora_base_source(meta.get("lora_base"), str(where))
         if args.format == "peft":
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
                               dtype=args.dtype)
@@ -278,7 +333,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
                     args.expert_tensor_parallel is not None:
-                raise UserError("megajax export: --tensor-parallel, --pipeline-parallel, --expert-parallel and "
+                raise UserError("--tensor-parallel, --pipeline-parallel, --expert-parallel and "
                                 "--expert-tensor-parallel split "
                                 "a legacy (--ckpt-format torch) checkpoint; a torch_dist one holds global tensors "
                                 "that megatron-core loads at any TP/PP/EP, so it takes none of them.")
@@ -299,60 +354,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_base(meta: dict, where) -> tuple[Path, object]:
-    """(the base's directory, a TensorSource of its parameters) of a LoRA checkpoint (its `lora_base`): a
-    megajax step directory, or a Hugging Face model directory (read whole into host memory)."""
-    from megajax.checkpoint.manager import CheckpointSource, require_step_dir
-    ref = meta.get("lora_base") or {}
-    if ref.get("format") == "hf":
-        from megajax.checkpoint.common import resolved_model
-        from megajax.checkpoint.hf import import_hf
-        from megajax.checkpoint.source import DictSource
-        d = Path(ref["path"])
-        if not (d / "config.json").is_file():
-            raise UserError(f"megajax: {where} holds adapters whose base, the Hugging Face model {d}, is not there "
-                            f"any more (no config.json); the adapters need the base they were trained on.")
-        overrides, params = import_hf(d)
-        return d, DictSource(params, resolved_model(overrides))
-    if ref.get("format") != "megajax":
-        raise UserError(f"megajax: {where} holds adapters whose base is "
-                        f"{'a model initialised from train.seed=' + str(ref['seed']) if 'seed' in ref else ref or 'not recorded'}"
-                        f"; exporting or loading them needs a base saved as a megajax checkpoint or a Hugging Face "
-                        f"directory (train the adapters with checkpoint.load=BASE).")
-    base = require_step_dir(ref["path"], "the adapters' base model")
-    return base, CheckpointSource(base)
-
-
 def _import_peft(args: argparse.Namespace) -> int:
     """A PEFT LoRA adapter directory -> a megajax LoRA checkpoint naming its base."""
-    import dataclasses
-    import json
-    from megajax.checkpoint.lora import PEFT_CONFIG, import_peft
-    from megajax.checkpoint.manager import CheckpointSource, read_meta, write_params_checkpoint
-    from megajax.config import load_config
-    from megajax.train.setup import base_reference
-    base = args.base
-    if base is None:
-        config = Path(args.input) / PEFT_CONFIG
-        base = json.loads(config.read_text()).get("base_model_name_or_path") if config.is_file() else None
-        if not base:
-            raise UserError(f"megajax import --format peft: pass --base DIR, the megajax checkpoint of the base model "
-                            f"(the adapter at {args.input} names none in {PEFT_CONFIG}).")
-    source = CheckpointSource(base, key="--base")
-    lora, adapters = import_peft(args.input, source.model)
-    saved = read_meta(source.step_dir)["config"]
-    saved["model"] = dataclasses.asdict(dataclasses.replace(source.model, lora=lora))
-    saved.setdefault("checkpoint", {})["load"] = str(source.step_dir.absolute())
-    cfg = load_config(base=saved)
-    nested: dict = {}
-    for path, x in adapters.items():
-        node = nested
-        for k in path.split("/")[:-1]:
-            node = node.setdefault(k, {})
-        node[path.split("/")[-1]] = x
-    step_dir = write_params_checkpoint(nested, cfg, args.output, meta={"lora_base": base_reference(cfg)})
+    from megajax.checkpoint.peft import import_peft_checkpoint
+    step_dir, lora, base = import_peft_checkpoint(args.input, args.base, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets "
-          f"{', '.join(lora.targets)}; base {source.step_dir})")
+          f"{', '.join(lora.targets)}; base {base})")
     return 0
 
 
@@ -361,6 +368,12 @@ def cmd_import(args: argparse.Namespace) -> int:
     from megajax.checkpoint.manager import find_step_dir, write_params_checkpoint
     from megajax.config import load_config
     _check_outputs(("--output", args.output), directory=True)
+    if args.base is not None and args.format != "peft":
+        raise UserError(f"--base {args.base} names the base model of a PEFT adapter (--format peft); "
+                        f"--format {args.format} imports a whole model and takes no base; drop it.")
+    if args.trust_checkpoint and args.format != "megatron":
+        raise UserError(f"--trust-checkpoint unpickles a Megatron checkpoint's files (--format "
+                        f"megatron); --format {args.format} reads no pickle; drop it.")
     if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
         raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
     if args.format == "peft":
@@ -682,7 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, metavar="DIR",
                    help="a run directory (its latest checkpoint) or one step's directory")
     p.add_argument("--merge-lora", action="store_true",
-                   help="a LoRA run's checkpoint: write its base with the adapters merged in (W + alpha/rank A B)")
+                   help="hf, megatron: a LoRA run's checkpoint written as its base with the adapters merged in "
+                        "(W + alpha/rank A B)")
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
@@ -692,9 +706,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="megatron, legacy torch format: the experts' tensor size (default the --tensor-parallel "
                         "size; 1: each expert whole, rank files mp_rank_{i mod TP}_{i} as Megatron's MoE "
                         "parallel folding writes them)")
-    p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist",
+    p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default=None,
                    help="megatron: torch_dist (global tensors, any TP/PP; default) or the legacy per-rank torch")
-    p.add_argument("--megatron-version", default=MEGATRON_NEWEST, metavar="X.Y",
+    p.add_argument("--megatron-version", default=None, metavar="X.Y",
                    help=f"megatron, torch_dist: the megatron-core whose common-state form to write "
                         f"({', '.join(MEGATRON_FORMS)}; default {MEGATRON_NEWEST})")
     p.add_argument("--with-optimizer", action="store_true",
@@ -712,8 +726,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("hf", "megatron", "peft"), required=True)
     p.add_argument("--input", required=True, metavar="DIR")
     p.add_argument("--output", required=True, metavar="DIR")
-    p.add_argument("--base", metavar="DIR", help="--format peft: the megajax checkpoint of the base model the adapter "
-                                                 "belongs to (default: the adapter's base_model_name_or_path)")
+    p.add_argument("--base", metavar="DIR", help="--format peft: the base model the adapter belongs to, a megajax "
+                                                 "checkpoint or a Hugging Face directory (default: the adapter's "
+                                                 "base_model_name_or_path)")
     p.add_argument("--trust-checkpoint", action="store_true", help=f"--format megatron: {TRUST_HELP}")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("bench", help="time, memory and communication of a config's train step")

@@ -50,7 +50,15 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
         return finalize(_build(Config, merged, ""))
     from megajax.checkpoint.manager import find_step_dir, read_meta  # JAX: only when a checkpoint is read
     step_dir = find_step_dir(str(load))  # any step: a run's steps share one model
-    saved = read_meta(step_dir).get("config", {}) if step_dir is not None else {}
+    meta = read_meta(step_dir) if step_dir is not None else {}
+    saved = meta.get("config", {})
+    if "lora_base" in meta or (saved.get("model") or {}).get("lora"):
+        raise CheckpointError(f"checkpoint.load = {str(load)!r} ({step_dir}) holds LoRA adapters, not a whole model "
+                              f"(checkpoint.load names the model a run starts from). To train these adapters on, "
+                              f"resume their run (its train.run_dir); to start from the adapted model, export it "
+                              f"merged (megajax export --format hf --merge-lora --checkpoint {load} --output DIR) "
+                              f"and set checkpoint.load=DIR; to train other adapters on the same base, set "
+                              f"checkpoint.load to that base ({(meta.get('lora_base') or {}).get('path', 'the base')}).")
     if step_dir is None and is_megatron_load(str(load)):  # the model from its saved args
         from megajax.checkpoint.megatron import megatron_config
         from megajax.config import CheckpointConfig

@@ -52,6 +52,26 @@ def _items(cfg) -> tuple[list[tuple[list[dict], str]], str]:
     return items, path
 
 
+def scored_model(m, state) -> tuple:
+    """(model config, parameters) a train state generates with: its own, or with model.lora the frozen
+    base with the adapters merged in (W + alpha / rank A B, megajax.checkpoint.lora.merge_adapters: what
+    `megajax generate` runs on the run's checkpoint), a model without adapters. The merged kernels are a
+    second copy of the adapted ones on the devices while the prompts are scored."""
+    if m.lora is None:
+        return m, state.params
+    import dataclasses
+    import numpy as np
+    from megajax.checkpoint.lora import merge_adapters
+    from megajax.checkpoint.source import flatten, unflatten
+    from megajax.models.lora import is_adapter
+    from megajax.models.trainable import join
+    trained = dict(flatten(state.params))
+    adapters = {k: np.asarray(jax.device_get(x), np.float32) for k, x in trained.items()
+                if is_adapter(tuple(k.split("/")))}
+    base = join(state.frozen, unflatten({k: x for k, x in trained.items() if k not in adapters}))
+    return dataclasses.replace(m, lora=None), merge_adapters(base, m.lora, adapters, m, "the run's adapters")
+
+
 def exact_match_hook(when: str) -> Callable:
     """A train-loop hook (`on_start` with when="before", `on_end` with "after") that, with
     train.exact_match_prompts > 0 in a one-process run, scores that many held-out prompts of
@@ -65,7 +85,8 @@ def exact_match_hook(when: str) -> Callable:
         state = result.state if when == "after" else trainer.state
         items, path = _items(cfg)
         tok = trainer.tokenizer
-        generator = Generator(cfg.model, state.params, padded_vocab_size=trainer.plan.padded_vocab,
+        model, params = scored_model(cfg.model, state)
+        generator = Generator(model, params, padded_vocab_size=trainer.plan.padded_vocab,
                               dtype=precision_policy(cfg).inference_dtype, mesh=trainer.mesh,
                               rules=trainer.rules.activations, eod_id=getattr(tok, "eod_id", None),
                               layer_buffers=False,

@@ -53,24 +53,28 @@ def find_source(checkpoint: str | None, hf: str | None, step: int | None = None,
     if adapter is not None and not Path(adapter).is_dir():
         raise CheckpointError(f"--adapter {adapter!r}: not a directory (a megajax LoRA checkpoint or a PEFT adapter "
                               f"directory with adapter_config.json).")
+    if adapter is not None and (Path(adapter) / "adapter_config.json").is_file():
+        from megajax.checkpoint.peft_files import read_peft_config
+        read_peft_config(adapter)  # a PEFT config that cannot be read is refused before the base model is
     if checkpoint:
         step_dir = require_step_dir(checkpoint, "--checkpoint", step)
-        ref = read_meta(step_dir).get("lora_base")
-        if ref is None:
+        meta = read_meta(step_dir)
+        ref = meta.get("lora_base")
+        if ref is None and not (meta.get("config", {}).get("model") or {}).get("lora"):
             return Source(step_dir=step_dir, adapter=None if adapter is None else Path(adapter))
         if adapter is not None:
             raise CheckpointError(f"--checkpoint {checkpoint} holds LoRA adapters itself; give its base as "
                                   f"--checkpoint and the adapters as --adapter, or this checkpoint alone.")
-        if ref.get("format") == "hf":  # trained on checkpoint.load=<Hugging Face directory>
+        from megajax.checkpoint.lora_base import verified_base
+        ref = verified_base(ref, f"--checkpoint {checkpoint}")  # the base is there, unchanged, and saved
+        if ref["format"] == "hf":  # trained on checkpoint.load=<Hugging Face directory>
             from megajax.checkpoint.hf import import_hf
             d = Path(ref["path"])
-            if not (d / "config.json").is_file():
-                raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base, the Hugging Face model {d}, is "
-                                      f"not there any more (no config.json).")
             return Source(hf_dir=d, hf_import=import_hf(d), adapter=step_dir)
-        if ref.get("format") != "megajax":
-            raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base ({ref}) is not a saved megajax "
-                                  f"checkpoint; name the base with --checkpoint and these adapters with --adapter.")
+        if ref["format"] != "megajax":
+            raise CheckpointError(f"--checkpoint {checkpoint}: its adapters' base is the Megatron checkpoint "
+                                  f"{ref['path']}; import it (megajax import --format megatron), then name it with "
+                                  f"--checkpoint and these adapters with --adapter.")
         return Source(step_dir=require_step_dir(ref["path"], "the adapters' base model"), adapter=step_dir)
     if step is not None:
         raise CheckpointError(f"checkpoint.step={step} selects a step of a megajax checkpoint (--checkpoint DIR); "
@@ -169,7 +173,7 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
         params = jax.tree.map(lambda x, s: jax.device_put(x, s), numpy_params, shardings)
     if source.adapter is not None:
         from megajax.checkpoint.lora import merge_adapter
-        params, note = merge_adapter(params, source.adapter, plan.model)
+        params, note = merge_adapter(params, source.adapter, plan.model, base=source.step_dir or source.hf_dir)
         notes.append(note)
     generator = Generator(plan.model, params, padded_vocab_size=plan.padded_vocab, dtype=dtype, mesh=mesh,
                           rules=plan.rules.activations, eod_id=getattr(plan.tokenizer, "eod_id", None),

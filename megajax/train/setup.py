@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
                                        restore_params, restore_state, set_aside_newer, verify_step)
+from megajax.checkpoint.lora_base import base_reference, verified_base  # noqa: F401  (base_reference: re-exported)
 from megajax.checkpoint.stored_model import is_hf_load, is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
@@ -34,6 +35,7 @@ from megajax.precision.policy import precision_policy
 from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
 from megajax.train.optimizer import lr_schedule, make_optimizer
+from megajax.train.resume_changes import refuse_lora_changes
 from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
                                  make_init_fn, state_shardings)
@@ -220,6 +222,7 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
         meta = read_meta(verify_step(resume))
+        refuse_lora_changes(meta.get("config", {}), cfg.model, resume)  # before a restore would drop adapters
         state, note = restore_state(resume, target.replace(frozen=None), cfg)
         if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
             frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
@@ -274,36 +277,12 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     return setup.fresh_state(), 0, "fresh initialisation", None
 
 
-def base_reference(cfg: Config) -> dict:
-    """What a LoRA checkpoint records of its frozen base (`lora_base` in its metadata): the base's
-    step directory (checkpoint.load resolved) and the SHA-256 of its file record, or, for a Megatron
-    checkpoint, its path; for a base initialised from train.seed (no checkpoint.load), the seed."""
-    load = cfg.checkpoint.load
-    if not load:
-        return {"seed": cfg.train.seed}
-    if is_megatron_load(str(load)):
-        return {"path": str(Path(load).absolute()), "format": "megatron"}
-    if is_hf_load(str(load)):
-        return {"path": str(Path(load).absolute()), "format": "hf"}
-    source = require_step_dir(load, "checkpoint.load", None)
-    return {"path": str(source.absolute()), "format": "megajax", "files_sha256": files_digest(source)}
-
-
-def files_digest(step_dir: Path) -> str | None:
-    """SHA-256 of a step's file record (names and sizes, megajax/checkpoint/integrity.py), None without one."""
-    import hashlib
-    record = Path(step_dir) / "files.json"
-    return hashlib.sha256(record.read_bytes()).hexdigest() if record.is_file() else None
-
-
 def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) -> tuple[dict, dict]:
     """(the frozen base parameters laid out like target.frozen, the reference read) of a run with
-    adapters: read from the base checkpoint `ref` names (checked against its recorded digest), or
-    initialised from its seed."""
+    adapters: read from the base checkpoint `ref` names, once verified_base has found it there and
+    unchanged (megajax/checkpoint/lora_base.py), or initialised from its seed."""
     cfg = setup.cfg
-    if not ref:
-        raise CheckpointError(f"{where}: a checkpoint with model.lora must name its base model (`lora_base` in its "
-                              f"metadata); this one does not.")
+    ref = verified_base(ref, where, seed_ok=True)
     if "seed" in ref:
         init = setup.init if ref["seed"] == cfg.train.seed else make_init_fn(
             build_model_spec(cfg, setup.plan.padded_vocab, mesh=setup.mesh, rules=setup.plan.rules,
@@ -311,16 +290,13 @@ def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) 
         frozen = jax.jit(lambda: init().frozen, out_shardings=setup.state_shardings.frozen)()
         return frozen, ref
     path = Path(ref["path"])
-    if not path.exists():
-        raise CheckpointError(f"{where}: its frozen base model {path} does not exist any more; the adapters need "
-                              f"the base they were trained on.")
-    if ref.get("format") == "megatron":
+    if ref["format"] == "megatron":
         from megajax.checkpoint.megatron import import_megatron
         from megajax.models.layout import split_expert_bias
         params, _ = split_expert_bias(import_megatron(str(path), trust=cfg.checkpoint.trust_load)[1])
         frozen = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.frozen)
         return frozen, ref
-    if ref.get("format") == "hf":
+    if ref["format"] == "hf":
         from flax import traverse_util
         from megajax.checkpoint.hf import open_hf
         from megajax.checkpoint.hf_stream import stream_hf
@@ -328,10 +304,6 @@ def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) 
         with open_hf(str(path)) as hf:
             frozen = traverse_util.unflatten_dict(stream_hf(hf, like), sep="/")
         return frozen, ref
-    digest = files_digest(verify_step(path))
-    if ref.get("files_sha256") and digest != ref["files_sha256"]:
-        raise CheckpointError(f"{where}: its frozen base model {path} has changed since the adapters were trained "
-                              f"(file record SHA-256 {digest}, recorded {ref['files_sha256']}).")
     frozen, _ = restore_params(path, target.frozen, cfg)
     return frozen, ref
 
