@@ -236,12 +236,21 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError(f"megajax export: --with-optimizer writes the optimizer state of a megajax run's "
                             f"checkpoint; {args.checkpoint} is a Megatron checkpoint (continue it in Megatron-LM "
                             f"as it is).")
+        from megajax.checkpoint.megatron import megatron_dtype
         source, tokenizer, where = _megatron_export_source(args)
-        meta = {}
+        meta, precision = {}, megatron_dtype(args.checkpoint, trust=args.trust_checkpoint)
+        dtype_said = f"the checkpoint's {precision}"
     else:
+        from megajax.checkpoint.dtypes import run_export_dtype
         source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
         meta, where = read_meta(source.step_dir), source.step_dir
         tokenizer = _export_tokenizer(args, meta, source.step_dir)
+        trained = meta["config"].get("train", {}).get("precision")
+        precision, dtype_said = run_export_dtype(trained), f"the run's train.precision={trained or 'fp32'}"
+    if args.dtype is None:  # the weights as the run kept them; --dtype chooses another
+        args.dtype, dtype_said = precision, f"{precision} weights, as {dtype_said}; --dtype to choose"
+    else:
+        dtype_said = f"{args.dtype} weights (--dtype)"
     lora = getattr(source.model, "lora", None)
     if lora is None and (args.merge_lora or args.format == "peft"):
         raise UserError(f"megajax export: {'--merge-lora' if args.merge_lora else '--format peft'} exports the "
@@ -254,9 +263,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         base, base_source = _lora_base(meta, where)
         if args.format == "peft":
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
-                              dtype=args.dtype)
-            print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {args.dtype}; "
-                  f"base {base})")
+                              dtype=args.dtype, tokenizer_spec=tokenizer)
+            print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {dtype_said}; "
+                  f"base {base}; {_tokenizer_said(tokenizer, out)})")
             return 0
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
@@ -295,8 +304,16 @@ def cmd_export(args: argparse.Namespace) -> int:
                       f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
         if mtp_differs(source.model):
             print(f"note: {mtp_differs(source.model)}", file=sys.stderr)
-    print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
+    tok_dir = out / "tokenizer" if args.format == "megatron" else out
+    print(f"megajax export: {where} -> {out} ({fmt}, {dtype_said}; {_tokenizer_said(tokenizer, tok_dir)})")
     return 0
+
+
+def _tokenizer_said(tokenizer: str, written: Path) -> str:
+    """The export line's words on the tokenizer written to `written`: which, and whether a chat template went."""
+    from megajax.data.chat_template import folder_chat_template
+    template = "with its chat template" if folder_chat_template(written) else "no chat template"
+    return f"tokenizer {tokenizer}, {template}"
 
 
 def _lora_base(meta: dict, where) -> tuple[Path, object]:
@@ -327,7 +344,8 @@ def _import_peft(args: argparse.Namespace) -> int:
     """A PEFT LoRA adapter directory -> a megajax LoRA checkpoint naming its base."""
     import dataclasses
     import json
-    from megajax.checkpoint.lora import PEFT_CONFIG, import_peft
+    from megajax.checkpoint.common import check_tokenizer
+    from megajax.checkpoint.lora import PEFT_CONFIG, adapter_tokenizer, import_peft
     from megajax.checkpoint.manager import CheckpointSource, read_meta, write_params_checkpoint
     from megajax.config import load_config
     from megajax.train.setup import base_reference
@@ -342,6 +360,10 @@ def _import_peft(args: argparse.Namespace) -> int:
     lora, adapters = import_peft(args.input, source.model)
     saved = read_meta(source.step_dir)["config"]
     saved["model"] = dataclasses.asdict(dataclasses.replace(source.model, lora=lora))
+    tokenizer = adapter_tokenizer(args.input)  # one saved beside the adapters (its chat template) wins
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, source.model)
+        saved.setdefault("data", {})["tokenizer"] = tokenizer
     saved.setdefault("checkpoint", {})["load"] = str(source.step_dir.absolute())
     cfg = load_config(base=saved)
     nested: dict = {}
@@ -700,8 +722,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-optimizer", action="store_true",
                    help="megatron, torch_dist: also write the run's Adam state (moments, step count; fp32 main "
                         "parameters for bf16/fp16) as megatron-core's optimizer loads it")
-    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
-                   help="the stored weights' dtype (default bf16)")
+    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,
+                   help="the stored weights' dtype (default: the run's train.precision, fp8 as bf16; a Megatron "
+                        "checkpoint's own)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
                                                      "tokenizer.json or its directory); default: the checkpoint's")
     p.add_argument("--trust-checkpoint", action="store_true", help=f"--checkpoint a Megatron checkpoint: {TRUST_HELP}")

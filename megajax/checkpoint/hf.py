@@ -559,7 +559,7 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
 
     `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory); `dtype`
-    ('bf16' or 'fp32') the stored weight dtype. Raises CheckpointError for a
+    ('bf16', 'fp16' or 'fp32', megajax/checkpoint/dtypes.py) the stored weight dtype. Raises CheckpointError for a
     model the architecture cannot express or a source that does not match its
     config; the directory appears only when complete.
     """

@@ -161,10 +161,13 @@ def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, t
 
 
 def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfig, out_dir, *,
-                base: str = "", dtype: str = "fp32") -> Path:
+                base: str = "", dtype: str = "fp32", tokenizer_spec: str | None = None) -> Path:
     """Writes the adapters as a PEFT LoRA adapter directory (adapter_config.json,
-    adapter_model.safetensors) for the Hugging Face export of the base model `m`."""
-    from megajax.checkpoint.common import atomic_output_dir
+    adapter_model.safetensors) for the Hugging Face export of the base model `m`; with `tokenizer_spec`
+    the run's tokenizer beside them (as transformers' Trainer saves an adapter: its chat template
+    included)."""
+    from megajax.checkpoint.common import atomic_output_dir, check_tokenizer
+    from megajax.data.tokenizer import save_hf_tokenizer
     from megajax.checkpoint.dtypes import numpy_dtype
     from megajax.checkpoint.hf import _write_json, _write_safetensors
     from megajax.checkpoint.mapping import Part
@@ -204,7 +207,10 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
               "inference_mode": True, "base_model_name_or_path": base, "modules_to_save": None,
               "use_rslora": False, "use_dora": False, "init_lora_weights": True, "layers_to_transform": None,
               "rank_pattern": {}, "alpha_pattern": {}}
+    tok = None if tokenizer_spec is None else check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
+        if tok is not None:
+            save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
         _write_json(tmp / PEFT_CONFIG, config)
         _write_safetensors(tmp / PEFT_WEIGHTS, tensors, numpy_dtype(dtype))
     return Path(out_dir)
@@ -367,6 +373,22 @@ def load_adapter(path, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray
         raise CheckpointError(f"--adapter {path}: its adapters belong to another model (model.{', model.'.join(diff[:4])} "
                               f"differ from the base's).")
     return source.model.lora, read_adapters(source)
+
+
+def adapter_tokenizer(path) -> str | None:
+    """The data.tokenizer that goes with --adapter DIR, or None (the base's then): the tokenizer a PEFT
+    adapter directory carries (tokenizer.json beside adapter_config.json, as transformers' Trainer and
+    `megajax export --format peft` save it: its chat template may be the fine-tuning's), or a megajax
+    LoRA checkpoint's own data.tokenizer."""
+    from megajax.checkpoint.common import tokenizer_dir_spec
+    from megajax.checkpoint.manager import find_step_dir, read_meta
+    path = Path(path)
+    if (path / PEFT_CONFIG).is_file():
+        return tokenizer_dir_spec(path)
+    step_dir = find_step_dir(path)
+    if step_dir is None:
+        return None
+    return read_meta(step_dir).get("config", {}).get("data", {}).get("tokenizer")
 
 
 def merge_adapter(params: dict, path, m: ModelConfig) -> tuple[dict, str]:

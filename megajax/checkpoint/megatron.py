@@ -326,7 +326,8 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         sequence_parallel=False, use_legacy_models=False, ckpt_format="torch",
         # the hybrid model's spec is Transformer Engine's (megatron_hybrid.py)
         transformer_impl="transformer_engine" if m.hybrid_layer_pattern else "local",
-        bf16=torch_dtype(dtype) == torch.bfloat16, fp16=False, params_dtype=torch_dtype(dtype),
+        bf16=torch_dtype(dtype) == torch.bfloat16, fp16=torch_dtype(dtype) == torch.float16,
+        params_dtype=torch_dtype(dtype),
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
@@ -423,7 +424,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
-    loader rejects 0). `dtype` is 'bf16' or 'fp32'. `tokenizer_spec` ('byte' or a
+    loader rejects 0). `dtype` is 'bf16', 'fp16' or 'fp32'. `tokenizer_spec` ('byte' or a
     tokenizer.json / its directory) is written as a Hugging Face tokenizer in
     `<out_dir>/tokenizer/` and named in args. `expert_parallel` > 1 splits a mixture of experts'
     experts over that many expert ranks (`mp_rank_TT[_PPP]_EEE`, each with the dense tensors of its
@@ -1210,6 +1211,13 @@ def megatron_source(path, *, trust: bool = False):
     from megajax.checkpoint.source import DictSource
     overrides, params = import_megatron(path, trust=trust)
     return DictSource(params, resolved_model(overrides))
+
+
+def megatron_dtype(in_dir, *, trust: bool = False) -> str:
+    """The export dtype of a Megatron checkpoint's own training precision (its args' --bf16 / --fp16,
+    else fp32): what `megajax export` of it stores by default."""
+    _, args = _args(in_dir, trust)
+    return "bf16" if _arg(args, "bf16", False) else "fp16" if _arg(args, "fp16", False) else "fp32"
 
 
 def megatron_tokenizer(in_dir, *, trust: bool = False) -> tuple[str | None, str]:
