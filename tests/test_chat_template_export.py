@@ -215,3 +215,40 @@ def test_serve_hf_export_answers_chat(tmp_path, expected):
         p.send_signal(signal.SIGTERM)
         err = p.communicate(timeout=120)[1]
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("precision, stored", [("fp32", "float32"), ("bf16", "bfloat16"), ("fp16", "float16"),
+                                               ("fp8", "bfloat16")])
+def test_the_export_keeps_the_runs_precision(tmp_path, capsys, precision, stored):
+    """Without --dtype an export stores the weights as the run trained them (train.precision; fp8 keeps
+    bf16 weights), says so, and a Megatron checkpoint's export follows its own --bf16 / --fp16; --dtype
+    chooses."""
+    from safetensors import safe_open
+
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.config import load_config
+    from megajax.train.state import build_model_spec
+    cfg = load_config(overrides=["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4",
+                                 "model.ffn_hidden_size=64", "model.vocab_size=257", "train.seq_len=16",
+                                 f"train.precision={precision}"])
+    _, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    write_params_checkpoint(jax.jit(init)(), cfg, tmp_path / "run")
+
+    def dtype_of(hf):
+        with safe_open(hf / "model.safetensors", "np" if stored != "bfloat16" else "pt") as f:
+            return str(f.get_tensor(next(iter(f.keys()))).dtype).removeprefix("torch.")
+    name = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[stored]
+    assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "hf")]) == 0
+    assert f"{name} weights, as the run's train.precision={precision}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == stored == dtype_of(tmp_path / "hf")
+    assert main(["export", "--format", "megatron", "--ckpt-format", "torch", "--checkpoint", str(tmp_path / "run"),
+                 "--output", str(tmp_path / "mg")]) == 0
+    args = torch.load(tmp_path / "mg" / "release" / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)["args"]
+    assert (args.bf16, args.fp16, str(args.params_dtype)) == (name == "bf16", name == "fp16", f"torch.{stored}")
+    capsys.readouterr()
+    assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "mg"), "--output", str(tmp_path / "back")]) == 0
+    assert f"{name} weights, as the checkpoint's {name}" in capsys.readouterr().out
+    assert dtype_of(tmp_path / "back") == stored
+    assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "f32"),
+                 "--dtype", "fp32"]) == 0
+    assert "fp32 weights (--dtype)" in capsys.readouterr().out and dtype_of(tmp_path / "f32") == "float32"
