@@ -510,40 +510,6 @@ def _gemm_table(cfg, path: str) -> int:
     return 0
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, or --prompts-file: one prompt per line, or (.jsonl) a JSON string or an object
-    with "prompt" per line."""
-    import json
-    if bool(args.prompt) == bool(args.prompts_file):
-        raise UserError("megajax generate needs --prompt TEXT (repeatable) or --prompts-file FILE, one of them.")
-    if args.prompt:
-        return list(args.prompt)
-    path = Path(args.prompts_file)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--prompts-file {str(path)!r}: cannot read it ({e}).") from None
-    if path.suffix != ".jsonl":
-        prompts = [line for line in lines if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: not JSON ({e}).") from None
-            item = item.get("prompt") if isinstance(item, dict) else item
-            if not isinstance(item, str):
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: expected a JSON string or an object "
-                                f"with a \"prompt\" string.")
-            prompts.append(item)
-    if not prompts:
-        raise UserError(f"--prompts-file {str(path)!r} holds no prompts.")
-    return prompts
-
-
 def _sampling(args: argparse.Namespace):
     from megajax.inference.sampling import Sampling
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed).check(
@@ -554,11 +520,18 @@ def _sampling(args: argparse.Namespace):
     return s
 
 
-def _load_model(args: argparse.Namespace):
-    """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
+def _model_config(args: argparse.Namespace):
+    """(source, config) of the model named by --checkpoint / --hf with the key=value overrides (no weights
+    read, no device touched)."""
     from megajax.inference.load import find_source, generation_config
     source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides), args.adapter)
-    cfg = generation_config(source, args.overrides)
+    return source, generation_config(source, args.overrides)
+
+
+def _load_model(args: argparse.Namespace, source=None, cfg=None):
+    """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
+    if source is None:
+        source, cfg = _model_config(args)
     _prepare_xla(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
     loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
@@ -569,28 +542,38 @@ def _load_model(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
-    prompts = _read_prompts(args)
+    from megajax.inference.chat import find_chat_template, read_chat_template
+    from megajax.inference.images import read_image
+    from megajax.inference.prompts import check_markers, prompt_texts, read_prompts
+    prompts = read_prompts(args.prompt, args.prompts_file, args.chat)
     sampling = _sampling(args)
     _check_outputs(("--json", args.json))
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
-    if args.image:
-        from megajax.inference.images import read_image
-        pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
-    loaded = _load_model(args)
-    images = None
-    if args.image:
-        from megajax.inference.images import preprocess_tiles
-        if loaded.cfg.model.vision is None:
-            raise UserError(f"--image {args.image[0]!r}: this model has no image encoder (model.vision is unset); "
-                            f"it takes text alone. Drop --image, or load a vision-language model.")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1.")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
+    source, cfg = _model_config(args)
+    if any(p.messages is not None for p in prompts):
+        from megajax.data.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        texts = prompt_texts(prompts, tokenizer, template or find_chat_template(tokenizer), len(pictures))
+    else:
+        texts = [p.text for p in prompts]
+    check_markers(texts, prompts, args.image, cfg.model.vision)
+    loaded = _load_model(args, source, cfg)
+    images = tiles = None
+    if pictures:
         import numpy as np
+        from megajax.inference.images import preprocess_tiles
         pictures = [preprocess_tiles(p, loaded.cfg.model.vision) for p in pictures]  # [tiles, H, W, 3] each
         images, tiles = np.concatenate(pictures), [len(p) for p in pictures]
     from megajax.inference.text import complete
-    results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size,
-                       images, tiles=None if images is None else tiles)
-    for i, r in enumerate(results):
+    results = complete(loaded.generator, loaded.tokenizer, texts, sampling, args.max_new_tokens, args.batch_size,
+                       images, tiles=tiles)
+    for i, (r, p) in enumerate(zip(results, prompts)):
+        if p.messages is not None:
+            r["messages"] = p.messages
         print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
         print(r["prompt"] + r["text"])
     first = results[0]
@@ -774,8 +757,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")
     _add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: a JSON string or an "
-                                                          "object with \"prompt\" per line")
+    p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: per line a JSON string, "
+                                                          "an object with \"prompt\", or one with \"messages\" "
+                                                          "(a conversation, rendered with the chat template)")
+    p.add_argument("--chat", action="store_true", help="each plain prompt is a user message, rendered with the "
+                                                       "model's chat template (as megajax serve's chat requests)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for the conversations (default: "
+                                                           "the tokenizer's own)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image (repeatable) for a vision-language model: it goes at each prompt's <image> "
                         "marker (before the prompt when it has none)")
@@ -795,8 +783,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="concurrent sequences decoded together (default 8)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
-                                                            "(default: the tokenizer's own, from its "
-                                                            "tokenizer_config.json)")
+                                                            "(default: the tokenizer's own, its chat_template.jinja "
+                                                            "or tokenizer_config.json's)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in progress may take to finish while new "
                         "ones are refused (default 30: Kubernetes' grace period)")

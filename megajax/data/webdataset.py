@@ -51,6 +51,7 @@ from megajax.config import VisionConfig
 from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
+from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
 from megajax.errors import DataError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -426,8 +427,8 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
     """`megajax preprocess --format webdataset`: the images of the folder `images` named by the jsonl
     `captions` (one {"image": file relative to the folder, "caption": ...} or {"image": ..., "messages": [...]}
     per line) as tar shards in `output`; (shards, samples). The image files are stored as they are
-    (checked to decode), keyed by their line number."""
-    from PIL import Image
+    (regular files within MAX_IMAGE_BYTES, checked to decode: megajax/data/user_files.py), keyed by their
+    line number."""
     folder, lines = Path(images), Path(captions)
     if not folder.is_dir():
         raise DataError(f"--images {images!r}: not a directory; give the folder the captions' \"image\" paths "
@@ -445,13 +446,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
             fld = path.suffix.lower().lstrip(".")
             if fld not in IMAGE_FIELDS:
                 raise DataError(f"{where}: image {str(path)!r} is not one of {', '.join(IMAGE_FIELDS)}.")
-            try:
-                data = path.read_bytes()
-                with Image.open(io.BytesIO(data)) as img:
-                    img.load()
-            except Exception as e:
-                raise DataError(f"{where}: image {str(path)!r} cannot be read ({type(e).__name__}: {e}).") \
-                    from None
+            what = f"{where}: image {str(path)!r}"
+            data = read_user_file(path, what, MAX_IMAGE_BYTES)
+            decode_image(data, what)  # it decodes (a named error otherwise)
             if "messages" in record:
                 check_messages(record["messages"], where)
             yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record
