@@ -185,3 +185,28 @@ def test_prompt_and_template_files_that_are_not_files(tmp_path, kind):
               "not a regular file")
     paragraph(generate(tmp_path, "nowhere", "--prompt", "hi", "--chat-template", path), "generate",
               f"--chat-template {path!r}", "not a regular file")
+
+
+# ----------------------------------------------------------------------------------------------
+# `plan --cluster` and `bench --topology`: one list of device kinds (megajax/perf/device_kinds.py)
+
+def test_plan_and_bench_know_the_same_device_kinds(tmp_path):
+    import re
+
+    from megajax.perf.bench import parse_topology
+    from megajax.perf.device_kinds import load_device_kinds, parse_cluster
+    from megajax.perf.fit import CAPACITY_GIB
+    kinds = load_device_kinds(None)
+    assert {"H100", "H200", "A100", "MI300X", "MI250", "CPU"} <= set(kinds)
+    for name, kind in kinds.items():
+        assert parse_topology(f"8x{name.lower()}") == (8, name, kind.memory_gib)
+        assert parse_cluster(f"8x{name}", kinds)[:2] == (8, name)
+        assert name == "CPU" or CAPACITY_GIB[name] == kind.memory_gib
+    plan = paragraph(megajax("plan", "--config", "model/tiny", "--cluster", "8xTPU"), "plan", "--cluster '8xTPU'",
+                     "unknown device kind 'TPU'")
+    bench = paragraph(megajax("bench", "--config", "model/tiny", "--topology", "8xTPU"), "bench",
+                      "--topology '8xTPU'", "unknown device kind 'TPU'")
+    listed = [re.search(r"known kinds: ([A-Z0-9, ]+)", err).group(1).strip() for err in (plan, bench)]
+    assert listed[0] == listed[1] == ", ".join(kinds)
+    paragraph(megajax("bench", "--config", "model/tiny", "--topology", "12xH100"), "bench",
+              "--topology '12xH100': 12 devices are not whole nodes of 8 H100")
