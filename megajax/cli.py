@@ -1,7 +1,7 @@
 """The `megajax` command.
 
     megajax train [--config FILE ...] [key.sub=value ...]
-    megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
+    megajax preprocess [--format indexed] --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax preprocess --format webdataset --images DIR --captions FILE.jsonl --output-dir DIR [--shard-size N]
     megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
@@ -12,7 +12,7 @@
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100] [--gemm-table FILE.yaml]
     megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] [--image FILE] --prompt TEXT [...] | --prompts-file F
-                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
+                     [--chat] [--chat-template FILE] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N] [--enable-prefix-caching | --no-enable-prefix-caching]

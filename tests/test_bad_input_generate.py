@@ -210,3 +210,21 @@ def test_plan_and_bench_know_the_same_device_kinds(tmp_path):
     assert listed[0] == listed[1] == ", ".join(kinds)
     paragraph(megajax("bench", "--config", "model/tiny", "--topology", "12xH100"), "bench",
               "--topology '12xH100': 12 devices are not whole nodes of 8 H100")
+
+
+# ----------------------------------------------------------------------------------------------
+# README's synopsis of preprocess: --images goes with --format webdataset only (the text forms with indexed)
+
+@pytest.mark.parametrize("args, words", [
+    (["--format", "indexed", "--images", "pics", "--captions", "c.jsonl", "--output-dir", "out"],
+     ["--images, --captions and --output-dir write image-text shards; add --format webdataset"]),
+    (["--format", "webdataset", "--input", "a.jsonl", "--images", "pics", "--captions", "c.jsonl", "--output-dir",
+      "out"], ["--input, --merge and --output-prefix are for text datasets"]),
+])
+def test_preprocess_forms_are_those_of_the_synopsis(tmp_path, args, words):
+    from test_docs import synopsis
+    lines = synopsis()["preprocess"]
+    assert any(line.startswith("megajax preprocess --format webdataset --images") for line in lines)
+    assert not any("indexed|webdataset" in line for line in lines)
+    paragraph(megajax("preprocess", *args, cwd=tmp_path), "preprocess", *words)
+    assert not (tmp_path / "out").exists()
