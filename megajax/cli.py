@@ -51,7 +51,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
-    cfg = train_config(args.config, args.overrides)
+    notes: list[str] = []
+    cfg = train_config(args.config, args.overrides, notes)
+    for note in notes:
+        print(f"megajax train: {note}", file=sys.stderr)
     _prepare_xla(cfg.mesh.cpu_devices)
     from megajax import compile_cache, distributed
     compile_cache.enable(cfg.ops.compile_cache)  # before the first compile

@@ -1,7 +1,8 @@
-"""A released chat model's template goes through every import and export, whichever way the source keeps
-it (tokenizer_config.json's `chat_template`, a string or the list of named templates, or transformers 5's
-chat_template.jinja): transformers is the judge (`AutoTokenizer.from_pretrained(export).apply_chat_template`
-equals the source's), and `megajax serve --hf <export>` answers a chat request with it."""
+"""A released chat model, end to end. Its template goes through every import and export, whichever way the
+source keeps it (tokenizer_config.json's `chat_template`, a string or the list of named templates, or
+transformers 5's chat_template.jinja): transformers is the judge (`AutoTokenizer.from_pretrained(export)
+.apply_chat_template` equals the source's), and `megajax serve --hf <export>` answers a chat request with it.
+An export keeps the run's precision; fine-tuning it starts from fine-tuning's optimizer defaults."""
 
 import http.client
 import json
@@ -252,3 +253,42 @@ def test_the_export_keeps_the_runs_precision(tmp_path, capsys, precision, stored
     assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "run"), "--output", str(tmp_path / "f32"),
                  "--dtype", "fp32"]) == 0
     assert "fp32 weights (--dtype)" in capsys.readouterr().out and dtype_of(tmp_path / "f32") == "float32"
+
+
+def test_a_released_model_fine_tunes_with_fine_tuning_defaults(tmp_path):
+    """checkpoint.load of a released model (a Hugging Face directory, a `megajax import`) and no optim.* key:
+    lr 2e-5 (LoRA 2e-4), no weight decay, no warm-up, said in one line; a key the run sets wins; a megajax
+    run's own checkpoint (continued pretraining) keeps pretraining's defaults."""
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.checkpoint.stored_model import train_config
+    from megajax.config import load_config
+    src = hf_model(tmp_path / "src", "jinja")
+    imported = _imported(src, tmp_path)
+    for load in (src, imported):
+        notes = []
+        cfg = train_config(overrides=RUN + [f"checkpoint.load={load}"], notes=notes)
+        assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps) == (2e-5, 0, 0)
+        assert cfg.optim.min_lr == pytest.approx(2e-6)  # lr / 10, derived from the fine-tuning lr
+        [note] = notes
+        assert "fine-tuning defaults optim.lr=2e-05, optim.weight_decay=0, optim.warmup_steps=0" in note
+        assert "pretraining's 0.002, 0.1, 20" in note and "set any of them to choose" in note
+    notes = []
+    lora = train_config(overrides=RUN + ["model.lora.rank=2", f"checkpoint.load={src}"], notes=notes)
+    assert lora.optim.lr == 2e-4 and "optim.lr=0.0002" in notes[0] and "(LoRA)" in notes[0]
+    notes = []
+    mine = train_config(overrides=RUN + ["optim.lr=1e-3", "optim.warmup_steps=5", f"checkpoint.load={src}"], notes=notes)
+    assert (mine.optim.lr, mine.optim.warmup_steps, mine.optim.weight_decay) == (1e-3, 5, 0)
+    assert notes == ["checkpoint.load names a released model (a Hugging Face model directory): fine-tuning defaults "
+                     "optim.weight_decay=0 in place of pretraining's 0.1; set any of them to choose."]
+    (tmp_path / "all.yaml").write_text("optim: {lr: 3.0e-4, weight_decay: 0.05, warmup_steps: 2}\n")
+    notes = []
+    assert train_config([str(tmp_path / "all.yaml")], RUN + [f"checkpoint.load={src}"], notes).optim.lr == 3e-4
+    assert notes == []
+    base = load_config(overrides=RUN + ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4",
+                                        "model.ffn_hidden_size=64", "model.vocab_size=257"])
+    from megajax.train.state import build_model_spec
+    _, init = build_model_spec(base, base.model.padded_vocab_size())
+    write_params_checkpoint(jax.jit(init)(), base, tmp_path / "pretrained", meta={"imported": False})
+    notes = []
+    cfg = train_config(overrides=RUN + [f"checkpoint.load={tmp_path / 'pretrained'}"], notes=notes)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps, notes) == (2e-3, 0.1, 20, [])
