@@ -254,6 +254,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.dtype, dtype_said = precision, f"{precision} weights, as {dtype_said}; --dtype to choose"
     else:
         dtype_said = f"{args.dtype} weights (--dtype)"
+    # the template the model speaks goes with its tokenizer (the byte tokenizer's of a chat fine-tuning too)
+    from megajax.data.chat import trained_chat_template
+    from megajax.data.tokenizer import load_tokenizer
+    template = trained_chat_template(load_tokenizer(tokenizer, key="--tokenizer"),
+                                     meta.get("config", {}).get("data", {}).get("format", "gpt"))
     lora = getattr(source.model, "lora", None)
     if lora is None and (args.merge_lora or args.format == "peft"):
         raise UserError(f"megajax export: {'--merge-lora' if args.merge_lora else '--format peft'} exports the "
@@ -266,14 +271,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         base, base_source = _lora_base(meta, where)
         if args.format == "peft":
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
-                              dtype=args.dtype, tokenizer_spec=tokenizer)
+                              dtype=args.dtype, tokenizer_spec=tokenizer, chat_template=template)
             print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {dtype_said}; "
                   f"base {base}; {_tokenizer_said(tokenizer, out)})")
             return 0
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
-        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype, chat_template=template)
         if mtp_left_out(source.model):
             print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
         fmt = args.format
@@ -285,7 +290,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
                                   dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
-                                  expert_tensor_parallel=args.expert_tensor_parallel)
+                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template)
             fmt = "megatron, legacy torch format"
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
@@ -300,7 +305,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                 from megajax.checkpoint.megatron_optimizer import checkpoint_adam
                 adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
-                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam)
+                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam,
+                                    chat_template=template)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
                    + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
                    + ("" if adam is None else f"; with the optimizer state (Adam moments"
@@ -545,7 +551,8 @@ def _load_model(args: argparse.Namespace, source=None, cfg=None):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
-    from megajax.inference.chat import find_chat_template, read_chat_template
+    from megajax.data.chat import trained_chat_template
+    from megajax.inference.chat import read_chat_template
     from megajax.inference.images import read_image
     from megajax.inference.prompts import check_markers, prompt_texts, read_prompts
     prompts = read_prompts(args.prompt, args.prompts_file, args.chat)
@@ -560,7 +567,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if any(p.messages is not None for p in prompts):
         from megajax.data.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(cfg.data.tokenizer)
-        texts = prompt_texts(prompts, tokenizer, template or find_chat_template(tokenizer), len(pictures))
+        texts = prompt_texts(prompts, tokenizer, template or trained_chat_template(tokenizer, cfg.data.format),
+                             len(pictures))
     else:
         texts = [p.text for p in prompts]
     check_markers(texts, prompts, args.image, cfg.model.vision)

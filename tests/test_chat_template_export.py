@@ -292,3 +292,30 @@ def test_a_released_model_fine_tunes_with_fine_tuning_defaults(tmp_path):
     notes = []
     cfg = train_config(overrides=RUN + [f"checkpoint.load={tmp_path / 'pretrained'}"], notes=notes)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.warmup_steps, notes) == (2e-3, 0.1, 20, [])
+
+
+def test_a_byte_tokenizer_chat_fine_tuning_exports_its_template(tmp_path):
+    """A run trained on chat data with the byte tokenizer speaks megajax's built-in byte template
+    (data/chat.py BYTE_CHAT_TEMPLATE): its exports carry it, so transformers renders its conversations as
+    training did; a pretraining run's export has none."""
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.config import load_config
+    from megajax.data.chat import BYTE_CHAT_TEMPLATE
+    from megajax.data.chat_template import render_chat
+    from megajax.train.state import build_model_spec
+    for data_format in ("chat", "gpt"):
+        cfg = load_config(overrides=["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4",
+                                     "model.ffn_hidden_size=64", "model.vocab_size=257", "train.seq_len=16",
+                                     f"data.format={data_format}"])
+        _, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+        write_params_checkpoint(jax.jit(init)(), cfg, tmp_path / data_format)
+        for fmt in ("hf", "megatron"):
+            out = tmp_path / f"{data_format}-{fmt}"
+            assert main(["export", "--format", fmt, "--checkpoint", str(tmp_path / data_format), "--output",
+                         str(out)]) == 0
+            folder = out / "tokenizer" if fmt == "megatron" else out
+            if data_format == "gpt":
+                assert transformers.AutoTokenizer.from_pretrained(folder).chat_template is None
+            else:
+                assert rendered(folder) == render_chat(BYTE_CHAT_TEMPLATE, MESSAGES) == \
+                    "system: w7 w8\nuser: w1 w2 w3\nassistant: "

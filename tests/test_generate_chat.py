@@ -69,3 +69,20 @@ def test_chat_template_file_wins(model_dir, tmp_path):
                    str(tmp_path / "chat.jinja"))
     assert r["prompt"] == "[user] w8 [assistant]"
     assert r["prompt_ids"] == hf_greedy(model_dir, [{"role": "user", "content": "w8"}], OTHER)[0]
+
+
+def test_a_byte_tokenizer_chat_run_speaks_its_training_template(tmp_path):
+    """A run fine-tuned on chat data with the byte tokenizer: --chat renders with the template it learned
+    (megajax.data.chat.BYTE_CHAT_TEMPLATE), as `megajax serve` does."""
+    import jax
+
+    from megajax.checkpoint.manager import write_params_checkpoint
+    from megajax.config import load_config
+    from megajax.train.state import build_model_spec
+    cfg = load_config(overrides=["model.num_layers=1", "model.hidden_size=32", "model.num_heads=4",
+                                 "model.ffn_hidden_size=64", "model.vocab_size=257", "train.seq_len=32",
+                                 "data.format=chat"])
+    _, init = build_model_spec(cfg, cfg.model.padded_vocab_size())
+    write_params_checkpoint(jax.jit(init)(), cfg, tmp_path / "run")
+    [r] = generate(tmp_path, "--checkpoint", str(tmp_path / "run"), "--chat", "--prompt", "add: 1 + 2")
+    assert r["prompt"] == "user: add: 1 + 2\nassistant: " and r["prompt_ids"] == list(r["prompt"].encode())

@@ -161,7 +161,8 @@ def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, t
 
 
 def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfig, out_dir, *,
-                base: str = "", dtype: str = "fp32", tokenizer_spec: str | None = None) -> Path:
+                base: str = "", dtype: str = "fp32", tokenizer_spec: str | None = None,
+                chat_template: str | None = None) -> Path:
     """Writes the adapters as a PEFT LoRA adapter directory (adapter_config.json,
     adapter_model.safetensors) for the Hugging Face export of the base model `m`; with `tokenizer_spec`
     the run's tokenizer beside them (as transformers' Trainer saves an adapter: its chat template
@@ -210,7 +211,7 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
     tok = None if tokenizer_spec is None else check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
-            save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
+            save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings, chat_template=chat_template)
         _write_json(tmp / PEFT_CONFIG, config)
         _write_safetensors(tmp / PEFT_WEIGHTS, tensors, numpy_dtype(dtype))
     return Path(out_dir)

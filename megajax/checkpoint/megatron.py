@@ -419,7 +419,7 @@ def folded_expert_ranks(tp: int, ep: int) -> list[tuple[int, int]]:
 
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                     dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None,
-                    expert_tensor_parallel: int | None = None) -> Path:
+                    expert_tensor_parallel: int | None = None, chat_template: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
@@ -473,7 +473,8 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
              [(t, e) for t in range(tensor_parallel) for e in range(expert_parallel)])
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
-            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings,
+                              chat_template=chat_template)
         for s in range(pipeline_parallel):
             for t, e in ranks:
                 sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
@@ -611,7 +612,7 @@ def _dist_adam(adam, source, rows: list[Row], m: ModelConfig, padded: int, dtype
 
 def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
                       tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON,
-                      adam=None) -> Path:
+                      adam=None, chat_template: str | None = None) -> Path:
     """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
     `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
     Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
@@ -661,7 +662,8 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
-            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings,
+                              chat_template=chat_template)
         state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype),
                                                   vision_rows=vrows), m)
         if adam is not None:
