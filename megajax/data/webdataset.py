@@ -159,27 +159,21 @@ def index_shards(shards: list[Path], strict: bool = False) -> ShardIndex:
 # One sample: image and text
 # ----------------------------------------------------------------------------
 
-def process_image(data: bytes, v: VisionConfig) -> np.ndarray:
+def process_image(data: bytes, v: VisionConfig, what: str = "the image") -> np.ndarray:
     """Encoded image bytes -> [image_size, image_size, 3] float32, resized and normalised as the encoder
-    expects (module docstring). Raises whatever Pillow raises on a damaged image."""
-    return _resized(_decode(data), v)
+    expects (module docstring). DataError naming `what` on an image that does not decode or is too large
+    (megajax/data/user_files.py decode_image)."""
+    return _resized(decode_image(data, what), v)
 
 
-def process_tiles(data: bytes, v: VisionConfig) -> np.ndarray:
+def process_tiles(data: bytes, v: VisionConfig, what: str = "the image") -> np.ndarray:
     """Encoded image bytes -> its tiles [tiles, image_size, image_size, 3] float32: with
     model.vision.max_num_tiles > 1 the image cut into tiles (megajax/data/tiles.py), each normalised,
-    else the one resized image."""
-    img = _decode(data)
+    else the one resized image. DataError naming `what` as process_image."""
+    img = decode_image(data, what)
     if not v.tiled:
         return _resized(img, v)[None]
     return np.stack([_normalised(t, v) for t in cut_tiles(img, v)])
-
-
-def _decode(data: bytes):
-    from PIL import Image
-    with Image.open(io.BytesIO(data)) as img:
-        img.load()
-        return img.convert("RGB")
 
 
 def _resized(img, v: VisionConfig) -> np.ndarray:
@@ -335,10 +329,10 @@ class ImageTextDataset:
             raise DataError(f"{where}: not valid JSON ({e}).") from None
         v = self.vision
         try:
-            tiles = process_tiles(self._read(s.image, shard), v)
-        except DataError:
+            tiles = process_tiles(self._read(s.image, shard), v, f"shard {shard}: member {s.image.name!r}")
+        except DataError:  # not an image, a damaged one or one too large, named (data/user_files.py)
             raise
-        except Exception as e:  # Pillow's errors on damaged data: OSError, SyntaxError, ValueError, ...
+        except Exception as e:  # any other error of Pillow's on damaged data
             raise DataError(f"shard {shard}: member {s.image.name!r} is not a readable image "
                             f"({type(e).__name__}: {e}).") from None
         run = image_run(self.tokenizer, len(tiles), v)[0]
