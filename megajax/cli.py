@@ -561,6 +561,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
         if value < 1:
             raise UserError(f"{flag} {value}: must be >= 1.")
+    if args.chat_template and all(p.messages is None for p in prompts):
+        raise UserError(f"--chat-template {args.chat_template!r} renders conversations, and these prompts are plain "
+                        f"text: add --chat (each --prompt, or each line, one user message), or give \"messages\" "
+                        f"lines in a .jsonl --prompts-file.")
     template = read_chat_template(args.chat_template) if args.chat_template else None
     pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
     source, cfg = _model_config(args)

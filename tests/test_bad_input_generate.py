@@ -183,8 +183,14 @@ def test_prompt_and_template_files_that_are_not_files(tmp_path, kind):
     path = _special(tmp_path, kind)
     paragraph(generate(tmp_path, "nowhere", "--prompts-file", path), "generate", f"--prompts-file {path!r}",
               "not a regular file")
-    paragraph(generate(tmp_path, "nowhere", "--prompt", "hi", "--chat-template", path), "generate",
+    paragraph(generate(tmp_path, "nowhere", "--chat", "--prompt", "hi", "--chat-template", path), "generate",
               f"--chat-template {path!r}", "not a regular file")
+
+
+def test_a_chat_template_for_plain_prompts(tmp_path):
+    (tmp_path / "t.jinja").write_text(RAISING)
+    paragraph(generate(tmp_path, "nowhere", "--prompt", "hi", "--chat-template", str(tmp_path / "t.jinja")),
+              "generate", "renders conversations, and these prompts are plain text", "add --chat")
 
 
 # ----------------------------------------------------------------------------------------------
