@@ -1,7 +1,7 @@
 """The `megajax` command.
 
     megajax train [--config FILE ...] [key.sub=value ...]
-    megajax preprocess --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
+    megajax preprocess [--format indexed] --input FILE [FILE ...] --tokenizer TOK --output-prefix P [...]
     megajax preprocess --merge P1 P2 [...] --output-prefix P
     megajax preprocess --format webdataset --images DIR --captions FILE.jsonl --output-dir DIR [--shard-size N]
     megajax export --format hf|megatron|peft --checkpoint DIR --output DIR [--merge-lora] [--tokenizer TOK]
@@ -12,7 +12,7 @@
     megajax bench [--config FILE ...] [key.sub=value ...] [--json FILE] [--baseline torch|megatron]
                   [--sweep key=v1,v2,...] [--topology 8xH100] [--gemm-table FILE.yaml]
     megajax generate --checkpoint DIR | --hf DIR [--adapter DIR] [--image FILE] --prompt TEXT [...] | --prompts-file F
-                     [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
+                     [--chat] [--chat-template FILE] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--json FILE]
     megajax serve --checkpoint DIR | --hf DIR [--adapter DIR] [--host H] [--port P] [--max-batch N] [--drain-timeout S]
                   [--batching continuous|static] [--block-size N] [--num-kv-blocks N] [--prefill-chunk N]
                   [--prefill-rows N] [--enable-prefix-caching | --no-enable-prefix-caching]
@@ -51,7 +51,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
-    cfg = train_config(args.config, args.overrides)
+    notes: list[str] = []
+    cfg = train_config(args.config, args.overrides, notes)
+    for note in notes:
+        print(f"megajax train: {note}", flush=True)  # with the run's log (stdout): stderr is for errors
     _prepare_xla(cfg.mesh.cpu_devices)
     from megajax import compile_cache, distributed
     compile_cache.enable(cfg.ops.compile_cache)  # before the first compile
@@ -168,8 +171,9 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="--format webdataset: samples per .tar shard (default 1000)")
 
 
-def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> str:
-    """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here."""
+def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path, required: bool = True) -> str | None:
+    """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here
+    (None instead where not `required`)."""
     from megajax.data.tokenizer import load_tokenizer
     from megajax.errors import CheckpointError, ConfigError
     spec = args.tokenizer or meta["config"].get("data", {}).get("tokenizer", "byte")
@@ -178,6 +182,8 @@ def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> s
     except ConfigError:
         if args.tokenizer:
             raise
+        if not required:
+            return None
         raise CheckpointError(f"checkpoint {step_dir} was trained with data.tokenizer = {spec!r}, which is not "
                               f"found from {os.getcwd()}; pass --tokenizer TOK naming that tokenizer ('byte', a "
                               f"Hugging Face tokenizer.json, or a directory containing one).") from None
@@ -238,11 +244,10 @@ EXPORT_ONLY_FOR = {
     "--megatron-version": ("megatron_version", "chooses the megatron-core a torch_dist checkpoint is written for",
                            ("megatron",)),
     "--with-optimizer": ("with_optimizer", "writes the optimizer state for megatron-core", ("megatron",)),
-    "--tokenizer": ("tokenizer", "chooses the tokenizer a whole model's export carries", ("hf", "megatron")),
 }
 EXPORT_DEFAULTS = {"merge_lora": False, "tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
                    "expert_tensor_parallel": None, "ckpt_format": None, "megatron_version": None,
-                   "with_optimizer": False, "tokenizer": None}
+                   "with_optimizer": False}
 
 
 def _export_options(args: argparse.Namespace, megatron_source: bool) -> None:
@@ -284,13 +289,28 @@ def cmd_export(args: argparse.Namespace) -> int:
             raise UserError(f"--with-optimizer writes the optimizer state of a megajax run's "
                             f"checkpoint; {args.checkpoint} is a Megatron checkpoint (continue it in Megatron-LM "
                             f"as it is).")
+        from megajax.checkpoint.megatron import megatron_dtype
         source, tokenizer, where = _megatron_export_source(args)
-        meta = {}
+        meta, precision = {}, megatron_dtype(args.checkpoint, trust=args.trust_checkpoint)
+        dtype_said = f"the checkpoint's {precision}"
     else:
+        from megajax.checkpoint.dtypes import run_export_dtype
         source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
         meta, where = read_meta(source.step_dir), source.step_dir
-        # a PEFT export is the adapters alone: no tokenizer (the base's Hugging Face export carries it)
-        tokenizer = None if args.format == "peft" else _export_tokenizer(args, meta, source.step_dir)
+        # a PEFT export is the adapters, with the run's tokenizer beside them when it is found (as
+        # transformers' Trainer saves an adapter); a whole model's export needs one
+        tokenizer = _export_tokenizer(args, meta, source.step_dir, required=args.format != "peft")
+        trained = meta["config"].get("train", {}).get("precision")
+        precision, dtype_said = run_export_dtype(trained), f"the run's train.precision={trained or 'fp32'}"
+    if args.dtype is None:  # the weights as the run kept them; --dtype chooses another
+        args.dtype, dtype_said = precision, f"{precision} weights, as {dtype_said}; --dtype to choose"
+    else:
+        dtype_said = f"{args.dtype} weights (--dtype)"
+    # the template the model speaks goes with its tokenizer (the byte tokenizer's of a chat fine-tuning too)
+    from megajax.data.chat import trained_chat_template
+    from megajax.data.tokenizer import load_tokenizer
+    template = None if tokenizer is None else trained_chat_template(
+        load_tokenizer(tokenizer, key="--tokenizer"), meta.get("config", {}).get("data", {}).get("format", "gpt"))
     lora = getattr(source.model, "lora", None)
     if lora is None and (args.merge_lora or args.format == "peft"):
         raise UserError(f"{'--merge-lora' if args.merge_lora else '--format peft'} exports the "
@@ -309,14 +329,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         base, base_source = lora_base_source(meta.get("lora_base"), str(where))
         if args.format == "peft":
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
-                              dtype=args.dtype)
-            print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {args.dtype}; "
-                  f"base {base})")
+                              dtype=args.dtype, tokenizer_spec=tokenizer, chat_template=template)
+            print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {dtype_said}; "
+                  f"base {base}; {_tokenizer_said(tokenizer, out)})")
             return 0
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
-        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype, chat_template=template)
         if mtp_left_out(source.model):
             print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
         fmt = args.format
@@ -328,7 +348,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
                                   dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
-                                  expert_tensor_parallel=args.expert_tensor_parallel)
+                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template)
             fmt = "megatron, legacy torch format"
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
@@ -343,15 +363,26 @@ def cmd_export(args: argparse.Namespace) -> int:
                 from megajax.checkpoint.megatron_optimizer import checkpoint_adam
                 adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
-                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam)
+                                    tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam,
+                                    chat_template=template)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
                    + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
                    + ("" if adam is None else f"; with the optimizer state (Adam moments"
                       f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
         if mtp_differs(source.model):
             print(f"note: {mtp_differs(source.model)}", file=sys.stderr)
-    print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
+    tok_dir = out / "tokenizer" if args.format == "megatron" else out
+    print(f"megajax export: {where} -> {out} ({fmt}, {dtype_said}; {_tokenizer_said(tokenizer, tok_dir)})")
     return 0
+
+
+def _tokenizer_said(tokenizer: str | None, written: Path) -> str:
+    """The export line's words on the tokenizer written to `written`: which, and whether a chat template went."""
+    if tokenizer is None:
+        return "no tokenizer (the run's is not found here; the base's export carries one)"
+    from megajax.data.chat_template import folder_chat_template
+    template = "with its chat template" if folder_chat_template(written) else "no chat template"
+    return f"tokenizer {tokenizer}, {template}"
 
 
 def _import_peft(args: argparse.Namespace) -> int:
@@ -501,40 +532,6 @@ def _gemm_table(cfg, path: str) -> int:
     return 0
 
 
-def _read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, or --prompts-file: one prompt per line, or (.jsonl) a JSON string or an object
-    with "prompt" per line."""
-    import json
-    if bool(args.prompt) == bool(args.prompts_file):
-        raise UserError("megajax generate needs --prompt TEXT (repeatable) or --prompts-file FILE, one of them.")
-    if args.prompt:
-        return list(args.prompt)
-    path = Path(args.prompts_file)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--prompts-file {str(path)!r}: cannot read it ({e}).") from None
-    if path.suffix != ".jsonl":
-        prompts = [line for line in lines if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: not JSON ({e}).") from None
-            item = item.get("prompt") if isinstance(item, dict) else item
-            if not isinstance(item, str):
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: expected a JSON string or an object "
-                                f"with a \"prompt\" string.")
-            prompts.append(item)
-    if not prompts:
-        raise UserError(f"--prompts-file {str(path)!r} holds no prompts.")
-    return prompts
-
-
 def _sampling(args: argparse.Namespace):
     from megajax.inference.sampling import Sampling
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed).check(
@@ -545,11 +542,18 @@ def _sampling(args: argparse.Namespace):
     return s
 
 
-def _load_model(args: argparse.Namespace):
-    """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
+def _model_config(args: argparse.Namespace):
+    """(source, config) of the model named by --checkpoint / --hf with the key=value overrides (no weights
+    read, no device touched)."""
     from megajax.inference.load import find_source, generation_config
     source = find_source(args.checkpoint, args.hf, _checkpoint_step(args.overrides), args.adapter)
-    cfg = generation_config(source, args.overrides)
+    return source, generation_config(source, args.overrides)
+
+
+def _load_model(args: argparse.Namespace, source=None, cfg=None):
+    """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
+    if source is None:
+        source, cfg = _model_config(args)
     _prepare_xla(cfg.mesh.cpu_devices)
     from megajax.inference.load import load_model
     loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
@@ -560,28 +564,44 @@ def _load_model(args: argparse.Namespace):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import json
-    prompts = _read_prompts(args)
+    from megajax.data.chat import trained_chat_template
+    from megajax.inference.chat import read_chat_template
+    from megajax.inference.images import read_image
+    from megajax.inference.prompts import check_markers, prompt_texts, read_prompts
+    prompts = read_prompts(args.prompt, args.prompts_file, args.chat)
     sampling = _sampling(args)
     _check_outputs(("--json", args.json))
-    if args.max_new_tokens < 1 or args.batch_size < 1:
-        raise UserError(f"--max-new-tokens {args.max_new_tokens} and --batch-size {args.batch_size} must be >= 1.")
-    if args.image:
-        from megajax.inference.images import read_image
-        pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
-    loaded = _load_model(args)
-    images = None
-    if args.image:
-        from megajax.inference.images import preprocess_tiles
-        if loaded.cfg.model.vision is None:
-            raise UserError(f"--image {args.image[0]!r}: this model has no image encoder (model.vision is unset); "
-                            f"it takes text alone. Drop --image, or load a vision-language model.")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value}: must be >= 1.")
+    if args.chat_template and all(p.messages is None for p in prompts):
+        raise UserError(f"--chat-template {args.chat_template!r} renders conversations, and these prompts are plain "
+                        f"text: add --chat (each --prompt, or each line, one user message), or give \"messages\" "
+                        f"lines in a .jsonl --prompts-file.")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    pictures = [read_image(path) for path in args.image]  # unreadable files fail before the model loads
+    source, cfg = _model_config(args)
+    if any(p.messages is not None for p in prompts):
+        from megajax.data.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        texts = prompt_texts(prompts, tokenizer, template or trained_chat_template(tokenizer, cfg.data.format),
+                             len(pictures))
+    else:
+        texts = [p.text for p in prompts]
+    check_markers(texts, prompts, args.image, cfg.model.vision)
+    loaded = _load_model(args, source, cfg)
+    images = tiles = None
+    if pictures:
         import numpy as np
+        from megajax.inference.images import preprocess_tiles
         pictures = [preprocess_tiles(p, loaded.cfg.model.vision) for p in pictures]  # [tiles, H, W, 3] each
         images, tiles = np.concatenate(pictures), [len(p) for p in pictures]
     from megajax.inference.text import complete
-    results = complete(loaded.generator, loaded.tokenizer, prompts, sampling, args.max_new_tokens, args.batch_size,
-                       images, tiles=None if images is None else tiles)
-    for i, r in enumerate(results):
+    results = complete(loaded.generator, loaded.tokenizer, texts, sampling, args.max_new_tokens, args.batch_size,
+                       images, tiles=tiles)
+    for i, (r, p) in enumerate(zip(results, prompts)):
+        if p.messages is not None:
+            r["messages"] = p.messages
         print(f"=== prompt {i}: {len(r['prompt_ids'])} tokens + {len(r['completion_ids'])} new ({r['finish_reason']})")
         print(r["prompt"] + r["text"])
     first = results[0]
@@ -714,8 +734,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-optimizer", action="store_true",
                    help="megatron, torch_dist: also write the run's Adam state (moments, step count; fp32 main "
                         "parameters for bf16/fp16) as megatron-core's optimizer loads it")
-    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default="bf16",
-                   help="the stored weights' dtype (default bf16)")
+    p.add_argument("--dtype", choices=tuple(EXPORT_DTYPES), default=None,
+                   help="the stored weights' dtype (default: the run's train.precision, fp8 as bf16; a Megatron "
+                        "checkpoint's own)")
     p.add_argument("--tokenizer", metavar="TOK", help="the tokenizer the export carries ('byte', a Hugging Face "
                                                      "tokenizer.json or its directory); default: the checkpoint's")
     p.add_argument("--trust-checkpoint", action="store_true", help=f"--checkpoint a Megatron checkpoint: {TRUST_HELP}")
@@ -766,8 +787,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="complete prompts with a trained model (KV cache; greedy or sampled)")
     _add_model_args(p)
     p.add_argument("--prompt", action="append", default=[], metavar="TEXT", help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: a JSON string or an "
-                                                          "object with \"prompt\" per line")
+    p.add_argument("--prompts-file", metavar="FILE", help="one prompt per line; .jsonl: per line a JSON string, "
+                                                          "an object with \"prompt\", or one with \"messages\" "
+                                                          "(a conversation, rendered with the chat template)")
+    p.add_argument("--chat", action="store_true", help="each plain prompt is a user message, rendered with the "
+                                                       "model's chat template (as megajax serve's chat requests)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for the conversations (default: "
+                                                           "the tokenizer's own)")
     p.add_argument("--image", action="append", default=[], metavar="FILE",
                    help="an image (repeatable) for a vision-language model: it goes at each prompt's <image> "
                         "marker (before the prompt when it has none)")
@@ -787,8 +813,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, metavar="N",
                    help="concurrent sequences decoded together (default 8)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template for /v1/chat/completions "
-                                                            "(default: the tokenizer's own, from its "
-                                                            "tokenizer_config.json)")
+                                                            "(default: the tokenizer's own, its chat_template.jinja "
+                                                            "or tokenizer_config.json's)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in progress may take to finish while new "
                         "ones are refused (default 30: Kubernetes' grace period)")

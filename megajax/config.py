@@ -516,6 +516,8 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
+    # lr, weight_decay and warmup_steps left unset with checkpoint.load of a released model take fine-tuning's
+    # values instead (megajax/checkpoint/stored_model.py FINE_TUNING_OPTIM)
     lr: float = 2e-3
     min_lr: float | None = None  # None: lr / 10
     warmup_steps: int = 20

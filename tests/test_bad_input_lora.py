@@ -306,7 +306,6 @@ EXPORT_OPTIONS = {
     "hf-ckpt-format": (["--format", "hf", "--merge-lora", "--ckpt-format", "torch"], ["--ckpt-format torch"]),
     "hf-megatron-version": (["--format", "hf", "--merge-lora", "--megatron-version", "0.16"],
                             ["--megatron-version 0.16", "not to --format hf"]),
-    "peft-tokenizer": (["--format", "peft", "--tokenizer", "byte"], ["--tokenizer byte", "--format hf and megatron"]),
     "peft-optimizer": (["--format", "peft", "--with-optimizer"], ["--with-optimizer", "not to --format peft"]),
     "torch-version": (["--format", "megatron", "--merge-lora", "--ckpt-format", "torch", "--megatron-version",
                        "0.16"], ["--megatron-version 0.16", "--ckpt-format torch"]),

@@ -164,13 +164,15 @@ def test_export_dtypes_are_one_table(capsys):
     megajax/checkpoint/dtypes.py; a name outside it is refused naming the accepted ones."""
     from megajax.checkpoint.dtypes import EXPORT_DTYPES, export_dtype, numpy_dtype, safetensors_code, torch_dtype
     from megajax.errors import CheckpointError
-    assert list(EXPORT_DTYPES) == ["bf16", "fp32"]
+    assert list(EXPORT_DTYPES) == ["bf16", "fp32", "fp16"]
     for name, d in EXPORT_DTYPES.items():
         assert numpy_dtype(name).name == d.full_name and safetensors_code(numpy_dtype(name)) == d.safetensors
-    with pytest.raises(CheckpointError, match=r"export dtype='fp16' is not supported; accepted: bf16, fp32"):
-        export_dtype("fp16")
+    with pytest.raises(CheckpointError, match=r"export dtype='fp8' is not supported; accepted: bf16, fp32, fp16"):
+        export_dtype("fp8")
     torch = pytest.importorskip("torch")
     assert torch_dtype("bf16") == torch.bfloat16 and torch_dtype("fp32") == torch.float32
+    assert torch_dtype("fp16") == torch.float16
     with pytest.raises(SystemExit):
-        main(["export", "--format", "hf", "--checkpoint", "x", "--output", "y", "--dtype", "fp16"])
-    assert "invalid choice: 'fp16' (choose from bf16, fp32)" in capsys.readouterr().err.replace("'bf16', 'fp32'", "bf16, fp32")
+        main(["export", "--format", "hf", "--checkpoint", "x", "--output", "y", "--dtype", "fp8"])
+    err = capsys.readouterr().err.replace("'bf16', 'fp32', 'fp16'", "bf16, fp32, fp16")
+    assert "invalid choice: 'fp8' (choose from bf16, fp32, fp16)" in err

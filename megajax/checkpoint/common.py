@@ -153,13 +153,16 @@ def check_tokenizer(spec: str, m: ModelConfig):
 
 def tokenizer_dir_spec(d: Path) -> str | None:
     """The data.tokenizer value for a Hugging Face tokenizer folder (or tokenizer.json) `d`: 'byte' for
-    an exported byte tokenizer, else its absolute path; None if it holds no tokenizer.json."""
+    an exported byte tokenizer without a chat template, else its absolute path (a byte tokenizer with a
+    chat template stays a folder, so that the template goes with it); None if it holds no tokenizer.json."""
+    from megajax.data.chat_template import folder_chat_template
     from megajax.data.tokenizer import is_byte_tokenizer_file
     d = Path(d).expanduser()
     file = d / "tokenizer.json" if d.is_dir() else d
     if not file.is_file():
         return None
-    return "byte" if is_byte_tokenizer_file(file) else str(d.absolute())
+    byte = is_byte_tokenizer_file(file) and folder_chat_template(file.parent) is None
+    return "byte" if byte else str(d.absolute())
 
 
 def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:

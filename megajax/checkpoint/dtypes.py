@@ -20,7 +20,16 @@ class ExportDtype:
 
 
 EXPORT_DTYPES = {d.name: d for d in (ExportDtype("bf16", "bfloat16", "BF16"),
-                                     ExportDtype("fp32", "float32", "F32"))}
+                                     ExportDtype("fp32", "float32", "F32"),
+                                     ExportDtype("fp16", "float16", "F16"))}
+# A run's train.precision -> the dtype its export stores by default (fp8 trains bf16 products and keeps
+# no fp8 weights).
+PRECISION_EXPORT_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "bf16"}
+
+
+def run_export_dtype(precision: str | None) -> str:
+    """The export dtype that follows a run's train.precision (fp32 when it names none: megajax's default)."""
+    return PRECISION_EXPORT_DTYPE.get(precision or "fp32", "fp32")
 
 
 def export_dtype(name: str) -> ExportDtype:

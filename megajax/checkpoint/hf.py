@@ -555,11 +555,12 @@ def mtp_left_out(m: ModelConfig) -> str | None:
 
 
 def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chat_template: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
 
     `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory); `dtype`
-    ('bf16' or 'fp32') the stored weight dtype. Raises CheckpointError for a
+    ('bf16', 'fp16' or 'fp32', megajax/checkpoint/dtypes.py) the stored weight dtype; `chat_template` the
+    template to carry when the tokenizer has none of its own (save_hf_tokenizer). Raises CheckpointError for a
     model the architecture cannot express or a source that does not match its
     config; the directory appears only when complete.
     """
@@ -585,7 +586,7 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
     tok = check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
-        bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
+        bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings, chat_template=chat_template)
         config = _hf_config(m, arch, dtype, bos, eos)
         if whole.vision is not None:
             config = llava_config(whole, config, export_dtype(dtype).full_name)

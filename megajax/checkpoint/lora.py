@@ -147,6 +147,23 @@ def load_adapter(path, m: ModelConfig) -> tuple[LoraConfig, dict[str, np.ndarray
     return source.model.lora, read_adapters(source)
 
 
+def adapter_tokenizer(path) -> str | None:
+    """The data.tokenizer that goes with --adapter DIR, or None (the base's then): the tokenizer a PEFT
+    adapter directory carries (tokenizer.json beside adapter_config.json, as transformers' Trainer and
+    `megajax export --format peft` save it: its chat template may be the fine-tuning's), or a megajax
+    LoRA checkpoint's own data.tokenizer."""
+    from megajax.checkpoint.common import tokenizer_dir_spec
+    from megajax.checkpoint.manager import find_step_dir, read_meta
+    from megajax.checkpoint.peft import PEFT_CONFIG
+    path = Path(path)
+    if (path / PEFT_CONFIG).is_file():
+        return tokenizer_dir_spec(path)
+    step_dir = find_step_dir(path)
+    if step_dir is None:
+        return None
+    return read_meta(step_dir).get("config", {}).get("data", {}).get("tokenizer")
+
+
 def merge_adapter(params: dict, path, m: ModelConfig, base=None) -> tuple[dict, str]:
     """(the parameters (nested, on their devices) with the adapters of `path` (load_adapter) merged in, a note).
 

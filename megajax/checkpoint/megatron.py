@@ -326,7 +326,8 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         sequence_parallel=False, use_legacy_models=False, ckpt_format="torch",
         # the hybrid model's spec is Transformer Engine's (megatron_hybrid.py)
         transformer_impl="transformer_engine" if m.hybrid_layer_pattern else "local",
-        bf16=torch_dtype(dtype) == torch.bfloat16, fp16=False, params_dtype=torch_dtype(dtype),
+        bf16=torch_dtype(dtype) == torch.bfloat16, fp16=torch_dtype(dtype) == torch.float16,
+        params_dtype=torch_dtype(dtype),
         iteration=iteration, consumed_train_samples=0, consumed_valid_samples=0,
         tokenizer_type="HuggingFaceTokenizer" if tokenizer_model else None, tokenizer_model=tokenizer_model,
         vocab_file=None, merge_file=None, tokenizer_hf_use_fast=True, tokenizer_hf_include_special_tokens=False,
@@ -418,12 +419,12 @@ def folded_expert_ranks(tp: int, ep: int) -> list[tuple[int, int]]:
 
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                     dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None,
-                    expert_tensor_parallel: int | None = None) -> Path:
+                    expert_tensor_parallel: int | None = None, chat_template: str | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
-    loader rejects 0). `dtype` is 'bf16' or 'fp32'. `tokenizer_spec` ('byte' or a
+    loader rejects 0). `dtype` is 'bf16', 'fp16' or 'fp32'. `tokenizer_spec` ('byte' or a
     tokenizer.json / its directory) is written as a Hugging Face tokenizer in
     `<out_dir>/tokenizer/` and named in args. `expert_parallel` > 1 splits a mixture of experts'
     experts over that many expert ranks (`mp_rank_TT[_PPP]_EEE`, each with the dense tensors of its
@@ -472,7 +473,8 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
              [(t, e) for t in range(tensor_parallel) for e in range(expert_parallel)])
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
-            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings,
+                              chat_template=chat_template)
         for s in range(pipeline_parallel):
             for t, e in ranks:
                 sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
@@ -610,7 +612,7 @@ def _dist_adam(adam, source, rows: list[Row], m: ModelConfig, padded: int, dtype
 
 def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
                       tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON,
-                      adam=None) -> Path:
+                      adam=None, chat_template: str | None = None) -> Path:
     """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
     `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
     Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
@@ -660,7 +662,8 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     with atomic_output_dir(out_dir) as tmp:
         if tok is not None:
-            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings)
+            save_hf_tokenizer(tok, tmp / TOKENIZER_DIR, max_length=m.max_position_embeddings,
+                              chat_template=chat_template)
         state = _dist_state_dict(_rank_state_dict(source, rows, m, 1, 1, 0, 0, padded, torch_dtype(dtype),
                                                   vision_rows=vrows), m)
         if adam is not None:
@@ -1210,6 +1213,13 @@ def megatron_source(path, *, trust: bool = False):
     from megajax.checkpoint.source import DictSource
     overrides, params = import_megatron(path, trust=trust)
     return DictSource(params, resolved_model(overrides))
+
+
+def megatron_dtype(in_dir, *, trust: bool = False) -> str:
+    """The export dtype of a Megatron checkpoint's own training precision (its args' --bf16 / --fp16,
+    else fp32): what `megajax export` of it stores by default."""
+    _, args = _args(in_dir, trust)
+    return "bf16" if _arg(args, "bf16", False) else "fp16" if _arg(args, "fp16", False) else "fp32"
 
 
 def megatron_tokenizer(in_dir, *, trust: bool = False) -> tuple[str | None, str]:

@@ -54,10 +54,14 @@ def _linear_rows(m: ModelConfig, kernels: dict) -> list[tuple[str, int | None, t
 
 
 def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfig, out_dir, *,
-                base: str = "", dtype: str = "fp32") -> Path:
+                base: str = "", dtype: str = "fp32", tokenizer_spec: str | None = None,
+                chat_template: str | None = None) -> Path:
     """Writes the adapters as a PEFT LoRA adapter directory (adapter_config.json,
-    adapter_model.safetensors) for the Hugging Face export of the base model `m`."""
-    from megajax.checkpoint.common import atomic_output_dir
+    adapter_model.safetensors) for the Hugging Face export of the base model `m`; with `tokenizer_spec`
+    the run's tokenizer beside them (as transformers' Trainer saves an adapter: its chat template
+    included)."""
+    from megajax.checkpoint.common import atomic_output_dir, check_tokenizer
+    from megajax.data.tokenizer import save_hf_tokenizer
     from megajax.checkpoint.dtypes import numpy_dtype
     from megajax.checkpoint.hf import _write_json, _write_safetensors
     from megajax.checkpoint.mapping import Part
@@ -102,7 +106,10 @@ def export_peft(adapters: dict[str, np.ndarray], m: ModelConfig, lora: LoraConfi
               "inference_mode": True, "base_model_name_or_path": base, "modules_to_save": None,
               "use_rslora": False, "use_dora": False, "init_lora_weights": True, "layers_to_transform": None,
               "rank_pattern": {}, "alpha_pattern": {}}
+    tok = None if tokenizer_spec is None else check_tokenizer(tokenizer_spec, m)
     with atomic_output_dir(out_dir) as tmp:
+        if tok is not None:
+            save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings, chat_template=chat_template)
         _write_json(tmp / PEFT_CONFIG, config)
         _write_safetensors(tmp / PEFT_WEIGHTS, tensors, numpy_dtype(dtype))
     return Path(out_dir)
@@ -373,6 +380,12 @@ def import_peft_checkpoint(in_dir, base: str | None, out_dir) -> tuple[Path, Lor
     saved, model, base_dir = _base_config(base, key)
     lora, adapters = import_peft(in_dir, model)
     saved["model"] = dataclasses.asdict(dataclasses.replace(model, lora=lora))
+    from megajax.checkpoint.common import check_tokenizer
+    from megajax.checkpoint.lora import adapter_tokenizer
+    tokenizer = adapter_tokenizer(in_dir)  # one saved beside the adapters (its chat template) wins
+    if tokenizer is not None:
+        check_tokenizer(tokenizer, model)
+        saved.setdefault("data", {})["tokenizer"] = tokenizer
     cfg = load_config(base=saved)
     step_dir = write_params_checkpoint(unflatten(adapters), cfg, out_dir, meta={"lora_base": base_reference(cfg)})
     return step_dir, lora, base_dir

@@ -17,6 +17,13 @@ import dataclasses
 from megajax.config import Config, ModelConfig, _build, _deep_merge, finalize, merge_sources
 from megajax.errors import CheckpointError
 
+# The optimizer's defaults when checkpoint.load names a released model (a Hugging Face directory, a Megatron
+# checkpoint, or one `megajax import` wrote) and the run sets none of these keys: a peak learning rate for
+# fine-tuning, not pretraining's 2e-3 (transformers' SFT trainer and torchtune start full fine-tuning at
+# 2e-5, LoRA at 2e-4), no weight decay, no warm-up from 0 to waste a short run's first steps.
+FINE_TUNING_OPTIM = {"lr": 2e-5, "weight_decay": 0.0, "warmup_steps": 0}
+FINE_TUNING_LORA_LR = 2e-4
+
 TRAINING_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_std", "attention_impl", "matmul_impl",
                            "moe_grouped_gemm_impl",
                            "scan_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor",
@@ -39,8 +46,30 @@ def is_hf_load(load: str) -> bool:
     return find_step_dir(load) is None and is_hf_dir(load)
 
 
-def train_config(files: list[str] | None = None, overrides: list[str] | None = None) -> Config:
-    """`load_config(files, overrides)`, with the model of checkpoint.load's checkpoint under the keys set.
+def _fine_tuning_defaults(cfg: Config, merged: dict, released: str | None) -> str | None:
+    """Sets FINE_TUNING_OPTIM's values on the optim.* keys the run's files and overrides leave unset, when
+    checkpoint.load names a `released` model (what it is, else None); the line that says so, or None."""
+    if released is None:
+        return None
+    given = merged.get("optim") if isinstance(merged.get("optim"), dict) else {}
+    values = dict(FINE_TUNING_OPTIM, lr=FINE_TUNING_LORA_LR if cfg.model.lora is not None else FINE_TUNING_OPTIM["lr"])
+    chosen = {k: v for k, v in values.items() if given.get(k) is None}
+    if not chosen:
+        return None
+    pretraining = {k: getattr(cfg.optim, k) for k in chosen}
+    for k, v in chosen.items():
+        setattr(cfg.optim, k, v)
+    said = ", ".join(f"optim.{k}={v:g}" for k, v in chosen.items())
+    return (f"checkpoint.load names a released model ({released}): fine-tuning defaults {said}"
+            f"{' (LoRA)' if cfg.model.lora is not None else ''} in place of pretraining's "
+            f"{', '.join(f'{v:g}' for v in pretraining.values())}; set any of them to choose.")
+
+
+def train_config(files: list[str] | None = None, overrides: list[str] | None = None,
+                 notes: list[str] | None = None) -> Config:
+    """`load_config(files, overrides)`, with the model of checkpoint.load's checkpoint under the keys set,
+    and, for a released model, the optimizer's fine-tuning defaults (FINE_TUNING_OPTIM) under the optim.*
+    keys the run leaves unset (a line saying so appended to `notes`).
 
     CheckpointError naming each `model.*` key set that contradicts the checkpoint, with both values."""
     merged = merge_sources(files, overrides)
@@ -59,12 +88,14 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
                               f"merged (megajax export --format hf --merge-lora --checkpoint {load} --output DIR) "
                               f"and set checkpoint.load=DIR; to train other adapters on the same base, set "
                               f"checkpoint.load to that base ({(meta.get('lora_base') or {}).get('path', 'the base')}).")
+    released = "a checkpoint megajax import wrote" if meta.get("imported") else None
     if step_dir is None and is_megatron_load(str(load)):  # the model from its saved args
         from megajax.checkpoint.megatron import megatron_config
         from megajax.config import CheckpointConfig
         trust = _build(CheckpointConfig, {"trust_load": section.get("trust_load", False)}, "checkpoint").trust_load
         model, tokenizer = megatron_config(str(load), trust=trust)
         saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, f"a Megatron checkpoint's args"
+        released = "a Megatron checkpoint"
     elif step_dir is None and is_hf_load(str(load)):  # the model from its config.json, the tokenizer beside it
         from megajax.checkpoint.common import imported_tokenizer
         from megajax.checkpoint.hf import hf_model_overrides, hf_tokenizer
@@ -72,6 +103,7 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
         found, known = hf_tokenizer(str(load))
         tokenizer, _ = imported_tokenizer(found, model["vocab_size"], known)  # a placeholder fails naming it
         saved, step_dir = {"model": model, "data": {"tokenizer": tokenizer}}, "a Hugging Face model's config.json"
+        released = "a Hugging Face model directory"
     stored = saved.get("model")
     if not isinstance(stored, dict):
         return finalize(_build(Config, merged, ""))
@@ -102,4 +134,7 @@ def train_config(files: list[str] | None = None, overrides: list[str] | None = N
                               f"sets: {listed}. Leave model.* keys out (the model comes from the checkpoint) or "
                               f"set them to the checkpoint's values"
                               f"{'; another vocabulary needs checkpoint.resize_vocab=true' if vocabulary else ''}.")
+    note = _fine_tuning_defaults(cfg, merged, released)
+    if note is not None and notes is not None:
+        notes.append(note)
     return finalize(cfg)

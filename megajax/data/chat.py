@@ -136,6 +136,16 @@ BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% 
                       "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
+def trained_chat_template(tokenizer, data_format: str) -> str | None:
+    """The chat template a model speaks: its tokenizer's own, else BYTE_CHAT_TEMPLATE for the byte tokenizer
+    of a run fine-tuned on chat data (data.format=chat: the template it learned); None without one. What
+    `megajax serve` and `generate --chat` render conversations with, and what an export carries."""
+    template = find_chat_template(tokenizer)
+    if template is None and data_format == "chat" and getattr(tokenizer, "name", "byte") == "byte":
+        return BYTE_CHAT_TEMPLATE
+    return template
+
+
 def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
     """The tokenizer's chat template (the byte tokenizer's: BYTE_CHAT_TEMPLATE), or a DataError saying
     where one is looked for."""

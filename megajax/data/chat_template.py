@@ -1,7 +1,7 @@
 """Chat messages as a prompt: the tokenizer's chat template, rendered as Hugging Face renders it.
 
-    find_chat_template(tokenizer) -> template text or None   (tokenizer_config.json's `chat_template`,
-                                                               or chat_template.jinja beside it)
+    find_chat_template(tokenizer) -> template text or None   (chat_template.jinja beside its tokenizer.json,
+                                                               else tokenizer_config.json's `chat_template`)
     render_chat(template, messages, bos_token=, eos_token=) -> prompt text
     render_with_answers(template, messages, ...) -> (text, [(begin, end) character spans])
 
@@ -44,20 +44,33 @@ def _config(tokenizer) -> tuple[dict, Path | None]:
     return (config if isinstance(config, dict) else {}), folder
 
 
-def find_chat_template(tokenizer) -> str | None:
-    """The chat template of the tokenizer's Hugging Face directory: `chat_template` in its
-    tokenizer_config.json (a string, or a list of named templates: the one named "default"), else a
-    chat_template.jinja file there; None without one (the byte tokenizer has none)."""
-    config, folder = _config(tokenizer)
-    template = config.get("chat_template")
+def folder_chat_template(folder: Path) -> str | None:
+    """The chat template of a Hugging Face tokenizer folder, as transformers' AutoTokenizer reads it:
+    chat_template.jinja (transformers 5's file) when there is one, else `chat_template` in its
+    tokenizer_config.json (a string, or a list of named templates: the one named "default"); None
+    without one."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file():
+        try:
+            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            return None
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    if isinstance(template, str) and template:
-        return template
-    if folder is not None and (folder / "chat_template.jinja").is_file():
-        return (folder / "chat_template.jinja").read_text()
-    return None
+    return template if isinstance(template, str) and template else None
+
+
+def find_chat_template(tokenizer) -> str | None:
+    """The chat template of the tokenizer's Hugging Face folder (folder_chat_template); None without
+    one (the byte tokenizer has none)."""
+    _, folder = _config(tokenizer)
+    return None if folder is None else folder_chat_template(folder)
 
 
 def special_token(tokenizer, key: str) -> str:

@@ -149,14 +149,31 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, int | None]:
-    """Writes `tok` (a loaded tokenizer) into directory `out` as tokenizer.json, tokenizer_config.json
-    and special_tokens_map.json; returns its (bos, eos) ids.
+# What transformers reads beside a tokenizer.json, besides the special tokens: tokenizer_config.json (its
+# `chat_template` key a string or a list of named templates), and transformers 5's chat templates as files:
+# the default one in chat_template.jinja, named others in additional_chat_templates/<name>.jinja.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", CHAT_TEMPLATE_FILE)
 
-    A tokenizer.json is copied with the tokenizer_config.json and special_tokens_map.json
-    beside it (without a config, one naming its eos token); the byte tokenizer becomes
-    byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
+
+def save_hf_tokenizer(tok, out: Path, *, max_length: int,
+                      chat_template: str | None = None) -> tuple[int | None, int | None]:
+    """Writes `tok` (a loaded tokenizer) into directory `out` as a Hugging Face tokenizer that
+    `AutoTokenizer.from_pretrained(out)` loads with the same ids and the same chat template; returns
+    its (bos, eos) ids. Every export writes its tokenizer with this function (the Hugging Face
+    directory, a Megatron checkpoint's tokenizer/ folder, a PEFT adapter directory).
+
+    A Hugging Face tokenizer.json is copied with the files of its folder that transformers reads
+    beside it, unchanged: tokenizer_config.json (with its `chat_template`, a string or the list of
+    named templates), special_tokens_map.json, chat_template.jinja and
+    additional_chat_templates/*.jinja; without a tokenizer_config.json, one naming its eos token is
+    written. The byte tokenizer becomes byte_tokenizer_json() with `<|endoftext|>` as bos and eos.
+
+    `chat_template`: a template for a tokenizer that carries none of its own (the byte tokenizer,
+    or a folder without one), written as chat_template.jinja; a tokenizer's own template wins.
     """
+    from megajax.data.chat_template import folder_chat_template
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(tok, ByteTokenizer):
         (out / "tokenizer.json").write_text(byte_tokenizer_json())
@@ -165,14 +182,23 @@ def save_hf_tokenizer(tok, out: Path, *, max_length: int) -> tuple[int | None, i
             specials, tokenizer_class="PreTrainedTokenizerFast", model_max_length=max_length,
             clean_up_tokenization_spaces=False, add_prefix_space=False))
         _write_json(out / "special_tokens_map.json", specials)
-        return tok.eod_id, tok.eod_id
-    src = Path(tok.name).parent
-    shutil.copyfile(tok.name, out / "tokenizer.json")
-    for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-        if (src / extra).is_file():
-            shutil.copyfile(src / extra, out / extra)
-    if not (src / "tokenizer_config.json").is_file():
-        eos = {} if tok.eod_id is None else {"eos_token": tok._tok.id_to_token(tok.eod_id)}
-        _write_json(out / "tokenizer_config.json", dict(eos, tokenizer_class="PreTrainedTokenizerFast",
-                                                        model_max_length=max_length, clean_up_tokenization_spaces=False))
-    return tok.bos_id, tok.eod_id
+        bos_eos = tok.eod_id, tok.eod_id
+    else:
+        src = Path(tok.name).parent
+        shutil.copyfile(tok.name, out / "tokenizer.json")
+        for extra in TOKENIZER_SIDE_FILES:
+            if (src / extra).is_file():
+                shutil.copyfile(src / extra, out / extra)
+        if (src / CHAT_TEMPLATE_DIR).is_dir():
+            for named in sorted((src / CHAT_TEMPLATE_DIR).glob("*.jinja")):
+                (out / CHAT_TEMPLATE_DIR).mkdir(exist_ok=True)
+                shutil.copyfile(named, out / CHAT_TEMPLATE_DIR / named.name)
+        if not (src / "tokenizer_config.json").is_file():
+            eos = {} if tok.eod_id is None else {"eos_token": tok._tok.id_to_token(tok.eod_id)}
+            _write_json(out / "tokenizer_config.json", dict(eos, tokenizer_class="PreTrainedTokenizerFast",
+                                                            model_max_length=max_length,
+                                                            clean_up_tokenization_spaces=False))
+        bos_eos = tok.bos_id, tok.eod_id
+    if chat_template and folder_chat_template(out) is None:
+        (out / CHAT_TEMPLATE_FILE).write_text(chat_template)
+    return bos_eos

@@ -51,6 +51,7 @@ from megajax.config import VisionConfig
 from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
+from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
 from megajax.errors import DataError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
@@ -158,27 +159,21 @@ def index_shards(shards: list[Path], strict: bool = False) -> ShardIndex:
 # One sample: image and text
 # ----------------------------------------------------------------------------
 
-def process_image(data: bytes, v: VisionConfig) -> np.ndarray:
+def process_image(data: bytes, v: VisionConfig, what: str = "the image") -> np.ndarray:
     """Encoded image bytes -> [image_size, image_size, 3] float32, resized and normalised as the encoder
-    expects (module docstring). Raises whatever Pillow raises on a damaged image."""
-    return _resized(_decode(data), v)
+    expects (module docstring). DataError naming `what` on an image that does not decode or is too large
+    (megajax/data/user_files.py decode_image)."""
+    return _resized(decode_image(data, what), v)
 
 
-def process_tiles(data: bytes, v: VisionConfig) -> np.ndarray:
+def process_tiles(data: bytes, v: VisionConfig, what: str = "the image") -> np.ndarray:
     """Encoded image bytes -> its tiles [tiles, image_size, image_size, 3] float32: with
     model.vision.max_num_tiles > 1 the image cut into tiles (megajax/data/tiles.py), each normalised,
-    else the one resized image."""
-    img = _decode(data)
+    else the one resized image. DataError naming `what` as process_image."""
+    img = decode_image(data, what)
     if not v.tiled:
         return _resized(img, v)[None]
     return np.stack([_normalised(t, v) for t in cut_tiles(img, v)])
-
-
-def _decode(data: bytes):
-    from PIL import Image
-    with Image.open(io.BytesIO(data)) as img:
-        img.load()
-        return img.convert("RGB")
 
 
 def _resized(img, v: VisionConfig) -> np.ndarray:
@@ -334,10 +329,10 @@ class ImageTextDataset:
             raise DataError(f"{where}: not valid JSON ({e}).") from None
         v = self.vision
         try:
-            tiles = process_tiles(self._read(s.image, shard), v)
-        except DataError:
+            tiles = process_tiles(self._read(s.image, shard), v, f"shard {shard}: member {s.image.name!r}")
+        except DataError:  # not an image, a damaged one or one too large, named (data/user_files.py)
             raise
-        except Exception as e:  # Pillow's errors on damaged data: OSError, SyntaxError, ValueError, ...
+        except Exception as e:  # any other error of Pillow's on damaged data
             raise DataError(f"shard {shard}: member {s.image.name!r} is not a readable image "
                             f"({type(e).__name__}: {e}).") from None
         run = image_run(self.tokenizer, len(tiles), v)[0]
@@ -426,8 +421,8 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
     """`megajax preprocess --format webdataset`: the images of the folder `images` named by the jsonl
     `captions` (one {"image": file relative to the folder, "caption": ...} or {"image": ..., "messages": [...]}
     per line) as tar shards in `output`; (shards, samples). The image files are stored as they are
-    (checked to decode), keyed by their line number."""
-    from PIL import Image
+    (regular files within MAX_IMAGE_BYTES, checked to decode: megajax/data/user_files.py), keyed by their
+    line number."""
     folder, lines = Path(images), Path(captions)
     if not folder.is_dir():
         raise DataError(f"--images {images!r}: not a directory; give the folder the captions' \"image\" paths "
@@ -445,13 +440,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
             fld = path.suffix.lower().lstrip(".")
             if fld not in IMAGE_FIELDS:
                 raise DataError(f"{where}: image {str(path)!r} is not one of {', '.join(IMAGE_FIELDS)}.")
-            try:
-                data = path.read_bytes()
-                with Image.open(io.BytesIO(data)) as img:
-                    img.load()
-            except Exception as e:
-                raise DataError(f"{where}: image {str(path)!r} cannot be read ({type(e).__name__}: {e}).") \
-                    from None
+            what = f"{where}: image {str(path)!r}"
+            data = read_user_file(path, what, MAX_IMAGE_BYTES)
+            decode_image(data, what)  # it decodes (a named error otherwise)
             if "messages" in record:
                 check_messages(record["messages"], where)
             yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record

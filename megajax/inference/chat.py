@@ -7,17 +7,19 @@ from pathlib import Path
 
 from megajax.data.chat_template import (  # noqa: F401  (the server's names for them)
     ChatTemplateError, compile_chat_template, find_chat_template, render_chat, special_token)
+from megajax.data.user_files import MAX_TEXT_BYTES, read_user_file
 from megajax.errors import UserError
 
 
 def read_chat_template(path: str) -> str:
-    """`megajax serve --chat-template FILE`'s text, compiled as the server will run it (UserError naming the
-    file now, rather than a 400 for every chat request)."""
+    """`--chat-template FILE`'s text (`megajax serve`, `megajax generate --chat`; a regular file of at most
+    MAX_TEXT_BYTES), compiled as it will run (UserError naming the file now, rather than a 400 for every
+    chat request)."""
     accepted = "give a Jinja chat template file (the text of a tokenizer_config.json's \"chat_template\")"
     try:
-        template = Path(path).expanduser().read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--chat-template {path!r}: cannot read it ({e}); {accepted}.") from None
+        template = read_user_file(Path(path).expanduser(), f"--chat-template {path!r}", MAX_TEXT_BYTES).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"--chat-template {path!r}: not UTF-8 text ({e}); {accepted}.") from None
     if not template.strip():
         raise UserError(f"--chat-template {path!r} is empty; {accepted}.")
     try:

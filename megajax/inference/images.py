@@ -1,6 +1,7 @@
 """Images for a vision-language model's generation: decoded, resized and normalised as its encoder
 expects, and the prompt's `<image>` markers expanded to the placeholder tokens.
 
+    read_image(path) -> PIL image (RGB)                       --image FILE, bounded (megajax/data/user_files.py)
     decode_image(data, what) -> PIL image (RGB)               one clear error naming `what` otherwise
     preprocess(image, vision) -> float32 [image_size, image_size, 3]
     preprocess_tiles(image, vision) -> float32 [tiles, image_size, image_size, 3]   (one tile untiled)
@@ -19,12 +20,11 @@ With model.vision.max_num_tiles > 1 an image is cut into tiles as the training d
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
 from megajax.config import VisionConfig
 from megajax.data.tiles import cut_tiles, image_run
+from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file  # noqa: F401 (the server's too)
 from megajax.errors import DataError
 
 IMAGE_MARKER = "<image>"  # where a prompt's image goes (prepended when the prompt has none)
@@ -33,27 +33,11 @@ OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 NORMALISATION = {"siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), "clip": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
 
 
-def decode_image(data: bytes, what: str):
-    """The image in `data` (PNG, JPEG, ... anything Pillow reads) as RGB; DataError naming `what`
-    when it is not one."""
-    from PIL import Image, UnidentifiedImageError
-    try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
-        raise DataError(f"{what}: not an image Pillow can decode ({len(data)} bytes starting {data[:8]!r}: "
-                        f"{e}); expected PNG, JPEG, WebP, GIF or another common image format.") from None
-    return image.convert("RGB")
-
-
 def read_image(path: str):
-    """The image file at `path`, decoded (DataError naming the file when it cannot be read or decoded)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise DataError(f"--image {path!r}: cannot read it ({e.strerror or e}).") from None
-    return decode_image(data, f"--image {path!r}")
+    """`--image FILE`, read (a regular file of at most MAX_IMAGE_BYTES) and decoded (DataError naming the
+    file when it cannot be: megajax/data/user_files.py)."""
+    what = f"--image {path!r}"
+    return decode_image(read_user_file(path, what, MAX_IMAGE_BYTES), what)
 
 
 def preprocess(image, v: VisionConfig) -> np.ndarray:

@@ -3,7 +3,8 @@
     generation_config(checkpoint=DIR | hf=DIR, overrides) -> Config      (no JAX devices touched)
     load_model(cfg, checkpoint=DIR | hf=DIR) -> LoadedModel(generator, tokenizer, plan, ...)
 
-The config is the checkpoint's own (model, tokenizer, precision), with its mesh: a model
+The config is the checkpoint's own (model, tokenizer, precision; with LoRA adapters the tokenizer
+that goes with them, checkpoint/lora.py adapter_tokenizer), with its mesh: a model
 trained with tensor parallelism generates with the same `mesh.tensor` (and `mesh.fsdp`), the
 batch over `data` taking the remaining devices; `mesh.*` overrides choose another layout. The
 mesh is built through the run plan like training's, and parameters are read straight into
@@ -106,6 +107,11 @@ def generation_config(source: Source, overrides: Sequence[str] = ()) -> Config:
         base = copy.deepcopy(read_meta(source.step_dir)["config"])
     else:
         base = _hf_base(source)
+    if source.adapter is not None:  # the adapters' tokenizer (a fine-tuning's chat template), else the base's
+        from megajax.checkpoint.lora import adapter_tokenizer
+        tokenizer = adapter_tokenizer(source.adapter)
+        if tokenizer is not None:
+            base.setdefault("data", {})["tokenizer"] = tokenizer
     saved = base.get("mesh", {})
     base["mesh"] = {"data": -1, "fsdp": saved.get("fsdp", 1), "tensor": saved.get("tensor", 1),
                     "cpu_devices": saved.get("cpu_devices", 0)}

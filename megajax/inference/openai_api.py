@@ -37,7 +37,8 @@ from megajax.errors import DataError
 from megajax.inference.batcher import Job
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, TokenScores
-from megajax.inference.images import IMAGE_MARKER, decode_image, image_prompt_ids, preprocess_tiles
+from megajax.inference.images import (IMAGE_MARKER, MAX_IMAGE_BYTES, decode_image, image_prompt_ids, preprocess_tiles,
+                                      read_user_file)
 from megajax.inference.request import OPENAI_FIELDS, RequestError, checked, field, random_seed
 from megajax.inference.sampling import Sampling
 from megajax.inference.text import StopText, completion_text, cut_at_stop
@@ -381,9 +382,9 @@ class OpenAIDialect:
             raise RequestError(f"{where}: {str(path)!r} is outside --allowed-local-media-path {str(root)!r}.",
                                "messages", code="image_url_not_supported")
         try:
-            return path.read_bytes()
-        except OSError as e:
-            raise RequestError(f"{where}: cannot read {str(path)!r} ({e.strerror or e}).", "messages") from None
+            return read_user_file(path, f"{where}: {str(path)!r}", MAX_IMAGE_BYTES)
+        except DataError as e:
+            raise RequestError(str(e), "messages", code="invalid_image") from None
 
     @staticmethod
     def _data_url(url: str, where: str) -> bytes:
@@ -406,8 +407,8 @@ class OpenAIDialect:
         (per tile of a tiled image, whose tiles are its pictures in `images`, image after image)."""
         template = self.service.chat_template
         if template is None:
-            raise RequestError("this model's tokenizer has no chat template (no 'chat_template' in its "
-                               "tokenizer_config.json), so chat messages cannot be turned into a prompt; start the "
+            raise RequestError("this model's tokenizer has no chat template (no chat_template.jinja beside it, no "
+                               "'chat_template' in its tokenizer_config.json), so chat messages cannot be turned into a prompt; start the "
                                "server with `megajax serve --chat-template FILE` (a Jinja chat template), or use "
                                "POST /v1/completions with the prompt text.", param, code="no_chat_template")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):

@@ -47,7 +47,8 @@ from typing import Any
 
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
-from megajax.inference.chat import ChatTemplateError, compile_chat_template, find_chat_template
+from megajax.data.chat import trained_chat_template
+from megajax.inference.chat import ChatTemplateError, compile_chat_template
 from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
 from megajax.inference.generate import ContextLengthError
 from megajax.inference.openai_api import OpenAIDialect
@@ -110,9 +111,10 @@ class CompletionService:
                                 f"the directory whose files chat requests may name as file:// image URLs.")
             self.allowed_media = root
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
-        # The chat template: --chat-template's, else the tokenizer's own (None: chat is refused); compiled now,
-        # so a broken one stops the start-up instead of failing every chat request.
-        self.chat_template = chat_template or find_chat_template(self.tokenizer)
+        # The chat template: --chat-template's, else the one the model speaks (its tokenizer's own, or the byte
+        # tokenizer's of a run trained on chat data; None: chat is refused); compiled now, so a broken one
+        # stops the start-up instead of failing every chat request.
+        self.chat_template = chat_template or trained_chat_template(self.tokenizer, loaded.cfg.data.format)
         if self.chat_template is not None:
             try:
                 compile_chat_template(self.chat_template)

@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import statistics
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from megajax.errors import ConfigError
 from megajax.parallel.pipeline import build_schedule
 from megajax.mesh import mesh_text
 from megajax.perf import analytic, hlo
-from megajax.perf.fit import CAPACITY_GIB, GIB, advice, compiled_bytes, device_capacity_bytes
+from megajax.perf.fit import GIB, advice, compiled_bytes, device_capacity_bytes
 from megajax.plan import RunPlan, make_plan
 from megajax.precision.policy import precision_policy
 from megajax.train.metrics import readable_bytes, readable_percent, readable_rate
@@ -253,18 +252,12 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
 # ----------------------------------------------------------------------------------------------
 # Ahead of time: a device kind this machine does not have.
 
-_TOPOLOGY = re.compile(r"^(\d+)x([A-Za-z0-9]+)$")
-
-
 def parse_topology(text: str) -> tuple[int, str, float]:
-    m = _TOPOLOGY.match(text.strip())
-    kinds = ", ".join(CAPACITY_GIB)
-    if not m or int(m.group(1)) < 1:
-        raise ConfigError(f"--topology {text!r}: expected COUNTxKIND such as 8xH100, COUNT >= 1 (kinds: {kinds}).")
-    count, kind = int(m.group(1)), m.group(2).upper()
-    if kind not in CAPACITY_GIB:
-        raise ConfigError(f"--topology {text!r}: unknown device kind {m.group(2)!r}; known kinds: {kinds}.")
-    return count, kind, CAPACITY_GIB[kind]
+    """(count, KIND, GiB per device) of --topology COUNTxKIND: the kinds `megajax plan --cluster` knows
+    (megajax/perf/device_kinds.py)."""
+    from megajax.perf.device_kinds import load_device_kinds, parse_cluster
+    count, name, kind = parse_cluster(text, load_device_kinds(None), "--topology")
+    return count, name, kind.memory_gib
 
 
 def topology_estimate(cfg: Config, topology: str) -> dict[str, Any]:

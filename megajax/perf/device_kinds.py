@@ -63,12 +63,17 @@ class DeviceKind:
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
 # (NDR) or 200 Gb/s (HDR) InfiniBand port per GPU; MI300X's Infinity Fabric (896 GB/s both ways);
 # memory bandwidth: HBM3 3.35 TB/s (H100), HBM3e 4.8 TB/s (H200), HBM2e 2.04 TB/s (A100 80GB),
-# HBM3 5.3 TB/s (MI300X).
+# HBM3 5.3 TB/s (MI300X). MI250X / MI250: per graphics compute die (two per module, each a device of
+# 64 GiB and half the module's 3.2 TB/s), Infinity Fabric among a node's 8 dies, a 200 Gb/s port per
+# die pair. The one list of kinds: `megajax plan --cluster`, `megajax bench --topology` and the fit
+# check's datasheet capacities (megajax/perf/fit.py) all read it.
 DEVICE_KINDS: dict[str, DeviceKind] = {
     "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0, memory_gbps=3350.0),
     "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0, memory_gbps=4800.0),
     "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0, memory_gbps=2039.0),
     "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4, memory_gbps=5300.0),
+    "MI250X": DeviceKind(64.0, PEAK_TFLOPS["MI250X"], 8, 100.0, 12.5, efficiency=0.4, memory_gbps=1638.0),
+    "MI250": DeviceKind(64.0, PEAK_TFLOPS["MI250"], 8, 100.0, 12.5, efficiency=0.4, memory_gbps=1638.0),
 }
 
 
@@ -191,17 +196,19 @@ def load_device_kinds(path: str | None) -> dict[str, DeviceKind]:
     return kinds
 
 
-def parse_cluster(text: str, kinds: dict[str, DeviceKind]) -> tuple[int, str, DeviceKind]:
+def parse_cluster(text: str, kinds: dict[str, DeviceKind], option: str = "--cluster") -> tuple[int, str, DeviceKind]:
+    """(count, KIND, its figures) of `plan --cluster` / `bench --topology` COUNTxKIND (`option` names the
+    flag in errors); a count above one node must be whole nodes."""
     m = _CLUSTER.match(text.strip())
     names = ", ".join(kinds)
     if not m or not 1 <= int(m.group(1)) <= MAX_DEVICES:
-        raise ConfigError(f"--cluster {text!r}: expected COUNTxKIND such as 32xH100, COUNT in 1..{MAX_DEVICES} "
+        raise ConfigError(f"{option} {text!r}: expected COUNTxKIND such as 32xH100, COUNT in 1..{MAX_DEVICES} "
                           f"(kinds: {names}).")
     count, name = int(m.group(1)), m.group(2).upper()
     if name not in kinds:
-        raise ConfigError(f"--cluster {text!r}: unknown device kind {m.group(2)!r}; known kinds: {names} "
-                          f"(add one with --device-kinds FILE.yaml).")
+        more = " (add one with --device-kinds FILE.yaml)" if option == "--cluster" else ""
+        raise ConfigError(f"{option} {text!r}: unknown device kind {m.group(2)!r}; known kinds: {names}{more}.")
     kind = kinds[name]
     if count > kind.node_size and count % kind.node_size:
-        raise ConfigError(f"--cluster {text!r}: {count} devices are not whole nodes of {kind.node_size} {name}.")
+        raise ConfigError(f"{option} {text!r}: {count} devices are not whole nodes of {kind.node_size} {name}.")
     return count, name, kind

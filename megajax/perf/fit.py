@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from megajax.config import Config
 from megajax.errors import MeshError, UserError
 from megajax.perf import analytic
+from megajax.perf.device_kinds import DEVICE_KINDS
 from megajax.plan import RunPlan
 from megajax.train.metrics import readable_bytes
 
 GIB = 2**30
-# Per-device HBM by device kind, used when the runtime does not report a limit.
-CAPACITY_GIB = {"H100": 80.0, "H200": 141.0, "A100": 80.0, "MI300X": 192.0, "MI250": 64.0}
+# Per-device HBM by device kind (the datasheets of megajax/perf/device_kinds.py), used when the runtime
+# does not report a limit.
+CAPACITY_GIB = {name: kind.memory_gib for name, kind in DEVICE_KINDS.items()}
 
 
 def compiled_bytes(compiled) -> dict[str, int] | None:

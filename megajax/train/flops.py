@@ -29,6 +29,10 @@ PEAK_TFLOPS = {
     "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
     "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "fp32": 163.4},
+    # MI250X / MI250: per graphics compute die (the device JAX sees; two per module); MI250X first, as
+    # a device kind naming it also holds "MI250"
+    "MI250X": {"bf16": 191.5, "fp16": 191.5, "fp32": 47.9},
+    "MI250": {"bf16": 181.0, "fp16": 181.0, "fp32": 45.3},
 }
 
 
