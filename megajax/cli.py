@@ -899,8 +899,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)  # no or unknown command: argparse's usage and error
 
 
-def _paragraph(error: Exception) -> str:
-    return re.sub(r"\s+", " ", str(error)).strip()
+def _paragraph(error: Exception, command: str) -> str:
+    """The error's message as one line, without a "megajax: " or "megajax COMMAND: " of its own (the line
+    already starts with "megajax COMMAND: error:")."""
+    text = re.sub(r"\s+", " ", str(error)).strip()
+    return re.sub(rf"^megajax(?: {re.escape(command)})?: ", "", text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -911,13 +914,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except UserError as e:  # Megatron-LM flags typed as options
-        print(f"megajax {argv[0]}: error: {_paragraph(e)}", file=sys.stderr)
+        print(f"megajax {argv[0]}: error: {_paragraph(e, argv[0])}", file=sys.stderr)
         return 2
     args.argv = argv
     try:
         return args.func(args)
     except UserError as e:
-        print(f"megajax {args.command}: error: {_paragraph(e)}", file=sys.stderr)
+        print(f"megajax {args.command}: error: {_paragraph(e, args.command)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"megajax {args.command}: interrupted", file=sys.stderr)
