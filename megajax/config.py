@@ -183,7 +183,9 @@ class ModelConfig:
     # None: the family's default (FAMILY_DEFAULTS).
     norm: Literal["layernorm", "rmsnorm"] | None = None
     # squared_relu: relu(x)^2 of one projection (Megatron's --squared-relu; Nemotron-H's MLPs).
-    activation: Literal["gelu", "swiglu", "squared_relu"] | None = None
+    # gelu is the exact (erf) GELU; gelu_tanh its tanh approximation, what Megatron-LM computes with its
+    # default fused bias-GELU (bias_gelu_fusion, without --no-bias-gelu-fusion) and GPT-2's gelu_new.
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"] | None = None
     # none: no position information but the causal order (Megatron's position_embedding_type=none: the
     # attention layers of a Nemotron-H hybrid, whose Mamba layers carry the order).
     position_embedding: Literal["learned", "rope", "none"] | None = None
