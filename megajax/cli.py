@@ -170,9 +170,12 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
 
 def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path) -> str:
     """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here."""
+    from megajax.data.no_tokenizer import is_no_tokenizer
     from megajax.data.tokenizer import load_tokenizer
     from megajax.errors import CheckpointError, ConfigError
     spec = args.tokenizer or meta["config"].get("data", {}).get("tokenizer", "byte")
+    if is_no_tokenizer(spec):  # trained without a tokenizer (an import of a NullTokenizer run): none to carry
+        return spec
     try:
         load_tokenizer(spec, key="--tokenizer")
     except ConfigError:
@@ -209,7 +212,8 @@ def _checkpoint_step(overrides: list[str], accept_only: bool = False) -> int | N
 
 def _megatron_export_source(args: argparse.Namespace):
     """(source, tokenizer, its place) of a Megatron checkpoint as an export source: --tokenizer, else
-    the tokenizer its args name (a Hugging Face tokenizer folder)."""
+    the tokenizer its args name (a Hugging Face tokenizer folder; data/no_tokenizer.py's value for a
+    NullTokenizer run)."""
     from megajax.checkpoint.megatron import megatron_source, megatron_tokenizer
     from megajax.errors import CheckpointError
     if _checkpoint_step(args.overrides, accept_only=True) is not None:
@@ -242,6 +246,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         source = CheckpointSource(args.checkpoint, step=_checkpoint_step(args.overrides, accept_only=True))
         meta, where = read_meta(source.step_dir), source.step_dir
         tokenizer = _export_tokenizer(args, meta, source.step_dir)
+    from megajax.data.no_tokenizer import is_no_tokenizer, no_tokenizer_eod
+    carried, eod = f"tokenizer {tokenizer}", None  # what the summary line says of the tokenizer
+    if is_no_tokenizer(tokenizer):
+        eod = no_tokenizer_eod(tokenizer)
+        carried = f"no tokenizer carried: trained without one {tokenizer[len('none '):]}; --tokenizer TOK adds one"
+        tokenizer = None
     lora = getattr(source.model, "lora", None)
     if lora is None and (args.merge_lora or args.format == "peft"):
         raise UserError(f"megajax export: {'--merge-lora' if args.merge_lora else '--format peft'} exports the "
@@ -261,7 +271,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
-        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype)
+        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype,
+                        eos_id=eod)
         if mtp_left_out(source.model):
             print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
         fmt = args.format
@@ -295,7 +306,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                       f"{'' if args.dtype == 'fp32' else ', fp32 main parameters'}, step {adam.count})"))
         if mtp_differs(source.model):
             print(f"note: {mtp_differs(source.model)}", file=sys.stderr)
-    print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, tokenizer {tokenizer})")
+    print(f"megajax export: {where} -> {out} ({fmt}, {args.dtype}, {carried})")
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Iterator
 
 
 from megajax.config import ModelConfig, VisionConfig
+from megajax.data.no_tokenizer import is_no_tokenizer
 from megajax.errors import CheckpointError, ConfigError
 from megajax.models.layout import tensor_shapes
 
@@ -165,8 +166,13 @@ def tokenizer_dir_spec(d: Path) -> str | None:
 def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:
     """(data.tokenizer to record for an imported model, a warning or None), from the tokenizer the import
     `found` and what its source says (`known`). Without one, only a 257-id vocabulary is called 'byte';
-    any other is recorded as unknown (its export then asks for --tokenizer)."""
+    any other is recorded as unknown (its export then asks for --tokenizer). A model trained without a
+    tokenizer (`found` is data/no_tokenizer.py's value) keeps that."""
     from megajax.data.tokenizer import ByteTokenizer
+    if is_no_tokenizer(found):
+        return found, (f"the imported model was trained without a tokenizer ({known}: pre-tokenised data), so "
+                       f"none is recorded; pass data.tokenizer=PATH when fine-tuning on text; `megajax export` "
+                       f"writes it without one, and --tokenizer PATH adds one.")
     if found is not None or vocab_size == ByteTokenizer.vocab_size:
         return found or "byte", None
     return f"unknown ({known})", (
