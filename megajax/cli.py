@@ -271,10 +271,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
+        from megajax.checkpoint.hf_processor import processor_left_out
         out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype,
                         eos_id=eod)
-        if mtp_left_out(source.model):
-            print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
+        for note in (mtp_left_out(source.model), processor_left_out(source.model, tokenizer)):
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         fmt = args.format
     else:
         from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist, mtp_differs

@@ -160,7 +160,25 @@ def tokenizer_dir_spec(d: Path) -> str | None:
     file = d / "tokenizer.json" if d.is_dir() else d
     if not file.is_file():
         return None
-    return "byte" if is_byte_tokenizer_file(file) else str(d.absolute())
+    return "byte" if is_byte_tokenizer_file(file) or _byte_with_image_token(file) else str(d.absolute())
+
+
+def _byte_with_image_token(file: Path) -> bool:
+    """Whether a tokenizer.json is the exported byte tokenizer with a LLaVA export's `<image>` added after its
+    257 ids (hf_processor.py): the byte tokenizer, whose ids a vision-language model's placeholder follows."""
+    import json
+    from megajax.data.tokenizer import byte_tokenizer_json
+    try:
+        data = json.loads(Path(file).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict) or not isinstance(data.get("added_tokens"), list):
+        return False
+    extra = [t for t in data["added_tokens"] if isinstance(t, dict) and t.get("content") == "<image>"]
+    if len(extra) != 1 or extra[0].get("id") != 257:
+        return False
+    data["added_tokens"] = [t for t in data["added_tokens"] if t is not extra[0]]
+    return data == json.loads(byte_tokenizer_json())
 
 
 def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:

@@ -39,6 +39,7 @@ from megajax.checkpoint.hf_hybrid import (HYBRID_ARCHITECTURES, MAMBA2, NEMOTRON
                                           hybrid_architecture, hybrid_config, hybrid_overrides, hybrid_rows)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
                                         linear_rows, norm_rows, rows_for, same, to_external, to_ours)
+from megajax.checkpoint.hf_processor import check_processor, write_processor
 from megajax.checkpoint.hf_vision import (LLAVA, check_exportable, from_hf, hf_names, hf_shape, ignored,
                                           language_row, language_shapes, llava_config, to_hf, vision_config_of,
                                           vision_entries, vision_overrides)
@@ -595,6 +596,8 @@ def export_hf(source, out_dir, *, tokenizer_spec: str | None, dtype: str = "bf16
     tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     with atomic_output_dir(out_dir) as tmp:
         bos, eos = (None, eos_id) if tok is None else save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings)
+        if whole.vision is not None:  # LLaVA's processor beside the tokenizer (hf_processor.py; processor_left_out)
+            write_processor(tmp, whole.vision)
         config = _hf_config(m, arch, dtype, bos, eos)
         if whole.vision is not None:
             config = llava_config(whole, config, export_dtype(dtype).full_name)
@@ -894,6 +897,7 @@ def _import_llava(d: Path, c: dict) -> tuple[dict, dict]:
     text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
     arch, overrides = _architecture_overrides(dict(text, architectures=None), d)
     vision = vision_overrides(c)
+    check_processor(d, vision_config_of(vision))  # its pixels are megajax's (or refused, naming what differs)
     with ExitStack() as files:
         weights = _weight_files(d, files)
         language = {}  # the language model's tensors by the names its own table has
