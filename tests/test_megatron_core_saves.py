@@ -154,3 +154,24 @@ def test_args_megajax_cannot_compute_are_refused(key, value, tmp_path):
     p = megajax("import", "--format", "megatron", "--input", str(save), "--output", str(tmp_path / "out"))
     paragraph(p, "import", f"Megatron args {key}={value!r} cannot be represented in megajax")
     assert not (tmp_path / "out").exists()
+
+
+def test_transformers_gpt2_with_its_default_gelu_new_imports(tmp_path):
+    """GPT-2's own activation (gelu_new, transformers' default for GPT2Config) is model.activation=gelu_tanh:
+    a GPT-2 saved by transformers imports with transformers' logits."""
+    from megajax.checkpoint.hf import import_hf
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=32,
+                                     initializer_range=0.2)
+    assert config.activation_function == "gelu_new"
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    overrides, params = import_hf(tmp_path / "gpt2")
+    assert overrides["activation"] == "gelu_tanh"
+    tokens = np.random.default_rng(0).integers(0, 300, (2, 16))
+    with torch.no_grad():
+        theirs = model(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(logits_of(overrides, params, tokens), theirs, atol=1e-4, rtol=1e-4)
+    assert np.abs(logits_of(dict(overrides, activation="gelu"), params, tokens) - theirs).max() > 1e-3
