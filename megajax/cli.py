@@ -174,9 +174,12 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
 def _export_tokenizer(args: argparse.Namespace, meta: dict, step_dir: Path, required: bool = True) -> str | None:
     """--tokenizer, else the checkpoint's data.tokenizer; an error suggesting --tokenizer if it is not here
     (None instead where not `required`)."""
+    from megajax.data.no_tokenizer import is_no_tokenizer
     from megajax.data.tokenizer import load_tokenizer
     from megajax.errors import CheckpointError, ConfigError
     spec = args.tokenizer or meta["config"].get("data", {}).get("tokenizer", "byte")
+    if is_no_tokenizer(spec):  # trained without a tokenizer (an import of a NullTokenizer run): none to carry
+        return spec
     try:
         load_tokenizer(spec, key="--tokenizer")
     except ConfigError:
@@ -215,7 +218,8 @@ def _checkpoint_step(overrides: list[str], accept_only: bool = False) -> int | N
 
 def _megatron_export_source(args: argparse.Namespace):
     """(source, tokenizer, its place) of a Megatron checkpoint as an export source: --tokenizer, else
-    the tokenizer its args name (a Hugging Face tokenizer folder)."""
+    the tokenizer its args name (a Hugging Face tokenizer folder; data/no_tokenizer.py's value for a
+    NullTokenizer run)."""
     from megajax.checkpoint.megatron import megatron_source, megatron_tokenizer
     from megajax.errors import CheckpointError
     if _checkpoint_step(args.overrides, accept_only=True) is not None:
@@ -306,6 +310,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.dtype, dtype_said = precision, f"{precision} weights, as {dtype_said}; --dtype to choose"
     else:
         dtype_said = f"{args.dtype} weights (--dtype)"
+    from megajax.data.no_tokenizer import is_no_tokenizer, no_tokenizer_eod
+    carried, eod = None, None  # what the summary line says of a tokenizer not carried
+    if tokenizer is not None and is_no_tokenizer(tokenizer):
+        eod = no_tokenizer_eod(tokenizer)
+        carried = f"no tokenizer carried: trained without one {tokenizer[len('none '):]}; --tokenizer TOK adds one"
+        tokenizer = None
     # the template the model speaks goes with its tokenizer (the byte tokenizer's of a chat fine-tuning too)
     from megajax.data.chat import trained_chat_template
     from megajax.data.tokenizer import load_tokenizer
@@ -331,14 +341,17 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_peft(read_adapters(source), base_source.model, lora, args.output, base=str(base),
                               dtype=args.dtype, tokenizer_spec=tokenizer, chat_template=template)
             print(f"megajax export: {where} -> {out} (peft, rank {lora.rank}, alpha {lora.alpha:g}, {dtype_said}; "
-                  f"base {base}; {_tokenizer_said(tokenizer, out)})")
+                  f"base {base}; {carried or _tokenizer_said(tokenizer, out)})")
             return 0
         source = MergedSource(base_source, read_adapters(source), lora)
     if args.format == "hf":
         from megajax.checkpoint.hf import export_hf, mtp_left_out
-        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype, chat_template=template)
-        if mtp_left_out(source.model):
-            print(f"note: {mtp_left_out(source.model)}", file=sys.stderr)
+        from megajax.checkpoint.hf_processor import processor_left_out
+        out = export_hf(source, args.output, tokenizer_spec=tokenizer, dtype=args.dtype, chat_template=template,
+                        eos_id=eod)
+        for note in (mtp_left_out(source.model), processor_left_out(source.model, tokenizer)):
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         fmt = args.format
     else:
         from megajax.checkpoint.megatron import common_state_form, export_megatron, export_torch_dist, mtp_differs
@@ -372,7 +385,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if mtp_differs(source.model):
             print(f"note: {mtp_differs(source.model)}", file=sys.stderr)
     tok_dir = out / "tokenizer" if args.format == "megatron" else out
-    print(f"megajax export: {where} -> {out} ({fmt}, {dtype_said}; {_tokenizer_said(tokenizer, tok_dir)})")
+    print(f"megajax export: {where} -> {out} ({fmt}, {dtype_said}; {carried or _tokenizer_said(tokenizer, tok_dir)})")
     return 0
 
 

@@ -84,6 +84,11 @@ VISION_DEFAULTS = {
     # CLIP ViT (OpenAI's): a class token and a pre-layernorm, quick GELU; LLaVA drops the class token.
     "clip": dict(activation="quick_gelu", feature_select="default", norm_eps=1e-5),
 }
+# Each form's pixel normalisation (mean, std per RGB channel, after pixels / 255), as its checkpoints
+# were trained: SigLIP's 0.5, OpenAI CLIP's own (megajax/inference/images.py; the LLaVA export's processor).
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+VISION_NORMALISATION = {"siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), "clip": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
 
 
 @dataclass
@@ -183,7 +188,9 @@ class ModelConfig:
     # None: the family's default (FAMILY_DEFAULTS).
     norm: Literal["layernorm", "rmsnorm"] | None = None
     # squared_relu: relu(x)^2 of one projection (Megatron's --squared-relu; Nemotron-H's MLPs).
-    activation: Literal["gelu", "swiglu", "squared_relu"] | None = None
+    # gelu is the exact (erf) GELU; gelu_tanh its tanh approximation, what Megatron-LM computes with its
+    # default fused bias-GELU (bias_gelu_fusion, without --no-bias-gelu-fusion) and GPT-2's gelu_new.
+    activation: Literal["gelu", "gelu_tanh", "swiglu", "squared_relu"] | None = None
     # none: no position information but the causal order (Megatron's position_embedding_type=none: the
     # attention layers of a Nemotron-H hybrid, whose Mamba layers carry the order).
     position_embedding: Literal["learned", "rope", "none"] | None = None

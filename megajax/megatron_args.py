@@ -72,12 +72,15 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--kv-channels", "model.head_dim"),
     Flag("--seq-length", "train.seq_len"),
     Flag("--max-position-embeddings", "model.max_position_embeddings"),
-    Flag("--vocab-size", "model.vocab_size"),
+    Flag("--vocab-size", "model.vocab_size", note="with --tokenizer-type NullTokenizer one more: that tokenizer's "
+                                                  "end-of-document id, --vocab-size itself"),
     Flag("--make-vocab-size-divisible-by", "model.make_vocab_size_divisible_by",
          note="megajax pads to this multiple alone, not times the tensor size"),
     Flag("--normalization", "model.norm", STR, {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}, default="layernorm"),
     Flag("--norm-epsilon", "model.norm_eps", FLOAT),
-    Flag("--swiglu", "model.activation", SWITCH, "swiglu", default="gelu"),
+    Flag("--swiglu", "model.activation", SWITCH, "swiglu", default="gelu_tanh",
+         note="without it Megatron's MLP is GELU, computed by its fused bias-GELU: the tanh approximation; "
+              "--no-bias-gelu-fusion or --disable-bias-linear make it the exact GELU, gelu"),
     Flag("--position-embedding-type", "model.position_embedding", STR,
          {"learned_absolute": "learned", "rope": "rope", "none": "none"}, default="learned"),
     Flag("--use-rotary-position-embeddings", "model.position_embedding", SWITCH, "rope"),
@@ -243,7 +246,9 @@ FLAGS: tuple[Flag, ...] = (
     _none("--wandb-exp-name", "megajax logs to TensorBoard and metrics.jsonl", STR),
     _same("--cross-entropy-loss-fusion", XLA_FUSES),
     _same("--no-masked-softmax-fusion", XLA_FUSES),
-    _same("--no-bias-gelu-fusion", XLA_FUSES),
+    _same("--no-bias-gelu-fusion", "Megatron's unfused GELU is the exact one: model.activation=gelu when no "
+                                   "--swiglu or --squared-relu says otherwise (the fused one, its default, is the "
+                                   "tanh approximation, gelu_tanh)"),
     _same("--no-bias-swiglu-fusion", XLA_FUSES),
     _same("--no-bias-dropout-fusion", XLA_FUSES),
     _same("--no-rope-fusion", XLA_FUSES),
@@ -256,7 +261,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tokenizer-model", "data.tokenizer", STR, note="with --tokenizer-type HuggingFaceTokenizer"),
     Flag("--tokenizer-type", None, STR, {"HuggingFaceTokenizer": None, "SFTTokenizer": None, "NullTokenizer": None},
          note="HuggingFaceTokenizer, SFTTokenizer: --tokenizer-model is data.tokenizer; NullTokenizer: --vocab-size "
-              "alone; other types: " + HF_TOKENIZER),
+              "ids and its end-of-document id; other types: " + HF_TOKENIZER),
     Flag("--sft", "data.format", SWITCH, "chat",
          note="jsonl conversations through the tokenizer's chat template, only the answers trained "
               "(data.loss_on), packed (data.packing)"),
@@ -648,6 +653,9 @@ def _derive_tokenizer(g: _Given) -> None:
             g.needless("tokenizer_type", f.note)
         else:
             g.unmapped("tokenizer_type", HF_TOKENIZER)
+    vocab = g.t.assignments.get("model.vocab_size", (None,))[0]
+    if kind == "NullTokenizer" and isinstance(vocab, int):  # its ids: --vocab-size of them, then end-of-document
+        g.put("model.vocab_size", vocab + 1, f"{g.origin('vocab_size')} and NullTokenizer's end-of-document id {vocab}")
     if "tokenizer_model" in g:
         if kind in ("HuggingFaceTokenizer", "SFTTokenizer"):
             g.convert("tokenizer_model", "data.tokenizer")
@@ -693,6 +701,12 @@ def _megatron_defaults(t: Translation, given: dict[str, list[str]]) -> None:
             continue
         t.assignments[f.key] = (f.default, f"Megatron's default (no {f.flag})")
         keys.add(f.key)
+    activation = t.assignments.get("model.activation")
+    exact = next((f"--{n.replace('_', '-')}" for n in ("no_bias_gelu_fusion", "disable_bias_linear") if n in given), None)
+    if activation and activation[0] == "gelu_tanh" and activation[1].startswith("Megatron's default"):
+        # validate_args turns the fusion off without biases; unfused, Megatron's GELU is torch's exact one
+        t.assignments["model.activation"] = (("gelu", f"Megatron's unfused GELU ({exact}, no --swiglu)") if exact else
+                                             ("gelu_tanh", "Megatron's fused bias-GELU (no --swiglu)"))
     impl = t.assignments.get("model.attention_impl")
     dropout = t.assignments.get("model.attention_dropout", (0.0,))[0]
     if impl and impl[0] in ("flash", "cudnn") and isinstance(dropout, float) and dropout > 0:

@@ -27,6 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from megajax.config import MESH_AXES, Config, ModelConfig, TrainConfig, expert_tensor_folded
+from megajax.data.no_tokenizer import is_no_tokenizer, no_tokenizer_error
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, mesh_text, validate_for_model
@@ -167,7 +168,7 @@ def _absolute(path: str) -> str:
 def resolve_paths(cfg: Config) -> None:
     """User paths made absolute (relative to the current directory), so the saved config works anywhere."""
     d = cfg.data
-    if d.tokenizer != "byte":
+    if d.tokenizer != "byte" and not is_no_tokenizer(d.tokenizer):
         d.tokenizer = _absolute(d.tokenizer)
     if isinstance(d.path, str):
         d.path = _absolute(d.path)
@@ -202,6 +203,8 @@ def make_plan(cfg: Config, num_devices: int, tokenizer=None) -> RunPlan:
     `tokenizer`: one to plan with instead of loading data.tokenizer (a config for another machine)."""
     cfg = copy.deepcopy(cfg)
     resolve_paths(cfg)
+    if tokenizer is None and is_no_tokenizer(cfg.data.tokenizer):
+        raise no_tokenizer_error(cfg.data.tokenizer)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     notes = resolve_vocabulary(cfg, tokenizer)

@@ -156,7 +156,8 @@ def test_stage_boundaries_are_ignored_without_pipeline_parallelism(small_config)
 
 def test_mfu_counts_the_ssd_and_the_attention_layers_only():
     """tiny-hybrid's training FLOPs per token by hand: 6 x the matmul parameters a token meets (the
-    experts' at top-k / E), attention on its 2 attention layers, the chunked SSD on its 2 Mamba layers."""
+    experts' at top-k / E, the shared expert's whole), attention on its 2 attention layers, the chunked
+    SSD on its 2 Mamba layers."""
     from megajax.config import load_config
     from megajax.train.flops import train_flops_per_token
     cfg = load_config(["model/tiny-hybrid"], ["model.vocab_size=256"])
@@ -165,7 +166,7 @@ def test_mfu_counts_the_ssd_and_the_attention_layers_only():
     mamba = d * (2 * h * p + 2 * g * n + h) + h * p * d
     attention = d * (4 * 32 + 2 * 2 * 32) + 4 * 32 * d  # q and o 4 heads of 32, k and v 2 heads
     mlp = 2 * d * 256
-    moe = 2 * (4 * 2 * d * 128) // 4 + d * 4  # 4 experts' fc1 and fc2 at top-2, the router
+    moe = 2 * (4 * 2 * d * 128) // 4 + d * 4 + 2 * d * 128  # 4 experts' fc1 and fc2 at top-2, the router, shared
     params = 2 * (mamba + attention + mlp + moe) + d * 256
     ssd = g * q * n + h * q * p + 4 * h * p * n
     want = 6 * params + 6 * 2 * s * 4 * 32 + 3 * 2 * ssd

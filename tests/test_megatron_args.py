@@ -259,7 +259,7 @@ def test_switches_lists_and_placeholders():
     cfg = load_config(base=t.tree())
     m = cfg.model
     assert (m.family, m.norm, m.activation, m.position_embedding, m.use_bias, m.tie_embeddings) == (
-        "gpt", "layernorm", "gelu", "learned", True, True)
+        "gpt", "layernorm", "gelu_tanh", "learned", True, True)  # Megatron's fused bias-GELU: the tanh form
     assert (m.num_kv_heads, m.ffn_hidden_size, m.hidden_dropout) == (4, 256, 0.1)
     assert (cfg.optim.weight_decay, cfg.optim.beta2, cfg.optim.decay_style, cfg.optim.min_lr) == (
         0.01, 0.999, "linear", 0.0)
@@ -351,7 +351,8 @@ TINY_HYBRID = """--num-layers 8 --hidden-size 128 --num-attention-heads 4 --grou
     --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
     --init-method-std 0.02 --is-hybrid-model --hybrid-override-pattern M*-EM*-E --mamba-state-dim 16
     --mamba-head-dim 16 --mamba-num-groups 2 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 128
-    --moe-aux-loss-coeff 0.01 --seq-length 128 --max-position-embeddings 128"""
+    --moe-shared-expert-intermediate-size 128 --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    --moe-router-topk-scaling-factor 2.5 --moe-aux-loss-coeff 0.01 --seq-length 128 --max-position-embeddings 128"""
 
 
 @pytest.mark.parametrize("pattern_flag", ["--hybrid-override-pattern", "--hybrid-layer-pattern"])

@@ -14,6 +14,7 @@ from typing import Iterator
 
 
 from megajax.config import ModelConfig, VisionConfig
+from megajax.data.no_tokenizer import is_no_tokenizer
 from megajax.errors import CheckpointError, ConfigError
 from megajax.models.layout import tensor_shapes
 
@@ -161,15 +162,38 @@ def tokenizer_dir_spec(d: Path) -> str | None:
     file = d / "tokenizer.json" if d.is_dir() else d
     if not file.is_file():
         return None
-    byte = is_byte_tokenizer_file(file) and folder_chat_template(file.parent) is None
+    byte = (is_byte_tokenizer_file(file) or _byte_with_image_token(file)) and folder_chat_template(file.parent) is None
     return "byte" if byte else str(d.absolute())
+
+
+def _byte_with_image_token(file: Path) -> bool:
+    """Whether a tokenizer.json is the exported byte tokenizer with a LLaVA export's `<image>` added after its
+    257 ids (hf_processor.py): the byte tokenizer, whose ids a vision-language model's placeholder follows."""
+    import json
+    from megajax.data.tokenizer import byte_tokenizer_json
+    try:
+        data = json.loads(Path(file).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(data, dict) or not isinstance(data.get("added_tokens"), list):
+        return False
+    extra = [t for t in data["added_tokens"] if isinstance(t, dict) and t.get("content") == "<image>"]
+    if len(extra) != 1 or extra[0].get("id") != 257:
+        return False
+    data["added_tokens"] = [t for t in data["added_tokens"] if t is not extra[0]]
+    return data == json.loads(byte_tokenizer_json())
 
 
 def imported_tokenizer(found: str | None, vocab_size: int, known: str) -> tuple[str, str | None]:
     """(data.tokenizer to record for an imported model, a warning or None), from the tokenizer the import
     `found` and what its source says (`known`). Without one, only a 257-id vocabulary is called 'byte';
-    any other is recorded as unknown (its export then asks for --tokenizer)."""
+    any other is recorded as unknown (its export then asks for --tokenizer). A model trained without a
+    tokenizer (`found` is data/no_tokenizer.py's value) keeps that."""
     from megajax.data.tokenizer import ByteTokenizer
+    if is_no_tokenizer(found):
+        return found, (f"the imported model was trained without a tokenizer ({known}: pre-tokenised data), so "
+                       f"none is recorded; pass data.tokenizer=PATH when fine-tuning on text; `megajax export` "
+                       f"writes it without one, and --tokenizer PATH adds one.")
     if found is not None or vocab_size == ByteTokenizer.vocab_size:
         return found or "byte", None
     return f"unknown ({known})", (

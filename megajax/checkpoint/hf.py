@@ -39,6 +39,7 @@ from megajax.checkpoint.hf_hybrid import (HYBRID_ARCHITECTURES, MAMBA2, NEMOTRON
                                           hybrid_architecture, hybrid_config, hybrid_overrides, hybrid_rows)
 from megajax.checkpoint.mapping import (Row, conv1d, external_shape, flat, in_layer_order, index, linear,
                                         linear_rows, norm_rows, rows_for, same, to_external, to_ours)
+from megajax.checkpoint.hf_processor import check_processor, write_processor
 from megajax.checkpoint.hf_vision import (LLAVA, check_exportable, from_hf, hf_names, hf_shape, ignored,
                                           language_row, language_shapes, llava_config, to_hf, vision_config_of,
                                           vision_entries, vision_overrides)
@@ -189,11 +190,16 @@ def _ignored(name: str) -> bool:
 _ARCH_TRAITS = {
     LLAMA: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope"),
     MIXTRAL: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
-    GPT2: dict(norm="layernorm", activation="gelu", position_embedding="learned", use_bias=True,
-               tie_embeddings=True),
+    GPT2: dict(norm="layernorm", position_embedding="learned", use_bias=True, tie_embeddings=True),
     QWEN3: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
     QWEN3_MOE: dict(norm="rmsnorm", activation="swiglu", position_embedding="rope", use_bias=False),
 }
+
+
+# GPT-2's activation_function for megajax's GELUs: the exact (erf) one, and the tanh approximation
+# (transformers' gelu_new; gelu_pytorch_tanh computes the same function).
+_GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
+_GPT2_ACTIVATIONS_BACK = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 def architecture(m: ModelConfig) -> str:
@@ -210,6 +216,8 @@ def architecture(m: ModelConfig) -> str:
         return _refuse(m, arch, [f"qk_norm={m.qk_norm} (needs false: {arch} has no q/k norms)"])
     wrong = [f"{k}={getattr(m, k)} (needs {v})" for k, v in _ARCH_TRAITS[arch].items() if getattr(m, k) != v]
     if arch == GPT2:
+        if m.activation not in _GPT2_ACTIVATIONS:
+            wrong.append(f"activation={m.activation} (needs gelu or gelu_tanh)")
         if m.num_kv_heads != m.num_heads:
             wrong.append(f"num_kv_heads={m.num_kv_heads} (needs num_kv_heads = num_heads = {m.num_heads}; "
                          f"GPT-2 has no grouped-query attention)")
@@ -334,7 +342,8 @@ def _hf_config(m: ModelConfig, arch: str, dtype: str, bos: int | None, eos: int 
     config.update(architectures=[arch], bos_token_id=bos, eos_token_id=eos, use_cache=True,
                   torch_dtype=export_dtype(dtype).full_name, dtype=export_dtype(dtype).full_name)
     if arch == GPT2:
-        return dict(config, model_type="gpt2", activation_function="gelu", embd_pdrop=m.hidden_dropout,
+        return dict(config, model_type="gpt2", activation_function=_GPT2_ACTIVATIONS[m.activation],
+                    embd_pdrop=m.hidden_dropout,
                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
     if arch == DEEPSEEK_V3:
         config = {k: v for k, v in config.items() if k not in ("head_dim", "num_key_value_heads")}
@@ -554,14 +563,17 @@ def mtp_left_out(m: ModelConfig) -> str | None:
             f"export leaves its layers out (the model's own logits are unchanged)")
 
 
-def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chat_template: str | None = None) -> Path:
+def export_hf(source, out_dir, *, tokenizer_spec: str | None, dtype: str = "bf16",
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, chat_template: str | None = None,
+              eos_id: int | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Hugging Face model directory `out_dir`; returns its path.
 
-    `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory); `dtype`
-    ('bf16', 'fp16' or 'fp32', megajax/checkpoint/dtypes.py) the stored weight dtype; `chat_template` the
-    template to carry when the tokenizer has none of its own (save_hf_tokenizer). Raises CheckpointError for a
-    model the architecture cannot express or a source that does not match its
+    `tokenizer_spec` is 'byte' or a tokenizer.json (or its directory), or None for a model trained
+    without a tokenizer (pre-tokenised data): no tokenizer files, config.json's eos_token_id `eos_id`
+    (its end-of-document id, if known); `dtype` ('bf16', 'fp16' or 'fp32', megajax/checkpoint/dtypes.py)
+    the stored weight dtype; `chat_template` the template to carry when the tokenizer has none of its own
+    (save_hf_tokenizer). Raises CheckpointError for a model the architecture cannot express or a source
+    that does not match its
     config; the directory appears only when complete.
     """
     from megajax.data.tokenizer import save_hf_tokenizer
@@ -584,9 +596,12 @@ def export_hf(source, out_dir, *, tokenizer_spec: str, dtype: str = "bf16",
         rows = [language_row(r) for r in rows]
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes={max_shard_bytes} must be positive.")
-    tok = check_tokenizer(tokenizer_spec, m)
+    tok = check_tokenizer(tokenizer_spec, m) if tokenizer_spec is not None else None
     with atomic_output_dir(out_dir) as tmp:
-        bos, eos = save_hf_tokenizer(tok, tmp, max_length=m.max_position_embeddings, chat_template=chat_template)
+        bos, eos = (None, eos_id) if tok is None else save_hf_tokenizer(
+            tok, tmp, max_length=m.max_position_embeddings, chat_template=chat_template)
+        if whole.vision is not None:  # LLaVA's processor beside the tokenizer (hf_processor.py; processor_left_out)
+            write_processor(tmp, whole.vision)
         config = _hf_config(m, arch, dtype, bos, eos)
         if whole.vision is not None:
             config = llava_config(whole, config, export_dtype(dtype).full_name)
@@ -659,14 +674,15 @@ def _qwen3_overrides(c: dict, arch: str) -> dict:
 
 def _gpt2_overrides(c: dict) -> dict:
     act = c.get("activation_function", "gelu_new")
-    if act != "gelu":
-        raise CheckpointError(f"config.json activation_function={act!r}: megajax's GELU is the exact (erf) "
-                              f"one; accepted: gelu.")
+    if act not in _GPT2_ACTIVATIONS_BACK:
+        raise CheckpointError(f"config.json activation_function={act!r}: megajax has the exact (erf) GELU and its "
+                              f"tanh approximation; accepted: {', '.join(_GPT2_ACTIVATIONS_BACK)}.")
     for key, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("tie_word_embeddings", True)):
         if c.get(key, want) != want:
             raise CheckpointError(f"config.json {key}={c[key]}: megajax's GPT-2 needs {key}={want}.")
-    out = dict(read_fields(c.get, _CONFIG_FIELDS[GPT2], "config.json"), family="gpt")
+    out = dict(read_fields(c.get, _CONFIG_FIELDS[GPT2], "config.json"), family="gpt",
+               activation=_GPT2_ACTIVATIONS_BACK[act])
     if out["hidden_size"] % out["num_heads"]:
         raise CheckpointError(f"config.json n_embd={out['hidden_size']} is not divisible by n_head={out['num_heads']}.")
     return dict(out, ffn_hidden_size=out["ffn_hidden_size"] or 4 * out["hidden_size"])
@@ -885,6 +901,7 @@ def _import_llava(d: Path, c: dict) -> tuple[dict, dict]:
     text.setdefault("tie_word_embeddings", c.get("tie_word_embeddings", False))
     arch, overrides = _architecture_overrides(dict(text, architectures=None), d)
     vision = vision_overrides(c)
+    check_processor(d, vision_config_of(vision))  # its pixels are megajax's (or refused, naming what differs)
     with ExitStack() as files:
         weights = _weight_files(d, files)
         language = {}  # the language model's tensors by the names its own table has

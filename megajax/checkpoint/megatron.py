@@ -52,6 +52,7 @@ from megajax.checkpoint.torch_pickle import load as load_torch_file
 from megajax.checkpoint.torch_dist import (COMMON_FILE, COMMON_KEY, MEGATRON_VERSIONS, METADATA, NEWEST_MEGATRON,
                                            DistCheckpoint, is_torch_dist, layer_keys, read_common)
 from megajax.config import ModelConfig
+from megajax.data.no_tokenizer import no_tokenizer
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
 
@@ -59,6 +60,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
 TOKENIZER_DIR = "tokenizer"
+NULL_TOKENIZER = "NullTokenizer"  # Megatron's tokenizer_type for pre-tokenised data (no tokenizer at all)
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
@@ -263,6 +265,9 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
     if m.num_layers % pp:
         problems.append(f"model.num_layers={m.num_layers} is not divisible by pipeline_parallel={pp}")
+    if m.activation == "gelu_tanh" and not m.use_bias:
+        problems.append("model.activation=gelu_tanh with model.use_bias=false: Megatron-Core computes the tanh GELU "
+                        "only in its fused bias-GELU (bias_gelu_fusion), which needs the linear biases")
     if m.position_embedding == "rope" and m.rope_scaling == "llama3" and (
             m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_position) != (1.0, 4.0, 8192):
         problems.append(f"llama3 rope scaling with rope_low_freq_factor={m.rope_low_freq_factor}, "
@@ -312,6 +317,8 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         normalization={"rmsnorm": "RMSNorm", "layernorm": "LayerNorm"}[m.norm],
         apply_layernorm_1p=False, swiglu=m.activation == "swiglu", openai_gelu=False,
         squared_relu=m.activation == "squared_relu",
+        # Megatron's fused bias-GELU is the tanh approximation, its unfused GELU the exact one
+        bias_gelu_fusion=m.activation == "gelu_tanh",
         position_embedding_type={"rope": "rope", "learned": "learned_absolute", "none": "none"}[m.position_embedding],
         add_position_embedding=m.position_embedding == "learned", use_rotary_position_embeddings=rope,
         rotary_base=int(m.rope_theta) if float(m.rope_theta).is_integer() else m.rope_theta,
@@ -712,6 +719,18 @@ def _step_dir(d: Path) -> Path:
     return step
 
 
+# Megatron args (newer releases' names among them) that change the function the model computes, with the
+# value under which they do not; megajax's model has no counterpart, so the import refuses any other.
+_UNREPRESENTED = (
+    ("layernorm_zero_centered_gamma", False),  # --apply-layernorm-1p as megatron-core 0.19 saves it
+    ("qk_l2_norm", False), ("softmax_type", "vanilla"), ("window_size", None), ("no_rope_freq", None),
+    ("attention_output_gate", False), ("activation_func_clamp_value", None), ("glu_linear_offset", 0.0),
+    ("rotary_seq_len_interpolation_factor", None), ("mrope_section", None),
+    ("experimental_attention_variant", None), ("heterogeneous_layers_config_path", None),
+    ("heterogeneous_layers_config_encoded_json", None), ("linear_attention_freq", None),
+)
+
+
 def _arg(args, name: str, default=None):
     value = getattr(args, name, None)
     return default if value is None else value
@@ -725,6 +744,9 @@ def _overrides_from_args(args) -> dict:
     for name in ("apply_layernorm_1p", "openai_gelu", "rotary_interleaved", "apply_residual_connection_post_layernorm"):
         if _arg(args, name, False):
             reject(name, getattr(args, name), "False")
+    for name, neutral in _UNREPRESENTED:
+        if _arg(args, name, neutral) != neutral:
+            reject(name, getattr(args, name), repr(neutral))
     moe = {}
     if _arg(args, "num_experts"):
         score = _arg(args, "moe_router_score_function", "softmax")
@@ -780,11 +802,10 @@ def _overrides_from_args(args) -> dict:
     out.update(family="llama" if position == "rope" or hybrid_fields else "gpt",
                num_kv_heads=_arg(args, "num_query_groups", heads) if _arg(args, "group_query_attention") else heads,
                ffn_hidden_size=out["ffn_hidden_size"] or 4 * hidden,
-               vocab_size=out["vocab_size"] or _arg(args, "padded_vocab_size"),
+               vocab_size=_vocab_size(args),
                max_position_embeddings=out["max_position_embeddings"] or _arg(args, "seq_length"),
                norm="rmsnorm" if normalization == "RMSNorm" else "layernorm",
-               activation="swiglu" if _arg(args, "swiglu", False) else
-               "squared_relu" if _arg(args, "squared_relu", False) else "gelu",
+               activation=_activation(args),
                position_embedding={"rope": "rope", "learned_absolute": "learned", "none": "none"}[position],
                tie_embeddings=not _arg(args, "untie_embeddings_and_output_weights", False),
                norm_eps=float(_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))),
@@ -811,6 +832,37 @@ def _overrides_from_args(args) -> dict:
             raise CheckpointError(f"Megatron args {vision.ARG}={fields!r}: {e}; expected model.vision's "
                                   f"fields.") from None
     return out
+
+
+def _activation(args) -> str:
+    """model.activation of Megatron args. Without --swiglu or --squared-relu Megatron-Core's MLP runs GELU:
+    with bias_gelu_fusion (Megatron-LM's default; validate_args turns it off without biases) its fused
+    bias-GELU, the tanh approximation; otherwise torch's exact (erf) GELU. Args without the field (older
+    megajax exports) mean the exact one."""
+    if _arg(args, "swiglu", False):
+        return "swiglu"
+    if _arg(args, "squared_relu", False):
+        return "squared_relu"
+    fused = _arg(args, "bias_gelu_fusion", False) and _arg(args, "add_bias_linear", True)
+    return "gelu_tanh" if fused else "gelu"
+
+
+def _vocab_size(args) -> int | None:
+    """The model's vocabulary from Megatron args: --vocab-size, which for a NullTokenizer run is the size
+    before its end-of-document id (that tokenizer has vocab_size + 1 ids, the last one end-of-document),
+    else padded_vocab_size (the tokenizer's ids are not in the args)."""
+    vocab = _arg(args, "vocab_size")
+    if vocab is not None and _arg(args, "tokenizer_type") == NULL_TOKENIZER:
+        return int(vocab) + 1
+    return vocab if vocab is not None else _arg(args, "padded_vocab_size")
+
+
+def null_tokenizer_eod(args) -> int | None:
+    """The end-of-document id of a NullTokenizer run's args (its vocab_size, or null_tokenizer_eod_id where
+    the args name one); None for another tokenizer."""
+    if _arg(args, "tokenizer_type") != NULL_TOKENIZER or _arg(args, "vocab_size") is None:
+        return None
+    return int(_arg(args, "null_tokenizer_eod_id", args.vocab_size))
 
 
 def _mla_overrides(args, qk_layernorm: bool, reject) -> dict:
@@ -1224,14 +1276,18 @@ def megatron_dtype(in_dir, *, trust: bool = False) -> str:
 
 def megatron_tokenizer(in_dir, *, trust: bool = False) -> tuple[str | None, str]:
     """(data.tokenizer for a Megatron checkpoint's tokenizer, or None; what its args say of it): the
-    HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model."""
+    HuggingFaceTokenizer folder `tokenizer/` beside the iterations (export_megatron's) or at tokenizer_model;
+    for a NullTokenizer run (pre-tokenised data) with no such folder, data/no_tokenizer.py's value."""
     step, args = _args(in_dir, trust)
     said = {k: _arg(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     places = [step.parent / TOKENIZER_DIR] if said["tokenizer_type"] in (None, "HuggingFaceTokenizer") else []
     if said["tokenizer_type"] == "HuggingFaceTokenizer" and said["tokenizer_model"]:
         places.append(Path(str(said["tokenizer_model"])))
     found = next((spec for spec in map(tokenizer_dir_spec, places) if spec is not None), None)
-    return found, "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")
+    known = "Megatron args " + (", ".join(f"{k}={v!r}" for k, v in said.items() if v) or "no tokenizer_type")
+    if found is None and said["tokenizer_type"] == NULL_TOKENIZER:  # pre-tokenised data: there is no tokenizer
+        found = no_tokenizer(known, null_tokenizer_eod(args))
+    return found, known
 
 
 def megatron_config(in_dir, *, trust: bool = False) -> tuple[dict, str | None]:

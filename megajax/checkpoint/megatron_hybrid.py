@@ -13,7 +13,8 @@ is fused into its first linear (TELayerNormColumnParallelLinear), except a mixtu
        decoder.layers.{i}.mixer.out_proj.weight  [D, d_in]               row-parallel
     *  decoder.layers.{i}.self_attention.linear_qkv.{layer_norm_weight, weight}, .linear_proj.weight
     -  decoder.layers.{i}.mlp.linear_fc1.{layer_norm_weight, weight}, mlp.linear_fc2.weight
-    E  decoder.layers.{i}.pre_mlp_layernorm.weight, mlp.router.weight, the experts (a GPT MoE layer's names)
+    E  decoder.layers.{i}.pre_mlp_layernorm.weight, mlp.router.weight (and .expert_bias), the experts and the
+       shared experts (a GPT MoE layer's names)
        decoder.final_norm.weight, embedding.word_embeddings.weight, output_layer.weight
 
 Tensor parallelism splits in_proj and conv1d part by part (MambaMixer builds each rank's in_proj
@@ -101,14 +102,18 @@ def hybrid_rows(shapes: dict, m: ModelConfig, decoder_rows: tuple[Row, ...]) -> 
     layers = [r for j, kind in enumerate(m.hybrid_group())
               for r in rows_for(_slot_rows(kind, slots[j], decoder_rows),
                                 {k: v for k, v in shapes.items() if k.startswith(slots[j])}, "Megatron-Core")]
+    if EXPERT_BIAS in shapes:  # the MoE layers' router expert bias: one row of `layers/` per MoE layer
+        layers += [r for r in decoder_rows if r.per_layer and r.parts[0].path == EXPERT_BIAS]
     return rows[:first] + layers + rows[first:]
 
 
 def layer_rows(rows: list[Row], m: ModelConfig, layer: int) -> Iterator[tuple[Row, int]]:
     """(row, index in the stack) for the rows of model layer `layer`: its slot's in the repeating group."""
-    g = len(m.hybrid_group())
+    g, pattern = len(m.hybrid_group()), m.hybrid_pattern()
     slot = f"layers/layer{layer % g}/"
     yield from ((r, layer // g) for r in rows if r.per_layer and r.parts[0].path.startswith(slot))
+    if pattern[layer] == "E":  # its router's expert bias, at its index among the MoE layers
+        yield from ((r, pattern[:layer].count("E")) for r in rows if r.per_layer and r.parts[0].path == EXPERT_BIAS)
 
 
 def extra_state(m: ModelConfig, layer: int, local: int, moe_keys) -> list[str]:
@@ -132,8 +137,6 @@ def check_exportable(m: ModelConfig, tp: int) -> list[str]:
                             f"{MEGATRON_CONV_KERNEL} wide (Megatron-LM has no flag for it)")
     if m.qk_norm:
         problems.append("model.qk_norm=true: the hybrid model's attention layers have no q/k norms")
-    if m.moe_router_bias_update_rate > 0 and m.num_experts:
-        problems.append("model.moe_router_bias_update_rate > 0: megajax does not write a hybrid's expert bias yet")
     return problems
 
 

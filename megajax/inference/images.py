@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from megajax.config import VisionConfig
+from megajax.config import VISION_NORMALISATION, VisionConfig
 from megajax.data.tiles import cut_tiles, image_run
 from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file  # noqa: F401 (the server's too)
 from megajax.errors import DataError
 
 IMAGE_MARKER = "<image>"  # where a prompt's image goes (prepended when the prompt has none)
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-NORMALISATION = {"siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)), "clip": (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)}
+NORMALISATION = VISION_NORMALISATION  # each form's (mean, std)
 
 
 def read_image(path: str):

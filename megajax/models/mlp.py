@@ -70,6 +70,6 @@ class MLP(nnx.Module):
         elif self.activation == "squared_relu":
             hidden = jnp.square(jax.nn.relu(self.fc1(x_BxLxD, rngs[0], RESIDUAL)))
         else:
-            hidden = jax.nn.gelu(self.fc1(x_BxLxD, rngs[0], RESIDUAL), approximate=False)
+            hidden = jax.nn.gelu(self.fc1(x_BxLxD, rngs[0], RESIDUAL), approximate=self.activation == "gelu_tanh")
         hidden = logical_constraint(hidden, ACT_MLP)
         return self.fc2(hidden, rngs[1], ACT_MLP)

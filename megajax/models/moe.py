@@ -46,7 +46,8 @@ from megajax.models.layers import LinearOps, normal_init, softmax, softmax_lse
 from megajax.models.lora import ExpertLoRA
 from megajax.models.mlp import MLP
 
-EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2"), "squared_relu": ("fc1", "fc2")}
+EXPERT_KERNELS = {"swiglu": ("gate", "up", "fc2"), "gelu": ("fc1", "fc2"), "gelu_tanh": ("fc1", "fc2"),
+                  "squared_relu": ("fc1", "fc2")}
 # The expert kernels' logical axes: [E, D, F] in, [E, F, D] out. Their hidden dim is `expert_mlp`, not
 # the dense MLP's `mlp`: parallel.expert_tensor_parallel gives the experts their own tensor split.
 EXPERT_KERNEL_AXES = {"gate": ("experts", "embed", "expert_mlp"), "up": ("experts", "embed", "expert_mlp"),
@@ -127,7 +128,7 @@ def _hidden(pre: dict, activation: str) -> jax.Array:
         return jax.nn.silu(pre["gate"]) * pre["up"]
     if activation == "squared_relu":
         return jnp.square(jax.nn.relu(pre["fc1"]))
-    return jax.nn.gelu(pre["fc1"], approximate=False)
+    return jax.nn.gelu(pre["fc1"], approximate=activation == "gelu_tanh")
 
 
 def _tile_mlp(x_TxD: jax.Array, w: dict, activation: str) -> jax.Array:
