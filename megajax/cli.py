@@ -602,7 +602,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
           prefix_caching=args.enable_prefix_caching,
-          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
+          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path,
+          chat_template_source=f"--chat-template {args.chat_template}" if args.chat_template else "")
     return 0
 
 

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.data.chat_template import (ChatTemplateError, find_chat_template, has_generation_tags,
-                                        render_chat, render_with_answers, special_token)
+from megajax.data.chat_template import (ChatTemplateError, TemplateLimit, chat_template_source, check_chat_template,
+                                        find_chat_template, has_generation_tags, naming, render_chat,
+                                        render_with_answers, special_token)
 from megajax.errors import ConfigError, DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -139,7 +140,10 @@ BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% 
 def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
     """The tokenizer's chat template (the byte tokenizer's: BYTE_CHAT_TEMPLATE), or a DataError saying
     where one is looked for."""
-    template = find_chat_template(tokenizer)
+    try:
+        template = find_chat_template(tokenizer)
+    except ChatTemplateError as e:
+        raise DataError(f"{key} = {getattr(tokenizer, 'name', 'byte')!r}: {e}.") from None
     if template is None and getattr(tokenizer, "name", "byte") == "byte":
         return BYTE_CHAT_TEMPLATE
     if template is None:
@@ -148,6 +152,32 @@ def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
                         f"tokenizer whose tokenizer_config.json holds \"chat_template\" (or with a "
                         f"chat_template.jinja beside its tokenizer.json).")
     return template
+
+
+def checked_chat_template(tokenizer, key: str = "data.tokenizer") -> tuple[str, str]:
+    """(template, where it comes from) of chat_template_of, checked to compile and to render a plain
+    conversation (megajax.data.chat_template.check_chat_template): a DataError naming the template's file
+    otherwise, before any data is read."""
+    template = chat_template_of(tokenizer, key)
+    source = chat_template_source(tokenizer) or "the byte tokenizer's built-in template"
+    try:
+        check_chat_template(template, source, bos_token=special_token(tokenizer, "bos_token"),
+                            eos_token=special_token(tokenizer, "eos_token"))
+    except ChatTemplateError as e:
+        raise DataError(f"{key} = {getattr(tokenizer, 'name', 'byte')!r}: {e}. Fix the template, or give {key} a "
+                        f"tokenizer whose chat template works.") from None
+    return template, source
+
+
+def conversation_error(e: ChatTemplateError, where: str, source: str = "") -> DataError:
+    """A template's failure on the conversation at `where` ("FILE:LINE"): the line first when the template
+    refused that conversation (its raise_exception) or cannot mark its answers; the template first otherwise
+    (it fails on this conversation's content, or went past megajax's bounds on it)."""
+    said = naming(e, source)
+    if e.refused or not str(e).startswith("the chat template"):
+        return DataError(f"{where}: {said}.")
+    fix = ("shorten the conversation or fix the template" if isinstance(e, TemplateLimit) else "fix the template")
+    return DataError(f"{said}, on the conversation at {where}; {fix}.")
 
 
 # ----------------------------------------------------------------------------
@@ -205,12 +235,12 @@ def read_conversations(files: list[Path]):
             yield where, read_messages(record, where)
 
 
-def tokenize_files(tokenizer, template: str, files: list[Path]) -> list[Conversation]:
-    """Every conversation of the files, encoded (errors name the file and line)."""
+def tokenize_files(tokenizer, template: str, files: list[Path], source: str = "") -> list[Conversation]:
+    """Every conversation of the files, encoded (errors name the file and line, and the template's `source`)."""
     out = []
     for where, messages in read_conversations(files):
         try:
             out.append(encode_conversation(tokenizer, template, messages))
         except ChatTemplateError as e:
-            raise DataError(f"{where}: {e}.") from None
+            raise conversation_error(e, where, source) from None
     return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from megajax.config import Config, parse_split
 from megajax.data.blend import BlendedDataset, blend_sizes, build_datasets, parse_data_path
-from megajax.data.chat import chat_files, chat_template_of, tokenize_files
+from megajax.data.chat import chat_files, chat_template_of, checked_chat_template, tokenize_files
 from megajax.data.gpt_dataset import SPLIT_NAMES, split_ranges
 from megajax.data.sft_dataset import ChatDataset
 from megajax.data.corpus import stdlib_corpus
@@ -102,14 +102,14 @@ def build_chat_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, 
     split by data.split (in file order, as Megatron splits documents), packed per split; a weighted
     list of paths is blended as Megatron blends."""
     d = cfg.data
-    template = chat_template_of(tokenizer)
+    template, source = checked_chat_template(tokenizer)
     paths, weights = parse_data_path(d.path or str(instruct_train_file()))
     counts = split_sample_counts(cfg)
     sizes = [blend_sizes(weights, n) for n in counts] if len(paths) > 1 else None
     pad = getattr(tokenizer, "eod_id", None) or 0
     per_path, report = [], []
     for j, path in enumerate(paths):
-        conversations = tokenize_files(tokenizer, template, chat_files(path))
+        conversations = tokenize_files(tokenizer, template, chat_files(path), source)
         if not conversations:
             raise DataError(f"data.path {path!r} holds no conversations (every line is blank).")
         top = max(int(c.ids.max(initial=0)) for c in conversations)
@@ -145,7 +145,7 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
     """(train, valid or None, report lines) of data.format=webdataset: the samples of data.path's tar
     shards (empty: the embedded drawn shapes, megajax/data/shapes.py) in shard order, split by
     data.split; unpaired members are reported (or fatal with data.strict)."""
-    from megajax.data.chat_template import find_chat_template
+    from megajax.data.chat_template import ChatTemplateError, find_chat_template
     from megajax.data.shapes import shapes_shards
     from megajax.data.webdataset import ImageTextDataset, index_shards, shard_files
     d, v = cfg.data, cfg.model.vision
@@ -161,9 +161,14 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
     if not index.samples:
         raise DataError(f"data.path = {path!r}: the shards hold no image-text samples (an image and a json of the "
                         f"same key).")
-    template = find_chat_template(tokenizer)
+    try:
+        template = find_chat_template(tokenizer)
+    except ChatTemplateError as e:
+        raise DataError(f"data.tokenizer = {d.tokenizer!r}: {e}.") from None
     if template is None and getattr(tokenizer, "name", "byte") == "byte":
         template = chat_template_of(tokenizer)
+    if template is not None:  # conversations among the samples: the template is checked before any is read
+        template, _ = checked_chat_template(tokenizer)
     counts = split_sample_counts(cfg)
     datasets = []
     for i, (name, rng) in enumerate(zip(SPLIT_NAMES[:2], split_ranges(d.split, len(index.samples))[:2])):

@@ -48,7 +48,8 @@ from pathlib import Path
 import numpy as np
 
 from megajax.config import VisionConfig
-from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
+from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, conversation_error,
+                                jsonl_records)
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
 from megajax.errors import DataError
@@ -263,7 +264,7 @@ def sample_text(record, where: str, tokenizer, template: str | None, loss_on: st
             if not has_generation_tags(template):
                 spans = _turn_spans(template, messages, text, specials)
         except ChatTemplateError as e:
-            raise DataError(f"{where}: {e}.") from None
+            raise conversation_error(e, where) from None
         if loss_on == "all":
             spans = [(0, len(text))]
         ids, trained, images = encode_with_images(tokenizer, text, spans, image_token_id, image_seq_length, run)
@@ -454,6 +455,12 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
                     from None
             if "messages" in record:
                 check_messages(record["messages"], where)
+            texts = [m["content"] for m in record["messages"]] if "messages" in record else [record["caption"]]
+            markers = sum(t.count(MARKER) for t in texts)
+            if markers > 1:
+                what = "conversation" if "messages" in record else "caption"
+                raise DataError(f"{where}: the {what} holds {markers} \"{MARKER}\" markers for the sample's one image "
+                                f"({str(path)!r}); give one marker where the image goes, or none to put it first.")
             yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record
 
     count = 0

@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from megajax.data.chat_template import (  # noqa: F401  (the server's names for them)
-    ChatTemplateError, compile_chat_template, find_chat_template, render_chat, special_token)
+    ChatTemplateError, TemplateLimit, check_chat_template, compile_chat_template, find_chat_template, naming,
+    render_chat, special_token)
+from megajax.data.chat_template import chat_template_source as chat_template_source_of  # noqa: F401
 from megajax.errors import UserError
 
 
