@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 from megajax.errors import ConfigError, UserError
 from megajax.paths import check_outputs as _check_outputs
+from megajax.paths import removed_on_failure
 from megajax.xla_env import prepare as _prepare_xla  # before JAX starts: XLA reads XLA_FLAGS once
 
 
@@ -50,6 +52,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megajax.train.stop_signals import exit_status
+    try:
+        return _train(args)
+    except KeyboardInterrupt as e:  # a signal before the run's own handlers (megajax/train/stop_signals.py)
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"megajax: {name} received during start-up, before the first step: stopped; nothing to save.",
+              flush=True)
+        return exit_status(name)
+
+
+def _train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     cfg = train_config(args.config, args.overrides)
     _prepare_xla(cfg.mesh.cpu_devices)
@@ -61,8 +74,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             distributed.initialize(cfg)  # raises the error naming train.run_dir
         return distributed.supervise(args.argv, plan, cfg.distributed, cfg.train.run_dir)
     distributed.initialize(cfg)  # a multi-process run joins the runtime before JAX touches a device
-    result = run_training(cfg)
-    return 130 if result.stopped_by == "SIGINT" else 0
+    from megajax.train.stop_signals import exit_status
+    return exit_status(run_training(cfg).stopped_by)
 
 
 def run_training(cfg, devices: list | None = None):
@@ -350,7 +363,8 @@ def _import_peft(args: argparse.Namespace) -> int:
         for k in path.split("/")[:-1]:
             node = node.setdefault(k, {})
         node[path.split("/")[-1]] = x
-    step_dir = write_params_checkpoint(nested, cfg, args.output, meta={"lora_base": base_reference(cfg)})
+    with removed_on_failure(args.output, Path(args.output) / "checkpoints"):
+        step_dir = write_params_checkpoint(nested, cfg, args.output, meta={"lora_base": base_reference(cfg)})
     print(f"megajax import: {args.input} -> {step_dir} (LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets "
           f"{', '.join(lora.targets)}; base {source.step_dir})")
     return 0
@@ -378,7 +392,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if overrides.get("max_position_embeddings"):
         base["train"] = {"seq_len": min(overrides["max_position_embeddings"], 2048)}
     cfg = load_config(base=base)
-    step_dir = write_params_checkpoint(params, cfg, args.output)
+    with removed_on_failure(args.output, Path(args.output) / "checkpoints"):
+        step_dir = write_params_checkpoint(params, cfg, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (tokenizer {tokenizer}); fine-tune with "
           f"checkpoint.load={args.output} (the model.* settings come from its meta).")
     if warning:
@@ -874,14 +889,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megajax {argv[0]}: error: {_paragraph(e)}", file=sys.stderr)
         return 2
     args.argv = argv
+    previous = _stop_on_sigterm()
     try:
         return args.func(args)
     except UserError as e:
         print(f"megajax {args.command}: error: {_paragraph(e)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"megajax {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); what was being written is removed
+        terminated = isinstance(e, Terminated)
+        print(f"megajax {args.command}: stopped by {'SIGTERM' if terminated else 'Ctrl-C (SIGINT)'} before it "
+              f"finished; nothing it was writing was left behind.", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), raised in the main thread as Ctrl-C raises KeyboardInterrupt,
+    so every verb stops the same way: outputs being written are removed on the way out (their `finally`
+    and `except BaseException` blocks), one line says so, exit status 143. `megajax train` and `megajax
+    serve` install their own handlers while they run (a checkpoint, a drain) and restore this one."""
+
+
+def _stop_on_sigterm():
+    """Installs the SIGTERM handler raising Terminated; returns the handler it replaced (None off the main
+    thread, where signals cannot be handled)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise Terminated()
+    return signal.signal(signal.SIGTERM, stop)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import numpy as np
 from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
 from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
+from megajax.paths import refuse_existing
 
 INPUT_FORMATS = ("auto", "jsonl", "lines", "files")
 DECODE_ERRORS = ("strict", "replace")
@@ -111,7 +112,10 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool,
-                 errors: str = "strict") -> None:
+                 errors: str = "strict", worker: bool = False) -> None:
+    if worker:  # Ctrl-C reaches the whole process group: the main process stops the pool, the workers wait for it
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not parallel_tokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(tokenizer, key="--tokenizer")
@@ -188,7 +192,7 @@ def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
         _init_worker(*initargs)
         yield from map(encode_chunk, chunks)
         return
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, initargs)
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, (*initargs, True))
     try:
         pending: deque = deque()
         for chunk in chunks:
@@ -249,6 +253,8 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
                           f"tokenizer that has one.")
     dtype = optimal_dtype(tok.vocab_size)
     summary = Summary({k: output_prefix(output, k) for k in json_keys}, dtype=dtype.name)
+    outputs = [f"{p}.{ext}" for p in summary.prefixes.values() for ext in ("bin", "idx")]
+    refuse_existing("--output-prefix", output, outputs, "a dataset written before")
     total = None if any(p.endswith(".gz") for p in inputs) else sum(os.path.getsize(p) for p in inputs)
     writers = {k: IndexedDatasetWriter(p, dtype) for k, p in summary.prefixes.items()}
     from tqdm import tqdm

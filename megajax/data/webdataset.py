@@ -53,6 +53,7 @@ from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spa
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
 from megajax.errors import DataError
+from megajax.paths import fresh_output_dir
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 MARKER = "<image>"
@@ -393,7 +394,7 @@ def write_shards(samples, output: str | Path, *, shard_size: int = 1000, prefix:
     """Writes (key, image field, image bytes, json record) samples as tar shards
     <output>/<prefix>-000000.tar, ... of `shard_size` samples each (members <key>.<field> and
     <key>.json, adjacent, in order); returns the shard paths. Each shard is written to a temporary name
-    and renamed when complete."""
+    and renamed when complete; a failure (an error in the samples, Ctrl-C) removes the shard it was writing."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
@@ -409,17 +410,23 @@ def write_shards(samples, output: str | Path, *, shard_size: int = 1000, prefix:
         tar.close()
         paths[-1].with_suffix(".tar.tmp").rename(paths[-1])
 
-    for key, fld, image, record in samples:
-        if count % shard_size == 0:
-            if tar is not None:
-                close()
-            paths.append(out / f"{prefix}-{len(paths):06d}.tar")
-            tar = tarfile.open(paths[-1].with_suffix(".tar.tmp"), "w", format=tarfile.USTAR_FORMAT)
-        add(f"{key}.{fld}", image)
-        add(f"{key}.json", json.dumps(record, ensure_ascii=False).encode("utf-8"))
-        count += 1
-    if tar is not None:
-        close()
+    try:
+        for key, fld, image, record in samples:
+            if count % shard_size == 0:
+                if tar is not None:
+                    close()
+                paths.append(out / f"{prefix}-{len(paths):06d}.tar")
+                tar = tarfile.open(paths[-1].with_suffix(".tar.tmp"), "w", format=tarfile.USTAR_FORMAT)
+            add(f"{key}.{fld}", image)
+            add(f"{key}.json", json.dumps(record, ensure_ascii=False).encode("utf-8"))
+            count += 1
+        if tar is not None:
+            close()
+    except BaseException:
+        if tar is not None and not tar.closed:
+            tar.close()
+            paths[-1].with_suffix(".tar.tmp").unlink(missing_ok=True)
+        raise
     return paths
 
 
@@ -427,7 +434,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
     """`megajax preprocess --format webdataset`: the images of the folder `images` named by the jsonl
     `captions` (one {"image": file relative to the folder, "caption": ...} or {"image": ..., "messages": [...]}
     per line) as tar shards in `output`; (shards, samples). The image files are stored as they are
-    (checked to decode), keyed by their line number."""
+    (checked to decode), keyed by their line number. `output` must be new or empty (an earlier run's shards
+    are never replaced or mixed with new ones); the shards are written beside it under a temporary name and
+    moved there when all are complete."""
     from PIL import Image
     folder, lines = Path(images), Path(captions)
     if not folder.is_dir():
@@ -471,7 +480,8 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
             count += 1
             yield s
 
-    paths = write_shards(counted(), output, shard_size=shard_size)
-    if not count:
-        raise DataError(f"--captions {captions!r} holds no samples (every line is blank).")
-    return paths, count
+    with fresh_output_dir("--output-dir", output) as partial:  # the shards appear together, complete, or not at all
+        names = [p.name for p in write_shards(counted(), partial, shard_size=shard_size)]
+        if not count:
+            raise DataError(f"--captions {captions!r} holds no samples (every line is blank).")
+    return [Path(output) / name for name in names], count
