@@ -505,33 +505,26 @@ def _gemm_table(cfg, path: str) -> int:
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     """--prompt values, or --prompts-file: one prompt per line, or (.jsonl) a JSON string or an object
-    with "prompt" per line."""
-    import json
+    with "prompt" per line (UTF-8, megajax.data.text_files)."""
     if bool(args.prompt) == bool(args.prompts_file):
         raise UserError("megajax generate needs --prompt TEXT (repeatable) or --prompts-file FILE, one of them.")
     if args.prompt:
         return list(args.prompt)
+    from megajax.data.text_files import json_line, text_lines
     path = Path(args.prompts_file)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--prompts-file {str(path)!r}: cannot read it ({e}).") from None
-    if path.suffix != ".jsonl":
-        prompts = [line for line in lines if line.strip()]
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except ValueError as e:
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: not JSON ({e}).") from None
-            item = item.get("prompt") if isinstance(item, dict) else item
-            if not isinstance(item, str):
-                raise UserError(f"--prompts-file {str(path)!r}, line {n}: expected a JSON string or an object "
-                                f"with a \"prompt\" string.")
-            prompts.append(item)
+    name = f"--prompts-file {str(path)!r}"
+    prompts = []
+    for n, line in text_lines(path, name):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        item = json_line(line, f"{name}, line {n}")
+        item = item.get("prompt") if isinstance(item, dict) else item
+        if not isinstance(item, str):
+            raise UserError(f"{name}, line {n}: expected a JSON string or an object with a \"prompt\" string.")
+        prompts.append(item)
     if not prompts:
         raise UserError(f"--prompts-file {str(path)!r} holds no prompts.")
     return prompts

@@ -66,7 +66,8 @@ def refuse_existing(option: str, value: str, paths, what: str = "an earlier outp
     if found:
         listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
         raise UserError(f"{option} {value}: {listed} already exist{'s' if len(found) == 1 else ''} ({what}); this "
-                        f"command does not replace it: choose another {option} or remove what is there.")
+                        f"command does not replace an earlier output: choose another {option} or remove what is "
+                        f"there.")
 
 
 @contextlib.contextmanager

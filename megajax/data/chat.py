@@ -28,6 +28,7 @@ import numpy as np
 from megajax.data.chat_template import (ChatTemplateError, TemplateLimit, chat_template_source, check_chat_template,
                                         find_chat_template, has_generation_tags, naming, render_chat,
                                         render_with_answers, special_token)
+from megajax.data.text_files import json_line, text_lines
 from megajax.errors import ConfigError, DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -193,6 +194,11 @@ def chat_files(path: str, key: str = "data.path") -> list[Path]:
             raise DataError(f"{key} = {path!r}: the directory holds no *.jsonl files; data.format=chat reads "
                             f"jsonl conversations.")
         return files
+    indexed = str(p)[:-4] if p.suffix in (".bin", ".idx") else str(p)
+    if Path(indexed + ".bin").is_file() and Path(indexed + ".idx").is_file():
+        raise DataError(f"{key} = {path!r} is a Megatron indexed dataset ({indexed}.bin/.idx), which "
+                        f"data.format=gpt reads (give its prefix, {indexed}); data.format=chat reads jsonl files of "
+                        f"conversations.")
     if p.is_file():
         return [p]
     raise DataError(f"{key} = {path!r}: no such file or directory; data.format=chat reads a jsonl file of "
@@ -200,7 +206,12 @@ def chat_files(path: str, key: str = "data.path") -> list[Path]:
 
 
 def read_messages(record, where: str) -> list[dict]:
-    """A jsonl record's messages: {"messages": [...]} or {"prompt", "completion"}."""
+    """A jsonl record's messages: {"messages": [...]} or {"prompt", "completion"}, not both."""
+    both = [f'"{k}"' for k in ("prompt", "completion") if k in record] if isinstance(record, dict) else []
+    if isinstance(record, dict) and "messages" in record and both:
+        raise DataError(f"{where}: the record holds both \"messages\" and {' and '.join(both)}; "
+                        f"a conversation is either {{\"messages\": [...]}} or {{\"prompt\": ..., \"completion\": "
+                        f"...}}, not both: keep the one meant.")
     if isinstance(record, dict) and "messages" in record:
         return check_messages(record["messages"], where)
     if isinstance(record, dict) and "prompt" in record and "completion" in record:
@@ -213,18 +224,15 @@ def read_messages(record, where: str) -> list[dict]:
 
 
 def jsonl_records(path, name=None, hint: str = ""):
-    """(line number, where "NAME:LINE", record) of every non-blank line of the jsonl file `path` (named `name` in
-    messages, default the path); a DataError naming file and line (then `hint`) for invalid JSON."""
-    with open(path, encoding="utf-8") as lines:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path if name is None else name}:{n}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not valid JSON ({e}){hint}.") from None
-            yield n, where, record
+    """(line number, where "NAME:LINE", record) of every non-blank line of the UTF-8 jsonl file `path` (named
+    `name` in messages, default the path; megajax.data.text_files' rules: a leading byte-order mark is
+    dropped); a DataError naming file and line (then `hint`) for bytes that are not UTF-8, invalid JSON, or
+    a lone surrogate escape."""
+    for n, line in text_lines(path, name):
+        if not line.strip():
+            continue
+        where = f"{path if name is None else name}:{n}"
+        yield n, where, json_line(line, where, hint)
 
 
 def read_conversations(files: list[Path]):

@@ -18,6 +18,7 @@ answer spans.
 
 from __future__ import annotations
 
+import codecs
 import contextvars
 import json
 import re
@@ -53,7 +54,7 @@ def _template_and_source(tokenizer) -> tuple[str | None, str]:
     path = folder / "chat_template.jinja" if folder is not None else None
     if path is not None and path.is_file():
         try:
-            return path.read_text(encoding="utf-8"), str(path)
+            return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"the chat template {path} cannot be read ({e}); it must be UTF-8 text") from None
     return None, ""

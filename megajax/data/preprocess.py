@@ -21,6 +21,7 @@ tokenized in worker processes and written back in input order.
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import multiprocessing
@@ -35,6 +36,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
+from megajax.data.text_files import lone_surrogate, without_surrogates
 from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
 from megajax.paths import refuse_existing
@@ -123,7 +125,10 @@ def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tok
 
 
 def _decode(raw: bytes, chunk: Chunk, index: int, errors: str) -> str:
-    """UTF-8 text of one item (a line, or a whole file); strict: a DataError naming file and line."""
+    """UTF-8 text of one item (a line, or a whole file; a byte-order mark opening a file dropped); strict: a
+    DataError naming file and line."""
+    if chunk.fmt == "files" or (index == 0 and chunk.first_line == 1):
+        raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
@@ -155,6 +160,12 @@ def _texts(chunk: Chunk, keys: list[str], errors: str = "strict") -> dict[str, l
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}); jsonl input needs one JSON object per "
                             f"line (use --input-format lines for plain text).") from None
+        if "\\u" in line and lone_surrogate(obj):  # "\ud800": valid JSON, not a character
+            if errors == "strict":
+                raise DataError(f"{where}: the JSON escape {lone_surrogate(obj)} is half of a UTF-16 surrogate pair "
+                                f"without its other half (not a character; no UTF-8 form); give the whole pair or "
+                                f"the character, or pass --errors replace to substitute U+FFFD.")
+            obj = without_surrogates(obj)
         for key in keys:
             if not isinstance(obj, dict) or key not in obj:
                 found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__

@@ -3,6 +3,7 @@ conversations with the same sandbox); this module adds `--chat-template FILE`'s 
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 from megajax.data.chat_template import (  # noqa: F401  (the server's names for them)
@@ -17,9 +18,9 @@ def read_chat_template(path: str) -> str:
     file now, rather than a 400 for every chat request)."""
     accepted = "give a Jinja chat template file (the text of a tokenizer_config.json's \"chat_template\")"
     try:
-        template = Path(path).expanduser().read_text()
+        template = Path(path).expanduser().read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--chat-template {path!r}: cannot read it ({e}); {accepted}.") from None
+        raise UserError(f"--chat-template {path!r}: cannot read it as UTF-8 text ({e}); {accepted}.") from None
     if not template.strip():
         raise UserError(f"--chat-template {path!r} is empty; {accepted}.")
     try:

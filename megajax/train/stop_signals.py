@@ -158,8 +158,8 @@ class StopSignals:
                 if got:
                     self._end_now(got[0], phase, "a second signal")
                 elif first is not None and time.monotonic() >= first[0] + GRACE_SECONDS:
-                    self._end_now(first[1], phase, f"the phase did not stop within {GRACE_SECONDS:g} s (it runs "
-                                                   f"outside Python, e.g. XLA compiling)")
+                    self._end_now(first[1], phase, f"it had not stopped {GRACE_SECONDS:g} s later: the phase runs "
+                                                   f"outside Python, e.g. XLA compiling")
         finally:
             os.close(fd)
 
