@@ -185,7 +185,7 @@ def size_of(x, budget: _Budget | None = None) -> int:
 
 def _refuse_over(size: int, what: str) -> None:
     if size > MAX_CHARS:
-        raise TemplateLimit(f"the chat template would build {what} of {size:,} characters, past megajax's bound of "
+        raise TemplateLimit(f"the chat template would build {what}: {size:,} characters, past megajax's bound of "
                             f"{MAX_CHARS:,} on any string or list a chat template builds")
 
 
@@ -300,6 +300,19 @@ def _check_method(method, args, kwargs) -> tuple:
     return args
 
 
+def _items_and_depth(value, depth: int = 0) -> tuple[int, int]:
+    """(items, deepest nesting) of the lists and dicts in a JSON-like value."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, (list, tuple)):
+        return 0, depth
+    items, deepest = len(value), depth + 1
+    for v in value:
+        n, d = _items_and_depth(v, depth + 1)
+        items, deepest = items + n, max(deepest, d)
+    return items, deepest
+
+
 def _filter_estimate(name: str, a: dict) -> None:
     """The amplifying filters' result sizes, from their bound arguments."""
     def text(key):
@@ -329,10 +342,11 @@ def _filter_estimate(name: str, a: dict) -> None:
         _refuse_over(number("linecount" if name == "batch" else "slices", 0), f"a {name} filled out")
     elif name == "slice":
         _refuse_over(number("slices", 0), "a list of slices")
-    elif name == "tojson":
+    elif name == "tojson":  # escapes at most double a text; indenting adds a line per item, deeper ones wider
         indent = a.get("indent")
         width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
-        _refuse_over(size_of(a.get("value"), _BUDGET.get()) * (1 + 8 * width), "a JSON text")
+        items, depth = _items_and_depth(a.get("value"))
+        _refuse_over(2 * size_of(a.get("value"), _BUDGET.get()) + items * (2 + width * depth), "a JSON text")
     elif name == "sum" and not isinstance(a.get("start", 0), (int, float)):
         items = a.get("iterable", ())
         _refuse_over(len(items) * size_of(items, _BUDGET.get()), "a sum of lists (work)")
@@ -356,17 +370,19 @@ def bounded_filter(name: str, fn):
         if name not in _AMPLIFYING:
             return _built(fn(*args, **kwargs))
         try:
-            a = signature.bind(*args[lead:], **kwargs).arguments
+            bound = signature.bind(*args[lead:], **kwargs)
         except TypeError:
             return _built(fn(*args, **kwargs))  # Jinja's own error for the wrong arguments
+        bound.apply_defaults()
+        a = bound.arguments
         if name in ("join", "sum"):  # the items listed first: a generator is read once
             key = "value" if name == "join" else "iterable"
-            a[key] = list(a.get(key, ()))
+            a[key] = list(a[key])
             if name == "join":
                 _refuse_over(_estimate_join(a.get("d", ""), a[key]), "a joined string")
             else:
                 _filter_estimate(name, a)
-            return _built(fn(*args[:lead], **a))
+            return _built(fn(*args[:lead], *a.values()))  # Jinja's wrappers read their arguments by position
         _filter_estimate(name, a)
         return _built(fn(*args, **kwargs))
     return run
