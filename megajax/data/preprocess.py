@@ -22,10 +22,13 @@ tokenized in worker processes and written back in input order.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import gzip
+import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -115,8 +118,7 @@ _WORKER: dict = {}
 
 def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool,
                  errors: str = "strict", worker: bool = False) -> None:
-    if worker:  # Ctrl-C reaches the whole process group: the main process stops the pool, the workers wait for it
-        import signal
+    if worker:  # Ctrl-C reaches the whole process group: the main process stops the pool (_workers_ignore_ctrl_c)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not parallel_tokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -192,6 +194,21 @@ def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndar
     return sum(map(len, chunk.items)), out
 
 
+@contextlib.contextmanager
+def _workers_ignore_ctrl_c():
+    """Ctrl-C reaches every process of the terminal's group: worker processes started inside this block inherit
+    SIGINT ignored (from their first instruction, before _init_worker), and the main process stops the pool."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to inherit
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
     """encode_chunk over the chunks, results in input order, at most 2 x workers chunks in flight.
 
@@ -206,10 +223,13 @@ def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
     pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, (*initargs, True))
     try:
         pending: deque = deque()
+        with _workers_ignore_ctrl_c():
+            for chunk in itertools.islice(chunks, 2 * workers):  # the submissions that start the workers
+                pending.append(pool.submit(encode_chunk, chunk))
         for chunk in chunks:
-            pending.append(pool.submit(encode_chunk, chunk))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
+            pending.append(pool.submit(encode_chunk, chunk))
         while pending:
             yield pending.popleft().result()
     finally:
@@ -267,12 +287,14 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
     outputs = [f"{p}.{ext}" for p in summary.prefixes.values() for ext in ("bin", "idx")]
     refuse_existing("--output-prefix", output, outputs, "a dataset written before")
     total = None if any(p.endswith(".gz") for p in inputs) else sum(os.path.getsize(p) for p in inputs)
-    writers = {k: IndexedDatasetWriter(p, dtype) for k, p in summary.prefixes.items()}
     from tqdm import tqdm
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
                disable=None if progress else True, dynamic_ncols=True)  # None: only on a terminal
     start = time.perf_counter()
-    try:
+    writers: dict[str, IndexedDatasetWriter] = {}
+    try:  # an error, Ctrl-C or SIGTERM from here on removes the writers' temporary files
+        for k, p in summary.prefixes.items():
+            writers[k] = IndexedDatasetWriter(p, dtype)
         initargs = (tokenizer, json_keys, append_eod, workers <= 1, errors)
         for nbytes, out in _ordered_map(read_chunks(inputs, input_format), workers, initargs):
             for key, (ids_T, lengths_N) in out.items():
