@@ -152,35 +152,38 @@ def bounded(fn):
 # Size: what printing an object would write, counted once per object
 # ----------------------------------------------------------------------------
 
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+
+
 def size_of(x, budget: _Budget | None = None) -> int:
     """About the number of characters str(x) has: a string its length, a container its items' sizes plus
     one per item, a number its digits; shared items are counted each time they occur (as printing does),
-    computed once per object."""
-    if isinstance(x, str):
+    computed once per object (a Jinja namespace, which the template changes, each time)."""
+    kind = type(x)
+    if kind is str:
         return len(x)
-    if isinstance(x, bool) or x is None:
-        return 1
-    if isinstance(x, int):
+    if kind is int:
         return x.bit_length() // 3 + 1
-    if isinstance(x, (bytes, bytearray)):
+    if isinstance(x, _CONTAINERS):
+        if not x:
+            return 1
+        sizes = budget.sizes if budget is not None else {}
+        known = sizes.get(id(x))
+        if known is not None:
+            return known[1]
+        sizes[id(x)] = (x, 0)  # a container holding itself counts it once
+        items = [v for kv in x.items() for v in kv] if isinstance(x, dict) else x
+        total = len(items) + sum(size_of(item, budget) for item in items)
+        sizes[id(x)] = (x, total)
+        return total
+    if isinstance(x, (str, bytes, bytearray)):
         return len(x)
-    from jinja2.utils import Namespace
-    namespace = isinstance(x, Namespace)
-    if not (namespace or isinstance(x, (list, tuple, dict, set, frozenset))):
-        return 1
-    sizes = budget.sizes if budget is not None else {}
-    known = sizes.get(id(x))
-    if known is not None and not namespace:  # a namespace changes: its size is counted afresh
-        return known[1]
-    sizes[id(x)] = (x, 0)  # a container holding itself counts it once
-    if namespace:
-        x = object.__getattribute__(x, "_Namespace__attrs")
-    items = [v for kv in x.items() for v in kv] if isinstance(x, dict) else x
-    total = len(items)
-    for item in items:
-        total += size_of(item, budget)
-    sizes[id(x)] = (x, total)
-    return total
+    if isinstance(x, int) and not isinstance(x, bool):
+        return x.bit_length() // 3 + 1
+    if type(x).__name__ == "Namespace" and type(x).__module__ == "jinja2.utils":
+        attrs = object.__getattribute__(x, "_Namespace__attrs")
+        return 1 + len(attrs) + sum(size_of(v, budget) for v in attrs.values() if v is not x)
+    return 1
 
 
 def _refuse_over(size: int, what: str) -> None:
@@ -213,6 +216,8 @@ def _built(result):
 
 
 def _check_inputs(args, kwargs) -> None:
+    if not args and not kwargs:
+        return
     budget = None
     for a in (*args, *kwargs.values()) if kwargs else args:
         if type(a) is str:
@@ -274,10 +279,16 @@ def _estimate_replace(s, old, new, count=-1) -> int:
     return len(s) + hits * max(len(new) - len(old), 0)
 
 
+_STR_AMPLIFIERS = frozenset({"join", "replace", "center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
+                             "translate"})
+
+
 def _check_method(method, args, kwargs) -> tuple:
     """Checks a str method call before it runs; returns args (join's iterable made a list)."""
-    receiver = getattr(method, "__self__", None)
     name = getattr(method, "__name__", "")
+    if name not in _STR_AMPLIFIERS:
+        return args
+    receiver = getattr(method, "__self__", None)
     if not isinstance(receiver, str):
         return args
     if name == "join" and args:
