@@ -1,5 +1,6 @@
 """Stopping a command that is busy: SIGTERM (a scheduler's preemption, `kill`) and Ctrl-C (SIGINT) stop
-`megajax train` promptly in every phase of its start-up (tokenising chat data, compiling), and stop
+`megajax train` promptly in every phase of its start-up (tokenising chat data, compiling; one process or
+two, a signal to either), and stop
 `megajax preprocess` with one line and status 143 / 130, leaving nothing half-written; a dataset already
 there is not replaced. Every command runs as a subprocess."""
 
@@ -17,6 +18,7 @@ import pytest
 
 from conftest import xla_flags
 from test_bad_input import ROOT, megajax, paragraph
+from test_distributed import compile_cache, reap  # noqa: F401  (fixtures)
 
 TRAIN = ["train.steps=2", "train.seq_len=64", "model.num_layers=1", "train.eval_every=0", "logging.tensorboard=false"]
 
@@ -148,3 +150,28 @@ def test_preprocess_does_not_replace_a_dataset(tmp_path):
                    str(tmp_path / "m")).returncode == 0
     p = megajax("preprocess", "--merge", str(tmp_path / "a_text_document"), "--output-prefix", str(tmp_path / "m"))
     paragraph(p, "preprocess", f"{tmp_path / 'm.bin'}", "already exist")
+
+
+def test_sigterm_to_one_process_during_start_up_stops_the_whole_job(tmp_path, slow_chat, reap, compile_cache):
+    """Two processes tokenising chat data; SIGTERM reaches one (a scheduler preempting one node): JAX's
+    preemption notice reaches the other, and both stop within seconds, exit 0, no checkpoint (it waited for
+    the first step before)."""
+    from test_distributed import _launch, _output
+    run = tmp_path / "run"
+    procs = _launch(tmp_path, run, compile_cache, "train.steps=5", "data.format=chat", f"data.path={slow_chat}")
+    reap(procs)
+    deadline = time.monotonic() + 180
+    while "preparing data" not in _output(tmp_path, 0):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), _output(tmp_path, 0)
+        time.sleep(0.05)
+    time.sleep(0.5)
+    sent = time.monotonic()
+    procs[1].send_signal(signal.SIGTERM)
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=120) == 0, _output(tmp_path, i)[-3000:]
+    assert time.monotonic() - sent < 20
+    assert "SIGTERM received by a process of the job during start-up, before the first step: every process stops" \
+        in _output(tmp_path, 0)
+    assert not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
+    for i in range(2):
+        assert "Traceback" not in _output(tmp_path, i)

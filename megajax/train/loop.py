@@ -244,6 +244,7 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
                     run_dir.mkdir(parents=True, exist_ok=True)
                     if jax.process_index() == 0:
                         (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+                    stop.started()
                 return _loop(tr, run_dir, stop, on_end, on_start)
         except Interrupted as e:
             _say(f"megajax: {e.name} received {e.phase}: stopped; nothing to save"

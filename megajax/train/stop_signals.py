@@ -15,7 +15,12 @@ if the phase has not stopped GRACE_SECONDS after the signal, and at once on a se
 line saying so (the run directory's lock is released first: `at_exit` callbacks).
 
 In a multi-process run SIGTERM belongs to JAX's preemption service (the processes must agree on a
-step), so the phases outside the steps are not interrupted there: the run stops at its first step.
+step, and the scheduler may signal only one of them; SIGINT is turned into a SIGTERM to this process).
+The service publishes the notice to every process: in a phase outside the steps a watcher thread of
+each process sees it within half a second, says so, leaves the job (every process passes the shutdown
+barrier together, so none is aborted for a peer that left) and ends the process (exit 0). The start-up
+ends with a barrier, so the processes enter the steps together and a notice is handled by all of
+them in the same way: the steps' checkpoint at one agreed step, or this.
 """
 
 from __future__ import annotations
@@ -31,9 +36,10 @@ from typing import Callable
 
 import jax
 
-from megajax.distributed import preemption_sync_point
+from megajax.distributed import barrier, leave_job, preemption_noticed, preemption_sync_point
 
 GRACE_SECONDS = 3.0  # a phase that has not stopped this long after the signal: the process ends
+NOTICE_POLL_SECONDS = 0.5  # several processes: how often the watcher asks whether a notice came
 
 
 class Interrupted(BaseException):
@@ -68,6 +74,7 @@ class StopSignals:
         self._previous_wakeup = -1
         self._lock = threading.Lock()
         self._done = False
+        self._started = False  # several processes: past the start-up barrier
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -75,6 +82,8 @@ class StopSignals:
                 self._previous[sig] = signal.signal(sig, self._handle)
             if not self.multiprocess:
                 self._start_watcher()
+        if self.multiprocess:
+            threading.Thread(target=self._watch_notices, name="megajax-stop-watcher", daemon=True).start()
         return self
 
     def __exit__(self, *exc):
@@ -100,17 +109,30 @@ class StopSignals:
     @contextlib.contextmanager
     def interruptible(self, phase: str):
         """A phase with nothing to save (`phase` as a message says it: "during start-up"): a signal in it,
-        or already received, raises Interrupted (one process; with several, the steps stop the run)."""
-        if self.multiprocess:
+        or already received, raises Interrupted (one process; with several, the notice watcher ends every
+        process)."""
+        if self.multiprocess and self._started:  # past the start-up the steps speak for every process
             yield
             return
-        if self.received is not None:
+        if self.received is not None and not self.multiprocess:
             raise Interrupted(self.received, phase)
         self.phase = phase
         try:
             yield
         finally:
             self.phase = None
+
+    def started(self) -> None:
+        """The end of the start-up. With several processes: a barrier, so all enter the steps together; a
+        notice that came before it ends every process here, one that comes after is the steps' (a checkpoint
+        at an agreed step)."""
+        if not self.multiprocess:
+            return
+        barrier("megajax-start-up-done")
+        with self._lock:
+            phase, self.phase, self._started = self.phase, None, True
+        if preemption_noticed():
+            self._leave(phase or "during start-up")
 
     def should_stop(self, step: int) -> bool:
         """Called once per step by every process."""
@@ -162,6 +184,36 @@ class StopSignals:
                                                    f"outside Python, e.g. XLA compiling")
         finally:
             os.close(fd)
+
+    def _watch_notices(self) -> None:
+        """Several processes: in a phase outside the steps, a preemption notice from any process ends this
+        one, as it ends every other."""
+        while True:
+            time.sleep(NOTICE_POLL_SECONDS)
+            with self._lock:
+                if self._done:
+                    return
+                phase = self.phase
+            if phase is None or not preemption_noticed():
+                continue
+            with self._lock:
+                if self._done or self.phase is None:
+                    continue
+                self._leave(phase)
+
+    def _leave(self, phase: str) -> None:
+        """Several processes, a notice outside the steps: says so, leaves the job and ends this process."""
+        for callback in self.at_exit:
+            with contextlib.suppress(Exception):
+                callback()
+        with contextlib.suppress(Exception):
+            self.say(f"megajax: SIGTERM received by a process of the job {phase}: every process stops; "
+                     f"nothing to save.")
+            sys.stdout.flush()
+        threading.Timer(30.0, os._exit, (0,)).start()  # a peer that never leaves: do not wait for it
+        with contextlib.suppress(Exception):
+            leave_job()
+        os._exit(0)
 
     def _end_now(self, signum: int, phase: str, why: str) -> None:
         name = signal.Signals(signum).name
