@@ -279,8 +279,8 @@ def _estimate_replace(s, old, new, count=-1) -> int:
     return len(s) + hits * max(len(new) - len(old), 0)
 
 
-_STR_AMPLIFIERS = frozenset({"join", "replace", "center", "ljust", "rjust", "zfill", "expandtabs", "format", "format_map",
-                             "translate"})
+_STR_AMPLIFIERS = frozenset({"join", "replace", "center", "ljust", "rjust", "zfill", "expandtabs", "format",
+                             "format_map", "translate"})
 
 
 def _check_method(method, args, kwargs) -> tuple:
