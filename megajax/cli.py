@@ -28,11 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
 from megajax.errors import ConfigError, UserError
 from megajax.paths import check_outputs as _check_outputs
+from megajax.paths import removed_on_failure
 from megajax.xla_env import prepare as _prepare_xla  # before JAX starts: XLA reads XLA_FLAGS once
 
 
@@ -50,6 +52,17 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from megajax.train.stop_signals import exit_status
+    try:
+        return _train(args)
+    except KeyboardInterrupt as e:  # a signal before the run's own handlers (megajax/train/stop_signals.py)
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"megajax: {name} received during start-up, before the first step: stopped; nothing to save.",
+              flush=True)
+        return exit_status(name)
+
+
+def _train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     notes: list[str] = []
     cfg = train_config(args.config, args.overrides, notes)
@@ -64,8 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             distributed.initialize(cfg)  # raises the error naming train.run_dir
         return distributed.supervise(args.argv, plan, cfg.distributed, cfg.train.run_dir)
     distributed.initialize(cfg)  # a multi-process run joins the runtime before JAX touches a device
-    result = run_training(cfg)
-    return 130 if result.stopped_by == "SIGINT" else 0
+    from megajax.train.stop_signals import exit_status
+    return exit_status(run_training(cfg).stopped_by)
 
 
 def run_training(cfg, devices: list | None = None):
@@ -401,7 +414,8 @@ def _tokenizer_said(tokenizer: str | None, written: Path) -> str:
 def _import_peft(args: argparse.Namespace) -> int:
     """A PEFT LoRA adapter directory -> a megajax LoRA checkpoint naming its base."""
     from megajax.checkpoint.peft import import_peft_checkpoint
-    step_dir, lora, base = import_peft_checkpoint(args.input, args.base, args.output)
+    with removed_on_failure(args.output, Path(args.output) / "checkpoints"):
+        step_dir, lora, base = import_peft_checkpoint(args.input, args.base, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (LoRA rank {lora.rank}, alpha {lora.alpha:g}, targets "
           f"{', '.join(lora.targets)}; base {base})")
     return 0
@@ -435,7 +449,8 @@ def cmd_import(args: argparse.Namespace) -> int:
     if overrides.get("max_position_embeddings"):
         base["train"] = {"seq_len": min(overrides["max_position_embeddings"], 2048)}
     cfg = load_config(base=base)
-    step_dir = write_params_checkpoint(params, cfg, args.output)
+    with removed_on_failure(args.output, Path(args.output) / "checkpoints"):
+        step_dir = write_params_checkpoint(params, cfg, args.output)
     print(f"megajax import: {args.input} -> {step_dir} (tokenizer {tokenizer}); fine-tune with "
           f"checkpoint.load={args.output} (the model.* settings come from its meta).")
     if warning:
@@ -648,7 +663,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           batching=args.batching, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
           prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
           prefix_caching=args.enable_prefix_caching,
-          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path)
+          limit_images=args.limit_images_per_prompt, allowed_local_media_path=args.allowed_local_media_path,
+          chat_template_source=f"--chat-template {args.chat_template}" if args.chat_template else "")
     return 0
 
 
@@ -930,14 +946,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megajax {argv[0]}: error: {_paragraph(e, argv[0])}", file=sys.stderr)
         return 2
     args.argv = argv
+    previous = _stop_on_sigterm()
     try:
         return args.func(args)
     except UserError as e:
         print(f"megajax {args.command}: error: {_paragraph(e, args.command)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"megajax {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); what was being written is removed
+        terminated = isinstance(e, Terminated)
+        print(f"megajax {args.command}: stopped by {'SIGTERM' if terminated else 'Ctrl-C (SIGINT)'} before it "
+              f"finished; nothing it was writing was left behind.", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), raised in the main thread as Ctrl-C raises KeyboardInterrupt,
+    so every verb stops the same way: outputs being written are removed on the way out (their `finally`
+    and `except BaseException` blocks), one line says so, exit status 143. `megajax train` and `megajax
+    serve` install their own handlers while they run (a checkpoint, a drain) and restore this one."""
+
+
+def _stop_on_sigterm():
+    """Installs the SIGTERM handler raising Terminated; returns the handler it replaced (None off the main
+    thread, where signals cannot be handled)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum, frame):
+        raise Terminated()
+    return signal.signal(signal.SIGTERM, stop)
 
 
 if __name__ == "__main__":

@@ -423,3 +423,37 @@ def preemption_sync_point(step: int) -> bool:
     Must be called once per step by every process, from the same starting step."""
     from jax.experimental import multihost_utils
     return multihost_utils.reached_preemption_sync_point(step)
+
+
+# The key JAX's preemption service writes to the coordination service when any process receives SIGTERM
+# (its notifier, xla/tsl preemption_notifier; the same notice reached_preemption_sync_point acts on).
+PREEMPTION_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+
+def preemption_noticed() -> bool:
+    """Whether any process of the job has received SIGTERM (JAX's preemption notice, seen by every process
+    within a round trip to the coordinator); False in a one-process run or before the runtime starts."""
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    if client is None:
+        return False
+    try:
+        client.key_value_try_get(PREEMPTION_NOTICE_KEY)
+    except Exception:  # not found (no notice), or the coordinator is gone
+        return False
+    return True
+
+
+def barrier(name: str, timeout_s: float = 24 * 3600.0) -> None:
+    """Waits until every process of the job has reached `name` (the coordination service's barrier)."""
+    from jax._src import distributed as jax_distributed
+    client = jax_distributed.global_state.client
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def leave_job() -> None:
+    """Disconnects this process from the job (every process doing so together passes the shutdown barrier,
+    and none is aborted for a peer that left)."""
+    import jax
+    jax.distributed.shutdown()

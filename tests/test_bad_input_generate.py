@@ -159,7 +159,7 @@ def test_an_image_for_a_text_model_is_refused(tmp_path, models):
     ({"messages": [{"role": "user", "content": 3}]}, ["line 1", "content must be a string"]),
     ({"messages": ["hi"]}, ["line 1", "message 0 is \"hi\""]),
     ({"text": "hi"}, ["line 1", "an object with \"messages\""]),
-    ("{not json", ["line 1: not JSON"]),
+    ("{not json", ["line 1: not valid JSON"]),
 ])
 def test_bad_conversations_are_named_by_line(tmp_path, line, words):
     (tmp_path / "p.jsonl").write_text(line if isinstance(line, str) else json.dumps(line))

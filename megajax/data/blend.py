@@ -34,29 +34,33 @@ def _number(value) -> float | None:
         return None
 
 
-def parse_data_path(path, key: str = "data.path") -> tuple[list[str], list[float]]:
-    """A prefix, or [w1, p1, w2, p2, ...] (a list or one whitespace-separated string) -> (prefixes, weights).
+def parse_data_path(path, key: str = "data.path", chat: bool = False) -> tuple[list[str], list[float]]:
+    """A prefix, or [w1, p1, w2, p2, ...] (a list or one whitespace-separated string) -> (prefixes, weights);
+    `chat`: the entries are chat jsonl files or directories (data.format=chat), as the messages say.
 
     Weights come back normalised to sum to 1; a single prefix has weight 1.
     """
+    what = "a chat jsonl file or directory" if chat else "a dataset prefix"
+    example = ("[0.3, data/math.jsonl, 0.7, data/chats]" if chat else
+               "[0.3, data/a_text_document, 0.7, data/b_text_document]")
     items = path.split() if isinstance(path, str) else path
     if not isinstance(items, (list, tuple)) or not items:
-        raise ConfigError(f"{key} = {path!r}: expected a dataset prefix or a list [weight, prefix, "
-                          f"weight, prefix, ...].")
+        raise ConfigError(f"{key} = {path!r}: expected {what} or a list [weight, {'path' if chat else 'prefix'}, "
+                          f"weight, {'path' if chat else 'prefix'}, ...].")
     if len(items) == 1 and isinstance(items[0], str) and _number(items[0]) is None:
         return [items[0]], [1.0]
     if len(items) % 2:
-        raise ConfigError(f"{key} = {path!r}: {len(items)} entries; a blend alternates weight and prefix, "
-                          f"e.g. [0.3, data/a_text_document, 0.7, data/b_text_document].")
+        raise ConfigError(f"{key} = {path!r}: {len(items)} entries; a blend alternates weight and "
+                          f"{'path' if chat else 'prefix'}, e.g. {example}.")
     weights, prefixes = [_number(w) for w in items[0::2]], list(items[1::2])
     for w, raw in zip(weights, items[0::2]):
         if w is None or not math.isfinite(w) or w <= 0:
             raise ConfigError(f"{key} = {path!r}: weight {raw!r} is not a positive number; a blend "
-                              f"alternates weight and prefix.")
+                              f"alternates weight and {'path' if chat else 'prefix'}, e.g. {example}.")
     for p in prefixes:
         if not isinstance(p, str) or not p or _number(p) is not None:
-            raise ConfigError(f"{key} = {path!r}: {p!r} is not a dataset prefix; a blend alternates "
-                              f"weight and prefix.")
+            raise ConfigError(f"{key} = {path!r}: {p!r} is not {what}; a blend alternates "
+                              f"weight and {'path' if chat else 'prefix'}, e.g. {example}.")
     total = float(np.sum(np.array(weights, np.float64)))
     return prefixes, [w / total for w in weights]
 

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megajax.data.chat_template import (ChatTemplateError, find_chat_template, has_generation_tags,
-                                        render_chat, render_with_answers, special_token)
+from megajax.data.chat_template import (ChatTemplateError, TemplateLimit, chat_template_source, check_chat_template,
+                                        find_chat_template, has_generation_tags, naming, render_chat,
+                                        render_with_answers, special_token)
+from megajax.data.text_files import json_line, text_lines
 from megajax.errors import ConfigError, DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -149,7 +151,10 @@ def trained_chat_template(tokenizer, data_format: str) -> str | None:
 def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
     """The tokenizer's chat template (the byte tokenizer's: BYTE_CHAT_TEMPLATE), or a DataError saying
     where one is looked for."""
-    template = find_chat_template(tokenizer)
+    try:
+        template = find_chat_template(tokenizer)
+    except ChatTemplateError as e:
+        raise DataError(f"{key} = {getattr(tokenizer, 'name', 'byte')!r}: {e}.") from None
     if template is None and getattr(tokenizer, "name", "byte") == "byte":
         return BYTE_CHAT_TEMPLATE
     if template is None:
@@ -158,6 +163,32 @@ def chat_template_of(tokenizer, key: str = "data.tokenizer") -> str:
                         f"tokenizer whose tokenizer_config.json holds \"chat_template\" (or with a "
                         f"chat_template.jinja beside its tokenizer.json).")
     return template
+
+
+def checked_chat_template(tokenizer, key: str = "data.tokenizer") -> tuple[str, str]:
+    """(template, where it comes from) of chat_template_of, checked to compile and to render a plain
+    conversation (megajax.data.chat_template.check_chat_template): a DataError naming the template's file
+    otherwise, before any data is read."""
+    template = chat_template_of(tokenizer, key)
+    source = chat_template_source(tokenizer) or "the byte tokenizer's built-in template"
+    try:
+        check_chat_template(template, source, bos_token=special_token(tokenizer, "bos_token"),
+                            eos_token=special_token(tokenizer, "eos_token"))
+    except ChatTemplateError as e:
+        raise DataError(f"{key} = {getattr(tokenizer, 'name', 'byte')!r}: {e}. Fix the template, or give {key} a "
+                        f"tokenizer whose chat template works.") from None
+    return template, source
+
+
+def conversation_error(e: ChatTemplateError, where: str, source: str = "") -> DataError:
+    """A template's failure on the conversation at `where` ("FILE:LINE"): the line first when the template
+    refused that conversation (its raise_exception) or cannot mark its answers; the template first otherwise
+    (it fails on this conversation's content, or went past megajax's bounds on it)."""
+    said = naming(e, source)
+    if e.refused or not str(e).startswith("the chat template"):
+        return DataError(f"{where}: {said}.")
+    fix = ("shorten the conversation or fix the template" if isinstance(e, TemplateLimit) else "fix the template")
+    return DataError(f"{said}, on the conversation at {where}; {fix}.")
 
 
 # ----------------------------------------------------------------------------
@@ -173,6 +204,11 @@ def chat_files(path: str, key: str = "data.path") -> list[Path]:
             raise DataError(f"{key} = {path!r}: the directory holds no *.jsonl files; data.format=chat reads "
                             f"jsonl conversations.")
         return files
+    indexed = str(p)[:-4] if p.suffix in (".bin", ".idx") else str(p)
+    if Path(indexed + ".bin").is_file() and Path(indexed + ".idx").is_file():
+        raise DataError(f"{key} = {path!r} is a Megatron indexed dataset ({indexed}.bin/.idx), which "
+                        f"data.format=gpt reads (give its prefix, {indexed}); data.format=chat reads jsonl files of "
+                        f"conversations.")
     if p.is_file():
         return [p]
     raise DataError(f"{key} = {path!r}: no such file or directory; data.format=chat reads a jsonl file of "
@@ -180,7 +216,12 @@ def chat_files(path: str, key: str = "data.path") -> list[Path]:
 
 
 def read_messages(record, where: str) -> list[dict]:
-    """A jsonl record's messages: {"messages": [...]} or {"prompt", "completion"}."""
+    """A jsonl record's messages: {"messages": [...]} or {"prompt", "completion"}, not both."""
+    both = [f'"{k}"' for k in ("prompt", "completion") if k in record] if isinstance(record, dict) else []
+    if isinstance(record, dict) and "messages" in record and both:
+        raise DataError(f"{where}: the record holds both \"messages\" and {' and '.join(both)}; "
+                        f"a conversation is either {{\"messages\": [...]}} or {{\"prompt\": ..., \"completion\": "
+                        f"...}}, not both: keep the one meant.")
     if isinstance(record, dict) and "messages" in record:
         return check_messages(record["messages"], where)
     if isinstance(record, dict) and "prompt" in record and "completion" in record:
@@ -193,18 +234,15 @@ def read_messages(record, where: str) -> list[dict]:
 
 
 def jsonl_records(path, name=None, hint: str = ""):
-    """(line number, where "NAME:LINE", record) of every non-blank line of the jsonl file `path` (named `name` in
-    messages, default the path); a DataError naming file and line (then `hint`) for invalid JSON."""
-    with open(path, encoding="utf-8") as lines:
-        for n, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path if name is None else name}:{n}"
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{where}: not valid JSON ({e}){hint}.") from None
-            yield n, where, record
+    """(line number, where "NAME:LINE", record) of every non-blank line of the UTF-8 jsonl file `path` (named
+    `name` in messages, default the path; megajax.data.text_files' rules: a leading byte-order mark is
+    dropped); a DataError naming file and line (then `hint`) for bytes that are not UTF-8, invalid JSON, or
+    a lone surrogate escape."""
+    for n, line in text_lines(path, name):
+        if not line.strip():
+            continue
+        where = f"{path if name is None else name}:{n}"
+        yield n, where, json_line(line, where, hint)
 
 
 def read_conversations(files: list[Path]):
@@ -215,12 +253,12 @@ def read_conversations(files: list[Path]):
             yield where, read_messages(record, where)
 
 
-def tokenize_files(tokenizer, template: str, files: list[Path]) -> list[Conversation]:
-    """Every conversation of the files, encoded (errors name the file and line)."""
+def tokenize_files(tokenizer, template: str, files: list[Path], source: str = "") -> list[Conversation]:
+    """Every conversation of the files, encoded (errors name the file and line, and the template's `source`)."""
     out = []
     for where, messages in read_conversations(files):
         try:
             out.append(encode_conversation(tokenizer, template, messages))
         except ChatTemplateError as e:
-            raise DataError(f"{where}: {e}.") from None
+            raise conversation_error(e, where, source) from None
     return out

@@ -18,16 +18,15 @@ answer spans.
 
 from __future__ import annotations
 
+import codecs
 import contextvars
 import json
 import re
 import time
 from pathlib import Path
 
-
-
-class ChatTemplateError(ValueError):
-    """The template is not valid Jinja, or raised while rendering (`raise_exception`)."""
+from megajax.data import template_sandbox
+from megajax.data.template_sandbox import ChatTemplateError, TemplateLimit  # noqa: F401  (the names callers use)
 
 
 def _config(tokenizer) -> tuple[dict, Path | None]:
@@ -44,33 +43,59 @@ def _config(tokenizer) -> tuple[dict, Path | None]:
     return (config if isinstance(config, dict) else {}), folder
 
 
-def folder_chat_template(folder: Path) -> str | None:
-    """The chat template of a Hugging Face tokenizer folder, as transformers' AutoTokenizer reads it:
-    chat_template.jinja (transformers 5's file) when there is one, else `chat_template` in its
-    tokenizer_config.json (a string, or a list of named templates: the one named "default"); None
-    without one."""
+def _folder_template_and_source(folder: Path) -> tuple[str | None, str]:
+    """(the chat template of a Hugging Face tokenizer folder as transformers' AutoTokenizer reads it, where
+    it was found): chat_template.jinja (transformers 5's file) when there is one, else `chat_template` in
+    its tokenizer_config.json (a string, or a list of named templates: the one named "default"); (None, "")
+    without one. A .jinja file that is not UTF-8 is a ChatTemplateError naming it."""
     folder = Path(folder)
-    if (folder / "chat_template.jinja").is_file():
+    path = folder / "chat_template.jinja"
+    if path.is_file():
         try:
-            return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
-            return None
+            return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ChatTemplateError(f"the chat template {path} cannot be read ({e}); it must be UTF-8 text") from None
     try:
         config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return None
+        return None, ""
     template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) and template else None
+    if isinstance(template, str) and template:
+        return template, f"\"chat_template\" in {folder / 'tokenizer_config.json'}"
+    return None, ""
+
+
+def folder_chat_template(folder: Path) -> str | None:
+    """The chat template of a Hugging Face tokenizer folder (_folder_template_and_source), or None."""
+    return _folder_template_and_source(folder)[0]
+
+
+def _template_and_source(tokenizer) -> tuple[str | None, str]:
+    _, folder = _config(tokenizer)
+    return (None, "") if folder is None else _folder_template_and_source(folder)
 
 
 def find_chat_template(tokenizer) -> str | None:
     """The chat template of the tokenizer's Hugging Face folder (folder_chat_template); None without
     one (the byte tokenizer has none)."""
-    _, folder = _config(tokenizer)
-    return None if folder is None else folder_chat_template(folder)
+    return _template_and_source(tokenizer)[0]
+
+
+def chat_template_source(tokenizer) -> str:
+    """Where find_chat_template found the template, for messages: '"chat_template" in
+    DIR/tokenizer_config.json' or 'DIR/chat_template.jinja' ("" without one)."""
+    return _template_and_source(tokenizer)[1]
+
+
+def naming(e: ChatTemplateError, source: str) -> str:
+    """The error's text with the template named by its source ("the chat template (SOURCE) ...")."""
+    text = str(e)
+    if source and text.startswith("the chat template"):
+        return f"the chat template ({source}){text[len('the chat template'):]}"
+    return text
 
 
 def special_token(tokenizer, key: str) -> str:
@@ -126,18 +151,19 @@ def _generation_extension():
 
 def _environment():
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
-        raise ChatTemplateError(f"the chat template refused the messages: {message}")
+        error = ChatTemplateError(f"the chat template refused the messages: {message}")
+        error.refused = True
+        raise error
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, _generation_extension()])
-    env.filters["tojson"] = tojson
+    env = template_sandbox.environment(trim_blocks=True, lstrip_blocks=True,
+                                       extensions=[loopcontrols, _generation_extension()])
+    env.filters["tojson"] = template_sandbox.bounded_filter("tojson", tojson)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     return env
@@ -153,41 +179,80 @@ def compile_chat_template(template: str):
     compiled = _TEMPLATES.get(template)
     if compiled is None:
         try:
-            compiled = _TEMPLATES[template] = _environment().from_string(template)
+            compiled = _TEMPLATES[template] = template_sandbox.bounded(lambda: _environment().from_string(template))
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template is not valid Jinja: line {e.lineno}: {e.message}") from None
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"the chat template is not valid Jinja: {e}") from None
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # a constant expression Jinja evaluates while compiling
+            raise ChatTemplateError(f"the chat template is not valid Jinja: {type(e).__name__}: {e}") from None
     return compiled
+
+
+def _failed(e: Exception) -> ChatTemplateError:
+    """A rendering's failure as a ChatTemplateError (the template's own refusal and the bounds as they are)."""
+    if isinstance(e, ChatTemplateError):
+        return e
+    return ChatTemplateError(f"the chat template failed ({type(e).__name__}: {e})")
 
 
 def render_chat(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
                 add_generation_prompt: bool = True) -> str:
-    """The text for `messages` ({"role", "content"} dicts), by default ending with the generation prompt."""
-    import jinja2
+    """The text for `messages` ({"role", "content"} dicts), by default ending with the generation prompt;
+    rendered within megajax.data.template_sandbox's bounds."""
     compiled = compile_chat_template(template)
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=bos_token, eos_token=eos_token)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: {e}).") from None
+        return template_sandbox.bounded(lambda: compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos_token,
+            eos_token=eos_token))
+    except Exception as e:
+        raise _failed(e) from None
 
 
 def render_with_answers(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
                         add_generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
     """(text, spans): the rendered conversation and the [begin, end) character span of each
     `{% generation %}` block in it, in order (none when the template has no such blocks)."""
-    import jinja2
     compiled = compile_chat_template(template)
     chunks: list[str] = []
     spans: list[tuple[int, int]] = []
-    token = _ANSWERS.set((chunks, spans))
-    try:
+
+    def render():
+        size = 0
         for chunk in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                        bos_token=bos_token, eos_token=eos_token):
+            size += len(chunk)
+            if size > template_sandbox.MAX_CHARS:
+                raise template_sandbox.output_limit()
             chunks.append(chunk)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"the chat template failed on these messages ({type(e).__name__}: {e}).") from None
+
+    token = _ANSWERS.set((chunks, spans))
+    try:
+        template_sandbox.bounded(render)
+    except Exception as e:
+        raise _failed(e) from None
     finally:
         _ANSWERS.reset(token)
     return "".join(chunks), spans
+
+
+# A conversation every template renders: one that fails on it fails on every conversation.
+PLAIN_CONVERSATION = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello."}]
+
+
+def check_chat_template(template: str, source: str = "", *, bos_token: str = "", eos_token: str = "") -> None:
+    """ChatTemplateError naming `source` when the template is not valid Jinja or fails on a plain conversation
+    (a user turn and an answer; the user turn with the generation prompt): then it would fail on every one.
+    The template refusing that conversation (`raise_exception`) is left for the real ones to show."""
+    try:
+        compile_chat_template(template)
+        for messages, prompt in ((PLAIN_CONVERSATION, False), (PLAIN_CONVERSATION[:1], True)):
+            try:
+                render_with_answers(template, messages, add_generation_prompt=prompt, bos_token=bos_token,
+                                    eos_token=eos_token)
+            except ChatTemplateError as e:
+                if not e.refused:
+                    raise ChatTemplateError(f"{e}, on a plain conversation ({json.dumps(messages)[:120]}), so on "
+                                            f"every one") from None
+    except ChatTemplateError as e:
+        raise ChatTemplateError(naming(e, source)) from None

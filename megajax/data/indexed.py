@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from megajax.errors import DataError
+from megajax.paths import refuse_existing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -397,6 +398,12 @@ def merge(prefixes, output_prefix) -> IndexedDataset:
     prefixes = [str(p) for p in prefixes]
     if not prefixes:
         raise DataError("merge needs at least one input dataset prefix.")
+    same = [p for p in prefixes if Path(p).absolute() == Path(output_prefix).absolute()]
+    if same:
+        raise DataError(f"--output-prefix {output_prefix} is also one of the --merge inputs ({same[0]}); write the "
+                        f"merged dataset under a new prefix.")
+    refuse_existing("--output-prefix", str(output_prefix), [bin_path(output_prefix), idx_path(output_prefix)],
+                    "a dataset written before")
     first = IndexedDataset(prefixes[0])
     with IndexedDatasetWriter(output_prefix, first.dtype) as writer:
         for prefix in prefixes:

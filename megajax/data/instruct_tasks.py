@@ -111,24 +111,22 @@ def instruct_held_out_file() -> Path:
 def read_prompts(path) -> list[tuple[list[dict], str]]:  # train.exact_match_path
     """(the messages before the last, the last message's content: the expected answer) of each
     conversation in a jsonl file whose conversations end with an assistant's answer."""
+    from megajax.data.text_files import json_line, text_lines
     from megajax.errors import DataError
-    try:
-        text = Path(path).expanduser().read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"train.exact_match_path = {str(path)!r}: cannot read it as a jsonl file of "
-                        f"conversations ({e}).") from None
+    name = f"train.exact_match_path {str(path)!r}"
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in text_lines(Path(path).expanduser(), name):
         if not line.strip():
             continue
+        record = json_line(line, f"{name} line {n}")
         try:
-            messages = json.loads(line)["messages"]
+            messages = record["messages"]
             *context, last = messages
             ok = last["role"] == "assistant" and isinstance(last["content"], str) and context
         except (ValueError, KeyError, TypeError):
             ok = False
         if not ok:
-            raise DataError(f"{str(path)!r} line {n}: an exact-match set needs {{\"messages\": [..., "
+            raise DataError(f"{name} line {n}: an exact-match set needs {{\"messages\": [..., "
                             f"{{\"role\": \"assistant\", \"content\": ANSWER}}]}}, got {line[:80]!r}.")
         out.append((context, last["content"]))
     return out

@@ -23,7 +23,7 @@ import numpy as np
 
 from megajax.config import Config, parse_split
 from megajax.data.blend import BlendedDataset, blend_sizes, build_datasets, parse_data_path
-from megajax.data.chat import chat_files, chat_template_of, tokenize_files
+from megajax.data.chat import chat_files, chat_template_of, checked_chat_template, tokenize_files
 from megajax.data.gpt_dataset import SPLIT_NAMES, split_ranges
 from megajax.data.sft_dataset import ChatDataset
 from megajax.data.corpus import stdlib_corpus
@@ -69,6 +69,7 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
     path = cfg.data.path or stdlib_corpus(cfg.data.tokenizer, cfg.data.corpus_max_mb)
     prefixes, _ = parse_data_path(path)
     for prefix in prefixes:
+        _not_other_format(prefix)
         check_vocabulary(IndexedDataset(prefix), cfg.model.vocab_size, cfg.data.tokenizer)
     cache = cfg.data.cache_dir or str(Path(prefixes[0]).parent / "cache" / "GPTDataset_indices")
     train, valid, _ = build_datasets(
@@ -87,6 +88,22 @@ def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, l
     return train, valid, report
 
 
+def _not_other_format(prefix: str) -> None:
+    """A DataError naming the data.format that reads `prefix` when it is a chat jsonl or image-text shards
+    rather than an indexed dataset's prefix (data.format=gpt, the default)."""
+    p = Path(prefix).expanduser()
+    if Path(f"{prefix}.bin").is_file() or not p.exists():
+        return
+    files = [p] if p.is_file() else sorted(p.iterdir()) if p.is_dir() else []
+    suffixes = {f.suffix for f in files}
+    for suffix, what in ((".jsonl", "jsonl: data.format=chat reads conversations from jsonl files, and `megajax "
+                                    "preprocess` turns jsonl text into an indexed dataset"),
+                         (".tar", "tar shards: data.format=webdataset reads image-text shards")):
+        if suffix in suffixes:
+            raise DataError(f"data.path = {prefix!r} is {what}; data.format=gpt (the default) reads the prefix P of a "
+                            f"Megatron indexed dataset P.bin/P.idx.")
+
+
 def _no_validation(cfg: Config, path, have: str, what: str) -> None:
     shares = parse_split(cfg.data.split)
     larger = next((s for s in ("90,10,0", "80,20,0", "50,50,0") if parse_split(s)[1] > shares[1]), None)
@@ -102,16 +119,17 @@ def build_chat_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, 
     split by data.split (in file order, as Megatron splits documents), packed per split; a weighted
     list of paths is blended as Megatron blends."""
     d = cfg.data
-    template = chat_template_of(tokenizer)
-    paths, weights = parse_data_path(d.path or str(instruct_train_file()))
+    template, source = checked_chat_template(tokenizer)
+    paths, weights = parse_data_path(d.path or str(instruct_train_file()), chat=True)
     counts = split_sample_counts(cfg)
     sizes = [blend_sizes(weights, n) for n in counts] if len(paths) > 1 else None
     pad = getattr(tokenizer, "eod_id", None) or 0
     per_path, report = [], []
     for j, path in enumerate(paths):
-        conversations = tokenize_files(tokenizer, template, chat_files(path))
+        conversations = tokenize_files(tokenizer, template, chat_files(path), source)
         if not conversations:
-            raise DataError(f"data.path {path!r} holds no conversations (every line is blank).")
+            raise DataError(f"data.path {path!r} holds no conversations (every line is blank); data.format=chat "
+                            f"reads one conversation object per line.")
         top = max(int(c.ids.max(initial=0)) for c in conversations)
         if top >= cfg.model.vocab_size:
             raise DataError(f"data.tokenizer = {d.tokenizer!r} gives token id {top} in {path} but model.vocab_size = "
@@ -145,7 +163,7 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
     """(train, valid or None, report lines) of data.format=webdataset: the samples of data.path's tar
     shards (empty: the embedded drawn shapes, megajax/data/shapes.py) in shard order, split by
     data.split; unpaired members are reported (or fatal with data.strict)."""
-    from megajax.data.chat_template import find_chat_template
+    from megajax.data.chat_template import ChatTemplateError, find_chat_template
     from megajax.data.shapes import shapes_shards
     from megajax.data.webdataset import ImageTextDataset, index_shards, shard_files
     d, v = cfg.data, cfg.model.vision
@@ -161,9 +179,14 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
     if not index.samples:
         raise DataError(f"data.path = {path!r}: the shards hold no image-text samples (an image and a json of the "
                         f"same key).")
-    template = find_chat_template(tokenizer)
+    try:
+        template = find_chat_template(tokenizer)
+    except ChatTemplateError as e:
+        raise DataError(f"data.tokenizer = {d.tokenizer!r}: {e}.") from None
     if template is None and getattr(tokenizer, "name", "byte") == "byte":
         template = chat_template_of(tokenizer)
+    if template is not None:  # conversations among the samples: the template is checked before any is read
+        template, _ = checked_chat_template(tokenizer)
     counts = split_sample_counts(cfg)
     datasets = []
     for i, (name, rng) in enumerate(zip(SPLIT_NAMES[:2], split_ranges(d.split, len(index.samples))[:2])):

@@ -21,10 +21,14 @@ tokenized in worker processes and written back in input order.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import gzip
+import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -35,8 +39,10 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
+from megajax.data.text_files import lone_surrogate, without_surrogates
 from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
+from megajax.paths import refuse_existing
 
 INPUT_FORMATS = ("auto", "jsonl", "lines", "files")
 DECODE_ERRORS = ("strict", "replace")
@@ -111,7 +117,9 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tokenizer: bool,
-                 errors: str = "strict") -> None:
+                 errors: str = "strict", worker: bool = False) -> None:
+    if worker:  # Ctrl-C reaches the whole process group: the main process stops the pool (_workers_ignore_ctrl_c)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not parallel_tokenizer:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tok = load_tokenizer(tokenizer, key="--tokenizer")
@@ -119,7 +127,10 @@ def _init_worker(tokenizer: str, keys: list[str], append_eod: bool, parallel_tok
 
 
 def _decode(raw: bytes, chunk: Chunk, index: int, errors: str) -> str:
-    """UTF-8 text of one item (a line, or a whole file); strict: a DataError naming file and line."""
+    """UTF-8 text of one item (a line, or a whole file; a byte-order mark opening a file dropped); strict: a
+    DataError naming file and line."""
+    if chunk.fmt == "files" or (index == 0 and chunk.first_line == 1):
+        raw = raw.removeprefix(codecs.BOM_UTF8)
     try:
         return raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
@@ -151,6 +162,12 @@ def _texts(chunk: Chunk, keys: list[str], errors: str = "strict") -> dict[str, l
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}); jsonl input needs one JSON object per "
                             f"line (use --input-format lines for plain text).") from None
+        if "\\u" in line and lone_surrogate(obj):  # "\ud800": valid JSON, not a character
+            if errors == "strict":
+                raise DataError(f"{where}: the JSON escape {lone_surrogate(obj)} is half of a UTF-16 surrogate pair "
+                                f"without its other half (not a character; no UTF-8 form); give the whole pair or "
+                                f"the character, or pass --errors replace to substitute U+FFFD.")
+            obj = without_surrogates(obj)
         for key in keys:
             if not isinstance(obj, dict) or key not in obj:
                 found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
@@ -177,6 +194,21 @@ def encode_chunk(chunk: Chunk) -> tuple[int, dict[str, tuple[np.ndarray, np.ndar
     return sum(map(len, chunk.items)), out
 
 
+@contextlib.contextmanager
+def _workers_ignore_ctrl_c():
+    """Ctrl-C reaches every process of the terminal's group: worker processes started inside this block inherit
+    SIGINT ignored (from their first instruction, before _init_worker), and the main process stops the pool."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to inherit
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
     """encode_chunk over the chunks, results in input order, at most 2 x workers chunks in flight.
 
@@ -188,13 +220,16 @@ def _ordered_map(chunks: Iterator[Chunk], workers: int, initargs: tuple):
         _init_worker(*initargs)
         yield from map(encode_chunk, chunks)
         return
-    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, initargs)
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("spawn"), _init_worker, (*initargs, True))
     try:
         pending: deque = deque()
+        with _workers_ignore_ctrl_c():
+            for chunk in itertools.islice(chunks, 2 * workers):  # the submissions that start the workers
+                pending.append(pool.submit(encode_chunk, chunk))
         for chunk in chunks:
-            pending.append(pool.submit(encode_chunk, chunk))
             if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
+            pending.append(pool.submit(encode_chunk, chunk))
         while pending:
             yield pending.popleft().result()
     finally:
@@ -249,13 +284,17 @@ def preprocess(inputs, json_keys, tokenizer: str, output: str, *, append_eod: bo
                           f"tokenizer that has one.")
     dtype = optimal_dtype(tok.vocab_size)
     summary = Summary({k: output_prefix(output, k) for k in json_keys}, dtype=dtype.name)
+    outputs = [f"{p}.{ext}" for p in summary.prefixes.values() for ext in ("bin", "idx")]
+    refuse_existing("--output-prefix", output, outputs, "a dataset written before")
     total = None if any(p.endswith(".gz") for p in inputs) else sum(os.path.getsize(p) for p in inputs)
-    writers = {k: IndexedDatasetWriter(p, dtype) for k, p in summary.prefixes.items()}
     from tqdm import tqdm
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", file=sys.stderr,
                disable=None if progress else True, dynamic_ncols=True)  # None: only on a terminal
     start = time.perf_counter()
-    try:
+    writers: dict[str, IndexedDatasetWriter] = {}
+    try:  # an error, Ctrl-C or SIGTERM from here on removes the writers' temporary files
+        for k, p in summary.prefixes.items():
+            writers[k] = IndexedDatasetWriter(p, dtype)
         initargs = (tokenizer, json_keys, append_eod, workers <= 1, errors)
         for nbytes, out in _ordered_map(read_chunks(inputs, input_format), workers, initargs):
             for key, (ids_T, lengths_N) in out.items():

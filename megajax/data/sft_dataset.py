@@ -111,9 +111,17 @@ class ChatDataset:
         self.seq_len, self.limit, self.pad_id, self.split_name = seq_len, seq_len + 1, pad_id, split_name
         self.docs, self.counts = fit_conversations(conversations, self.limit, loss_on)
         if not self.docs:
-            raise DataError(f"{name}: none of the {split_name} split's {len(conversations)} conversations fits "
-                            f"a row of seq_len + 1 = {self.limit} tokens ({self.counts.text()}); raise "
-                            f"train.seq_len or give shorter conversations.")
+            c = self.counts
+            if c.dropped_no_answer == c.conversations:
+                raise DataError(f"{name}: none of the {split_name} split's {c.conversations:,} conversations holds an "
+                                f"assistant answer to train on (a non-empty message with role \"assistant\"), and "
+                                f"data.loss_on=assistant trains on the answers only; add the answers, or set "
+                                f"data.loss_on=all to train on every token.")
+            also = (f" ({c.dropped_no_answer:,} more hold no assistant answer to train on)" if c.dropped_no_answer
+                    else "")
+            raise DataError(f"{name}: none of the {split_name} split's {c.conversations:,} conversations fits a row "
+                            f"of seq_len + 1 = {self.limit} tokens{also}: {c.dropped_long:,} have no answer ending "
+                            f"within it ({c.text()}); raise train.seq_len or give shorter conversations.")
         self.lengths = np.fromiter((len(t) for t, _ in self.docs), np.int64, len(self.docs))
         rng = np.random.RandomState(seed)
         rows: list[list[int]] = []

@@ -34,9 +34,9 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_user_file(path, what: str, limit: int) -> bytes:
-    """The bytes of the regular file at `path`; DataError naming `what` when it cannot be opened, is not a
-    regular file, or holds more than `limit` bytes."""
+def open_regular(path, what: str, limit: int | None = None) -> int:
+    """A descriptor (blocking) of the regular file at `path`; DataError naming `what` when it cannot be
+    opened, is not a regular file, or holds more than `limit` bytes (None: any size)."""
     try:
         fd = os.open(os.fspath(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
@@ -45,9 +45,20 @@ def read_user_file(path, what: str, limit: int) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise DataError(f"{what}: {_kind(info.st_mode)}, not a regular file; give a file.")
-        if info.st_size > limit:
+        if limit is not None and info.st_size > limit:
             raise DataError(f"{what}: {info.st_size:,} bytes, more than the {limit:,} bytes accepted.")
         os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_user_file(path, what: str, limit: int) -> bytes:
+    """The bytes of the regular file at `path`; DataError naming `what` when it cannot be opened, is not a
+    regular file, or holds more than `limit` bytes."""
+    fd = open_regular(path, what, limit)
+    try:
         chunks, size = [], 0
         while size <= limit:
             chunk = os.read(fd, min(1 << 20, limit + 1 - size))

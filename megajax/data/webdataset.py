@@ -48,11 +48,13 @@ from pathlib import Path
 import numpy as np
 
 from megajax.config import VisionConfig
-from megajax.data.chat import _encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, jsonl_records
+from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spans, check_messages, conversation_error,
+                                jsonl_records)
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
 from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
 from megajax.errors import DataError
+from megajax.paths import fresh_output_dir
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp")
 MARKER = "<image>"
@@ -258,7 +260,7 @@ def sample_text(record, where: str, tokenizer, template: str | None, loss_on: st
             if not has_generation_tags(template):
                 spans = _turn_spans(template, messages, text, specials)
         except ChatTemplateError as e:
-            raise DataError(f"{where}: {e}.") from None
+            raise conversation_error(e, where) from None
         if loss_on == "all":
             spans = [(0, len(text))]
         ids, trained, images = encode_with_images(tokenizer, text, spans, image_token_id, image_seq_length, run)
@@ -387,7 +389,7 @@ def write_shards(samples, output: str | Path, *, shard_size: int = 1000, prefix:
     """Writes (key, image field, image bytes, json record) samples as tar shards
     <output>/<prefix>-000000.tar, ... of `shard_size` samples each (members <key>.<field> and
     <key>.json, adjacent, in order); returns the shard paths. Each shard is written to a temporary name
-    and renamed when complete."""
+    and renamed when complete; a failure (an error in the samples, Ctrl-C) removes the shard it was writing."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
@@ -403,17 +405,23 @@ def write_shards(samples, output: str | Path, *, shard_size: int = 1000, prefix:
         tar.close()
         paths[-1].with_suffix(".tar.tmp").rename(paths[-1])
 
-    for key, fld, image, record in samples:
-        if count % shard_size == 0:
-            if tar is not None:
-                close()
-            paths.append(out / f"{prefix}-{len(paths):06d}.tar")
-            tar = tarfile.open(paths[-1].with_suffix(".tar.tmp"), "w", format=tarfile.USTAR_FORMAT)
-        add(f"{key}.{fld}", image)
-        add(f"{key}.json", json.dumps(record, ensure_ascii=False).encode("utf-8"))
-        count += 1
-    if tar is not None:
-        close()
+    try:
+        for key, fld, image, record in samples:
+            if count % shard_size == 0:
+                if tar is not None:
+                    close()
+                paths.append(out / f"{prefix}-{len(paths):06d}.tar")
+                tar = tarfile.open(paths[-1].with_suffix(".tar.tmp"), "w", format=tarfile.USTAR_FORMAT)
+            add(f"{key}.{fld}", image)
+            add(f"{key}.json", json.dumps(record, ensure_ascii=False).encode("utf-8"))
+            count += 1
+        if tar is not None:
+            close()
+    except BaseException:
+        if tar is not None and not tar.closed:
+            tar.close()
+            paths[-1].with_suffix(".tar.tmp").unlink(missing_ok=True)
+        raise
     return paths
 
 
@@ -422,7 +430,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
     `captions` (one {"image": file relative to the folder, "caption": ...} or {"image": ..., "messages": [...]}
     per line) as tar shards in `output`; (shards, samples). The image files are stored as they are
     (regular files within MAX_IMAGE_BYTES, checked to decode: megajax/data/user_files.py), keyed by their
-    line number."""
+    line number. `output` must be new or empty (an earlier run's shards are never replaced or mixed with
+    new ones); the shards are written beside it under a temporary name and moved there when all are
+    complete."""
     folder, lines = Path(images), Path(captions)
     if not folder.is_dir():
         raise DataError(f"--images {images!r}: not a directory; give the folder the captions' \"image\" paths "
@@ -445,6 +455,12 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
             decode_image(data, what)  # it decodes (a named error otherwise)
             if "messages" in record:
                 check_messages(record["messages"], where)
+            texts = [m["content"] for m in record["messages"]] if "messages" in record else [record["caption"]]
+            markers = sum(t.count(MARKER) for t in texts)
+            if markers > 1:
+                what = "conversation" if "messages" in record else "caption"
+                raise DataError(f"{where}: the {what} holds {markers} \"{MARKER}\" markers for the sample's one image "
+                                f"({str(path)!r}); give one marker where the image goes, or none to put it first.")
             yield f"{n:09d}", "jpg" if fld == "jpeg" else fld, data, record
 
     count = 0
@@ -455,7 +471,8 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
             count += 1
             yield s
 
-    paths = write_shards(counted(), output, shard_size=shard_size)
-    if not count:
-        raise DataError(f"--captions {captions!r} holds no samples (every line is blank).")
-    return paths, count
+    with fresh_output_dir("--output-dir", output) as partial:  # the shards appear together, complete, or not at all
+        names = [p.name for p in write_shards(counted(), partial, shard_size=shard_size)]
+        if not count:
+            raise DataError(f"--captions {captions!r} holds no samples (every line is blank).")
+    return [Path(output) / name for name in names], count

@@ -3,10 +3,13 @@ conversations with the same sandbox); this module adds `--chat-template FILE`'s 
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 from megajax.data.chat_template import (  # noqa: F401  (the server's names for them)
-    ChatTemplateError, compile_chat_template, find_chat_template, render_chat, special_token)
+    ChatTemplateError, TemplateLimit, check_chat_template, compile_chat_template, find_chat_template, naming,
+    render_chat, special_token)
+from megajax.data.chat_template import chat_template_source as chat_template_source_of  # noqa: F401
 from megajax.data.user_files import MAX_TEXT_BYTES, read_user_file
 from megajax.errors import UserError
 
@@ -17,7 +20,8 @@ def read_chat_template(path: str) -> str:
     chat request)."""
     accepted = "give a Jinja chat template file (the text of a tokenizer_config.json's \"chat_template\")"
     try:
-        template = read_user_file(Path(path).expanduser(), f"--chat-template {path!r}", MAX_TEXT_BYTES).decode("utf-8")
+        template = read_user_file(Path(path).expanduser(), f"--chat-template {path!r}",
+                                  MAX_TEXT_BYTES).removeprefix(codecs.BOM_UTF8).decode("utf-8")
     except UnicodeDecodeError as e:
         raise UserError(f"--chat-template {path!r}: not UTF-8 text ({e}); {accepted}.") from None
     if not template.strip():

@@ -16,8 +16,8 @@ from typing import Callable, Sequence
 
 import jax
 
-from megajax.data.chat import chat_template_of
-from megajax.data.chat_template import render_chat, special_token
+from megajax.data.chat import checked_chat_template, conversation_error
+from megajax.data.chat_template import ChatTemplateError, render_chat, special_token
 from megajax.inference.generate import Generator
 from megajax.inference.sampling import Sampling
 from megajax.inference.text import completion_text
@@ -27,11 +27,15 @@ GREEDY = Sampling(0.0, 0, 1.0, 0)
 
 
 def exact_match(generator: Generator, tokenizer, template: str, items: Sequence[tuple[list[dict], str]],
-                max_new_tokens: int, batch_size: int = 32) -> tuple[float, list[str]]:
+                max_new_tokens: int, batch_size: int = 32, source: str = "") -> tuple[float, list[str]]:
     """(fraction of items answered exactly, the answers in order)."""
     specials = dict(bos_token=special_token(tokenizer, "bos_token"), eos_token=special_token(tokenizer, "eos_token"))
-    prompts = [tokenizer.encode(render_chat(template, messages, add_generation_prompt=True, **specials))
-               for messages, _ in items]
+    prompts = []
+    for i, (messages, _) in enumerate(items):
+        try:
+            prompts.append(tokenizer.encode(render_chat(template, messages, add_generation_prompt=True, **specials)))
+        except ChatTemplateError as e:
+            raise conversation_error(e, f"held-out prompt {i + 1}", source) from None
     answers: list[str] = []
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first:first + batch_size]
@@ -93,7 +97,8 @@ def exact_match_hook(when: str) -> Callable:
                               expert_bias=None if state.moe_expert_bias is None
                               else jax.device_get(state.moe_expert_bias))
         longest = max(len(tok.encode(expected)) for _, expected in items) + 2  # the answer, its newline
-        accuracy, _ = exact_match(generator, tok, chat_template_of(tok), items, longest)
+        template, source = checked_chat_template(tok)
+        accuracy, _ = exact_match(generator, tok, template, items, longest, source=source)
         result.exact_match[when] = accuracy
         say(f"megajax: exact-match accuracy {when} training: {accuracy:.3f} "
             f"({round(accuracy * len(items))}/{len(items)} held-out prompts of {path}, greedy)")

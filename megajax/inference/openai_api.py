@@ -35,7 +35,7 @@ import numpy as np
 
 from megajax.errors import DataError
 from megajax.inference.batcher import Job
-from megajax.inference.chat import ChatTemplateError, render_chat, special_token
+from megajax.inference.chat import ChatTemplateError, TemplateLimit, naming, render_chat, special_token
 from megajax.inference.generate import MAX_TOP_LOGPROBS, Completion, TokenScores
 from megajax.inference.images import (IMAGE_MARKER, MAX_IMAGE_BYTES, decode_image, image_prompt_ids, preprocess_tiles,
                                       read_user_file)
@@ -439,8 +439,14 @@ class OpenAIDialect:
         try:
             text = render_chat(template, flat, bos_token=special_token(self.tokenizer, "bos_token"),
                                eos_token=special_token(self.tokenizer, "eos_token"))
+        except TemplateLimit as e:  # past a bound on these messages: too long, or a template that never ends
+            raise RequestError(naming(e, self.service.chat_template_source), param) from None
         except ChatTemplateError as e:
-            raise RequestError(str(e), param) from None
+            if e.refused:  # the template's own raise_exception: these messages are not for this model
+                raise RequestError(str(e), param) from None
+            raise RequestError(f"{naming(e, self.service.chat_template_source)}: the server's chat template cannot "
+                               f"render these messages (a fault of the template, not of the request)", param,
+                               status=500, code="chat_template_error") from None
         vision = self.service.generator.model.vision
         if vision is None:
             return self.tokenizer.encode(text), None

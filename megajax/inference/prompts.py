@@ -16,11 +16,12 @@ encoded without added special tokens (the template writes them), as transformers
 
 from __future__ import annotations
 
-import json
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 
 from megajax.data.chat import check_messages
+from megajax.data.text_files import json_line, undecodable
 from megajax.data.user_files import MAX_TEXT_BYTES, read_user_file
 from megajax.errors import DataError, UserError
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
@@ -35,18 +36,21 @@ class Prompt:
 
 
 def _lines(path: Path) -> list[str]:
+    """The file's lines (at most MAX_TEXT_BYTES in all), as UTF-8 text (megajax.data.text_files' rules:
+    a leading byte-order mark dropped, a byte that is not UTF-8 named with its line)."""
     what = f"--prompts-file {str(path)!r}"
-    try:
-        return read_user_file(path, what, MAX_TEXT_BYTES).decode("utf-8").splitlines()
-    except UnicodeDecodeError as e:
-        raise UserError(f"{what}: not UTF-8 text ({e}).") from None
+    raw = read_user_file(path, what, MAX_TEXT_BYTES).removeprefix(codecs.BOM_UTF8)
+    lines = []
+    for n, line in enumerate(raw.split(b"\n"), 1):
+        try:
+            lines.append(line.decode("utf-8").rstrip("\r"))
+        except UnicodeDecodeError as e:
+            raise undecodable(line, f"{what}:{n}", e) from None
+    return lines
 
 
 def _jsonl_prompt(line: str, where: str, chat: bool) -> Prompt:
-    try:
-        item = json.loads(line)
-    except ValueError as e:
-        raise UserError(f"{where}: not JSON ({e}).") from None
+    item = json_line(line, where)
     if isinstance(item, dict) and "messages" in item:
         return Prompt(where, messages=check_messages(item["messages"], where))
     item = item.get("prompt") if isinstance(item, dict) else item

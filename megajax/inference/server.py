@@ -48,7 +48,8 @@ from typing import Any
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
 from megajax.data.chat import trained_chat_template
-from megajax.inference.chat import ChatTemplateError, compile_chat_template
+from megajax.inference.chat import (ChatTemplateError, chat_template_source_of, check_chat_template,
+                                   special_token)
 from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
 from megajax.inference.generate import ContextLengthError
 from megajax.inference.openai_api import OpenAIDialect
@@ -97,7 +98,8 @@ class CompletionService:
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None,
                  prefix_caching: bool = True, quiet: bool = True,
-                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None):
+                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None,
+                 chat_template_source: str = ""):
         self.loaded = loaded
         if limit_images < 0:
             raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
@@ -112,17 +114,19 @@ class CompletionService:
             self.allowed_media = root
         self.generator, self.tokenizer = loaded.generator, loaded.tokenizer
         # The chat template: --chat-template's, else the one the model speaks (its tokenizer's own, or the byte
-        # tokenizer's of a run trained on chat data; None: chat is refused); compiled now, so a broken one
-        # stops the start-up instead of failing every chat request.
-        self.chat_template = chat_template or trained_chat_template(self.tokenizer, loaded.cfg.data.format)
-        if self.chat_template is not None:
-            try:
-                compile_chat_template(self.chat_template)
-            except ChatTemplateError as e:
-                name = getattr(self.tokenizer, "name", "")
-                where = "--chat-template" if chat_template else f"the tokenizer's ({name})"
-                raise UserError(f"{where} chat template: {e}; pass --chat-template FILE with a valid Jinja chat "
-                                f"template.") from None
+        # tokenizer's of a run trained on chat data; None: chat is refused); checked now (compiled, and rendered
+        # on a plain conversation), so a broken one stops the start-up instead of failing every chat request.
+        try:
+            self.chat_template = chat_template or trained_chat_template(self.tokenizer, loaded.cfg.data.format)
+            self.chat_template_source = chat_template_source or (
+                "--chat-template" if chat_template else
+                f"the tokenizer's: {chat_template_source_of(self.tokenizer) or 'the chat fine-tuning template'}")
+            if self.chat_template is not None:
+                check_chat_template(self.chat_template, self.chat_template_source,
+                                    bos_token=special_token(self.tokenizer, "bos_token"),
+                                    eos_token=special_token(self.tokenizer, "eos_token"))
+        except ChatTemplateError as e:
+            raise UserError(f"{e}; pass --chat-template FILE with a working Jinja chat template.") from None
         self.metrics = ServeMetrics()
         if batching == "continuous":
             self.batcher = Engine(self.generator, max_batch, block_size=block_size, num_blocks=num_kv_blocks,

@@ -466,8 +466,11 @@ def write_json(obj: Any, path: str | Path) -> None:
 
     text = json.dumps(_finite(obj), indent=2, default=str)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+    finally:  # an interrupted write leaves no temporary file
+        tmp.unlink(missing_ok=True)
 
 
 def _finite(o: Any) -> Any:

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,6 @@ from megajax import host_allocator
 from megajax.checkpoint.manager import Checkpointer, read_meta
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
-from megajax.distributed import preemption_sync_point
 from megajax.errors import TrainingError
 from megajax.mesh import mesh_sizes
 from megajax.precision.policy import precision_policy
@@ -46,6 +43,7 @@ from megajax.train.metrics import MetricsLogger, device_memory_gib
 from megajax.train.ops import MOE_RECORD_FIELDS, RunOps
 from megajax.train.resume_changes import describe_changes
 from megajax.train.run_lock import RunDirInUse, RunDirLock
+from megajax.train.stop_signals import Interrupted, StopSignals
 from megajax.plan import RunPlan, make_plan
 from megajax.train.setup import Trainer, build_trainer  # noqa: F401  (build_trainer: public entry)
 
@@ -77,46 +75,6 @@ def describe(tr: Trainer, peak_source: str) -> str:
     return (f"megajax: {count_params(tr.spec.abstract_params) / 1e6:.2f}M parameters on {jax.device_count()} "
             f"{jax.devices()[0].platform} devices; compiled in {tr.compile_seconds:.1f}s. MFU counts 6 x matmul "
             f"params + causal attention (lower triangle){ssd} per token, no recompute; peak from {peak_source}.")
-
-
-class _StopSignals:
-    """Records SIGTERM/SIGINT (a scheduler's preemption notice, Ctrl-C) so the loop can checkpoint and stop.
-
-    Installed before start-up, so a SIGTERM while the run compiles stops it cleanly too. With
-    several processes, SIGTERM is left to the distributed runtime, which relays it to every
-    process; `should_stop(step)` is then true on all of them at the same step (SIGINT is turned
-    into a SIGTERM to this process to take the same path)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.received: int | None = None
-        self._previous: dict = {}
-        self.multiprocess = jax.process_count() > 1
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT,) if self.multiprocess else self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received = signum
-        if self.multiprocess and signum == signal.SIGINT:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    def should_stop(self, step: int) -> bool:
-        """Called once per step by every process."""
-        if not self.multiprocess:
-            return self.received is not None
-        if preemption_sync_point(step):
-            self.received = self.received or signal.SIGTERM
-            return True
-        return False
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 # ----------------------------------------------------------------------------
@@ -271,22 +229,27 @@ def train(cfg: Config | RunPlan, devices: list | None = None, *, check_compiled:
     the result so far and the loop's print function; the `on_end` hooks after a run that finished its
     steps (not stopped by a signal), with the result holding the final `state`."""
     devices = list(devices if devices is not None else jax.devices())
-    with _StopSignals() as stop:
-        plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
-        run_dir = Path(plan.cfg.train.run_dir)
-        with _hold_run_dir(run_dir):
-            _say(f"megajax: run directory {run_dir}; {plan.describe()}")
-            tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
-            if stop.received is not None and not stop.multiprocess:
-                name = signal.Signals(stop.received).name
-                _say(f"megajax: {name} received during start-up, before the first step: nothing to save; "
-                     f"stopping.")
-                tr.loader.close()
-                return RunResult(run_dir=run_dir, stopped_by=name, state=tr.state)
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if jax.process_index() == 0:
-                (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
-            return _loop(tr, run_dir, stop, on_end, on_start)
+    run_dir = None
+    with StopSignals(_say) as stop:
+        try:
+            with stop.interruptible("during start-up, before the first step"):
+                plan = cfg if isinstance(cfg, RunPlan) else make_plan(cfg, len(devices))
+                run_dir = Path(plan.cfg.train.run_dir)
+            with _hold_run_dir(run_dir) as lock:
+                if lock is not None:
+                    stop.at_exit.append(lock.release)
+                with stop.interruptible("during start-up, before the first step"):
+                    _say(f"megajax: run directory {run_dir}; {plan.describe()}")
+                    tr = build_trainer(plan, devices, check_compiled=check_compiled, say=_say)
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    if jax.process_index() == 0:
+                        (run_dir / "config.yaml").write_text(plan.cfg.to_yaml())
+                    stop.started()
+                return _loop(tr, run_dir, stop, on_end, on_start)
+        except Interrupted as e:
+            _say(f"megajax: {e.name} received {e.phase}: stopped; nothing to save"
+                 + (f" (train.run_dir={run_dir} holds no new checkpoint)." if run_dir else "."))
+            return RunResult(run_dir=run_dir, stopped_by=e.name)
 
 
 @contextlib.contextmanager
@@ -309,13 +272,13 @@ def _hold_run_dir(run_dir: Path):
     if note:
         _say(note)
     try:
-        yield
+        yield lock
     finally:
         if lock:
             lock.release()
 
 
-def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHook] = (),
+def _loop(tr: Trainer, run_dir: Path, stop: StopSignals, on_end: Sequence[EndHook] = (),
           on_start: Sequence[EndHook] = ()) -> RunResult:
     cfg, plan = tr.cfg, tr.plan
     total, G = cfg.train.steps, plan.batch.global_batch
@@ -328,8 +291,16 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
     health = Health(cfg, log.print)
     validation = Validation(tr, log, result, start)
     ok = tr.setup.ok_flag()
-    for hook in on_start:
-        hook(tr, result, log.print)
+    try:
+        with stop.interruptible("during start-up, before the first step"):
+            for hook in on_start:
+                hook(tr, result, log.print)
+    except BaseException:
+        ops.close()
+        log.close()
+        tr.loader.close()
+        saves.close()
+        raise
 
     pending: tuple[int, dict, int] | None = None  # (step, device metrics, consumed samples before it)
     last_good = (start, consumed)  # step and data position of the last finite step
@@ -421,7 +392,7 @@ def _loop(tr: Trainer, run_dir: Path, stop: _StopSignals, on_end: Sequence[EndHo
 
     result.state = state
     result.skipped_steps = health.skipped
-    return _summary(tr, result, interval_rates, log, run_dir, on_end)
+    return _summary(tr, result, interval_rates, log, run_dir, on_end, stop)
 
 
 def _open_log(tr: Trainer, run_dir: Path, start: int) -> tuple[MetricsLogger, float]:
@@ -469,7 +440,7 @@ def _record(tr: Trainer, step: int, consumed: int, host: dict, losses: list[floa
 
 
 def _summary(tr: Trainer, result: RunResult, interval_rates: list[float], log: MetricsLogger, run_dir: Path,
-             on_end: Sequence[EndHook]) -> RunResult:
+             on_end: Sequence[EndHook], stop: StopSignals) -> RunResult:
     """The run's closing line, its mean throughput, and the end hooks (after a run that finished)."""
     if not result.losses:
         log.print(f"megajax: nothing to do; {tr.origin} is already at train.steps={tr.cfg.train.steps}.")
@@ -486,6 +457,12 @@ def _summary(tr: Trainer, result: RunResult, interval_rates: list[float], log: M
               f"{result.tokens_per_sec:,.0f} tokens/s (mean of logged intervals after the first); "
               f"{losses}; run directory {run_dir}")
     if result.stopped_by is None:
-        for hook in on_end:
-            hook(tr, result, log.print)
+        try:
+            with stop.interruptible("after the last step"):
+                for hook in on_end:
+                    hook(tr, result, log.print)
+        except Interrupted as e:
+            log.print(f"megajax: {e.name} received {e.phase} (its checkpoint is saved): the end-of-training "
+                      f"sample and scores are left out.")
+            result.stopped_by = e.name
     return result
