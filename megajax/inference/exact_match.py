@@ -65,7 +65,7 @@ def exact_match_hook(when: str) -> Callable:
         state = result.state if when == "after" else trainer.state
         items, path = _items(cfg)
         tok = trainer.tokenizer
-        generator = Generator(cfg.model, state.params, padded_vocab_size=trainer.plan.padded_vocab,
+        generator = Generator(cfg.model, trainer.setup.model_params(state), padded_vocab_size=trainer.plan.padded_vocab,
                               dtype=precision_policy(cfg).inference_dtype, mesh=trainer.mesh,
                               rules=trainer.rules.activations, eod_id=getattr(tok, "eod_id", None),
                               layer_buffers=False,

@@ -20,13 +20,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from optax import MaskedNode
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
-from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
+from megajax.mesh import ShardingRules, mesh_sizes, pad_to, padded_shape, tree_shardings, unpad_to
 from megajax.models import param_axes
 from megajax.models.vision import build_model
 from megajax.models.layout import has_expert_bias
@@ -278,3 +279,23 @@ def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax
                       # [layers, E] fp32, read by every device's routers: replicated.
                       moe_expert_bias=jax.tree.map(lambda _: replicated, abstract_state.moe_expert_bias),
                       frozen=None if spec.frozen_axes is None else tree_shardings(mesh, spec.frozen_axes, rules.params))
+
+
+# The train state between steps is stored with its data-parallel splits padded (megajax/mesh.py
+# PADDED_AXES); `target` below is a tree of logical ShapeDtypeStructs carrying their shardings.
+
+def pad_state(tree, target):
+    """A tree of logical arrays (numpy or jax) as stored: each zero-padded to padded_shape."""
+    return jax.tree.map(lambda x, t: pad_to(x, padded_shape(t.shape, t.sharding)), tree, target)
+
+
+def unpad_state(tree, target):
+    """A stored tree (pad_state) at its logical shapes again (inside a jitted step: XLA keeps the uneven
+    splits)."""
+    return jax.tree.map(lambda x, t: unpad_to(x, tuple(t.shape)), tree, target)
+
+
+def place(x, t: jax.ShapeDtypeStruct) -> jax.Array:
+    """A host array of logical struct `t` (shape, dtype, sharding) on the devices as stored (pad_state)."""
+    return jax.device_put(pad_to(np.asarray(x, t.dtype), padded_shape(t.shape, t.sharding)), t.sharding)
+
