@@ -297,6 +297,20 @@ def _state_dir(step_dir: Path) -> Path:
 # crops or zero-pads them to its own.
 LOGICAL_SHAPES = "logical_shapes"
 
+PARAMS = "params."  # the train state's parameters' storage names
+# The optimizer state's fp32 master copy of 16-bit parameters (megajax/train/optimizer.py MasterParams,
+# the optimizer state's last part): `opt_state.<i>.master.<parameter>`.
+MASTER = re.compile(r"opt_state\.\d+\.master\.")
+
+
+def master_prefix(names) -> str | None:
+    """The storage-name prefix of the fp32 master parameters among a checkpoint's `names`, or None."""
+    for name in names:
+        found = MASTER.match(name)
+        if found:
+            return found.group(0)
+    return None
+
 
 def logical_shapes(step_dir: Path, stored: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """{storage name: the array's logical shape} (its stored shape unless the metadata records it padded)."""
@@ -401,10 +415,16 @@ def restore_state(step_dir: Path, target: Any, cfg: Config) -> tuple[Any, str]:
 
 
 def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[dict, str]:
-    """Only the parameters (fine-tuning with a fresh optimizer), laid out like `target_params`;
-    the same checks and note as restore_state."""
-    restored, note = _restore(step_dir, {"params": target_params}, cfg, "load")
-    return restored["params"], note
+    """Only the parameters (fine-tuning with a fresh optimizer, generation), laid out like
+    `target_params` (in its dtypes): the fp32 master copy where the checkpoint holds one (16-bit
+    parameters, master_prefix), else the parameters; the same checks and note as restore_state."""
+    prefix = master_prefix(stored_arrays(step_dir)[0])
+    if prefix is None:
+        restored, note = _restore(step_dir, {"params": target_params}, cfg, "load")
+        return restored["params"], note
+    index = int(prefix.split(".")[1])  # the optimizer state's part holding it
+    restored, note = _restore(step_dir, {"opt_state": [None] * index + [{"master": target_params}]}, cfg, "load")
+    return restored["opt_state"][index]["master"], note
 
 
 def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
@@ -469,18 +489,21 @@ class CheckpointSource:
     def __init__(self, path: str | Path, key: str = "--checkpoint", step: int | None = None,
                  prefix: str = "params."):
         """`prefix`: the stored subtree served (`opt_state.0.mu.`: Adam's first moments, named like
-        the parameters)."""
+        the parameters); the parameters (`params.`) are served from the fp32 master copy where the
+        checkpoint holds one (16-bit parameters, master_prefix)."""
         import orbax.checkpoint as ocp
         from etils import epath
         self.step_dir = require_step_dir(path, key, step)
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
         self._logical = logical_shapes(self.step_dir, self._arrays)  # a padded array's own (cropped)
+        params = prefix == PARAMS
+        if params:
+            prefix = master_prefix(self._arrays) or prefix
         self._prefix = prefix
         self._names = sorted(n[len(prefix):].replace(".", "/") for n in self._arrays if n.startswith(prefix))
         # The routers' expert bias: one stored array, served as the layers' and the MTP block's.
-        self._bias_rows = expert_bias_rows(self.model) if prefix == "params." and \
-            EXPERT_BIAS_STORED in self._arrays else {}
+        self._bias_rows = expert_bias_rows(self.model) if params and EXPERT_BIAS_STORED in self._arrays else {}
         self._names += list(self._bias_rows)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
@@ -501,7 +524,8 @@ class CheckpointSource:
     def _storage(self, name: str) -> str:
         key = EXPERT_BIAS_STORED if name in self._bias_rows else self._prefix + name.replace("/", ".")
         if key not in self._arrays:
-            what = "parameter " + name if self._prefix == "params." else self._prefix + name.replace("/", ".")
+            what = ("parameter " + name if self._prefix == PARAMS or MASTER.match(self._prefix)
+                    else self._prefix + name.replace("/", "."))
             raise CheckpointError(f"checkpoint {self.step_dir}: has no {what}.")
         return key
 

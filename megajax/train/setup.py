@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.checkpoint.manager import (find_step_dir, leaf_names, read_meta, require_step_dir, restore_expert_bias,
-                                       restore_params, restore_state, set_aside_newer, verify_step)
+                                       restore_params, set_aside_newer, verify_step)
 from megajax.checkpoint.stored_model import is_hf_load, is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
@@ -33,6 +33,7 @@ from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
+from megajax.train.master import load_target, restore_resume, with_params
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
@@ -187,10 +188,11 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_in_state(cfg.model))
+    policy = precision_policy(cfg)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_in_state(cfg.model), policy.master_dtype is not None)
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
-                        lambda: initial_expert_bias(cfg.model), spec.split)
+                        lambda: initial_expert_bias(cfg.model), spec.split, policy.param_dtype)
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
@@ -259,7 +261,7 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
         meta = read_meta(verify_step(resume))
-        state, note = restore_state(resume, target.replace(frozen=None), cfg)
+        state, note = restore_resume(resume, target, setup.state_shardings, cfg)  # (with or without a master copy)
         if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
             frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
             state = state.replace(frozen=frozen)
@@ -301,8 +303,8 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
             f"optimizer state fresh"), None
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
-        params, note = restore_params(source, target.params, cfg)
-        state = setup.fresh_state().replace(params=params)
+        params, note = restore_params(source, load_target(target), cfg)
+        state = with_params(setup.fresh_state(), params, target, setup.state_shardings)
         bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
         if bias is not None:
             state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
@@ -381,10 +383,11 @@ def _hf_state(setup: Setup, target: TrainState, load: str) -> TrainState:
     from flax import traverse_util
     from megajax.checkpoint.hf import open_hf
     from megajax.checkpoint.hf_stream import hf_expert_bias, stream_hf
-    like = traverse_util.flatten_dict(target.params, sep="/")
+    like = traverse_util.flatten_dict(load_target(target), sep="/")
     with open_hf(load) as hf:
         state = setup.fresh_state().replace(params=None)  # its initial parameters freed before the reads
-        state = state.replace(params=traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"))
+        state = with_params(state, traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"), target,
+                            setup.state_shardings)
         bias = hf_expert_bias(hf)
     if bias is not None and target.moe_expert_bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
@@ -424,8 +427,8 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
                                   f"run's model ({listed or 'another set of tensors'}).")
         return jax.tree.map(place, tree, like)
 
-    state = setup.fresh_state()
-    state = state.replace(params=placed(params, target.params, "tensors"))
+    state = with_params(setup.fresh_state(), placed(params, load_target(target), "tensors"), target,
+                        setup.state_shardings)
     if bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(np.asarray(bias, np.float32),
                                                              setup.state_shardings.moe_expert_bias))
