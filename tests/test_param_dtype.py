@@ -119,3 +119,10 @@ def test_adapters_and_the_expert_bias_with_bf16_parameters(small_config, tmp_pat
                                f"train.run_dir={tmp_path / 'moe'}", steps=2))
     bias = np.asarray(moved.state.moe_expert_bias)
     assert bias.dtype == np.float32 and np.abs(bias).max() > 0
+
+
+def test_a_wrong_param_dtype_is_one_clear_error(tmp_path):
+    from test_bad_input import megajax, paragraph
+    p = megajax("train", "precision.param_dtype=bf16", f"train.run_dir={tmp_path / 'run'}", "train.steps=1")
+    paragraph(p, "train", "precision.param_dtype", "bf16", "compute", "fp32")
+    assert not (tmp_path / "run").exists()
