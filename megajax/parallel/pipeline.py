@@ -455,6 +455,7 @@ class _Device:
                 g_o, g_y = head_vjp((self.seed.astype(objective[0].dtype), self.router_seed.astype(objective[1].dtype)))
             else:
                 g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
+            g_o = jax.tree.map(lambda g, z: g.astype(z.dtype), g_o, zero_other)  # (of 16-bit weights)
             return jax.tree.map(lambda s: s.astype(jnp.float32), sums), g_o, g_y.astype(y.dtype)
 
         sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
@@ -464,7 +465,7 @@ class _Device:
 
         def into_embedding():
             _, embed_vjp = jax.vjp(lambda o: self.embed(o, i), self.other)
-            return embed_vjp(g_x)[0]
+            return jax.tree.map(lambda g, z: g.astype(z.dtype), embed_vjp(g_x)[0], zero_other)
 
         g_embed = jax.lax.cond(self.flags[t, self.stage, 5], into_embedding, lambda: zero_other)
         keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)

@@ -1,7 +1,9 @@
 """Analytic memory and communication for a layout, to read the compiled figures against.
 
-Memory per device: parameters (fp32 master), gradients (fp32), optimizer
-state (Adam's two moments, fp32) for the shardings the rules tables give;
+Memory per device: parameters (in precision.param_dtype: the compute dtype or
+fp32), gradients (fp32), optimizer state (Adam's two moments, fp32, and the fp32
+master copy of 16-bit parameters) for the shardings the rules tables give (a
+data-parallel split that does not divide a dim counted padded);
 activations per layer from Korthikanti et al. ("Reducing Activation
 Recomputation in Large Transformer Models"), which count 16-bit activations:
 
@@ -40,7 +42,9 @@ gradient shard once (and once more over `context` without a pipeline, where
 XLA reduces over it separately); FSDP all-gathers the parameters and
 reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp shard
 over `data`); the distributed optimizer reduce-scatters the gradients and
-all-gathers the updated parameters over `data`.
+all-gathers the updated parameters over `data`. Parameters are gathered in
+their dtype (16-bit with precision.param_dtype=compute: half the fp32 bytes;
+on CPU XLA gathers them as fp32), gradients reduced in fp32.
 
 Mixture of experts over `expert` (ep ranks; with parallel.expert_tensor_parallel=1, MoE parallel
 folding, over expert x context x tensor, a device dispatching 1 / tensor of its tokens and, under
@@ -102,19 +106,38 @@ def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
     return n
 
 
+def shard_numel(shape: tuple[int, ...], names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
+    """Elements of one device's shard of a tensor the rules split: each dim's split rounded up (a
+    data-parallel split that does not divide a dim is stored padded, megajax/mesh.py PADDED_AXES)."""
+    spec = tuple(logical_to_spec(names, rules))
+    spec += (None,) * (len(shape) - len(spec))
+    return math.prod(-(-n // math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ())))
+                     for n, e in zip(shape, spec))
+
+
 def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_opt: Rules,
-                sizes: dict[str, int], frozen=None) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients and Adam state (all fp32); `frozen` (a predicate over
-    parameter names, megajax.models.trainable.frozen_in_state) names parameters without Adam state."""
+                sizes: dict[str, int], frozen=None, policy=None) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients and optimizer state (Adam's two fp32 moments and,
+    where the parameters are 16-bit, the fp32 master copy): the parameters in policy.param_dtype and
+    the gradients in policy.grad_dtype (`policy`: megajax.precision.policy's; None: all in the
+    dtypes of `abstract_params`, no copy); `frozen` (a predicate over parameter names,
+    megajax.models.trainable.frozen_in_state) names parameters without Adam moments.
+
+    In bf16 with the copy that is Megatron's 2 + 4 + 12 / d bytes per parameter with the distributed
+    optimizer over d data-parallel ranks (18 without it); with fp32 parameters 4 + 4 + 8 / d (16)."""
     shapes = dict(flatten(abstract_params))
-    params = opt = 0
+    params = grads = opt = 0
     for name, names in flatten(axes):
-        numel = math.prod(shapes[name].shape)
+        shape = shapes[name].shape
         itemsize = jax.numpy.dtype(shapes[name].dtype).itemsize
-        params += numel // shard_factor(names, rules_params, sizes) * itemsize
+        local, sharded = shard_numel(shape, names, rules_params, sizes), shard_numel(shape, names, rules_opt, sizes)
+        params += local * (itemsize if policy is None else policy.param_dtype.itemsize)
+        grads += local * (itemsize if policy is None else policy.grad_dtype.itemsize)
         if frozen is None or not frozen(name):
-            opt += 2 * numel // shard_factor(names, rules_opt, sizes) * itemsize
-    return {"params": params, "grads": params, "optimizer": opt}
+            opt += 2 * sharded * itemsize
+        if policy is not None and policy.master_dtype is not None:
+            opt += sharded * policy.master_dtype.itemsize
+    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 def activation_bytes(plan: RunPlan) -> int:
@@ -430,8 +453,11 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     if m.num_experts and ep > 1 and data * (1 if pipe is None else cp) == 1:
         out["all-reduce", "expert"] += reductions * (local_param_bytes - expert_param_bytes)
     shard = local_param_bytes * reductions
+    # The parameters are gathered in their own dtype (precision.param_dtype; local_param_bytes counts
+    # fp32), the gradients reduced in fp32; on CPU XLA gathers 16-bit values as fp32.
+    gathered = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
-        out["all-gather", "fsdp"] += shard
+        out["all-gather", "fsdp"] += shard * gathered
         out["reduce-scatter", "fsdp"] += shard
         shard = shard / fsdp
     if cp > 1 and pipe is None:  # gradients reduced over `context` per microbatch (a separate all-reduce)
@@ -439,7 +465,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     if data > 1 or (cp > 1 and pipe is not None):
         if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
             out["reduce-scatter", "data"] += shard
-            out["all-gather", "data"] += shard
+            out["all-gather", "data"] += shard * gathered
         else:
             out["all-reduce", "data"] += shard
     return dict(out)
@@ -512,7 +538,7 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
     est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
-                         frozen_in_state(plan.cfg.model)),
+                         frozen_in_state(plan.cfg.model), precision_policy(plan.cfg)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
     if getattr(spec, "frozen_axes", None) is not None:  # model.lora: the frozen base, no gradient, no Adam state
