@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
+from megajax.mesh import entry_axes, like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
 from megajax.parallel.stash import split_vjp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -213,7 +213,8 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
-                       token_axes: tuple[str, ...] = (), lockstep: bool = True) -> tuple[dict, dict, dict | None]:
+                       token_axes: tuple[str, ...] = (), lockstep: bool = True,
+                       scatter: dict | None = None) -> tuple[dict, dict, dict | None]:
     """(gradients of `seed` x the head's objective [+ `router_seed` x the router losses] w.r.t.
     `params`, the head's sums (its `loss` sum and whatever else it returns, summed over
     microbatches), the router sums or None) of one step's M microbatches through the pipeline.
@@ -243,11 +244,18 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
 
     `maxed`: a tree like `params` of bools; where True the "gradient" is combined with max instead
     of summed (over microbatches, stages and data shards): the FP8 scales, whose cotangents are
-    the amaxes the products saw (megajax/precision/fp8.py)."""
+    the amaxes the products saw (megajax/precision/fp8.py).
+
+    `scatter`: a tree like `params` of ints; a parameter outside the stacked layers with a dim d >= 0
+    there (the embedding's and output layer's vocabulary dim: kept split over `axis` between steps,
+    megajax.mesh.vocab_storage_axes) has its gradient reduce-scattered over the stages onto dim d
+    (returned split over `axis` there) instead of summed whole on every stage."""
     p, v = sched.stages, sched.virtual
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     maxed = jax.tree.map(lambda _: False, params) if maxed is None else maxed
     max_layers, max_other = maxed["layers"], {k: x for k, x in maxed.items() if k != "layers"}
+    scatter = jax.tree.map(lambda _: -1, params) if scatter is None else scatter
+    scatter_other = {k: x for k, x in scatter.items() if k != "layers"}
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     order = stage_order(num_layers, p, v)
     if order is not None:
@@ -255,7 +263,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     data_axes = tuple(data_axes)
     reduced = ((axis,) if p > 1 else ()) + data_axes
     loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes), lockstep,
-                      num_layers // (p * v), max_layers, max_other, grad_dtype, rng is not None)
+                      num_layers // (p * v), max_layers, max_other, scatter_other, grad_dtype, rng is not None)
 
     # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
     is_spec = lambda x: isinstance(x, P)
@@ -265,7 +273,12 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     param_specs = jax.tree.map(lambda sp: P(*spec_without(sp, ones)), param_specs, is_leaf=is_spec)
     layer_in = param_specs["layers"]
     other_in = {k: x for k, x in param_specs.items() if k != "layers"}
-    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_in))
+    # A reduce-scattered gradient leaves split over `axis` on its dim (after the axes splitting it inside).
+    def scattered(sp, d):
+        entries = tuple(sp) + (None,) * (d + 1 - len(sp))
+        return sp if d < 0 else P(*(spec_entry((*entry_axes(e), axis)) if n == d else e for n, e in enumerate(entries)))
+    other_split = jax.tree.map(scattered, other_in, scatter_other, is_leaf=is_spec)
+    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_split))
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
     # [M, B, L] split over the sequence axes too; a vision-language model's images [M, B, N, H, W, 3]
     # whole over them (every context shard of a row runs the encoder on the row's images).
@@ -327,6 +340,7 @@ class _StageLoop:
     per: int  # layers per chunk
     max_layers: dict
     max_other: dict
+    scatter_other: dict  # per parameter outside the layers: the dim its gradient is reduce-scattered onto, or -1
     grad_dtype: object
     use_rng: bool
 
@@ -366,8 +380,12 @@ class _StageLoop:
         carry = (dev.zeros_x, dev.zeros_x, dev.stash0, dev.head_stash0, g_layers0, g_other0, dev.zero_sums, router0)
         (*_, g_layers, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
-        g_other = jax.tree.map(lambda m, g: jax.lax.pmax(g, self.axis) if m else jax.lax.psum(g, self.axis),
-                               self.max_other, g_other)
+        def over_stages(m, d, g):
+            if m:
+                return jax.lax.pmax(g, self.axis)
+            return jax.lax.psum(g, self.axis) if d < 0 else jax.lax.psum_scatter(g, self.axis, scatter_dimension=d,
+                                                                                   tiled=True)
+        g_other = jax.tree.map(over_stages, self.max_other, self.scatter_other, g_other)
         if self.data_axes:  # each shard's sums, on a leading dim over the data axes
             g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
         # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
@@ -457,9 +475,11 @@ class _Device:
         device); a stage with no work of its own then computes on zeros, and its results are
         dropped."""
         c, i = jnp.maximum(fc, 0), jnp.maximum(fm, 0)
-        embedded = jax.lax.cond(self.flags[t, self.stage, 1], lambda: self.embed(self.other, i), lambda: self.zeros_x)
+        embedded = jax.lax.cond(self.flags[t, self.stage, 1], scoped("embed", lambda: self.embed(self.other, i)),
+                                lambda: self.zeros_x)
         x = jnp.where((self.stage == 0) & (fc == 0), embedded, recv_x)
-        outs, sums, kept = self.split.forward(*self.chunk_inputs(x, c, i))
+        with jax.named_scope(BRANCH_SCOPES["forward"]):
+            outs, sums, kept = self.split.forward(*self.chunk_inputs(x, c, i))
         return (outs if self.loop.fns.experts == 0 else outs[0]), sums, kept
 
     def idle_forward(self):
@@ -485,18 +505,19 @@ class _Device:
                 g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
             return jax.tree.map(lambda s: s.astype(jnp.float32), sums), g_o, g_y.astype(y.dtype)
 
-        sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 3], from_loss,
+        sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 3], scoped("head", from_loss),
                                            lambda: (self.zero_sums, zero_other, self.zeros_x))
         at_head = (self.stage == p - 1) & (bc == v - 1)
-        vjp = self.split.backward((_index(self.chunks, c), self.other), [_index(s, slot) for s in stash])
         g_out = jnp.where(at_head, g_y, recv_g)
-        g_w, g_x = vjp(g_out if loop.fns.experts == 0 else (g_out, self.router_seed))
+        with jax.named_scope(BRANCH_SCOPES["backward"]):
+            vjp = self.split.backward((_index(self.chunks, c), self.other), [_index(s, slot) for s in stash])
+            g_w, g_x = vjp(g_out if loop.fns.experts == 0 else (g_out, self.router_seed))
 
         def into_embedding():
             _, embed_vjp = jax.vjp(lambda o: self.embed(o, i), self.other)
             return embed_vjp(g_x)[0]
 
-        g_embed = jax.lax.cond(self.flags[t, self.stage, 4], into_embedding, lambda: zero_other)
+        g_embed = jax.lax.cond(self.flags[t, self.stage, 4], scoped("embed_backward", into_embedding), lambda: zero_other)
         busy = bc >= 0
         keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)
         g_other = _combine(loop.max_other, g_other, keep(at_head, g_head))
@@ -535,6 +556,29 @@ class _Device:
             recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
             recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
         return (recv_x, recv_g, stash, head_stash, g_layers, g_other, head_sums, router_sums), None
+
+
+# The named scope of each branch's work (branch_flags' order): what the compiled program's
+# operations are tagged with, so that a product can be told by the branch it runs in (megajax bench
+# counts each branch's matrix FLOPs as often as the tables run it).
+BRANCH_SCOPES = {"forward": "stage_forward", "embed": "stage_embed", "backward": "stage_backward",
+                 "head": "stage_head", "embed_backward": "stage_embed_backward"}
+
+
+def scoped(branch: str, fn: Callable) -> Callable:
+    """`fn` traced in its branch's named scope."""
+    def run(*args):
+        with jax.named_scope(BRANCH_SCOPES[branch]):
+            return fn(*args)
+    return run
+
+
+def branch_runs(sc: Schedule, lockstep: bool) -> dict[str, np.ndarray]:
+    """How many ticks each stage runs each branch in a step: {branch: [stages] ints}. With `lockstep`,
+    what the devices execute (every branch some stage runs, on zeros where the stage has no work of
+    its own); without, each stage's own work."""
+    flags = branch_flags(sc, lockstep)
+    return {name: flags[:, :, k].sum(axis=0) for k, name in enumerate(BRANCH_SCOPES)}
 
 
 def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:

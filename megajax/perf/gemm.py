@@ -119,8 +119,9 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     shapes = dict(flatten(spec.abstract_params))
     pattern = expert_kernel_pattern(m)
     tied = "output" not in shapes
-    # Full recompute, and a pipeline's backward half (which recomputes its chunk), run the forward again.
-    full = cfg.parallel.recompute == "full" or plan.pipeline is not None
+    # Full recompute runs the forward again (a pipeline's backward half too, only then: it runs the
+    # VJP its forward half took, megajax/parallel/pipeline.py).
+    full = cfg.parallel.recompute == "full"
     out = []
     for name, names in flatten(spec.axes):
         if name.startswith(("vision/", "projector/")):
@@ -153,7 +154,7 @@ def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
     """Attention's products where they are plain matmuls (model.attention_impl xla): per layer, microbatch
     and (batch row, local head) the scores [sq, d] x [d, skv] and the output [sq, skv] x [skv, d]
     forward, backward their four products (dP, dV, dQ, dK), the forward again where it is recomputed
-    (full or selective recompute, a pipeline's backward half). sq: the device's query rows (its
+    (full or selective recompute). sq: the device's query rows (its
     sequence chunk under context parallelism); skv: the keys of one product (the whole sequence, also
     the all-gather implementation's; the ring's blocks of half chunks). The batch rows and heads of a
     batched product are folded into its rows M (one program runs them together)."""
