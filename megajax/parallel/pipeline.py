@@ -3,10 +3,11 @@
 The stacked blocks' parameters `[layers, ...]` are split over the `pipeline` mesh
 axis: stage s holds a consecutive run of layers/P of them, or, with V virtual
 stages (interleaved), V chunks of layers/(P V), chunk v of stage s being model
-chunk v P + s. The embedding, the final norm and the output layer are held by
-every stage (replicated over `pipeline`); the first stage runs the embedding and
-the last stage the final norm, output layer and loss. So do the stacks every stage
-holds whole (the `stack` logical axis): a dense-first model's dense layers run
+chunk v P + s. The embedding, the final norm and the output layer enter every
+stage whole (the embedding and output layer gathered by the caller: the stages
+keep them split between steps, and `scatter` reduce-scatters their gradients
+back); the first stage runs the embedding and the last stage the final norm,
+output layer and loss. So do the stacks every stage holds whole (the `stack` logical axis): a dense-first model's dense layers run
 with the embedding, the multi-token prediction depths with the loss, a
 vision-language model's encoder with the embedding (its weights enter whole, the
 caller's gather; the images whole over `context`).
@@ -53,7 +54,8 @@ hand inside one scan, never by differentiating the scan. The schedules differ on
 
 Gradients of the layers stay on their stage; those of the embedding and head
 (and of a tied embedding, used at both ends) are summed over `pipeline` once
-per step.
+per step (reduce-scattered onto the stages' shares where the caller keeps them
+split).
 """
 
 from __future__ import annotations

@@ -281,17 +281,19 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu",
                         lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
-                        stage_scattered_param_bytes: int = 0) -> dict[str, int]:
+                        stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0) -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
     `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's; `stage_gathered_param_bytes`: the part
     of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's;
-    `stage_scattered_param_bytes`: the part whose gradient is reduce-scattered back, stage_scattered_param_bytes's). On
+    `stage_scattered_param_bytes`: the part whose gradient is reduce-scattered back, stage_scattered_param_bytes's;
+    `stage_tensor_reduced_bytes`: stage_tensor_reduced_bytes's). On
     `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
                                            stage_shared_param_bytes, platform, lora_tensor_reduced_bytes,
-                                           stage_gathered_param_bytes, stage_scattered_param_bytes).items():
+                                           stage_gathered_param_bytes, stage_scattered_param_bytes,
+                                           stage_tensor_reduced_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
@@ -299,15 +301,15 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
 def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                           stage_shared_param_bytes: int = 0, platform: str = "gpu",
                           lora_tensor_reduced_bytes: int = 0,
-                          stage_gathered_param_bytes: int = 0,
-                          stage_scattered_param_bytes: int = 0) -> dict[tuple[str, str], int]:
+                          stage_gathered_param_bytes: int = 0, stage_scattered_param_bytes: int = 0,
+                          stage_tensor_reduced_bytes: int = 0) -> dict[tuple[str, str], int]:
     """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
     over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
     runs over both axes; it is counted under `data`."""
     return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
                                                  stage_shared_param_bytes, platform,
                                                  lora_tensor_reduced_bytes, stage_gathered_param_bytes,
-                                                 stage_scattered_param_bytes).items()}
+                                                 stage_scattered_param_bytes, stage_tensor_reduced_bytes).items()}
 
 
 TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "ssm_groups", "vocab")  # the logical dims tensor parallelism splits
@@ -335,6 +337,24 @@ def lora_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: R
     return total
 
 
+def stage_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int]) -> int:
+    """Bytes of the stacked layers' parameters whole on every tensor rank (norm scales, a MoE router; not
+    the LoRA adapters, lora_tensor_reduced_bytes's) a device holds: inside pipeline stages, under
+    sequence parallelism, the backward of each chunk all-reduces their gradients over `tensor`
+    (their inputs are sequence shards; megajax/parallel/pipeline.py `_StageLoop.vary`)."""
+    from megajax.models.lora import is_adapter
+    shapes = dict(flatten(abstract_params))
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    total = 0
+    for path, names in flatten(axes):
+        if "layers" not in names or is_adapter(tuple(path.split("/"))) or \
+                "tensor" in spec_axes(logical_to_spec(names, rules_params)):
+            continue
+        x = shapes[path]
+        total += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize // shard_factor(names, rules_params, no_data)
+    return total
+
+
 def _lora_linears(m) -> tuple[float, float]:
     """(column-parallel, row-parallel) linears with a LoRA adapter per layer, averaged over the layers
     (a hybrid's over its pattern; a MoE layer's MLP adapters are its shared expert's)."""
@@ -356,7 +376,8 @@ def _lora_linears(m) -> tuple[float, float]:
 def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
                    stage_shared_param_bytes: int, platform: str,
                    lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
-                   stage_scattered_param_bytes: int = 0) -> dict[tuple[str, str], float]:
+                   stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0,
+                   ) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -394,6 +415,8 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-reduce", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
                                             + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+        if pipe is not None and sp:  # each tick's backward: its chunk's tensor-replicated weights' gradients
+            out["all-reduce", "tensor"] += n["ticks"] * stage_tensor_reduced_bytes / pipe.virtual_stages
         if m.lora is not None:
             # Per adapted linear and layer pass one [tokens, rank] activation crosses the tensor ranks
             # (models/lora.py): beside a row-parallel linear the row product's reduction forward (and

@@ -74,6 +74,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
               if plan.pipeline is not None else 0)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     scattered = analytic.stage_scattered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    replicated = analytic.stage_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     if plan.cfg.model.lora and "experts" in plan.cfg.model.lora.target_names():
         # The experts' adapters are merged into the frozen expert kernels in the step: XLA reduces the
         # merged kernels' gradient over the data axes (before its products with A and B, whose
@@ -84,7 +85,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
             if plan.cfg.model.lora else 0)
     expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered,
-                                            scattered)
+                                            scattered, replicated)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)

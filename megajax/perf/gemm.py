@@ -87,13 +87,16 @@ def efficiency(rows, m: float, k: float, n: float) -> float:
 
 def _kernel_dims(name: str, names: tuple, shape: tuple, rules, sizes: dict[str, int]) -> tuple[float, int, int, int]:
     """(layer count a device runs, local experts, K, N) of a kernel's shard on a device: the sizes split
-    over tensor, expert and pipeline (not over the data axes: FSDP gathers the kernel for its products).
+    over tensor, expert and (the layers) pipeline (not over the data axes: FSDP gathers the kernel for
+    its products, nor the ends' over `pipeline`: the stages gather them for the step).
     A kernel whose first product dim is `embed` maps it to N = the rest (q, k, v, fc1, router, output);
     otherwise K is every dim but the last (o, fc2)."""
     split = {**sizes, "data": 1, "fsdp": 1}
     local = []
     for dim, size, entry in zip(names, shape, logical_to_spec(names, rules)):
-        pieces = math.prod(split[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+        # Only the layers stay split over `pipeline` for the step (the ends are gathered whole for it).
+        over = split if dim == "layers" else {**split, "pipeline": 1}
+        pieces = math.prod(over[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
         local.append((dim, size / pieces))
     layers = math.prod(s for d, s in local if d == "layers")
     experts = int(math.prod(s for d, s in local if d == "experts"))

@@ -231,9 +231,10 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     overlapped = 0.0
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     scattered = analytic.stage_scattered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    replicated = analytic.stage_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     for (kind_name, axis), nbytes in analytic.communication_by_axis(
             plan, local, experts, shared, platform, stage_gathered_param_bytes=gathered,
-            stage_scattered_param_bytes=scattered).items():
+            stage_scattered_param_bytes=scattered, stage_tensor_reduced_bytes=replicated).items():
         n = sizes[axis]
         if n <= 1 or nbytes <= 0:
             continue
