@@ -7,10 +7,11 @@ chunk v P + s. The embedding, the final norm and the output layer enter every
 stage whole (the embedding and output layer gathered by the caller: the stages
 keep them split between steps, and `scatter` reduce-scatters their gradients
 back); the first stage runs the embedding and the last stage the final norm,
-output layer and loss. So do the stacks every stage holds whole (the `stack` logical axis): a dense-first model's dense layers run
-with the embedding, the multi-token prediction depths with the loss, a
-vision-language model's encoder with the embedding (its weights enter whole, the
-caller's gather; the images whole over `context`).
+output layer and loss. So do the stacks every stage holds whole (the `stack`
+logical axis): a dense-first model's dense layers run with the embedding, the
+multi-token prediction depths with the loss, a vision-language model's encoder
+with the embedding (its weights enter whole, the caller's gather; the images
+whole over `context`).
 
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs
@@ -31,15 +32,17 @@ the activation to the next stage (forward) or the input cotangent to the
 previous stage (backward). Both transfers arrive exactly when the receiver's
 table asks for them, so nothing else crosses stages.
 
-The forward half takes its chunk's VJP as it runs it and stashes the residuals (the activations
-the backward reads; megajax/parallel/stash.py leaves out those the weights alone determine, a
-weight's cast or concatenation, and recomputes them from the weights in the backward); the
-backward half puts the VJP back together from its stash slot and runs it. So nothing is
-recomputed but what `parallel.recompute` asks for (the model's own checkpoints: every layer's
-input kept with `full`, the attention core recomputed with `selective`), as without a pipeline.
-The last stage's last chunk also stashes its output; its backward half runs the output layer and
-the loss on it and starts the cotangent there, so the gradients of a whole step are computed by
-hand inside one scan, never by differentiating the scan. The schedules differ only in their tables:
+The forward half takes its chunk's VJP as it runs it and stashes the residuals
+(the activations the backward reads; megajax/parallel/stash.py leaves out those
+the weights alone determine, a weight's cast or concatenation, and recomputes
+them from the weights in the backward); the backward half puts the VJP back
+together from its stash slot and runs it. So nothing is recomputed but what
+`parallel.recompute` asks for (the model's own checkpoints: every layer's input
+kept with `full`, the attention core recomputed with `selective`), as without a
+pipeline. The last stage's last chunk also stashes its output; its backward half
+runs the output layer and the loss on it and starts the cotangent there, so the
+gradients of a whole step are computed by hand inside one scan, never by
+differentiating the scan. The schedules differ only in their tables:
 
 - gpipe: every forward, then every backward. Stash: all M microbatches.
 - 1f1b: the last stage runs a microbatch's backward the tick its forward ends,
