@@ -23,8 +23,9 @@ these tables:
 - pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
   a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py);
   the `stack`s (a dense-first model's dense layers, the multi-token prediction
-  depths) are whole on every stage; a vision-language model's encoder, which the
-  first stage alone runs, is kept split over `pipeline` (encoder_storage_axes).
+  depths) are whole on every stage; what one stage alone runs is kept split over
+  `pipeline` between steps: a vision-language model's encoder (encoder_storage_axes),
+  the embedding and the output layer (vocab_storage_axes).
 """
 
 from __future__ import annotations
@@ -363,14 +364,32 @@ def encoder_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) ->
     return out
 
 
+def vocab_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) -> tuple[str, ...]:
+    """Where the parameters with a vocabulary dim (the embedding table, the output layer) and their
+    optimizer state are kept between steps: over `tensor` (vocabulary parallelism), and under
+    pipeline parallelism over `pipeline` too. Only the first stage runs the embedding and only the
+    last the output layer, so the stages share one copy, 1 / stages each, gathered for the step
+    (megajax/train/pipeline_step.py; a tied embedding serves both ends from the one copy). A padded
+    vocabulary the split does not divide stays whole over `pipeline`. `sizes`: the mesh's (default:
+    the config's fixed sizes)."""
+    if sizes is None:
+        sizes = {a: max(getattr(cfg.mesh, a), 1) * getattr(cfg.mesh.dcn, a) for a in ("pipeline", "tensor")}
+    pp, tp = sizes.get("pipeline", 1), sizes.get("tensor", 1)
+    vocab = cfg.model.padded_vocab_size() if cfg.model.vocab_size is not None else None
+    if pp == 1 or vocab is None or vocab % (pp * tp):
+        return ("tensor",)
+    return ("tensor", "pipeline")
+
+
 def make_rules(cfg: Config, sizes: Mapping[str, int] | None = None) -> ShardingRules:
     """The rules tables of `cfg` on a mesh of `sizes` (default: the config's fixed sizes; only the
-    encoder's storage over `pipeline` depends on them, encoder_storage_axes)."""
+    storage over `pipeline` of what one stage alone runs depends on them: encoder_storage_axes,
+    vocab_storage_axes)."""
     experts, expert_mlp = expert_axes(cfg)
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",), "ssm_groups": ("tensor",), "expert_mlp": expert_mlp}
     tensor_dims |= {"vision_heads": encoder_tensor_axes(cfg), "vision_mlp": encoder_tensor_axes(cfg)}
-    params = {**tensor_dims, **encoder_storage_axes(cfg, sizes),
+    params = {**tensor_dims, **encoder_storage_axes(cfg, sizes), "vocab": vocab_storage_axes(cfg, sizes),
               "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),
               # Low-rank adapters (megajax/models/lora.py): the rank dim replicated, the fused q/k/v

@@ -66,18 +66,22 @@ megajax/train/step.py) reduces its gradients once per microbatch, except
 through pipeline stages (once per step, after the stage loop).
 
 Pipeline parallelism over P stages (V chunks each): a device runs its stage's
-chunk of layers/(P V) layers in each tick's forward half and again (recomputed)
-with its backward in the backward half; the compiled loop counts both halves in
+chunk of layers/(P V) layers in each tick's forward half and its backward
+(from the residuals the forward stashed; the forward again only with
+recompute=full) in the backward half; the compiled loop counts both halves in
 every tick (the HLO does not say which ticks take a half's branch), and the
 figures count them the same way. Each tick sends an activation and a cotangent
-(collective-permute); the embedding and output layer's gradients (held by
-every stage) are all-reduced over `pipeline` (a vision-language model's encoder,
-kept split over `pipeline` between steps, is all-gathered before the loop), and the interleaved schedule
+(collective-permute); what one stage alone runs but the stages keep split
+between steps (the embedding and output layer, a vision-language model's
+encoder) is all-gathered over `pipeline` before the loop; the embedding's and
+output layer's gradients are reduce-scattered back over `pipeline`, the other
+shared parameters' (final norm, encoder) all-reduced; the interleaved schedule
 moves the layers into its chunk order and their gradients back once per step.
-Layer activations: the stages recompute a chunk's forward in its backward, so a
-device holds its stashed stage inputs (s*b*h each; the schedule's stash:
-M for GPipe, at most 2 V P - 1 for 1F1B and interleaved, whatever M) and one
-chunk's layer activations at a time.
+Layer activations: a device holds in its stash the residuals of each in-flight
+microbatch's chunk (layers/(P V) layers' activations, as above for the
+recompute policy; the schedule's stash slots: M for GPipe, at most 2 V P - 1 for
+1F1B and interleaved, whatever M), and the last stage's chunk outputs waiting
+for the loss (s*b*h each; 1 slot for 1F1B).
 """
 
 from __future__ import annotations
@@ -141,7 +145,26 @@ def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_op
 
 
 def activation_bytes(plan: RunPlan) -> int:
-    """Korthikanti's per-device activation memory for all layers of one microbatch."""
+    """Korthikanti's per-device activation memory for all layers of one microbatch (through pipeline
+    stages: the stash, pipeline_stash_bytes)."""
+    if plan.pipeline is not None:
+        return pipeline_stash_bytes(plan)
+    cfg, sizes = plan.cfg, plan.sizes
+    m, t = cfg.model, sizes["tensor"]
+    s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size
+    sp = cfg.parallel.sequence_parallel and t > 1
+    scale = precision_policy(cfg).activation_bytes / 2
+    # Each multi-token prediction depth: a layer, plus its two norms' inputs and the concatenated
+    # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
+    full = cfg.parallel.recompute == "full"
+    per_layer = layer_activation_bytes(plan)
+    mtp = m.mtp_num_layers * (per_layer + (0 if full else 8 * s * b * h / (t if sp else 1) * scale))
+    return int(per_layer * m.num_layers + mtp)
+
+
+def layer_activation_bytes(plan: RunPlan) -> float:
+    """Korthikanti's activation bytes one layer keeps for its backward, per device and microbatch, for
+    the recompute policy (a hybrid's: the mean over its pattern), in the compute dtype."""
     cfg, sizes = plan.cfg, plan.sizes
     m, t = cfg.model, sizes["tensor"]
     s, b, h, a = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size, m.num_heads
@@ -159,16 +182,7 @@ def activation_bytes(plan: RunPlan) -> int:
     if m.hybrid_layer_pattern:  # the mean over the pattern's one-mixer layers
         pattern = m.hybrid_pattern()
         per_layer = sum(hybrid_layer_bytes(kind, m, s, b, t, sp, policy) for kind in pattern) / len(pattern)
-    scale = precision_policy(cfg).activation_bytes / 2
-    pipe = plan.pipeline
-    if pipe is not None:
-        chunks = pipe.stages * pipe.virtual_stages
-        stash = pipeline_stash(plan)
-        return int((per_layer * m.num_layers / chunks + stash * s * b * h / (t if sp else 1)) * scale)
-    # Each multi-token prediction depth: a layer, plus its two norms' inputs and the concatenated
-    # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
-    mtp = m.mtp_num_layers * (per_layer + (0 if policy == "full" else 8 * s * b * h / (t if sp else 1)))
-    return int((per_layer * m.num_layers + mtp) * scale)
+    return per_layer * precision_policy(cfg).activation_bytes / 2
 
 
 def vision_activation_bytes(plan: RunPlan) -> int:
@@ -227,12 +241,30 @@ def mla_attention_delta(m, t: int) -> float:
 
 
 def pipeline_stash(plan: RunPlan) -> int:
-    """Stage inputs a device keeps for its backward (the plan's schedule's stash slots; 0 without a
-    pipeline)."""
+    """Microbatches a device keeps the residuals of for its backward (the plan's schedule's stash
+    slots; 0 without a pipeline)."""
     c = plan.pipeline
     if c is None:
         return 0
     return build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
+
+
+def pipeline_stash_bytes(plan: RunPlan) -> int:
+    """A device's pipeline stash (0 without a pipeline): per slot one chunk's layer activations
+    (layer_activation_bytes per layer), and the
+    last stage's chunk outputs waiting for the loss (s*b*h each, the schedule's head_stash slots);
+    every device holds buffers of the most slots any stage uses."""
+    c = plan.pipeline
+    if c is None:
+        return 0
+    cfg, sizes = plan.cfg, plan.sizes
+    per_layer = layer_activation_bytes(plan)
+    t = sizes["tensor"]
+    sp = cfg.parallel.sequence_parallel and t > 1
+    sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
+    s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, cfg.model.hidden_size
+    output = s * b * h / (t if sp else 1) * precision_policy(cfg).activation_bytes
+    return int(sc.stash * per_layer * cfg.model.num_layers / (c.stages * c.virtual_stages) + sc.head_stash * output)
 
 
 def logits_bytes(plan: RunPlan) -> int:
@@ -245,8 +277,8 @@ def logits_bytes(plan: RunPlan) -> int:
 
 def _passes(plan: RunPlan) -> dict[str, float]:
     """How often per step a device runs each kind of pass: `fwd` / `bwd` layer passes (layers x
-    microbatches; in a pipeline, its stage's chunk per tick, the backward half also recomputing the
-    forward), `extra` the forward passes full recompute adds in the backward, `moe_*` the same for
+    microbatches; in a pipeline, its stage's chunk per tick in each half), `extra` the forward passes
+    full recompute adds in the backward, `moe_*` the same for
     the MoE layers, `micro` the embedding / output layer / loss passes, `ticks` the stage loop's
     ticks (0 without a pipeline). A pipeline counts both halves in every tick, as the compiled
     program's loop does (the HLO does not say which ticks take a half's branch)."""
@@ -261,8 +293,8 @@ def _passes(plan: RunPlan) -> dict[str, float]:
     ticks = build_schedule(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
     chunks = pipe.stages * pipe.virtual_stages
     c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
-    return {"fwd": 2 * ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
-            "moe_fwd": 2 * ticks * c_moe + ticks * head_moe, "moe_bwd": ticks * (c_moe + head_moe),
+    return {"fwd": ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
+            "moe_fwd": ticks * (c_moe + head_moe), "moe_bwd": ticks * (c_moe + head_moe),
             "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
 
 
@@ -271,16 +303,20 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu",
-                        lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[str, int]:
+                        lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
+                        stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0) -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
     `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's; `stage_gathered_param_bytes`: the part
-    of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's). On
+    of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's;
+    `stage_scattered_param_bytes`: the part whose gradient is reduce-scattered back, stage_scattered_param_bytes's;
+    `stage_tensor_reduced_bytes`: stage_tensor_reduced_bytes's). On
     `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
                                            stage_shared_param_bytes, platform, lora_tensor_reduced_bytes,
-                                           stage_gathered_param_bytes).items():
+                                           stage_gathered_param_bytes, stage_scattered_param_bytes,
+                                           stage_tensor_reduced_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
@@ -288,13 +324,15 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
 def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                           stage_shared_param_bytes: int = 0, platform: str = "gpu",
                           lora_tensor_reduced_bytes: int = 0,
-                          stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], int]:
+                          stage_gathered_param_bytes: int = 0, stage_scattered_param_bytes: int = 0,
+                          stage_tensor_reduced_bytes: int = 0) -> dict[tuple[str, str], int]:
     """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
     over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
     runs over both axes; it is counted under `data`."""
     return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
                                                  stage_shared_param_bytes, platform,
-                                                 lora_tensor_reduced_bytes, stage_gathered_param_bytes).items()}
+                                                 lora_tensor_reduced_bytes, stage_gathered_param_bytes,
+                                                 stage_scattered_param_bytes, stage_tensor_reduced_bytes).items()}
 
 
 TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "ssm_groups", "vocab")  # the logical dims tensor parallelism splits
@@ -322,6 +360,24 @@ def lora_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: R
     return total
 
 
+def stage_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int]) -> int:
+    """Bytes of the stacked layers' parameters whole on every tensor rank (norm scales, a MoE router; not
+    the LoRA adapters, lora_tensor_reduced_bytes's) a device holds: inside pipeline stages, under
+    sequence parallelism, the backward of each chunk all-reduces their gradients over `tensor`
+    (their inputs are sequence shards; megajax/parallel/pipeline.py `_StageLoop.vary`)."""
+    from megajax.models.lora import is_adapter
+    shapes = dict(flatten(abstract_params))
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    total = 0
+    for path, names in flatten(axes):
+        if "layers" not in names or is_adapter(tuple(path.split("/"))) or \
+                "tensor" in spec_axes(logical_to_spec(names, rules_params)):
+            continue
+        x = shapes[path]
+        total += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize // shard_factor(names, rules_params, no_data)
+    return total
+
+
 def _lora_linears(m) -> tuple[float, float]:
     """(column-parallel, row-parallel) linears with a LoRA adapter per layer, averaged over the layers
     (a hybrid's over its pattern; a MoE layer's MLP adapters are its shared expert's)."""
@@ -342,7 +398,9 @@ def _lora_linears(m) -> tuple[float, float]:
 
 def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
                    stage_shared_param_bytes: int, platform: str,
-                   lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], float]:
+                   lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
+                   stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0,
+                   ) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -355,8 +413,11 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     pipe = plan.pipeline
     if pipe is not None:  # each tick sends an activation forward and a cotangent back
         out["collective-permute", "pipeline"] += 2 * n["ticks"] * bsh / (t if sp else 1)
-        out["all-reduce", "pipeline"] += stage_shared_param_bytes
-        out["all-gather", "pipeline"] += stage_gathered_param_bytes  # a vision-language model's encoder
+        # The embedding's and output layer's gradients reduce-scattered onto the stages' shares, the
+        # others' all-reduced; what is kept split between steps gathered (the ends, an encoder).
+        out["all-reduce", "pipeline"] += stage_shared_param_bytes - stage_scattered_param_bytes
+        out["reduce-scatter", "pipeline"] += stage_scattered_param_bytes
+        out["all-gather", "pipeline"] += stage_gathered_param_bytes
         if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
             out["collective-permute", "pipeline"] += 2 * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
@@ -377,6 +438,8 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-reduce", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
                                             + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+        if pipe is not None and sp:  # each tick's backward: its chunk's tensor-replicated weights' gradients
+            out["all-reduce", "tensor"] += n["ticks"] * stage_tensor_reduced_bytes / pipe.virtual_stages
         if m.lora is not None:
             # Per adapted linear and layer pass one [tokens, rank] activation crosses the tensor ranks
             # (models/lora.py): beside a row-parallel linear the row product's reduction forward (and
@@ -444,15 +507,17 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         buffer = (ep if m.moe_expert_capacity_factor is None else 1) * rows * m.hidden_size * act
         out["all-to-all", "expert"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
     # Data-parallel reductions: once per step (after the accumulation or the stage loop), or per
-    # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py).
+    # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py); of
+    # the reduce-scattered ends' gradients a device reduces its stage's share.
+    reduced = local_param_bytes - stage_scattered_param_bytes * (1 - 1 / sizes["pipeline"])
     m_dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
     reductions = plan.batch.accumulation if (m.num_experts or m_dropout) and pipe is None else 1
     fsdp, data = sizes["fsdp"], sizes["data"]
     # The other parameters' gradients are reduced over `expert` too (after the stage loop, in the
     # same reduction as over the data axes when there is one).
     if m.num_experts and ep > 1 and data * (1 if pipe is None else cp) == 1:
-        out["all-reduce", "expert"] += reductions * (local_param_bytes - expert_param_bytes)
-    shard = local_param_bytes * reductions
+        out["all-reduce", "expert"] += reductions * (reduced - expert_param_bytes)
+    shard = reduced * reductions
     # The parameters are gathered in their own dtype (precision.param_dtype; local_param_bytes counts
     # fp32), the gradients reduced in fp32; on CPU XLA gathers 16-bit values as fp32.
     gathered = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
@@ -509,6 +574,16 @@ def stage_gathered_param_bytes(axes: dict, abstract_params: dict, rules_params: 
     return _shard_bytes(axes, abstract_params, rules_params, sizes, kept_split) if sizes.get("pipeline", 1) > 1 else 0
 
 
+def stage_scattered_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                                sizes: dict[str, int]) -> int:
+    """The part of stage_gathered_param_bytes whose gradient the stages reduce-scatter onto their shares
+    (the embedding and output layer: a vocabulary dim kept split over `pipeline`,
+    megajax.mesh.vocab_storage_axes); the data-parallel reduction then reduces 1 / stages of it."""
+    if sizes.get("pipeline", 1) == 1 or "pipeline" not in rules_params["vocab"]:
+        return 0
+    return _shard_bytes(axes, abstract_params, rules_params, sizes, lambda names: "vocab" in names)
+
+
 def _shard_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int], keep) -> int:
     """Bytes of a device's shard outside the data axes of the parameters whose logical dims `keep`
     accepts, those outside the stacked layers whole over `pipeline`."""
@@ -556,14 +631,13 @@ ADAM_BYTES_PER_PARAM_BYTE = 7 / 2  # per byte of Adam state (two fp32 moments): 
 def _layer_passes(plan: RunPlan) -> tuple[float, float, float]:
     """(layer forward passes, backward passes, microbatches) a device does useful work on in a step:
     its layers (layers / pipeline stages) per microbatch; the forward again where it is recomputed
-    (recompute=full, and a pipeline's backward half, which recomputes its chunk from the stashed
-    input); the output layer and loss once per microbatch (a pipeline's last stage, spread over the
+    (recompute=full, with or without a pipeline); the output layer and loss once per microbatch (a pipeline's last stage, spread over the
     stages). A pipeline's bubble is the caller's (the schedule's idle halves)."""
     m, pipe = plan.cfg.model, plan.pipeline
     stages = plan.sizes["pipeline"]
     micro = pipe.microbatches if pipe is not None else plan.batch.accumulation
     layers = micro * m.num_layers / stages
-    recompute = plan.cfg.parallel.recompute == "full" or pipe is not None
+    recompute = plan.cfg.parallel.recompute == "full"
     return layers * (2 if recompute else 1), layers, micro / stages
 
 

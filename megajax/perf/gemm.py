@@ -87,13 +87,16 @@ def efficiency(rows, m: float, k: float, n: float) -> float:
 
 def _kernel_dims(name: str, names: tuple, shape: tuple, rules, sizes: dict[str, int]) -> tuple[float, int, int, int]:
     """(layer count a device runs, local experts, K, N) of a kernel's shard on a device: the sizes split
-    over tensor, expert and pipeline (not over the data axes: FSDP gathers the kernel for its products).
+    over tensor, expert and (the layers) pipeline (not over the data axes: FSDP gathers the kernel for
+    its products, nor the ends' over `pipeline`: the stages gather them for the step).
     A kernel whose first product dim is `embed` maps it to N = the rest (q, k, v, fc1, router, output);
     otherwise K is every dim but the last (o, fc2)."""
     split = {**sizes, "data": 1, "fsdp": 1}
     local = []
     for dim, size, entry in zip(names, shape, logical_to_spec(names, rules)):
-        pieces = math.prod(split[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+        # Only the layers stay split over `pipeline` for the step (the ends are gathered whole for it).
+        over = split if dim == "layers" else {**split, "pipeline": 1}
+        pieces = math.prod(over[a] for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
         local.append((dim, size / pieces))
     layers = math.prod(s for d, s in local if d == "layers")
     experts = int(math.prod(s for d, s in local if d == "experts"))
@@ -119,8 +122,9 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     shapes = dict(flatten(spec.abstract_params))
     pattern = expert_kernel_pattern(m)
     tied = "output" not in shapes
-    # Full recompute, and a pipeline's backward half (which recomputes its chunk), run the forward again.
-    full = cfg.parallel.recompute == "full" or plan.pipeline is not None
+    # Full recompute runs the forward again (a pipeline's backward half too, only then: it runs the
+    # VJP its forward half took, megajax/parallel/pipeline.py).
+    full = cfg.parallel.recompute == "full"
     out = []
     for name, names in flatten(spec.axes):
         if name.startswith(("vision/", "projector/")):
@@ -153,7 +157,7 @@ def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
     """Attention's products where they are plain matmuls (model.attention_impl xla): per layer, microbatch
     and (batch row, local head) the scores [sq, d] x [d, skv] and the output [sq, skv] x [skv, d]
     forward, backward their four products (dP, dV, dQ, dK), the forward again where it is recomputed
-    (full or selective recompute, a pipeline's backward half). sq: the device's query rows (its
+    (full or selective recompute). sq: the device's query rows (its
     sequence chunk under context parallelism); skv: the keys of one product (the whole sequence, also
     the all-gather implementation's; the ring's blocks of half chunks). The batch rows and heads of a
     batched product are folded into its rows M (one program runs them together)."""

@@ -14,7 +14,7 @@ and estimated:
   `megajax bench` prints beside XLA's compiled one), against the device's
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
-  recompute adds (a pipeline's backward half always recomputes its chunk), at a
+  recompute adds (parallel.recompute; a pipeline adds none of its own), at a
   per-device-kind fraction of the peak (`efficiency`),
   (or, with a measured matmul table for the kind, `megajax bench --gemm-table`, the
   sum of the step's products at their shapes' shares of the peak: megajax/perf/gemm.py),
@@ -184,9 +184,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     per_token = train_flops_per_token(m, plan.batch.seq_len, plan.padded_vocab)
     attention = 6 * m.num_layers * plan.batch.seq_len * m.num_heads * m.head_dim
     layers = per_token - attention  # (with the output layer: a slight overcount of what recompute redoes)
-    # A pipeline's backward half recomputes its chunk's forward (megajax/parallel/pipeline.py): as full recompute.
-    policy = "full" if plan.pipeline is not None else cfg.parallel.recompute
-    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[policy]
+    # (A pipeline's backward half runs the VJP its forward half took: it recomputes what the policy says.)
+    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
     flops = tokens * per_token / devices
     compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
     if kind.gemm_efficiency:  # each product at its shape's measured share; the rest at `efficiency`
@@ -231,8 +230,11 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         parts[_ENCODER] = encoder
     overlapped = 0.0
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    for (kind_name, axis), nbytes in analytic.communication_by_axis(plan, local, experts, shared, platform,
-                                                                     stage_gathered_param_bytes=gathered).items():
+    scattered = analytic.stage_scattered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    replicated = analytic.stage_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    for (kind_name, axis), nbytes in analytic.communication_by_axis(
+            plan, local, experts, shared, platform, stage_gathered_param_bytes=gathered,
+            stage_scattered_param_bytes=scattered, stage_tensor_reduced_bytes=replicated).items():
         n = sizes[axis]
         if n <= 1 or nbytes <= 0:
             continue
