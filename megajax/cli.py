@@ -463,7 +463,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megajax.perf import planner
     _check_outputs(("--json", args.json), ("--output", args.output))
     cfg = load_config(args.config, args.overrides)
-    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
+    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top, planner.kept_keys(args.overrides))
     print(planner.format_plan(report, args.top))
     if args.json:
         from megajax.perf.bench import write_json

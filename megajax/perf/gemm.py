@@ -25,6 +25,7 @@ pipeline tick's fixed cost.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -63,11 +64,20 @@ def check_table(where: str, rows) -> list[tuple[int, int, int, float]]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _grid(rows: tuple) -> tuple[dict, list]:
+    return {tuple(r[:3]): r[3] for r in rows}, [sorted({r[i] for r in rows}) for i in range(3)]
+
+
 def efficiency(rows, m: float, k: float, n: float) -> float:
     """The table's share of the peak at [m, k] x [k, n]: linear in log2 of each size between the grid's
     sizes, the edge's value beyond them."""
-    table = {tuple(r[:3]): r[3] for r in rows}
-    axes = [sorted({r[i] for r in rows}) for i in range(3)]
+    return _efficiency(rows if isinstance(rows, tuple) else tuple(map(tuple, rows)), m, k, n)
+
+
+@functools.lru_cache(maxsize=65536)
+def _efficiency(rows: tuple, m: float, k: float, n: float) -> float:
+    table, axes = _grid(rows)
 
     def bracket(sizes, x):
         x = min(max(x, sizes[0]), sizes[-1])
@@ -125,6 +135,10 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     # Full recompute runs the forward again (a pipeline's backward half too, only then: it runs the
     # VJP its forward half took, megajax/parallel/pipeline.py).
     full = cfg.parallel.recompute == "full"
+    # Each product's precision: under FP8 the layers' linear products (and the output layer's with
+    # precision.fp8_output_layer) in FP8, the rest (routers, attention's own) in 16 bits.
+    compute, fp8_output = product_precisions(cfg)
+    fp8 = "fp8" if cfg.train.precision == "fp8" else compute
     out = []
     for name, names in flatten(spec.axes):
         if name.startswith(("vision/", "projector/")):
@@ -147,10 +161,11 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
             count *= experts
         mrows = max(1, round(mrows))
         fwd = count * (2 if full and "layers" in names else 1)
-        out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd})
-        out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count})
-        out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count})
-    return out + attention_gemms(plan, full)
+        p = fp8 if (is_output and fp8_output) or ("layers" in names and not is_router) else compute
+        out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd, "precision": p})
+        out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count, "precision": p})
+        out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count, "precision": p})
+    return out + [dict(g, precision=compute) for g in attention_gemms(plan, full)]
 
 
 def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
@@ -197,14 +212,37 @@ def _tiled(impl: str) -> bool:
     return impl in ("auto", "tiled")
 
 
-def gemm_seconds(gemms, rows, peak_tflops: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of the products at the table's interpolated share of `peak_tflops`."""
+def product_precisions(cfg) -> tuple[str, bool]:
+    """(the precision of the products FP8 leaves in 16 bits (the run's own without FP8), whether the
+    output layer runs in FP8)."""
+    from megajax.precision.policy import precision_policy
+    if cfg.train.precision != "fp8":
+        return cfg.train.precision, False
+    return "bf16", precision_policy(cfg).fp8.output_layer
+
+
+def gemm_seconds(gemms, kind) -> tuple[float, float]:
+    """(seconds, FLOPs) of the products on a device kind: each at its table's interpolated share
+    (kind.gemm_efficiency, shares of the peak of kind.gemm_precision) of its precision's peak, scaled by
+    the ratio of the two precisions' matmul ceilings (kind.matmul_peak_share) where the kind has them."""
     seconds = flops = 0.0
     for g in gemms:
         f = 2.0 * g["m"] * g["k"] * g["n"] * g["count"]
         flops += f
-        seconds += f / (efficiency(rows, g["m"], g["k"], g["n"]) * peak_tflops * 1e12)
+        p = g.get("precision", kind.gemm_precision)
+        peak = kind.peak_tflops.get(p) or kind.peak_tflops["bf16"]
+        seconds += f / (efficiency(kind.gemm_efficiency, g["m"], g["k"], g["n"]) * ceiling_ratio(kind, p)
+                        * peak * 1e12)
     return seconds, flops
+
+
+def ceiling_ratio(kind, precision: str) -> float:
+    """How a product in `precision` fares against the table's own precision: the ratio of their
+    largest reachable shares of their peaks (1 where the kind lacks either)."""
+    ceilings = kind.matmul_peak_share or {}
+    if precision in ceilings and kind.gemm_precision in ceilings:
+        return ceilings[precision] / ceilings[kind.gemm_precision]
+    return 1.0
 
 
 def measure(dtype: str = "bfloat16", sizes=None, min_seconds: float = 0.05, runs: int = 7) -> dict[str, Any]:
