@@ -62,13 +62,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return exit_status(name)
 
 
+def _tensor_overlap(cfg) -> bool:
+    """Whether the run overlaps tensor-parallel collectives (parallel.tp_comm_overlap with mesh.tensor
+    other than 1): megajax.xla_env then sets XLA's options for it where a GPU may run."""
+    return cfg.parallel.tp_comm_overlap and cfg.mesh.tensor * cfg.mesh.dcn.tensor != 1
+
+
 def _train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     notes: list[str] = []
     cfg = train_config(args.config, args.overrides, notes)
     for note in notes:
         print(f"megajax train: {note}", flush=True)  # with the run's log (stdout): stderr is for errors
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax import compile_cache, distributed
     compile_cache.enable(cfg.ops.compile_cache)  # before the first compile
     plan = distributed.plan_processes(cfg.distributed)
@@ -503,7 +509,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.gemm_table:
         return _gemm_table(cfg, args.gemm_table)
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax.perf import bench
     kw = dict(steps=args.steps, warmup=args.warmup, baseline=args.baseline)
     if args.sweep:
@@ -582,7 +588,7 @@ def _load_model(args: argparse.Namespace, source=None, cfg=None):
     """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
     if source is None:
         source, cfg = _model_config(args)
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax.inference.load import load_model
     loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
     for note in loaded.notes:
