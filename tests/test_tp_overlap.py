@@ -156,3 +156,24 @@ def test_xla_accepts_the_overlap_flags(flags):
     bad = dict(env, XLA_FLAGS="--xla_gpu_enable_async_collectives=true")  # removed from XLA: the check can fail
     assert subprocess.run([sys.executable, "-c", CHILD], env=bad, capture_output=True, text=True, timeout=300,
                           cwd=ROOT, check=False).returncode != 0
+
+
+def test_the_gpu_suites_section_times_tensor_2_with_and_without(tmp_path):
+    """scripts/gpu_suite.sh's tp_overlap section under CPU_SMOKE=1: two `megajax bench` runs of tensor 2 on 2
+    simulated devices, with the overlap and without (XLA's defaults named in XLA_FLAGS), their step times
+    and ratio under $OUT (on a CPU both run the plain products: the code path, not a measurement)."""
+    out = tmp_path / "results"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(CPU_SMOKE="1", SECTIONS="tp_overlap", OUT=str(out), PYTHON=sys.executable, SUITE_BUDGET_S="600")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_suite.sh")], env=env, cwd=tmp_path, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    r = json.loads((out / "tp_overlap.json").read_text())
+    assert r["ok"] and r["speedup"] == pytest.approx(r["off"]["step_seconds"] / r["on"]["step_seconds"])
+    for mode in ("on", "off"):
+        assert r[mode]["step_seconds"] > 0 and r[mode]["layout"]["mesh"]["tensor"] == 2
+        assert r[mode]["layout"]["sequence_parallel"] and "xla_gpu" not in r[mode]["xla_flags"].replace(
+            " ".join(xla_env.TP_OVERLAP_OFF), "")
+    assert " ".join(xla_env.TP_OVERLAP_OFF) in r["off"]["xla_flags"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["status"] for s in summary["sections"]] == ["ok"]
