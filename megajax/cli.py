@@ -545,14 +545,16 @@ def _gemm_table(cfg, path: str) -> int:
     device = jax.devices()[0]
     key = precision_policy(cfg).peak_flops_key
     dtype = "float32" if device.platform == "cpu" or key == "fp32" else "bfloat16"
-    # On CPU a lone matmul has all of the host's cores: its share is of the host's peak.
-    peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
-                                          "fp32" if dtype == "float32" else key, 1, cfg.train.peak_tflops)
+    # On CPU a lone matmul has all of the host's cores: its share is of the host's peak. The shares are
+    # of the measured dtype's peak (the table's gemm_precision; FP8 products scale by the kind's ceilings).
+    precision = "fp32" if dtype == "float32" else "bf16"
+    peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform, precision, 1,
+                                          cfg.train.peak_tflops if key == precision else None)
     measured = gemm.measure(dtype)
     # The memory bandwidth and fixed costs: on CPU per simulated device of the kind (they share the host).
     from megajax.perf.device_kinds import cpu_device_kind
     probes = gemm.measure_probes(cpu_device_kind().node_size if device.platform == "cpu" else 1)
-    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path, probes)
+    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path, probes, precision)
     for m, k, n, tflops in measured["rows"]:
         print(f"  [{m:>5} x {k:>5}] x [{k:>5} x {n:>5}]  {tflops:8.3f} TFLOP/s  {tflops / peak:6.1%} of peak")
     for name, value in probes.items():

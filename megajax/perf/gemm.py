@@ -302,9 +302,10 @@ def kind_name(platform: str, device_kind: str) -> str:
 
 
 def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, command: str,
-               probes: dict[str, float] | None = None) -> tuple[str, str]:
+               probes: dict[str, float] | None = None, precision: str = "bf16") -> tuple[str, str]:
     """(kind, the --device-kinds YAML of the measured table): each row's TFLOP/s as a share of
-    `peak_tflops` (capped at 1: a peak estimate below what the device reaches), and the figures
+    `peak_tflops` (capped at 1: a peak estimate below what the device reaches), the peak's precision
+    (gemm_precision: products in another precision scale by the kind's matmul ceilings), and the figures
     `measure_probes` measured (memory_gbps, with memory_efficiency 1: the probe's bandwidth is what a
     stream reaches; optimizer_gbps, collective_latency_us, collective_gbps, tick_overhead_us)."""
     import yaml
@@ -313,7 +314,7 @@ def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, c
     header = (f"{command}\n{measured['device_kind'] or measured['platform']}: [M, K] x [K, N] {measured['dtype']}, "
               f"share of {peak_tflops:.4g} TFLOP/s ({peak_source}); megajax plan --device-kinds THIS_FILE "
               f"--cluster Nx{kind}\n")
-    entry: dict[str, Any] = {"gemm_efficiency": rows}
+    entry: dict[str, Any] = {"gemm_efficiency": rows, "gemm_precision": precision}
     if probes:
         entry.update({k: round(v, 4) for k, v in probes.items()})
         if "memory_gbps" in probes:
