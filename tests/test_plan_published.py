@@ -56,6 +56,13 @@ def test_every_published_run_is_within_the_band_or_marked_with_why():
         assert by_name[name]["outside"] is None and by_name[name]["layout"].split(" x ")[1].startswith("pipeline")
 
 
+def test_the_docs_table_is_the_scripts():
+    """docs/performance.md ("Against published runs") holds the table the script prints with --markdown:
+    a change to the step model that moves an estimate shows there."""
+    script = _script()
+    assert script.table(script.compare(), markdown=True) in (ROOT / "docs" / "performance.md").read_text()
+
+
 def test_megatrons_tflops_convert_with_its_own_flops_per_token():
     """Megatron-LM's num_floating_point_operations for the README's 1.7B GPT (L 24, h 2048, 16 heads,
     seq 4096, vocab 131072): 12 L h^2 (2 + s/h + 4 + V/(2 L h)) per token; 408.8 TFLOP/s is then 36.3k
