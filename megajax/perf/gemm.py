@@ -3,6 +3,8 @@
     megajax bench --gemm-table FILE.yaml         measure it on this machine's device, write it
     megajax plan --device-kinds FILE.yaml ...    estimate compute time from it
 
+(H100, H200 and MI300X carry published tables until then: megajax/perf/matmul_tables.py.)
+
 A table is a device kind's `gemm_efficiency`: rows [M, K, N, share of the peak] for a grid of
 shapes (every combination of the M, K and N sizes measured), a product [M, K] x [K, N] in the
 table's precision. `efficiency(table, m, k, n)` interpolates it linearly in log2 of each size
@@ -12,7 +14,8 @@ each forward and its two backward products (the input's gradient [M, N] x [N, K]
 [K, M] x [M, N]), at the device's shard of the kernel (split over tensor and expert; FSDP gathers
 it whole) and its tokens (the micro batch of its sequence chunk under context parallelism; with
 sequence parallelism the gathered sequence). A routed expert gets its expected share of the
-expert group's tokens: ep x tokens x top-k / experts rows.
+expert group's tokens: ep x tokens x top-k / experts rows. Each product carries its precision (under
+FP8 the layers' linear products FP8, the rest 16-bit), which `gemm_seconds` times at its own peak.
 
 On CPU a lone matmul has every core of the host: its share is of the host's peak (the simulated
 devices of a step share those cores, each with host peak / devices).

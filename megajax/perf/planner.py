@@ -5,44 +5,55 @@
 Every layout of the cluster's devices is enumerated: tensor parallelism inside a
 node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
 or interleaved with 2 or 4 chunks per stage), and the rest of the devices as
-data parallelism (plain, with the distributed optimizer, or FSDP); for each, every
-recompute policy and micro batch. Each is planned exactly as `megajax train`
-would plan it (megajax/plan.py: a layout the run would refuse is never offered)
-and estimated:
+data parallelism (plain, with the distributed optimizer, FSDP, or FSDP inside
+data parallelism); for each, every recompute policy and micro batch (those a
+command line sets, KEEPABLE, are kept). Each is planned exactly as `megajax
+train` would plan it (megajax/plan.py: a layout the run would refuse is never
+offered) and estimated:
 
 - memory per device: the analytic model (megajax/perf/analytic.py, the figure
   `megajax bench` prints beside XLA's compiled one), against the device's
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
-  recompute adds (parallel.recompute; a pipeline adds none of its own), at a
-  per-device-kind fraction of the peak (`efficiency`),
-  (or, with a measured matmul table for the kind, `megajax bench --gemm-table`, the
-  sum of the step's products at their shapes' shares of the peak: megajax/perf/gemm.py),
-  plus the memory-bound work, the bytes the element-wise ops read and write
-  (analytic.elementwise_bytes: norms, residual adds, rotary embedding, softmax,
-  the MLP's activation, the loss) over the kind's memory bandwidth
-  (`memory_gbps` x `memory_efficiency`), all stretched by the pipeline bubble of
-  the plan's own schedule (a vision-language model's encoder runs on the first
-  stage, which then sets the pace; devices sharing a host lose no time to it
-  unless the stages run in lockstep, when idle stages compute on zeros); plus
-  the optimizer's update (7 fp32 reads and writes per parameter of the device's
-  shard of the Adam state, at the memory bandwidth, or at `optimizer_gbps` where
-  `megajax bench --gemm-table` measured the update's own); plus fixed costs: each
-  collective call's latency (`collective_latency_us`, analytic.collective_calls)
-  and each pipeline tick's (`tick_overhead_us`); plus each
-  axis's collectives (the analytic bytes `megajax bench` checks against the
-  compiled HLO, split by axis) over that axis's links: NVLink (or the
-  vendor's equivalent, or the measured bus bandwidth `collective_gbps`) when
-  the axis lies inside a node, the inter-node network when it crosses nodes.
-  A ring all-reduce moves 2(n-1)/n of its buffer per device, an all-gather,
-  reduce-scatter or all-to-all (n-1)/n, a collective-permute all of it. The
-  data-parallel reductions (data, FSDP, and the gradients' reductions over
-  expert and context) overlap the backward pass (Megatron's
-  --overlap-grad-reduce / --overlap-param-gather; XLA's asynchronous
-  collectives): only what exceeds the backward's compute time counts (all of
-  it on devices that share a host's cores, `shared_host`, whose collectives
-  are copies and sums done by the cores that compute). Tensor, context,
-  expert and pipeline transfers sit on the critical path and count whole.
+  recompute adds (parallel.recompute; a pipeline adds none of its own): each
+  product at its shape's share of the peak in the kind's matmul table (the
+  published ones of megajax/perf/matmul_tables.py, or `megajax bench
+  --gemm-table`'s: megajax/perf/gemm.py; under FP8 the layers' products at the
+  FP8 peak and the ratio of the kinds' matmul ceilings), attention's fused
+  kernel and what no table lists at `efficiency` of the (16-bit) peak (without
+  a table, everything at `efficiency`); plus the memory-bound work, the bytes
+  the element-wise ops read and write (analytic.elementwise_bytes: norms,
+  residual adds, rotary embedding, softmax, the MLP's activation, the loss,
+  FP8's casts) over the kind's memory bandwidth (`memory_gbps` x
+  `memory_efficiency`), all stretched by the pipeline bubble of the plan's own
+  schedule (a vision-language model's encoder runs on the first stage, which
+  then sets the pace; devices sharing a host lose no time to it unless the
+  stages run in lockstep, when idle stages compute on zeros); plus the
+  optimizer's update (7 fp32 reads and writes per parameter of the device's
+  shard of the Adam state, at the memory bandwidth, or at `optimizer_gbps`
+  where `megajax bench --gemm-table` measured the update's own); plus fixed
+  costs: each collective call's latency (`collective_latency_us` for a node's
+  devices, times a ring's (n - 1)/(node - 1); analytic.collective_calls) and
+  each pipeline tick's (`tick_overhead_us`); plus each axis's collectives (the
+  analytic bytes `megajax bench` checks against the compiled HLO, split by
+  axis) over that axis's links (`transfer_seconds`): NVLink (or the vendor's
+  equivalent, or the measured bus bandwidth `collective_gbps`) inside a node,
+  and across nodes hierarchically, each device's 1/ici share over its own
+  network port. A ring all-reduce moves 2(n-1)/n of its buffer per device, an
+  all-gather, reduce-scatter or all-to-all (n-1)/n, a collective-permute all of
+  it. The data-parallel reductions (data, FSDP, and the gradients' reductions
+  over expert and context) overlap the backward pass where the step reduces as
+  its one microbatch's backward produces the gradients (or per microbatch:
+  MoE, dropout; Megatron's --overlap-grad-reduce / --overlap-param-gather;
+  XLA's asynchronous collectives): only what exceeds the backward's compute
+  time counts (all of it on devices that share a host's cores, `shared_host`,
+  whose collectives are copies and sums done by the cores that compute);
+  gradients accumulated over several microbatches or returned by a pipeline's
+  loop are reduced after it and count whole. With parallel.tp_comm_overlap the
+  kind's `tp_overlap` share of the sequence-parallel gathers and scatters runs
+  beside the products (collective matmuls, megajax/parallel/tensor.py); the
+  rest of the tensor, context, expert and pipeline transfers sit on the
+  critical path and count whole.
 
 The layouts that fit are ranked by estimated step time (then by memory); the
 top few are printed with the parts of their time, and `--output FILE.yaml`
@@ -277,8 +288,9 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         if n <= 1 or nbytes <= 0:
             continue
         seconds = transfer_seconds(kind, kind_name, nbytes, plan.ici[axis], plan.dcn[axis])
-        # The data-parallel reductions overlap the backward, except on devices that share a host's cores:
-        # there a collective's copies and sums are work for the cores that compute.
+        # The data-parallel reductions overlap the backward (where the step reduces them as the backward
+        # produces them), except on devices that share a host's cores: there a collective's copies and
+        # sums are work for the cores that compute.
         if (axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name)) and hides_reductions:
             overlapped += seconds
             parts[f"{axis} (overlapped)"] = parts.get(f"{axis} (overlapped)", 0.0) + seconds
