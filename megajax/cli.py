@@ -380,7 +380,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
                                   dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
-                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template)
+                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template,
+                                  null_eod=eod)
             fmt = "megatron, legacy torch format"
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
@@ -396,7 +397,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
                                     tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam,
-                                    chat_template=template)
+                                    chat_template=template, null_eod=eod)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
                    + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
                    + ("" if adam is None else f"; with the optimizer state (Adam moments"
