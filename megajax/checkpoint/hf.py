@@ -45,6 +45,7 @@ from megajax.checkpoint.hf_vision import (LLAVA, check_exportable, from_hf, hf_n
                                           vision_entries, vision_overrides)
 from megajax.checkpoint.source import flatten, unflatten
 from megajax.config import ModelConfig
+from megajax.data.text_files import parse_json
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, param_shapes, tensor_shapes
 
@@ -698,7 +699,7 @@ def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(parse_json(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
     elif (d / "model.safetensors").is_file():
@@ -732,7 +733,7 @@ def _read_config(d: Path) -> dict:
     if not config_file.is_file():
         raise CheckpointError(f"{str(d)!r} is not a Hugging Face model directory (no config.json).")
     try:
-        return json.loads(config_file.read_text())
+        return parse_json(config_file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{str(config_file)!r} is not valid JSON ({e}).") from None
 

@@ -52,6 +52,7 @@ from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spa
                                 jsonl_records)
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
+from megajax.data.text_files import parse_json
 from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
 from megajax.errors import DataError
 from megajax.paths import fresh_output_dir
@@ -326,7 +327,7 @@ class ImageTextDataset:
         shard = self.shards[s.shard]
         where = f"shard {shard}: member {s.text.name!r}"
         try:
-            record = json.loads(self._read(s.text, shard))
+            record = parse_json(self._read(s.text, shard))
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}).") from None
         v = self.vision

@@ -48,6 +48,7 @@ from typing import Any
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
 from megajax.data.chat import trained_chat_template
+from megajax.data.text_files import lone_surrogate, parse_json
 from megajax.inference.chat import (ChatTemplateError, chat_template_source_of, check_chat_template,
                                    special_token)
 from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
@@ -455,11 +456,16 @@ class _Handler(BaseHTTPRequestHandler):
         if len(raw) < int(length):
             raise ClientGone(f"client_gone: sent {len(raw)} of {length} body bytes")
         try:
-            body = json.loads(raw)
+            body = parse_json(raw)
         except ValueError as e:
             raise RequestError(f"the body is not valid JSON ({e}).") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object.")
+        found = lone_surrogate(body) if b"\\u" in raw or b"\\U" in raw else None
+        if found:  # "\ud800": valid JSON, but no character: no tokenizer can encode it
+            raise RequestError(f"the body holds the JSON escape {found}, half of a UTF-16 surrogate pair without "
+                               f"its other half: not a character, and not encodable as UTF-8; send the whole pair "
+                               f"(e.g. \\ud83d\\ude00) or the character itself.")
         return body
 
     # ------------------------------------------------------------ routing

@@ -1,0 +1,122 @@
+"""An independent probe of bad and odd input on the fine-tuning, LoRA, vision and serving surfaces, as a new
+user meets it: each class of problem the probe found is one test here, run as the user's command (a
+subprocess) or as the user's request to a running `megajax serve`, asserting the one paragraph (or the 400
+naming the field), the exit status, and that nothing was written or replaced. Commands stop before anything
+compiles where they can; one server is started for the module."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import xla_flags
+from test_bad_input import ROOT, megajax, paragraph
+from test_bad_input_serve import run  # noqa: F401  (the checkpoint fixture: a random tiny Llama, byte tokenizer)
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]"
+
+
+# ----------------------------------------------------------------------------------------------
+# megajax serve: request bodies
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):  # noqa: F811
+    """(host, port, process) of `megajax serve` on the random checkpoint with a chat template; its stderr is
+    checked for tracebacks when the module ends."""
+    template = tmp_path_factory.mktemp("probe-serve") / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
+    p = subprocess.Popen([sys.executable, "-m", "megajax.cli", "serve", "--checkpoint", str(run), "--port", "0",
+                          "--chat-template", str(template)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "listening on" not in line:
+            line = p.stderr.readline()
+            assert line, "the server exited before listening"
+        host, port = re.search(r"listening on http://([\d.]+):(\d+)", line).groups()
+        yield host, int(port), p
+    finally:
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=120)[1]
+    assert "Traceback" not in err, err
+
+
+def post(server, path: str, body: bytes | dict, timeout: float = 60) -> tuple[int, dict]:
+    host, port, _ = server
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
+    c.request("POST", path, body if isinstance(body, bytes) else json.dumps(body),
+              {"Content-Type": "application/json"})
+    answer = c.getresponse()
+    status, data = answer.status, json.loads(answer.read())
+    c.close()
+    return status, data
+
+
+def bad_request(server, path, body, *words) -> str:
+    status, data = post(server, path, body)
+    assert status == 400, (status, data)
+    message = data["error"]["message"]
+    for w in words:
+        assert w in message, (w, message)
+    return message
+
+
+@pytest.mark.parametrize("path, body, words", [
+    # nested past the JSON parser's depth: was a 500 (RecursionError)
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     ["the body is not valid JSON", "nested too deeply"]),
+    # "\ud800": JSON, but no character; was a 500 (the tokenizer's TypeError)
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 1}', ["the JSON escape \\ud800", "surrogate pair"]),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}',
+     ["the JSON escape \\udfff"]),
+    ("/v1/completions", b'{"prompt": "a", "stop": ["\\ud83d"], "max_tokens": 1}', ["the JSON escape \\ud83d"]),
+    # a role no template knows: was rendered as it came
+    ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "hi"}], "max_tokens": 1},
+     ["'messages'[0] has role 'bot'", "'system', 'developer', 'user', 'assistant', 'tool'"]),
+])
+def test_request_bodies_the_server_refuses(server, path, body, words):
+    bad_request(server, path, body, *words)
+
+
+def test_a_surrogate_pair_is_one_character(server):
+    """The whole pair (an emoji) is a character: answered."""
+    status, data = post(server, "/v1/completions", b'{"prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert status == 200, data
+
+
+# ----------------------------------------------------------------------------------------------
+# megajax generate: a prompt given on the command line
+
+def test_a_prompt_argument_that_is_not_utf8(run, tmp_path):  # noqa: F811
+    """Python reads a byte of an argument that is not UTF-8 as a lone surrogate: was a UnicodeEncodeError
+    traceback in the tokenizer."""
+    p = subprocess.run([sys.executable, "-m", "megajax.cli", "generate", "--checkpoint", str(run), "--prompt", "ok",
+                        "--prompt", b"caf\xe9".decode("utf-8", "surrogateescape"), "--json", str(tmp_path / "o.json")],
+                       capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags()), timeout=300)
+    paragraph(p, "generate", "--prompt 1: byte 0xe9 at character 4 is not UTF-8 text")
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_json_nested_too_deeply_in_a_users_file(run, tmp_path):  # noqa: F811
+    """A chat jsonl line and a PEFT adapter_config.json nested past the parser's depth: were RecursionError
+    tracebacks."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "chat.jsonl").write_text(deep + "\n")
+    p = megajax("train", "data.format=chat", f"data.path={tmp_path / 'chat.jsonl'}", "train.steps=1",
+                f"train.run_dir={tmp_path / 'run'}")
+    paragraph(p, "train", f"{tmp_path / 'chat.jsonl'}:1: not valid JSON", "nested too deeply")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text(deep)
+    p = megajax("import", "--format", "peft", "--input", str(tmp_path / "adapter"), "--base", str(run), "--output",
+                str(tmp_path / "out"))
+    paragraph(p, "import", "adapter_config.json: not JSON", "nested too deeply")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
