@@ -952,6 +952,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"megajax {args.command}: error: {_paragraph(e, args.command)}", file=sys.stderr)
         return 2
+    except Exception as e:  # an allocation no machine could make: one paragraph, not a traceback
+        said = _out_of_memory(e)
+        if said is None:
+            raise
+        print(f"megajax {args.command}: error: {said}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); what was being written is removed
         terminated = isinstance(e, Terminated)
         print(f"megajax {args.command}: stopped by {'SIGTERM' if terminated else 'Ctrl-C (SIGINT)'} before it "
@@ -960,6 +966,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _out_of_memory(error: Exception) -> str | None:
+    """The one paragraph for an allocation that failed (numpy's MemoryError, XLA's RESOURCE_EXHAUSTED), or None
+    for any other error. The checks before the work name the sizes they know (the fit check, the KV pool,
+    the data indices); this is what is said of any other."""
+    text = re.sub(r"\s+", " ", str(error)).strip()
+    if isinstance(error, MemoryError):
+        where = "host memory"
+    elif type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and text.startswith("RESOURCE_EXHAUSTED"):
+        where, text = "device memory", text.removeprefix("RESOURCE_EXHAUSTED:").strip()
+    else:
+        return None
+    text = text[:300].rstrip(".") + ("..." if len(text) > 300 else "")
+    return (f"out of {where}: {text}. A size this command was given (a "
+            f"config key, an option, a file's header) asks for more memory than the machine has.")
 
 
 class Terminated(KeyboardInterrupt):

@@ -120,3 +120,27 @@ def test_json_nested_too_deeply_in_a_users_file(run, tmp_path):  # noqa: F811
                 str(tmp_path / "out"))
     paragraph(p, "import", "adapter_config.json: not JSON", "nested too deeply")
     assert not (tmp_path / "run").exists() and not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Allocations no machine can make, and the error that ends a program
+
+def test_a_lora_rank_too_large_for_the_device_is_one_paragraph(run, tmp_path):  # noqa: F811
+    """model.lora.rank=10^9 on a 32-wide model: the adapters' state cannot be allocated. Was exit 1 with
+    nothing said at all (XLA's RESOURCE_EXHAUSTED, then dropped as a stray read error: next test)."""
+    p = megajax("train", "model.num_layers=1", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=2",
+                "model.ffn_hidden_size=64", "train.seq_len=32", "train.global_batch=2", f"checkpoint.load={run}",
+                "model.lora.rank=1000000000", "train.steps=1", f"train.run_dir={tmp_path / 'run'}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("megajax train: error: out of device memory: "), p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_error_ending_a_program_is_never_dropped_as_a_stray_one():
+    """After a checkpoint read, errors that look like TensorStore's ('INTERNAL: ...') from stray callbacks are
+    dropped; the one that ends the program still prints its traceback (it was dropped: exit 1, no word)."""
+    p = subprocess.run([sys.executable, "-c", "from megajax.checkpoint.manager import _drop_closed_loop_errors\n"
+                        "_drop_closed_loop_errors()\nraise RuntimeError('INTERNAL: the end of the program')"],
+                       capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       timeout=120)
+    assert p.returncode == 1 and "RuntimeError: INTERNAL: the end of the program" in p.stderr, p.stderr
