@@ -144,3 +144,46 @@ def test_the_error_ending_a_program_is_never_dropped_as_a_stray_one():
                        capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                        timeout=120)
     assert p.returncode == 1 and "RuntimeError: INTERNAL: the end of the program" in p.stderr, p.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# A model described by another program's config: checked as a megajax config is, against its weights
+
+@pytest.fixture(scope="module")
+def hf_dir(run, tmp_path_factory):  # noqa: F811
+    """The random checkpoint exported as a Hugging Face directory (2 layers of a Llama, vocab 257)."""
+    from megajax.cli import main
+    out = tmp_path_factory.mktemp("probe-hf") / "hf"
+    assert main(["export", "--format", "hf", "--checkpoint", str(run), "--output", str(out), "--dtype", "fp32"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"num_hidden_layers": 0}, ["model.num_layers = 0: must be > 0"]),  # was a ZeroDivisionError
+    ({"num_hidden_layers": "two"}, ["model.num_layers = 'two': expected an integer"]),  # was a TypeError
+    ({"num_hidden_layers": 10**9}, ["gives the model 1,000,000,000 layers", "layers 0 to 0"]),  # hung
+    ({"vocab_size": 10**12}, ["model.embed_tokens.weight", "has shape [257, 32]",  # was a MemoryError
+                              "config.json' implies [1000000000000, 32]"]),
+    ({"num_attention_heads": 0}, ["model.num_heads = 0: must be > 0"]),
+])
+def test_a_hugging_face_config_describing_another_model(hf_dir, tmp_path, change, words):
+    d = tmp_path / "hf"
+    d.mkdir()
+    for f in hf_dir.iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps(dict(json.loads((hf_dir / "config.json").read_text()), **change)))
+    p = megajax("import", "--format", "hf", "--input", str(d), "--output", str(tmp_path / "out"))
+    paragraph(p, "import", f"'{d / 'config.json'}'", *words)
+    p = megajax("train", f"checkpoint.load={d}", "train.steps=1", f"train.run_dir={tmp_path / 'run'}")
+    paragraph(p, "train", f"'{d / 'config.json'}'", *words)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["model.num_heads=0"], ["model.num_heads = 0: must be > 0"]),
+    (["--config", "model/tiny-hybrid", "model.mamba_head_dim=0"], ["model.mamba_head_dim = 0: must be > 0"]),
+])
+def test_a_divisor_of_zero_in_the_config(tmp_path, args, words):
+    """Were ZeroDivisionError tracebacks (the sizes are derived from them before the checks ran)."""
+    paragraph(megajax("train", *args, f"train.run_dir={tmp_path / 'run'}"), "train", *words)
