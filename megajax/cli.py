@@ -432,8 +432,14 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.trust_checkpoint and args.format != "megatron":
         raise UserError(f"--trust-checkpoint unpickles a Megatron checkpoint's files (--format "
                         f"megatron); --format {args.format} reads no pickle; drop it.")
-    if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
+    out = Path(args.output)
+    if out.is_dir() and find_step_dir(out) is not None:
         raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
+    if out.is_dir() and any(out.iterdir()):  # the input's own directory, another program's files: not mixed into
+        held = sorted(p.name for p in out.iterdir())
+        raise UserError(f"--output {args.output}: the directory is not empty (it holds {', '.join(held[:4])}"
+                        f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}); the import writes a run directory "
+                        f"of its own: choose a new or empty directory.")
     if args.format == "peft":
         return _import_peft(args)
     if args.format == "hf":

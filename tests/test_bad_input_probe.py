@@ -187,3 +187,20 @@ def test_a_hugging_face_config_describing_another_model(hf_dir, tmp_path, change
 def test_a_divisor_of_zero_in_the_config(tmp_path, args, words):
     """Were ZeroDivisionError tracebacks (the sizes are derived from them before the checks ran)."""
     paragraph(megajax("train", *args, f"train.run_dir={tmp_path / 'run'}"), "train", *words)
+
+
+# ----------------------------------------------------------------------------------------------
+# megajax import: where it writes
+
+def test_import_does_not_write_into_a_directory_holding_files(hf_dir, tmp_path):
+    """--output a directory of other files, or the Hugging Face input itself: the import's checkpoints/ was
+    written in among them."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    p = megajax("import", "--format", "hf", "--input", str(hf_dir), "--output", str(tmp_path / "mine"))
+    paragraph(p, "import", f"--output {tmp_path / 'mine'}: the directory is not empty (it holds notes.txt)")
+    assert sorted(x.name for x in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    before = sorted(x.name for x in hf_dir.iterdir())
+    p = megajax("import", "--format", "hf", "--input", str(hf_dir), "--output", str(hf_dir))
+    paragraph(p, "import", f"--output {hf_dir}: the directory is not empty", "config.json")
+    assert sorted(x.name for x in hf_dir.iterdir()) == before
