@@ -204,3 +204,70 @@ def test_import_does_not_write_into_a_directory_holding_files(hf_dir, tmp_path):
     p = megajax("import", "--format", "hf", "--input", str(hf_dir), "--output", str(hf_dir))
     paragraph(p, "import", f"--output {hf_dir}: the directory is not empty", "config.json")
     assert sorted(x.name for x in hf_dir.iterdir()) == before
+
+
+# ----------------------------------------------------------------------------------------------
+# Chat data and its tokenizer's template: what is at the path, and what the template writes
+
+PAIR = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+TRAIN = ["train.steps=1", "train.seq_len=64", "model.num_layers=1", "train.eval_every=0", "logging.tensorboard=false"]
+
+
+def test_a_path_that_is_not_a_file_is_not_called_missing(tmp_path):
+    """A FIFO named as data (chat, image-text shards), as a tokenizer, or a directory as --captions: was 'no
+    such file or directory' / 'no such tokenizer'."""
+    os.mkfifo(tmp_path / "fifo")
+    fifo = tmp_path / "fifo"
+    paragraph(megajax("train", "data.format=chat", f"data.path={fifo}", *TRAIN, f"train.run_dir={tmp_path / 'r'}"),
+              "train", f"data.path = '{fifo}': a FIFO (named pipe), not a file")
+    paragraph(megajax("train", "--config", "model/tiny-llava", "data.format=webdataset", f"data.path={fifo}", *TRAIN,
+                      f"train.run_dir={tmp_path / 'r'}"), "train", f"data.path = '{fifo}': a FIFO (named pipe), not a file")
+    paragraph(megajax("train", f"data.tokenizer={fifo}", *TRAIN, f"train.run_dir={tmp_path / 'r'}"), "train",
+              f"'{fifo}' is a FIFO (named pipe), not a tokenizer.json file")
+    paragraph(megajax("preprocess", "--format", "webdataset", "--images", str(tmp_path), "--captions", str(tmp_path),
+                      "--output-dir", str(tmp_path / "out")), "preprocess", f"--captions '{tmp_path}': a directory, not a file")
+    assert not (tmp_path / "r").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_data_path_with_spaces_is_one_file(tmp_path):
+    """'my chats.jsonl' was read as a blend ('weight ... is not a positive number'); its second line is named."""
+    data = tmp_path / "my chats.jsonl"
+    data.write_text(json.dumps(PAIR) + "\n{\"text\": 1}\n")
+    p = megajax("train", "data.format=chat", f"data.path={data}", *TRAIN, f"train.run_dir={tmp_path / 'r'}")
+    paragraph(p, "train", f"{data}:2:", "neither")
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    from test_sft_data import LLAMA3, make_tokenizer_dir
+    return make_tokenizer_dir(tmp_path_factory.mktemp("probe-tok") / "tok", "llama3", LLAMA3)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("config-not-json", ["tokenizer_config.json is not a readable JSON file", "\"chat_template\" cannot be read"]),
+    ("template-a-number", ["\"chat_template\" is 5; expected the template's text"]),
+    ("templates-without-default", ["a list of templates named 'tool_use', none of them \"default\""]),
+    ("jinja-a-directory", ["chat_template.jinja is a directory, not a file"]),
+    ("template-writes-nothing", ["8 of the train split's 8 conversations hold an assistant answer",
+                                 "the chat template writes none of them"]),
+])
+def test_a_chat_template_that_cannot_be_read_or_writes_no_answer(chat_tokenizer, tmp_path, case, words):
+    """Each was 'has no chat template' (the first three), silently the other template (a directory named
+    chat_template.jinja), or blamed the data ('none of the conversations holds an assistant answer')."""
+    import shutil
+    tok = tmp_path / "tok"
+    shutil.copytree(chat_tokenizer, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    if case == "config-not-json":
+        (tok / "tokenizer_config.json").write_text("{\"chat_template\": ")
+    elif case == "jinja-a-directory":
+        (tok / "chat_template.jinja").mkdir()
+    else:
+        config["chat_template"] = {"template-a-number": 5, "template-writes-nothing": "{% for m in messages %}{% endfor %}",
+                                   "templates-without-default": [{"name": "tool_use", "template": "x"}]}[case]
+        (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat.jsonl").write_text((json.dumps(PAIR) + "\n") * 8)
+    p = megajax("train", "data.format=chat", f"data.path={tmp_path / 'chat.jsonl'}", f"data.tokenizer={tok}",
+                "data.split=100,0,0", *TRAIN, f"train.run_dir={tmp_path / 'r'}")
+    paragraph(p, "train", *words)
+    assert not (tmp_path / "r").exists()

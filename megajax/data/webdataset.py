@@ -53,7 +53,7 @@ from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spa
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
 from megajax.data.text_files import parse_json
-from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
+from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, kind_of, read_user_file
 from megajax.errors import DataError
 from megajax.paths import fresh_output_dir
 
@@ -85,8 +85,9 @@ def shard_files(path: str, key: str = "data.path") -> list[Path]:
         return files
     if p.is_file():
         return [p]
-    raise DataError(f"{key} = {path!r}: no such file or directory; data.format=webdataset reads a .tar shard or a "
-                    f"directory of *.tar shards.")
+    there = kind_of(p)
+    raise DataError(f"{key} = {path!r}: {f'{there}, not a file' if there else 'no such file or directory'}; "
+                    f"data.format=webdataset reads a .tar shard or a directory of *.tar shards.")
 
 
 @dataclass(frozen=True)
@@ -439,7 +440,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
         raise DataError(f"--images {images!r}: not a directory; give the folder the captions' \"image\" paths "
                         f"are relative to.")
     if not lines.is_file():
-        raise DataError(f"--captions {captions!r}: no such file; give a jsonl of {{\"image\", \"caption\"}} lines.")
+        there = "a directory" if lines.is_dir() else kind_of(lines) or "no such file"
+        raise DataError(f"--captions {captions!r}: {there}{', not a file' if there != 'no such file' else ''}; give "
+                        f"a jsonl of {{\"image\", \"caption\"}} lines.")
 
     def samples():
         for n, where, record in jsonl_records(lines, name=captions):
