@@ -271,3 +271,29 @@ def test_a_chat_template_that_cannot_be_read_or_writes_no_answer(chat_tokenizer,
                 "data.split=100,0,0", *TRAIN, f"train.run_dir={tmp_path / 'r'}")
     paragraph(p, "train", *words)
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("data", [[], ["data.format=chat"]])
+def test_more_samples_than_the_host_can_index(tmp_path, data):
+    """train.steps=10^20: the embedded corpus's index was a MemoryError traceback, chat data's packing ran
+    on for ever; both are refused before any data is read."""
+    chat = []
+    if data:
+        (tmp_path / "chat.jsonl").write_text((json.dumps(PAIR) + "\n") * 8)
+        chat = [*data, f"data.path={tmp_path / 'chat.jsonl'}"]
+    p = megajax("train", *chat, *TRAIN[1:], "train.steps=100000000000000000000", f"train.run_dir={tmp_path / 'r'}")
+    paragraph(p, "train", "train.steps x train.global_batch = 100,000,000,000,000,000,000 x", "GiB of host memory",
+              "lower train.steps")
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_mamba_chunk_longer_than_the_sequence(tmp_path):
+    """model.mamba_chunk_size=10^6 on 32-token rows: the scan's [chunk, chunk] mask was a MemoryError
+    traceback; the chunk is the sequence (the same scan) and the step runs."""
+    p = megajax("train", "model.hybrid_layer_pattern=M*", "model.mamba_chunk_size=1000000", "model.hidden_size=32",
+                "model.num_heads=2", "model.ffn_hidden_size=32", "model.mamba_state_dim=16", "model.mamba_head_dim=16",
+                "model.mamba_num_groups=1", "train.steps=1", "train.seq_len=32", "train.global_batch=1",
+                "train.eval_every=0", "train.sample_tokens=0", "logging.tensorboard=false",
+                f"train.run_dir={tmp_path / 'r'}")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "megajax: done, 1 steps" in p.stderr + p.stdout
