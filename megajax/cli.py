@@ -654,7 +654,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout < float("inf"):
         raise UserError(f"--drain-timeout {args.drain_timeout:g}: must be a number of seconds >= 0 (0: cut the "
                         f"requests in progress at once).")
-    from megajax.inference.engine import check_engine_sizes
+    from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, check_engine_sizes
+    continuous_only = [f"--{name.replace('_', '-')}" for name in ("block_size", "num_kv_blocks", "prefill_chunk",
+                                                                    "prefill_rows") if getattr(args, name) is not None]
+    if args.enable_prefix_caching is not None:
+        continuous_only.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.batching == "static" and continuous_only:
+        raise UserError(f"{', '.join(continuous_only)} with --batching static: {'they set' if len(continuous_only) > 1 else 'it sets'} "
+                        f"the continuous engine's paged KV cache and prefill, which the static batcher does not "
+                        f"have; drop {'them' if len(continuous_only) > 1 else 'it'}, or use --batching continuous.")
+    args.block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+    args.prefill_chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
+    args.enable_prefix_caching = args.enable_prefix_caching is not False
     # The ranges that need no model now; --block-size against the context once the model is loaded.
     check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk,
                        args.prefill_rows)
@@ -731,11 +742,46 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+GIVEN = "_megajax_given"  # the namespace's record of the single-valued options given (dropped after parsing)
+
+
+def _given_once(action: argparse.Action, namespace: argparse.Namespace, option_string: str | None, values) -> None:
+    """UserError when an option that takes one value is given again (argparse keeps the last in silence:
+    `--adapter a --adapter b` served b alone, `--format hf --format peft` exported peft)."""
+    given = namespace.__dict__.setdefault(GIVEN, {})
+    said = f"{option_string} {values}" if action.nargs != 0 else option_string  # a switch has no value
+    if action.dest in given:
+        raise UserError(f"{given[action.dest]} and {said}: {'/'.join(action.option_strings)} takes one value and "
+                        f"is given twice; give it once.")
+    given[action.dest] = said
+
+
+class _Once(argparse._StoreAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _given_once(self, namespace, option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _OnceSwitch(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _given_once(self, namespace, option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A verb's parser: its options that take one value refuse a second one (_given_once)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megajax.checkpoint.dtypes import EXPORT_DTYPES  # light: no JAX before the config is read
     from megajax.checkpoint.torch_dist import MEGATRON_VERSIONS as MEGATRON_FORMS, NEWEST_MEGATRON as MEGATRON_NEWEST
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     parser.set_defaults(subparsers=sub.choices)
     p = sub.add_parser("train", help="train a model (no arguments: a small model on an embedded corpus)")
     _add_config_args(p)
@@ -858,23 +904,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous (default): sequences join and leave the running batch at every step, over a "
                         "paged KV cache; static: a batch runs to its end while new requests wait")
-    p.add_argument("--block-size", type=int, default=16, metavar="N",
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="positions per KV cache block (continuous batching; default 16)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache blocks in the pool (continuous batching; default: room for --max-batch "
                         "sequences of the whole context)")
-    p.add_argument("--prefill-chunk", type=int, default=128, metavar="N",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled per step, so a long prompt does not stall running decodes "
                         "(continuous batching; default 128, at most the context)")
     p.add_argument("--prefill-rows", type=int, default=None, metavar="N",
                    help="prompts prefilled together per step, so many arriving requests start in a few steps "
                         "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
                         "multiple of the data-parallel size)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--enable-prefix-caching", action=_OnceSwitch, default=None,
                    help="share the KV blocks of prompt prefixes between requests (continuous batching; default "
                         "on; off by itself for models with Mamba layers, not used for requests with images); "
                         "--no-enable-prefix-caching turns it off")
-    p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
+    p.add_argument("--limit-images-per-prompt", type=int, default=None, metavar="N",
                    help="images one chat request may hold (a vision-language model; default 4); they come as "
                         "base64 data URLs, nothing is fetched")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -929,6 +975,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if message:
             raise UserError(message)
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.__dict__.pop(GIVEN, None)
         args.command = argv[0]
         return args
     return parser.parse_args(argv)  # no or unknown command: argparse's usage and error

@@ -297,3 +297,30 @@ def test_a_mamba_chunk_longer_than_the_sequence(tmp_path):
                 f"train.run_dir={tmp_path / 'r'}")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
     assert "megajax: done, 1 steps" in p.stderr + p.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Options: given twice, or doing nothing where they are given
+
+@pytest.mark.parametrize("args, words", [
+    (["generate", "--checkpoint", "RUN", "--adapter", "a", "--adapter", "b", "--prompt", "hi"],
+     ["--adapter a and --adapter b: --adapter takes one value and is given twice"]),
+    (["export", "--format", "hf", "--checkpoint", "RUN", "--format", "peft", "--output", "OUT"],
+     ["--format hf and --format peft"]),
+    (["serve", "--checkpoint", "RUN", "--enable-prefix-caching", "--no-enable-prefix-caching"],
+     ["--enable-prefix-caching and --no-enable-prefix-caching"]),
+    (["serve", "--checkpoint", "RUN", "--batching", "static", "--enable-prefix-caching", "--block-size", "8"],
+     ["--block-size, --enable-prefix-caching with --batching static", "drop them"]),
+    (["serve", "--checkpoint", "RUN", "--max-batch", "1000000000", "--num-kv-blocks", "8"],  # was a MemoryError
+     ["--max-batch 1000000000 with --num-kv-blocks 8", "at most 8 run at once"]),
+    (["serve", "--checkpoint", "RUN", "--limit-images-per-prompt", "2", "--allowed-local-media-path", "."],
+     ["--limit-images-per-prompt and --allowed-local-media-path: this model has no image encoder"]),
+])
+def test_options_given_twice_or_doing_nothing(run, tmp_path, args, words):  # noqa: F811
+    """Each was accepted in silence: the last of a repeated option won, the static batcher ignored the
+    continuous engine's options, a text model the image options."""
+    args = [str(run) if a == "RUN" else str(tmp_path / "out") if a == "OUT" else a for a in args]
+    p = megajax(*args, "--port", "0") if args[0] == "serve" else megajax(*args)
+    assert "listening on" not in p.stderr
+    paragraph(p, args[0], *words)
+    assert not (tmp_path / "out").exists()

@@ -99,12 +99,20 @@ class CompletionService:
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None,
                  prefix_caching: bool = True, quiet: bool = True,
-                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None,
+                 limit_images: int | None = None, allowed_local_media_path: str | None = None,
                  chat_template_source: str = ""):
         self.loaded = loaded
-        if limit_images < 0:
+        if limit_images is not None and limit_images < 0:
             raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
-        self.limit_images = limit_images  # a chat prompt's images at most (a vision-language model)
+        if loaded.generator.model.vision is None:  # a text model takes no images: its options would do nothing
+            given = [o for o, v in (("--limit-images-per-prompt", limit_images),
+                                    ("--allowed-local-media-path", allowed_local_media_path)) if v is not None]
+            if given:
+                raise UserError(f"{' and '.join(given)}: this model has no image encoder (model.vision is unset), "
+                                f"so its requests hold no images; drop {'them' if len(given) > 1 else 'it'}, or "
+                                f"serve a vision-language model.")
+        # a chat prompt's images at most (a vision-language model)
+        self.limit_images = DEFAULT_LIMIT_IMAGES if limit_images is None else limit_images
         # file:// image URLs are read under this directory (None: data URLs only)
         self.allowed_media = None
         if allowed_local_media_path is not None:
