@@ -94,12 +94,26 @@ def run_training(cfg, devices: list | None = None):
                  on_end=[exact_match_hook("after"), training_sample])
 
 
+TEXT_PREPROCESS_DEFAULTS = {"json_keys": ["text"], "workers": 1, "input_format": "auto", "errors": "strict"}
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     if args.format == "webdataset":
         return _preprocess_webdataset(args)
     if args.images or args.captions or args.output_dir:
         raise UserError("megajax preprocess: --images, --captions and --output-dir write image-text shards; "
                         "add --format webdataset.")
+    if args.shard_size is not None:
+        raise UserError(f"--shard-size {args.shard_size} sets the samples per image-text shard (--format "
+                        f"webdataset); a text dataset is one .bin/.idx pair: drop it.")
+    tokenizing = [f"--{k.replace('_', '-')}" for k in ("tokenizer", *TEXT_PREPROCESS_DEFAULTS) if getattr(args, k) is not None]
+    tokenizing += ["--append-eod"] if args.append_eod else []
+    if args.merge and tokenizing:  # --merge concatenates token ids already written
+        raise UserError(f"{', '.join(tokenizing)} with --merge: --merge concatenates datasets already tokenized, and "
+                        f"{'these options tokenize' if len(tokenizing) > 1 else 'this option tokenizes'} --input text; "
+                        f"drop {'them' if len(tokenizing) > 1 else 'it'}.")
+    for key, value in TEXT_PREPROCESS_DEFAULTS.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if not args.output_prefix:
         raise UserError("megajax preprocess needs --output-prefix P (the dataset files written: P_KEY_document.bin/.idx, "
                         "or P.bin/.idx with --merge).")
@@ -133,6 +147,13 @@ def _preprocess_webdataset(args: argparse.Namespace) -> int:
     if args.input or args.merge or args.output_prefix:
         raise UserError("megajax preprocess --format webdataset reads --images DIR and --captions FILE.jsonl and "
                         "writes --output-dir DIR; --input, --merge and --output-prefix are for text datasets.")
+    text_only = [f"--{k.replace('_', '-')}" for k in ("tokenizer", *TEXT_PREPROCESS_DEFAULTS) if getattr(args, k) is not None]
+    text_only += ["--append-eod"] if args.append_eod else []
+    if text_only:  # the shards hold the images and the text as given: tokenized when a run reads them
+        raise UserError(f"{', '.join(text_only)}: {'options' if len(text_only) > 1 else 'an option'} of text "
+                        f"datasets; --format webdataset writes the images and their text untokenized (a run "
+                        f"tokenizes them with its data.tokenizer): drop {'them' if len(text_only) > 1 else 'it'}.")
+    args.shard_size = 1000 if args.shard_size is None else args.shard_size
     missing = [f for f, v in (("--images", args.images), ("--captions", args.captions),
                               ("--output-dir", args.output_dir)) if not v]
     if missing:
@@ -158,7 +179,7 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                         "image-text tar shards from --images and --captions")
     p.add_argument("--input", nargs="+", default=[], metavar="FILE",
                    help="jsonl or plain-text files (optionally .gz), concatenated in order")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
                    help="JSON fields to tokenize, one dataset each (default: text)")
     p.add_argument("--tokenizer", metavar="TOK",
                    help="'byte', a Hugging Face tokenizer.json, or a directory containing one")
@@ -166,11 +187,11 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="writes P_KEY_document.{bin,idx} (with --merge: P.{bin,idx})")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-document id")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
-    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "lines", "files"),
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="tokenizer processes (default 1)")
+    p.add_argument("--input-format", default=None, choices=("auto", "jsonl", "lines", "files"),
                    help="jsonl; lines: one document per line; files: one document per file; "
                         "auto: jsonl for *.jsonl/*.json, else lines")
-    p.add_argument("--errors", default="strict", choices=("strict", "replace"),
+    p.add_argument("--errors", default=None, choices=("strict", "replace"),
                    help="bytes that are not UTF-8: strict (stop, naming the file and line; default) or "
                         "replace (substitute U+FFFD)")
     p.add_argument("--merge", nargs="+", default=[], metavar="P",
@@ -180,7 +201,7 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="--format webdataset: jsonl lines {\"image\": path in --images, \"caption\": text} (or "
                         "\"messages\": a conversation with an <image> marker)")
     p.add_argument("--output-dir", metavar="DIR", help="--format webdataset: where the shards are written")
-    p.add_argument("--shard-size", type=int, default=1000, metavar="N",
+    p.add_argument("--shard-size", type=int, default=None, metavar="N",
                    help="--format webdataset: samples per .tar shard (default 1000)")
 
 

@@ -324,3 +324,63 @@ def test_options_given_twice_or_doing_nothing(run, tmp_path, args, words):  # no
     assert "listening on" not in p.stderr
     paragraph(p, args[0], *words)
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Image-text shards: what a sample trains, and the options of the other form
+
+@pytest.fixture
+def pictures(tmp_path):
+    from PIL import Image
+    (tmp_path / "pictures").mkdir()
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "pictures" / "p0.png")
+    return tmp_path / "pictures"
+
+
+ASK = [{"role": "user", "content": "<image>\nWhat is it?"}]
+
+
+@pytest.mark.parametrize("record, words", [
+    ({"image": "p0.png", "caption": "red", "messages": ASK + [{"role": "assistant", "content": "red"}]},
+     ["the line holds both \"caption\" and \"messages\""]),  # the loader read the caption alone
+    ({"image": "p0.png", "caption": ""}, ["the caption \"\" is empty"]),
+    ({"image": "p0.png", "caption": "<image> "}, ["the caption \"<image> \" is empty"]),
+])
+def test_image_text_lines_that_train_nothing_or_mean_two_things(tmp_path, pictures, record, words):
+    (tmp_path / "c.jsonl").write_text(json.dumps(record) + "\n")
+    p = megajax("preprocess", "--format", "webdataset", "--images", str(pictures), "--captions",
+                str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "shards"))
+    paragraph(p, "preprocess", f"{tmp_path / 'c.jsonl'}:1:", *words)
+    assert not (tmp_path / "shards").exists()
+
+
+def test_image_text_samples_without_an_answer_are_not_trained_as_zero_loss(tmp_path, pictures):
+    """Shards of conversations without an assistant answer trained with loss 0.0000 and a warning about
+    model.init_std and optim.lr; such a sample is now skipped and counted, and with none left the run says
+    why."""
+    (tmp_path / "c.jsonl").write_text(json.dumps({"image": "p0.png", "messages": ASK}) + "\n")
+    assert megajax("preprocess", "--format", "webdataset", "--images", str(pictures), "--captions",
+                   str(tmp_path / "c.jsonl"), "--output-dir", str(tmp_path / "shards")).returncode == 0
+    p = megajax("train", "--config", "model/tiny-llava", "data.format=webdataset", f"data.path={tmp_path / 'shards'}",
+                "data.split=100,0,0", "model.num_layers=1", "model.hidden_size=64", "model.ffn_hidden_size=128",
+                "model.vision.num_layers=1", "train.steps=1", "train.global_batch=1", "train.seq_len=64",
+                "train.eval_every=0", f"train.run_dir={tmp_path / 'r'}")
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert "no token of the sample is trained: the conversation holds no assistant answer" in p.stderr, p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--format", "webdataset", "--images", "PICS", "--captions", "CAPS", "--output-dir", "OUT", "--tokenizer", "byte",
+      "--workers", "4"], ["--tokenizer, --workers: options of text datasets"]),
+    (["--input", "CAPS", "--tokenizer", "byte", "--output-prefix", "OUT", "--shard-size", "5"],
+     ["--shard-size 5 sets the samples per image-text shard"]),
+    (["--merge", "a", "b", "--output-prefix", "OUT", "--tokenizer", "byte"], ["--tokenizer with --merge"]),
+])
+def test_preprocess_options_of_the_other_form(tmp_path, pictures, args, words):
+    """Each option was ignored in silence by the form it does not belong to."""
+    (tmp_path / "c.jsonl").write_text(json.dumps({"image": "p0.png", "caption": "red", "text": "red"}) + "\n")
+    args = [{"PICS": str(pictures), "CAPS": str(tmp_path / "c.jsonl"), "OUT": str(tmp_path / "out")}.get(a, a)
+            for a in args]
+    paragraph(megajax("preprocess", *args), "preprocess", *words)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == []

@@ -232,6 +232,9 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
                         f"({len(index.samples)} samples); give the train split a positive share.")
     if datasets[1] is None and cfg.train.eval_every:
         _no_validation(cfg, path, f"{len(index.samples)} samples", "samples")
+    for ds in datasets:  # a split none of whose samples can be read (or trained) stops the start-up, not step 1
+        if ds is not None:
+            ds[0]
     return datasets[0], datasets[1], report
 
 

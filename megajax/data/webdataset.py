@@ -346,11 +346,17 @@ class ImageTextDataset:
         if last >= self.seq_len:  # every placeholder must be an input (row[:-1]) of the model
             raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond the "
                             f"train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len.")
+        answered = bool(trained.any())
         ids, trained = ids[:self.limit], trained[:self.limit]
         tokens = np.full(self.limit, self.pad_id, np.int32)
         tokens[:len(ids)] = ids
         mask = np.zeros(self.limit, np.float32)
         mask[:len(ids) - 1] = trained[1:]
+        if not mask.any():  # a row that trains nothing: skipped and counted like a damaged sample
+            why = (f"its answer begins beyond the train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len"
+                   if answered else "the conversation holds no assistant answer, and data.loss_on=assistant trains "
+                   "the answers only (data.loss_on=all trains every token)")
+            raise DataError(f"{where}: no token of the sample is trained: {why}.")
         images = np.zeros(self.images_shape, np.float32)
         images[:len(tiles)] = tiles
         return {"tokens": tokens, "loss_mask": mask, "images": images}
@@ -450,6 +456,12 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
                     isinstance(record.get("caption"), str) or "messages" in record):
                 raise DataError(f"{where}: each line is {{\"image\": FILE, \"caption\": TEXT}} (or \"messages\" "
                                 f"instead of \"caption\"); got {json.dumps(record)[:80]}.")
+            if "caption" in record and "messages" in record:  # the loader would read the caption alone
+                raise DataError(f"{where}: the line holds both \"caption\" and \"messages\"; a sample is an image "
+                                f"with either a caption or a conversation, not both: keep the one meant.")
+            if "caption" in record and not record["caption"].replace(MARKER, "").strip():
+                raise DataError(f"{where}: the caption {json.dumps(record['caption'])} is empty, so the sample "
+                                f"trains nothing; give the image's caption text.")
             path = folder / record.pop("image")
             fld = path.suffix.lower().lstrip(".")
             if fld not in IMAGE_FIELDS:
