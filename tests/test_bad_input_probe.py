@@ -384,3 +384,37 @@ def test_preprocess_options_of_the_other_form(tmp_path, pictures, args, words):
             for a in args]
     paragraph(megajax("preprocess", *args), "preprocess", *words)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("out")] == []
+
+
+# ----------------------------------------------------------------------------------------------
+# Resuming a LoRA run with another base named
+
+def test_a_lora_run_resumed_with_another_base_named(run, hf_dir, tmp_path):  # noqa: F811
+    """The adapters of a run trained on `run`, resumed with checkpoint.load = another model: the resume read
+    the recorded base and said nothing of the one named."""
+    from test_lora_export import LORA, lora_checkpoint
+    base, lora, *_ = lora_checkpoint(tmp_path)
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    os.rename(lora, tmp_path / "run" / "checkpoints" / lora.name)
+    before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
+    p = megajax("train", f"train.run_dir={tmp_path / 'run'}", f"checkpoint.load={hf_dir}", *LORA, "train.steps=5")
+    paragraph(p, "train", f"checkpoint.load = '{hf_dir}' names another base than the one the adapters",
+              f"were trained on ({base})", "Drop checkpoint.load")
+    assert sorted(str(p) for p in (tmp_path / "run").rglob("*") if p.name != "run.lock") == before  # lock: kept
+    from megajax.config import load_config
+    from megajax.checkpoint.manager import read_meta
+    from megajax.train.setup import _same_base
+    recorded = read_meta(tmp_path / "run" / "checkpoints" / lora.name)["lora_base"]
+    os.symlink(base, tmp_path / "link")  # the same base by another path: not refused
+    _same_base(load_config(overrides=[*LORA, f"checkpoint.load={tmp_path / 'link'}"]), recorded, lora)
+
+
+def test_a_full_run_resumed_with_another_load_says_it_is_not_read():
+    from megajax.config import load_config
+    from megajax.train.resume_changes import describe_changes
+    cfg = load_config(overrides=["checkpoint.load=/models/other"])
+    saved = {"train": cfg.to_dict()["train"], "optim": cfg.to_dict()["optim"], "checkpoint": {"load": None}}
+    note = describe_changes(saved, None, cfg, {}, 7, 70)
+    assert "checkpoint.load None -> '/models/other': not read, the run continues from its own step 7" in note
+    saved["checkpoint"]["load"] = "/models/other"
+    assert describe_changes(saved, None, cfg, {}, 7, 70) is None  # the same load: nothing to say
