@@ -470,6 +470,11 @@ class ParallelConfig:
     # MLP; 1 folds the tensor and context devices into expert parallelism for the experts (Megatron's
     # MoE parallel folding): the experts split over expert x context x tensor, each expert whole.
     expert_tensor_parallel: int | None = None
+    # Tensor-parallel collectives overlapped with the products on GPUs (Megatron's --tp-comm-overlap):
+    # with tensor parallelism on a GPU, the sequence-parallel products run as collective matmuls (each
+    # step's transfer beside the previous step's partial product, megajax/parallel/tensor.py) and XLA's
+    # scheduler options that overlap them are set (megajax/xla_env.py); false: neither.
+    tp_comm_overlap: bool = True
 
 
 @dataclass
@@ -509,12 +514,18 @@ class TrainConfig:
 
 @dataclass
 class PrecisionConfig:
-    """FP8 training (train.precision=fp8): how the linear layers' products are scaled.
+    """The parameters' dtype, and FP8 training (train.precision=fp8): how the linear layers' products
+    are scaled.
 
     Transformer Engine's per-tensor recipe: `delayed` scales each tensor of each product by
     fp8_max / max(amax history) / 2^margin, the history holding the last
     `fp8_amax_history_len` steps' amaxes (this step's included in the next step's scale);
     `current` scales each tensor by its own amax where it is quantized."""
+    # The dtype the train state holds the parameters in: `compute` (train.precision's compute dtype:
+    # bf16 for bf16 and fp8, fp16 for fp16) with an fp32 master copy in the optimizer state, split as
+    # the Adam moments are (Megatron's --bf16/--fp16: 16-bit model params, fp32 main params), or `fp32`
+    # (fp32 parameters and no copy: MaxText's weight_dtype float32). fp32 runs hold fp32 either way.
+    param_dtype: Literal["compute", "fp32"] = "compute"
     fp8_recipe: Literal["delayed", "current"] = "delayed"
     fp8_amax_history_len: int = 1024
     fp8_margin: int = 0

@@ -180,7 +180,8 @@ FLAGS: tuple[Flag, ...] = (
     _same("--overlap-grad-reduce", OVERLAP),
     _same("--overlap-param-gather", OVERLAP),
     _same("--overlap-p2p-communication", OVERLAP),
-    _same("--tp-comm-overlap", OVERLAP),
+    _same("--tp-comm-overlap", "megajax's parallel.tp_comm_overlap, on by default: on GPUs the sequence-parallel "
+                               "products run as collective matmuls"),
     _same("--distributed-backend", "megajax runs on JAX's runtime", STR),
     _none("--distributed-timeout-minutes", "megajax's watchdog is ops.hang_timeout (seconds)", INT),
     # Precision
@@ -194,6 +195,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--fp8-amax-compute-algo", None, STR, {"max": None},
          note="megajax scales by the history's maximum; most_recent is not mapped"),
     _none("--fp8-param-gather", "megajax keeps parameters in their own dtype and casts at each product"),
+    Flag("--main-params-dtype", None, STR, {"fp32": None},
+         note="megajax's master copy of 16-bit parameters is fp32 (precision.param_dtype=compute, the default)"),
     _none("--grad-reduce-in-bf16", "megajax's gradient reduction dtype is not configurable"),
     _same("--accumulate-allreduce-grads-in-fp32", "megajax accumulates gradients in fp32"),
     _same("--attention-softmax-in-fp32", "megajax's softmax runs in fp32"),

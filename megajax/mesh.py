@@ -8,7 +8,8 @@ these tables:
 - data parallel: activations' `batch` over `data` (and `fsdp`);
 - FSDP (ZeRO-3): parameters' `embed` over `fsdp`;
 - distributed optimizer (ZeRO-1): optimizer state's `embed` over `data`
-  (and `fsdp`), parameters left replicated over `data`;
+  (and `fsdp`), parameters left replicated over `data`; both at any size
+  (stored padded where they do not divide: PADDED_AXES);
 - tensor parallel: `heads`, `kv_heads`, `mlp`, `vocab` over `tensor`
   (Megatron's column/row splits follow from the weight layouts);
 - sequence parallel: activations' `residual_length` (the sequence dim outside
@@ -22,8 +23,9 @@ these tables:
 - pipeline parallel: the stacked blocks' `layers` over `pipeline` (stage s holds
   a consecutive run of layers; the schedules are in megajax/parallel/pipeline.py);
   the `stack`s (a dense-first model's dense layers, the multi-token prediction
-  depths) are whole on every stage; a vision-language model's encoder, which the
-  first stage alone runs, is kept split over `pipeline` (encoder_storage_axes).
+  depths) are whole on every stage; what one stage alone runs is kept split over
+  `pipeline` between steps: a vision-language model's encoder (encoder_storage_axes),
+  the embedding and the output layer (vocab_storage_axes).
 """
 
 from __future__ import annotations
@@ -175,16 +177,18 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
 
     Which sizes must divide which is read from the rules tables (`rules`, default make_rules(cfg)):
     every model dim of `model_dims` over the product of the mesh axes its parameter, optimizer-state
-    and activation rules name (e.g. `heads` over mesh.tensor, `embed` over mesh.fsdp, and with the
-    distributed optimizer over mesh.data x mesh.fsdp, `experts` over mesh.expert)."""
+    and activation rules name (e.g. `heads` over mesh.tensor, `experts` over mesh.expert). The
+    stored state's splits over PADDED_AXES (`embed` over mesh.fsdp, and with the distributed
+    optimizer over mesh.data x mesh.fsdp) need not divide: those dims are padded (padded_shape)."""
     s = sizes
     rules = rules or make_rules(cfg, sizes)
     t = cfg.train
     tp = s["tensor"]
-    tables = (("", rules.params), (" (distributed optimizer)", rules.opt_state), ("", rules.activations))
+    tables = (("", rules.params, PADDED_AXES), (" (distributed optimizer)", rules.opt_state, PADDED_AXES),
+              ("", rules.activations, ()))
     for dim, entries in model_dims(cfg).items():
-        for why, table in tables:
-            axes = [a for a in table.get(dim, ()) if s.get(a, 1) > 1]
+        for why, table, padded in tables:
+            axes = [a for a in table.get(dim, ()) if s.get(a, 1) > 1 and a not in padded]
             size = math.prod(s[a] for a in axes)
             for key, value in entries:
                 if not value % size:
@@ -232,6 +236,72 @@ def validate_for_model(cfg: Config, sizes: Mapping[str, int], rules: "ShardingRu
     if cfg.parallel.sequence_parallel and t.seq_len % (tp * c):
         raise MeshError(f"train.seq_len={t.seq_len} is not divisible by mesh.tensor x mesh.context = {tp * c} "
                         f"(sequence parallelism splits the sequence over both); change train.seq_len or the mesh.")
+
+
+# ----------------------------------------------------------------------------
+# The train state as stored between steps: data-parallel splits padded
+# ----------------------------------------------------------------------------
+
+# The mesh axes that split the stored train state (FSDP's parameters, the distributed optimizer's
+# state) without the computation depending on how: a dim they split need not be a multiple of their
+# size. It is stored padded with zeros to the next multiple (as Megatron's distributed optimizer pads
+# its flat buffer), and the train step works on the dim's first `n` entries, where XLA keeps the uneven
+# split (its per-device shards are the padded array's own; neither the slice nor the pad moves data).
+PADDED_AXES = ("data", "fsdp")
+
+
+def split_counts(sharding: NamedSharding, ndim: int) -> tuple[int, ...]:
+    """How many pieces `sharding` cuts each of an array's `ndim` dims into."""
+    sizes = mesh_sizes(sharding.mesh)
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return tuple(math.prod(sizes[a] for a in entry_axes(e)) for e in spec[:ndim])
+
+
+def padded_shape(shape: tuple[int, ...], sharding) -> tuple[int, ...]:
+    """`shape` with every dim rounded up to a multiple of the pieces `sharding` cuts it into (the shape
+    an array of logical shape `shape` is stored in); `shape` itself without a NamedSharding."""
+    if not isinstance(sharding, NamedSharding):
+        return tuple(shape)
+    return tuple(-(-n // k) * k for n, k in zip(shape, split_counts(sharding, len(shape))))
+
+
+def padded_struct(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """A logical ShapeDtypeStruct (with its sharding) as stored: padded_shape."""
+    return jax.ShapeDtypeStruct(padded_shape(x.shape, x.sharding), x.dtype, sharding=x.sharding,
+                                weak_type=getattr(x, "weak_type", False))
+
+
+def pad_to(x, shape: tuple[int, ...]):
+    """`x` zero-padded at the end of each dim to `shape` (itself when it has that shape); numpy arrays
+    stay numpy (padded on the host)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    widths = [(0, s - n) for n, s in zip(x.shape, shape)]
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
+
+
+def unpad_to(x, shape: tuple[int, ...]):
+    """The first `shape` entries of each dim of `x` (itself when it has that shape)."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, n) for n in shape)]
+
+
+def even_sharding(sharding, shape: tuple[int, ...]):
+    """`sharding` without the mesh axes that do not divide their dim of `shape` (that dim whole on
+    them): the layout of the logical array outside a train step, e.g. for generation."""
+    if not isinstance(sharding, NamedSharding) or padded_shape(shape, sharding) == tuple(shape):
+        return sharding
+    sizes = mesh_sizes(sharding.mesh)
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    entries = []
+    for n, entry in zip(shape, spec):
+        kept = []
+        for a in entry_axes(entry):
+            if n % (math.prod(sizes[k] for k in kept) * sizes[a]) == 0:
+                kept.append(a)
+        entries.append(spec_entry(kept))
+    return NamedSharding(sharding.mesh, P(*entries))
 
 
 def _divisors(value: int, size: int, devices: int) -> str:
@@ -294,14 +364,32 @@ def encoder_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) ->
     return out
 
 
+def vocab_storage_axes(cfg: Config, sizes: Mapping[str, int] | None = None) -> tuple[str, ...]:
+    """Where the parameters with a vocabulary dim (the embedding table, the output layer) and their
+    optimizer state are kept between steps: over `tensor` (vocabulary parallelism), and under
+    pipeline parallelism over `pipeline` too. Only the first stage runs the embedding and only the
+    last the output layer, so the stages share one copy, 1 / stages each, gathered for the step
+    (megajax/train/pipeline_step.py; a tied embedding serves both ends from the one copy). A padded
+    vocabulary the split does not divide stays whole over `pipeline`. `sizes`: the mesh's (default:
+    the config's fixed sizes)."""
+    if sizes is None:
+        sizes = {a: max(getattr(cfg.mesh, a), 1) * getattr(cfg.mesh.dcn, a) for a in ("pipeline", "tensor")}
+    pp, tp = sizes.get("pipeline", 1), sizes.get("tensor", 1)
+    vocab = cfg.model.padded_vocab_size() if cfg.model.vocab_size is not None else None
+    if pp == 1 or vocab is None or vocab % (pp * tp):
+        return ("tensor",)
+    return ("tensor", "pipeline")
+
+
 def make_rules(cfg: Config, sizes: Mapping[str, int] | None = None) -> ShardingRules:
     """The rules tables of `cfg` on a mesh of `sizes` (default: the config's fixed sizes; only the
-    encoder's storage over `pipeline` depends on them, encoder_storage_axes)."""
+    storage over `pipeline` of what one stage alone runs depends on them: encoder_storage_axes,
+    vocab_storage_axes)."""
     experts, expert_mlp = expert_axes(cfg)
     tensor_dims = {"vocab": ("tensor",), "heads": ("tensor",), "kv_heads": ("tensor",),
                    "mlp": ("tensor",), "ssm_groups": ("tensor",), "expert_mlp": expert_mlp}
     tensor_dims |= {"vision_heads": encoder_tensor_axes(cfg), "vision_mlp": encoder_tensor_axes(cfg)}
-    params = {**tensor_dims, **encoder_storage_axes(cfg, sizes),
+    params = {**tensor_dims, **encoder_storage_axes(cfg, sizes), "vocab": vocab_storage_axes(cfg, sizes),
               "embed": ("fsdp",), "head_dim": (), "layers": (), "stack": (), "position": (),
               "ssm_state": (), "conv": (),
               # Low-rank adapters (megajax/models/lora.py): the rank dim replicated, the fused q/k/v

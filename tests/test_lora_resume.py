@@ -105,8 +105,8 @@ def test_exact_match_of_a_lora_run_is_the_merged_models(tmp_path, monkeypatch):
     answers = []
     scored = em.exact_match
 
-    def recorded(generator, tokenizer, template, items, max_new_tokens, batch_size=32):
-        accuracy, said = scored(generator, tokenizer, template, items, max_new_tokens, batch_size)
+    def recorded(generator, tokenizer, template, items, max_new_tokens, batch_size=32, **kw):
+        accuracy, said = scored(generator, tokenizer, template, items, max_new_tokens, batch_size, **kw)
         answers.append((accuracy, said, items, max_new_tokens))
         return accuracy, said
     monkeypatch.setattr(em, "exact_match", recorded)

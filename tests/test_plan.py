@@ -19,17 +19,18 @@ def test_pipeline_choice_is_the_plans(small_config):
 
 
 def test_divisibility_follows_the_rules_tables(small_config):
-    """Which size must divide which comes from the rules: `embed` over mesh.fsdp for the parameters,
-    and with the distributed optimizer over mesh.data x mesh.fsdp for the optimizer state."""
+    """Which size must divide which comes from the rules: `heads` over mesh.tensor must divide; the
+    stored state's data-parallel splits (`embed` over mesh.fsdp for the parameters, with the
+    distributed optimizer over mesh.data x mesh.fsdp for the optimizer state) need not: they are
+    padded (tests/test_optimizer_sharding.py)."""
     cfg = small_config("model.hidden_size=48", "model.num_heads=8", "model.num_kv_heads=4", "mesh.data=8")
     assert make_plan(cfg, 8).batch.data_parallel == 8  # embed is not split over data: fine
-    with pytest.raises(MeshError, match=r"model.hidden_size=48 is not divisible by mesh.fsdp=32"):
-        make_plan(small_config("model.hidden_size=48", "mesh.data=1", "mesh.fsdp=32",
-                               "train.global_batch=32"), 32)
-    with pytest.raises(MeshError) as e:
-        make_plan(small_config("model.hidden_size=48", "mesh.data=32", "parallel.distributed_optimizer=true",
-                               "train.global_batch=32"), 32)
-    assert "model.hidden_size=48 is not divisible by mesh.data (distributed optimizer)=32" in str(e.value)
+    assert make_plan(small_config("model.hidden_size=48", "mesh.data=1", "mesh.fsdp=32",
+                                  "train.global_batch=32"), 32).sizes["fsdp"] == 32
+    assert make_plan(small_config("model.hidden_size=48", "mesh.data=32", "parallel.distributed_optimizer=true",
+                                  "train.global_batch=32"), 32).sizes["data"] == 32
+    with pytest.raises(MeshError, match=r"model.num_heads=8 is not divisible by mesh.tensor=16"):
+        make_plan(small_config("mesh.data=1", "mesh.tensor=16", "model.num_kv_heads=4"), 16)
     # The vocabulary over mesh.tensor keeps its own hint.
     with pytest.raises(MeshError, match=r"mesh.tensor=8 does not divide the padded vocabulary 260"):
         make_plan(small_config("model.vocab_size=260", "model.make_vocab_size_divisible_by=4", "mesh.tensor=8", "model.num_kv_heads=8",

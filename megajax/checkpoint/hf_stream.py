@@ -1,6 +1,6 @@
 """A Hugging Face directory's weights read straight onto a mesh (`checkpoint.load=<HF dir>`).
 
-    stream_hf(hf, like) -> {megajax path: jax.Array with like's sharding}
+    stream_hf(hf, like) -> {megajax path: jax.Array with like's sharding, stored as the train state is}
     hf_expert_bias(hf) -> the train state's MoE expert bias [router layers, E] (host), or None
 
 `like` holds one jax.ShapeDtypeStruct with its sharding per megajax tensor (the run's target
@@ -23,6 +23,7 @@ import numpy as np
 from megajax.checkpoint.hf import HfTensors
 from megajax.checkpoint.mapping import index as stack_index
 from megajax.errors import CheckpointError
+from megajax.mesh import pad_to, padded_shape
 from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS
 
 
@@ -81,16 +82,18 @@ def stream_hf(hf: HfTensors, like: dict[str, jax.ShapeDtypeStruct]) -> dict[str,
     for path in sorted(like):
         target = like[path]
         shape, sharding = tuple(target.shape), target.sharding
+        stored = padded_shape(shape, sharding)  # as the train state stores it (zeros past `shape`)
         by_block: dict[tuple, list] = defaultdict(list)
         slices = {}
-        for device, idx in sharding.addressable_devices_indices_map(shape).items():
+        for device, idx in sharding.addressable_devices_indices_map(stored).items():
             idx = tuple(idx) + (slice(None),) * (len(shape) - len(idx))
             by_block[_key(idx)].append(device)
             slices[_key(idx)] = idx
         arrays = []
         for key, devices in by_block.items():
             block = _block(hf, path, sources[path], shape, slices[key], target.dtype)
+            block = pad_to(block, tuple(len(range(*i.indices(n))) for i, n in zip(slices[key], stored)))
             arrays += [jax.device_put(block, d) for d in devices]
             del block
-        out[path] = jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        out[path] = jax.make_array_from_single_device_arrays(stored, sharding, arrays)
     return out

@@ -12,7 +12,11 @@ Restoring goes through Orbax's public API with the target's shardings
 `NamedSharding`): every process reads only the pieces its devices hold, so a
 checkpoint restores onto any mesh and any device count. Stored shapes depend
 on the model alone (the vocabulary is padded independently of the mesh), so
-such a restore is a plain read. The one sanctioned change is the vocabulary:
+such a restore is a plain read, except for the dims FSDP or the distributed
+optimizer split over a data-parallel size that does not divide them: those are
+stored zero-padded (megajax/mesh.py PADDED_AXES), the metadata records their
+logical shapes (LOGICAL_SHAPES), and a restore crops or zero-pads them to its
+own split as a reader crops them. The one sanctioned change is the vocabulary:
 a checkpoint saved with another vocabulary is refused, naming both, unless
 `checkpoint.resize_vocab` asks for its rows to be cropped or zero-padded.
 
@@ -38,6 +42,7 @@ from megajax.checkpoint.integrity import check, read_failed, step_number, write_
 from megajax.checkpoint.vocab import VocabResize, check_vocabulary, zero_rows_from
 from megajax.config import Config, ModelConfig, _build, finalize
 from megajax.errors import CheckpointError
+from megajax.mesh import padded_struct
 from megajax.models.layout import expert_bias_rows, split_expert_bias
 
 EXPERT_BIAS_STORED = "moe_expert_bias"  # TrainState.moe_expert_bias's stored name
@@ -296,6 +301,33 @@ def _state_dir(step_dir: Path) -> Path:
     return (Path(step_dir) / STATE).absolute()
 
 
+# The metadata's record of the arrays stored padded: {storage name: logical shape}. A train state's
+# dims split over the data-parallel axes are stored padded with zeros where their split does not
+# divide them (megajax/mesh.py PADDED_AXES); a reader crops them, a restore onto another split
+# crops or zero-pads them to its own.
+LOGICAL_SHAPES = "logical_shapes"
+
+PARAMS = "params."  # the train state's parameters' storage names
+# The optimizer state's fp32 master copy of 16-bit parameters (megajax/train/optimizer.py MasterParams,
+# the optimizer state's last part): `opt_state.<i>.master.<parameter>`.
+MASTER = re.compile(r"opt_state\.\d+\.master\.")
+
+
+def master_prefix(names) -> str | None:
+    """The storage-name prefix of the fp32 master parameters among a checkpoint's `names`, or None."""
+    for name in names:
+        found = MASTER.match(name)
+        if found:
+            return found.group(0)
+    return None
+
+
+def logical_shapes(step_dir: Path, stored: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """{storage name: the array's logical shape} (its stored shape unless the metadata records it padded)."""
+    record = read_meta(step_dir).get(LOGICAL_SHAPES) or {}
+    return {name: tuple(record.get(name, a.shape)) for name, a in stored.items()}
+
+
 def stored_arrays(step_dir: Path) -> tuple[dict[str, Any], bool]:
     """({storage name: Orbax ArrayMetadata (shape, dtype, ...)}, whether zarr3) from Orbax's
     metadata API, without reading any array."""
@@ -314,9 +346,10 @@ def stored_arrays(step_dir: Path) -> tuple[dict[str, Any], bool]:
 # Restoring onto a mesh
 # ----------------------------------------------------------------------------
 
-def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list, resize: VocabResize | None
-                  ) -> set[str]:
-    """The names whose vocabulary dim is resized; raises on anything else that differs."""
+def _check_shapes(step_dir: Path, stored: dict[str, tuple[int, ...]], names: list[str], targets: list,
+                  resize: VocabResize | None) -> set[str]:
+    """The names whose vocabulary dim is resized; raises on anything else that differs (`stored`: the
+    logical shapes, logical_shapes)."""
     missing = [n for n in names if n not in stored]
     if missing:
         raise CheckpointError(f"checkpoint {step_dir}: lacks {len(missing)} arrays this run needs, e.g. "
@@ -324,7 +357,7 @@ def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list,
                               f"(train.precision decides whether a loss scale or FP8 scaling state is stored).")
     resized = set()
     for name, t in zip(names, targets):
-        have, want = tuple(stored[name].shape), tuple(t.shape)
+        have, want = tuple(stored[name]), tuple(t.shape)
         if have == want:
             continue
         differing = [d for d, (a, b) in enumerate(zip(have, want)) if a != b] if len(have) == len(want) else None
@@ -345,23 +378,27 @@ def _check_shapes(step_dir: Path, stored: dict, names: list[str], targets: list,
 
 
 def _restore(step_dir: Path, target: Any, cfg: Config, what: str) -> tuple[Any, str]:
-    """`target` (a pytree of ShapeDtypeStructs with shardings, named like the stored tree) read
-    from the checkpoint through Orbax; returns (tree, note on a vocabulary resize or '')."""
+    """`target` (a pytree of ShapeDtypeStructs at their logical shapes with shardings, named like the
+    stored tree) read from the checkpoint through Orbax, as a train state stores it (padded_shape);
+    returns (tree, note on a vocabulary resize or '')."""
     import orbax.checkpoint as ocp
     resize = check_vocabulary(step_dir, read_meta(step_dir).get("config", {}), cfg, what)
     stored, _ = stored_arrays(step_dir)
     names = leaf_names(target)
     leaves, treedef = jax.tree.flatten(target)
-    resized = _check_shapes(step_dir, stored, names, leaves, resize)
-    # strict=False lets Orbax crop or zero-pad the stored array to the target shape (only the
-    # vocabulary dim differs: checked above).
+    resized = _check_shapes(step_dir, logical_shapes(step_dir, stored), names, leaves, resize)
+    padded = [padded_struct(t) for t in leaves]
+    # strict=False lets Orbax crop or zero-pad the stored array to the target shape: only the
+    # vocabulary dim (checked above) or a stored padding (zeros, to this run's own) differ.
     args = [ocp.ArrayRestoreArgs(sharding=t.sharding, global_shape=tuple(t.shape), dtype=t.dtype,
-                                 strict=name not in resized) for name, t in zip(names, leaves)]
+                                 strict=name not in resized and tuple(stored[name].shape) == tuple(t.shape))
+            for name, t in zip(names, padded)]
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
     _drop_closed_loop_errors()
     try:
         restored = checkpointer.restore(_state_dir(step_dir), args=ocp.args.PyTreeRestore(
-            item=target, restore_args=jax.tree.unflatten(treedef, args), partial_restore=True))
+            item=jax.tree.unflatten(treedef, padded), restore_args=jax.tree.unflatten(treedef, args),
+            partial_restore=True))
     except Exception as e:
         if not _storage_error(e):
             raise
@@ -388,10 +425,16 @@ def restore_state(step_dir: Path, target: Any, cfg: Config) -> tuple[Any, str]:
 
 
 def restore_params(step_dir: Path, target_params: dict, cfg: Config) -> tuple[dict, str]:
-    """Only the parameters (fine-tuning with a fresh optimizer), laid out like `target_params`;
-    the same checks and note as restore_state."""
-    restored, note = _restore(step_dir, {"params": target_params}, cfg, "load")
-    return restored["params"], note
+    """Only the parameters (fine-tuning with a fresh optimizer, generation), laid out like
+    `target_params` (in its dtypes): the fp32 master copy where the checkpoint holds one (16-bit
+    parameters, master_prefix), else the parameters; the same checks and note as restore_state."""
+    prefix = master_prefix(stored_arrays(step_dir)[0])
+    if prefix is None:
+        restored, note = _restore(step_dir, {"params": target_params}, cfg, "load")
+        return restored["params"], note
+    index = int(prefix.split(".")[1])  # the optimizer state's part holding it
+    restored, note = _restore(step_dir, {"opt_state": [None] * index + [{"master": target_params}]}, cfg, "load")
+    return restored["opt_state"][index]["master"], note
 
 
 def restore_expert_bias(step_dir: Path, cfg: Config) -> np.ndarray | None:
@@ -456,17 +499,21 @@ class CheckpointSource:
     def __init__(self, path: str | Path, key: str = "--checkpoint", step: int | None = None,
                  prefix: str = "params."):
         """`prefix`: the stored subtree served (`opt_state.0.mu.`: Adam's first moments, named like
-        the parameters)."""
+        the parameters); the parameters (`params.`) are served from the fp32 master copy where the
+        checkpoint holds one (16-bit parameters, master_prefix)."""
         import orbax.checkpoint as ocp
         from etils import epath
         self.step_dir = require_step_dir(path, key, step)
         self.model = model_config_of(self.step_dir)
         self._arrays, use_zarr3 = stored_arrays(self.step_dir)
+        self._logical = logical_shapes(self.step_dir, self._arrays)  # a padded array's own (cropped)
+        params = prefix == PARAMS
+        if params:
+            prefix = master_prefix(self._arrays) or prefix
         self._prefix = prefix
         self._names = sorted(n[len(prefix):].replace(".", "/") for n in self._arrays if n.startswith(prefix))
         # The routers' expert bias: one stored array, served as the layers' and the MTP block's.
-        self._bias_rows = expert_bias_rows(self.model) if prefix == "params." and \
-            EXPERT_BIAS_STORED in self._arrays else {}
+        self._bias_rows = expert_bias_rows(self.model) if params and EXPERT_BIAS_STORED in self._arrays else {}
         self._names += list(self._bias_rows)
         self._context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
         self._parent = epath.Path(_state_dir(self.step_dir))
@@ -480,14 +527,15 @@ class CheckpointSource:
         return list(self._names)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(self._arrays[self._storage(name)].shape)
+        shape = self._logical[self._storage(name)]
         rows = self._bias_rows.get(name)
         return shape if rows is None else (len(rows),) + shape[1:]
 
     def _storage(self, name: str) -> str:
         key = EXPERT_BIAS_STORED if name in self._bias_rows else self._prefix + name.replace("/", ".")
         if key not in self._arrays:
-            what = "parameter " + name if self._prefix == "params." else self._prefix + name.replace("/", ".")
+            what = ("parameter " + name if self._prefix == PARAMS or MASTER.match(self._prefix)
+                    else self._prefix + name.replace("/", "."))
             raise CheckpointError(f"checkpoint {self.step_dir}: has no {what}.")
         return key
 
@@ -496,7 +544,7 @@ class CheckpointSource:
         if key not in self._arrays:
             return None
         try:
-            return np.asarray(self._store(key).read().result())
+            return np.asarray(self._cropped(key).read().result())
         except Exception as e:
             if not _storage_error(e):
                 raise
@@ -515,8 +563,14 @@ class CheckpointSource:
                 raise _read_failed(self.step_dir, e) from None
         return self._open[key]
 
+    def _cropped(self, key: str):
+        """The stored array `key` at its logical shape (a padded one's leading part)."""
+        store = self._store(key)
+        shape = self._logical[key]
+        return store if tuple(store.shape) == shape else store[tuple(slice(0, n) for n in shape)]
+
     def get(self, name: str, layer: int | None = None) -> np.ndarray:
-        store = self._store(self._storage(name))
+        store = self._cropped(self._storage(name))
         rows = self._bias_rows.get(name)
         if rows is not None:  # TensorStore keeps a slice's coordinates: index the stored array itself
             view = store[rows.start + layer] if layer is not None else store[rows.start:rows.stop]

@@ -46,7 +46,7 @@ class VocabResize:
         return None
 
     def describe(self, names: list[str]) -> str:
-        params = [n for n in names if n.startswith("params.")]
+        params = [n for n in names if n.startswith("params.") or ".master." in n]  # (or their fp32 copy)
         moments = " and their optimizer state" if len(names) > len(params) else ""
         return (f"checkpoint.resize_vocab: vocabulary changed from {self.stored:,} ids (data.tokenizer="
                 f"{self.stored_tokenizer!r}) to {self.vocab:,} (data.tokenizer={self.tokenizer!r}); "

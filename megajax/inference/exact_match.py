@@ -56,20 +56,22 @@ def _items(cfg) -> tuple[list[tuple[list[dict], str]], str]:
     return items, path
 
 
-def scored_model(m, state) -> tuple:
-    """(model config, parameters) a train state generates with: its own, or with model.lora the frozen
+def scored_model(m, state, params=None) -> tuple:
+    """(model config, parameters) a train state generates with (`params`: its parameters as generation
+    reads them, default state.params): its own, or with model.lora the frozen
     base with the adapters merged in (W + alpha / rank A B, megajax.checkpoint.lora.merge_adapters: what
     `megajax generate` runs on the run's checkpoint), a model without adapters. The merged kernels are a
     second copy of the adapted ones on the devices while the prompts are scored."""
+    params = state.params if params is None else params
     if m.lora is None:
-        return m, state.params
+        return m, params
     import dataclasses
     import numpy as np
     from megajax.checkpoint.lora import merge_adapters
     from megajax.checkpoint.source import flatten, unflatten
     from megajax.models.lora import is_adapter
     from megajax.models.trainable import join
-    trained = dict(flatten(state.params))
+    trained = dict(flatten(params))
     adapters = {k: np.asarray(jax.device_get(x), np.float32) for k, x in trained.items()
                 if is_adapter(tuple(k.split("/")))}
     base = join(state.frozen, unflatten({k: x for k, x in trained.items() if k not in adapters}))
@@ -89,7 +91,7 @@ def exact_match_hook(when: str) -> Callable:
         state = result.state if when == "after" else trainer.state
         items, path = _items(cfg)
         tok = trainer.tokenizer
-        model, params = scored_model(cfg.model, state)
+        model, params = scored_model(cfg.model, state, trainer.setup.model_params(state))
         generator = Generator(model, params, padded_vocab_size=trainer.plan.padded_vocab,
                               dtype=precision_policy(cfg).inference_dtype, mesh=trainer.mesh,
                               rules=trainer.rules.activations, eod_id=getattr(tok, "eod_id", None),

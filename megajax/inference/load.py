@@ -158,7 +158,7 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
     """Builds the mesh, reads the parameters into their shardings and returns a ready Generator."""
     from megajax.checkpoint.manager import restore_expert_bias, restore_params
     from megajax.inference.generate import Generator, generation_model
-    from megajax.mesh import mesh_from_sizes, tree_shardings
+    from megajax.mesh import even_sharding, mesh_from_sizes, tree_shardings
     from megajax.models.layout import split_expert_bias
     from megajax.precision.policy import precision_policy
     devices = list(devices if devices is not None else jax.devices())
@@ -166,7 +166,9 @@ def load_model(cfg: Config, source: Source, *, devices: list | None = None, user
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     dtype = precision_policy(plan.cfg).inference_dtype
     _, axes, abstract = generation_model(plan.model, plan.padded_vocab, dtype)
-    shardings = tree_shardings(mesh, axes, plan.rules.params)
+    # whole over an axis that does not divide a dim (a train state stores such a split padded)
+    shardings = jax.tree.map(lambda sh, a: even_sharding(sh, a.shape), tree_shardings(mesh, axes, plan.rules.params),
+                             abstract)
     if source.step_dir is not None:
         target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
         params, note = restore_params(source.step_dir, target, plan.cfg)

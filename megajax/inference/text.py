@@ -129,7 +129,7 @@ def training_sample(trainer, result, say: Callable[[str], None]) -> None:
             "(model.vision) yet; train.sample_tokens=0 leaves this line out.")
         return
     state = result.state
-    result.sample_prompt, result.sample, settings = end_of_training_sample(trainer, state.params,
+    result.sample_prompt, result.sample, settings = end_of_training_sample(trainer, trainer.setup.model_params(state),
                                                                            state.moe_expert_bias)
     say(f"megajax: sample from the trained model ({settings}):\n" + result.sample)
 

@@ -3,17 +3,19 @@
 The stacked blocks' parameters `[layers, ...]` are split over the `pipeline` mesh
 axis: stage s holds a consecutive run of layers/P of them, or, with V virtual
 stages (interleaved), V chunks of layers/(P V), chunk v of stage s being model
-chunk v P + s. The embedding, the final norm and the output layer are held by
-every stage (replicated over `pipeline`); the first stage runs the embedding and
-the last stage the final norm, output layer and loss. So do the stacks every stage
-holds whole (the `stack` logical axis): a dense-first model's dense layers run
-with the embedding, the multi-token prediction depths with the loss, a
-vision-language model's encoder with the embedding (its weights enter whole, the
-caller's gather; the images whole over `context`).
+chunk v P + s. The embedding, the final norm and the output layer enter every
+stage whole (the embedding and output layer gathered by the caller: the stages
+keep them split between steps, and `scatter` reduce-scatters their gradients
+back); the first stage runs the embedding and the last stage the final norm,
+output layer and loss. So do the stacks every stage holds whole (the `stack`
+logical axis): a dense-first model's dense layers run with the embedding, the
+multi-token prediction depths with the loss, a vision-language model's encoder
+with the embedding (its weights enter whole, the caller's gather; the images
+whole over `context`).
 
 A schedule is a table, built here in Python: for every tick t and stage s,
 which microbatch (and chunk) the stage runs forward and which it runs
-backward, and which stash slot holds the forward's input until its backward.
+backward, and which stash slot holds the forward's residuals until its backward.
 Every device runs the same program: one `shard_map` manual over every mesh
 axis, each device holding its own shards of the weights and of every
 microbatch, with tensor, sequence, context and expert parallelism written as
@@ -30,18 +32,24 @@ the activation to the next stage (forward) or the input cotangent to the
 previous stage (backward). Both transfers arrive exactly when the receiver's
 table asks for them, so nothing else crosses stages.
 
-The backward half recomputes its chunk's forward from the stashed input and
-takes its VJP (the stage iteration is rematerialised); the last stage's
-backward of a microbatch's last chunk also runs the output layer and the loss
-and starts the cotangent there, so the gradients of a whole step are computed
-by hand inside one scan, never by differentiating the scan. The schedules
-differ only in their tables:
+The forward half takes its chunk's VJP as it runs it and stashes the residuals
+(the activations the backward reads; megajax/parallel/stash.py leaves out those
+the weights alone determine, a weight's cast or concatenation, and recomputes
+them from the weights in the backward); the backward half puts the VJP back
+together from its stash slot and runs it. So nothing is recomputed but what
+`parallel.recompute` asks for (the model's own checkpoints: every layer's input
+kept with `full`, the attention core recomputed with `selective`), as without a
+pipeline. The last stage's last chunk also stashes its output; its backward half
+runs the output layer and the loss on it and starts the cotangent there, so the
+gradients of a whole step are computed by hand inside one scan, never by
+differentiating the scan. The schedules differ only in their tables:
 
 - gpipe: every forward, then every backward. Stash: all M microbatches.
 - 1f1b: the last stage runs a microbatch's backward the tick its forward ends,
   and each earlier stage one tick after the next one; in the steady state each
   tick runs one forward and one backward (Megatron's one-forward-one-backward),
-  and at most 2 (P - 1 - s) + 1 stage inputs are stashed on stage s, whatever M is.
+  and the residuals of at most 2 (P - 1 - s) + 1 microbatches are stashed on
+  stage s, whatever M is.
 - interleaved: V chunks per stage in Megatron's order (groups of P microbatches
   run chunk 0, 1, ..., V - 1 forward, and V - 1, ..., 0 backward); needs M a
   multiple of P; the last stage's output of chunk v goes round to the first
@@ -49,7 +57,8 @@ differ only in their tables:
 
 Gradients of the layers stay on their stage; those of the embedding and head
 (and of a tied embedding, used at both ends) are summed over `pipeline` once
-per step.
+per step (reduce-scattered onto the stages' shares where the caller keeps them
+split).
 """
 
 from __future__ import annotations
@@ -62,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from megajax.mesh import like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
+from megajax.mesh import entry_axes, like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
+from megajax.parallel.stash import split_vjp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
@@ -84,7 +94,7 @@ class Schedule:
     bwd_chunk: np.ndarray
     bwd_micro: np.ndarray
     bwd_slot: np.ndarray
-    stash: int  # stash slots per stage
+    stash: int  # stash slots per stage (the most any stage uses: each device's buffers have that many)
 
     @property
     def ticks(self) -> int:
@@ -101,8 +111,14 @@ class Schedule:
         work = self.virtual * self.microbatches * (f + b)
         return float(1.0 - work / wall)
 
+    @property
+    def head_stash(self) -> int:
+        """Slots for the last stage's chunk outputs waiting for the output layer and loss (its
+        backward half runs them): the slots the last stage uses (1 for 1F1B)."""
+        return int(self.fwd_slot[:, -1].max()) + 1
+
     def max_in_flight(self) -> int:
-        """The most stage inputs any stage holds stashed at once (what activation memory scales with)."""
+        """The most microbatches any stage holds residuals of at once (what activation memory scales with)."""
         return self.stash
 
 
@@ -202,7 +218,8 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
                        rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
                        data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
-                       token_axes: tuple[str, ...] = (), lockstep: bool = True) -> tuple[dict, dict, dict | None]:
+                       token_axes: tuple[str, ...] = (), lockstep: bool = True,
+                       scatter: dict | None = None) -> tuple[dict, dict, dict | None]:
     """(gradients of `seed` x the head's objective [+ `router_seed` x the router losses] w.r.t.
     `params`, the head's sums (its `loss` sum and whatever else it returns, summed over
     microbatches), the router sums or None) of one step's M microbatches through the pipeline.
@@ -232,11 +249,18 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
 
     `maxed`: a tree like `params` of bools; where True the "gradient" is combined with max instead
     of summed (over microbatches, stages and data shards): the FP8 scales, whose cotangents are
-    the amaxes the products saw (megajax/precision/fp8.py)."""
+    the amaxes the products saw (megajax/precision/fp8.py).
+
+    `scatter`: a tree like `params` of ints; a parameter outside the stacked layers with a dim d >= 0
+    there (the embedding's and output layer's vocabulary dim: kept split over `axis` between steps,
+    megajax.mesh.vocab_storage_axes) has its gradient reduce-scattered over the stages onto dim d
+    (returned split over `axis` there) instead of summed whole on every stage."""
     p, v = sched.stages, sched.virtual
     layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     maxed = jax.tree.map(lambda _: False, params) if maxed is None else maxed
     max_layers, max_other = maxed["layers"], {k: x for k, x in maxed.items() if k != "layers"}
+    scatter = jax.tree.map(lambda _: -1, params) if scatter is None else scatter
+    scatter_other = {k: x for k, x in scatter.items() if k != "layers"}
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     order = stage_order(num_layers, p, v)
     if order is not None:
@@ -244,7 +268,7 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     data_axes = tuple(data_axes)
     reduced = ((axis,) if p > 1 else ()) + data_axes
     loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes), lockstep,
-                      num_layers // (p * v), max_layers, max_other, grad_dtype, rng is not None)
+                      num_layers // (p * v), max_layers, max_other, scatter_other, grad_dtype, rng is not None)
 
     # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
     is_spec = lambda x: isinstance(x, P)
@@ -254,7 +278,12 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, param
     param_specs = jax.tree.map(lambda sp: P(*spec_without(sp, ones)), param_specs, is_leaf=is_spec)
     layer_in = param_specs["layers"]
     other_in = {k: x for k, x in param_specs.items() if k != "layers"}
-    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_in))
+    # A reduce-scattered gradient leaves split over `axis` on its dim (after the axes splitting it inside).
+    def scattered(sp, d):
+        entries = tuple(sp) + (None,) * (d + 1 - len(sp))
+        return sp if d < 0 else P(*(spec_entry((*entry_axes(e), axis)) if n == d else e for n, e in enumerate(entries)))
+    other_split = jax.tree.map(scattered, other_in, scatter_other, is_leaf=is_spec)
+    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_split))
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
     # [M, B, L] split over the sequence axes too; a vision-language model's images [M, B, N, H, W, 3]
     # whole over them (every context shard of a row runs the encoder on the row's images).
@@ -286,6 +315,12 @@ def _index(tree, i):
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
 
 
+def _aval_axes(aval) -> tuple:
+    """The manual mesh axes a traced value's abstract value varies over."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return tuple(getattr(mat, "varying", ()) if mat is not None else getattr(aval, "vma", ()))
+
+
 def _zeros(struct, axes=()):
     """Zeros of a ShapeDtypeStruct's shape and dtype, typed as varying over its manual axes and `axes`."""
     x = jnp.zeros(struct.shape, struct.dtype)
@@ -310,6 +345,7 @@ class _StageLoop:
     per: int  # layers per chunk
     max_layers: dict
     max_other: dict
+    scatter_other: dict  # per parameter outside the layers: the dim its gradient is reduce-scattered onto, or -1
     grad_dtype: object
     use_rng: bool
 
@@ -346,11 +382,15 @@ class _StageLoop:
         zero = self.vary(jnp.zeros((), jnp.float32))
         router0 = self.vary({"aux": zero, "z": zero, "dropped": zero,
                              "tokens": jnp.zeros((v, per, max(self.fns.experts, 1)), jnp.float32)})
-        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, g_layers0, g_other0, dev.zero_sums, router0)
-        (_, _, _, g_layers, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
+        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, dev.head_stash0, g_layers0, g_other0, dev.zero_sums, router0)
+        (*_, g_layers, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
         g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
-        g_other = jax.tree.map(lambda m, g: jax.lax.pmax(g, self.axis) if m else jax.lax.psum(g, self.axis),
-                               self.max_other, g_other)
+        def over_stages(m, d, g):
+            if m:
+                return jax.lax.pmax(g, self.axis)
+            return jax.lax.psum(g, self.axis) if d < 0 else jax.lax.psum_scatter(g, self.axis, scatter_dimension=d,
+                                                                                   tiled=True)
+        g_other = jax.tree.map(over_stages, self.max_other, self.scatter_other, g_other)
         if self.data_axes:  # each shard's sums, on a leading dim over the data axes
             g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
         # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
@@ -361,7 +401,8 @@ class _StageLoop:
 
 class _Device:
     """One device's view inside the stage loop: its stage index, its chunks' weights, the shared
-    parameters, its batch, and the two halves of a tick."""
+    parameters, its batch, the split of a chunk's VJP residuals (megajax/parallel/stash.py), and the
+    two halves of a tick."""
 
     def __init__(self, loop: _StageLoop, stage, chunks, other, batch, rng, seed, router_seed):
         self.loop, self.stage, self.chunks, self.other, self.batch = loop, stage, chunks, other, batch
@@ -376,7 +417,14 @@ class _Device:
         self.some_layers = jax.tree.map(lambda a: a[0], chunks)
         x = jax.eval_shape(lambda: self.embed(other, 0))  # typed as the embedding's output is
         self.zeros_x = _zeros(x, axes=loop.reduced)
-        self.stash0 = jnp.broadcast_to(self.zeros_x, (loop.sched.stash,) + x.shape)
+        self.split = split_vjp(self.chunk, *self.chunk_inputs(self.zeros_x, 0, 0))
+        n = self.split.out_tree.num_leaves
+        _, router = jax.tree.unflatten(self.split.out_tree, self.split.forward_jaxpr.out_avals[:n])
+        self.zero_router = jax.tree.map(lambda a: _zeros(a, _aval_axes(a)), router)
+        self.stash0 = [_zeros(jax.ShapeDtypeStruct((loop.sched.stash,) + a.shape, a.dtype), _aval_axes(a))
+                       for a in self.split.kept_avals]
+        # The last stage's last chunk's outputs wait for the output layer and loss (its backward half).
+        self.head_stash0 = jnp.broadcast_to(self.zeros_x, (loop.sched.head_stash,) + x.shape)
         sums = jax.eval_shape(lambda: self.head(other, self.zeros_x, 0)[1])
         self.zero_sums = jax.tree.map(lambda s: _zeros(s, loop.reduced).astype(jnp.float32), sums)
 
@@ -392,62 +440,67 @@ class _Device:
     def head(self, o, y, i):
         objective, sums = self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i),
                                              self.loop.data_sum)
-        if "router" in sums:  # a MoE block in the head: its sums over the stage's tokens, as run_chunk's
+        if "router" in sums:  # a MoE block in the head: its sums over the stage's tokens, as chunk's
             sums = {**sums, "router": self.loop.vary(jax.tree.map(self.loop.stage_sum, sums["router"]))}
         return objective, sums
 
-    def run_chunk(self, w, x, c, i):
-        """(y, router) of chunk c on microbatch i (router None for a dense model)."""
+    def chunk_inputs(self, x, c, i):
+        """((the chunk's weights, the shared parameters), (its input, microbatch i, i's layer dropout
+        key data, the chunk's first model layer)): the inputs of `chunk`, the first known to its
+        backward (the same for every microbatch), the others per microbatch."""
+        key = self.keys(i)[1]
+        key = None if key is None else jax.random.key_data(key)
         first_layer = (c * self.loop.sched.stages + self.stage) * self.loop.per
-        y, router = self.loop.fns.layers({**self.other, "layers": w}, x, _index(self.batch, i), self.keys(i)[1],
-                                         first_layer, self.loop.data_sum)
-        return y, None if router is None else jax.tree.map(self.loop.stage_sum, router)
+        # Typed alike whether c and i are the tables' entries or constants (the example inputs).
+        key, first_layer = self.loop.vary((key, jnp.asarray(first_layer, jnp.int32)))
+        return (_index(self.chunks, c), self.other), (x, _index(self.batch, i), key, first_layer)
 
-    def forward(self, t, fc, fm, fs, recv_x, stash):
-        """The forward half: this stage's input (the embedding on the first stage's first chunk,
-        else what the previous stage sent), stashed; the chunk's output for the next stage. The
-        last chunk of the last stage only stashes: its backward recomputes it with the loss.
+    def chunk(self, known, unknown):
+        """(outputs, VJP, router sums or {}) of a chunk of layers: the outputs are its activation y, or
+        for a mixture-of-experts model (y, its layers' router losses: part of the objective)."""
+        (w, other), (x, micro, key, first_layer) = known, unknown
+        key = None if key is None else jax.random.wrap_key_data(key)
 
-        In lockstep every device runs the parts some stage needs at tick t (the branches are
+        def run(w, x):
+            y, router = self.loop.fns.layers({**other, "layers": w}, x, micro, key, first_layer, self.loop.data_sum)
+            if router is None:
+                return y, {}
+            router = jax.tree.map(self.loop.stage_sum, router)
+            return (y, router["loss"]), {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
+
+        outs, vjp, sums = jax.vjp(run, w, x, has_aux=True)
+        return outs, vjp, sums
+
+    def forward(self, t, fc, fm, recv_x):
+        """The forward half: this stage's input (the embedding on the first stage's first chunk, else
+        what the previous stage sent) through its chunk: (the output, for the next stage or, from the
+        last stage's last chunk, for the loss; the chunk's router sums; the residuals its backward
+        keeps). In lockstep every device runs the parts some stage needs at tick t (the branches are
         taken alike on every device, so that every collective inside a chunk is joined by every
         device); a stage with no work of its own then computes on zeros, and its results are
         dropped."""
-        p, v = self.loop.sched.stages, self.loop.sched.virtual
-        busy, c, i = fc >= 0, jnp.maximum(fc, 0), jnp.maximum(fm, 0)
-        embedded = jax.lax.cond(self.flags[t, self.stage, 1], lambda: self.embed(self.other, i), lambda: self.zeros_x)
+        c, i = jnp.maximum(fc, 0), jnp.maximum(fm, 0)
+        embedded = jax.lax.cond(self.flags[t, self.stage, 1], scoped("embed", lambda: self.embed(self.other, i)),
+                                lambda: self.zeros_x)
         x = jnp.where((self.stage == 0) & (fc == 0), embedded, recv_x)
-        slot = jnp.maximum(fs, 0)
-        stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(busy, x, _index(stash, slot)), slot, 0)
-        y = jax.lax.cond(self.flags[t, self.stage, 2], lambda: self.run_chunk(_index(self.chunks, c), x, c, i)[0],
-                         lambda: self.zeros_x)
-        last = (self.stage == p - 1) & (fc == v - 1)
-        return jnp.where(busy & ~last, y, self.zeros_x), stash
+        with jax.named_scope(BRANCH_SCOPES["forward"]):
+            outs, sums, kept = self.split.forward(*self.chunk_inputs(x, c, i))
+        return (outs if self.loop.fns.experts == 0 else outs[0]), sums, kept
 
-    def chunk_vjp(self, x, bc, bm):
-        """(y, vjp of the chunk's objective from the output's cotangent, the chunk's router sums or None)."""
-        w = _index(self.chunks, bc)
-        if self.loop.fns.experts == 0:
-            y, vjp = jax.vjp(lambda w, x: self.run_chunk(w, x, bc, bm)[0], w, x)
-            return y, vjp, None
+    def idle_forward(self):
+        return self.zeros_x, self.zero_router, [_zeros(a, _aval_axes(a)) for a in self.split.kept_avals]
 
-        def objective(w, x):  # the chunk's router losses are part of the objective
-            y, router = self.run_chunk(w, x, bc, bm)
-            return (y, router["loss"]), {k: router[k] for k in ("aux", "z", "dropped", "tokens")}
-
-        (y, _), vjp, sums = jax.vjp(objective, w, x, has_aux=True)
-        return y, lambda g_y: vjp((g_y, self.router_seed)), sums
-
-    def backward(self, t, bc, bm, bs, recv_g, stash, acc):
-        """The backward half: recompute the chunk from its stashed input, take the cotangent of its
-        output (from the loss on the last chunk of the last stage, else from the next stage), and
-        pass the input's cotangent on (through the embedding on the first chunk of stage 0). Run
-        by every device as `forward` is, the results of a stage without a backward of its own
+    def backward(self, t, bc, bm, bs, recv_g, stash, head_stash, acc):
+        """The backward half: the cotangent of the chunk's output (from the loss on the last chunk of
+        the last stage, else from the next stage) through the chunk's VJP from its stashed residuals,
+        and the input's cotangent passed on (through the embedding on the first chunk of stage 0).
+        Run by every device as `forward` is, the results of a stage without a backward of its own
         dropped."""
         loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
-        g_layers, g_other, head_sums, router_sums = acc
-        busy, c, i = bc >= 0, jnp.maximum(bc, 0), jnp.maximum(bm, 0)
-        y, vjp, sums = self.chunk_vjp(_index(stash, jnp.maximum(bs, 0)), c, i)
+        g_layers, g_other = acc
+        c, i, slot = jnp.maximum(bc, 0), jnp.maximum(bm, 0), jnp.maximum(bs, 0)
         zero_other = jax.tree.map(jnp.zeros_like, g_other)
+        y = _index(head_stash, jnp.minimum(slot, loop.sched.head_stash - 1))
 
         def from_loss():
             objective, head_vjp, sums = jax.vjp(lambda o, y: self.head(o, y, i), self.other, y, has_aux=True)
@@ -455,57 +508,94 @@ class _Device:
                 g_o, g_y = head_vjp((self.seed.astype(objective[0].dtype), self.router_seed.astype(objective[1].dtype)))
             else:
                 g_o, g_y = head_vjp(self.seed.astype(objective.dtype))
+            g_o = jax.tree.map(lambda g, z: g.astype(z.dtype), g_o, zero_other)  # (of 16-bit weights)
             return jax.tree.map(lambda s: s.astype(jnp.float32), sums), g_o, g_y.astype(y.dtype)
 
-        sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 4], from_loss,
+        sums_i, g_head, g_y = jax.lax.cond(self.flags[t, self.stage, 3], scoped("head", from_loss),
                                            lambda: (self.zero_sums, zero_other, self.zeros_x))
         at_head = (self.stage == p - 1) & (bc == v - 1)
-        g_w, g_x = vjp(jnp.where(at_head, g_y, recv_g))
+        g_out = jnp.where(at_head, g_y, recv_g)
+        with jax.named_scope(BRANCH_SCOPES["backward"]):
+            vjp = self.split.backward((_index(self.chunks, c), self.other), [_index(s, slot) for s in stash])
+            g_w, g_x = vjp(g_out if loop.fns.experts == 0 else (g_out, self.router_seed))
 
         def into_embedding():
             _, embed_vjp = jax.vjp(lambda o: self.embed(o, i), self.other)
-            return embed_vjp(g_x)[0]
+            return jax.tree.map(lambda g, z: g.astype(z.dtype), embed_vjp(g_x)[0], zero_other)
 
-        g_embed = jax.lax.cond(self.flags[t, self.stage, 5], into_embedding, lambda: zero_other)
+        g_embed = jax.lax.cond(self.flags[t, self.stage, 4], scoped("embed_backward", into_embedding), lambda: zero_other)
+        busy = bc >= 0
         keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)
         g_other = _combine(loop.max_other, g_other, keep(at_head, g_head))
         g_other = _combine(loop.max_other, g_other, keep((self.stage == 0) & (bc == 0), g_embed))
         g_layers = jax.tree.map(
             lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(acc, _combine(m, _index(acc, c), g), c, 0),
             loop.max_layers, g_layers, keep(busy, g_w))
-        if sums is not None:
-            sums = keep(busy, sums)
-            tokens = router_sums["tokens"]
-            router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
-                "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, c) + sums["tokens"], c, 0)}
-        head_sums = jax.tree.map(lambda acc, s: acc + jnp.where(at_head, s, 0.0), head_sums, sums_i)
-        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other, head_sums, router_sums)
+        head_sums = jax.tree.map(lambda s: jnp.where(at_head, s, 0.0), sums_i)
+        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other), head_sums
 
     def tick(self, carry, t):
-        loop = self.loop
-        recv_x, recv_g, stash, g_layers, g_other, head_sums, router_sums = carry
+        loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
+        recv_x, recv_g, stash, head_stash, g_layers, g_other, head_sums, router_sums = carry
         fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
-        send_x, stash = jax.lax.cond(self.flags[t, self.stage, 0], lambda st: self.forward(t, fc, fm, fs, recv_x, st),
-                                     lambda st: (self.zeros_x, st), stash)
-        send_g, (g_layers, g_other, head_sums, router_sums) = jax.lax.cond(
-            self.flags[t, self.stage, 3], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, acc),
-            lambda acc: (self.zeros_x, acc), (g_layers, g_other, head_sums, router_sums))
+        y, sums, kept = jax.lax.cond(self.flags[t, self.stage, 0], lambda: self.forward(t, fc, fm, recv_x),
+                                     self.idle_forward)
+        # Stash what the forward kept (in slot fs of every residual's buffer), and the last stage's
+        # last chunk's output for its loss; a stage without a forward of its own writes nothing.
+        busy, slot = fc >= 0, jnp.maximum(fs, 0)
+        write = lambda buf, x, on: jax.lax.dynamic_update_index_in_dim(buf, jnp.where(on, x, _index(buf, slot)), slot, 0)
+        stash = [write(buf, x, busy) for buf, x in zip(stash, kept)]
+        last = (self.stage == p - 1) & (fc == v - 1)
+        head_stash = write(head_stash, y, busy & last)
+        send_x = jnp.where(busy & ~last, y, self.zeros_x)
+        if sums:
+            tokens = router_sums["tokens"]
+            sums = jax.tree.map(lambda s: jnp.where(busy, s, jnp.zeros_like(s)), sums)
+            router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
+                "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, jnp.maximum(fc, 0)) + sums["tokens"],
+                                                              jnp.maximum(fc, 0), 0)}
+        send_g, (g_layers, g_other), sums_i = jax.lax.cond(
+            self.flags[t, self.stage, 2], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, head_stash, acc),
+            lambda acc: (self.zeros_x, acc, self.zero_sums), (g_layers, g_other))
+        head_sums = jax.tree.map(lambda a, s: a + s, head_sums, sums_i)
         if loop.sched.stages > 1:
             recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
             recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
-        return (recv_x, recv_g, stash, g_layers, g_other, head_sums, router_sums), None
+        return (recv_x, recv_g, stash, head_stash, g_layers, g_other, head_sums, router_sums), None
+
+
+# The named scope of each branch's work (branch_flags' order): what the compiled program's
+# operations are tagged with, so that a product can be told by the branch it runs in (megajax bench
+# counts each branch's matrix FLOPs as often as the tables run it).
+BRANCH_SCOPES = {"forward": "stage_forward", "embed": "stage_embed", "backward": "stage_backward",
+                 "head": "stage_head", "embed_backward": "stage_embed_backward"}
+
+
+def scoped(branch: str, fn: Callable) -> Callable:
+    """`fn` traced in its branch's named scope."""
+    def run(*args):
+        with jax.named_scope(BRANCH_SCOPES[branch]):
+            return fn(*args)
+    return run
+
+
+def branch_runs(sc: Schedule, lockstep: bool) -> dict[str, np.ndarray]:
+    """How many ticks each stage runs each branch in a step: {branch: [stages] ints}. With `lockstep`,
+    what the devices execute (every branch some stage runs, on zeros where the stage has no work of
+    its own); without, each stage's own work."""
+    flags = branch_flags(sc, lockstep)
+    return {name: flags[:, :, k].sum(axis=0) for k, name in enumerate(BRANCH_SCOPES)}
 
 
 def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:
-    """[ticks, stages, 6] bools: at tick t, does stage s run a forward half, the embedding, a chunk
-    forward (not the last stage's last chunk, which its backward runs), a backward half, the
-    output layer and loss, the embedding's backward. `lockstep`: every stage runs what some stage
-    runs (the flags of each tick the same on every device)."""
+    """[ticks, stages, 5] bools: at tick t, does stage s run a forward half (a chunk's forward), the
+    embedding, a backward half (a chunk's backward from its stash), the output layer and loss, the
+    embedding's backward. `lockstep`: every stage runs what some stage runs (the flags of each tick
+    the same on every device)."""
     p, v = sc.stages, sc.virtual
     stage = np.arange(p)[None, :]
     fwd, bwd = sc.fwd_chunk >= 0, sc.bwd_chunk >= 0
-    chunk = fwd & ~((stage == p - 1) & (sc.fwd_chunk == v - 1))
-    flags = np.stack([fwd, (stage == 0) & (sc.fwd_chunk == 0), chunk, bwd,
+    flags = np.stack([fwd, (stage == 0) & (sc.fwd_chunk == 0), bwd,
                       (stage == p - 1) & (sc.bwd_chunk == v - 1), (stage == 0) & (sc.bwd_chunk == 0)], axis=-1)
     if lockstep:
         flags = np.broadcast_to(flags.any(axis=1, keepdims=True), flags.shape)

@@ -1,7 +1,9 @@
 """Analytic memory and communication for a layout, to read the compiled figures against.
 
-Memory per device: parameters (fp32 master), gradients (fp32), optimizer
-state (Adam's two moments, fp32) for the shardings the rules tables give;
+Memory per device: parameters (in precision.param_dtype: the compute dtype or
+fp32), gradients (fp32), optimizer state (Adam's two moments, fp32, and the fp32
+master copy of 16-bit parameters) for the shardings the rules tables give (a
+data-parallel split that does not divide a dim counted padded);
 activations per layer from Korthikanti et al. ("Reducing Activation
 Recomputation in Large Transformer Models"), which count 16-bit activations:
 
@@ -9,6 +11,7 @@ Recomputation in Large Transformer Models"), which count 16-bit activations:
     tensor t:           s*b*h * (10 + 24/t + 5*a*s/(h*t))
     tensor t + SP:      s*b*h/t * (34 + 5*a*s/h)
     selective:          drops the 5*a*s/h term (attention scores, softmax, dropout)
+    fused attention:    (flash, cuDNN) 2*a/h in its place (the fp32 log-sum-exp per head)
     full:               2*s*b*h (/t with SP), the layer input only
 
 Multi-latent attention replaces the attention's 11 s*b*h by its own q/k/v widths
@@ -40,7 +43,9 @@ gradient shard once (and once more over `context` without a pipeline, where
 XLA reduces over it separately); FSDP all-gathers the parameters and
 reduce-scatters the gradients over `fsdp` (then all-reduces the 1/fsdp shard
 over `data`); the distributed optimizer reduce-scatters the gradients and
-all-gathers the updated parameters over `data`.
+all-gathers the updated parameters over `data`. Parameters are gathered in
+their dtype (16-bit with precision.param_dtype=compute: half the fp32 bytes;
+on CPU XLA gathers them as fp32), gradients reduced in fp32.
 
 Mixture of experts over `expert` (ep ranks; with parallel.expert_tensor_parallel=1, MoE parallel
 folding, over expert x context x tensor, a device dispatching 1 / tensor of its tokens and, under
@@ -48,7 +53,8 @@ sequence parallelism, the MoE layers' tensor all-gathers and reduce-scatters gon
 tokens x top-k rows of h to the experts' devices and back, forward and
 backward, in fixed buffers with one slot per device (dropless: room for every
 assignment, so ep x the rows; capacity mode: the experts' capacity): 4
-all-to-alls of the buffer per layer and microbatch. The allgather dispatcher
+all-to-alls of the buffer per layer and microbatch; parallel.moe_all_to_all=ragged
+moves the assignments' rows only (ragged_all_to_all), each once. The allgather dispatcher
 (the default on CPU) gathers the expert group's ep x s*b*h tokens (and their
 routes and weights) and reduce-scatters the fp32 outputs forward, the reverse
 backward. The other parameters'
@@ -62,22 +68,27 @@ megajax/train/step.py) reduces its gradients once per microbatch, except
 through pipeline stages (once per step, after the stage loop).
 
 Pipeline parallelism over P stages (V chunks each): a device runs its stage's
-chunk of layers/(P V) layers in each tick's forward half and again (recomputed)
-with its backward in the backward half; the compiled loop counts both halves in
+chunk of layers/(P V) layers in each tick's forward half and its backward
+(from the residuals the forward stashed; the forward again only with
+recompute=full) in the backward half; the compiled loop counts both halves in
 every tick (the HLO does not say which ticks take a half's branch), and the
 figures count them the same way. Each tick sends an activation and a cotangent
-(collective-permute); the embedding and output layer's gradients (held by
-every stage) are all-reduced over `pipeline` (a vision-language model's encoder,
-kept split over `pipeline` between steps, is all-gathered before the loop), and the interleaved schedule
+(collective-permute); what one stage alone runs but the stages keep split
+between steps (the embedding and output layer, a vision-language model's
+encoder) is all-gathered over `pipeline` before the loop; the embedding's and
+output layer's gradients are reduce-scattered back over `pipeline`, the other
+shared parameters' (final norm, encoder) all-reduced; the interleaved schedule
 moves the layers into its chunk order and their gradients back once per step.
-Layer activations: the stages recompute a chunk's forward in its backward, so a
-device holds its stashed stage inputs (s*b*h each; the schedule's stash:
-M for GPipe, at most 2 V P - 1 for 1F1B and interleaved, whatever M) and one
-chunk's layer activations at a time.
+Layer activations: a device holds in its stash the residuals of each in-flight
+microbatch's chunk (layers/(P V) layers' activations, as above for the
+recompute policy; the schedule's stash slots: M for GPipe, at most 2 V P - 1 for
+1F1B and interleaved, whatever M), and the last stage's chunk outputs waiting
+for the loss (s*b*h each; 1 slot for 1F1B).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -102,28 +113,68 @@ def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
     return n
 
 
+def shard_numel(shape: tuple[int, ...], names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
+    """Elements of one device's shard of a tensor the rules split: each dim's split rounded up (a
+    data-parallel split that does not divide a dim is stored padded, megajax/mesh.py PADDED_AXES)."""
+    spec = tuple(logical_to_spec(names, rules))
+    spec += (None,) * (len(shape) - len(spec))
+    return math.prod(-(-n // math.prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ())))
+                     for n, e in zip(shape, spec))
+
+
 def state_bytes(axes: dict, abstract_params: dict, rules_params: Rules, rules_opt: Rules,
-                sizes: dict[str, int], frozen=None) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients and Adam state (all fp32); `frozen` (a predicate over
-    parameter names, megajax.models.trainable.frozen_in_state) names parameters without Adam state."""
+                sizes: dict[str, int], frozen=None, policy=None) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients and optimizer state (Adam's two fp32 moments and,
+    where the parameters are 16-bit, the fp32 master copy): the parameters in policy.param_dtype and
+    the gradients in policy.grad_dtype (`policy`: megajax.precision.policy's; None: all in the
+    dtypes of `abstract_params`, no copy); `frozen` (a predicate over parameter names,
+    megajax.models.trainable.frozen_in_state) names parameters without Adam moments.
+
+    In bf16 with the copy that is Megatron's 2 + 4 + 12 / d bytes per parameter with the distributed
+    optimizer over d data-parallel ranks (18 without it); with fp32 parameters 4 + 4 + 8 / d (16)."""
     shapes = dict(flatten(abstract_params))
-    params = opt = 0
+    params = grads = opt = 0
     for name, names in flatten(axes):
-        numel = math.prod(shapes[name].shape)
+        shape = shapes[name].shape
         itemsize = jax.numpy.dtype(shapes[name].dtype).itemsize
-        params += numel // shard_factor(names, rules_params, sizes) * itemsize
+        local, sharded = shard_numel(shape, names, rules_params, sizes), shard_numel(shape, names, rules_opt, sizes)
+        params += local * (itemsize if policy is None else policy.param_dtype.itemsize)
+        grads += local * (itemsize if policy is None else policy.grad_dtype.itemsize)
         if frozen is None or not frozen(name):
-            opt += 2 * numel // shard_factor(names, rules_opt, sizes) * itemsize
-    return {"params": params, "grads": params, "optimizer": opt}
+            opt += 2 * sharded * itemsize
+        if policy is not None and policy.master_dtype is not None:
+            opt += sharded * policy.master_dtype.itemsize
+    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 def activation_bytes(plan: RunPlan) -> int:
-    """Korthikanti's per-device activation memory for all layers of one microbatch."""
+    """Korthikanti's per-device activation memory for all layers of one microbatch (through pipeline
+    stages: the stash, pipeline_stash_bytes)."""
+    if plan.pipeline is not None:
+        return pipeline_stash_bytes(plan)
+    cfg, sizes = plan.cfg, plan.sizes
+    m, t = cfg.model, sizes["tensor"]
+    s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size
+    sp = cfg.parallel.sequence_parallel and t > 1
+    scale = precision_policy(cfg).activation_bytes / 2
+    # Each multi-token prediction depth: a layer, plus its two norms' inputs and the concatenated
+    # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
+    full = cfg.parallel.recompute == "full"
+    per_layer = layer_activation_bytes(plan)
+    mtp = m.mtp_num_layers * (per_layer + (0 if full else 8 * s * b * h / (t if sp else 1) * scale))
+    return int(per_layer * m.num_layers + mtp)
+
+
+def layer_activation_bytes(plan: RunPlan) -> float:
+    """Korthikanti's activation bytes one layer keeps for its backward, per device and microbatch, for
+    the recompute policy (a hybrid's: the mean over its pattern), in the compute dtype."""
     cfg, sizes = plan.cfg, plan.sizes
     m, t = cfg.model, sizes["tensor"]
     s, b, h, a = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size, m.num_heads
     sp = cfg.parallel.sequence_parallel and t > 1
-    attn = 5 * a * s / h
+    # The scores, softmax and its dropout mask (5 a s / h) where they are materialised (attention_impl
+    # xla); a fused kernel (flash, cuDNN) keeps the softmax's fp32 log-sum-exp per head instead.
+    attn = 5 * a * s / h if m.attention_impl == "xla" else 2 * a / h
     policy = cfg.parallel.recompute
     if policy == "full":
         per_layer = 2 * s * b * h / (t if sp else 1)
@@ -136,16 +187,7 @@ def activation_bytes(plan: RunPlan) -> int:
     if m.hybrid_layer_pattern:  # the mean over the pattern's one-mixer layers
         pattern = m.hybrid_pattern()
         per_layer = sum(hybrid_layer_bytes(kind, m, s, b, t, sp, policy) for kind in pattern) / len(pattern)
-    scale = precision_policy(cfg).activation_bytes / 2
-    pipe = plan.pipeline
-    if pipe is not None:
-        chunks = pipe.stages * pipe.virtual_stages
-        stash = pipeline_stash(plan)
-        return int((per_layer * m.num_layers / chunks + stash * s * b * h / (t if sp else 1)) * scale)
-    # Each multi-token prediction depth: a layer, plus its two norms' inputs and the concatenated
-    # [2h] input of its projection (8 bytes per hidden feature at 16 bits).
-    mtp = m.mtp_num_layers * (per_layer + (0 if policy == "full" else 8 * s * b * h / (t if sp else 1)))
-    return int((per_layer * m.num_layers + mtp) * scale)
+    return per_layer * precision_policy(cfg).activation_bytes / 2
 
 
 def vision_activation_bytes(plan: RunPlan) -> int:
@@ -183,7 +225,8 @@ def hybrid_layer_bytes(kind: str, m, s: float, b: int, t: int, sp: bool, policy:
         else:
             inner = 2 * (2 * d + 2 * gn + heads) + 8 * (d + 2 * gn) + 4 * heads + 4 * m.mamba_num_groups * q + states + 10 * d
         return s * b * (2 * h / (t if sp else 1) + inner / t)
-    attn = 0 if policy == "selective" else 5 * m.num_heads * s / h
+    fused = m.attention_impl != "xla"  # a fused kernel keeps the log-sum-exp, not the scores
+    attn = 0 if policy == "selective" else (2 if fused else 5 * s) * m.num_heads / h
     core = 11 + attn if kind == "*" else 19
     if sp:
         return s * b * h * (2 + core) / t
@@ -203,13 +246,37 @@ def mla_attention_delta(m, t: int) -> float:
     return sharded / t + latent
 
 
+@functools.lru_cache(maxsize=4096)
+def schedule_of(schedule: str, stages: int, microbatches: int, virtual: int):
+    """The pipeline schedule of that shape, built once (a plan estimates many layouts of each)."""
+    return build_schedule(schedule, stages, microbatches, virtual)
+
+
 def pipeline_stash(plan: RunPlan) -> int:
-    """Stage inputs a device keeps for its backward (the plan's schedule's stash slots; 0 without a
-    pipeline)."""
+    """Microbatches a device keeps the residuals of for its backward (the plan's schedule's stash
+    slots; 0 without a pipeline)."""
     c = plan.pipeline
     if c is None:
         return 0
-    return build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
+    return schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
+
+
+def pipeline_stash_bytes(plan: RunPlan) -> int:
+    """A device's pipeline stash (0 without a pipeline): per slot one chunk's layer activations
+    (layer_activation_bytes per layer), and the
+    last stage's chunk outputs waiting for the loss (s*b*h each, the schedule's head_stash slots);
+    every device holds buffers of the most slots any stage uses."""
+    c = plan.pipeline
+    if c is None:
+        return 0
+    cfg, sizes = plan.cfg, plan.sizes
+    per_layer = layer_activation_bytes(plan)
+    t = sizes["tensor"]
+    sp = cfg.parallel.sequence_parallel and t > 1
+    sc = schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages)
+    s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, cfg.model.hidden_size
+    output = s * b * h / (t if sp else 1) * precision_policy(cfg).activation_bytes
+    return int(sc.stash * per_layer * cfg.model.num_layers / (c.stages * c.virtual_stages) + sc.head_stash * output)
 
 
 def logits_bytes(plan: RunPlan) -> int:
@@ -222,8 +289,8 @@ def logits_bytes(plan: RunPlan) -> int:
 
 def _passes(plan: RunPlan) -> dict[str, float]:
     """How often per step a device runs each kind of pass: `fwd` / `bwd` layer passes (layers x
-    microbatches; in a pipeline, its stage's chunk per tick, the backward half also recomputing the
-    forward), `extra` the forward passes full recompute adds in the backward, `moe_*` the same for
+    microbatches; in a pipeline, its stage's chunk per tick in each half), `extra` the forward passes
+    full recompute adds in the backward, `moe_*` the same for
     the MoE layers, `micro` the embedding / output layer / loss passes, `ticks` the stage loop's
     ticks (0 without a pipeline). A pipeline counts both halves in every tick, as the compiled
     program's loop does (the HLO does not say which ticks take a half's branch)."""
@@ -235,11 +302,11 @@ def _passes(plan: RunPlan) -> dict[str, float]:
         layers, moe = a * m.num_layers, a * m.num_router_layers()
         return {"fwd": layers, "bwd": layers, "extra": layers if full else 0, "moe_fwd": moe, "moe_bwd": moe,
                 "moe_extra": a * m.num_moe_layers() if full else 0, "micro": a, "ticks": 0}
-    ticks = build_schedule(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
+    ticks = schedule_of(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
     chunks = pipe.stages * pipe.virtual_stages
     c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
-    return {"fwd": 2 * ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
-            "moe_fwd": 2 * ticks * c_moe + ticks * head_moe, "moe_bwd": ticks * (c_moe + head_moe),
+    return {"fwd": ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
+            "moe_fwd": ticks * (c_moe + head_moe), "moe_bwd": ticks * (c_moe + head_moe),
             "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
 
 
@@ -248,16 +315,20 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu",
-                        lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[str, int]:
+                        lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
+                        stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0) -> dict[str, int]:
     """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
     `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's; `stage_gathered_param_bytes`: the part
-    of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's). On
+    of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's;
+    `stage_scattered_param_bytes`: the part whose gradient is reduce-scattered back, stage_scattered_param_bytes's;
+    `stage_tensor_reduced_bytes`: stage_tensor_reduced_bytes's). On
     `platform` cpu, XLA runs 16-bit floating point arithmetic in fp32, its collectives included."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
                                            stage_shared_param_bytes, platform, lora_tensor_reduced_bytes,
-                                           stage_gathered_param_bytes).items():
+                                           stage_gathered_param_bytes, stage_scattered_param_bytes,
+                                           stage_tensor_reduced_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
@@ -265,13 +336,15 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
 def communication_by_axis(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                           stage_shared_param_bytes: int = 0, platform: str = "gpu",
                           lora_tensor_reduced_bytes: int = 0,
-                          stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], int]:
+                          stage_gathered_param_bytes: int = 0, stage_scattered_param_bytes: int = 0,
+                          stage_tensor_reduced_bytes: int = 0) -> dict[tuple[str, str], int]:
     """communication_bytes split by (kind, mesh axis it runs over): the figures `megajax plan` times
     over each axis's links. The data-parallel reduction of a layout with a pipeline and `context`
     runs over both axes; it is counted under `data`."""
     return {k: int(v) for k, v in _communication(plan, local_param_bytes, expert_param_bytes,
                                                  stage_shared_param_bytes, platform,
-                                                 lora_tensor_reduced_bytes, stage_gathered_param_bytes).items()}
+                                                 lora_tensor_reduced_bytes, stage_gathered_param_bytes,
+                                                 stage_scattered_param_bytes, stage_tensor_reduced_bytes).items()}
 
 
 TENSOR_SPLIT = ("heads", "kv_heads", "mlp", "ssm_groups", "vocab")  # the logical dims tensor parallelism splits
@@ -299,6 +372,24 @@ def lora_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: R
     return total
 
 
+def stage_tensor_reduced_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int]) -> int:
+    """Bytes of the stacked layers' parameters whole on every tensor rank (norm scales, a MoE router; not
+    the LoRA adapters, lora_tensor_reduced_bytes's) a device holds: inside pipeline stages, under
+    sequence parallelism, the backward of each chunk all-reduces their gradients over `tensor`
+    (their inputs are sequence shards; megajax/parallel/pipeline.py `_StageLoop.vary`)."""
+    from megajax.models.lora import is_adapter
+    shapes = dict(flatten(abstract_params))
+    no_data = {**sizes, "data": 1, "fsdp": 1}
+    total = 0
+    for path, names in flatten(axes):
+        if "layers" not in names or is_adapter(tuple(path.split("/"))) or \
+                "tensor" in spec_axes(logical_to_spec(names, rules_params)):
+            continue
+        x = shapes[path]
+        total += math.prod(x.shape) * jax.numpy.dtype(x.dtype).itemsize // shard_factor(names, rules_params, no_data)
+    return total
+
+
 def _lora_linears(m) -> tuple[float, float]:
     """(column-parallel, row-parallel) linears with a LoRA adapter per layer, averaged over the layers
     (a hybrid's over its pattern; a MoE layer's MLP adapters are its shared expert's)."""
@@ -319,7 +410,9 @@ def _lora_linears(m) -> tuple[float, float]:
 
 def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int,
                    stage_shared_param_bytes: int, platform: str,
-                   lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0) -> dict[tuple[str, str], float]:
+                   lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
+                   stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0,
+                   ) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -332,10 +425,15 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     pipe = plan.pipeline
     if pipe is not None:  # each tick sends an activation forward and a cotangent back
         out["collective-permute", "pipeline"] += 2 * n["ticks"] * bsh / (t if sp else 1)
-        out["all-reduce", "pipeline"] += stage_shared_param_bytes
-        out["all-gather", "pipeline"] += stage_gathered_param_bytes  # a vision-language model's encoder
-        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
-            out["collective-permute", "pipeline"] += 2 * (local_param_bytes - stage_shared_param_bytes)
+        # The embedding's and output layer's gradients reduce-scattered onto the stages' shares, the
+        # others' all-reduced; what is kept split between steps gathered (the ends, an encoder).
+        out["all-reduce", "pipeline"] += stage_shared_param_bytes - stage_scattered_param_bytes
+        out["reduce-scatter", "pipeline"] += stage_scattered_param_bytes
+        out["all-gather", "pipeline"] += stage_gathered_param_bytes
+        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order (in their own dtype) and
+            # their gradients (fp32) back
+            moved = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
+            out["collective-permute", "pipeline"] += (1 + moved) * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
         # Per layer 2 products reduce forward and 2 backward (Megatron's f/g); full recompute reruns
         # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
@@ -354,6 +452,8 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
             out["all-reduce", "tensor"] += (r * n["fwd"] + r * n["bwd"] + rerun * n["extra"] + 2 * n["micro"]
                                             + shared) * bsh
         out["all-reduce", "tensor"] += n["micro"] * 3 * tokens * 4  # vocabulary-parallel cross-entropy
+        if pipe is not None and sp:  # each tick's backward: its chunk's tensor-replicated weights' gradients
+            out["all-reduce", "tensor"] += n["ticks"] * stage_tensor_reduced_bytes / pipe.virtual_stages
         if m.lora is not None:
             # Per adapted linear and layer pass one [tokens, rank] activation crosses the tensor ranks
             # (models/lora.py): beside a row-parallel linear the row product's reduction forward (and
@@ -418,20 +518,27 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         rows = (tokens * m.moe_router_topk if m.moe_expert_capacity_factor is None else
                 ep * math.ceil(tokens * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
                 * m.num_experts / ep)
-        buffer = (ep if m.moe_expert_capacity_factor is None else 1) * rows * m.hidden_size * act
+        # (parallel.moe_all_to_all=ragged: only the assignments' own rows move, each once)
+        padded = m.moe_expert_capacity_factor is None and cfg.parallel.moe_all_to_all == "padded"
+        buffer = (ep if padded else 1) * rows * m.hidden_size * act
         out["all-to-all", "expert"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
     # Data-parallel reductions: once per step (after the accumulation or the stage loop), or per
-    # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py).
+    # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py); of
+    # the reduce-scattered ends' gradients a device reduces its stage's share.
+    reduced = local_param_bytes - stage_scattered_param_bytes * (1 - 1 / sizes["pipeline"])
     m_dropout = m.hidden_dropout > 0 or m.attention_dropout > 0
     reductions = plan.batch.accumulation if (m.num_experts or m_dropout) and pipe is None else 1
     fsdp, data = sizes["fsdp"], sizes["data"]
     # The other parameters' gradients are reduced over `expert` too (after the stage loop, in the
     # same reduction as over the data axes when there is one).
     if m.num_experts and ep > 1 and data * (1 if pipe is None else cp) == 1:
-        out["all-reduce", "expert"] += reductions * (local_param_bytes - expert_param_bytes)
-    shard = local_param_bytes * reductions
+        out["all-reduce", "expert"] += reductions * (reduced - expert_param_bytes)
+    shard = reduced * reductions
+    # The parameters are gathered in their own dtype (precision.param_dtype; local_param_bytes counts
+    # fp32), the gradients reduced in fp32; on CPU XLA gathers 16-bit values as fp32.
+    gathered = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
     if fsdp > 1:  # ZeRO-3: gather the parameters, reduce-scatter the gradients
-        out["all-gather", "fsdp"] += shard
+        out["all-gather", "fsdp"] += shard * gathered
         out["reduce-scatter", "fsdp"] += shard
         shard = shard / fsdp
     if cp > 1 and pipe is None:  # gradients reduced over `context` per microbatch (a separate all-reduce)
@@ -439,7 +546,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     if data > 1 or (cp > 1 and pipe is not None):
         if cfg.parallel.distributed_optimizer:  # ZeRO-1: reduce-scatter gradients, all-gather updated params
             out["reduce-scatter", "data"] += shard
-            out["all-gather", "data"] += shard
+            out["all-gather", "data"] += shard * gathered
         else:
             out["all-reduce", "data"] += shard
     return dict(out)
@@ -483,6 +590,16 @@ def stage_gathered_param_bytes(axes: dict, abstract_params: dict, rules_params: 
     return _shard_bytes(axes, abstract_params, rules_params, sizes, kept_split) if sizes.get("pipeline", 1) > 1 else 0
 
 
+def stage_scattered_param_bytes(axes: dict, abstract_params: dict, rules_params: Rules,
+                                sizes: dict[str, int]) -> int:
+    """The part of stage_gathered_param_bytes whose gradient the stages reduce-scatter onto their shares
+    (the embedding and output layer: a vocabulary dim kept split over `pipeline`,
+    megajax.mesh.vocab_storage_axes); the data-parallel reduction then reduces 1 / stages of it."""
+    if sizes.get("pipeline", 1) == 1 or "pipeline" not in rules_params["vocab"]:
+        return 0
+    return _shard_bytes(axes, abstract_params, rules_params, sizes, lambda names: "vocab" in names)
+
+
 def _shard_bytes(axes: dict, abstract_params: dict, rules_params: Rules, sizes: dict[str, int], keep) -> int:
     """Bytes of a device's shard outside the data axes of the parameters whose logical dims `keep`
     accepts, those outside the stacked layers whole over `pipeline`."""
@@ -512,7 +629,7 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
     est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
-                         frozen_in_state(plan.cfg.model)),
+                         frozen_in_state(plan.cfg.model), precision_policy(plan.cfg)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
     if getattr(spec, "frozen_axes", None) is not None:  # model.lora: the frozen base, no gradient, no Adam state
@@ -530,14 +647,13 @@ ADAM_BYTES_PER_PARAM_BYTE = 7 / 2  # per byte of Adam state (two fp32 moments): 
 def _layer_passes(plan: RunPlan) -> tuple[float, float, float]:
     """(layer forward passes, backward passes, microbatches) a device does useful work on in a step:
     its layers (layers / pipeline stages) per microbatch; the forward again where it is recomputed
-    (recompute=full, and a pipeline's backward half, which recomputes its chunk from the stashed
-    input); the output layer and loss once per microbatch (a pipeline's last stage, spread over the
+    (recompute=full, with or without a pipeline); the output layer and loss once per microbatch (a pipeline's last stage, spread over the
     stages). A pipeline's bubble is the caller's (the schedule's idle halves)."""
     m, pipe = plan.cfg.model, plan.pipeline
     stages = plan.sizes["pipeline"]
     micro = pipe.microbatches if pipe is not None else plan.batch.accumulation
     layers = micro * m.num_layers / stages
-    recompute = plan.cfg.parallel.recompute == "full" or pipe is not None
+    recompute = plan.cfg.parallel.recompute == "full"
     return layers * (2 if recompute else 1), layers, micro / stages
 
 
@@ -550,7 +666,7 @@ def elementwise_bytes(plan: RunPlan, platform: str = "gpu") -> float:
     over its top-k experts' rows plus the dispatch's copies of h in and out and the router's softmax;
     each split over tensor. The backward reads and writes twice what the forward does. Per
     microbatch the loss's softmax over the logits (3 passes forward, 3 backward, the vocabulary split
-    over tensor). At the compute dtype's bytes (fp32 on CPU)."""
+    over tensor). At the compute dtype's bytes (fp32 on CPU); plus FP8's casts (fp8_cast_bytes)."""
     cfg, sizes = plan.cfg, plan.sizes
     m, t = cfg.model, sizes["tensor"]
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -573,7 +689,35 @@ def elementwise_bytes(plan: RunPlan, platform: str = "gpu") -> float:
     fwd, bwd, micro = _layer_passes(plan)
     logits = 6 * plan.padded_vocab / t * (1 + m.mtp_num_layers)
     act = 4 if platform == "cpu" else precision_policy(cfg).activation_bytes
-    return tokens * act * ((fwd + 2 * bwd) * layer + micro * logits)
+    return tokens * act * ((fwd + 2 * bwd) * layer + micro * logits) + fp8_cast_bytes(plan, platform)
+
+
+def fp8_cast_bytes(plan: RunPlan, platform: str = "gpu") -> float:
+    """Bytes FP8's casts read and write in a step (0 without FP8, and on CPU): per FP8 product and
+    token, the input's amax and cast (read 16 bits, write 8), the output gradient's the same backward,
+    and the transposed FP8 copies of both the kernel's gradient takes (Hopper's FP8 products want both
+    operands K-major): 5 (K + N) bytes; per kernel its cast and transposed copy, 5 bytes per weight,
+    once per step (the same for every microbatch). The layers' linear products (q, k, v, o, the MLP's;
+    a MoE layer's experts over their top-k rows), split over tensor."""
+    cfg, sizes = plan.cfg, plan.sizes
+    if cfg.train.precision != "fp8" or platform == "cpu":
+        return 0.0
+    m, t = cfg.model, sizes["tensor"]
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    up = (2 if m.activation == "swiglu" else 1) * f
+    widths = (h + (q + 2 * kv) / t) + (q / t + h) + (h + up / t) + (f / t + h)  # K + N of qkv, o, fc1, fc2
+    weights = (h * (q + 2 * kv) + q * h + h * up + f * h) / t
+    if m.num_experts:
+        k, ef = m.moe_router_topk, m.moe_ffn_hidden_size or f
+        eup = (2 if m.activation == "swiglu" else 1) * ef
+        share = m.num_moe_layers() / m.num_layers
+        widths += share * (k * (2 * h + (eup + ef) / t) - (2 * h + (up + f) / t))
+        weights += share * (m.num_experts / sizes["expert"] * (h * eup + ef * h) - (h * up + f * h)) / t
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
+    _, layer_passes, _ = _layer_passes(plan)  # a device's layers x microbatches
+    # (the kernels' casts are the same for every microbatch: once per step, hoisted out of the loop)
+    return 5.0 * (layer_passes * tokens * widths + m.num_layers / sizes["pipeline"] * weights)
 
 
 def optimizer_bytes(optimizer_state_bytes: int) -> float:

@@ -31,17 +31,19 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from megajax import host_allocator
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
-from megajax.parallel.pipeline import build_schedule
+from megajax.parallel.pipeline import BRANCH_SCOPES, branch_runs, build_schedule
 from megajax.mesh import mesh_text
 from megajax.perf import analytic, hlo
 from megajax.perf.fit import GIB, advice, compiled_bytes, device_capacity_bytes
@@ -71,6 +73,8 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    scattered = analytic.stage_scattered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    replicated = analytic.stage_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     if plan.cfg.model.lora and "experts" in plan.cfg.model.lora.target_names():
         # The experts' adapters are merged into the frozen expert kernels in the step: XLA reduces the
         # merged kernels' gradient over the data axes (before its products with A and B, whose
@@ -80,7 +84,8 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     sp = plan.cfg.parallel.sequence_parallel and sizes["tensor"] > 1
     lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
             if plan.cfg.model.lora else 0)
-    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered)
+    expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered,
+                                            scattered, replicated)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
@@ -93,6 +98,34 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     out["total"] = {"count": count, "bytes": nbytes, "analytic_bytes": ref,
                     "ratio": (nbytes / ref) if ref else (None if nbytes == 0 else math.inf)}
     return out
+
+
+def matmul_table(plan: RunPlan, compiled, model_flops: float) -> dict[str, Any]:
+    """Matrix FLOPs per device per step read from the compiled program (megajax/perf/hlo.py: every
+    product, loops by their trip counts), beside the model's (`model_flops`: the MFU convention, 6 x
+    matmul parameters + attention per token, no recompute; per device). Through pipeline stages a
+    product inside a branch of the stage loop counts as often as the schedule runs that branch,
+    averaged over the stages: `flops` what the devices execute (in lockstep, on zeros too where a
+    stage has no work of its own), `own_flops` each stage's own work."""
+    ops = hlo.matmuls(compiled.as_text())
+    flops = own = 0.0
+    if plan.pipeline is None:
+        flops = own = float(sum(m.flops * m.count for m in ops))
+    else:
+        c = plan.pipeline
+        sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
+        runs, own_runs = branch_runs(sc, analytic.pipeline_lockstep(plan)), branch_runs(sc, False)
+        for m in ops:
+            branch = next((b for b, scope in BRANCH_SCOPES.items()
+                           if re.search(rf"(?<!\w){scope}(?!\w)", m.op_name)), None)
+            if branch is None:  # outside the stage loop's branches: as counted
+                flops, own = flops + m.flops * m.count, own + m.flops * m.count
+                continue
+            per_run = m.flops * m.count / sc.ticks  # the branch is counted once per tick of the loop
+            flops += per_run * float(np.mean(runs[branch]))
+            own += per_run * float(np.mean(own_runs[branch]))
+    return {"flops": flops, "own_flops": own, "model_flops": model_flops,
+            "ratio": own / model_flops if model_flops else None}
 
 
 def memory_table(plan: RunPlan, compiled, spec, device) -> dict[str, Any]:
@@ -234,13 +267,15 @@ def bench_one(cfg: Config, steps: int = 10, warmup: int = 2, baseline: str | Non
         "mfu": tflops / peak if peak and not math.isnan(peak) else None,
         "memory": memory_table(plan, step_fn, setup.spec, device),
         "communication": communication_table(plan, step_fn, setup.spec),
+        "matmuls": matmul_table(plan, step_fn, setup.flops_per_step / n_dev),
     }
     if plan.pipeline is not None:
         c = plan.pipeline
         sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
         report["pipeline"] = {"schedule": sc.name, "stages": sc.stages, "virtual_stages": sc.virtual,
                               "microbatches": sc.microbatches, "ticks": sc.ticks,
-                              "bubble_fraction": sc.bubble_fraction, "stashed_stage_inputs": sc.stash}
+                              "bubble_fraction": sc.bubble_fraction, "stash_slots": sc.stash,
+                              "stash_bytes_analytic": analytic.pipeline_stash_bytes(plan)}
     if base is not None:
         base["tokens_per_sec"] = tokens / base["step_seconds"]["median"]
         base["megajax_over_baseline"] = tps / base["tokens_per_sec"]
@@ -293,6 +328,16 @@ def _mib(x) -> str:
     return "-" if x is None else f"{x / 2**20:.2f}"
 
 
+def _matmul_line(mm: dict[str, Any]) -> str:
+    """The compiled step's matrix FLOPs per device against the model's (no recompute)."""
+    line = f"matmuls    {mm['own_flops'] / 1e9:,.3f} GFLOP per device per step in the compiled program"
+    if mm["flops"] != mm["own_flops"]:
+        line += f" ({mm['flops'] / 1e9:,.3f} executed, the stages in lockstep)"
+    if mm["ratio"]:
+        line += f"; {mm['ratio']:.3f} x the model's {mm['model_flops'] / 1e9:,.3f} (6 N + attention, no recompute)"
+    return line
+
+
 def format_report(r: dict[str, Any]) -> str:
     lay, mod, t = r["layout"], r["model"], r["step_seconds"]
     mesh = mesh_text(lay["mesh"])
@@ -308,7 +353,8 @@ def format_report(r: dict[str, Any]) -> str:
         *([f"pipeline   {r['pipeline']['schedule']}, {r['pipeline']['stages']} stages x "
            f"{r['pipeline']['virtual_stages']} chunks, {r['pipeline']['microbatches']} microbatches in "
            f"{r['pipeline']['ticks']} ticks; bubble {100 * r['pipeline']['bubble_fraction']:.1f}%; "
-           f"{r['pipeline']['stashed_stage_inputs']} stage inputs stashed per device"] if "pipeline" in r else []),
+           f"the residuals of {r['pipeline']['stash_slots']} microbatches stashed per device "
+           f"({readable_bytes(r['pipeline']['stash_bytes_analytic'])} analytic)"] if "pipeline" in r else []),
         f"compile    {r['compile_seconds']:.2f} s",
         f"step       median {t['median'] * 1e3:.1f} ms (min {t['min'] * 1e3:.1f}, p90 {t['p90'] * 1e3:.1f}, "
         f"max {t['max'] * 1e3:.1f}; {t['n']} steps)",
@@ -319,6 +365,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{readable_rate(r['tflops_per_device'] * 1e12)} per device"
         + (f"; MFU {readable_percent(r['mfu'])} of a {readable_rate(r['peak_tflops'] * 1e12)} peak "
            f"({r['peak_source']})" if r["mfu"] else ""),
+        *([_matmul_line(r["matmuls"])] if "matmuls" in r else []),
     ]
     mem = r["memory"]
     c, a = mem["compiled"] or {}, mem["analytic"]

@@ -4,19 +4,23 @@
 
 says which dtype each kind of tensor has and what runs in FP8:
 
-    train.precision   params  compute  gradients  reduction  loss scaling  FP8 products
-    fp32              fp32    fp32     fp32       fp32       none          none
-    bf16              fp32    bf16     fp32       fp32       none          none
-    fp16              fp32    fp16     fp32       fp32       dynamic       none
-    fp8               fp32    bf16     fp32       fp32       none          qkv, out projection, fc1, fc2
-                                                                           (+ output layer if asked)
+    train.precision   params  master  compute  gradients  reduction  loss scaling  FP8 products
+    fp32              fp32    -       fp32     fp32       fp32       none          none
+    bf16              bf16    fp32    bf16     fp32       fp32       none          none
+    fp16              fp16    fp32    fp16     fp32       fp32       dynamic       none
+    fp8               bf16    fp32    bf16     fp32       fp32       none          qkv, out projection, fc1, fc2
+                                                                                   (+ output layer if asked)
 
-Parameters are fp32 master weights, cast to the compute dtype where they are used; gradients
-(with respect to the fp32 parameters) are fp32, and so is their data-parallel reduction. With
-fp8 the linear layers' products take float8 operands (e4m3 inputs and weights, e5m2 output
-gradients: Megatron's "hybrid" format; the fnuz types on ROCm) and produce bf16; everything
-else (embedding, norms, attention core, softmax, loss) stays bf16/fp32. Code asks the policy,
-never compares precision names.
+With precision.param_dtype `compute` (the default) the train state holds the parameters in the
+compute dtype, as Megatron's 16-bit model does, and the optimizer an fp32 master copy of them
+(Megatron's main params; megajax/train/optimizer.py), which it updates and casts back; with `fp32`
+the parameters are fp32 and there is no copy (then cast to the compute dtype where they are used).
+The forward pass sees the same values either way (the compute-dtype rounding of the fp32 values).
+Gradients are fp32 (cast from the compute dtype as each microbatch's come out), and so is their
+data-parallel reduction. With fp8 the linear layers' products take float8 operands (e4m3 inputs
+and weights, e5m2 output gradients: Megatron's "hybrid" format; the fnuz types on ROCm) and
+produce bf16; everything else (embedding, norms, attention core, softmax, loss) stays bf16/fp32.
+Code asks the policy, never compares precision names.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ class Fp8Policy:
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
     name: str                   # train.precision
-    param_dtype: np.dtype       # master weights and optimizer state
+    param_dtype: np.dtype       # the train state's parameters (precision.param_dtype)
+    master_dtype: np.dtype | None  # the optimizer's master copy of them (None: the parameters are it)
     compute_dtype: np.dtype     # activations and the products not in FP8
     grad_dtype: np.dtype        # gradients as accumulated over microbatches
     reduction_dtype: np.dtype   # data-parallel gradient reduction
@@ -86,8 +91,10 @@ class PrecisionPolicy:
 _COMPUTE = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16, "fp8": jnp.bfloat16}
 
 
-def make_policy(precision: str, fp8: PrecisionConfig | None = None, matmul_impl: str = "xla") -> PrecisionPolicy:
-    """The policy of `precision` (one of PRECISIONS); `fp8` and `matmul_impl` are read for fp8."""
+def make_policy(precision: str, fp8: PrecisionConfig | None = None, matmul_impl: str = "xla",
+                param_dtype: str = "compute") -> PrecisionPolicy:
+    """The policy of `precision` (one of PRECISIONS); `fp8` and `matmul_impl` are read for fp8;
+    `param_dtype`: precision.param_dtype."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision={precision!r}: accepted {PRECISIONS}")
     f32 = np.dtype(jnp.float32)
@@ -97,11 +104,13 @@ def make_policy(precision: str, fp8: PrecisionConfig | None = None, matmul_impl:
         fp8_policy = Fp8Policy(recipe=p.fp8_recipe, amax_history_len=p.fp8_amax_history_len, margin=p.fp8_margin,
                                impl=matmul_impl,
                                products=FP8_PRODUCTS + (("output_layer",) if p.fp8_output_layer else ()))
-    return PrecisionPolicy(name=precision, param_dtype=f32, compute_dtype=np.dtype(_COMPUTE[precision]),
-                           grad_dtype=f32, reduction_dtype=f32,
+    compute = np.dtype(_COMPUTE[precision])
+    params = compute if param_dtype == "compute" else f32
+    return PrecisionPolicy(name=precision, param_dtype=params, master_dtype=None if params == f32 else f32,
+                           compute_dtype=compute, grad_dtype=f32, reduction_dtype=f32,
                            loss_scaling="dynamic" if precision == "fp16" else "none", fp8=fp8_policy)
 
 
 def precision_policy(cfg: Config) -> PrecisionPolicy:
     """The policy of a run's config (train.precision, precision.*, model.matmul_impl)."""
-    return make_policy(cfg.train.precision, cfg.precision, cfg.model.matmul_impl)
+    return make_policy(cfg.train.precision, cfg.precision, cfg.model.matmul_impl, cfg.precision.param_dtype)

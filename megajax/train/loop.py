@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from megajax import host_allocator
-from megajax.checkpoint.manager import Checkpointer, read_meta
+from megajax.checkpoint.manager import LOGICAL_SHAPES, Checkpointer, read_meta
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.errors import TrainingError
@@ -197,6 +197,9 @@ class Saves:
             return
         meta = {"step": step, "consumed_samples": consumed, "config": self.cfg.to_dict(),
                 "mesh": mesh_sizes(self.tr.mesh), "padded_vocab_size": self.tr.plan.padded_vocab}
+        padded = self.tr.setup.padding_record()  # arrays stored padded (their data-parallel split)
+        if padded:
+            meta[LOGICAL_SHAPES] = padded
         if state.frozen is not None:  # model.lora: the adapters and their optimizer state, and where the base is
             meta["lora_base"] = self.tr.lora_base
             state = state.replace(frozen=None)

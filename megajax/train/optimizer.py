@@ -13,12 +13,16 @@
 - global-norm clipping is done in the train step, not with
   `optax.clip_by_global_norm`: Megatron scales by max_norm / (norm + 1e-6)
   (optax by max_norm / norm), and the step reports the pre-clip norm, as
-  Megatron logs it.
+  Megatron logs it;
+- parameters held in a 16-bit dtype (precision.param_dtype=compute) get an fp32
+  master copy (Megatron's main params), the last part of the optimizer state
+  (`MasterParams`, split like the moments): AdamW updates the copy, and the
+  parameters become its rounding (`apply_update`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -65,8 +69,44 @@ def trainable_mask(frozen: Callable[[str], bool]) -> Callable[[dict], dict]:
     return mask
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int,
-                   frozen: Callable[[str], bool] | None = None) -> optax.GradientTransformationExtraArgs:
+class MasterParams(NamedTuple):
+    """The fp32 master copy of parameters held in a 16-bit dtype: the optimizer state's last part."""
+    master: optax.Params
+
+
+def with_master_params(tx: optax.GradientTransformationExtraArgs) -> optax.GradientTransformationExtraArgs:
+    """`tx` on an fp32 master copy of the parameters: the state is (*tx's state, MasterParams), `init`
+    takes the fp32 parameters (the model's initialisation), and `update` returns the updates of the
+    master, which the new state already holds (the parameters then take its rounding: apply_update)."""
+    def init(params):
+        return (*tx.init(params), MasterParams(params))
+
+    def update(updates, state, params=None, **extra):
+        *inner, copy = state
+        updates, inner = tx.update(updates, tuple(inner), copy.master, **extra)
+        return updates, (*inner, MasterParams(optax.apply_updates(copy.master, updates)))
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def master_of(opt_state) -> dict | None:
+    """The fp32 master parameters an optimizer state holds (with_master_params), or None."""
+    last = opt_state[-1] if isinstance(opt_state, tuple) and opt_state else None
+    return last.master if isinstance(last, MasterParams) else None
+
+
+def apply_update(tx: optax.GradientTransformation, grads, opt_state, params, **extra):
+    """(new parameters, new optimizer state) of one update: params + updates, or, with a master copy,
+    the new master rounded to the parameters' dtypes."""
+    updates, new_opt = tx.update(grads, opt_state, params, **extra)
+    master = master_of(new_opt)
+    if master is None:
+        return optax.apply_updates(params, updates), new_opt
+    return jax.tree.map(lambda m, p: m.astype(p.dtype), master, params), new_opt
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int, frozen: Callable[[str], bool] | None = None,
+                   master_params: bool = False) -> optax.GradientTransformationExtraArgs:
     """AdamW; with `frozen` (a predicate over parameter paths, e.g. model.vision.freeze's) AdamW runs on
     the other parameters alone (optax.masked: the frozen ones have no moments), and the frozen ones'
     updates are zero.
@@ -75,7 +115,10 @@ def make_optimizer(cfg: OptimConfig, total_steps: int,
     (lr_schedule's value at this update's count, which the train step computes anyway): the same
     numbers, but the schedule's scalar arithmetic is then one input of the update rather than a copy
     in each parameter's update loop, where XLA's fusion puts it (the tiny hybrid's 32 parameters:
-    32 copies). Without it the schedule is evaluated from the state's count."""
+    32 copies). Without it the schedule is evaluated from the state's count.
+
+    `master_params`: the parameters are held in a 16-bit dtype, and AdamW runs on an fp32 master copy
+    of them (with_master_params)."""
     def build(schedule: optax.Schedule) -> optax.GradientTransformation:
         # State layout: (ScaleByAdamState, masked decay state, ScaleByScheduleState).
         adamw = optax.adamw(schedule, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
@@ -92,7 +135,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int,
         tx = scheduled if learning_rate is None else build(lambda count: learning_rate)
         return tx.update(updates, state, params)
 
-    return optax.GradientTransformationExtraArgs(scheduled.init, update)
+    tx = optax.GradientTransformationExtraArgs(scheduled.init, update)
+    return with_master_params(tx) if master_params else tx
 
 
 def update_count(opt_state) -> jax.Array:

@@ -67,6 +67,12 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
     gathered = set(rules.params["embed"]) | {"data"}  # the FSDP / data-parallel copies, gathered per step
     stage_specs = jax.tree.map(lambda s: P(*spec_without(s, gathered)), param_specs)
+    # The embedding and output layer, kept split over the stages between steps (vocab_storage_axes),
+    # enter the stages whole; their gradients leave reduce-scattered onto the stages' shares (`vocab_dims`).
+    stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, {stage_axis})), v)
+                    for k, v in stage_specs.items() if k not in STACK_NAMES}
+    vocab_dims = ({path: names.index("vocab") for path, names in flatten_dict(join(spec.frozen_axes, spec.axes)).items()
+                   if "vocab" in names} if stage_axis in rules.params["vocab"] else {})
     if m.vision is not None:  # the encoder and projector run whole on the first stage (their tensor and pipeline splits gathered)
         encoder = gathered | set(rules.params["vision_heads"]) | set(rules.params["vision_mlp"])
         stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, encoder)), param_specs[k])
@@ -87,12 +93,13 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
                                                 m.num_moe_layers())
         if grouped:  # the stages split the groups [MoE layer, dense layers]
             tree, maxed, specs = (group_stacks(t, m.moe_layer_freq) for t in (tree, maxed, specs))
+        scatter = unflatten_dict({k: vocab_dims.get(k, -1) for k in flatten_dict(tree)})
         with activation_sharding(mesh, rules.activations):
             grads, head_sums, router = schedule_gradients(
                 fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
                 inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
                 router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes,
-                token_axes=token_axes, lockstep=lockstep)
+                token_axes=token_axes, lockstep=lockstep, scatter=scatter)
         flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
         amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
         flat.pop(EXPERT_BIAS_PATH, None)

@@ -21,24 +21,25 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megajax.checkpoint.manager import (find_step_dir, read_meta, require_step_dir, restore_expert_bias,
-                                       restore_params, restore_state, set_aside_newer, verify_step)
+from megajax.checkpoint.manager import (find_step_dir, leaf_names, read_meta, require_step_dir, restore_expert_bias,
+                                       restore_params, set_aside_newer, verify_step)
 from megajax.checkpoint.lora_base import base_reference, verified_base  # noqa: F401  (base_reference: re-exported)
 from megajax.checkpoint.stored_model import is_hf_load, is_megatron_load
 from megajax.compile_cache import CompileWatch
 from megajax.config import Config
 from megajax.data.loader import Loader, batch_keys, build_run_datasets, sample_loss_mask
 from megajax.errors import CheckpointError, ConfigError
-from megajax.mesh import ShardingRules, load_balanced_order, mesh_from_sizes
+from megajax.mesh import ShardingRules, even_sharding, load_balanced_order, mesh_from_sizes, padded_struct
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
 from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
+from megajax.train.master import load_target, restore_resume, with_params
 from megajax.train.optimizer import lr_schedule, make_optimizer
 from megajax.train.resume_changes import refuse_lora_changes
 from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
-                                 make_init_fn, state_shardings)
+                                 make_init_fn, pad_state, place, state_shardings, unpad_state)
 from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
 
 
@@ -74,13 +75,43 @@ class Setup:
         """Model FLOPs of one step (megajax/train/flops.py's convention)."""
         return train_flops_per_token(self.plan.model, self.batch.seq_len, self.plan.padded_vocab) * self.batch.tokens
 
-    def target(self) -> TrainState:
-        """The state as ShapeDtypeStructs carrying their shardings (what restores read into)."""
+    def logical_target(self) -> TrainState:
+        """The state at its logical shapes, as ShapeDtypeStructs carrying their shardings (what restores
+        and loads read into: they return it as stored, `target`)."""
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
                             self.abstract_state, self.state_shardings)
 
+    def target(self) -> TrainState:
+        """The state as stored between steps (what the train step takes): logical_target with the dims
+        split over the data-parallel axes padded where their split does not divide them
+        (megajax/mesh.py PADDED_AXES)."""
+        return jax.tree.map(padded_struct, self.logical_target())
+
+    def padded(self) -> bool:
+        """Whether any array of the state is stored padded."""
+        return any(a.shape != b.shape for a, b in zip(jax.tree.leaves(self.logical_target()),
+                                                      jax.tree.leaves(self.target())))
+
+    def padding_record(self) -> dict[str, list[int]]:
+        """{Orbax storage name: logical shape} of the stored state's padded arrays (a checkpoint's
+        metadata, `logical_shapes`: readers crop them; the frozen base of adapters is not saved)."""
+        logical, stored = self.logical_target().replace(frozen=None), self.target().replace(frozen=None)
+        return {name: list(a.shape) for name, a, b in zip(leaf_names(logical), jax.tree.leaves(logical),
+                                                           jax.tree.leaves(stored)) if a.shape != b.shape}
+
     def fresh_state(self) -> TrainState:
-        return jax.jit(self.init, out_shardings=self.state_shardings)()
+        logical = self.logical_target()
+        return jax.jit(lambda: pad_state(self.init(), logical), out_shardings=self.state_shardings)()
+
+    def model_params(self, state: TrainState) -> dict:
+        """The parameters of a stored state at their logical shapes, for generation on the run's mesh:
+        as they are where nothing is padded, else the padded ones resharded whole over the axes that
+        do not divide them (megajax/mesh.py even_sharding)."""
+        logical = self.logical_target().params
+        if not self.padded():
+            return state.params
+        even = jax.tree.map(lambda t: even_sharding(t.sharding, t.shape), logical)
+        return jax.jit(lambda p: unpad_state(p, logical), out_shardings=even)(state.params)
 
     def image_batch_shardings(self) -> dict[str, NamedSharding]:
         """The shardings of a vision-language model's image-text batch: the text's and `images`
@@ -102,13 +133,16 @@ class Setup:
         step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules,
                                self.plan.pipeline)
         halt = not (cfg.train.skip_nonfinite or precision_policy(cfg).dynamic_loss_scale)
+        logical = self.logical_target()
 
-        def guarded(state, batch, ok):
+        def guarded(stored, batch, ok):
+            state = unpad_state(stored, logical)  # the step sees logical shapes (padded between steps)
             new, metrics = step(state, batch, ok)  # parameters and optimizer state: kept unless ok
             accept = ok & ~metrics["skipped"] if halt else ok
             kept = dict(params=None, opt_state=None, frozen=None)
             rest = jax.tree.map(lambda n, o: jnp.where(accept, n, o), new.replace(**kept), state.replace(**kept))
-            return rest.replace(params=new.params, opt_state=new.opt_state, frozen=state.frozen), metrics, accept
+            rest = rest.replace(params=new.params, opt_state=new.opt_state)
+            return pad_state(rest, logical.replace(frozen=None)).replace(frozen=stored.frozen), metrics, accept
 
         replicated = NamedSharding(self.mesh, P())
         metric_sh = {k: replicated for k in metric_keys(cfg)}
@@ -123,7 +157,13 @@ class Setup:
         """jit of (params, batch, fp8 scaling state or None, expert bias or None, frozen parameters or
         None) -> (sum of token losses, tokens); `images` as train_step's."""
         batch_sh = self.image_batch_shardings() if images else self.batch_shardings
-        return jax.jit(make_eval_step(self.spec, self.mesh, self.rules, self.cfg),
+        evaluate, logical = make_eval_step(self.spec, self.mesh, self.rules, self.cfg), self.logical_target()
+
+        def stored_eval(params, batch, fp8, expert_bias, frozen):  # the stored parameters (padded)
+            frozen = None if frozen is None else unpad_state(frozen, logical.frozen)
+            return evaluate(unpad_state(params, logical.params), batch, fp8, expert_bias, frozen)
+
+        return jax.jit(stored_eval,
                        in_shardings=(self.state_shardings.params, batch_sh, self.state_shardings.fp8,
                                      self.state_shardings.moe_expert_bias, self.state_shardings.frozen))
 
@@ -150,10 +190,11 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     check_kernel_platform(cfg.model.attention_impl, devices[0].platform)
     mesh = mesh_from_sizes(plan.ici, plan.dcn, devices)
     spec, init_params = build_model_spec(cfg, plan.padded_vocab, mesh=mesh, rules=plan.rules)
-    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_in_state(cfg.model))
+    policy = precision_policy(cfg)
+    tx = make_optimizer(cfg.optim, cfg.train.steps, frozen_in_state(cfg.model), policy.master_dtype is not None)
     scaler = loss_scaler(cfg)
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
-                        lambda: initial_expert_bias(cfg.model), spec.split)
+                        lambda: initial_expert_bias(cfg.model), spec.split, policy.param_dtype)
     abstract = jax.eval_shape(init)
     return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
@@ -217,7 +258,7 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     given (fine-tuning). Resuming from a step older than the run's newest moves the newer steps aside
     (set_aside_newer), so the run saves its own steps in their place."""
     cfg = setup.cfg
-    target = setup.target()
+    target = setup.logical_target()  # restores and loads return it as stored (padded)
     step = cfg.checkpoint.step
     resume = find_step_dir(Path(cfg.train.run_dir) / "checkpoints", step)
     if resume is not None:
@@ -225,7 +266,7 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         refuse_lora_changes(meta.get("config", {}), cfg.model, resume)  # before a restore would drop adapters
         if setup.spec.frozen_axes is not None:
             _same_base(cfg, meta.get("lora_base") or {}, resume)
-        state, note = restore_state(resume, target.replace(frozen=None), cfg)
+        state, note = restore_resume(resume, target, setup.state_shardings, cfg)  # (with or without a master copy)
         if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
             frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
             state = state.replace(frozen=frozen)
@@ -267,8 +308,8 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
             f"optimizer state fresh"), None
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
-        params, note = restore_params(source, target.params, cfg)
-        state = setup.fresh_state().replace(params=params)
+        params, note = restore_params(source, load_target(target), cfg)
+        state = with_params(setup.fresh_state(), params, target, setup.state_shardings)
         bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
         if bias is not None:
             state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
@@ -303,14 +344,14 @@ def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) 
         init = setup.init if ref["seed"] == cfg.train.seed else make_init_fn(
             build_model_spec(cfg, setup.plan.padded_vocab, mesh=setup.mesh, rules=setup.plan.rules,
                              seed=ref["seed"])[1], setup.tx, setup.scaler, ref["seed"], split=setup.spec.split)
-        frozen = jax.jit(lambda: init().frozen, out_shardings=setup.state_shardings.frozen)()
+        frozen = jax.jit(lambda: pad_state(init().frozen, target.frozen), out_shardings=setup.state_shardings.frozen)()
         return frozen, ref
     path = Path(ref["path"])
     if ref["format"] == "megatron":
         from megajax.checkpoint.megatron import import_megatron
         from megajax.models.layout import split_expert_bias
         params, _ = split_expert_bias(import_megatron(str(path), trust=cfg.checkpoint.trust_load)[1])
-        frozen = jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), params, target.frozen)
+        frozen = jax.tree.map(place, params, target.frozen)
         return frozen, ref
     if ref["format"] == "hf":
         from flax import traverse_util
@@ -330,10 +371,11 @@ def _hf_state(setup: Setup, target: TrainState, load: str) -> TrainState:
     from flax import traverse_util
     from megajax.checkpoint.hf import open_hf
     from megajax.checkpoint.hf_stream import hf_expert_bias, stream_hf
-    like = traverse_util.flatten_dict(target.params, sep="/")
+    like = traverse_util.flatten_dict(load_target(target), sep="/")
     with open_hf(load) as hf:
         state = setup.fresh_state().replace(params=None)  # its initial parameters freed before the reads
-        state = state.replace(params=traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"))
+        state = with_params(state, traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"), target,
+                            setup.state_shardings)
         bias = hf_expert_bias(hf)
     if bias is not None and target.moe_expert_bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
@@ -371,10 +413,10 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
             listed = "; ".join(f"{n}: the run expects {w}, the checkpoint has {g}" for n, w, g in mismatched[:4])
             raise CheckpointError(f"checkpoint.load = {load!r}: the Megatron checkpoint's {what} do not fit this "
                                   f"run's model ({listed or 'another set of tensors'}).")
-        return jax.tree.map(lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding), tree, like)
+        return jax.tree.map(place, tree, like)
 
-    state = setup.fresh_state()
-    state = state.replace(params=placed(params, target.params, "tensors"))
+    state = with_params(setup.fresh_state(), placed(params, load_target(target), "tensors"), target,
+                        setup.state_shardings)
     if bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(np.asarray(bias, np.float32),
                                                              setup.state_shardings.moe_expert_bias))
@@ -384,11 +426,12 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
     def count(c):
         return jax.device_put(np.asarray(adam["count"], c.dtype), c.sharding)
     opt = []
-    for part in state.opt_state:  # optax adamw: (Adam's moments and count, weight decay, the schedule's count)
+    # optax adamw: (Adam's moments and count, weight decay, the schedule's count)
+    for part, like in zip(state.opt_state, target.opt_state):
         fields = getattr(part, "_fields", ())
         if "mu" in fields:
-            part = part._replace(count=count(part.count), mu=placed(adam["mu"], part.mu, "Adam moments"),
-                                 nu=placed(adam["nu"], part.nu, "Adam moments"))
+            part = part._replace(count=count(part.count), mu=placed(adam["mu"], like.mu, "Adam moments"),
+                                 nu=placed(adam["nu"], like.nu, "Adam moments"))
         elif "count" in fields:
             part = part._replace(count=count(part.count))
         opt.append(part)

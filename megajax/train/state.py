@@ -1,7 +1,8 @@
 """Train state and its shardings.
 
-TrainState holds everything a step changes: step counter, fp32 parameters
-(a nested dict mirroring the model), optimizer state, the fp16 loss scale,
+TrainState holds everything a step changes: step counter, parameters (a
+nested dict mirroring the model; fp32, or the compute dtype with an fp32 master
+copy in the optimizer state: precision.param_dtype), optimizer state, the fp16 loss scale,
 the FP8 scaling state, and the RNG key data. Shardings of every leaf come from
 the rules tables.
 
@@ -20,13 +21,14 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from optax import MaskedNode
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
-from megajax.mesh import ShardingRules, mesh_sizes, tree_shardings
+from megajax.mesh import ShardingRules, mesh_sizes, pad_to, padded_shape, tree_shardings, unpad_to
 from megajax.models import param_axes
 from megajax.models.vision import build_model
 from megajax.models.layout import has_expert_bias
@@ -106,7 +108,8 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     """The model's injected products for this layout, back end and precision (FP8: the linear
     layers get stateful FP8 products, see megajax/precision/fp8.py). Their collectives are written
     out (megajax/parallel/tensor.py) under sequence parallelism, and inside the pipeline stages,
-    which run manual over every mesh axis; elsewhere XLA partitions the plain products."""
+    which run manual over every mesh axis; elsewhere XLA partitions the plain products. On a GPU
+    with parallel.tp_comm_overlap the sequence-parallel products are collective matmuls."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
     fp8 = precision_policy(cfg).fp8
@@ -116,7 +119,10 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     tensor = math.prod(sizes.get(a, 1) for a in (() if rules is None else rules.activations["heads"]))
     sequence_parallel = cfg.parallel.sequence_parallel and tensor > 1
     if sequence_parallel or (tensor > 1 and sizes.get("pipeline", 1) > 1):
-        ops = tensor_parallel_ops(mesh, rules.activations, dot, sequence_parallel=sequence_parallel)
+        # On GPUs the sequence-parallel products run as collective matmuls (parallel.tp_comm_overlap).
+        ring = cfg.parallel.tp_comm_overlap and platform in ("gpu", "cuda", "rocm")
+        ops = tensor_parallel_ops(mesh, rules.activations, dot, sequence_parallel=sequence_parallel,
+                                  collective_matmul=ring)
         return dataclasses.replace(ops, **low)
     return LinearOps(column=dot, row=dot, **low)
 
@@ -196,8 +202,9 @@ def build_model_spec(cfg: Config, padded_vocab_size: int, *, mesh: Mesh | None =
     spec = ModelSpec(graphdef=graphdef, axes=axes, abstract_params=abstract_params,
                      abstract_fp8=abstract_fp8 or None, sequence_shift=shift, frozen_axes=frozen_axes,
                      abstract_frozen=abstract_frozen, frozen_path=frozen)
-    # Layers store their parameters in fp32 and cast them to `dtype` where they are used.
-    assert all(x.dtype == policy.param_dtype for x in jax.tree.leaves((spec.abstract_params, abstract_frozen))), policy
+    # Layers store their parameters in fp32 and cast them to `dtype` where they are used (the train
+    # state holds them in policy.param_dtype: make_init_fn).
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((spec.abstract_params, abstract_frozen))), policy
 
     def init_params():
         return nnx.to_pure_dict(nnx.state(make(), nnx.Param))
@@ -226,12 +233,16 @@ def make_init_fn(init_params: Callable, tx: optax.GradientTransformation,
                  scaler: DynamicLossScale | None, seed: int,
                  init_fp8: Callable[[], dict | None] = lambda: None,
                  init_expert_bias: Callable[[], jax.Array | None] = lambda: None,
-                 split: Callable[[dict], tuple[dict, dict | None]] = lambda p: (p, None)) -> Callable[[], TrainState]:
-    """The fresh train state; the optimizer is initialised on the (trainable) parameters alone.
+                 split: Callable[[dict], tuple[dict, dict | None]] = lambda p: (p, None),
+                 param_dtype=jnp.float32) -> Callable[[], TrainState]:
+    """The fresh train state; the optimizer is initialised on the (trainable) parameters alone, in fp32
+    (its master copy of them where they are held in another `param_dtype`, precision.param_dtype).
     `split`: a whole parameter tree -> (trainable, frozen or None) (ModelSpec.split)."""
     def init() -> TrainState:
         params, frozen = split(init_params())
-        return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=tx.init(params),
+        opt_state = tx.init(params)
+        params = jax.tree.map(lambda p: p.astype(param_dtype), params)
+        return TrainState(step=jnp.asarray(0, jnp.int32), params=params, opt_state=opt_state,
                           loss_scale=scaler.init() if scaler else None,
                           rng=jax.random.key_data(jax.random.key(seed)), fp8=init_fp8(),
                           moe_expert_bias=init_expert_bias(), frozen=frozen)
@@ -278,3 +289,23 @@ def state_shardings(mesh: Mesh, rules: ShardingRules, spec: ModelSpec, tx: optax
                       # [layers, E] fp32, read by every device's routers: replicated.
                       moe_expert_bias=jax.tree.map(lambda _: replicated, abstract_state.moe_expert_bias),
                       frozen=None if spec.frozen_axes is None else tree_shardings(mesh, spec.frozen_axes, rules.params))
+
+
+# The train state between steps is stored with its data-parallel splits padded (megajax/mesh.py
+# PADDED_AXES); `target` below is a tree of logical ShapeDtypeStructs carrying their shardings.
+
+def pad_state(tree, target):
+    """A tree of logical arrays (numpy or jax) as stored: each zero-padded to padded_shape."""
+    return jax.tree.map(lambda x, t: pad_to(x, padded_shape(t.shape, t.sharding)), tree, target)
+
+
+def unpad_state(tree, target):
+    """A stored tree (pad_state) at its logical shapes again (inside a jitted step: XLA keeps the uneven
+    splits)."""
+    return jax.tree.map(lambda x, t: unpad_to(x, tuple(t.shape)), tree, target)
+
+
+def place(x, t: jax.ShapeDtypeStruct) -> jax.Array:
+    """A host array of logical struct `t` (shape, dtype, sharding) on the devices as stored (pad_state)."""
+    return jax.device_put(pad_to(np.asarray(x, t.dtype), padded_shape(t.shape, t.sharding)), t.sharding)
+

@@ -51,7 +51,7 @@ from megajax.precision.policy import precision_policy
 from megajax.models.vision import IMAGE_AXES
 from megajax.train.loss import Gradients, StepInputs, cross_entropy, mask_image_labels, microbatch_loss, step_inputs
 from megajax.train.ops import MOE_RECORD_FIELDS
-from megajax.train.optimizer import clip_coefficient, update_count
+from megajax.train.optimizer import apply_update, clip_coefficient, update_count
 from megajax.train.pipeline_step import pipeline_gradients
 from megajax.train.state import ModelSpec, TrainState, build_model_spec
 
@@ -102,8 +102,7 @@ def make_finish(cfg: Config, tx: optax.GradientTransformation, scaler: DynamicLo
             grads = jax.tree.map(lambda x: x * factor, grads)
             # lr: this update's learning rate, an operand of the branch (make_optimizer)
             extra = {"learning_rate": lr} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
-            updates, new_opt = tx.update(grads, opt_state, params, **extra)
-            return optax.apply_updates(params, updates), new_opt
+            return apply_update(tx, grads, opt_state, params, **extra)  # (an fp32 master copy's rounding)
 
         # The parameters and optimizer state change only where the step is finite (and `ok`, the
         # caller's flag): a conditional whose branch unscales, clips and updates in the same fused
@@ -193,9 +192,11 @@ def vmapped_axes(cfg: Config, rules: ShardingRules, sizes: dict) -> tuple[str, .
 
 def accumulate(run_micro: Callable, accum: int, grad_dtype, pin: Callable = lambda g: g):
     """(gradients, amaxes, sums) of `accum` microbatches, `run_micro(i)` giving microbatch i's:
-    gradients and sums add up (gradients in `grad_dtype`, kept in place by `pin`), amaxes take the max."""
+    gradients and sums add up (gradients in `grad_dtype`, kept in place by `pin`; those of 16-bit
+    parameters cast as they come out), amaxes take the max."""
     if accum == 1:
-        return run_micro(0)
+        grads, amaxes, sums = run_micro(0)
+        return jax.tree.map(lambda g: g.astype(grad_dtype), grads), amaxes, sums
 
     def body(carry, i):
         g, a, s = run_micro(i)
