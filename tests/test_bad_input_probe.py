@@ -390,8 +390,9 @@ def test_preprocess_options_of_the_other_form(tmp_path, pictures, args, words):
 # Resuming a LoRA run with another base named
 
 def test_a_lora_run_resumed_with_another_base_named(run, hf_dir, tmp_path):  # noqa: F811
-    """The adapters of a run trained on `run`, resumed with checkpoint.load = another model: the resume read
-    the recorded base and said nothing of the one named."""
+    """A LoRA run's adapters (trained on a random megajax base), resumed with checkpoint.load = another model
+    (hf_dir): the resume read the recorded base and said nothing of the one named. The recorded base named by
+    a link to it is the same base."""
     from test_lora_export import LORA, lora_checkpoint
     base, lora, *_ = lora_checkpoint(tmp_path)
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
