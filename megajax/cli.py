@@ -100,12 +100,26 @@ def run_training(cfg, devices: list | None = None):
                  on_end=[exact_match_hook("after"), training_sample])
 
 
+TEXT_PREPROCESS_DEFAULTS = {"json_keys": ["text"], "workers": 1, "input_format": "auto", "errors": "strict"}
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     if args.format == "webdataset":
         return _preprocess_webdataset(args)
     if args.images or args.captions or args.output_dir:
         raise UserError("megajax preprocess: --images, --captions and --output-dir write image-text shards; "
                         "add --format webdataset.")
+    if args.shard_size is not None:
+        raise UserError(f"--shard-size {args.shard_size} sets the samples per image-text shard (--format "
+                        f"webdataset); a text dataset is one .bin/.idx pair: drop it.")
+    tokenizing = [f"--{k.replace('_', '-')}" for k in ("tokenizer", *TEXT_PREPROCESS_DEFAULTS) if getattr(args, k) is not None]
+    tokenizing += ["--append-eod"] if args.append_eod else []
+    if args.merge and tokenizing:  # --merge concatenates token ids already written
+        raise UserError(f"{', '.join(tokenizing)} with --merge: --merge concatenates datasets already tokenized, and "
+                        f"{'these options tokenize' if len(tokenizing) > 1 else 'this option tokenizes'} --input text; "
+                        f"drop {'them' if len(tokenizing) > 1 else 'it'}.")
+    for key, value in TEXT_PREPROCESS_DEFAULTS.items():
+        setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
     if not args.output_prefix:
         raise UserError("megajax preprocess needs --output-prefix P (the dataset files written: P_KEY_document.bin/.idx, "
                         "or P.bin/.idx with --merge).")
@@ -139,6 +153,13 @@ def _preprocess_webdataset(args: argparse.Namespace) -> int:
     if args.input or args.merge or args.output_prefix:
         raise UserError("megajax preprocess --format webdataset reads --images DIR and --captions FILE.jsonl and "
                         "writes --output-dir DIR; --input, --merge and --output-prefix are for text datasets.")
+    text_only = [f"--{k.replace('_', '-')}" for k in ("tokenizer", *TEXT_PREPROCESS_DEFAULTS) if getattr(args, k) is not None]
+    text_only += ["--append-eod"] if args.append_eod else []
+    if text_only:  # the shards hold the images and the text as given: tokenized when a run reads them
+        raise UserError(f"{', '.join(text_only)}: {'options' if len(text_only) > 1 else 'an option'} of text "
+                        f"datasets; --format webdataset writes the images and their text untokenized (a run "
+                        f"tokenizes them with its data.tokenizer): drop {'them' if len(text_only) > 1 else 'it'}.")
+    args.shard_size = 1000 if args.shard_size is None else args.shard_size
     missing = [f for f, v in (("--images", args.images), ("--captions", args.captions),
                               ("--output-dir", args.output_dir)) if not v]
     if missing:
@@ -164,7 +185,7 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                         "image-text tar shards from --images and --captions")
     p.add_argument("--input", nargs="+", default=[], metavar="FILE",
                    help="jsonl or plain-text files (optionally .gz), concatenated in order")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+    p.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
                    help="JSON fields to tokenize, one dataset each (default: text)")
     p.add_argument("--tokenizer", metavar="TOK",
                    help="'byte', a Hugging Face tokenizer.json, or a directory containing one")
@@ -172,11 +193,11 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="writes P_KEY_document.{bin,idx} (with --merge: P.{bin,idx})")
     p.add_argument("--append-eod", action="store_true",
                    help="end every document with the tokenizer's end-of-document id")
-    p.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizer processes (default 1)")
-    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "lines", "files"),
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="tokenizer processes (default 1)")
+    p.add_argument("--input-format", default=None, choices=("auto", "jsonl", "lines", "files"),
                    help="jsonl; lines: one document per line; files: one document per file; "
                         "auto: jsonl for *.jsonl/*.json, else lines")
-    p.add_argument("--errors", default="strict", choices=("strict", "replace"),
+    p.add_argument("--errors", default=None, choices=("strict", "replace"),
                    help="bytes that are not UTF-8: strict (stop, naming the file and line; default) or "
                         "replace (substitute U+FFFD)")
     p.add_argument("--merge", nargs="+", default=[], metavar="P",
@@ -186,7 +207,7 @@ def _add_preprocess_args(p: argparse.ArgumentParser) -> None:
                    help="--format webdataset: jsonl lines {\"image\": path in --images, \"caption\": text} (or "
                         "\"messages\": a conversation with an <image> marker)")
     p.add_argument("--output-dir", metavar="DIR", help="--format webdataset: where the shards are written")
-    p.add_argument("--shard-size", type=int, default=1000, metavar="N",
+    p.add_argument("--shard-size", type=int, default=None, metavar="N",
                    help="--format webdataset: samples per .tar shard (default 1000)")
 
 
@@ -439,8 +460,14 @@ def cmd_import(args: argparse.Namespace) -> int:
     if args.trust_checkpoint and args.format != "megatron":
         raise UserError(f"--trust-checkpoint unpickles a Megatron checkpoint's files (--format "
                         f"megatron); --format {args.format} reads no pickle; drop it.")
-    if Path(args.output).is_dir() and find_step_dir(Path(args.output)) is not None:
+    out = Path(args.output)
+    if out.is_dir() and find_step_dir(out) is not None:
         raise UserError(f"--output {args.output} already holds a megajax checkpoint; choose an empty directory.")
+    if out.is_dir() and any(out.iterdir()):  # the input's own directory, another program's files: not mixed into
+        held = sorted(p.name for p in out.iterdir())
+        raise UserError(f"--output {args.output}: the directory is not empty (it holds {', '.join(held[:4])}"
+                        f"{f' and {len(held) - 4} more' if len(held) > 4 else ''}); the import writes a run directory "
+                        f"of its own: choose a new or empty directory.")
     if args.format == "peft":
         return _import_peft(args)
     if args.format == "hf":
@@ -657,7 +684,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout < float("inf"):
         raise UserError(f"--drain-timeout {args.drain_timeout:g}: must be a number of seconds >= 0 (0: cut the "
                         f"requests in progress at once).")
-    from megajax.inference.engine import check_engine_sizes
+    from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, check_engine_sizes
+    continuous_only = [f"--{name.replace('_', '-')}" for name in ("block_size", "num_kv_blocks", "prefill_chunk",
+                                                                    "prefill_rows") if getattr(args, name) is not None]
+    if args.enable_prefix_caching is not None:
+        continuous_only.append("--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching")
+    if args.batching == "static" and continuous_only:
+        raise UserError(f"{', '.join(continuous_only)} with --batching static: {'they set' if len(continuous_only) > 1 else 'it sets'} "
+                        f"the continuous engine's paged KV cache and prefill, which the static batcher does not "
+                        f"have; drop {'them' if len(continuous_only) > 1 else 'it'}, or use --batching continuous.")
+    args.block_size = DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size
+    args.prefill_chunk = DEFAULT_PREFILL_CHUNK if args.prefill_chunk is None else args.prefill_chunk
+    args.enable_prefix_caching = args.enable_prefix_caching is not False
     # The ranges that need no model now; --block-size against the context once the model is loaded.
     check_engine_sizes(sys.maxsize, args.max_batch, args.block_size, args.num_kv_blocks, args.prefill_chunk,
                        args.prefill_rows)
@@ -734,11 +772,46 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+GIVEN = "_megajax_given"  # the namespace's record of the single-valued options given (dropped after parsing)
+
+
+def _given_once(action: argparse.Action, namespace: argparse.Namespace, option_string: str | None, values) -> None:
+    """UserError when an option that takes one value is given again (argparse keeps the last in silence:
+    `--adapter a --adapter b` served b alone, `--format hf --format peft` exported peft)."""
+    given = namespace.__dict__.setdefault(GIVEN, {})
+    said = f"{option_string} {values}" if action.nargs != 0 else option_string  # a switch has no value
+    if action.dest in given:
+        raise UserError(f"{given[action.dest]} and {said}: {'/'.join(action.option_strings)} takes one value and "
+                        f"is given twice; give it once.")
+    given[action.dest] = said
+
+
+class _Once(argparse._StoreAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _given_once(self, namespace, option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _OnceSwitch(argparse.BooleanOptionalAction):
+    def __call__(self, parser, namespace, values, option_string=None):
+        _given_once(self, namespace, option_string, values)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A verb's parser: its options that take one value refuse a second one (_given_once)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Once)
+        self.register("action", "store", _Once)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megajax.checkpoint.dtypes import EXPORT_DTYPES  # light: no JAX before the config is read
     from megajax.checkpoint.torch_dist import MEGATRON_VERSIONS as MEGATRON_FORMS, NEWEST_MEGATRON as MEGATRON_NEWEST
     parser = argparse.ArgumentParser(prog="megajax", description="Megatron-style LLM training in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     parser.set_defaults(subparsers=sub.choices)
     p = sub.add_parser("train", help="train a model (no arguments: a small model on an embedded corpus)")
     _add_config_args(p)
@@ -861,23 +934,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="continuous (default): sequences join and leave the running batch at every step, over a "
                         "paged KV cache; static: a batch runs to its end while new requests wait")
-    p.add_argument("--block-size", type=int, default=16, metavar="N",
+    p.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="positions per KV cache block (continuous batching; default 16)")
     p.add_argument("--num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV cache blocks in the pool (continuous batching; default: room for --max-batch "
                         "sequences of the whole context)")
-    p.add_argument("--prefill-chunk", type=int, default=128, metavar="N",
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens prefilled per step, so a long prompt does not stall running decodes "
                         "(continuous batching; default 128, at most the context)")
     p.add_argument("--prefill-rows", type=int, default=None, metavar="N",
                    help="prompts prefilled together per step, so many arriving requests start in a few steps "
                         "(continuous batching; default 4 per data shard, at most --max-batch; rounded up to a "
                         "multiple of the data-parallel size)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--enable-prefix-caching", action=_OnceSwitch, default=None,
                    help="share the KV blocks of prompt prefixes between requests (continuous batching; default "
                         "on; off by itself for models with Mamba layers, not used for requests with images); "
                         "--no-enable-prefix-caching turns it off")
-    p.add_argument("--limit-images-per-prompt", type=int, default=4, metavar="N",
+    p.add_argument("--limit-images-per-prompt", type=int, default=None, metavar="N",
                    help="images one chat request may hold (a vision-language model; default 4); they come as "
                         "base64 data URLs, nothing is fetched")
     p.add_argument("--allowed-local-media-path", metavar="DIR",
@@ -932,6 +1005,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if message:
             raise UserError(message)
         args = commands[argv[0]].parse_intermixed_args(argv[1:])
+        args.__dict__.pop(GIVEN, None)
         args.command = argv[0]
         return args
     return parser.parse_args(argv)  # no or unknown command: argparse's usage and error
@@ -961,6 +1035,12 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"megajax {args.command}: error: {_paragraph(e, args.command)}", file=sys.stderr)
         return 2
+    except Exception as e:  # an allocation no machine could make: one paragraph, not a traceback
+        said = _out_of_memory(e)
+        if said is None:
+            raise
+        print(f"megajax {args.command}: error: {said}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); what was being written is removed
         terminated = isinstance(e, Terminated)
         print(f"megajax {args.command}: stopped by {'SIGTERM' if terminated else 'Ctrl-C (SIGINT)'} before it "
@@ -969,6 +1049,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _out_of_memory(error: Exception) -> str | None:
+    """The one paragraph for an allocation that failed (numpy's MemoryError, XLA's RESOURCE_EXHAUSTED), or None
+    for any other error. The checks before the work name the sizes they know (the fit check, the KV pool,
+    the data indices); this is what is said of any other."""
+    text = re.sub(r"\s+", " ", str(error)).strip()
+    if isinstance(error, MemoryError):
+        where = "host memory"
+    elif type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError") and text.startswith("RESOURCE_EXHAUSTED"):
+        where, text = "device memory", text.removeprefix("RESOURCE_EXHAUSTED:").strip()
+    else:
+        return None
+    text = text[:300].rstrip(".") + ("..." if len(text) > 300 else "")
+    return (f"out of {where}: {text}. A size this command was given (a "
+            f"config key, an option, a file's header) asks for more memory than the machine has.")
 
 
 class Terminated(KeyboardInterrupt):

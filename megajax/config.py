@@ -311,6 +311,8 @@ class ModelConfig:
             self.vision.resolve()
         if self.num_layers is None:
             self.num_layers = len(self.hybrid_pattern()) if self.hybrid_layer_pattern else 4
+        for key in ("num_heads", "hidden_size", "mamba_head_dim"):  # divisors below: checked before the division
+            _positive(f"model.{key}", getattr(self, key))
         if self.hybrid_layer_pattern and self.mamba_num_heads is None and "M" in self.hybrid_layer_pattern:
             if (2 * self.hidden_size) % self.mamba_head_dim:
                 raise ConfigError(
@@ -898,11 +900,22 @@ def validate_ranges(cfg: Config) -> None:
     _positive("data.corpus_max_mb", cfg.data.corpus_max_mb)
 
 
-def validate(cfg: Config) -> None:
-    m, t, o = cfg.model, cfg.train, cfg.optim
+def validate_model_sizes(m: ModelConfig) -> None:
+    """The model's sizes, resolved: each > 0, whole query groups, an even rotary head (a model read from
+    another program's config is checked by these too)."""
     for key in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                 "ffn_hidden_size", "vocab_size", "max_position_embeddings", "make_vocab_size_divisible_by"):
         _positive(f"model.{key}", getattr(m, key))
+    if m.num_heads % m.num_kv_heads:
+        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
+                          f"{m.num_kv_heads}; grouped-query attention needs whole groups.")
+    if m.position_embedding == "rope" and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim={m.head_dim} must be even for rotary position embeddings.")
+
+
+def validate(cfg: Config) -> None:
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    validate_model_sizes(m)
     if m.qk_norm and m.norm != "rmsnorm":
         raise ConfigError(f"model.qk_norm = true with model.norm = {m.norm!r}: the q/k norms are RMSNorms, like "
                           f"the model's other norms in Megatron's qk_layernorm. Set model.norm=rmsnorm or "
@@ -939,11 +952,6 @@ def validate(cfg: Config) -> None:
         p = getattr(m, key)
         if not 0.0 <= p < 1.0:
             raise ConfigError(f"config key model.{key} = {p}: must be in [0, 1).")
-    if m.num_heads % m.num_kv_heads:
-        raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads="
-                          f"{m.num_kv_heads}; grouped-query attention needs whole groups.")
-    if m.position_embedding == "rope" and m.head_dim % 2:
-        raise ConfigError(f"model.head_dim={m.head_dim} must be even for rotary position embeddings.")
     if m.position_embedding == "learned" and m.max_position_embeddings < t.seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_position_embeddings="
                           f"{m.max_position_embeddings} of the learned position table; lower "

@@ -448,7 +448,8 @@ def ssd_chunked(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_f
     # One varying type for all (inside a shard_map that checks it): the written gradients then have
     # their inputs' types, and the casts' transposes sum the gradients of the inputs that vary less.
     x, dt, A, B, C, h0 = (_vary_like(t, x, dt, A, B, C, h0) for t in (x, dt, A, B, C, h0))
-    y, final = _ssd_chunked(x, dt, A, B, C, h0, segment_ids, int(chunk_size))
+    q = min(int(chunk_size), l)  # a chunk longer than the sequence is the sequence (no [Q, Q] mask past it)
+    y, final = _ssd_chunked(x, dt, A, B, C, h0, segment_ids, q)
     y = y.astype(x.dtype)
     return (y, final) if return_final_state else y
 
@@ -757,6 +758,7 @@ def ssd(x, dt, A, B, C, *, chunk_size: int, initial_state=None, return_final_sta
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     b, l, h, p = x.shape
+    q = min(q, max(_MIN_BLOCK, _next_pow2(l)))  # a chunk longer than the sequence: the sequence's power of two
     g, n = B.shape[2:]
     cfg = _Config(chunk=q, heads_per_group=h // g, num_warps=num_warps or (8 if q >= 128 else 4),
                   num_stages=num_stages or 2, interpret=bool(interpret), segments=segment_ids is not None)

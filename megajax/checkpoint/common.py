@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterator
 
 
-from megajax.config import ModelConfig, VisionConfig
+from megajax.config import ModelConfig, VisionConfig, _build, validate_model_sizes
 from megajax.data.no_tokenizer import is_no_tokenizer
 from megajax.errors import CheckpointError, ConfigError
 from megajax.models.layout import tensor_shapes
@@ -127,15 +127,21 @@ def model_overrides(m: ModelConfig) -> dict:
     return out
 
 
-def resolved_model(overrides: dict) -> ModelConfig:
+def resolved_model(overrides: dict, source: str | None = None) -> ModelConfig:
     """ModelConfig from importer overrides (model.vision a VisionConfig or, as model_overrides gives it,
-    a dict of its fields), resolved (without a train config)."""
+    a dict of its fields), resolved (without a train config) and checked as a config file's model is:
+    each value of its type, the sizes > 0 (a CheckpointError naming the model.* key, and `source`, the file the
+    values came from, when given)."""
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    overrides = dict(overrides)
-    if isinstance(overrides.get("vision"), dict):
-        overrides["vision"] = VisionConfig(**overrides["vision"])
-    m = ModelConfig(**{k: v for k, v in overrides.items() if k in fields})
-    m.resolve(seq_len=m.max_position_embeddings or 1)
+    overrides = {k: v for k, v in overrides.items() if k in fields}
+    if isinstance(overrides.get("vision"), VisionConfig):
+        overrides["vision"] = dataclasses.asdict(overrides["vision"])
+    try:
+        m = _build(ModelConfig, overrides, "model")
+        m.resolve(seq_len=m.max_position_embeddings or 1)
+        validate_model_sizes(m)
+    except ConfigError as e:
+        raise CheckpointError(f"{source} describes a model megajax cannot build: {e}" if source else str(e)) from None
     return m
 
 

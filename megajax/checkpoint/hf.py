@@ -45,6 +45,7 @@ from megajax.checkpoint.hf_vision import (LLAVA, check_exportable, from_hf, hf_n
                                           vision_entries, vision_overrides)
 from megajax.checkpoint.source import flatten, unflatten
 from megajax.config import ModelConfig
+from megajax.data.text_files import parse_json
 from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, param_shapes, tensor_shapes
 
@@ -698,7 +699,7 @@ def _weight_files(d: Path, files: ExitStack) -> dict[str, tuple[Path, object]]:
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            names = sorted(set(parse_json(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{str(index)!r} is not a safetensors index ({e!r}).") from None
     elif (d / "model.safetensors").is_file():
@@ -732,7 +733,7 @@ def _read_config(d: Path) -> dict:
     if not config_file.is_file():
         raise CheckpointError(f"{str(d)!r} is not a Hugging Face model directory (no config.json).")
     try:
-        return json.loads(config_file.read_text())
+        return parse_json(config_file.read_text())
     except ValueError as e:
         raise CheckpointError(f"{str(config_file)!r} is not valid JSON ({e}).") from None
 
@@ -826,10 +827,8 @@ def _open_weights(d: Path, arch: str, c: dict, overrides: dict, weights: dict) -
     used = set()
     if arch == DEEPSEEK_V3:
         overrides = _deepseek_v3_mtp(c, overrides, weights)
-    m = resolved_model(overrides)
-    if m.vocab_size <= 0 or m.num_heads % m.num_kv_heads:
-        raise CheckpointError(f"config.json: vocab_size={m.vocab_size}, num_attention_heads={m.num_heads}, "
-                              f"num_key_value_heads={m.num_kv_heads} do not describe a model megajax can build.")
+    m = resolved_model(overrides, source=f"{str(d / 'config.json')!r}")
+    _check_layers(m, weights, d)
     shapes = tensor_shapes(m)  # with DeepSeek-V3's expert bias (layers/mlp/expert_bias)
     plan = []
     for row, i, slot in in_layer_order(rows_for(table(arch, m), shapes, "Hugging Face " + arch), m):
@@ -841,6 +840,11 @@ def _open_weights(d: Path, arch: str, c: dict, overrides: dict, weights: dict) -
             continue
         if name is None:
             raise CheckpointError(f"the Hugging Face checkpoint has no tensor {names[0]}.")
+        path, f = weights[name]
+        stored, want = tuple(f.get_slice(name).get_shape()), external_shape(row, shapes, m)
+        if stored != want:  # before any parameter is allocated from config.json's sizes
+            raise CheckpointError(f"tensor {name} in {str(path)!r} has shape {list(stored)}, but "
+                                  f"{str(d / 'config.json')!r} implies {list(want)}.")
         plan.append((row, i, slot, name))
     left = sorted(n for n in set(weights) - used if not _ignored(n))
     mtp = [n for n in left if re.match(rf"model\.layers\.{m.num_layers}\.", n)]
@@ -854,6 +858,17 @@ def _open_weights(d: Path, arch: str, c: dict, overrides: dict, weights: dict) -
     return HfTensors(d, arch, m, shapes, plan, weights)
 
 
+def _check_layers(m: ModelConfig, weights: dict, d: Path) -> None:
+    """CheckpointError when config.json gives more layers than the weights hold (checked before the layers
+    are walked: a count of 10^9 would be walked for ever)."""
+    found = (re.search(r"(?:^|\.)(?:layers|h)\.(\d+)\.", name) for name in weights)
+    held = max((int(x.group(1)) + 1 for x in found if x), default=0)
+    if m.num_layers > held:
+        holds = f"layers 0 to {held - 1}" if held else "no layer (no tensor named ...layers.N...)"
+        raise CheckpointError(f"{str(d / 'config.json')!r} gives the model {m.num_layers:,} layers (model.num_layers), "
+                              f"but its weights hold {holds}; config.json and the weights must be of one model.")
+
+
 def hf_model_overrides(in_dir) -> dict:
     """The ModelConfig field values of a Hugging Face directory's model (its config.json; the weight
     files' headers checked against it), reading no tensor."""
@@ -862,10 +877,16 @@ def hf_model_overrides(in_dir) -> dict:
 
 
 def _read_all(hf: HfTensors) -> tuple[dict, dict]:
-    flat_params = {name: np.zeros(shape, np.float32) for name, shape in hf.shapes.items()}
+    """(model overrides, parameters): each parameter allocated once its first tensor has been read and its
+    shape checked against config.json (a vocab_size of 10^12 is refused, not allocated)."""
+    flat_params = {}
     for row, _, slot, name in hf.plan:
         for ours, x in hf.read(row, name).items():
+            if ours not in flat_params:
+                flat_params[ours] = np.zeros(hf.shapes[ours], np.float32)
             flat_params[ours][index(slot, row)] = x
+    for ours, shape in hf.shapes.items():  # those no tensor is read into (none in the tables' models)
+        flat_params.setdefault(ours, np.zeros(shape, np.float32))
     return hf.overrides(), unflatten(dict(sorted(flat_params.items())))
 
 
@@ -891,6 +912,9 @@ class _Renamed:
 
     def get_tensor(self, _):
         return self.handle.get_tensor(self.name)
+
+    def get_slice(self, _):
+        return self.handle.get_slice(self.name)
 
 
 def _import_llava(d: Path, c: dict) -> tuple[dict, dict]:

@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 from megajax.config import VISION_NORMALISATION as NORMALISATION, VisionConfig
+from megajax.data.text_files import parse_json
 from megajax.errors import CheckpointError
 
 IMAGE_TOKEN = "<image>"  # the token added where a tokenizer has none at the image id
@@ -134,7 +135,7 @@ def _read(path: Path) -> dict | None:
     if not path.is_file():
         return None
     try:
-        out = json.loads(path.read_text())
+        out = parse_json(path.read_text())
     except ValueError as e:
         raise CheckpointError(f"{str(path)!r} is not valid JSON ({e}).") from None
     if not isinstance(out, dict):

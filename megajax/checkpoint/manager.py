@@ -246,8 +246,8 @@ def _drop_closed_loop_errors() -> None:
         return
     previous_hook, previous_unraisable, previous_thread = sys.excepthook, sys.unraisablehook, threading.excepthook
 
-    def hook(kind, value, tb):
-        if not stray(value):
+    def hook(kind, value, tb):  # the exception ending the program comes here too: never dropped
+        if not stray(value) or _from_main(tb):
             previous_hook(kind, value, tb)
 
     def unraisable(info):
@@ -262,6 +262,16 @@ def _drop_closed_loop_errors() -> None:
     hook.drops_stray_read_errors = True
     sys.excepthook, sys.unraisablehook, threading.excepthook = hook, unraisable, thread_hook
     logging.getLogger("asyncio").addFilter(logged)
+
+
+def _from_main(tb) -> bool:
+    """Whether a traceback runs through the program's __main__ module: the exception ending the program (a
+    stray callback's traceback starts in the callback)."""
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == "__main__":
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _storage_error(error: BaseException) -> bool:

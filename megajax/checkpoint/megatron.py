@@ -1006,7 +1006,8 @@ def import_megatron(in_dir, *, trust: bool = False) -> tuple[dict, dict]:
     files = {(0, 0, 0): first["model"]}
     if pp > 1:  # the last stage's names say what its multi-token prediction block is
         files[0, pp - 1, 0] = load_torch_file(ranks[rank_dir(0, pp - 1, pp, 0, ep)], trust)["model"]
-    m = resolved_model(_with_mtp_block(_overrides_from_args(args), _language_names(files[0, pp - 1, 0])))
+    m = resolved_model(_with_mtp_block(_overrides_from_args(args), _language_names(files[0, pp - 1, 0])),
+                       source=f"{str(in_dir)!r} (its args)")
     if m.vision is not None and (pp > 1 or ep > 1):
         raise CheckpointError(f"{str(step)!r}: args say pipeline_model_parallel_size={pp}, expert_model_parallel_"
                               f"size={ep} for a vision-language model; megajax reads legacy LLaVA checkpoints "

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megajax.data.text_files import parse_json
 from megajax.errors import CheckpointError
 
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -118,7 +119,7 @@ def read_peft_config(in_dir) -> PeftConfig:
         raise CheckpointError(f"{file}: {file.stat().st_size:,} bytes, not a PEFT adapter config (a few KiB of "
                               f"JSON).")
     try:
-        c = json.loads(file.read_text(encoding="utf-8"))
+        c = parse_json(file.read_text(encoding="utf-8"))
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{file}: not UTF-8 text ({e}); expected PEFT's JSON object.") from None
     except ValueError as e:

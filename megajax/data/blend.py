@@ -35,7 +35,8 @@ def _number(value) -> float | None:
 
 
 def parse_data_path(path, key: str = "data.path", chat: bool = False) -> tuple[list[str], list[float]]:
-    """A prefix, or [w1, p1, w2, p2, ...] (a list or one whitespace-separated string) -> (prefixes, weights);
+    """A prefix, or [w1, p1, w2, p2, ...] (a list or one whitespace-separated string starting with a weight; a
+    string starting otherwise is one path, spaces included) -> (prefixes, weights);
     `chat`: the entries are chat jsonl files or directories (data.format=chat), as the messages say.
 
     Weights come back normalised to sum to 1; a single prefix has weight 1.
@@ -43,6 +44,8 @@ def parse_data_path(path, key: str = "data.path", chat: bool = False) -> tuple[l
     what = "a chat jsonl file or directory" if chat else "a dataset prefix"
     example = ("[0.3, data/math.jsonl, 0.7, data/chats]" if chat else
                "[0.3, data/a_text_document, 0.7, data/b_text_document]")
+    if isinstance(path, str) and path.split() and _number(path.split()[0]) is None:
+        return [path.strip()], [1.0]  # one path, spaces and all: a blend string starts with a weight
     items = path.split() if isinstance(path, str) else path
     if not isinstance(items, (list, tuple)) or not items:
         raise ConfigError(f"{key} = {path!r}: expected {what} or a list [weight, {'path' if chat else 'prefix'}, "

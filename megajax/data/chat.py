@@ -29,6 +29,7 @@ from megajax.data.chat_template import (ChatTemplateError, TemplateLimit, chat_t
                                         find_chat_template, has_generation_tags, naming, render_chat,
                                         render_with_answers, special_token)
 from megajax.data.text_files import json_line, text_lines
+from megajax.data.user_files import kind_of
 from megajax.errors import ConfigError, DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -38,10 +39,12 @@ LOSS_ON = ("assistant", "all")
 @dataclass(frozen=True)
 class Conversation:
     """One tokenized conversation: ids [T] int32, answer [T] bool (tokens of assistant answers), and
-    answer_ends: the token index just past each answer, in order (the turn boundaries it may be cut at)."""
+    answer_ends: the token index just past each answer, in order (the turn boundaries it may be cut at);
+    answered: its messages hold a non-empty assistant message (whether the template wrote it or not)."""
     ids: np.ndarray
     answer: np.ndarray
     answer_ends: tuple[int, ...]
+    answered: bool = False
 
 
 def check_loss_on(loss_on: str, key: str = "data.loss_on") -> None:
@@ -119,7 +122,7 @@ def encode_conversation(tokenizer, template: str, messages: list[dict]) -> Conve
         spans = _turn_spans(template, messages, text, specials)
     ids, offsets = _encode_with_offsets(tokenizer, text)
     answer, ends = _spans_to_tokens(offsets, spans)
-    return Conversation(ids, answer, ends)
+    return Conversation(ids, answer, ends, any(m["role"] == "assistant" and m["content"] for m in messages))
 
 
 def tokenize_conversation(tokenizer, template: str, messages: list[dict],
@@ -211,8 +214,9 @@ def chat_files(path: str, key: str = "data.path") -> list[Path]:
                         f"conversations.")
     if p.is_file():
         return [p]
-    raise DataError(f"{key} = {path!r}: no such file or directory; data.format=chat reads a jsonl file of "
-                    f"conversations or a directory of *.jsonl files.")
+    there = kind_of(p)
+    raise DataError(f"{key} = {path!r}: {f'{there}, not a file' if there else 'no such file or directory'}; "
+                    f"data.format=chat reads a jsonl file of conversations or a directory of *.jsonl files.")
 
 
 def read_messages(record, where: str) -> list[dict]:

@@ -27,6 +27,9 @@ from pathlib import Path
 
 from megajax.data import template_sandbox
 from megajax.data.template_sandbox import ChatTemplateError, TemplateLimit  # noqa: F401  (the names callers use)
+from megajax.data.text_files import parse_json
+from megajax.data.user_files import kind_of
+from megajax.errors import DataError
 
 
 def _config(tokenizer) -> tuple[dict, Path | None]:
@@ -43,28 +46,49 @@ def _config(tokenizer) -> tuple[dict, Path | None]:
     return (config if isinstance(config, dict) else {}), folder
 
 
+class TemplateFileError(ChatTemplateError, DataError):
+    """A tokenizer folder's chat template cannot be read: its chat_template.jinja or tokenizer_config.json is
+    not what transformers reads (a user error wherever it is met)."""
+
+
 def _folder_template_and_source(folder: Path) -> tuple[str | None, str]:
     """(the chat template of a Hugging Face tokenizer folder as transformers' AutoTokenizer reads it, where
     it was found): chat_template.jinja (transformers 5's file) when there is one, else `chat_template` in
     its tokenizer_config.json (a string, or a list of named templates: the one named "default"); (None, "")
-    without one. A .jinja file that is not UTF-8 is a ChatTemplateError naming it."""
+    without one. A .jinja file that is not a UTF-8 text file, a tokenizer_config.json that is not JSON, or a
+    `chat_template` of another kind (a number; a list without "default") is a TemplateFileError naming it."""
     folder = Path(folder)
     path = folder / "chat_template.jinja"
     if path.is_file():
         try:
             return path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8"), str(path)
         except (OSError, UnicodeDecodeError) as e:
-            raise ChatTemplateError(f"the chat template {path} cannot be read ({e}); it must be UTF-8 text") from None
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+            raise TemplateFileError(f"the chat template {path} cannot be read ({e}); it must be UTF-8 text") from None
+    if path.exists():  # a directory or a FIFO: transformers would fail on it, not take tokenizer_config.json's
+        kind = "a directory" if path.is_dir() else kind_of(path) or "not a file"
+        raise TemplateFileError(f"the chat template {path} is {kind}, not a file; it must be a UTF-8 text file "
+                                f"(or be absent, for the \"chat_template\" of tokenizer_config.json)")
+    config_file = folder / "tokenizer_config.json"
+    if not config_file.is_file():
         return None, ""
+    try:
+        config = parse_json(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise TemplateFileError(f"{config_file} is not a readable JSON file ({e}), so its \"chat_template\" "
+                                f"cannot be read") from None
     template = config.get("chat_template") if isinstance(config, dict) else None
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
-    if isinstance(template, str) and template:
-        return template, f"\"chat_template\" in {folder / 'tokenizer_config.json'}"
+        if "default" not in named:
+            raise TemplateFileError(f"{config_file}: \"chat_template\" is a list of templates named "
+                                    f"{', '.join(map(repr, named)) or 'nothing'}, none of them \"default\" (the one "
+                                    f"transformers renders when none is chosen)")
+        template = named["default"]
+    if template is not None and not isinstance(template, str):
+        raise TemplateFileError(f"{config_file}: \"chat_template\" is {json.dumps(template)[:80]}; expected the "
+                                f"template's text (a string) or a list of {{\"name\", \"template\"}} objects")
+    if template:
+        return template, f"\"chat_template\" in {config_file}"
     return None, ""
 
 

@@ -14,6 +14,7 @@ prepared in a background thread while the current step runs.
 from __future__ import annotations
 
 import collections
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +30,7 @@ from megajax.data.sft_dataset import ChatDataset
 from megajax.data.corpus import stdlib_corpus
 from megajax.data.indexed import IndexedDataset
 from megajax.data.instruct_tasks import instruct_train_file
-from megajax.errors import DataError
+from megajax.errors import ConfigError, DataError
 
 
 def batch_keys(cfg: Config, context: int = 1) -> tuple[str, ...]:
@@ -60,8 +61,37 @@ def split_sample_counts(cfg: Config) -> list[int]:
             t.eval_steps * t.global_batch]
 
 
+# Host bytes per sample of a run's sample indices, built whole before the first step (gpt: Megatron's
+# document, sample and shuffle indices; chat: the packed rows, Python lists of conversation ids; image-text
+# shards: the sample order), a round upper figure (packed chat rows measured 129 bytes each at the peak).
+INDEX_BYTES_PER_SAMPLE = {"gpt": 32, "chat": 128, "webdataset": 32}
+
+
+def host_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_sample_count(cfg: Config) -> None:
+    """ConfigError when the samples the run reads (train.steps x train.global_batch, with validation's) need
+    sample indices larger than this host's memory: an index that cannot be built would fail after minutes
+    (chat data's rows are packed epoch by epoch) or at once with an allocation error."""
+    counts = split_sample_counts(cfg)
+    need, host = sum(counts) * INDEX_BYTES_PER_SAMPLE[cfg.data.format], host_memory_bytes()
+    if host is not None and need > host:
+        t = cfg.train
+        raise ConfigError(f"train.steps x train.global_batch = {t.steps:,} x {t.global_batch:,} = {counts[0]:,} "
+                          f"samples{f' (and {counts[1]:,} for validation)' if t.eval_every else ''}: their sample "
+                          f"index, built before the first step, would need about {need / 2**30:,.0f} GiB of host "
+                          f"memory, more than this machine's {host / 2**30:,.0f} GiB; lower train.steps (a run can "
+                          f"be resumed with more steps later).")
+
+
 def build_run_datasets(cfg: Config, tokenizer) -> tuple[object, object | None, list[str]]:
     """(train, valid or None, report lines) for data.path, or the embedded corpus when it is empty."""
+    check_sample_count(cfg)
     if cfg.data.format == "chat":
         return build_chat_datasets(cfg, tokenizer)
     if cfg.data.format == "webdataset":
@@ -202,6 +232,9 @@ def build_image_text_datasets(cfg: Config, tokenizer) -> tuple[object, object | 
                         f"({len(index.samples)} samples); give the train split a positive share.")
     if datasets[1] is None and cfg.train.eval_every:
         _no_validation(cfg, path, f"{len(index.samples)} samples", "samples")
+    for ds in datasets:  # a split none of whose samples can be read (or trained) stops the start-up, not step 1
+        if ds is not None:
+            ds[0]
     return datasets[0], datasets[1], report
 
 

@@ -25,7 +25,6 @@ import codecs
 import contextlib
 import gzip
 import itertools
-import json
 import multiprocessing
 import os
 import signal
@@ -39,7 +38,7 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 from megajax.data.indexed import IndexedDatasetWriter, optimal_dtype
-from megajax.data.text_files import lone_surrogate, without_surrogates
+from megajax.data.text_files import lone_surrogate, parse_json, without_surrogates
 from megajax.data.tokenizer import EOD_CANDIDATES, load_tokenizer
 from megajax.errors import ConfigError, DataError
 from megajax.paths import refuse_existing
@@ -158,7 +157,7 @@ def _texts(chunk: Chunk, keys: list[str], errors: str = "strict") -> dict[str, l
         where = f"{chunk.path}, line {n}"
         line = _decode(raw, chunk, i, errors)
         try:
-            obj = json.loads(line)
+            obj = parse_json(line)
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}); jsonl input needs one JSON object per "
                             f"line (use --input-format lines for plain text).") from None

@@ -112,6 +112,14 @@ class ChatDataset:
         self.docs, self.counts = fit_conversations(conversations, self.limit, loss_on)
         if not self.docs:
             c = self.counts
+            answered = sum(conv.answered for conv in conversations)
+            if c.dropped_no_answer == c.conversations and answered:  # the answers are there: the template drops them
+                raise DataError(f"{name}: {answered:,} of the {split_name} split's {c.conversations:,} conversations "
+                                f"hold an assistant answer, but the chat template writes none of them into the text "
+                                f"it renders (or writes them where no token of the text is), so "
+                                f"data.loss_on=assistant finds nothing to train on; fix the template to write each "
+                                f"assistant message (or mark the answers with {{% generation %}} ... "
+                                f"{{% endgeneration %}}), or set data.loss_on=all.")
             if c.dropped_no_answer == c.conversations:
                 raise DataError(f"{name}: none of the {split_name} split's {c.conversations:,} conversations holds an "
                                 f"assistant answer to train on (a non-empty message with role \"assistant\"), and "

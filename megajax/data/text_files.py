@@ -2,6 +2,8 @@
 
     text_lines(path, name) -> (line number, line) of a UTF-8 file, a leading byte-order mark dropped
     json_line(line, where, hint) -> the line's JSON value, without lone surrogate escapes
+    parse_json(text) -> json.loads, a value nested too deeply for the parser a ValueError as any bad JSON
+    argument_text(text, what) -> a command-line text, refused when it holds bytes that are not UTF-8
     read_text(path, name) -> the whole file as text (the same rules)
 
 Bytes that are not UTF-8 stop the reading with one DataError naming the file, the line, the byte and
@@ -64,18 +66,42 @@ def read_text(path: str | Path, name: str | None = None) -> str:
     return "".join(line + "\n" for _, line in text_lines(path, name))
 
 
+def parse_json(text: str | bytes):
+    """json.loads(text), with a value nested too deeply for Python's parser (`[[[[...` a hundred thousand
+    levels) a ValueError, as any other text that is not JSON, instead of a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("arrays or objects nested too deeply for the JSON parser") from None
+
+
+def argument_text(text: str, what: str) -> str:
+    """A text given on the command line (`what` names it: "--prompt 0"), checked for bytes that are not UTF-8:
+    Python reads such a byte of the argument as a lone surrogate (U+DC80..U+DCFF), which no tokenizer can
+    encode."""
+    found = _SURROGATE.search(text)
+    if found:
+        byte = ord(found.group()) - 0xDC00
+        shown = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else f"U+{ord(found.group()):04X}"
+        raise DataError(f"{what}: {shown} at character {found.start() + 1} is not UTF-8 text; give the text in "
+                        f"UTF-8 (the terminal's or script's encoding, e.g. iconv -f latin1 -t utf-8).")
+    return text
+
+
 def lone_surrogate(value) -> str | None:
-    """The first lone surrogate in the strings of a JSON value (keys included), as its escape, or None."""
-    if isinstance(value, str):
-        found = _SURROGATE.search(value)
-        return f"\\u{ord(found.group()):04x}" if found else None
-    if isinstance(value, dict):
-        value = [x for kv in value.items() for x in kv]
-    if isinstance(value, list):
-        for item in value:
-            found = lone_surrogate(item)
+    """The first lone surrogate in the strings of a JSON value (keys included), as its escape, or None
+    (walked without recursion: a value may be nested as deeply as the parser allows)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
             if found:
-                return found
+                return f"\\u{ord(found.group()):04x}"
+        elif isinstance(item, dict):
+            stack.extend(x for kv in reversed(item.items()) for x in reversed(kv))
+        elif isinstance(item, list):
+            stack.extend(reversed(item))
     return None
 
 
@@ -94,7 +120,7 @@ def json_line(line: str, where: str, hint: str = "") -> object:
     """The JSON value of one line; a DataError naming `where` ("FILE:LINE") when it is not valid JSON
     (then `hint`) or holds a lone surrogate escape."""
     try:
-        value = json.loads(line)
+        value = parse_json(line)
     except ValueError as e:
         raise DataError(f"{where}: not valid JSON ({e}){hint}.") from None
     if "\\u" in line or "\\U" in line:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from megajax.data.user_files import kind_of
 from megajax.errors import ConfigError
 
 # End-of-document candidates, most common first, when the tokenizer's config names no eos token.
@@ -105,6 +106,11 @@ def load_tokenizer(spec: str, key: str = "data.tokenizer"):
         path = path / "tokenizer.json"
     if path.is_file():
         return HFTokenizer(path, key)
+    there = kind_of(path)
+    if there:
+        raise ConfigError(f"{key} = {spec!r}: {str(path)!r} is {there}, not a tokenizer.json file; accepted values "
+                          f"are 'byte' (the built-in byte-level tokenizer), a Hugging Face tokenizer.json file, or a "
+                          f"directory containing one.")
     raise ConfigError(f"{key} = {spec!r}: no such tokenizer (looked for {str(path)!r}); accepted values "
                       f"are 'byte' (the built-in byte-level tokenizer), a Hugging Face tokenizer.json "
                       f"file, or a directory containing one.")

@@ -34,6 +34,16 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
+def kind_of(path) -> str | None:
+    """What is at `path` when it is neither a regular file nor a directory ("a FIFO (named pipe)", "a
+    character device", ...), else None (a file, a directory, or nothing there)."""
+    try:
+        mode = os.stat(os.fspath(path)).st_mode
+    except OSError:
+        return None
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) else _kind(mode)
+
+
 def open_regular(path, what: str, limit: int | None = None) -> int:
     """A descriptor (blocking) of the regular file at `path`; DataError naming `what` when it cannot be
     opened, is not a regular file, or holds more than `limit` bytes (None: any size)."""

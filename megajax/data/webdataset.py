@@ -52,7 +52,8 @@ from megajax.data.chat import (_encode_with_offsets, _spans_to_tokens, _turn_spa
                                 jsonl_records)
 from megajax.data.chat_template import ChatTemplateError, has_generation_tags, render_with_answers, special_token
 from megajax.data.tiles import cut_tiles, image_run
-from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, read_user_file
+from megajax.data.text_files import parse_json
+from megajax.data.user_files import MAX_IMAGE_BYTES, decode_image, kind_of, read_user_file
 from megajax.errors import DataError
 from megajax.paths import fresh_output_dir
 
@@ -84,8 +85,9 @@ def shard_files(path: str, key: str = "data.path") -> list[Path]:
         return files
     if p.is_file():
         return [p]
-    raise DataError(f"{key} = {path!r}: no such file or directory; data.format=webdataset reads a .tar shard or a "
-                    f"directory of *.tar shards.")
+    there = kind_of(p)
+    raise DataError(f"{key} = {path!r}: {f'{there}, not a file' if there else 'no such file or directory'}; "
+                    f"data.format=webdataset reads a .tar shard or a directory of *.tar shards.")
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,7 @@ class ImageTextDataset:
         shard = self.shards[s.shard]
         where = f"shard {shard}: member {s.text.name!r}"
         try:
-            record = json.loads(self._read(s.text, shard))
+            record = parse_json(self._read(s.text, shard))
         except ValueError as e:
             raise DataError(f"{where}: not valid JSON ({e}).") from None
         v = self.vision
@@ -344,11 +346,17 @@ class ImageTextDataset:
         if last >= self.seq_len:  # every placeholder must be an input (row[:-1]) of the model
             raise DataError(f"{where}: the image's placeholders end at token {last + 1}, beyond the "
                             f"train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len.")
+        answered = bool(trained.any())
         ids, trained = ids[:self.limit], trained[:self.limit]
         tokens = np.full(self.limit, self.pad_id, np.int32)
         tokens[:len(ids)] = ids
         mask = np.zeros(self.limit, np.float32)
         mask[:len(ids) - 1] = trained[1:]
+        if not mask.any():  # a row that trains nothing: skipped and counted like a damaged sample
+            why = (f"its answer begins beyond the train.seq_len = {self.seq_len} inputs of a row; raise train.seq_len"
+                   if answered else "the conversation holds no assistant answer, and data.loss_on=assistant trains "
+                   "the answers only (data.loss_on=all trains every token)")
+            raise DataError(f"{where}: no token of the sample is trained: {why}.")
         images = np.zeros(self.images_shape, np.float32)
         images[:len(tiles)] = tiles
         return {"tokens": tokens, "loss_mask": mask, "images": images}
@@ -438,7 +446,9 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
         raise DataError(f"--images {images!r}: not a directory; give the folder the captions' \"image\" paths "
                         f"are relative to.")
     if not lines.is_file():
-        raise DataError(f"--captions {captions!r}: no such file; give a jsonl of {{\"image\", \"caption\"}} lines.")
+        there = "a directory" if lines.is_dir() else kind_of(lines) or "no such file"
+        raise DataError(f"--captions {captions!r}: {there}{', not a file' if there != 'no such file' else ''}; give "
+                        f"a jsonl of {{\"image\", \"caption\"}} lines.")
 
     def samples():
         for n, where, record in jsonl_records(lines, name=captions):
@@ -446,6 +456,12 @@ def preprocess_images(images: str, captions: str, output: str, *, shard_size: in
                     isinstance(record.get("caption"), str) or "messages" in record):
                 raise DataError(f"{where}: each line is {{\"image\": FILE, \"caption\": TEXT}} (or \"messages\" "
                                 f"instead of \"caption\"); got {json.dumps(record)[:80]}.")
+            if "caption" in record and "messages" in record:  # the loader would read the caption alone
+                raise DataError(f"{where}: the line holds both \"caption\" and \"messages\"; a sample is an image "
+                                f"with either a caption or a conversation, not both: keep the one meant.")
+            if "caption" in record and not record["caption"].replace(MARKER, "").strip():
+                raise DataError(f"{where}: the caption {json.dumps(record['caption'])} is empty, so the sample "
+                                f"trains nothing; give the image's caption text.")
             path = folder / record.pop("image")
             fld = path.suffix.lower().lstrip(".")
             if fld not in IMAGE_FIELDS:

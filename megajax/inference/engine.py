@@ -568,7 +568,8 @@ class Engine:
             self._start()
             self.ready = True
         except Exception as e:  # the server answers liveness; every request fails with the reason
-            traceback.print_exc()
+            if not isinstance(e, MemoryError) and not str(e).startswith("RESOURCE_EXHAUSTED"):
+                traceback.print_exc()  # a fault of the engine's own; out of memory is said in one line
             self.error = f"{type(e).__name__}: {e}"
         while True:
             self._take()
@@ -834,6 +835,10 @@ def check_engine_sizes(context: int, max_batch: int, block_size: int, num_blocks
     if num_blocks is not None and num_blocks < 1:
         raise UserError(f"--num-kv-blocks {num_blocks}: must be >= 1 (default: room for --max-batch sequences "
                         f"of the whole context, {max_batch * -(-context // block_size)} blocks of {block_size}).")
+    if num_blocks is not None and max_batch > num_blocks:  # the rows past the pool never run, yet cost memory
+        raise UserError(f"--max-batch {max_batch} with --num-kv-blocks {num_blocks}: each running sequence holds a "
+                        f"KV block of its own, so at most {num_blocks} run at once; set --max-batch {num_blocks} or "
+                        f"less, or a larger pool.")
     if prefill_chunk < 1:
         raise UserError(f"--prefill-chunk {prefill_chunk}: must be >= 1 (tokens of a prompt prefilled per step).")
     if prefill_rows is not None and not 1 <= prefill_rows <= max_batch:

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from megajax.data.chat import ROLES
 from megajax.errors import DataError
 from megajax.inference.batcher import Job
 from megajax.inference.chat import ChatTemplateError, TemplateLimit, naming, render_chat, special_token
@@ -432,6 +433,9 @@ class OpenAIDialect:
                 content = "".join(texts)
             if not isinstance(m.get("role"), str) or not isinstance(content, (str, type(None))):
                 raise RequestError(f"'{param}'[{i}] needs a string 'role' and a string 'content'.", param)
+            if m["role"] not in ROLES:  # as fine-tuning data's roles: a template knows these
+                raise RequestError(f"'{param}'[{i}] has role {m['role']!r}; the roles are "
+                                   f"{', '.join(map(repr, ROLES))}.", param)
             if content is None and m["role"] != "assistant":  # OpenAI's: only an assistant turn may leave it out
                 raise RequestError(f"'{param}'[{i}] (role {m['role']!r}) has no 'content'; only an assistant "
                                    f"message may leave it out.", param)

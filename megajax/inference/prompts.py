@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megajax.data.chat import check_messages
-from megajax.data.text_files import json_line, undecodable
+from megajax.data.text_files import argument_text, json_line, undecodable
 from megajax.data.user_files import MAX_TEXT_BYTES, read_user_file
 from megajax.errors import DataError, UserError
 from megajax.inference.chat import ChatTemplateError, render_chat, special_token
@@ -70,7 +70,7 @@ def read_prompts(prompt: list[str], prompts_file: str | None, chat: bool) -> lis
     if bool(prompt) == bool(prompts_file):
         raise UserError("megajax generate needs --prompt TEXT (repeatable) or --prompts-file FILE, one of them.")
     if prompt:
-        return [_plain(p, f"--prompt {i}", chat) for i, p in enumerate(prompt)]
+        return [_plain(argument_text(p, f"--prompt {i}"), f"--prompt {i}", chat) for i, p in enumerate(prompt)]
     path = Path(prompts_file)
     lines = [(n, line) for n, line in enumerate(_lines(path), 1) if line.strip()]
     where = f"--prompts-file {str(path)!r}"

@@ -48,6 +48,7 @@ from typing import Any
 from megajax.errors import UserError
 from megajax.inference.batcher import Batcher, Job
 from megajax.data.chat import trained_chat_template
+from megajax.data.text_files import lone_surrogate, parse_json
 from megajax.inference.chat import (ChatTemplateError, chat_template_source_of, check_chat_template,
                                    special_token)
 from megajax.inference.engine import DEFAULT_BLOCK_SIZE, DEFAULT_PREFILL_CHUNK, Engine
@@ -98,12 +99,20 @@ class CompletionService:
                  batching: str = "continuous", block_size: int = DEFAULT_BLOCK_SIZE, num_kv_blocks: int | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, prefill_rows: int | None = None,
                  prefix_caching: bool = True, quiet: bool = True,
-                 limit_images: int = DEFAULT_LIMIT_IMAGES, allowed_local_media_path: str | None = None,
+                 limit_images: int | None = None, allowed_local_media_path: str | None = None,
                  chat_template_source: str = ""):
         self.loaded = loaded
-        if limit_images < 0:
+        if limit_images is not None and limit_images < 0:
             raise UserError(f"--limit-images-per-prompt {limit_images}: must be >= 0.")
-        self.limit_images = limit_images  # a chat prompt's images at most (a vision-language model)
+        if loaded.generator.model.vision is None:  # a text model takes no images: its options would do nothing
+            given = [o for o, v in (("--limit-images-per-prompt", limit_images),
+                                    ("--allowed-local-media-path", allowed_local_media_path)) if v is not None]
+            if given:
+                raise UserError(f"{' and '.join(given)}: this model has no image encoder (model.vision is unset), "
+                                f"so its requests hold no images; drop {'them' if len(given) > 1 else 'it'}, or "
+                                f"serve a vision-language model.")
+        # a chat prompt's images at most (a vision-language model)
+        self.limit_images = DEFAULT_LIMIT_IMAGES if limit_images is None else limit_images
         # file:// image URLs are read under this directory (None: data URLs only)
         self.allowed_media = None
         if allowed_local_media_path is not None:
@@ -455,11 +464,16 @@ class _Handler(BaseHTTPRequestHandler):
         if len(raw) < int(length):
             raise ClientGone(f"client_gone: sent {len(raw)} of {length} body bytes")
         try:
-            body = json.loads(raw)
+            body = parse_json(raw)
         except ValueError as e:
             raise RequestError(f"the body is not valid JSON ({e}).") from None
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object.")
+        found = lone_surrogate(body) if b"\\u" in raw or b"\\U" in raw else None
+        if found:  # "\ud800": valid JSON, but no character: no tokenizer can encode it
+            raise RequestError(f"the body holds the JSON escape {found}, half of a UTF-16 surrogate pair without "
+                               f"its other half: not a character, and not encodable as UTF-8; send the whole pair "
+                               f"(e.g. \\ud83d\\ude00) or the character itself.")
         return body
 
     # ------------------------------------------------------------ routing

@@ -54,6 +54,11 @@ def describe_changes(saved: dict, saved_mesh: dict[str, int] | None, cfg: Config
     if cfg.model.lora is not None and old_lora.get("dropout", cfg.model.lora.dropout) != cfg.model.lora.dropout:
         parts.append(f"model.lora.dropout {old_lora['dropout']} -> {cfg.model.lora.dropout}: the adapters' inputs "
                      f"are dropped at the new rate from step {step + 1} (the parameters are the same)")
+    old_load, new_load = (saved.get("checkpoint") or {}).get("load"), cfg.checkpoint.load
+    if new_load and new_load != old_load and cfg.model.lora is None:  # a LoRA run's base: refused (setup.py)
+        parts.append(f"checkpoint.load {old_load!r} -> {new_load!r}: not read, the run continues from its own "
+                     f"step {step} (checkpoint.load names where a new run starts; use another train.run_dir to "
+                     f"start from {new_load})")
     if saved_mesh is not None and {a: n for a, n in saved_mesh.items() if n > 1} != {
             a: n for a, n in mesh.items() if n > 1}:
         parts.append(f"mesh {mesh_text(saved_mesh)} -> {mesh_text(mesh)}: the checkpoint is resharded onto "

@@ -264,6 +264,8 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     if resume is not None:
         meta = read_meta(verify_step(resume))
         refuse_lora_changes(meta.get("config", {}), cfg.model, resume)  # before a restore would drop adapters
+        if setup.spec.frozen_axes is not None:
+            _same_base(cfg, meta.get("lora_base") or {}, resume)
         state, note = restore_resume(resume, target, setup.state_shardings, cfg)  # (with or without a master copy)
         if setup.spec.frozen_axes is not None:  # adapters: the base comes from where the checkpoint says
             frozen, _ = frozen_base(setup, target, meta.get("lora_base"), str(resume))
@@ -316,6 +318,20 @@ def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
         raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints and "
                               f"checkpoint.load is not set; drop checkpoint.step to start afresh.")
     return setup.fresh_state(), 0, "fresh initialisation", None
+
+
+def _same_base(cfg, recorded: dict, resume: Path) -> None:
+    """CheckpointError when a LoRA run is resumed with a checkpoint.load other than the base its adapters were
+    trained on (the resume would read the recorded base, not the one named: silently another model)."""
+    if not cfg.checkpoint.load or not recorded:  # the base is read from the record (none: verified_base refuses)
+        return
+    named, was = base_reference(cfg).get("path"), recorded.get("path")
+    if was is None or Path(named).resolve() != Path(was).resolve():  # the same directory by a link: the same
+        was = was or f"a base initialised from train.seed={recorded.get('seed')}"
+        raise CheckpointError(f"checkpoint.load = {cfg.checkpoint.load!r} names another base than the one the adapters "
+                              f"of {resume} were trained on ({was}); a resume continues on that base. Drop "
+                              f"checkpoint.load (the base is read from the checkpoint's record), or, to train "
+                              f"adapters on {cfg.checkpoint.load}, start another train.run_dir.")
 
 
 def frozen_base(setup: Setup, target: TrainState, ref: dict | None, where: str) -> tuple[dict, dict]:
