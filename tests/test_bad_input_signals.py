@@ -175,3 +175,34 @@ def test_sigterm_to_one_process_during_start_up_stops_the_whole_job(tmp_path, sl
     assert not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
     for i in range(2):
         assert "Traceback" not in _output(tmp_path, i)
+
+
+IGNORED_RAISE = """
+import os, signal, sys, time
+from megajax.train.stop_signals import Interrupted, StopSignals
+printed = []
+sys.unraisablehook = lambda u: printed.append(repr(u.exc_value))
+class SignalsInADestructor:  # the handler runs in __del__, where Python ignores its exception
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+start = time.monotonic()
+try:
+    with StopSignals(say=print) as stop, stop.interruptible("during a test"):
+        SignalsInADestructor()
+        while time.monotonic() < start + 2.0:
+            time.sleep(0.01)
+    print("not interrupted")
+except Interrupted as e:
+    print(f"interrupted {e.name} after {time.monotonic() - start:.1f} s; printed {printed}")
+"""
+
+
+def test_a_signal_whose_exception_python_ignores_is_sent_again():
+    """A signal handled while a garbage-collection callback or a destructor runs raises where Python ignores
+    (and prints) the exception: the phase went on and only the watcher's 3 s exit stopped it, after a
+    traceback. Now nothing is printed and the watcher sends the signal again within REFIRE_SECONDS."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=xla_flags())
+    p = subprocess.run([sys.executable, "-c", IGNORED_RAISE], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.startswith("interrupted SIGTERM after 0."), (p.stdout, p.stderr)
+    assert p.stdout.strip().endswith("printed []") and "Traceback" not in p.stderr, (p.stdout, p.stderr)

@@ -9,6 +9,9 @@ first step, the end-of-training sample after the last one. There a signal stops 
     with stop.interruptible("during start-up"):
         ...            # a signal raises Interrupted here (the with-block's callers clean up and report)
 
+The handler's exception is lost where Python ignores exceptions (a garbage-collection callback or a
+destructor running when the signal arrived; not printed then); the watcher thread sends the signal again
+every REFIRE_SECONDS while the phase runs (those copies are not a user's second signal).
 A phase that does not return to Python (XLA compiling a large program) cannot be interrupted by a
 Python exception; a watcher thread, woken by the signal itself (signal.set_wakeup_fd), ends the process
 if the phase has not stopped GRACE_SECONDS after the signal, and at once on a second signal, with one
@@ -40,6 +43,7 @@ from megajax.distributed import barrier, leave_job, preemption_noticed, preempti
 
 GRACE_SECONDS = 3.0  # a phase that has not stopped this long after the signal: the process ends
 NOTICE_POLL_SECONDS = 0.5  # several processes: how often the watcher asks whether a notice came
+REFIRE_SECONDS = 0.5  # one process: how often the watcher sends the signal again while the phase runs on
 
 
 class Interrupted(BaseException):
@@ -49,6 +53,16 @@ class Interrupted(BaseException):
     def __init__(self, signum: int, phase: str):
         super().__init__(signum, phase)
         self.name, self.phase = signal.Signals(signum).name, phase
+
+
+def _quiet_about_interrupted(hook):
+    """sys.unraisablehook for an interruptible phase: an Interrupted that Python ignored (raised while a
+    garbage-collection callback or destructor ran) is not printed, since the watcher sends the signal
+    again; anything else goes to `hook`."""
+    def quiet(unraisable):
+        if not isinstance(unraisable.exc_value, Interrupted):
+            hook(unraisable)
+    return quiet
 
 
 def exit_status(name: str | None) -> int:
@@ -75,6 +89,7 @@ class StopSignals:
         self._lock = threading.Lock()
         self._done = False
         self._started = False  # several processes: past the start-up barrier
+        self._refired = 0  # signals the watcher sent again whose wake-up bytes it has not read yet
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -99,12 +114,11 @@ class StopSignals:
     # -- the main thread ---------------------------------------------------------------------------
 
     def _handle(self, signum, frame):
-        first = self.received is None
-        self.received = signum
+        self.received = self.received or signum
         if self.multiprocess and signum == signal.SIGINT:
             os.kill(os.getpid(), signal.SIGTERM)
-        elif self.phase is not None and first:
-            raise Interrupted(signum, self.phase)
+        elif self.phase is not None:  # again for the watcher's copies: the first raise may have been ignored
+            raise Interrupted(self.received, self.phase)
 
     @contextlib.contextmanager
     def interruptible(self, phase: str):
@@ -117,10 +131,13 @@ class StopSignals:
         if self.received is not None and not self.multiprocess:
             raise Interrupted(self.received, phase)
         self.phase = phase
+        previous_hook = sys.unraisablehook
+        sys.unraisablehook = _quiet_about_interrupted(previous_hook)
         try:
             yield
         finally:
             self.phase = None
+            sys.unraisablehook = previous_hook
 
     def started(self) -> None:
         """The end of the start-up. With several processes: a barrier, so all enter the steps together; a
@@ -159,11 +176,13 @@ class StopSignals:
 
     def _watch(self, fd: int) -> None:
         """Ends the process when an interrupted phase does not stop within GRACE_SECONDS, or on a second
-        signal during one."""
+        signal during one; until then sends the signal again every REFIRE_SECONDS (its first exception
+        may have been ignored)."""
         first: tuple[float, int] | None = None  # (when, signal) of the signal that interrupted a phase
+        refire = 0.0  # when to send it again
         try:
             while True:
-                wait = None if first is None else max(first[0] + GRACE_SECONDS - time.monotonic(), 0.0)
+                wait = None if first is None else max(min(first[0] + GRACE_SECONDS, refire) - time.monotonic(), 0.0)
                 if select.select([fd], [], [], wait)[0]:
                     got = [s for s in os.read(fd, 64) if s in self.SIGNALS]
                 else:
@@ -172,16 +191,25 @@ class StopSignals:
                     if self._done:
                         return
                     phase = self.phase
+                    mine = min(self._refired, len(got))  # the copies this thread sent are no second signal
+                    self._refired -= mine
+                    got = got[mine:]
                 if phase is None:
                     first = None
                     continue
                 if got and first is None:
                     first = (time.monotonic(), got.pop(0))
+                    refire = first[0] + REFIRE_SECONDS
                 if got:
                     self._end_now(got[0], phase, "a second signal")
                 elif first is not None and time.monotonic() >= first[0] + GRACE_SECONDS:
                     self._end_now(first[1], phase, f"it had not stopped {GRACE_SECONDS:g} s later: the phase runs "
                                                    f"outside Python, e.g. XLA compiling")
+                elif first is not None and time.monotonic() >= refire:
+                    with self._lock:
+                        self._refired += 1
+                    os.kill(os.getpid(), first[1])
+                    refire = time.monotonic() + REFIRE_SECONDS
         finally:
             os.close(fd)
 
