@@ -130,22 +130,26 @@ def parse_layout(text: str, key: str = LAYOUT_KEY) -> list[str]:
 
 
 def _hint(p: int, v: int) -> str:
-    return f"mesh.pipeline={p} x parallel.virtual_stages={v} = {p * v}"
+    return f"mesh.pipeline={p} x parallel.virtual_stages={v}"
 
 
-def layout_from_string(text: str, m: ModelConfig, p: int, v: int, key: str = LAYOUT_KEY) -> StageLayout:
+def layout_from_string(text: str, m: ModelConfig, p: int, v: int, key: str = LAYOUT_KEY,
+                       where: str = "") -> StageLayout:
     """The chunks of a Megatron layout string for a model of `m` on P stages x V virtual stages,
     checked as Megatron-Core checks it (and megajax's one restriction: the multi-token prediction
-    depths run with the loss, in the last chunk)."""
+    depths run with the loss, in the last chunk). `where`: what gives P and V, for messages (default
+    the mesh and parallel.virtual_stages)."""
     chunks = parse_layout(text, key)
+    where = where or _hint(p, v)
     layers = len(m.hybrid_pattern()) if m.hybrid_layer_pattern else m.num_layers
     flat = "".join(chunks)
     problems = []
     if len(chunks) != p * v:
         ok = [f"mesh.pipeline={d} x parallel.virtual_stages={len(chunks) // d}" for d in range(1, len(chunks) + 1)
               if len(chunks) % d == 0][:4]
-        problems.append(f"it names {len(chunks)} chunks but this run has {_hint(p, v)} (a layout names exactly "
-                        f"one chunk per virtual stage of every stage; {len(chunks)} chunks fit {', '.join(ok)})")
+        problems.append(f"it names {len(chunks)} chunks but this run has {where} = {p * v} (a layout names "
+                        f"exactly one chunk per virtual stage of every stage; {len(chunks)} chunks fit "
+                        f"{', '.join(ok)})")
     if flat.count("t") != layers:
         problems.append(f"it counts {flat.count('t')} decoder layers (t) but the model has {layers} "
                         f"(model.{'hybrid_layer_pattern' if m.hybrid_layer_pattern else 'num_layers'})")
@@ -189,7 +193,7 @@ def layout_from_ends(cfg: Config, p: int, v: int) -> StageLayout:
     if loss:
         keys.append("parallel.account_for_loss_in_pipeline_split=true")
     given = " with ".join(keys)
-    where = f"{given} (model with {layers} decoder layers, {_hint(p, v)})"
+    where = f"{given} (model with {layers} decoder layers, {_hint(p, v)} = {p * v})"
     if first is not None or last is not None:
         middle_layers, middle_stages = layers, p
         for key, n in (("first", first), ("last", last)):
@@ -233,7 +237,8 @@ def layout_from_pattern(m: ModelConfig, p: int, v: int) -> StageLayout:
     stages = m.hybrid_layer_pattern.split("|")
     if len(stages) != p * v:
         raise MeshError(f"model.hybrid_layer_pattern = {m.hybrid_layer_pattern!r} marks {len(stages)} pipeline stages "
-                        f"('|', one per chunk: virtual-stage-major) but this run has {_hint(p, v)}; make them agree, "
+                        f"('|', one per chunk: virtual-stage-major) but this run has {_hint(p, v)} = {p * v}; make "
+                        f"them agree, "
                         f"or leave the '|' out to split the pattern's repeats evenly.")
     return StageLayout(p, v, tuple(len(s) for s in stages), f"model.hybrid_layer_pattern={m.hybrid_layer_pattern!r}")
 
@@ -252,7 +257,7 @@ def even_layout(m: ModelConfig, p: int, v: int, fixes: str = "") -> StageLayout:
         unit, what = 1, "layers" if not k else f"MoE layers (the {k} dense ones run in the first chunk)"
     units = (m.num_layers - k) // unit
     if units % n:
-        raise MeshError(f"the model's {units} {what} do not split evenly into {_hint(p, v)} chunks; "
+        raise MeshError(f"the model's {units} {what} do not split evenly into {_hint(p, v)} = {p * v} chunks; "
                         f"{fixes or 'change the mesh'}, or give the chunks' layers: " + layout_keys_hint())
     chunks = [units // n * unit] * n
     chunks[0] += k
