@@ -337,3 +337,32 @@ def test_serve_answers_a_failing_template_with_an_error_and_keeps_serving(server
     status, body = _post(server.url, "/v1/chat/completions",
                          {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert status == 200 and body["choices"][0]["message"]["role"] == "assistant", body
+
+
+def test_the_time_bound_holds_when_its_first_raise_is_swallowed(monkeypatch):
+    """The watchdog's exception lands at the rendering thread's next Python step, which may be a callback
+    that swallows it (a gc callback: JAX registers one); the watchdog raises again, the rendering stops
+    within the bound plus one repeat, and nothing is raised in the thread after `bounded` returns."""
+    from megajax.data import template_sandbox as ts
+    monkeypatch.setattr(ts, "RENDER_SECONDS", 0.3)
+    swallowed = []
+
+    def work():
+        while True:
+            try:
+                while True:
+                    pass
+            except ts._Overtime:
+                if swallowed:
+                    raise
+                swallowed.append(time.monotonic())  # as a callback would: printed, and the loop goes on
+
+    start = time.monotonic()
+    with pytest.raises(ts.TemplateLimit, match="ran longer than 0.3 s"):
+        ts.bounded(work)
+    took = time.monotonic() - start
+    assert len(swallowed) == 1 and took < 0.3 + ts.REFIRE_SECONDS + 1.0, took
+    deadline = time.monotonic() + 2 * ts.REFIRE_SECONDS  # no stray raise once bounded has returned
+    while time.monotonic() < deadline:
+        pass
+    assert ts.bounded(lambda: "done") == "done"

@@ -471,7 +471,8 @@ def test_with_optimizer_needs_optimizer_state(saved, tmp_path, capsys):
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
     assert main(["export", "--format", "hf", "--checkpoint", str(tmp_path / "imported"), "--output",
                  str(tmp_path / "hf"), "--tokenizer", "byte", "--with-optimizer"]) != 0
-    assert "--with-optimizer writes megatron-core's optimizer state into a torch_dist" in capsys.readouterr().err
+    assert "--with-optimizer writes the optimizer state for megatron-core: it applies to --format megatron, not to " \
+           "--format hf" in capsys.readouterr().err
     moe_cfg, moe_params = saved["moe"][:2]
     with pytest.raises(CheckpointError, match=r"--with-optimizer: megajax writes megatron-core's optimizer state "
                                               r"for dense models"):

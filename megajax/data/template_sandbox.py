@@ -63,14 +63,15 @@ class _Overtime(BaseException):
 
 
 class _Budget:
-    __slots__ = ("deadline", "built", "sizes", "fired", "thread")
+    __slots__ = ("deadline", "built", "sizes", "fired", "thread", "active")
 
     def __init__(self):
         self.deadline = time.monotonic() + RENDER_SECONDS
         self.built = 0
         self.sizes: dict[int, tuple[object, int]] = {}  # id -> (object kept alive, its size)
-        self.fired = False
+        self.fired = 0.0  # when the watchdog last raised _Overtime in the rendering thread (0: never)
         self.thread = threading.get_ident()
+        self.active = True  # the rendering thread is inside `bounded` (the watchdog may raise there)
 
 
 _BUDGET: contextvars.ContextVar = contextvars.ContextVar("megajax_template_budget", default=None)
@@ -80,12 +81,19 @@ _BUDGET: contextvars.ContextVar = contextvars.ContextVar("megajax_template_budge
 # Time: one watchdog thread for every rendering in the process
 # ----------------------------------------------------------------------------
 
+REFIRE_SECONDS = 0.5  # a raise that the rendering thread swallowed (a gc callback's) is repeated this often
+
+
 class _Watchdog:
+    """Raises _Overtime in a rendering thread past its deadline, and again every REFIRE_SECONDS while it
+    is still inside `bounded` (an exception raised asynchronously lands at the thread's next Python step,
+    which may be a callback that swallows it). It raises only under `lock`, and only while the budget
+    is active; `leave` clears that under the same lock, so no raise reaches a thread that has left."""
+
     def __init__(self):
         self.lock = threading.Condition()
         self.watched: dict[int, _Budget] = {}
         self.thread: threading.Thread | None = None
-        self.idle = False  # the thread waits with no deadline: a new one must wake it
 
     def watch(self, budget: _Budget) -> None:
         with self.lock:
@@ -93,25 +101,36 @@ class _Watchdog:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="megajax-template-watchdog", daemon=True)
                 self.thread.start()
-            elif self.idle:  # deadlines only grow: a busy watchdog wakes for an earlier one anyway
-                self.lock.notify()
+            self.lock.notify()
 
-    def unwatch(self, budget: _Budget) -> None:
-        with self.lock:  # once this returns, the watchdog never fires for `budget`
-            if self.watched.get(budget.thread) is budget:
-                del self.watched[budget.thread]
+    def leave(self, budget: _Budget) -> None:
+        """Once this returns, the watchdog never raises in the thread for `budget` again, and a raise it
+        had already made has been delivered (and recorded in budget.fired)."""
+        while True:
+            try:
+                with self.lock:
+                    budget.active = False
+                    if self.watched.get(budget.thread) is budget:
+                        del self.watched[budget.thread]
+                break
+            except _Overtime:  # delivered while taking the lock: the lock is released, try again
+                budget.fired = budget.fired or time.monotonic()
+        try:
+            _pending_exception_point()  # a raise made before `active` was cleared lands here at the latest
+        except _Overtime:
+            budget.fired = budget.fired or time.monotonic()
 
     def _run(self) -> None:
         with self.lock:
             while True:
                 now = time.monotonic()
-                for budget in [b for b in self.watched.values() if b.deadline <= now and not b.fired]:
-                    budget.fired = True
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(budget.thread),
-                                                               ctypes.py_object(_Overtime))
-                pending = [b.deadline for b in self.watched.values() if not b.fired]
-                self.idle = not pending
-                self.lock.wait(max(min(pending) - now, 0.01) if pending else None)
+                for budget in self.watched.values():
+                    if budget.active and budget.deadline <= now and now - budget.fired >= REFIRE_SECONDS:
+                        budget.fired = now
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(budget.thread),
+                                                                   ctypes.py_object(_Overtime))
+                wake = [max(b.deadline, b.fired + REFIRE_SECONDS) for b in self.watched.values() if b.active]
+                self.lock.wait(max(min(wake) - now, 0.01) if wake else None)
 
 
 _WATCHDOG = _Watchdog()
@@ -129,16 +148,17 @@ def bounded(fn):
     budget = _Budget()
     token = _BUDGET.set(budget)
     try:
-        _WATCHDOG.watch(budget)
         try:
-            return fn()
+            _WATCHDOG.watch(budget)
+            result = fn()
+        except _Overtime:
+            budget.fired = budget.fired or time.monotonic()
         finally:
-            _WATCHDOG.unwatch(budget)
-            if budget.fired:
-                _pending_exception_point()
-    except _Overtime:
-        raise TemplateLimit(f"the chat template ran longer than {RENDER_SECONDS:g} s on one conversation (megajax's "
-                            f"bound on a chat template's time)") from None
+            _WATCHDOG.leave(budget)
+        if budget.fired:  # past the deadline, even where the raise landed in a callback that swallowed it
+            raise TemplateLimit(f"the chat template ran longer than {RENDER_SECONDS:g} s on one conversation "
+                                f"(megajax's bound on a chat template's time)")
+        return result
     except RecursionError:
         raise ChatTemplateError("the chat template recursed too deeply (RecursionError: a macro that calls "
                                 "itself without end?)") from None
