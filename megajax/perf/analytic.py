@@ -101,6 +101,8 @@ from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
+from megajax.train.pipeline_step import run_stage_plan
+from megajax.train.stage_form import staged_structs
 
 
 def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
@@ -276,7 +278,26 @@ def pipeline_stash_bytes(plan: RunPlan) -> int:
     sc = schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages)
     s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, cfg.model.hidden_size
     output = s * b * h / (t if sp else 1) * precision_policy(cfg).activation_bytes
-    return int(sc.stash * per_layer * cfg.model.num_layers / (c.stages * c.virtual_stages) + sc.head_stash * output)
+    return int(sc.stash * per_layer * chunk_layers(plan) + sc.head_stash * output)
+
+
+def chunk_layers(plan: RunPlan) -> float:
+    """The decoder layers of a pipeline's longest chunk (its stash slots and stage form are sized by it;
+    the even split's layers / (P V) where the plan has no layout)."""
+    c = plan.pipeline
+    return max(c.chunks) if c.chunks else plan.cfg.model.num_layers / (c.stages * c.virtual_stages)
+
+
+def stage_work(plan: RunPlan, layer_flops: float, head_flops: float) -> list[float]:
+    """Each pipeline stage's FLOPs per token of a step in its chunks (a layout's uneven split; the even
+    split's equal chunks): `layer_flops` per decoder layer (every kind alike), and the last stage's output
+    layer and loss, with each multi-token prediction depth's layer and output layer (`head_flops` each),
+    the embedding's lookup none."""
+    c, m = plan.pipeline, plan.cfg.model
+    chunks = c.chunks or (m.num_layers / (c.stages * c.virtual_stages),) * (c.stages * c.virtual_stages)
+    work = [layer_flops * sum(chunks[v * c.stages + s] for v in range(c.virtual_stages)) for s in range(c.stages)]
+    work[-1] += head_flops + m.mtp_num_layers * (layer_flops + head_flops)
+    return work
 
 
 def logits_bytes(plan: RunPlan) -> int:
@@ -628,7 +649,10 @@ def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     """Per-device bytes of `plan`'s run: parameters, gradients, Adam state, layer activations, logits,
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
-    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
+    params = spec.abstract_params
+    if plan.pipeline is not None:  # every stage holds the longest stage's rows (the layout's stage form)
+        params = staged_structs(params, run_stage_plan(plan.cfg, plan.pipeline, plan.sizes))
+    est = {**state_bytes(spec.axes, params, rules.params, rules.opt_state, plan.sizes,
                          frozen_in_state(plan.cfg.model), precision_policy(plan.cfg)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}
