@@ -4,7 +4,10 @@
 
 Every layout of the cluster's devices is enumerated: tensor parallelism inside a
 node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
-or interleaved with 2 or 4 chunks per stage), and the rest of the devices as
+or interleaved with 2 or 4 chunks per stage; where the layers do not divide into
+the chunks, Megatron's balanced split with the embedding and the loss counted as
+a layer each, up to 8 chunks per stage; a config's own layout keys kept), and
+the rest of the devices as
 data parallelism (plain, with the distributed optimizer, FSDP, or FSDP inside
 data parallelism); for each, every recompute policy and micro batch (those a
 command line sets, KEEPABLE, are kept). Each is planned exactly as `megajax
@@ -25,7 +28,9 @@ offered) and estimated:
   the element-wise ops read and write (analytic.elementwise_bytes: norms,
   residual adds, rotary embedding, softmax, the MLP's activation, the loss,
   FP8's casts) over the kind's memory bandwidth (`memory_gbps` x
-  `memory_efficiency`), all stretched by the pipeline bubble of the plan's own
+  `memory_efficiency`), plus what the slowest pipeline stage adds to the even
+  share (`slowest stage`: its layers in the layout, the last stage's output
+  layer and loss; analytic.stage_work), all stretched by the pipeline bubble of the plan's own
   schedule (a vision-language model's encoder runs on the first stage, which
   then sets the pace; devices sharing a host lose no time to it unless the
   stages run in lockstep, when idle stages compute on zeros); plus the
