@@ -108,3 +108,19 @@ def test_the_405b_preset_has_the_published_parameter_count():
     plan = make_plan(load_config(["model/llama3.1-405b"]), 1)
     spec, _ = build_model_spec(plan.cfg, plan.padded_vocab, mesh=None, rules=None)
     assert sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params)) == 405_853_388_800
+
+
+def test_the_nemotron_h_56b_preset_splits_its_irregular_pattern_unevenly():
+    """Nemotron-H 56B's 118 layers (a pattern without a repeating group) at pipeline 8: refused by the
+    even split, split 14 + 6 x 15 + 14 with the embedding and the loss counted as layers."""
+    from megajax.errors import MeshError
+    base = ["mesh.pipeline=8", "mesh.tensor=8", "mesh.data=1", "train.global_batch=64", "train.micro_batch=1"]
+    plan = make_plan(load_config(["model/nemotron-h-56b"]), 1)
+    spec, _ = build_model_spec(plan.cfg, plan.padded_vocab, mesh=None, rules=None)
+    assert 56.0e9 < sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params)) < 56.5e9
+    assert len(plan.cfg.model.hybrid_pattern()) == 118
+    with pytest.raises(MeshError, match="parallel.pipeline_layout"):
+        make_plan(load_config(["model/nemotron-h-56b"], base), 64)
+    balanced = make_plan(load_config(["model/nemotron-h-56b"], [*base, "parallel.account_for_embedding_in_pipeline_split=true",
+                                                                "parallel.account_for_loss_in_pipeline_split=true"]), 64)
+    assert balanced.pipeline.chunks == (14, *(15,) * 6, 14)
