@@ -134,11 +134,13 @@ def _hint(p: int, v: int) -> str:
 
 
 def layout_from_string(text: str, m: ModelConfig, p: int, v: int, key: str = LAYOUT_KEY,
-                       where: str = "") -> StageLayout:
+                       where: str = "", mtp_last: bool = False) -> StageLayout:
     """The chunks of a Megatron layout string for a model of `m` on P stages x V virtual stages,
     checked as Megatron-Core checks it (and megajax's one restriction: the multi-token prediction
-    depths run with the loss, in the last chunk). `where`: what gives P and V, for messages (default
-    the mesh and parallel.virtual_stages)."""
+    depths run with the loss, on the last stage: they must follow every decoder layer, and a chunk of
+    their own before L's, DeepSeek-V3's '...|m|L', is read as run with the loss; `mtp_last`: they
+    must be in the last chunk itself, as a legacy export's rank files hold them). `where`: what gives P
+    and V, for messages (default the mesh and parallel.virtual_stages)."""
     chunks = parse_layout(text, key)
     where = where or _hint(p, v)
     layers = len(m.hybrid_pattern()) if m.hybrid_layer_pattern else m.num_layers
@@ -164,13 +166,15 @@ def layout_from_string(text: str, m: ModelConfig, p: int, v: int, key: str = LAY
         problems.append(f"it counts {flat.count('m')} multi-token prediction depths (m) but model.mtp_num_layers="
                         f"{depths}")
     elif depths:
-        last = chunks[-1]
-        if last.count("m") != depths or "t" in last[last.index("m"):]:
-            where = [c for c, chunk in enumerate(chunks) if "m" in chunk]
+        holding = [c for c, chunk in enumerate(chunks) if "m" in chunk]
+        after = "".join(chunks[holding[0]:])  # from the first depth to the end
+        if (mtp_last and holding != [len(chunks) - 1]) or "t" in after[after.index("m"):]:
+            where = holding
             problems.append(f"its multi-token prediction depths (m, in chunk{'s' if len(where) > 1 else ''} "
-                            f"{', '.join(map(str, where))}) must all be in the last chunk, after its decoder layers "
-                            f"and before L: megajax runs them with the loss (e.g. '...|tmL'; Megatron's standalone "
-                            f"MTP stage is not supported)")
+                            f"{', '.join(map(str, where))}) must " + ("all be in the last chunk, after its decoder "
+                            f"layers and before L, as the last pipeline rank's file holds them (e.g. '...|tmL')"
+                            if mtp_last else "follow every decoder layer (e.g. '...|tmL' or '...|m|L'): megajax "
+                            "runs them with the loss, on the last stage"))
     if problems:
         raise MeshError(f"{key} = {text!r}: " + "; ".join(problems) + ".")
     return StageLayout(p, v, tuple(c.count("t") for c in chunks), f"{key}={text!r}")

@@ -51,3 +51,38 @@ def test_from_megatron_with_a_layout_that_does_not_fit_is_one_error(tmp_path):
     paragraph(p, "config", "parallel.pipeline_layout", "'Ettt|ttL'", "counts 5 decoder layers (t) but the model has 10")
     assert p.stdout == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_deepseek_v3s_published_layout_string_is_read_verbatim():
+    """Megatron's DeepSeek-V3 layout at PP 16 x VP 2, 'Et*3|(tt|)*29,m|L': the MTP depth in a chunk of its
+    own before the loss's. megajax runs the depth with the loss (on the last stage); the decoder layers
+    sit where Megatron puts them: the same chunks as 'Et*3|(tt|)*29|mL'."""
+    from megajax.pipeline_layout import layout_from_string
+    m = load_config(["model/deepseek-v3"], ["model.mtp_num_layers=1"]).model
+    ours = layout_from_string("Et*3|(tt|)*29,m|L", m, 16, 2)
+    assert ours.chunks == (3, *(2,) * 29, 0, 0) == layout_from_string("Et*3|(tt|)*29|mL", m, 16, 2).chunks
+
+
+@pytest.mark.parametrize("text, export, words", [
+    ("Et|tm|t|L", False, "must follow every decoder layer"),
+    ("Et|tt|mL", True, None),
+    ("Et|ttm|L", True, "must all be in the last chunk"),
+])
+def test_mtp_depths_after_the_decoder_layers(text, export, words):
+    """tiny-deepseek-v3 (3 layers, one MTP depth): training takes the depths anywhere after the last
+    decoder layer; a legacy Megatron export needs them in the last rank's chunk (its file holds them)."""
+    from megajax.checkpoint.megatron import stage_layers
+    from megajax.errors import CheckpointError, MeshError
+    from megajax.pipeline_layout import layout_from_string
+    m = load_config(["model/tiny-deepseek-v3"]).model
+    chunks = len(text.split("|"))
+    if words is None:
+        assert [len(r) for r in stage_layers(m, chunks, text)] == [1, 2, 0]
+        return
+    with pytest.raises(CheckpointError if export else MeshError, match=words):
+        if export:
+            stage_layers(m, chunks, text)
+        else:
+            layout_from_string(text, m, chunks, 1)
+    if export:  # training reads it
+        assert layout_from_string(text, m, chunks, 1).chunks == (1, 2, 0)

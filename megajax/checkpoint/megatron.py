@@ -254,7 +254,8 @@ def stage_layers(m: ModelConfig, pp: int, layout: str | None) -> list[range]:
         per = m.num_layers // pp
         return [range(s * per, (s + 1) * per) for s in range(pp)]
     try:
-        split = layout_from_string(layout, m, pp, 1, key="--pipeline-layout", where=f"--pipeline-parallel {pp}")
+        split = layout_from_string(layout, m, pp, 1, key="--pipeline-layout", where=f"--pipeline-parallel {pp}",
+                                   mtp_last=True)
     except UserError as e:
         raise CheckpointError(f"cannot export to a Megatron checkpoint: {e}") from None
     return [split.layers(s) for s in range(pp)]
