@@ -124,3 +124,21 @@ def test_the_nemotron_h_56b_preset_splits_its_irregular_pattern_unevenly():
     balanced = make_plan(load_config(["model/nemotron-h-56b"], [*base, "parallel.account_for_embedding_in_pipeline_split=true",
                                                                 "parallel.account_for_loss_in_pipeline_split=true"]), 64)
     assert balanced.pipeline.chunks == (14, *(15,) * 6, 14)
+
+
+def test_the_planner_offers_deepseek_v3s_published_layout():
+    """DeepSeek-V3 on 1,024 H100s at expert 64 x pipeline 8 (pinned): among the candidates, 4 virtual
+    stages with the embedding and the 3 dense layers alone in the first chunk, 2 MoE layers a chunk and
+    the loss alone in the last (Megatron's published layout), estimated as recipes/deepseek-v3-1024xh100
+    is; the even split cannot place 58 MoE layers in 8 x 4 chunks."""
+    cfg = load_config(["model/deepseek-v3"], ["mesh.expert=64", "mesh.pipeline=8", "train.global_batch=8192",
+                                              "train.micro_batch=1", "parallel.recompute=full"])
+    report = planner.plan_cluster(cfg, "1024xH100", top=50, keep=("train.micro_batch", "parallel.recompute"))
+    found = [c for c in report["ranked"] if c.layout == "Et*3|(tt|)*29|L"]
+    assert found and all(c.parallel["virtual_stages"] == 4 for c in found)
+    # (the recipe's data 2 with the distributed optimizer needs 73.8 GiB, over the plan's 72: FSDP 2 fits)
+    c = next(c for c in found if c.sizes["fsdp"] == 2 and c.sizes["tensor"] == 1)
+    recipe = planner.estimate(load_config(["recipes/deepseek-v3-1024xh100"], [
+        "mesh.dcn.data=1", "mesh.dcn.fsdp=2", "parallel.distributed_optimizer=false"]), "1024xH100")
+    assert recipe.layout == c.layout and recipe.step_seconds == pytest.approx(c.step_seconds, rel=1e-9)
+    assert recipe.memory["total"] == c.memory["total"]

@@ -6,7 +6,9 @@ Every layout of the cluster's devices is enumerated: tensor parallelism inside a
 node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
 or interleaved with 2 or 4 chunks per stage; where the layers do not divide into
 the chunks, Megatron's balanced split with the embedding and the loss counted as
-a layer each, up to 8 chunks per stage; a config's own layout keys kept), and
+a layer each, up to 8 chunks per stage; for a dense-first model, the embedding and
+the dense layers alone in the first chunk, the loss alone in the last, as
+DeepSeek-V3's published layout; a config's own layout keys kept), and
 the rest of the devices as
 data parallelism (plain, with the distributed optimizer, FSDP, or FSDP inside
 data parallelism); for each, every recompute policy and micro batch (those a
@@ -88,7 +90,7 @@ from megajax.mesh import data_parallel_size
 from megajax.models.trainable import frozen_in_state
 from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
-from megajax.pipeline_layout import parse_layout
+from megajax.pipeline_layout import StageLayout, parse_layout
 from megajax.plan import RunPlan, make_plan, plan_layout
 from megajax.train.flops import train_flops_per_token, vision_flops_per_token
 
@@ -244,7 +246,26 @@ def _stage_splits(cfg: Config, p: int, keep: tuple[str, ...], pinned: bool) -> l
             out.append((v, dict(BALANCED)))
         elif pinned and v == chunks[0] or len(chunks) == 1:
             out.append((v, {}))  # refused by the run's own check, which says why
+        dense_first = _dense_first_layout(m, p, v)
+        if dense_first:
+            out.append((v, {"pipeline_layout": dense_first}))
     return out
+
+
+def _dense_first_layout(m, p: int, v: int) -> str | None:
+    """A dense-first model's (DeepSeek-V3's) published kind of layout on P x V chunks: the embedding and
+    the dense layers alone in the first chunk, the loss (and the MTP depths) alone in the last, the MoE
+    layers in the chunks between, as many to a chunk as they need, the rest of them empty (Megatron's
+    'Et*3|(tt|)*29|L' at 8 x 4); None for other models or where it does not fit."""
+    k = m.dense_first_layers() if not m.hybrid_layer_pattern else 0
+    middle = p * v - 2
+    if not k or p < 2 or middle < 1:
+        return None
+    per = -(-(m.num_layers - k) // middle)
+    full, rest = divmod(m.num_layers - k, per)
+    chunks = [k] + [per] * full + ([rest] if rest else [])
+    chunks += [0] * (p * v - len(chunks))
+    return StageLayout(p, v, tuple(chunks), "").megatron(m.mtp_num_layers)
 
 
 def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, micro: int) -> Config:
