@@ -142,3 +142,10 @@ def test_the_planner_offers_deepseek_v3s_published_layout():
         "mesh.dcn.data=1", "mesh.dcn.fsdp=2", "parallel.distributed_optimizer=false"]), "1024xH100")
     assert recipe.layout == c.layout and recipe.step_seconds == pytest.approx(c.step_seconds, rel=1e-9)
     assert recipe.memory["total"] == c.memory["total"]
+    # the report says what ranks each alternative below the first: its parts that exceed the first's most
+    best = report["ranked"][0]
+    for axis, alt in report["alternatives"].items():
+        worst = max(alt.parts, key=lambda k: alt.parts[k] - best.parts.get(k, 0.0) if "overlapped" not in k else -1e9)
+        assert planner.behind(alt, best).startswith(worst + " +")
+        assert f"behind #1 by {planner.behind(alt, best)}" in planner.format_plan(report).split("not chosen")[1]
+    assert report["alternatives"], "expected a parallelism the first layout leaves out"

@@ -623,7 +623,16 @@ def format_plan(report: dict[str, Any], top: int = 5) -> str:
             lines.append(f"    {axis:<9} {c.step_seconds / best.step_seconds - 1:+6.1%}  {c.step_seconds:8.3f} s/step "
                          f"(#{rank})  {c.label()}")
             lines.append(f"              {reasons(c)}" + (f"; bubble {c.bubble:.1%}" if c.bubble else ""))
+            lines.append(f"              behind #1 by {behind(c, best)}")
     return "\n".join(lines)
+
+
+def behind(c: Candidate, best: Candidate, terms: int = 3) -> str:
+    """The parts of `c`'s estimate that exceed `best`'s most (what ranks it below): 'pipeline +120 ms, ...'."""
+    diff = {k: c.parts.get(k, 0.0) - best.parts.get(k, 0.0) for k in set(c.parts) | set(best.parts)
+            if "overlapped" not in k}
+    top = sorted(((k, v) for k, v in diff.items() if v > 0), key=lambda kv: -kv[1])[:terms]
+    return ", ".join(f"{k} +{v * 1e3:.0f} ms" for k, v in top) or "nothing (a tie)"
 
 
 def mesh_yaml(c: Candidate, header: str) -> str:
