@@ -233,8 +233,8 @@ def _stage_splits(cfg: Config, p: int, keep: tuple[str, ...], pinned: bool) -> l
         chunks = [n // p] if n % p == 0 else [1]
     else:
         chunks = [1, 2, 4, 8] if p > 1 else [1]
-    if p == 1:
-        return [(1, {})]
+    if p == 1:  # (a kept chunk count without a pipeline: the run's check says why it is refused)
+        return [(chunks[0] if "parallel.virtual_stages" in keep else 1, {})]
     if given:
         return [(v, {}) for v in chunks]
     out = []
