@@ -69,8 +69,9 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
     measured = hlo.parse(compiled.as_text())
     rules, sizes = plan.rules, plan.sizes
-    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    held = analytic.held_params(plan, spec)  # (the stage form's padding rows are reduced too)
+    local = analytic.tensor_shard_param_bytes(spec.axes, held, rules.params, sizes)
+    experts = analytic.expert_shard_param_bytes(spec.axes, held, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -86,7 +87,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
             if plan.cfg.model.lora else 0)
     expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered,
-                                            scattered, replicated)
+                                            scattered, replicated, program=True)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)

@@ -347,13 +347,15 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     # tick's halves, an idle stage on zeros.
     lost = bubble if not kind.shared_host or analytic.pipeline_lockstep(plan) else 0.0
     busy = (compute + encoder + stage_pace) / (1 - lost)
-    # The optimizer's update of the device's shard of the Adam state, after the step's gradients.
-    opt_state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes,
+    # The optimizer's update of the device's shard of the Adam state, after the step's gradients (the
+    # stacks as the state holds them: the stage form's padding rows are updated and reduced too).
+    held = analytic.held_params(plan, spec)
+    opt_state = analytic.state_bytes(spec.axes, held, rules.params, rules.opt_state, sizes,
                                      frozen_in_state(m))["optimizer"]
     # (it streams the parameters, gradients and moments through main memory: at `optimizer_gbps` where measured)
     optimizer = analytic.optimizer_bytes(opt_state) / (kind.optimizer_gbps * 1e9 or bandwidth)
-    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
-    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    local = analytic.tensor_shard_param_bytes(spec.axes, held, rules.params, sizes)
+    experts = analytic.expert_shard_param_bytes(spec.axes, held, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
     parts = {"compute": compute - memory, "memory-bound": memory, "bubble": busy - compute - encoder - stage_pace,
