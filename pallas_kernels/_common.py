@@ -7,6 +7,7 @@ masked tile loads and the grouped program order.
     valid(start, size, limit, column=)        [size, 1] / [1, size] masks of in-range indices
     masked_load(ref, rows, cols, mask)        ref[rows, cols] with masked-off entries read as 0
     tile_ids(pid, num_m, num_n, group_m)      (tile row, tile column) of program `pid`
+    varying(x), max_over(x, axes), sum_to(ct, primal)   shard_map's varying axes in custom VJPs
 """
 
 from __future__ import annotations
@@ -88,3 +89,22 @@ def tile_ids(pid, num_m: int, num_n: int, group_m: int):
     rows = jnp.minimum(num_m - first, group_m)
     in_group = lax.rem(pid, jnp.int32(width))
     return first + lax.rem(in_group, rows), lax.div(in_group, rows)
+
+
+def varying(x) -> frozenset:
+    """The shard_map axes a traced value is typed as varying over (empty outside one)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset(getattr(t, "vma", ()))
+
+
+def max_over(amax, axes):
+    axes = tuple(sorted(axes))
+    return jax.lax.pmax(amax, axes) if axes else amax
+
+
+def sum_to(ct, primal):
+    """Inside a shard_map: a cotangent summed over the axes it varies over and its primal does not
+    (a weight replicated over `tensor` meeting split activations), as JAX's own rules do."""
+    extra = tuple(sorted(varying(ct) - varying(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct
