@@ -85,18 +85,27 @@ class BlockFormat:
         quotient = jnp.float32(self.fp8_max) / amax_f32
         qfield = ((lax.bitcast_convert_type(quotient, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32)
         k = jnp.minimum(qfield - E8M0_BIAS, 126)
-        k = jnp.where((amax_f32 > 0) & finite, k, 0)
+        k = jnp.where((bits != 0) & finite, k, 0)  # (a subnormal amax is positive: its bits say so on CPU too)
         return k, pow2(-k)
 
     def factors(self, scales):
-        """fp32 dequantization factors of stored scales (NaN for the e8m0 NaN code). Exact, 2^-127
-        included (a product of two normal powers of two)."""
+        """fp32 dequantization factors of stored scales (NaN for the e8m0 NaN code; 2^-127 is an fp32
+        subnormal, which XLA:CPU reads as 0 where it is an operand: `dequantize` avoids it)."""
         if self.name != "mxfp8":
             return scales
         e = scales.astype(jnp.int32) - E8M0_BIAS
         half = e // 2
-        f = pow2(half) * pow2(e - half)
-        return jnp.where(scales == NAN_CODE, jnp.float32(jnp.nan), f)
+        return jnp.where(scales == NAN_CODE, jnp.float32(jnp.nan), pow2(half) * pow2(e - half))
+
+    def dequantize(self, values, scales):
+        """values (float8) times their scales (broadcast to values' shape), exactly, in fp32, fp32
+        subnormal results included (built from their bits: XLA:CPU flushes subnormal products)."""
+        v = values.astype(jnp.float32)
+        if self.name != "mxfp8":  # the power-of-two factors quantize_* stores
+            e = ((lax.bitcast_convert_type(scales, jnp.uint32) >> 23) & 0xFF).astype(jnp.int32) - E8M0_BIAS
+            return scale_exactly(v, e)
+        e = scales.astype(jnp.int32) - E8M0_BIAS
+        return jnp.where(scales == NAN_CODE, jnp.float32(jnp.nan), scale_exactly(v, e))
 
 
 BLOCKWISE = BlockFormat("blockwise", 128, jnp.dtype(jnp.float8_e4m3fn))
@@ -141,6 +150,24 @@ def times_pow2(v_f32, k):
     return jnp.where(((bits >> 23) & 0xFF) == 0, sub, normal)
 
 
+def scale_exactly(v_f32, e):
+    """v * 2^e for fp32 v that is zero or a normal number with at most 11 significant bits (a
+    float8 value) and integer e, exact where the result is an fp32 normal or subnormal number:
+    its bits are written directly (the exponent field moved; a subnormal's significand shifted)."""
+    bits = lax.bitcast_convert_type(v_f32, jnp.uint32)
+    sign, mantissa = bits & jnp.uint32(0x80000000), bits & jnp.uint32(0x7FFFFF)
+    field = ((bits >> 23) & 0xFF).astype(jnp.int32)
+    moved = field + e
+    normal = lax.bitcast_convert_type(sign | mantissa | (jnp.clip(moved, 1, 254).astype(jnp.uint32) << 23),
+                                      jnp.float32)
+    shift = jnp.clip(1 - moved, 0, 31).astype(jnp.uint32)
+    sub = sign | ((mantissa | jnp.uint32(0x800000)) >> shift)
+    sub = lax.bitcast_convert_type(jnp.where(1 - moved > 24, sign, sub), jnp.float32)
+    out = jnp.where(moved >= 1, normal, sub)
+    out = jnp.where(moved > 254, jnp.copysign(jnp.float32(jnp.inf), v_f32), out)
+    return jnp.where((field == 0) | (field == 0xFF), v_f32, out)
+
+
 def _elements(v_f32, k, fmt: BlockFormat):
     """The float8 elements of fp32 values whose block exponent is k: v * 2^k, saturated, RNE."""
     y = jnp.clip(times_pow2(v_f32, k), -fmt.fp8_max, fmt.fp8_max)
@@ -152,9 +179,15 @@ def _elements(v_f32, k, fmt: BlockFormat):
     return y.astype(fmt.dtype)
 
 
+def _magnitude_bits(v_f32):
+    """|v|'s bits as uint32: ordered as the magnitudes, NaNs above infinity."""
+    return lax.bitcast_convert_type(v_f32, jnp.uint32) & jnp.uint32(0x7FFFFFFF)
+
+
 def _amax(blocks_f32, axis):
-    """max |x| over `axis`, NaN when the block holds a NaN (jnp.max propagates it)."""
-    return jnp.max(jnp.abs(blocks_f32), axis=axis)
+    """max |x| over `axis` (a NaN when the block holds one), taken on the bits: exact for subnormals,
+    which XLA:CPU's float comparisons read as zero."""
+    return lax.bitcast_convert_type(jnp.max(_magnitude_bits(blocks_f32), axis=axis), jnp.float32)
 
 
 # ----------------------------------------------------------------------------------- layouts
@@ -203,10 +236,8 @@ def segment_blocks(group_sizes, rows: int, block: int):
 def quantize_segments(t, fmt: BlockFormat, segment, num_segments: int) -> QTensor:
     """Blocks along dim 0 of t [M, C] given by each row's segment id: scales [num_segments, C]."""
     v = t.astype(jnp.float32)
-    amax = jax.ops.segment_max(jnp.abs(v), segment, num_segments=num_segments, indices_are_sorted=True)
-    has_nan = jax.ops.segment_max(jnp.isnan(v).astype(jnp.int32), segment, num_segments=num_segments,
-                                  indices_are_sorted=True) > 0
-    amax = jnp.where(has_nan, jnp.float32(jnp.nan), jnp.maximum(amax, 0))  # (an empty segment's -inf: 0)
+    bits = jax.ops.segment_max(_magnitude_bits(v), segment, num_segments=num_segments, indices_are_sorted=True)
+    amax = lax.bitcast_convert_type(bits, jnp.float32)  # (an empty segment's: 0)
     k, scales = fmt.exponents(amax)
     return QTensor(_elements(v, k[segment], fmt), scales)
 
@@ -221,19 +252,18 @@ def quantize_columns(t, fmt: BlockFormat) -> QTensor:
 def dequantize_rows(q: QTensor, fmt: BlockFormat, dtype=jnp.float32):
     """The real values of quantize_rows' result, in `dtype` (fp32: exact)."""
     c = q.values.shape[-1]
-    f = jnp.repeat(fmt.factors(q.scales), fmt.block, axis=-1)[..., :c]
-    return (q.values.astype(jnp.float32) * f).astype(dtype)
+    return fmt.dequantize(q.values, jnp.repeat(q.scales, fmt.block, axis=-1)[..., :c]).astype(dtype)
 
 
 def dequantize_tiles(q: QTensor, fmt: BlockFormat, dtype=jnp.float32, tile: int | None = None):
     tile = tile or fmt.block
     r, c = q.values.shape
-    f = jnp.repeat(jnp.repeat(fmt.factors(q.scales), tile, axis=0), tile, axis=1)[:r, :c]
-    return (q.values.astype(jnp.float32) * f).astype(dtype)
+    scales = jnp.repeat(jnp.repeat(q.scales, tile, axis=0), tile, axis=1)[:r, :c]
+    return fmt.dequantize(q.values, scales).astype(dtype)
 
 
 def dequantize_segments(q: QTensor, fmt: BlockFormat, segment, dtype=jnp.float32):
-    return (q.values.astype(jnp.float32) * fmt.factors(q.scales)[segment]).astype(dtype)
+    return fmt.dequantize(q.values, q.scales[segment]).astype(dtype)
 
 
 def tiles_as_rows(q: QTensor, fmt: BlockFormat, transpose: bool = False) -> QTensor:

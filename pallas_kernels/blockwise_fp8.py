@@ -40,7 +40,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     both, cdiv, default_interpret, masked_load, next_pow2, on_rocm, shared_memory_per_block, tile_ids, valid)
-from pallas_kernels.block_scaling import BLOCKWISE, QTensor, dequantize_rows
 
 BLOCK_K = 128   # the scaling block along K: one K step of the kernel
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz))
@@ -182,13 +181,17 @@ def blockwise_matmul(a, a_scales, b, b_scales, *, out_dtype, block_m: int | None
 
 
 def blockwise_matmul_xla(a, a_scales, b, b_scales, *, out_dtype):
-    """blockwise_matmul's product as dequantize-then-dot: the exact values of the operands in
-    out_dtype where that is 16-bit (power-of-two scales make them exact there too), else fp32,
-    multiplied with fp32 accumulation."""
+    """blockwise_matmul's product as dequantize-then-dot: the operands' values (float8 x factor in
+    fp32, then in out_dtype where that is 16-bit: exact for the power-of-two factors the recipe
+    uses), multiplied with fp32 accumulation."""
     _check(a, a_scales, b, b_scales, out_dtype)
     dq = jnp.dtype(out_dtype) if jnp.dtype(out_dtype).itemsize == 2 else jnp.dtype(jnp.float32)
-    a_dq = dequantize_rows(QTensor(a, a_scales), BLOCKWISE, dq)
-    b_dq = dequantize_rows(QTensor(b, b_scales), BLOCKWISE, dq)
+
+    def real(v, s):  # (fp32 products of float8 values and any fp32 factors)
+        f = jnp.repeat(jnp.asarray(s, jnp.float32), BLOCK_K, axis=1)[:, :v.shape[1]]
+        return (v.astype(jnp.float32) * f).astype(dq)
+
+    a_dq, b_dq = real(a, a_scales), real(b, b_scales)
     out = lax.dot_general(a_dq, b_dq, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
 
