@@ -62,13 +62,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         return exit_status(name)
 
 
+def _tensor_overlap(cfg) -> bool:
+    """Whether the run overlaps tensor-parallel collectives (parallel.tp_comm_overlap with mesh.tensor
+    other than 1): megajax.xla_env then sets XLA's options for it where a GPU may run."""
+    return cfg.parallel.tp_comm_overlap and cfg.mesh.tensor * cfg.mesh.dcn.tensor != 1
+
+
 def _train(args: argparse.Namespace) -> int:
     from megajax.checkpoint.stored_model import train_config  # checkpoint.load's model under the keys set
     notes: list[str] = []
     cfg = train_config(args.config, args.overrides, notes)
     for note in notes:
         print(f"megajax train: {note}", flush=True)  # with the run's log (stdout): stderr is for errors
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax import compile_cache, distributed
     compile_cache.enable(cfg.ops.compile_cache)  # before the first compile
     plan = distributed.plan_processes(cfg.distributed)
@@ -374,7 +380,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_megatron(source, args.output, tensor_parallel=args.tensor_parallel,
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
                                   dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
-                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template)
+                                  expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template,
+                                  null_eod=eod)
             fmt = "megatron, legacy torch format"
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
@@ -390,7 +397,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 adam = checkpoint_adam(source.step_dir, meta)
             out = export_torch_dist(source, args.output, dtype=args.dtype, iteration=iteration,
                                     tokenizer_spec=tokenizer, megatron_version=args.megatron_version, adam=adam,
-                                    chat_template=template)
+                                    chat_template=template, null_eod=eod)
             fmt = (f"megatron, torch_dist for megatron-core {args.megatron_version}: common state "
                    + ("in common.pt" if form == "common.pt" else "as common_state in the shards")
                    + ("" if adam is None else f"; with the optimizer state (Adam moments"
@@ -463,7 +470,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from megajax.perf import planner
     _check_outputs(("--json", args.json), ("--output", args.output))
     cfg = load_config(args.config, args.overrides)
-    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top)
+    report = planner.plan_cluster(cfg, args.cluster, args.device_kinds, args.top, planner.kept_keys(args.overrides))
     print(planner.format_plan(report, args.top))
     if args.json:
         from megajax.perf.bench import write_json
@@ -503,7 +510,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 0
     if args.gemm_table:
         return _gemm_table(cfg, args.gemm_table)
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax.perf import bench
     kw = dict(steps=args.steps, warmup=args.warmup, baseline=args.baseline)
     if args.sweep:
@@ -539,14 +546,16 @@ def _gemm_table(cfg, path: str) -> int:
     device = jax.devices()[0]
     key = precision_policy(cfg).peak_flops_key
     dtype = "float32" if device.platform == "cpu" or key == "fp32" else "bfloat16"
-    # On CPU a lone matmul has all of the host's cores: its share is of the host's peak.
-    peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform,
-                                          "fp32" if dtype == "float32" else key, 1, cfg.train.peak_tflops)
+    # On CPU a lone matmul has all of the host's cores: its share is of the host's peak. The shares are
+    # of the measured dtype's peak (the table's gemm_precision; FP8 products scale by the kind's ceilings).
+    precision = "fp32" if dtype == "float32" else "bf16"
+    peak, source = peak_tflops_per_device(getattr(device, "device_kind", ""), device.platform, precision, 1,
+                                          cfg.train.peak_tflops if key == precision else None)
     measured = gemm.measure(dtype)
     # The memory bandwidth and fixed costs: on CPU per simulated device of the kind (they share the host).
     from megajax.perf.device_kinds import cpu_device_kind
     probes = gemm.measure_probes(cpu_device_kind().node_size if device.platform == "cpu" else 1)
-    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path, probes)
+    kind, text = gemm.table_yaml(measured, peak, source, "megajax bench --gemm-table " + path, probes, precision)
     for m, k, n, tflops in measured["rows"]:
         print(f"  [{m:>5} x {k:>5}] x [{k:>5} x {n:>5}]  {tflops:8.3f} TFLOP/s  {tflops / peak:6.1%} of peak")
     for name, value in probes.items():
@@ -582,7 +591,7 @@ def _load_model(args: argparse.Namespace, source=None, cfg=None):
     """The model named by --checkpoint / --hf with the key=value overrides, on this machine's devices."""
     if source is None:
         source, cfg = _model_config(args)
-    _prepare_xla(cfg.mesh.cpu_devices)
+    _prepare_xla(cfg.mesh.cpu_devices, tensor_overlap=_tensor_overlap(cfg))
     from megajax.inference.load import load_model
     loaded = load_model(cfg, source, user_mesh=any(o.startswith("mesh.") for o in args.overrides))
     for note in loaded.notes:

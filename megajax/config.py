@@ -468,6 +468,11 @@ class ParallelConfig:
     # MLP; 1 folds the tensor and context devices into expert parallelism for the experts (Megatron's
     # MoE parallel folding): the experts split over expert x context x tensor, each expert whole.
     expert_tensor_parallel: int | None = None
+    # Tensor-parallel collectives overlapped with the products on GPUs (Megatron's --tp-comm-overlap):
+    # with tensor parallelism on a GPU, the sequence-parallel products run as collective matmuls (each
+    # step's transfer beside the previous step's partial product, megajax/parallel/tensor.py) and XLA's
+    # scheduler options that overlap them are set (megajax/xla_env.py); false: neither.
+    tp_comm_overlap: bool = True
 
 
 @dataclass

@@ -180,7 +180,8 @@ FLAGS: tuple[Flag, ...] = (
     _same("--overlap-grad-reduce", OVERLAP),
     _same("--overlap-param-gather", OVERLAP),
     _same("--overlap-p2p-communication", OVERLAP),
-    _same("--tp-comm-overlap", OVERLAP),
+    _same("--tp-comm-overlap", "megajax's parallel.tp_comm_overlap, on by default: on GPUs the sequence-parallel "
+                               "products run as collective matmuls"),
     _same("--distributed-backend", "megajax runs on JAX's runtime", STR),
     _none("--distributed-timeout-minutes", "megajax's watchdog is ops.hang_timeout (seconds)", INT),
     # Precision

@@ -11,10 +11,20 @@
   differ from LLVM's defaults only by fp32 rounding. docs/performance.md ("Compile time on CPU")
   has the measurements.
 
+- With tensor parallelism and parallel.tp_comm_overlap where a GPU may run (`TP_OVERLAP_FLAGS`):
+  `--xla_gpu_enable_latency_hiding_scheduler=true` (XLA:GPU's scheduler then starts each
+  asynchronous collective, the collective matmuls' collective-permutes among them
+  (megajax/parallel/tensor.py), early enough to run beside independent products; off by default),
+  `--xla_gpu_threshold_for_windowed_einsum_mib=0` and `--xla_gpu_multi_streamed_windowed_einsum=true`
+  (the products XLA partitions itself that gather or scatter an operand become windowed einsums at
+  every size, not only above 100000 MiB, their steps on separate streams). Each name exists in
+  jaxlib 0.10's XLA (tests/test_tp_overlap.py starts a process with them; XLA aborts on a flag it
+  does not know); `TP_OVERLAP_OFF` are the same flags at XLA's defaults, for a run without them.
+
 Nothing is added where the caller's XLA_FLAGS already names the flag (for LLVM's defaults:
 `--xla_backend_extra_options=-unroll-full-max-count=4294967295`, the option's own default), and
 the LLVM option is never set where a GPU or TPU backend may run: XLA hands the same options to its
-GPU compilers.
+GPU compilers; the GPU options only where a GPU may run.
 """
 
 from __future__ import annotations
@@ -27,6 +37,12 @@ import pkgutil
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 BACKEND_OPTIONS_FLAG = "--xla_backend_extra_options"
 CPU_CODEGEN_OPTIONS = "-unroll-full-max-count=8"
+TP_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                    "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+                    "--xla_gpu_multi_streamed_windowed_einsum=true")
+TP_OVERLAP_OFF = ("--xla_gpu_enable_latency_hiding_scheduler=false",
+                  "--xla_gpu_threshold_for_windowed_einsum_mib=100000",
+                  "--xla_gpu_multi_streamed_windowed_einsum=false")
 
 
 def accelerator_plugins() -> list[str]:
@@ -52,16 +68,28 @@ def cpu_only(environ=os.environ) -> bool:
     return not accelerator_plugins()
 
 
-def prepare(cpu_devices: int = 0, environ=os.environ) -> str:
+def gpu_possible(environ=os.environ) -> bool:
+    """Whether this process may run on a GPU: JAX_PLATFORMS names cuda, rocm or gpu, or is unset and
+    a CUDA or ROCm plugin is installed."""
+    platforms = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms:
+        return bool({"cuda", "rocm", "gpu"} & set(platforms))
+    return any("cuda" in name or "rocm" in name for name in accelerator_plugins())
+
+
+def prepare(cpu_devices: int = 0, environ=os.environ, tensor_overlap: bool = False) -> str:
     """Adds megajax's flags to `environ["XLA_FLAGS"]` (the simulated device count when
-    `cpu_devices` > 0, the CPU code-generation options on a CPU-only run), each unless the caller
-    set it already; returns the resulting XLA_FLAGS. Has no effect once JAX has compiled."""
+    `cpu_devices` > 0, the CPU code-generation options on a CPU-only run, the tensor-parallel overlap
+    options with `tensor_overlap` where a GPU may run), each unless the caller set it already; returns
+    the resulting XLA_FLAGS. Has no effect once JAX has compiled."""
     flags = environ.get("XLA_FLAGS", "")
     add = []
     if cpu_devices > 0 and DEVICE_COUNT_FLAG not in flags:
         add.append(f"{DEVICE_COUNT_FLAG}={cpu_devices}")
     if BACKEND_OPTIONS_FLAG not in flags and cpu_only(environ):
         add.append(f"{BACKEND_OPTIONS_FLAG}={CPU_CODEGEN_OPTIONS}")
+    if tensor_overlap and gpu_possible(environ):
+        add += [f for f in TP_OVERLAP_FLAGS if f.split("=")[0] not in flags]
     if add:
         environ["XLA_FLAGS"] = " ".join([flags, *add]).strip()
     return environ.get("XLA_FLAGS", "")

@@ -141,6 +141,11 @@ def _bench(name: str, impl: str, *extra: str) -> Callable[[Context], list[str]]:
     return command
 
 
+def _tp_overlap_headline(r: dict) -> str:
+    return (f"tensor 2: {r['on']['step_seconds'] * 1e3:.0f} ms/step with the overlap, "
+            f"{r['off']['step_seconds'] * 1e3:.0f} without: {r['speedup']:.2f}x")
+
+
 def _serve_headline(r: dict) -> str:
     modes = r.get("modes", {})
     parts = []
@@ -199,6 +204,11 @@ SECTIONS = [
     # JAX and PyTorch share the GPU: JAX allocates as it goes instead of taking 75% up front.
     Section("bench_llama1b_megatron", 150, _bench("bench_llama1b_megatron", "cudnn", "--baseline", "megatron"),
             skip=_megatron_missing, headline=_bench_headline, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),
+    # Tensor parallelism 2 with the overlap of its collectives (parallel.tp_comm_overlap) and without: the
+    # measurement `megajax plan`'s tp_overlap assumes until it is taken (2 or more GPUs; else skipped).
+    Section("tp_overlap", 300, lambda ctx: [ctx.python, "scripts/gpu_check_tp_overlap.py", "--json",
+                                            ctx.json("tp_overlap"), *(["--cpu-smoke"] if ctx.smoke else [])],
+            smoke_limit_s=150, headline=_tp_overlap_headline),
     Section("serve", 150, lambda ctx: [ctx.python, "scripts/bench_serve.py", *(SERVE_SMOKE if ctx.smoke else SERVE_GPU),
                                        "--json", ctx.json("serve")], smoke_limit_s=120, headline=_serve_headline,
             env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),  # the bench process and its server share the GPU

@@ -3,7 +3,8 @@
 # flash-attention check (correctness, then a timing table against cuDNN and XLA), the Pallas SSD scan
 # check (correctness, then timing against the chunked jnp scan), and the ~1.2B
 # Llama bench (bf16, MFU) with cuDNN and with Pallas attention, plus the Megatron-Core baseline when
-# megatron-core is installed. Under 8 minutes on one GPU; each section writes $OUT/<name>.txt and
+# megatron-core is installed, and tensor parallelism 2 with and without the overlap of its collectives
+# (2 or more GPUs). Under 8 minutes on one GPU; each section writes $OUT/<name>.txt and
 # $OUT/<name>.json as it goes (OUT defaults to ./gpu_results), and a summary table ends the run.
 #
 #   bash scripts/gpu_suite.sh                  # on a machine with an NVIDIA (or AMD) GPU

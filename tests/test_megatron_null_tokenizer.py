@@ -88,6 +88,8 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_paragraph(imported, tmp_p
 
 
 def test_megatron_export_without_a_tokenizer_reads_back(imported, tmp_path):
+    """The legacy export of the import names NullTokenizer again, --vocab-size the ids before the
+    end-of-document one (a Megatron run resuming from it builds the same vocabulary)."""
     from megajax.checkpoint.megatron import _args, import_megatron
     out = tmp_path / "mg"
     p = megajax("export", "--format", "megatron", "--checkpoint", str(imported), "--output", str(out), "--dtype",
@@ -96,8 +98,14 @@ def test_megatron_export_without_a_tokenizer_reads_back(imported, tmp_path):
     assert NO_TOKENIZER in p.stdout and not (out / "tokenizer").exists()
     overrides, params = import_megatron(out)
     _, theirs = import_megatron(SAVE)
-    assert overrides["vocab_size"] == VOCAB and _args(out, False)[1].tokenizer_type is None
+    args = _args(out, False)[1]
+    assert overrides["vocab_size"] == VOCAB and (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", 200)
+    assert not hasattr(args, "null_tokenizer_eod_id")
     np.testing.assert_array_equal(params["embed"]["embedding"], theirs["embed"]["embedding"])
+    again = tmp_path / "again"  # and imported from there: the same tokenizer line, the same vocabulary
+    p = megajax("import", "--format", "megatron", "--input", str(out), "--output", str(again))
+    assert p.returncode == 0, p.stderr
+    assert "tokenizer none (Megatron args tokenizer_type='NullTokenizer'; end of document 200)" in p.stdout
 
 
 def test_training_on_text_from_it_names_the_missing_tokenizer(imported):

@@ -302,14 +302,17 @@ def mtp_differs(m: ModelConfig) -> str | None:
 
 
 def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: int, padded_vocab_size: int,
-                  dtype: str, iteration: int, tokenizer_model: str | None = None) -> argparse.Namespace:
+                  dtype: str, iteration: int, tokenizer_model: str | None = None,
+                  null_eod: int | None = None) -> argparse.Namespace:
     """The `args` Namespace Megatron-LM saves with a checkpoint (the fields its loader and converters read).
 
     `tokenizer_model` is a Hugging Face tokenizer folder (recorded as Megatron's HuggingFaceTokenizer),
-    or None when the export carries no tokenizer."""
+    or None when the export carries no tokenizer. `null_eod` (a model trained without a
+    tokenizer, as an import of a NullTokenizer run is) records Megatron's NullTokenizer again: its
+    --vocab-size is the ids before the end-of-document one, which the model's vocabulary counts."""
     torch = _torch()
     rope = m.position_embedding == "rope"
-    return argparse.Namespace(
+    args = argparse.Namespace(
         **{arg: getattr(m, field) for arg, field, _ in _ARGS},
         num_query_groups=m.num_kv_heads, group_query_attention=m.num_kv_heads != m.num_heads,
         seq_length=m.max_position_embeddings, padded_vocab_size=padded_vocab_size,
@@ -342,6 +345,11 @@ def megatron_args(m: ModelConfig, *, tensor_parallel: int, pipeline_parallel: in
         **(hybrid.hybrid_args(m) if m.hybrid_layer_pattern else {}),
         **(vision.megatron_args(m) if m.vision is not None else {}),
     )
+    if tokenizer_model is None and null_eod is not None:
+        args.tokenizer_type, args.vocab_size = NULL_TOKENIZER, m.vocab_size - 1
+        if null_eod != m.vocab_size - 1:
+            args.null_tokenizer_eod_id = null_eod
+    return args
 
 
 def _mla_args(m: ModelConfig) -> dict:
@@ -426,14 +434,16 @@ def folded_expert_ranks(tp: int, ep: int) -> list[tuple[int, int]]:
 
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                     dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None,
-                    expert_tensor_parallel: int | None = None, chat_template: str | None = None) -> Path:
+                    expert_tensor_parallel: int | None = None, chat_template: str | None = None,
+                    null_eod: int | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
     fine-tuning), else `iter_{iteration:07d}` (iteration >= 1; Megatron's
     loader rejects 0). `dtype` is 'bf16', 'fp16' or 'fp32'. `tokenizer_spec` ('byte' or a
     tokenizer.json / its directory) is written as a Hugging Face tokenizer in
-    `<out_dir>/tokenizer/` and named in args. `expert_parallel` > 1 splits a mixture of experts'
+    `<out_dir>/tokenizer/` and named in args; without one, `null_eod` (the end-of-document id of a model
+    trained without a tokenizer) names Megatron's NullTokenizer in args. `expert_parallel` > 1 splits a mixture of experts'
     experts over that many expert ranks (`mp_rank_TT[_PPP]_EEE`, each with the dense tensors of its
     tensor and pipeline rank). `expert_tensor_parallel` (None: `tensor_parallel`) 1 with
     tensor_parallel > 1 is Megatron's MoE parallel folding: each expert unsplit, and the files are those
@@ -472,7 +482,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
     args = megatron_args(m, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                          padded_vocab_size=padded, dtype=dtype, iteration=iteration or 0,
-                         tokenizer_model=tokenizer_model)
+                         tokenizer_model=tokenizer_model, null_eod=null_eod)
     if m.num_experts:
         args.expert_model_parallel_size, args.expert_tensor_parallel_size = expert_parallel, etp
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
@@ -619,7 +629,7 @@ def _dist_adam(adam, source, rows: list[Row], m: ModelConfig, padded: int, dtype
 
 def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | None = None,
                       tokenizer_spec: str | None = None, megatron_version: str = NEWEST_MEGATRON,
-                      adam=None, chat_template: str | None = None) -> Path:
+                      adam=None, chat_template: str | None = None, null_eod: int | None = None) -> Path:
     """Writes `source` as a Megatron-Core torch_dist checkpoint directory `out_dir`: the tracker file and
     `release/` or `iter_{iteration:07d}/` with `.metadata`, `__0_0.distcp` (written by PyTorch Distributed
     Checkpoint, no process group) and `metadata.json`; global tensors (reshardable: megatron-core loads
@@ -659,7 +669,8 @@ def export_torch_dist(source, out_dir, *, dtype: str = "bf16", iteration: int | 
     padded = m.megatron_padded_vocab_size(1)
     tokenizer_model = str(Path(out_dir).expanduser().absolute() / TOKENIZER_DIR) if tok is not None else None
     args = megatron_args(m, tensor_parallel=1, pipeline_parallel=1, padded_vocab_size=padded, dtype=dtype,
-                         iteration=iteration or 0, tokenizer_model=tokenizer_model)
+                         iteration=iteration or 0, tokenizer_model=tokenizer_model,
+                         null_eod=null_eod)
     args.ckpt_format = "torch_dist"
     common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration or 0}
     if adam is not None:

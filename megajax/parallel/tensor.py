@@ -26,6 +26,20 @@ cotangent is not reduced again, and a value replicated over `tensor` that meets 
 gets its cotangent summed over `tensor`, as JAX's typing of manual axes prescribes: Megatron's
 f/g operators). A product the model asks for per layer (FP8's, with its scaling state) is wrapped
 the same way (`LinearOps.layout`).
+
+Collective matmuls (`collective_matmul`, parallel.tp_comm_overlap on GPUs): under sequence
+parallelism the plain products' gather and scatter are split into the tensor size's steps around
+a ring, each step's collective-permute independent of the partial product beside it, so that the
+scheduler runs the transfer while the product computes (Megatron's --tp-comm-overlap ring
+exchange; XLA's windowed einsum does the same for products it partitions itself, but these are
+manual):
+
+- column:  for s in 0..n-1: y[chunk (i - s) mod n] = x_held . W; x_held <- x_held from rank i - 1
+- row:     for s in 0..n-1: acc = (acc from rank i - 1) + x[chunk (i - 1 - s) mod n] . W
+           (after n steps rank i holds the sum over the ranks of its own chunk)
+
+Their backward passes are rings too (the transposed collective-permutes). FP8's stateful products
+keep the one gather and scatter (their scaling reads the whole input).
 """
 
 from __future__ import annotations
@@ -44,9 +58,10 @@ from megajax.parallel.manual import shard_map_fn
 
 
 def tensor_parallel_ops(mesh: Mesh, rules: Rules, dot_general: DotGeneral = jax.lax.dot_general, *,
-                        sequence_parallel: bool) -> LinearOps:
+                        sequence_parallel: bool, collective_matmul: bool = False) -> LinearOps:
     """LinearOps whose projections and embedding lookups carry their tensor-parallel (and, with
-    `sequence_parallel`, sequence-parallel) collectives.
+    `sequence_parallel`, sequence-parallel) collectives; with `collective_matmul` as well, the plain
+    products' sequence-parallel gathers and scatters run as rings of partial products (see above).
 
     Every mesh axis comes from the activation rules table: the tensor-parallel axes are those of
     `heads` (which `mlp` and `vocab` share), the sequence is split as `length` inside
@@ -69,7 +84,32 @@ def tensor_parallel_ops(mesh: Mesh, rules: Rules, dot_general: DotGeneral = jax.
             return y
         return jax.lax.psum_scatter(y, sp, scatter_dimension=1, tiled=True) if sp is not None else jax.lax.psum(y, tp)
 
-    def column_with(dot: DotGeneral) -> DotGeneral:
+    ring = collective_matmul and sp is not None and split
+    n = math.prod(mesh_sizes(mesh)[a] for a in entry_axes(sp)) if sp is not None else 1
+    forward = [(j, (j + 1) % n) for j in range(n)]  # each rank's block to the next
+
+    def gathered_dot(dot, x, k, dimension_numbers, **kw):
+        """dot(all_gather(x over the sequence), k) as n partial products, the blocks passed round."""
+        i = jax.lax.axis_index(sp)
+        held, parts = x, []
+        for step in range(n):
+            parts.append(dot(held, k, dimension_numbers, **kw))  # the block of rank (i - step) mod n
+            if step < n - 1:
+                held = jax.lax.ppermute(held, sp, forward)
+        blocks = jnp.take(jnp.stack(parts), (i - jnp.arange(n)) % n, axis=0)  # [n, B, S/n, ...] by rank
+        return jnp.moveaxis(blocks, 0, 1).reshape(x.shape[0], n * x.shape[1], *blocks.shape[3:])
+
+    def scattered_dot(dot, x, k, dimension_numbers, **kw):
+        """reduce_scatter(dot(x, k) over the sequence) as n partial products, the sums passed round."""
+        i, size = jax.lax.axis_index(sp), x.shape[1] // n
+        acc = None
+        for step in range(n):
+            block = jax.lax.dynamic_slice_in_dim(x, ((i - 1 - step) % n) * size, size, axis=1)
+            part = dot(block, k, dimension_numbers, **kw)
+            acc = part if acc is None else jax.lax.ppermute(acc, sp, forward) + part
+        return acc
+
+    def column_with(dot: DotGeneral, in_ring: bool = False) -> DotGeneral:
         def column(x, k, dimension_numbers, **kw):
             (lc, rc), _ = dimension_numbers
             assert tuple(lc) == tuple(range(2, x.ndim)), "column projection expects x[B, S, contracting...]"
@@ -78,11 +118,12 @@ def tensor_parallel_ops(mesh: Mesh, rules: Rules, dot_general: DotGeneral = jax.
             k_spec[k_free[0]] = tp
             out_spec = [bt, inner] + [None] * len(k_free)
             out_spec[2] = tp
-            return shard_map_fn(lambda x, k: dot(gather(x), k, dimension_numbers, **kw), mesh,
-                                (outer, P(*k_spec)), P(*out_spec))(x, k)
+            local = ((lambda x, k: gathered_dot(dot, x, k, dimension_numbers, **kw)) if in_ring else
+                     (lambda x, k: dot(gather(x), k, dimension_numbers, **kw)))
+            return shard_map_fn(local, mesh, (outer, P(*k_spec)), P(*out_spec))(x, k)
         return column
 
-    def row_with(dot: DotGeneral) -> DotGeneral:
+    def row_with(dot: DotGeneral, in_ring: bool = False) -> DotGeneral:
         def row(x, k, dimension_numbers, **kw):
             (lc, rc), _ = dimension_numbers
             assert tuple(lc) == tuple(range(2, x.ndim)), "row projection expects x[B, S, contracting...]"
@@ -90,8 +131,9 @@ def tensor_parallel_ops(mesh: Mesh, rules: Rules, dot_general: DotGeneral = jax.
             x_spec[lc[0]] = tp
             k_spec = [None] * k.ndim
             k_spec[rc[0]] = tp
-            return shard_map_fn(lambda x, k: reduce(dot(x, k, dimension_numbers, **kw)), mesh,
-                                (P(*x_spec), P(*k_spec)), outer)(x, k)
+            local = ((lambda x, k: scattered_dot(dot, x, k, dimension_numbers, **kw)) if in_ring else
+                     (lambda x, k: reduce(dot(x, k, dimension_numbers, **kw))))
+            return shard_map_fn(local, mesh, (P(*x_spec), P(*k_spec)), outer)(x, k)
         return row
 
     def embed(table, ids):
@@ -120,7 +162,7 @@ def tensor_parallel_ops(mesh: Mesh, rules: Rules, dot_general: DotGeneral = jax.
     def layout(kind: str, dot: DotGeneral) -> DotGeneral:
         return row_with(dot) if kind == "row" else column_with(dot)
 
-    return LinearOps(column=column_with(dot_general), row=row_with(dot_general), embed=embed,
+    return LinearOps(column=column_with(dot_general, ring), row=row_with(dot_general, ring), embed=embed,
                      embed_positions=embed_positions, layout=layout)
 
 

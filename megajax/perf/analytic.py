@@ -11,6 +11,7 @@ Recomputation in Large Transformer Models"), which count 16-bit activations:
     tensor t:           s*b*h * (10 + 24/t + 5*a*s/(h*t))
     tensor t + SP:      s*b*h/t * (34 + 5*a*s/h)
     selective:          drops the 5*a*s/h term (attention scores, softmax, dropout)
+    fused attention:    (flash, cuDNN) 2*a/h in its place (the fp32 log-sum-exp per head)
     full:               2*s*b*h (/t with SP), the layer input only
 
 Multi-latent attention replaces the attention's 11 s*b*h by its own q/k/v widths
@@ -52,7 +53,8 @@ sequence parallelism, the MoE layers' tensor all-gathers and reduce-scatters gon
 tokens x top-k rows of h to the experts' devices and back, forward and
 backward, in fixed buffers with one slot per device (dropless: room for every
 assignment, so ep x the rows; capacity mode: the experts' capacity): 4
-all-to-alls of the buffer per layer and microbatch. The allgather dispatcher
+all-to-alls of the buffer per layer and microbatch; parallel.moe_all_to_all=ragged
+moves the assignments' rows only (ragged_all_to_all), each once. The allgather dispatcher
 (the default on CPU) gathers the expert group's ep x s*b*h tokens (and their
 routes and weights) and reduce-scatters the fp32 outputs forward, the reverse
 backward. The other parameters'
@@ -86,6 +88,7 @@ for the loss (s*b*h each; 1 slot for 1F1B).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -169,7 +172,9 @@ def layer_activation_bytes(plan: RunPlan) -> float:
     m, t = cfg.model, sizes["tensor"]
     s, b, h, a = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, m.hidden_size, m.num_heads
     sp = cfg.parallel.sequence_parallel and t > 1
-    attn = 5 * a * s / h
+    # The scores, softmax and its dropout mask (5 a s / h) where they are materialised (attention_impl
+    # xla); a fused kernel (flash, cuDNN) keeps the softmax's fp32 log-sum-exp per head instead.
+    attn = 5 * a * s / h if m.attention_impl == "xla" else 2 * a / h
     policy = cfg.parallel.recompute
     if policy == "full":
         per_layer = 2 * s * b * h / (t if sp else 1)
@@ -220,7 +225,8 @@ def hybrid_layer_bytes(kind: str, m, s: float, b: int, t: int, sp: bool, policy:
         else:
             inner = 2 * (2 * d + 2 * gn + heads) + 8 * (d + 2 * gn) + 4 * heads + 4 * m.mamba_num_groups * q + states + 10 * d
         return s * b * (2 * h / (t if sp else 1) + inner / t)
-    attn = 0 if policy == "selective" else 5 * m.num_heads * s / h
+    fused = m.attention_impl != "xla"  # a fused kernel keeps the log-sum-exp, not the scores
+    attn = 0 if policy == "selective" else (2 if fused else 5 * s) * m.num_heads / h
     core = 11 + attn if kind == "*" else 19
     if sp:
         return s * b * h * (2 + core) / t
@@ -240,13 +246,19 @@ def mla_attention_delta(m, t: int) -> float:
     return sharded / t + latent
 
 
+@functools.lru_cache(maxsize=4096)
+def schedule_of(schedule: str, stages: int, microbatches: int, virtual: int):
+    """The pipeline schedule of that shape, built once (a plan estimates many layouts of each)."""
+    return build_schedule(schedule, stages, microbatches, virtual)
+
+
 def pipeline_stash(plan: RunPlan) -> int:
     """Microbatches a device keeps the residuals of for its backward (the plan's schedule's stash
     slots; 0 without a pipeline)."""
     c = plan.pipeline
     if c is None:
         return 0
-    return build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
+    return schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages).stash
 
 
 def pipeline_stash_bytes(plan: RunPlan) -> int:
@@ -261,7 +273,7 @@ def pipeline_stash_bytes(plan: RunPlan) -> int:
     per_layer = layer_activation_bytes(plan)
     t = sizes["tensor"]
     sp = cfg.parallel.sequence_parallel and t > 1
-    sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
+    sc = schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages)
     s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, cfg.model.hidden_size
     output = s * b * h / (t if sp else 1) * precision_policy(cfg).activation_bytes
     return int(sc.stash * per_layer * cfg.model.num_layers / (c.stages * c.virtual_stages) + sc.head_stash * output)
@@ -290,7 +302,7 @@ def _passes(plan: RunPlan) -> dict[str, float]:
         layers, moe = a * m.num_layers, a * m.num_router_layers()
         return {"fwd": layers, "bwd": layers, "extra": layers if full else 0, "moe_fwd": moe, "moe_bwd": moe,
                 "moe_extra": a * m.num_moe_layers() if full else 0, "micro": a, "ticks": 0}
-    ticks = build_schedule(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
+    ticks = schedule_of(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
     chunks = pipe.stages * pipe.virtual_stages
     c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
     return {"fwd": ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
@@ -418,8 +430,10 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         out["all-reduce", "pipeline"] += stage_shared_param_bytes - stage_scattered_param_bytes
         out["reduce-scatter", "pipeline"] += stage_scattered_param_bytes
         out["all-gather", "pipeline"] += stage_gathered_param_bytes
-        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order and their gradients back
-            out["collective-permute", "pipeline"] += 2 * (local_param_bytes - stage_shared_param_bytes)
+        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order (in their own dtype) and
+            # their gradients (fp32) back
+            moved = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
+            out["collective-permute", "pipeline"] += (1 + moved) * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
         # Per layer 2 products reduce forward and 2 backward (Megatron's f/g); full recompute reruns
         # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
@@ -504,7 +518,9 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         rows = (tokens * m.moe_router_topk if m.moe_expert_capacity_factor is None else
                 ep * math.ceil(tokens * m.moe_router_topk / m.num_experts * m.moe_expert_capacity_factor)
                 * m.num_experts / ep)
-        buffer = (ep if m.moe_expert_capacity_factor is None else 1) * rows * m.hidden_size * act
+        # (parallel.moe_all_to_all=ragged: only the assignments' own rows move, each once)
+        padded = m.moe_expert_capacity_factor is None and cfg.parallel.moe_all_to_all == "padded"
+        buffer = (ep if padded else 1) * rows * m.hidden_size * act
         out["all-to-all", "expert"] += 2 * (n["moe_fwd"] + n["moe_bwd"] + n["moe_extra"]) * buffer
     # Data-parallel reductions: once per step (after the accumulation or the stage loop), or per
     # microbatch where the model runs on the whole batch (MoE, dropout: megajax/train/step.py); of
@@ -650,7 +666,7 @@ def elementwise_bytes(plan: RunPlan, platform: str = "gpu") -> float:
     over its top-k experts' rows plus the dispatch's copies of h in and out and the router's softmax;
     each split over tensor. The backward reads and writes twice what the forward does. Per
     microbatch the loss's softmax over the logits (3 passes forward, 3 backward, the vocabulary split
-    over tensor). At the compute dtype's bytes (fp32 on CPU)."""
+    over tensor). At the compute dtype's bytes (fp32 on CPU); plus FP8's casts (fp8_cast_bytes)."""
     cfg, sizes = plan.cfg, plan.sizes
     m, t = cfg.model, sizes["tensor"]
     sp = cfg.parallel.sequence_parallel and t > 1
@@ -673,7 +689,35 @@ def elementwise_bytes(plan: RunPlan, platform: str = "gpu") -> float:
     fwd, bwd, micro = _layer_passes(plan)
     logits = 6 * plan.padded_vocab / t * (1 + m.mtp_num_layers)
     act = 4 if platform == "cpu" else precision_policy(cfg).activation_bytes
-    return tokens * act * ((fwd + 2 * bwd) * layer + micro * logits)
+    return tokens * act * ((fwd + 2 * bwd) * layer + micro * logits) + fp8_cast_bytes(plan, platform)
+
+
+def fp8_cast_bytes(plan: RunPlan, platform: str = "gpu") -> float:
+    """Bytes FP8's casts read and write in a step (0 without FP8, and on CPU): per FP8 product and
+    token, the input's amax and cast (read 16 bits, write 8), the output gradient's the same backward,
+    and the transposed FP8 copies of both the kernel's gradient takes (Hopper's FP8 products want both
+    operands K-major): 5 (K + N) bytes; per kernel its cast and transposed copy, 5 bytes per weight,
+    once per step (the same for every microbatch). The layers' linear products (q, k, v, o, the MLP's;
+    a MoE layer's experts over their top-k rows), split over tensor."""
+    cfg, sizes = plan.cfg, plan.sizes
+    if cfg.train.precision != "fp8" or platform == "cpu":
+        return 0.0
+    m, t = cfg.model, sizes["tensor"]
+    h, f = m.hidden_size, m.ffn_hidden_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    up = (2 if m.activation == "swiglu" else 1) * f
+    widths = (h + (q + 2 * kv) / t) + (q / t + h) + (h + up / t) + (f / t + h)  # K + N of qkv, o, fc1, fc2
+    weights = (h * (q + 2 * kv) + q * h + h * up + f * h) / t
+    if m.num_experts:
+        k, ef = m.moe_router_topk, m.moe_ffn_hidden_size or f
+        eup = (2 if m.activation == "swiglu" else 1) * ef
+        share = m.num_moe_layers() / m.num_layers
+        widths += share * (k * (2 * h + (eup + ef) / t) - (2 * h + (up + f) / t))
+        weights += share * (m.num_experts / sizes["expert"] * (h * eup + ef * h) - (h * up + f * h)) / t
+    tokens = plan.batch.micro_batch * plan.batch.seq_len / sizes["context"]
+    _, layer_passes, _ = _layer_passes(plan)  # a device's layers x microbatches
+    # (the kernels' casts are the same for every microbatch: once per step, hoisted out of the loop)
+    return 5.0 * (layer_passes * tokens * widths + m.num_layers / sizes["pipeline"] * weights)
 
 
 def optimizer_bytes(optimizer_state_bytes: int) -> float:

@@ -18,6 +18,7 @@ from pathlib import Path
 import yaml
 
 from megajax.errors import ConfigError
+from megajax.perf.matmul_tables import MATMUL_PEAK_SHARE, gpu_table
 from megajax.train.flops import PEAK_TFLOPS
 
 
@@ -58,6 +59,17 @@ class DeviceKind:
     # and a collective's bus bandwidth among a node's devices, in place of intra_node_gbps x link_efficiency
     optimizer_gbps: float = 0.0
     collective_gbps: float = 0.0
+    # the precision a gemm_efficiency table's shares were measured in, and each precision's largest
+    # share of its own peak a matmul reaches (maximum achievable matmul FLOPS, megajax/perf/
+    # matmul_tables.py): a product in another precision gets the table's share x their ratio
+    gemm_precision: str = "bf16"
+    matmul_peak_share: dict | None = None
+    # with parallel.tp_comm_overlap, the share of a tensor-parallel collective's time that runs beside
+    # the products (collective matmuls: each step's transfer beside the previous step's partial
+    # product), at most the products' own time; 0: none. An assumption on the GPU kinds until `bash
+    # scripts/gpu_suite.sh` (section tp_overlap) measures it: the ring's first step and the transfers'
+    # share of the GPU's memory bandwidth and SMs are taken to cost a tenth.
+    tp_overlap: float = 0.0
 
 
 # Vendor datasheets: SXM parts, NVLink 4 (900 GB/s both ways) / NVLink 3 (600), one 400 Gb/s
@@ -67,13 +79,27 @@ class DeviceKind:
 # 64 GiB and half the module's 3.2 TB/s), Infinity Fabric among a node's 8 dies, a 200 Gb/s port per
 # die pair. The one list of kinds: `megajax plan --cluster`, `megajax bench --topology` and the fit
 # check's datasheet capacities (megajax/perf/fit.py) all read it.
+# H100, H200 and MI300X carry the published matmul tables (megajax/perf/matmul_tables.py: XLA's
+# measured sm_90 table, the MAMF ceilings); with a table `efficiency` is attention's (a fused kernel's
+# forward and backward: about half the 16-bit peak on H100, between FlashAttention-2's and -3's).
+_TP_OVERLAP = 0.45
+
+
+def _gpu(name: str, memory_gib: float, intra: float, inter: float, memory_gbps: float, **kw) -> DeviceKind:
+    table = {}
+    if name in MATMUL_PEAK_SHARE:
+        table = dict(gemm_efficiency=gpu_table(name), matmul_peak_share=MATMUL_PEAK_SHARE[name])
+    return DeviceKind(memory_gib, PEAK_TFLOPS[name], 8, intra, inter, memory_gbps=memory_gbps,
+                      tp_overlap=_TP_OVERLAP, **table, **kw)
+
+
 DEVICE_KINDS: dict[str, DeviceKind] = {
-    "H100": DeviceKind(80.0, PEAK_TFLOPS["H100"], 8, 450.0, 50.0, memory_gbps=3350.0),
-    "H200": DeviceKind(141.0, PEAK_TFLOPS["H200"], 8, 450.0, 50.0, memory_gbps=4800.0),
-    "A100": DeviceKind(80.0, PEAK_TFLOPS["A100"], 8, 300.0, 25.0, memory_gbps=2039.0),
-    "MI300X": DeviceKind(192.0, PEAK_TFLOPS["MI300X"], 8, 448.0, 50.0, efficiency=0.4, memory_gbps=5300.0),
-    "MI250X": DeviceKind(64.0, PEAK_TFLOPS["MI250X"], 8, 100.0, 12.5, efficiency=0.4, memory_gbps=1638.0),
-    "MI250": DeviceKind(64.0, PEAK_TFLOPS["MI250"], 8, 100.0, 12.5, efficiency=0.4, memory_gbps=1638.0),
+    "H100": _gpu("H100", 80.0, 450.0, 50.0, 3350.0),
+    "H200": _gpu("H200", 141.0, 450.0, 50.0, 4800.0),
+    "A100": _gpu("A100", 80.0, 300.0, 25.0, 2039.0),
+    "MI300X": _gpu("MI300X", 192.0, 448.0, 50.0, 5300.0, efficiency=0.4),
+    "MI250X": _gpu("MI250X", 64.0, 100.0, 12.5, 1638.0, efficiency=0.4),
+    "MI250": _gpu("MI250", 64.0, 100.0, 12.5, 1638.0, efficiency=0.4),
 }
 
 
@@ -120,6 +146,7 @@ _RANGES = {
     "tick_overhead_us": (lambda v: v >= 0, "a time in microseconds >= 0"),
     "optimizer_gbps": (lambda v: v >= 0, "a bandwidth in GB/s >= 0 (0: not measured, memory_gbps x memory_efficiency)"),
     "collective_gbps": (lambda v: v >= 0, "a bandwidth in GB/s >= 0 (0: not measured, intra_node_gbps x link_efficiency)"),
+    "tp_overlap": (lambda v: 0 <= v <= 1, "a share of the tensor-parallel transfers' time in [0, 1] (0: none hidden)"),
 }
 _PEAK = ("a number of TFLOP/s > 0 (the one peak for every precision), or a mapping of precision "
          f"({', '.join(PRECISIONS)}) to TFLOP/s > 0 that holds bf16 (the peak of the precisions it leaves out)")
@@ -155,6 +182,20 @@ def _checked(where: str, entry: dict) -> dict:
         if key == "gemm_efficiency":
             from megajax.perf.gemm import check_table
             out[key] = tuple(check_table(where, value))
+            continue
+        if key == "gemm_precision":
+            if value not in PRECISIONS:
+                raise ConfigError(f"{where}: gemm_precision = {value!r}: expected one of {', '.join(PRECISIONS)}.")
+            out[key] = value
+            continue
+        if key == "matmul_peak_share":
+            ok = (isinstance(value, dict) and value and set(value) <= set(PRECISIONS)
+                  and all(_number(v) and 0 < v <= 1 for v in value.values()))
+            if not ok:
+                raise ConfigError(f"{where}: matmul_peak_share = {value!r}: expected a mapping of precision "
+                                  f"({', '.join(PRECISIONS)}) to the largest share of its peak a matmul reaches, "
+                                  f"in (0, 1], e.g. {{bf16: 0.8, fp8: 0.7}}.")
+            out[key] = {p: float(v) for p, v in value.items()}
             continue
         test, accepted = _RANGES[key]
         if not _number(value) or not test(value):

@@ -3,6 +3,8 @@
     megajax bench --gemm-table FILE.yaml         measure it on this machine's device, write it
     megajax plan --device-kinds FILE.yaml ...    estimate compute time from it
 
+(H100, H200 and MI300X carry published tables until then: megajax/perf/matmul_tables.py.)
+
 A table is a device kind's `gemm_efficiency`: rows [M, K, N, share of the peak] for a grid of
 shapes (every combination of the M, K and N sizes measured), a product [M, K] x [K, N] in the
 table's precision. `efficiency(table, m, k, n)` interpolates it linearly in log2 of each size
@@ -12,7 +14,8 @@ each forward and its two backward products (the input's gradient [M, N] x [N, K]
 [K, M] x [M, N]), at the device's shard of the kernel (split over tensor and expert; FSDP gathers
 it whole) and its tokens (the micro batch of its sequence chunk under context parallelism; with
 sequence parallelism the gathered sequence). A routed expert gets its expected share of the
-expert group's tokens: ep x tokens x top-k / experts rows.
+expert group's tokens: ep x tokens x top-k / experts rows. Each product carries its precision (under
+FP8 the layers' linear products FP8, the rest 16-bit), which `gemm_seconds` times at its own peak.
 
 On CPU a lone matmul has every core of the host: its share is of the host's peak (the simulated
 devices of a step share those cores, each with host peak / devices).
@@ -25,6 +28,7 @@ pipeline tick's fixed cost.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -63,11 +67,20 @@ def check_table(where: str, rows) -> list[tuple[int, int, int, float]]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _grid(rows: tuple) -> tuple[dict, list]:
+    return {tuple(r[:3]): r[3] for r in rows}, [sorted({r[i] for r in rows}) for i in range(3)]
+
+
 def efficiency(rows, m: float, k: float, n: float) -> float:
     """The table's share of the peak at [m, k] x [k, n]: linear in log2 of each size between the grid's
     sizes, the edge's value beyond them."""
-    table = {tuple(r[:3]): r[3] for r in rows}
-    axes = [sorted({r[i] for r in rows}) for i in range(3)]
+    return _efficiency(rows if isinstance(rows, tuple) else tuple(map(tuple, rows)), m, k, n)
+
+
+@functools.lru_cache(maxsize=65536)
+def _efficiency(rows: tuple, m: float, k: float, n: float) -> float:
+    table, axes = _grid(rows)
 
     def bracket(sizes, x):
         x = min(max(x, sizes[0]), sizes[-1])
@@ -125,6 +138,10 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
     # Full recompute runs the forward again (a pipeline's backward half too, only then: it runs the
     # VJP its forward half took, megajax/parallel/pipeline.py).
     full = cfg.parallel.recompute == "full"
+    # Each product's precision: under FP8 the layers' linear products (and the output layer's with
+    # precision.fp8_output_layer) in FP8, the rest (routers, attention's own) in 16 bits.
+    compute, fp8_output = product_precisions(cfg)
+    fp8 = "fp8" if cfg.train.precision == "fp8" else compute
     out = []
     for name, names in flatten(spec.axes):
         if name.startswith(("vision/", "projector/")):
@@ -147,10 +164,11 @@ def step_gemms(plan, spec, expert_tile: int = 0) -> list[dict[str, Any]]:
             count *= experts
         mrows = max(1, round(mrows))
         fwd = count * (2 if full and "layers" in names else 1)
-        out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd})
-        out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count})
-        out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count})
-    return out + attention_gemms(plan, full)
+        p = fp8 if (is_output and fp8_output) or ("layers" in names and not is_router) else compute
+        out.append({"name": name, "m": mrows, "k": k, "n": n, "count": fwd, "precision": p})
+        out.append({"name": name + " (input grad)", "m": mrows, "k": n, "n": k, "count": count, "precision": p})
+        out.append({"name": name + " (kernel grad)", "m": k, "k": mrows, "n": n, "count": count, "precision": p})
+    return out + [dict(g, precision=compute) for g in attention_gemms(plan, full)]
 
 
 def attention_gemms(plan, full: bool) -> list[dict[str, Any]]:
@@ -197,14 +215,37 @@ def _tiled(impl: str) -> bool:
     return impl in ("auto", "tiled")
 
 
-def gemm_seconds(gemms, rows, peak_tflops: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of the products at the table's interpolated share of `peak_tflops`."""
+def product_precisions(cfg) -> tuple[str, bool]:
+    """(the precision of the products FP8 leaves in 16 bits (the run's own without FP8), whether the
+    output layer runs in FP8)."""
+    from megajax.precision.policy import precision_policy
+    if cfg.train.precision != "fp8":
+        return cfg.train.precision, False
+    return "bf16", precision_policy(cfg).fp8.output_layer
+
+
+def gemm_seconds(gemms, kind) -> tuple[float, float]:
+    """(seconds, FLOPs) of the products on a device kind: each at its table's interpolated share
+    (kind.gemm_efficiency, shares of the peak of kind.gemm_precision) of its precision's peak, scaled by
+    the ratio of the two precisions' matmul ceilings (kind.matmul_peak_share) where the kind has them."""
     seconds = flops = 0.0
     for g in gemms:
         f = 2.0 * g["m"] * g["k"] * g["n"] * g["count"]
         flops += f
-        seconds += f / (efficiency(rows, g["m"], g["k"], g["n"]) * peak_tflops * 1e12)
+        p = g.get("precision", kind.gemm_precision)
+        peak = kind.peak_tflops.get(p) or kind.peak_tflops["bf16"]
+        seconds += f / (efficiency(kind.gemm_efficiency, g["m"], g["k"], g["n"]) * ceiling_ratio(kind, p)
+                        * peak * 1e12)
     return seconds, flops
+
+
+def ceiling_ratio(kind, precision: str) -> float:
+    """How a product in `precision` fares against the table's own precision: the ratio of their
+    largest reachable shares of their peaks (1 where the kind lacks either)."""
+    ceilings = kind.matmul_peak_share or {}
+    if precision in ceilings and kind.gemm_precision in ceilings:
+        return ceilings[precision] / ceilings[kind.gemm_precision]
+    return 1.0
 
 
 def measure(dtype: str = "bfloat16", sizes=None, min_seconds: float = 0.05, runs: int = 7) -> dict[str, Any]:
@@ -264,9 +305,10 @@ def kind_name(platform: str, device_kind: str) -> str:
 
 
 def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, command: str,
-               probes: dict[str, float] | None = None) -> tuple[str, str]:
+               probes: dict[str, float] | None = None, precision: str = "bf16") -> tuple[str, str]:
     """(kind, the --device-kinds YAML of the measured table): each row's TFLOP/s as a share of
-    `peak_tflops` (capped at 1: a peak estimate below what the device reaches), and the figures
+    `peak_tflops` (capped at 1: a peak estimate below what the device reaches), the peak's precision
+    (gemm_precision: products in another precision scale by the kind's matmul ceilings), and the figures
     `measure_probes` measured (memory_gbps, with memory_efficiency 1: the probe's bandwidth is what a
     stream reaches; optimizer_gbps, collective_latency_us, collective_gbps, tick_overhead_us)."""
     import yaml
@@ -275,7 +317,7 @@ def table_yaml(measured: dict[str, Any], peak_tflops: float, peak_source: str, c
     header = (f"{command}\n{measured['device_kind'] or measured['platform']}: [M, K] x [K, N] {measured['dtype']}, "
               f"share of {peak_tflops:.4g} TFLOP/s ({peak_source}); megajax plan --device-kinds THIS_FILE "
               f"--cluster Nx{kind}\n")
-    entry: dict[str, Any] = {"gemm_efficiency": rows}
+    entry: dict[str, Any] = {"gemm_efficiency": rows, "gemm_precision": precision}
     if probes:
         entry.update({k: round(v, 4) for k, v in probes.items()})
         if "memory_gbps" in probes:

@@ -5,44 +5,55 @@
 Every layout of the cluster's devices is enumerated: tensor parallelism inside a
 node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
 or interleaved with 2 or 4 chunks per stage), and the rest of the devices as
-data parallelism (plain, with the distributed optimizer, or FSDP); for each, every
-recompute policy and micro batch. Each is planned exactly as `megajax train`
-would plan it (megajax/plan.py: a layout the run would refuse is never offered)
-and estimated:
+data parallelism (plain, with the distributed optimizer, FSDP, or FSDP inside
+data parallelism); for each, every recompute policy and micro batch (those a
+command line sets, KEEPABLE, are kept). Each is planned exactly as `megajax
+train` would plan it (megajax/plan.py: a layout the run would refuse is never
+offered) and estimated:
 
 - memory per device: the analytic model (megajax/perf/analytic.py, the figure
   `megajax bench` prints beside XLA's compiled one), against the device's
   memory less `HEADROOM` (allocator fragmentation, workspaces, the runtime);
 - step time: the model FLOPs of a step (megajax/train/flops.py) plus what
-  recompute adds (parallel.recompute; a pipeline adds none of its own), at a
-  per-device-kind fraction of the peak (`efficiency`),
-  (or, with a measured matmul table for the kind, `megajax bench --gemm-table`, the
-  sum of the step's products at their shapes' shares of the peak: megajax/perf/gemm.py),
-  plus the memory-bound work, the bytes the element-wise ops read and write
-  (analytic.elementwise_bytes: norms, residual adds, rotary embedding, softmax,
-  the MLP's activation, the loss) over the kind's memory bandwidth
-  (`memory_gbps` x `memory_efficiency`), all stretched by the pipeline bubble of
-  the plan's own schedule (a vision-language model's encoder runs on the first
-  stage, which then sets the pace; devices sharing a host lose no time to it
-  unless the stages run in lockstep, when idle stages compute on zeros); plus
-  the optimizer's update (7 fp32 reads and writes per parameter of the device's
-  shard of the Adam state, at the memory bandwidth, or at `optimizer_gbps` where
-  `megajax bench --gemm-table` measured the update's own); plus fixed costs: each
-  collective call's latency (`collective_latency_us`, analytic.collective_calls)
-  and each pipeline tick's (`tick_overhead_us`); plus each
-  axis's collectives (the analytic bytes `megajax bench` checks against the
-  compiled HLO, split by axis) over that axis's links: NVLink (or the
-  vendor's equivalent, or the measured bus bandwidth `collective_gbps`) when
-  the axis lies inside a node, the inter-node network when it crosses nodes.
-  A ring all-reduce moves 2(n-1)/n of its buffer per device, an all-gather,
-  reduce-scatter or all-to-all (n-1)/n, a collective-permute all of it. The
-  data-parallel reductions (data, FSDP, and the gradients' reductions over
-  expert and context) overlap the backward pass (Megatron's
-  --overlap-grad-reduce / --overlap-param-gather; XLA's asynchronous
-  collectives): only what exceeds the backward's compute time counts (all of
-  it on devices that share a host's cores, `shared_host`, whose collectives
-  are copies and sums done by the cores that compute). Tensor, context,
-  expert and pipeline transfers sit on the critical path and count whole.
+  recompute adds (parallel.recompute; a pipeline adds none of its own): each
+  product at its shape's share of the peak in the kind's matmul table (the
+  published ones of megajax/perf/matmul_tables.py, or `megajax bench
+  --gemm-table`'s: megajax/perf/gemm.py; under FP8 the layers' products at the
+  FP8 peak and the ratio of the kinds' matmul ceilings), attention's fused
+  kernel and what no table lists at `efficiency` of the (16-bit) peak (without
+  a table, everything at `efficiency`); plus the memory-bound work, the bytes
+  the element-wise ops read and write (analytic.elementwise_bytes: norms,
+  residual adds, rotary embedding, softmax, the MLP's activation, the loss,
+  FP8's casts) over the kind's memory bandwidth (`memory_gbps` x
+  `memory_efficiency`), all stretched by the pipeline bubble of the plan's own
+  schedule (a vision-language model's encoder runs on the first stage, which
+  then sets the pace; devices sharing a host lose no time to it unless the
+  stages run in lockstep, when idle stages compute on zeros); plus the
+  optimizer's update (7 fp32 reads and writes per parameter of the device's
+  shard of the Adam state, at the memory bandwidth, or at `optimizer_gbps`
+  where `megajax bench --gemm-table` measured the update's own); plus fixed
+  costs: each collective call's latency (`collective_latency_us` for a node's
+  devices, times a ring's (n - 1)/(node - 1); analytic.collective_calls) and
+  each pipeline tick's (`tick_overhead_us`); plus each axis's collectives (the
+  analytic bytes `megajax bench` checks against the compiled HLO, split by
+  axis) over that axis's links (`transfer_seconds`): NVLink (or the vendor's
+  equivalent, or the measured bus bandwidth `collective_gbps`) inside a node,
+  and across nodes hierarchically, each device's 1/ici share over its own
+  network port. A ring all-reduce moves 2(n-1)/n of its buffer per device, an
+  all-gather, reduce-scatter or all-to-all (n-1)/n, a collective-permute all of
+  it. The data-parallel reductions (data, FSDP, and the gradients' reductions
+  over expert and context) overlap the backward pass where the step reduces as
+  its one microbatch's backward produces the gradients (or per microbatch:
+  MoE, dropout; Megatron's --overlap-grad-reduce / --overlap-param-gather;
+  XLA's asynchronous collectives): only what exceeds the backward's compute
+  time counts (all of it on devices that share a host's cores, `shared_host`,
+  whose collectives are copies and sums done by the cores that compute);
+  gradients accumulated over several microbatches or returned by a pipeline's
+  loop are reduced after it and count whole. With parallel.tp_comm_overlap the
+  kind's `tp_overlap` share of the sequence-parallel gathers and scatters runs
+  beside the products (collective matmuls, megajax/parallel/tensor.py); the
+  rest of the tensor, context, expert and pipeline transfers sit on the
+  critical path and count whole.
 
 The layouts that fit are ranked by estimated step time (then by memory); the
 top few are printed with the parts of their time, and `--output FILE.yaml`
@@ -70,7 +81,6 @@ from megajax.config import MESH_AXES, Config
 from megajax.errors import ConfigError, MeshError, UserError
 from megajax.mesh import data_parallel_size
 from megajax.models.trainable import frozen_in_state
-from megajax.parallel.pipeline import build_schedule
 from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
 from megajax.plan import RunPlan, make_plan, plan_layout
@@ -137,27 +147,59 @@ def pinned_axes(cfg: Config) -> dict[str, int]:
     return pins
 
 
-def _layouts(cfg: Config, devices: int, node: int):
-    """(sizes, parallel keys) of every layout worth estimating (those with the pinned sizes)."""
-    m = cfg.model
+# Keys a command line may set that the plan then keeps instead of choosing (`megajax plan ...
+# parallel.recompute=none` estimates only that policy); set in a config file they are one more choice.
+KEEPABLE = ("train.micro_batch", "parallel.recompute", "parallel.distributed_optimizer",
+            "parallel.virtual_stages", "parallel.pipeline_schedule", "parallel.sequence_parallel",
+            "parallel.moe_all_to_all")
+
+
+def kept_keys(overrides) -> tuple[str, ...]:
+    """The KEEPABLE keys among `key=value` overrides, in KEEPABLE's order."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    return tuple(k for k in KEEPABLE if k in given)
+
+
+def _layouts(cfg: Config, devices: int, node: int, keep: tuple[str, ...] = (), ragged: bool = False):
+    """(sizes, parallel keys) of every layout worth estimating (those with the pinned sizes and the kept
+    keys). A pinned pipeline or virtual stage count is planned even where it does not divide the layers:
+    the run's own check then says why it is refused. `ragged`: a dropless MoE's expert exchange moves
+    its rows only (parallel.moe_all_to_all=ragged: devices that have ragged_all_to_all)."""
+    m, par = cfg.model, cfg.parallel
+    exchange = {}
+    if ragged and m.num_experts and m.moe_expert_capacity_factor is None and "parallel.moe_all_to_all" not in keep \
+            and par.moe_token_dispatcher != "allgather":
+        exchange = {"moe_all_to_all": "ragged"}
     pins = pinned_axes(cfg)
     seq = cfg.train.seq_len
     for t in _divisors(min(node, devices)):
         for c in (d for d in _divisors(devices // t) if d == 1 or (seq // d >= 1024 and seq % (2 * d) == 0)):
             experts = [e for e in _divisors(devices // (t * c)) if m.num_experts and m.num_experts % e == 0] or [1]
             for e in experts:
-                for p in (d for d in _divisors(devices // (t * c * e)) if m.num_layers % d == 0):
-                    chunks = [1] + [v for v in (2, 4) if p > 1 and m.num_layers % (p * v) == 0]
+                stages = _divisors(devices // (t * c * e))
+                for p in (d for d in stages if m.num_layers % d == 0 or pins.get("pipeline") == d):
+                    if "parallel.virtual_stages" in keep:
+                        chunks = [par.virtual_stages]
+                    else:
+                        chunks = [1] + [v for v in (2, 4) if p > 1 and m.num_layers % (p * v) == 0]
                     for v in chunks:
                         rest = devices // (t * c * e * p)
-                        dps = [(rest, 1, False)] + ([(rest, 1, True), (1, rest, False)] if rest > 1 else [])
+                        # plain data parallelism, with the distributed optimizer, FSDP, and FSDP inside
+                        # data parallelism (hybrid sharding), with and without the distributed optimizer
+                        splits = [(rest // f, f) for f in _divisors(rest)]
+                        dps = [(d, f, o) for d, f in splits for o in ((False, True) if d > 1 else (False,))]
+                        if "parallel.distributed_optimizer" in keep:
+                            dps = [(d, f, o) for d, f, o in dps if o == par.distributed_optimizer or d == 1]
                         for data, fsdp, dist_opt in dps:
                             sizes = {"pipeline": p, "data": data, "fsdp": fsdp, "expert": e, "context": c, "tensor": t}
                             if any(sizes[a] != n for a, n in pins.items()):
                                 continue
-                            yield sizes, {"sequence_parallel": t > 1, "distributed_optimizer": dist_opt,
-                                          "pipeline_schedule": "interleaved" if v > 1 else "1f1b",
-                                          "virtual_stages": v}
+                            schedule = ("interleaved" if v > 1 else "1f1b")
+                            if "parallel.pipeline_schedule" in keep:
+                                schedule = par.pipeline_schedule
+                            sp = par.sequence_parallel if "parallel.sequence_parallel" in keep else t > 1
+                            yield sizes, {"sequence_parallel": sp, "distributed_optimizer": dist_opt,
+                                          "pipeline_schedule": schedule, "virtual_stages": v, **exchange}
 
 
 def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, micro: int) -> Config:
@@ -180,21 +222,27 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     cfg, sizes, m = plan.cfg, plan.sizes, plan.cfg.model
     precision = cfg.train.precision
     peak = kind.peak_tflops.get(precision) or kind.peak_tflops.get("bf16")
+    # What FP8 leaves in 16 bits (attention's own products, the routers) runs at the 16-bit peak.
+    peak16 = kind.peak_tflops.get(gemm.product_precisions(cfg)[0]) or kind.peak_tflops["bf16"]
     tokens = plan.batch.global_batch * plan.batch.seq_len
     per_token = train_flops_per_token(m, plan.batch.seq_len, plan.padded_vocab)
     attention = 6 * m.num_layers * plan.batch.seq_len * m.num_heads * m.head_dim
     layers = per_token - attention  # (with the output layer: a slight overcount of what recompute redoes)
     # (A pipeline's backward half runs the VJP its forward half took: it recomputes what the policy says.)
-    extra = {"none": 0.0, "selective": attention / 3, "full": (layers + attention) / 3}[cfg.parallel.recompute]
+    policy = cfg.parallel.recompute
+    extra_layers = layers / 3 if policy == "full" else 0.0
+    extra_attention = attention / 3 if policy in ("selective", "full") else 0.0
     flops = tokens * per_token / devices
-    compute = tokens * (per_token + extra) / devices / (peak * 1e12 * kind.efficiency)
+    compute = (tokens * (layers + extra_layers) / devices / (peak * 1e12 * kind.efficiency)
+               + tokens * (attention + extra_attention) / devices / (peak16 * 1e12 * kind.efficiency))
     if kind.gemm_efficiency:  # each product at its shape's measured share; the rest at `efficiency`
-        products, product_flops = gemm.gemm_seconds(gemm.step_gemms(plan, spec), kind.gemm_efficiency, peak)
-        if kind.grouped_gemm_tile:  # the experts' rows padded to whole tiles: their padding's time too
-            products, _ = gemm.gemm_seconds(gemm.step_gemms(plan, spec, kind.grouped_gemm_tile),
-                                            kind.gemm_efficiency, peak)
-        rest = max(0.0, tokens * (per_token + extra) / devices - product_flops)
-        compute = products + rest / (peak * 1e12 * kind.efficiency)
+        # (the experts' rows padded to whole tiles where the kind tiles them: their padding's time too)
+        gemms = gemm.step_gemms(plan, spec)
+        product_flops = sum(2.0 * g["m"] * g["k"] * g["n"] * g["count"] for g in gemms)
+        products, _ = gemm.gemm_seconds(gemm.step_gemms(plan, spec, kind.grouped_gemm_tile)
+                                        if kind.grouped_gemm_tile else gemms, kind)
+        rest = max(0.0, tokens * (per_token + extra_layers + extra_attention) / devices - product_flops)
+        compute = products + rest / (peak16 * 1e12 * kind.efficiency)
     platform = "cpu" if kind.shared_host else "gpu"
     rules = plan.rules
     # Memory-bound work: the element-wise ops on the activations, at the kind's memory bandwidth.
@@ -228,7 +276,8 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
              "optimizer": optimizer}
     if encoder:
         parts[_ENCODER] = encoder
-    overlapped = 0.0
+    overlapped = ringed = 0.0
+    hides_reductions = not kind.shared_host and _reductions_overlap_backward(plan)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     scattered = analytic.stage_scattered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     replicated = analytic.stage_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -238,23 +287,33 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         n = sizes[axis]
         if n <= 1 or nbytes <= 0:
             continue
-        factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(kind_name, (n - 1) / n)
-        if plan.dcn[axis] > 1:
-            bw = kind.inter_node_gbps * kind.link_efficiency
-        else:  # inside a node: the measured bus bandwidth, where the kind has one
-            bw = kind.collective_gbps or kind.intra_node_gbps * kind.link_efficiency
-        seconds = nbytes * factor / (bw * 1e9)
-        # The data-parallel reductions overlap the backward, except on devices that share a host's cores:
-        # there a collective's copies and sums are work for the cores that compute.
-        if (axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name)) and not kind.shared_host:
+        seconds = transfer_seconds(kind, kind_name, nbytes, plan.ici[axis], plan.dcn[axis])
+        # The data-parallel reductions overlap the backward (where the step reduces them as the backward
+        # produces them), except on devices that share a host's cores: there a collective's copies and
+        # sums are work for the cores that compute.
+        if (axis in _DATA_PARALLEL or _is_gradient_reduction(axis, kind_name)) and hides_reductions:
             overlapped += seconds
             parts[f"{axis} (overlapped)"] = parts.get(f"{axis} (overlapped)", 0.0) + seconds
             continue
+        if axis == "tensor" and kind_name in ("all-gather", "reduce-scatter"):
+            ringed += seconds  # the sequence-parallel products' gathers and scatters
         parts[axis] = parts.get(axis, 0.0) + seconds
-    # Fixed costs: each collective call's latency on its axis, and the stage loop's ticks.
+    # Collective matmuls (parallel.tp_comm_overlap, sequence parallelism; megajax/parallel/tensor.py)
+    # run those transfers beside the partial products: the kind's share of them is hidden, at most the
+    # products' own time.
+    if cfg.parallel.tp_comm_overlap and cfg.parallel.sequence_parallel and kind.tp_overlap and ringed:
+        hidden = min(kind.tp_overlap * ringed, compute - memory)
+        parts["tensor"] -= hidden
+        parts["tensor (overlapped)"] = hidden
+    # Fixed costs: each collective call's latency on its axis (a ring's n - 1 steps: the kind's figure is
+    # for a node's devices; a point-to-point transfer's is one call's whatever the group), and the stage
+    # loop's ticks.
+    node = max(2, min(kind.node_size, devices))
     for axis, calls in analytic.collective_calls(plan, platform).items():
         if sizes[axis] > 1 and calls > 0:
-            parts[axis] = parts.get(axis, 0.0) + calls * kind.collective_latency_us * 1e-6
+            hops = 1.0 if axis == "pipeline" or (axis == "context" and cfg.parallel.context_impl == "ring") \
+                else (sizes[axis] - 1) / (node - 1)
+            parts[axis] = parts.get(axis, 0.0) + calls * kind.collective_latency_us * 1e-6 * hops
     if plan.pipeline is not None:
         c = plan.pipeline
         ticks = _ticks(c.schedule, c.stages, c.microbatches, c.virtual_stages)
@@ -266,15 +325,46 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     return step, parts, flops / (step * peak * 1e12), bubble
 
 
+def transfer_seconds(kind: DeviceKind, collective: str, nbytes: float, ici: int, dcn: int) -> float:
+    """Seconds of one device's collective over an axis of `ici` devices per node x `dcn` nodes, `nbytes`
+    its buffer: a ring inside a node moves (n - 1)/n of it per device (an all-reduce twice that) over the
+    node's links; across nodes the collective is hierarchical, as NCCL's rings and trees run it: the
+    node's part over its links, then each device's 1/ici share across the nodes over its own network
+    port (the node's ports side by side). An all-to-all sends the (n - ici)/n of its buffer bound for
+    other nodes over the port, the rest over the node's links; a collective-permute (a pipeline's
+    transfer) all of it, over the network where the axis leaves the node."""
+    intra = (kind.collective_gbps or kind.intra_node_gbps * kind.link_efficiency) * 1e9
+    inter = kind.inter_node_gbps * kind.link_efficiency * 1e9
+    n = ici * dcn
+    if collective == "collective-permute":
+        return nbytes / (inter if dcn > 1 else intra)
+    if collective == "all-to-all":
+        return nbytes * (ici - 1) / n / intra + nbytes * (n - ici) / n / inter
+    ring = 2.0 if collective == "all-reduce" else 1.0
+    return ring * (nbytes * (ici - 1) / ici / intra + nbytes / ici * (dcn - 1) / dcn / inter)
+
+
+def _reductions_overlap_backward(plan: RunPlan) -> bool:
+    """Whether the data-parallel collectives can run beside the backward: where the step reduces the
+    gradients as its one microbatch's backward produces them (and FSDP gathers per layer), or once per
+    microbatch (MoE, dropout: megajax/train/step.py). Gradients accumulated over several microbatches
+    unreduced, or returned by a pipeline's stage loop, are reduced after the loop (FSDP's parameters
+    gathered before it): nothing is left to compute beside those transfers."""
+    m = plan.cfg.model
+    if plan.pipeline is not None:
+        return False
+    return plan.batch.accumulation == 1 or bool(m.num_experts) or m.uses_dropout()
+
+
 @functools.lru_cache(maxsize=None)
 def _bubble(schedule: str, stages: int, microbatches: int, virtual: int) -> float:
     """The schedule's bubble, built once per shape (every recompute policy of a layout shares it)."""
-    return build_schedule(schedule, stages, microbatches, virtual).bubble_fraction
+    return analytic.schedule_of(schedule, stages, microbatches, virtual).bubble_fraction
 
 
 @functools.lru_cache(maxsize=None)
 def _ticks(schedule: str, stages: int, microbatches: int, virtual: int) -> int:
-    return build_schedule(schedule, stages, microbatches, virtual).ticks
+    return analytic.schedule_of(schedule, stages, microbatches, virtual).ticks
 
 
 def _is_gradient_reduction(axis: str, kind_name: str) -> bool:
@@ -302,8 +392,10 @@ def estimate(cfg: Config, cluster: str, device_kinds: str | None = None) -> Cand
     return c
 
 
-def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top: int = 5) -> dict[str, Any]:
-    """Every layout of `cfg` on the cluster, estimated and ranked; the report `megajax plan` prints."""
+def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top: int = 5,
+                 keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Every layout of `cfg` on the cluster, estimated and ranked; the report `megajax plan` prints.
+    `keep`: KEEPABLE keys whose values in `cfg` every layout keeps (those a command line sets)."""
     from megajax.train.state import build_model_spec
     if top < 1:
         raise ConfigError(f"--top {top}: must be >= 1 (the number of layouts to print).")
@@ -314,20 +406,26 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
     # The resolved config, tokenizer and vocabulary, planned on one device: the candidates bring the batch
     # checks (a global batch that does not split over every device is no error here).
     ones = {a: 1 for a in MESH_AXES}
-    base = make_plan(_candidate_config(cfg, ones, ones, {}, cfg.parallel.recompute, 1), 1)
+    one_stage = {"virtual_stages": 1, "pipeline_schedule": "1f1b"}  # (a kept chunk count needs a pipeline)
+    base = make_plan(_candidate_config(cfg, ones, ones, one_stage, cfg.parallel.recompute, 1), 1)
     spec, _ = build_model_spec(base.cfg, base.padded_vocab)
     capacity = int(kind.memory_gib * GIB * HEADROOM)
     candidates: list[Candidate] = []
     refusals: collections.Counter[str] = collections.Counter()  # the checks' messages, by how many layouts
     base.cfg.mesh = copy.deepcopy(cfg.mesh)  # the pins
-    for sizes, parallel in _layouts(base.cfg, devices, node):
+    base.cfg.parallel = copy.deepcopy(cfg.parallel)  # and the kept keys
+    policies = (cfg.parallel.recompute,) if "parallel.recompute" in keep else ("none", "selective", "full")
+    for sizes, parallel in _layouts(base.cfg, devices, node, keep, ragged=not kind.shared_host):
         placed = _place(sizes, node)
         if placed is None:
             continue
         ici, dcn = placed
         per_rank = base.cfg.train.global_batch // data_parallel_size(sizes)
-        for recompute in ("none", "selective", "full"):
-            for micro in (d for d in _divisors(max(per_rank, 1)) if d <= 16):
+        micros = [d for d in _divisors(max(per_rank, 1)) if d <= 16]
+        if "train.micro_batch" in keep:
+            micros = [cfg.train.micro_batch or per_rank]
+        for recompute in policies:
+            for micro in micros:
                 c = _candidate_config(base.cfg, ici, dcn, parallel, recompute, micro)
                 try:
                     plan = plan_layout(c, base.tokenizer, ici, dcn)
@@ -357,7 +455,13 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
                       "global_batch": base.cfg.train.global_batch, "seq_len": base.cfg.train.seq_len,
                       "precision": base.cfg.train.precision},
             "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins,
+            "kept": {k: _value(cfg, k) for k in keep},
             "alternatives": alternatives}
+
+
+def _value(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _all_refused(cluster: str, devices: int, kind: str, node: int, pins: dict[str, int],
@@ -393,12 +497,14 @@ def reasons(c: Candidate) -> str:
 
 def format_plan(report: dict[str, Any], top: int = 5) -> str:
     mod = report["model"]
+    kept = ([f"mesh.{a}={n}" for a, n in report["pinned"].items()]
+            + [f"{k}={v}" for k, v in report.get("kept", {}).items()])
     lines = [f"cluster    {report['cluster']}: {report['devices']} {report['device_kind']} "
              f"({report['kind']['memory_gib']:g} GiB, {report['kind']['node_size']} per node); model "
              f"{mod['parameters'] / 1e9:.2f}B parameters, global batch {mod['global_batch']} x seq "
              f"{mod['seq_len']}, {mod['precision']}",
              f"estimated  {report['evaluated']} layouts ({report['refused']} more refused by the run's own checks)"
-             + (f" with {' '.join(f'mesh.{a}={n}' for a, n in report['pinned'].items())} kept" if report["pinned"] else "")
+             + (f" with {' '.join(kept)} kept" if kept else "")
              + f"; {len(report['ranked'])} fit in {report['capacity'] / GIB:.1f} GiB ({HEADROOM:.0%} of the device)"]
     if not report["ranked"]:
         lines.append("nothing fits; the smallest per-device memory:")

@@ -109,7 +109,8 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     """The model's injected products for this layout, back end and precision (FP8: the linear
     layers get stateful FP8 products, see megajax/precision/fp8.py). Their collectives are written
     out (megajax/parallel/tensor.py) under sequence parallelism, and inside the pipeline stages,
-    which run manual over every mesh axis; elsewhere XLA partitions the plain products."""
+    which run manual over every mesh axis; elsewhere XLA partitions the plain products. On a GPU
+    with parallel.tp_comm_overlap the sequence-parallel products are collective matmuls."""
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
     fp8 = precision_policy(cfg).fp8
@@ -122,7 +123,10 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     tensor = math.prod(sizes.get(a, 1) for a in (() if rules is None else rules.activations["heads"]))
     sequence_parallel = cfg.parallel.sequence_parallel and tensor > 1
     if sequence_parallel or (tensor > 1 and sizes.get("pipeline", 1) > 1):
-        ops = tensor_parallel_ops(mesh, rules.activations, dot, sequence_parallel=sequence_parallel)
+        # On GPUs the sequence-parallel products run as collective matmuls (parallel.tp_comm_overlap).
+        ring = cfg.parallel.tp_comm_overlap and platform in ("gpu", "cuda", "rocm")
+        ops = tensor_parallel_ops(mesh, rules.activations, dot, sequence_parallel=sequence_parallel,
+                                  collective_matmul=ring)
         return dataclasses.replace(ops, **low)
     return LinearOps(column=dot, row=dot, **low)
 
