@@ -21,6 +21,9 @@ LAYOUTS = {
                                  "mesh.data=2", "precision.param_dtype=fp32"],
     # pipeline 2 (1F1B) x tensor 2 x data 2, one sample a microbatch
     "1f1b_p2_tensor2_data2": ["mesh.pipeline=2", "mesh.tensor=2", "mesh.data=2", "train.micro_batch=1"],
+    # context 2 x FSDP 2 x data 2, the float8 weights gathered over FSDP (precision.fp8_param_gather)
+    "context2_fsdp2_data2_fp8_gather": ["mesh.context=2", "mesh.fsdp=2", "mesh.data=2",
+                                        "precision.fp8_param_gather=true"],
 }
 STEPS = 3
 
