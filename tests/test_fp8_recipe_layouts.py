@@ -40,3 +40,17 @@ def test_block_scaled_recipe_tracks_one_device(small_config, recipe, layout):
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(one))
     np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
     np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
+
+
+# The hybrid (Mamba-2 + attention + MoE) at tensor 2 + SP x data 4, step 1 only: past step 1 a
+# hybrid in reduced precision drifts from one device as tests/test_hybrid.py describes (over 3
+# steps, grad norm: blockwise 0.11 %, 3.8 %, 1.2 %; mxfp8 0.03 %, 0.36 %, 1.9 %; losses within 3e-4).
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_block_scaled_recipe_on_the_hybrid_tracks_one_device_at_step_1(small_config, recipe):
+    from test_hybrid import HYBRID
+    common = [*FP8, *HYBRID, f"precision.fp8_recipe={recipe}", "optim.warmup_steps=0", "precision.param_dtype=fp32"]
+    one, _, _ = _steps(small_config(*common, "mesh.data=1", steps=1), jax.devices()[:1], 1)
+    got, _, _ = _steps(small_config(*common, "mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.data=4",
+                                    steps=1), jax.devices(), 1)
+    np.testing.assert_allclose(got[:, 0], one[:, 0], rtol=2 * FP8_LOSS_RTOL)
+    np.testing.assert_allclose(got[:, 1], one[:, 1], rtol=FP8_GRAD_NORM_RTOL)
