@@ -1,7 +1,7 @@
 """FP8 training against bf16 on the same model, data and seed: loss curves, the convergence bar, a plot.
 
     PYTHONPATH=. python scripts/fp8_vs_bf16.py [--models small] [--recipes delayed] [--steps 60]
-        [--json FILE] [--plot FILE] [--resume] [key=value ...]
+        [--json FILE] [--plot FILE] [--resume] [--markdown] [key=value ...]
 
 For each model it trains once in bf16 and once per FP8 recipe (precision.fp8_recipe: delayed,
 current, blockwise, mxfp8) on the embedded corpus with the same seed, one CPU device, and prints
@@ -88,6 +88,19 @@ def summarise(record: dict) -> list[str]:
     return lines
 
 
+def markdown(record: dict) -> str:
+    """The convergence table of docs/fp8-and-kernels.md, from a record."""
+    lines = ["| model | recipe | final loss | bf16 final loss | relative | skipped steps | finite | within 1.5 % |",
+             "|---|---|---|---|---|---|---|---|"]
+    for model, runs in record["models"].items():
+        for recipe in (r for r in RECIPES if r in runs and "bf16" in runs):
+            v = verdict(runs[recipe], runs["bf16"])
+            lines.append(f"| {model} | {recipe} | {v['final_loss']:.4f} | {final_loss(runs['bf16']):.4f} | "
+                         f"{v['final_rel']:+.2%} | {v['skipped_steps']} | {'yes' if v['finite'] else 'no'} | "
+                         f"{'yes' if v['ok'] else 'no'} |".replace("%", " %"))
+    return "\n".join(lines)
+
+
 def plot(record: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--plot", default="")
     ap.add_argument("--resume", action="store_true", help="keep the runs already in --json and run the others")
+    ap.add_argument("--markdown", action="store_true", help="print the docs' convergence table too")
     ap.add_argument("overrides", nargs="*", help="config overrides (precision.* and model.matmul_impl go to "
                                                   "the fp8 runs only, the others to all)")
     args = ap.parse_args(argv)
@@ -166,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + "\n".join(lines))
     if out is not None:
         out.write_text(json.dumps(record, indent=1) + "\n")
+    if args.markdown:
+        print("\n" + markdown(record))
     if args.plot:
         print(f"plot: {args.plot}" if plot(record, Path(args.plot)) else "plot: skipped (no matplotlib)")
     return 0 if all(v["verdict"]["ok"] for runs in record["models"].values()
