@@ -525,26 +525,44 @@ class TrainConfig:
     exact_match_path: str = ""
 
 
+# The FP8 products by name (precision.fp8_bf16_products names those kept in bf16): attention's fused
+# q/k/v (multi-latent attention's q/kv projections too) and output projections, the MLPs' fc1 and fc2
+# (shared experts' included), the routed experts' products, a Mamba-2 mixer's in_proj (z, x, B, C),
+# its dt projection and out_proj, and a multi-token prediction depth's projection.
+FP8_PRODUCT_NAMES = ("qkv", "out_projection", "fc1", "fc2", "experts", "mamba_in_proj", "mamba_dt",
+                     "mamba_out_proj", "mtp_projection")
+
+
 @dataclass
 class PrecisionConfig:
     """The parameters' dtype, and FP8 training (train.precision=fp8): how the linear layers' products
     are scaled.
 
-    Transformer Engine's per-tensor recipe: `delayed` scales each tensor of each product by
+    Transformer Engine's per-tensor recipes: `delayed` scales each tensor of each product by
     fp8_max / max(amax history) / 2^margin, the history holding the last
     `fp8_amax_history_len` steps' amaxes (this step's included in the next step's scale);
-    `current` scales each tensor by its own amax where it is quantized."""
+    `current` (Megatron's name: `tensorwise`) scales each tensor by its own amax where it is
+    quantized. The block-scaled recipes scale every block by its own amax, e4m3 throughout:
+    `blockwise` (DeepSeek-V3's: 1 x 128 blocks of activations and gradients, 128 x 128 tiles of
+    weights, power-of-two scales) and `mxfp8` (OCP MX: 32-element blocks, e8m0 scales)."""
     # The dtype the train state holds the parameters in: `compute` (train.precision's compute dtype:
     # bf16 for bf16 and fp8, fp16 for fp16) with an fp32 master copy in the optimizer state, split as
     # the Adam moments are (Megatron's --bf16/--fp16: 16-bit model params, fp32 main params), or `fp32`
     # (fp32 parameters and no copy: MaxText's weight_dtype float32). fp32 runs hold fp32 either way.
     param_dtype: Literal["compute", "fp32"] = "compute"
-    fp8_recipe: Literal["delayed", "current"] = "delayed"
+    fp8_recipe: Literal["delayed", "current", "tensorwise", "blockwise", "mxfp8"] = "delayed"
     fp8_amax_history_len: int = 1024
     fp8_margin: int = 0
     # The output layer (logits) in FP8 too; off: bf16, as Megatron keeps it. (The embedding is a
     # row lookup, not a product: always in the compute dtype.)
     fp8_output_layer: bool = False
+    # The FP8 products kept in bf16 (names from FP8_PRODUCT_NAMES): by default a Mamba-2 mixer's dt
+    # projection and out_proj, as Nemotron-H's FP8 recipe keeps them.
+    fp8_bf16_products: list = field(default_factory=lambda: ["mamba_dt", "mamba_out_proj"])
+    # FSDP gathers the FP8 products' weights as their float8 copies (quantized on each device's
+    # shard: one byte a value instead of two), where XLA partitions the products; the parameters and
+    # the optimizer's fp32 master copy are unchanged (Megatron's --fp8-param-gather).
+    fp8_param_gather: bool = False
 
 
 @dataclass
@@ -1106,6 +1124,17 @@ def validate_precision(cfg: Config) -> None:
     p, t = cfg.precision, cfg.train
     _positive("precision.fp8_amax_history_len", p.fp8_amax_history_len)
     _positive("precision.fp8_margin", p.fp8_margin, allow_zero=True)
+    kept = list(p.fp8_bf16_products)
+    bad = [n for n in kept if n not in FP8_PRODUCT_NAMES]
+    if bad or len(set(kept)) != len(kept):
+        raise ConfigError(f"config key precision.fp8_bf16_products = {kept}: "
+                          f"{'unknown' if bad else 'repeated'} product names {bad or kept}; the FP8 products are "
+                          f"{', '.join(FP8_PRODUCT_NAMES)} (an empty list keeps none in bf16).")
+    if p.fp8_recipe == "mxfp8" and cfg.model.matmul_impl == "pallas":
+        raise ConfigError("model.matmul_impl = 'pallas' with precision.fp8_recipe = 'mxfp8': there is no Pallas "
+                          "MXFP8 kernel (MXFP8 runs through jax.nn.scaled_matmul on Blackwell GPUs and its exact "
+                          "emulation elsewhere); set model.matmul_impl=xla, or choose precision.fp8_recipe="
+                          "blockwise for the Pallas blockwise kernel.")
     if t.precision != "fp8" and cfg.model.matmul_impl != "xla":
         raise ConfigError(f"model.matmul_impl = {cfg.model.matmul_impl!r} picks the implementation of the "
                           f"FP8 products and needs train.precision=fp8 (this run has train.precision="

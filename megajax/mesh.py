@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -510,6 +510,30 @@ def logical_constraint(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array
         spec = P(*(_drop(entry, manual) for entry in spec))
         return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def fp8_param_gather(mesh: Mesh, axes: tuple[str, ...]) -> Callable[[jax.Array, int], jax.Array]:
+    """gather(w8, dim): a float8 weight computed from a parameter sharded over `axes` (FSDP's
+    `embed` split) along `dim`, pinned to those shards (so it is quantized where the parameter lies)
+    and then to the whole dim: the all-gather moves one byte a value (the float8 bits as uint8,
+    which XLA:CPU too gathers as bytes). Other dims are left to the partitioner; inside a shard_map
+    the manual axes are dropped (the identity where all of `axes` are manual)."""
+    def gather(w8: jax.Array, dim: int) -> jax.Array:
+        context = jax.sharding.get_abstract_mesh()
+        manual = set(() if context.empty else context.manual_axes)
+        sizes = mesh_sizes(mesh)
+        split = tuple(a for a in axes if a not in manual and sizes.get(a, 1) > 1)
+        if not split:
+            return w8
+        target = context if manual else mesh
+        bits = jax.lax.bitcast_convert_type(w8, jnp.uint8)
+        spec = [P.UNCONSTRAINED] * w8.ndim
+        spec[dim] = spec_entry(split)
+        bits = jax.lax.with_sharding_constraint(bits, NamedSharding(target, P(*spec)))
+        spec[dim] = None
+        bits = jax.lax.with_sharding_constraint(bits, NamedSharding(target, P(*spec)))
+        return jax.lax.bitcast_convert_type(bits, w8.dtype)
+    return gather
 
 
 def load_balanced_order(seq_len: int, size: int) -> np.ndarray:

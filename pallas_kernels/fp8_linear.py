@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._common import max_over as _max_over, sum_to as _sum_to, varying as _varying
 from pallas_kernels.fp8_matmul import (
     HYBRID, Fp8Formats, compute_scale, fp8_matmul, fp8_matmul_xla, fp8_max, quantize)
 
@@ -68,25 +69,10 @@ class _Config:
     x_dtype: jnp.dtype      # of y and dx
     w_dtype: jnp.dtype      # of dw
     interpret: bool | None
-
-
-def _varying(x) -> frozenset:
-    """The shard_map axes a traced value is typed as varying over (empty outside one)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(getattr(mat, "varying", ())) if mat is not None else frozenset(getattr(t, "vma", ()))
-
-
-def _max_over(amax, axes):
-    axes = tuple(sorted(axes))
-    return jax.lax.pmax(amax, axes) if axes else amax
-
-
-def _sum_to(ct, primal):
-    """Inside a shard_map: a cotangent summed over the axes it varies over and its primal does not
-    (a weight replicated over `tensor` meeting split activations), as JAX's own rules do."""
-    extra = tuple(sorted(_varying(ct) - _varying(primal)))
-    return jax.lax.psum(ct, extra) if extra else ct
+    # The float8 weight's way to the product: gather(w8, dim) with dim the sharded dim of w [K, N]
+    # (FSDP gathering the float8 copy, precision.fp8_param_gather), or None (w8 as it is).
+    weight_gather: object = None
+    gather_dim: int = 0
 
 
 def _amax(t):
@@ -117,6 +103,8 @@ def _forward(cfg: _Config, x, w, scales: Fp8Scales):
     x2 = x.reshape(-1, k)                                        # [M, K]
     x8, sx, amax_x = _quantize(x2, scales.x, cfg.fwd)
     w8, sw, amax_w = _quantize(w, scales.w, cfg.fwd)             # [K, N]
+    if cfg.weight_gather is not None:
+        w8 = cfg.weight_gather(w8, cfg.gather_dim)
     y = _matmul(cfg, x8, w8, sx, sw, x.dtype)                     # [M, N]
     y = y.reshape(*x.shape[:-1], w.shape[1])
     return y, (x8, w8, sx, sw), (amax_x, amax_w)
@@ -153,7 +141,7 @@ def _fp8_linear_bwd(cfg, res, g):
 _fp8_linear.defvjp(_fp8_linear_fwd, _fp8_linear_bwd)
 
 
-def _config(x, w, scales, impl, formats, interpret) -> _Config:
+def _config(x, w, scales, impl, formats, interpret, weight_gather=None, gather_dim=0) -> _Config:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: accepted {IMPLS}")
     if w.ndim != 2 or x.ndim < 1 or x.shape[-1] != w.shape[0]:
@@ -162,16 +150,19 @@ def _config(x, w, scales, impl, formats, interpret) -> _Config:
         raise TypeError(f"scales must be an Fp8Scales, got {type(scales).__name__}")
     formats = Fp8Formats(*(jnp.dtype(t) for t in formats))
     return _Config(impl=impl, fwd=formats.fwd, bwd=formats.bwd, x_dtype=jnp.dtype(x.dtype),
-                   w_dtype=jnp.dtype(w.dtype), interpret=interpret)
+                   w_dtype=jnp.dtype(w.dtype), interpret=interpret, weight_gather=weight_gather,
+                   gather_dim=gather_dim)
 
 
 def fp8_linear(x, w, scales: Fp8Scales = Fp8Scales(), *, impl: str = "xla",
-               formats: Fp8Formats = HYBRID, interpret: bool | None = None):
+               formats: Fp8Formats = HYBRID, interpret: bool | None = None, weight_gather=None,
+               gather_dim: int = 0):
     """y [..., N] = x [..., K] @ w [K, N] in FP8 (see the module docstring for the recipe
     interface). impl: "xla" (cuBLASLt FP8 GEMMs through XLA) or "pallas" (fp8_matmul);
     formats: (forward, backward) float8 types, HYBRID or HYBRID_FNUZ; interpret: passed to
-    the Pallas kernel."""
-    cfg = _config(x, w, scales, impl, formats, interpret)
+    the Pallas kernel; weight_gather(w8, dim): applied to the float8 weight before the products,
+    `gather_dim` of w [K, N] (FSDP's gather of the float8 copy), or None."""
+    cfg = _config(x, w, scales, impl, formats, interpret, weight_gather, gather_dim)
     return _fp8_linear(x, w, scales, cfg)
 
 

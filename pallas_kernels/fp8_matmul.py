@@ -42,6 +42,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._common import (
+    both as _and, cdiv as _cdiv, masked_load as _load, next_pow2 as _next_pow2, on_rocm as _on_rocm,
+    shared_memory_per_block as _shared_memory_per_block, tile_ids, valid as _valid)
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 E4M3_FNUZ = jnp.float8_e4m3fnuz
@@ -121,14 +125,6 @@ _GROUP_M = 8
 _SHARED_MEMORY_USE = 0.9  # of the per-block shared memory, for the operand pipeline
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3,
                         shared_memory: int | None = None) -> dict:
     """Block sizes and Triton launch parameters for an [M, K] x [K, N] product.
@@ -155,19 +151,6 @@ def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3,
         row["num_stages"] = max(1, min(row["num_stages"], fit))
     row["group_m"] = _GROUP_M
     return row
-
-
-def _shared_memory_per_block() -> int | None:
-    """Shared memory a Triton kernel may use on the default NVIDIA GPU (bytes), from its
-    compute capability: 227 KiB on sm_90+, 99 KiB on sm_89/sm_86, 163 KiB on sm_80;
-    None when unknown (no GPU: lowering assumes sm_90)."""
-    try:
-        major, minor = (int(v) for v in str(jax.devices()[0].compute_capability).split("."))
-    except Exception:  # CPU, ROCm, or a device without the attribute
-        return None
-    if major >= 9:
-        return 227 * 1024
-    return 163 * 1024 if (major, minor) == (8, 0) else 99 * 1024
 
 
 # --------------------------------------------------------------------------- kernel
@@ -219,34 +202,8 @@ def _widen(x, how: str | None):
     return lax.bitcast_convert_type(h, jnp.float16)
 
 
-def _valid(start, size: int, limit: int, *, column: bool):
-    """[size, 1] (or [1, size] if column) mask of indices start + i < limit."""
-    shape = (1, size) if column else (size, 1)
-    return start + lax.broadcasted_iota(jnp.int32, shape, 1 if column else 0) < limit
-
-
-def _and(x, y):
-    if x is None:
-        return y
-    return x if y is None else x & y
-
-
-def _load(ref, rows, cols, mask):
-    """ref[rows, cols] (pl.ds slices); masked-off entries read as 0."""
-    view = ref.at[rows, cols]
-    if mask is None:
-        return view[...]
-    return plgpu.load(view, mask=mask, other=jnp.zeros((), ref.dtype))
-
-
 def _tile_ids(pid, cfg: _Config):
-    """(tile row, tile column) of program `pid`: groups of group_m tile rows, column-major
-    inside a group, so that consecutive programs reuse b tiles and nearby a tiles."""
-    width = cfg.group_m * cfg.num_n
-    first = lax.div(pid, jnp.int32(width)) * cfg.group_m
-    rows = jnp.minimum(cfg.num_m - first, cfg.group_m)
-    in_group = lax.rem(pid, jnp.int32(width))
-    return first + lax.rem(in_group, rows), lax.div(in_group, rows)
+    return tile_ids(pid, cfg.num_m, cfg.num_n, cfg.group_m)
 
 
 def _kernel(a_ref, b_ref, scale_ref, o_ref, *amax_ref, cfg: _Config):
@@ -313,13 +270,6 @@ def _call(a, b, scale, cfg: _Config):
 
 
 # --------------------------------------------------------------------------- public API
-
-
-def _on_rocm() -> bool:
-    try:
-        return "rocm" in jax.devices()[0].client.platform_version.lower()
-    except Exception:  # no device, or a client without the attribute: not ROCm
-        return False
 
 
 def _check(a, b, a_scale, b_scale, out_dtype, transpose_a, transpose_b):

@@ -92,6 +92,16 @@ def _fp8_headline(r: dict) -> str:
     return text
 
 
+def _block_fp8_headline(r: dict) -> str:
+    rows = r.get("checks", [])
+    text = f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} correct"
+    timed = {t["impl"]: t["tflops"] for t in r.get("timing", []) if t.get("tflops") and t["shape"] == "square"
+             and t["m"] == max(x["m"] for x in r["timing"] if x["shape"] == "square")}
+    if timed:
+        text += "; largest square TFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in timed.items())
+    return text
+
+
 def _ssd_headline(r: dict) -> str:
     rows = r.get("correctness", [])
     text = f"{sum(bool(c.get('ok')) for c in rows)}/{len(rows)} correct"
@@ -212,6 +222,12 @@ SECTIONS = [
     Section("serve", 150, lambda ctx: [ctx.python, "scripts/bench_serve.py", *(SERVE_SMOKE if ctx.smoke else SERVE_GPU),
                                        "--json", ctx.json("serve")], smoke_limit_s=120, headline=_serve_headline,
             env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}),  # the bench process and its server share the GPU
+    # The block-scaled FP8 recipes: the blockwise Pallas kernel (compiled) and mxfp8_matmul against
+    # their float64 references, timed against the per-tensor FP8 kernel and a bf16 GEMM. Last, so the
+    # sections above keep their share of the suite's budget.
+    Section("block_fp8", 120, lambda ctx: [ctx.python, "scripts/gpu_check_block_fp8.py", "--json", ctx.json("block_fp8"),
+                                           *(["--cpu-smoke"] if ctx.smoke else [])],
+            smoke_limit_s=120, headline=_block_fp8_headline),
 ]
 
 

@@ -122,7 +122,7 @@ def test_overrides_and_includes(tmp_path):
     ("trian.steps=4", ["trian", "did you mean train"]),
     ("train.steps=abc", ["train.steps", "'abc'", "integer"]),
     ("train.precision=fp64", ["train.precision", "'fp64'", "fp32, bf16, fp16, fp8"]),
-    ("precision.fp8_recipe=tensorwise", ["precision.fp8_recipe", "'tensorwise'", "delayed, current"]),
+    ("precision.fp8_recipe=rowwise", ["precision.fp8_recipe", "'rowwise'", "delayed, current, tensorwise, blockwise, mxfp8"]),
     ("model.num_kv_heads=3", ["model.num_heads=4", "model.num_kv_heads=3"]),
     ("optim.min_lr=1.0", ["optim.min_lr=1.0", "optim.lr=0.002"]),
     ("parallel.virtual_stages=0", ["parallel.virtual_stages", "> 0"]),

@@ -289,7 +289,8 @@ def test_policy_names_what_each_precision_does(small_config):
     assert fp8.master_dtype == np.float32  # the optimizer's copy (precision.param_dtype=compute)
     assert make_policy("fp8", param_dtype="fp32").param_dtype == np.float32
     assert make_policy("fp32").master_dtype is None and make_policy("fp16").param_dtype == np.float16
-    assert fp8.fp8.products == ("qkv", "out_projection", "fc1", "fc2", "output_layer")
+    assert fp8.fp8.products == ("qkv", "out_projection", "fc1", "fc2", "experts", "mamba_in_proj",
+                                "mtp_projection", "output_layer")  # the dt projection and out_proj kept in bf16
     assert fp8.fp8.margin == 1 and fp8.fp8.delayed and fp8.fp8.amax_history_len == 1024
     assert fp8.peak_flops_key == "fp8" and not fp8.dynamic_loss_scale
     assert make_policy("fp16").dynamic_loss_scale and make_policy("fp16").fp8 is None
@@ -302,7 +303,8 @@ def test_policy_names_what_each_precision_does(small_config):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["precision.fp8_recipe=tensorwise"], r"precision.fp8_recipe = 'tensorwise': expected one of delayed, current"),
+    (["precision.fp8_recipe=rowwise"],
+     r"precision.fp8_recipe = 'rowwise': expected one of delayed, current, tensorwise, blockwise, mxfp8"),
     (["precision.fp8_amax_history_len=0"], r"precision.fp8_amax_history_len = 0: must be > 0"),
     (["precision.fp8_margin=-1"], r"precision.fp8_margin = -1: must be >= 0"),
     (["precision.fp8_recpie=current"], r"precision.fp8_recpie: unknown key; did you mean precision.fp8_recipe"),

@@ -57,7 +57,7 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
                       "bench_llama1b_cudnn": "ok",
                       "bench_llama1b_fp8": "ok",
                       "bench_llama1b_flash": "ok",
-                      "bench_llama1b_megatron": "skipped", "tp_overlap": "ok", "serve": "ok"}, summary
+                      "bench_llama1b_megatron": "skipped", "tp_overlap": "ok", "serve": "ok", "block_fp8": "ok"}, summary
     megatron = next(r["headline"] for r in summary["sections"] if r["section"] == "bench_llama1b_megatron")
     assert "megatron.core" in megatron or "NVIDIA GPU" in megatron, megatron  # skipped for a stated reason
     for name in status:
@@ -75,6 +75,10 @@ def test_cpu_smoke_runs_every_section_without_the_missing_packages(tmp_path):
         precision = "fp8" if impl == "fp8" else "bf16"
         assert bench["tokens_per_sec"] > 0 and "mfu" in bench and bench["layout"]["precision"] == precision
         assert bench["model"]["kv_heads"] == 2 and bench["layout"]["accumulation"] == 2
+    block_fp8 = json.loads((out / "block_fp8.json").read_text())  # the blockwise kernel and mxfp8, correct and timed
+    assert block_fp8["ok"] and len(block_fp8["checks"]) == 7 and all(c["ok"] for c in block_fp8["checks"])
+    assert {t["impl"] for t in block_fp8["timing"] if t["ms"]} == {
+        "blockwise pallas", "blockwise xla", "mxfp8", "per-tensor fp8 pallas", "bf16"}
     serve = json.loads((out / "serve.json").read_text())  # megajax serve under 1 and 2 streaming clients
     assert [c["clients"] for c in serve["modes"]["continuous"]["concurrency"]] == [1, 2]
     assert all(c["tokens"] > 0 and c["tokens_per_s"] > 0 for c in serve["modes"]["continuous"]["concurrency"])

@@ -309,11 +309,11 @@ class Attention(nnx.Module):
         self.v = Dense(h, (kv, hd), axes=("embed", "kv_heads", "head_dim"), **col)
         # Output projection (row-parallel): Megatron's scaled init std / sqrt(2 * layers).
         lora = dict(dtype=dtype, ops=ops, rngs=rngs)
-        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
+        self.o = Dense((nh, hd), h, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row", "out_projection"),
                        init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
                        lora=adapter(cfg.lora, "proj", (nh, hd), h, axes=("heads", "head_dim", "embed"), kind="row",
                                     **lora), **common)
-        self.qkv_product = ops.linear("column")  # the fused q/k/v product (`qkv`)
+        self.qkv_product = ops.linear("column", "qkv")  # the fused q/k/v product (`qkv`)
         # model.lora's `qkv`: one A [D, r] for q, k and v, and B [r, G, group + 2, K] laid out as the fused kernel.
         self.qkv_lora = adapter(cfg.lora, "qkv", h, (kv, nh // kv + 2, hd),
                                 axes=("embed", "kv_heads", "qkv_slot", "head_dim"), kind="column", **lora)

@@ -141,7 +141,8 @@ class LinearOps:
     in the learned position table.
     The defaults are plain; tensor and sequence parallelism supply others, and `layout(kind,
     product)` wraps a per-layer product in their collectives. A layer whose product may be
-    replaced by a stateful one (FP8) asks `linear(kind)` for its own.
+    replaced by a stateful one (FP8) asks `linear(kind, name)` for its own, naming it (the names
+    of megajax/config.py FP8_PRODUCT_NAMES, and `output_layer`).
     """
     column: DotGeneral = jax.lax.dot_general
     row: DotGeneral = jax.lax.dot_general
@@ -150,23 +151,28 @@ class LinearOps:
     # The layout's collectives around a product of `kind` ("column" or "row"): None when the
     # products need none (XLA partitions them).
     layout: Callable[[str, DotGeneral], DotGeneral] | None = None
-    # A factory of stateful products (FP8 with its scaling state), one per linear layer that
-    # asks for one, given the layout's wrapper of its local product (or None); None: the plain
-    # products above. `low_precision_output`: the output layer too.
-    low_precision: Callable[[Callable[[DotGeneral], DotGeneral] | None], DotGeneral] | None = None
-    low_precision_output: bool = False
+    # A factory of stateful products (FP8 with its scaling state), one per linear layer that asks
+    # for one: low_precision(the layout's wrapper of its local product or None, "column" | "row"),
+    # for the products named in `low_precision_products`; None: the plain products above.
+    low_precision: Callable[[Callable[[DotGeneral], DotGeneral] | None, str], DotGeneral] | None = None
+    low_precision_products: frozenset = frozenset()
 
-    def linear(self, kind: str) -> DotGeneral:
+    def in_low_precision(self, name: str) -> bool:
+        return self.low_precision is not None and name in self.low_precision_products
+
+    def linear(self, kind: str, name: str) -> DotGeneral:
         """The product of one linear layer of `kind` ("column", "row", "output", or "duplicated": a
         kernel replicated over tensor parallelism, as multi-latent attention's down-projections,
-        whose product XLA partitions and whose plain form is jax.lax.dot_general): a fresh stateful
-        product (its own scaling state) where the ops supply one, else the plain one."""
+        whose product XLA partitions and whose plain form is jax.lax.dot_general) named `name`: a
+        fresh stateful product (its own scaling state) where the ops supply one for that name,
+        else the plain one."""
         assert kind in ("column", "row", "output", "duplicated"), kind
+        low = self.in_low_precision(name)
         if kind == "duplicated":
-            return jax.lax.dot_general if self.low_precision is None else self.low_precision(None)
-        if self.low_precision is not None and (kind != "output" or self.low_precision_output):
+            return self.low_precision(None, "column") if low else jax.lax.dot_general
+        if low:
             side = "row" if kind == "row" else "column"
-            return self.low_precision(None if self.layout is None else functools.partial(self.layout, side))
+            return self.low_precision(None if self.layout is None else functools.partial(self.layout, side), side)
         return self.row if kind == "row" else self.column
 
 
@@ -240,7 +246,7 @@ class Embed(nnx.Module):
         self.dtype = dtype
         self.ops = ops
         # The tied output layer's product (`attend`); unused when the output layer is untied.
-        self.attend_product = ops.linear("output") if tied else ops.column
+        self.attend_product = ops.linear("output", "output_layer") if tied else ops.column
 
     def __call__(self, ids_BxL: jax.Array) -> jax.Array:
         return self.ops.embed(self.embedding[...], ids_BxL).astype(self.dtype)

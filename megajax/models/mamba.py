@@ -205,7 +205,11 @@ class Mamba2Mixer(nnx.Module):
         self.B = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.column, **col)
         self.C = Dense(d, (g, n), axes=("embed", "ssm_groups", "ssm_state"), dot_general=ops.column, **col)
         self.dt = Dense(d, h, axes=("embed", "heads"), dot_general=ops.column, **col)
-        self.in_product = ops.linear("column")  # in_proj: the five parts as one product (`in_proj`)
+        self.in_product = ops.linear("column", "mamba_in_proj")  # in_proj: the parts as one product (`in_proj`)
+        # dt's own product where it runs in another precision than z, x, B and C (FP8 keeps the dt
+        # projection in bf16 by default: precision.fp8_bf16_products); None: dt is part of in_proj's.
+        self.dt_product = (ops.linear("column", "mamba_dt")
+                           if ops.in_low_precision("mamba_in_proj") != ops.in_low_precision("mamba_dt") else None)
         # model.lora's `in_proj`: one A [D, r] for the five parts, B [r, G, z | x | B | C | dt] laid out as
         # the fused kernel (split over tensor by groups like it); `out_proj`: the row-parallel out's.
         lora = dict(dtype=dtype, ops=ops, rngs=rngs)
@@ -228,7 +232,7 @@ class Mamba2Mixer(nnx.Module):
                                axes=("heads",))
         self.D = nnx.Param(jnp.ones((h,), jnp.float32), axes=("heads",))
         self.norm = nnx.Param(jnp.ones((h, p), jnp.float32), axes=("heads", "head_dim"))
-        self.out = Dense((h, p), d, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row"),
+        self.out = Dense((h, p), d, axes=("heads", "head_dim", "embed"), dot_general=ops.linear("row", "mamba_out_proj"),
                          dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers), use_bias=False,
                          lora=adapter(cfg.lora, "out_proj", (h, p), d, axes=("heads", "head_dim", "embed"), kind="row",
                                       **lora))
@@ -260,8 +264,12 @@ class Mamba2Mixer(nnx.Module):
         r = h // g
         parts = [self.z.kernel[...].reshape(d, g, r * p), self.x.kernel[...].reshape(d, g, r * p),
                  self.B.kernel[...], self.C.kernel[...], self.dt.kernel[...].reshape(d, g, r)]
-        w = jnp.concatenate(parts, axis=2).astype(self.z.dtype)
-        out = self.in_product(x_BxLxD.astype(self.z.dtype), w, (((2,), (0,)), ((), ())))  # [B, L, G, F]
+        x, dims = x_BxLxD.astype(self.z.dtype), (((2,), (0,)), ((), ()))
+        if self.dt_product is None:
+            out = self.in_product(x, jnp.concatenate(parts, axis=2).astype(self.z.dtype), dims)  # [B, L, G, F]
+        else:  # z | x | B | C in one product, dt in its own, laid out as the fused product's output
+            out = jnp.concatenate([self.in_product(x, jnp.concatenate(parts[:4], axis=2).astype(self.z.dtype), dims),
+                                   self.dt_product(x, parts[4].astype(self.z.dtype), dims)], axis=3)
         if self.in_proj_lora is not None:
             out = out + self.in_proj_lora(x_BxLxD, dropout_rng, RESIDUAL).astype(out.dtype)
         return self._split(out)

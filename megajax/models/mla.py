@@ -74,21 +74,21 @@ class MultiLatentAttention(nnx.Module):
 
         q_axes, down_axes, up_axes = ("embed", "heads", "head_dim"), ("embed", None), (None, "heads", "head_dim")
         if cfg.q_lora_rank is None:
-            self.q = Dense(h, (nh, n + p), axes=q_axes, dot_general=ops.linear("column"),
+            self.q = Dense(h, (nh, n + p), axes=q_axes, dot_general=ops.linear("column", "qkv"),
                            **lora("q_proj", h, (nh, n + p), q_axes, "column"), **common)
         else:
-            self.q_down = Dense(h, cfg.q_lora_rank, axes=down_axes, dot_general=ops.linear("duplicated"),
+            self.q_down = Dense(h, cfg.q_lora_rank, axes=down_axes, dot_general=ops.linear("duplicated", "qkv"),
                                 **lora("q_down_proj", h, cfg.q_lora_rank, down_axes, "duplicated"), **common)
             self.q_norm = _latent_norm(cfg.q_lora_rank, cfg.norm_eps, dtype)
-            self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=up_axes, dot_general=ops.linear("column"),
+            self.q_up = Dense(cfg.q_lora_rank, (nh, n + p), axes=up_axes, dot_general=ops.linear("column", "qkv"),
                               **lora("q_up_proj", cfg.q_lora_rank, (nh, n + p), up_axes, "column"), **common)
-        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=down_axes, dot_general=ops.linear("duplicated"),
+        self.kv_down = Dense(h, cfg.kv_lora_rank + p, axes=down_axes, dot_general=ops.linear("duplicated", "qkv"),
                              **lora("kv_down_proj", h, cfg.kv_lora_rank + p, down_axes, "duplicated"), **common)
         self.kv_norm = _latent_norm(cfg.kv_lora_rank, cfg.norm_eps, dtype)
-        self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=up_axes, dot_general=ops.linear("column"),
+        self.kv_up = Dense(cfg.kv_lora_rank, (nh, n + v), axes=up_axes, dot_general=ops.linear("column", "qkv"),
                            **lora("kv_up_proj", cfg.kv_lora_rank, (nh, n + v), up_axes, "column"), **common)
         o_axes = ("heads", "head_dim", "embed")
-        self.o = Dense((nh, v), h, axes=o_axes, dot_general=ops.linear("row"), **lora("proj", (nh, v), h, o_axes, "row"),
+        self.o = Dense((nh, v), h, axes=o_axes, dot_general=ops.linear("row", "out_projection"), **lora("proj", (nh, v), h, o_axes, "row"),
                        use_bias=False, dtype=dtype, rngs=rngs, init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers))
         self.dims = (n, p, v)
         self.rope_gain, self.score_gain = yarn_gains(cfg)  # (1, 1) without YaRN

@@ -31,14 +31,14 @@ class MLP(nnx.Module):
         if self.swiglu:
             self.gate = Dense(h, f, axes=("embed", "mlp"), **col)
             self.up = Dense(h, f, axes=("embed", "mlp"), **col)
-            self.gate_up_product = ops.linear("column")  # fc1: gate and up as one product (`gate_up`)
+            self.gate_up_product = ops.linear("column", "fc1")  # fc1: gate and up as one product (`gate_up`)
             # model.lora's `fc1`: one A [D, r] for gate and up, B [r, F, 2] laid out as the fused kernel.
             self.gate_up_lora = adapter(cfg.lora, "fc1", h, (f, 2), axes=("embed", "mlp", "gate_up"),
                                         kind="column", **lora)
         else:
-            self.fc1 = Dense(h, f, axes=("embed", "mlp"), **dict(col, dot_general=ops.linear("column")),
+            self.fc1 = Dense(h, f, axes=("embed", "mlp"), **dict(col, dot_general=ops.linear("column", "fc1")),
                              lora=adapter(cfg.lora, "fc1", h, f, axes=("embed", "mlp"), kind="column", **lora))
-        self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.linear("row"),
+        self.fc2 = Dense(f, h, axes=("mlp", "embed"), dot_general=ops.linear("row", "fc2"),
                          init_std=cfg.init_std / math.sqrt(2 * cfg.num_layers),
                          lora=adapter(cfg.lora, "fc2", f, h, axes=("mlp", "embed"), kind="row", **lora), **common)
 

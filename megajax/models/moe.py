@@ -578,9 +578,9 @@ class MoE(nnx.Module):
         self.dispatch = dispatch or make_local_dispatch(cfg.activation, e, cfg.moe_expert_capacity_factor,
                                                             cfg.moe_grouped_gemm_impl)
         # The experts' products with their own scaling state (FP8), one per kernel (`gate_product`, ...).
-        self.fp8_experts = ops.low_precision is not None
+        self.fp8_experts = ops.in_low_precision("experts")
         for name in EXPERT_KERNELS[cfg.activation] if self.fp8_experts else ():
-            setattr(self, f"{name}_product", ops.low_precision(None))
+            setattr(self, f"{name}_product", ops.low_precision(None, "column"))
         # Drawn after the experts: a model without one initialises as before.
         self.shared_experts = (MLP(dataclasses.replace(cfg, ffn_hidden_size=cfg.moe_shared_expert_ffn_size,
                                                        use_bias=False), dtype=dtype, ops=ops, rngs=rngs)

@@ -100,7 +100,7 @@ class MTPLayer(nnx.Module):
         self.embed_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
         self.hidden_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
         self.proj = Dense(2 * h, h, axes=(None, "embed"), init_std=cfg.init_std, dtype=dtype,
-                          dot_general=ops.linear("duplicated"), rngs=rngs)
+                          dot_general=ops.linear("duplicated", "mtp_projection"), rngs=rngs)
         self.block = Block(cfg, dtype=dtype, attention_core=attention_core, ops=ops, rngs=rngs,
                            expert_dispatch=expert_dispatch, moe=cfg.mtp_moe())
         self.final_norm = make_norm(cfg.norm, h, eps=cfg.norm_eps, dtype=dtype)
@@ -281,7 +281,7 @@ class Transformer(nnx.Module):
         self.recompute = recompute
         self.final_norm = make_norm(cfg.norm, cfg.hidden_size, eps=cfg.norm_eps, dtype=dtype)
         self.ops = ops
-        self.output_product = ops.column if cfg.tie_embeddings else ops.linear("output")
+        self.output_product = ops.column if cfg.tie_embeddings else ops.linear("output", "output_layer")
         if not cfg.tie_embeddings:
             self.output = nnx.Param(
                 padded_normal_init(rngs.params(), (cfg.hidden_size, vocab), cfg.init_std, 1, cfg.vocab_size),

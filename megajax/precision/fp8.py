@@ -1,12 +1,19 @@
-"""FP8 linear products with per-tensor scaling state (Transformer Engine's recipe, in JAX).
+"""FP8 linear products by recipe, with the per-tensor recipes' scaling state (Transformer Engine's
+recipes, in JAX).
 
     product = Fp8Dot(policy.fp8)            # one per linear layer: a dot_general with state
-    y = product(x, w, dimension_numbers)     # x [..., K...] . w -> y, through fp8_linear
+    y = product(x, w, dimension_numbers)     # x [..., K...] . w -> y
 
 `Fp8Dot` is what the model's layers receive instead of `jax.lax.dot_general` for the products
 FP8 replaces (see megajax/models/layers.py `LinearOps`). It flattens the product to
-x [M, K] @ w [K, N] and runs `pallas_kernels.fp8_linear`: e4m3 x and w, e5m2 output gradient g
-(the fnuz types on ROCm), each scaled per tensor.
+x [M, K] @ w [K, N] and runs, by precision.fp8_recipe:
+
+    delayed, current      pallas_kernels.fp8_linear: e4m3 x and w, e5m2 output gradient g, each
+                          scaled per tensor (the fnuz types on ROCm)
+    blockwise, mxfp8      pallas_kernels.block_scaled_linear: e4m3 throughout, each block scaled
+                          by its own amax (1 x 128 / 128 x 128, or 32-element blocks); no state
+
+(the experts' products likewise: `grouped`, `batched`).
 
 Scaling state (recipe `delayed`) is not a parameter: it is held in `Fp8Meta` variables,
 
@@ -57,13 +64,23 @@ class Fp8Dot(nnx.Module):
     Takes what `jax.lax.dot_general` takes for a projection: x's trailing dims contracted with
     any dims of w (w's remaining dims become the output's trailing dims), no batch dims."""
 
-    def __init__(self, policy: Fp8Policy, layout=None):
-        from pallas_kernels import default_formats  # the kernels are imported where FP8 is used
+    def __init__(self, policy: Fp8Policy, layout=None, side: str = "column", weight_gather=None):
+        from pallas_kernels import HYBRID_FNUZ, default_formats, native_mxfp8  # imported where FP8 is used
         self.policy = policy
         self.formats = default_formats()
+        # The block-scaled recipes' element type (e4m3fnuz on ROCm) and, for mxfp8, whether the
+        # device multiplies MXFP8 itself (jax.nn.scaled_matmul) or emulates it: chosen once, here.
+        self.fnuz = self.formats == HYBRID_FNUZ
+        self.native = policy.recipe == "mxfp8" and native_mxfp8()
         # The layout's collectives around the local product (tensor / sequence parallelism,
         # megajax/parallel/tensor.py), or None: layout(product) -> a product.
         self.layout = layout
+        # "column" (the weight's first dims are the input features: the embedding dim under FSDP)
+        # or "row" (its last dims are the output features, the embedding dim).
+        self.side = side
+        # precision.fp8_param_gather: weight_gather(float8 array, dim) constrains the quantized weight
+        # to its FSDP shards and then to the whole (megajax/mesh.py fp8_param_gather), or None.
+        self.weight_gather = weight_gather
         if policy.delayed:
             self.scale = Fp8Meta(jnp.ones((len(TENSORS),), jnp.float32), axes=(None,))
             self.amax_history = Fp8Meta(jnp.zeros((policy.amax_history_len, len(TENSORS)), jnp.float32),
@@ -85,17 +102,22 @@ class Fp8Dot(nnx.Module):
 
     def grouped(self, x_MxK: jax.Array, w_ExKxN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
         """The experts' grouped product (rows sorted by expert, as jax.lax.ragged_dot) in FP8."""
-        from pallas_kernels import fp8_expert_product
+        from pallas_kernels import block_scaled_expert_product, fp8_expert_product
+        if self.policy.block_scaled:
+            return block_scaled_expert_product(x_MxK, w_ExKxN, group_sizes_E, recipe=self.policy.recipe,
+                                               fnuz=self.fnuz)
         return fp8_expert_product(x_MxK, w_ExKxN, self.scales(), group_sizes_E, formats=self.formats)
 
     def batched(self, x_ExCxK: jax.Array, w_ExKxN: jax.Array) -> jax.Array:
         """The experts' batched product (capacity buffers) in FP8."""
-        from pallas_kernels import fp8_expert_product
+        from pallas_kernels import block_scaled_expert_product, fp8_expert_product
+        if self.policy.block_scaled:
+            return block_scaled_expert_product(x_ExCxK, w_ExKxN, recipe=self.policy.recipe, fnuz=self.fnuz)
         return fp8_expert_product(x_ExCxK, w_ExKxN, self.scales(), formats=self.formats)
 
     def local(self, x: jax.Array, w: jax.Array, dimension_numbers) -> jax.Array:
         """The product of the operands as this device holds them."""
-        from pallas_kernels import fp8_linear
+        from pallas_kernels import block_scaled_linear, fp8_linear
         (lc, rc), (lb, rb) = dimension_numbers
         n_in = len(lc)
         assert not lb and not rb and tuple(lc) == tuple(range(x.ndim - n_in, x.ndim)), dimension_numbers
@@ -104,7 +126,12 @@ class Fp8Dot(nnx.Module):
         out_shape = tuple(w.shape[d] for d in free)
         w_KxN = jnp.transpose(w, tuple(rc) + free).reshape(k, -1)
         x_xK = x.reshape(*x.shape[:x.ndim - n_in], k)  # [..., K]
-        y = fp8_linear(x_xK, w_KxN, self.scales(), impl=self.policy.impl, formats=self.formats)
+        gather = dict(weight_gather=self.weight_gather, gather_dim=0 if self.side == "column" else 1)
+        if self.policy.block_scaled:
+            y = block_scaled_linear(x_xK, w_KxN, recipe=self.policy.recipe, impl=self.policy.impl, fnuz=self.fnuz,
+                                    native=self.native, **gather)
+        else:
+            y = fp8_linear(x_xK, w_KxN, self.scales(), impl=self.policy.impl, formats=self.formats, **gather)
         return y.reshape(*y.shape[:-1], *out_shape)
 
 

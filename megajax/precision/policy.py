@@ -8,8 +8,9 @@ says which dtype each kind of tensor has and what runs in FP8:
     fp32              fp32    -       fp32     fp32       fp32       none          none
     bf16              bf16    fp32    bf16     fp32       fp32       none          none
     fp16              fp16    fp32    fp16     fp32       fp32       dynamic       none
-    fp8               bf16    fp32    bf16     fp32       fp32       none          qkv, out projection, fc1, fc2
-                                                                                   (+ output layer if asked)
+    fp8               bf16    fp32    bf16     fp32       fp32       none          the linear layers' (FP8_PRODUCTS
+                                                                                   less precision.fp8_bf16_products;
+                                                                                   + output layer if asked)
 
 With precision.param_dtype `compute` (the default) the train state holds the parameters in the
 compute dtype, as Megatron's 16-bit model does, and the optimizer an fp32 master copy of them
@@ -17,10 +18,11 @@ compute dtype, as Megatron's 16-bit model does, and the optimizer an fp32 master
 the parameters are fp32 and there is no copy (then cast to the compute dtype where they are used).
 The forward pass sees the same values either way (the compute-dtype rounding of the fp32 values).
 Gradients are fp32 (cast from the compute dtype as each microbatch's come out), and so is their
-data-parallel reduction. With fp8 the linear layers' products take float8 operands (e4m3 inputs
-and weights, e5m2 output gradients: Megatron's "hybrid" format; the fnuz types on ROCm) and
-produce bf16; everything else (embedding, norms, attention core, softmax, loss) stays bf16/fp32.
-Code asks the policy, never compares precision names.
+data-parallel reduction. With fp8 the linear layers' products take float8 operands and produce
+bf16: the per-tensor recipes (`delayed`, `current`) take e4m3 inputs and weights and e5m2 output
+gradients (Megatron's "hybrid" format), the block-scaled ones (`blockwise`, `mxfp8`) e4m3 for all
+three (the fnuz types on ROCm); everything else (embedding, norms, attention core, softmax, loss)
+stays bf16/fp32. Code asks the policy, never compares precision names.
 """
 
 from __future__ import annotations
@@ -30,25 +32,35 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from megajax.config import Config, PrecisionConfig
+from megajax.config import FP8_PRODUCT_NAMES, Config, PrecisionConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
-# The linear products FP8 replaces (Transformer Engine's te.Linear / LayerNormLinear / LayerNormMLP).
-FP8_PRODUCTS = ("qkv", "out_projection", "fc1", "fc2")
+# The linear products FP8 can replace (Transformer Engine's te.Linear / LayerNormLinear /
+# LayerNormMLP / GroupedLinear), by name: megajax/config.py FP8_PRODUCT_NAMES.
+FP8_PRODUCTS = FP8_PRODUCT_NAMES
+FP8_RECIPES = ("delayed", "current", "blockwise", "mxfp8")
+# Megatron's names of the recipes megajax names otherwise (--fp8-recipe tensorwise).
+RECIPE_ALIASES = {"tensorwise": "current"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Policy:
     """Which products run in FP8 and how they are scaled (precision.* keys)."""
-    recipe: str                 # "delayed" | "current"
+    recipe: str                 # FP8_RECIPES ("tensorwise" given as "current")
     amax_history_len: int       # delayed: steps of amax history per tensor
     margin: int                 # scale = fp8_max / amax / 2^margin
     impl: str                   # model.matmul_impl: "xla" | "pallas"
-    products: tuple[str, ...]   # FP8_PRODUCTS, + "output_layer" when precision.fp8_output_layer
+    products: tuple[str, ...]   # FP8_PRODUCTS less the kept ones, + "output_layer" (precision.fp8_output_layer)
+    param_gather: bool = False  # precision.fp8_param_gather
 
     @property
     def delayed(self) -> bool:
         return self.recipe == "delayed"
+
+    @property
+    def block_scaled(self) -> bool:
+        """blockwise or mxfp8: every block scaled by its own amax, e4m3 throughout, no state."""
+        return self.recipe in ("blockwise", "mxfp8")
 
     @property
     def output_layer(self) -> bool:
@@ -101,9 +113,12 @@ def make_policy(precision: str, fp8: PrecisionConfig | None = None, matmul_impl:
     fp8_policy = None
     if precision == "fp8":
         p = fp8 or PrecisionConfig()
-        fp8_policy = Fp8Policy(recipe=p.fp8_recipe, amax_history_len=p.fp8_amax_history_len, margin=p.fp8_margin,
-                               impl=matmul_impl,
-                               products=FP8_PRODUCTS + (("output_layer",) if p.fp8_output_layer else ()))
+        kept = set(p.fp8_bf16_products)
+        fp8_policy = Fp8Policy(recipe=RECIPE_ALIASES.get(p.fp8_recipe, p.fp8_recipe),
+                               amax_history_len=p.fp8_amax_history_len, margin=p.fp8_margin, impl=matmul_impl,
+                               products=tuple(n for n in FP8_PRODUCTS if n not in kept)
+                               + (("output_layer",) if p.fp8_output_layer else ()),
+                               param_gather=p.fp8_param_gather)
     compute = np.dtype(_COMPUTE[precision])
     params = compute if param_dtype == "compute" else f32
     return PrecisionPolicy(name=precision, param_dtype=params, master_dtype=None if params == f32 else f32,

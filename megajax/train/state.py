@@ -28,7 +28,8 @@ from optax import MaskedNode
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config, ModelConfig, moe_token_dispatcher
-from megajax.mesh import ShardingRules, mesh_sizes, pad_to, padded_shape, tree_shardings, unpad_to
+from megajax.mesh import (
+    ShardingRules, fp8_param_gather, mesh_sizes, pad_to, padded_shape, tree_shardings, unpad_to)
 from megajax.models import param_axes
 from megajax.models.vision import build_model
 from megajax.models.layout import has_expert_bias
@@ -113,8 +114,11 @@ def linear_ops(cfg: Config, mesh: Mesh | None, rules: ShardingRules | None) -> L
     platform = (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
     dot = flat_dot_general() if platform == "cpu" else jax.lax.dot_general
     fp8 = precision_policy(cfg).fp8
-    low = {} if fp8 is None else dict(low_precision=lambda layout: Fp8Dot(fp8, layout),
-                                      low_precision_output=fp8.output_layer)
+    gather = (fp8_param_gather(mesh, tuple(rules.params["embed"]))
+              if fp8 is not None and fp8.param_gather and mesh is not None and rules is not None else None)
+    low = {} if fp8 is None else dict(
+        low_precision=lambda layout, side: Fp8Dot(fp8, layout, side, gather),
+        low_precision_products=frozenset(fp8.products))
     sizes = {} if mesh is None else mesh_sizes(mesh)
     tensor = math.prod(sizes.get(a, 1) for a in (() if rules is None else rules.activations["heads"]))
     sequence_parallel = cfg.parallel.sequence_parallel and tensor > 1
