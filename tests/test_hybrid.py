@@ -71,7 +71,7 @@ def _fp8_one_device(small_config, steps):
     per step, the scaling state after step 1). Cached for the layouts below."""
     from test_fp8_training import FP8, _steps
     if steps not in _FP8_ONE_DEVICE:
-        one, one_fp8, _ = _steps(small_config(*FP8, *HYBRID, "optim.warmup_steps=0", "precision.param_dtype=fp32", "mesh.data=1", steps=steps),
+        one, one_fp8, _ = _steps(small_config(*FP8, *HYBRID, "optim.warmup_steps=0", *FP8_WEIGHTS, "mesh.data=1", steps=steps),
                                  jax.devices()[:1], steps)
         _FP8_ONE_DEVICE[steps] = one, one_fp8
     return _FP8_ONE_DEVICE[steps]
@@ -96,6 +96,11 @@ def _fp8_one_device(small_config, steps):
 # bf16 parameters, the comparison runs fp32 parameters (precision.param_dtype=fp32), as the other FP8
 # MoE layouts' do: with bf16 ones tensor 2 x expert 2 x data 2 measured 1.5 %, 4.6 % at steps 2, 3
 # (fp32 ones: 1.4 %, 1.0 %); tensor 2 + SP x expert 2 x data 2 2.1 %, 2.7 % (fp32 ones: 2.5 %, 1.4 %).
+# Every product in FP8 (precision.fp8_bf16_products=[]): by default a Mamba mixer's dt projection and
+# out_proj stay in bf16, which does not lessen the drift (tensor 2 x expert 2 x data 2's grad norm 7.7 %
+# off at step 3 with them in bf16, 0.9 % with them in FP8) and would leave the mixers' out product
+# untested here.
+FP8_WEIGHTS = ["precision.param_dtype=fp32", "precision.fp8_bf16_products=[]"]
 FP8_LAYOUTS = {
     "tensor2_sp_expert2_data2": (["mesh.tensor=2", "parallel.sequence_parallel=true", "mesh.expert=2", "mesh.data=2"], 1),
     "tensor2_expert2_data2": (["mesh.tensor=2", "mesh.expert=2", "mesh.data=2"], 3),
@@ -107,7 +112,7 @@ def test_hybrid_fp8_products_track_one_device(small_config, layout):
     from test_fp8_training import FP8, FP8_LOSS_RTOL, _assert_replicated, _assert_tracks, _leaves, _steps
     overrides, compared = FP8_LAYOUTS[layout]
     one, one_fp8 = _fp8_one_device(small_config, 3)
-    got, got_fp8, final = _steps(small_config(*FP8, *HYBRID, "optim.warmup_steps=0", "precision.param_dtype=fp32", *overrides, steps=3),
+    got, got_fp8, final = _steps(small_config(*FP8, *HYBRID, "optim.warmup_steps=0", *FP8_WEIGHTS, *overrides, steps=3),
                                  jax.devices(), 3)
     paths = [p for p, _ in _leaves(one_fp8)]
     assert any("in_product" in p for p in paths) and any("['mixer']['out']" in p for p in paths), paths
