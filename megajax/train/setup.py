@@ -382,7 +382,11 @@ def _same_base(cfg, recorded: dict, resume: Path) -> None:
     trained on (the resume would read the recorded base, not the one named: silently another model)."""
     if not cfg.checkpoint.load or not recorded:  # the base is read from the record (none: verified_base refuses)
         return
-    named, was = base_reference(cfg).get("path"), recorded.get("path")
+    try:
+        named = base_reference(cfg).get("path")
+    except CheckpointError:  # nothing there: the recorded base's own check says what is missing
+        return
+    was = recorded.get("path")
     if was is None or Path(named).resolve() != Path(was).resolve():  # the same directory by a link: the same
         was = was or f"a base initialised from train.seed={recorded.get('seed')}"
         raise CheckpointError(f"checkpoint.load = {cfg.checkpoint.load!r} names another base than the one the adapters "
