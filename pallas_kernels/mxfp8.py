@@ -1,5 +1,5 @@
 """MXFP8 products: a [M, K] and b [N, K] quantized in 32-element blocks along K with e8m0 scales
-(OCP MX v1.0; pallas_kernels/block_scaling.py quantizes them), multiplied as
+(the OCP MX v1.0 format; pallas_kernels/block_scaling.py quantizes them), multiplied as
 
     mxfp8_matmul(a, a_codes, b, b_codes, *, out_dtype) = (a * 2^a_codes) @ (b * 2^b_codes)^T
 
@@ -8,10 +8,9 @@ Two implementations, chosen once from the device (`native_mxfp8()`):
 * native, where the GPU multiplies MXFP8 itself (NVIDIA Blackwell, compute capability 10+):
   `jax.nn.scaled_matmul`, the block-scaled GEMM primitive `jax.nn.scaled_dot_general` runs with
   its `mxfp8` configuration (cuDNN's block-scaled dot on CUDA; XLA's `scaled_dot` composite on
-  ROCm). megajax hands it operands it quantized itself: scaled_dot_general's own quantizer rounds
-  each block's scale up (amax / 448, rounded up to a power of two, as Transformer Engine and
-  cuDNN do) where the OCP specification takes floor(log2 amax) - 8, and one quantization rule
-  on every device keeps a run's numerics independent of the GPU it ran on.
+  ROCm). megajax hands it operands it quantized itself, by the rule scaled_dot_general's own
+  quantizer, Transformer Engine and cuDNN use (amax / 448 rounded up to a power of two): one
+  quantization on every device keeps a run's numerics independent of the GPU it ran on.
 * emulated everywhere else (CPU, Hopper, MI300): the exact values (e4m3 element x 2^scale,
   computed in fp32, or in a 16-bit out_dtype, where power-of-two scales keep them exact) multiplied
   with fp32 accumulation, as the tensor cores of a Blackwell GPU accumulate the same products.
