@@ -280,7 +280,6 @@ EXPORT_ONLY_FOR = {
                      ("hf", "megatron")),
     "--tensor-parallel": ("tensor_parallel", "splits a legacy Megatron checkpoint over tensor ranks", ("megatron",)),
     "--pipeline-parallel": ("pipeline_parallel", "splits a legacy Megatron checkpoint into pipeline stages", ("megatron",)),
-    "--pipeline-layout": ("pipeline_layout", "splits a legacy Megatron checkpoint's layers unevenly", ("megatron",)),
     "--expert-parallel": ("expert_parallel", "splits a legacy Megatron checkpoint's experts over expert ranks",
                           ("megatron",)),
     "--expert-tensor-parallel": ("expert_tensor_parallel", "sets a legacy Megatron checkpoint's experts' tensor "
@@ -290,8 +289,7 @@ EXPORT_ONLY_FOR = {
                            ("megatron",)),
     "--with-optimizer": ("with_optimizer", "writes the optimizer state for megatron-core", ("megatron",)),
 }
-EXPORT_DEFAULTS = {"merge_lora": False, "tensor_parallel": 1, "pipeline_parallel": 1, "pipeline_layout": None,
-                   "expert_parallel": 1,
+EXPORT_DEFAULTS = {"merge_lora": False, "tensor_parallel": 1, "pipeline_parallel": 1, "expert_parallel": 1,
                    "expert_tensor_parallel": None, "ckpt_format": None, "megatron_version": None,
                    "with_optimizer": False}
 
@@ -404,12 +402,12 @@ def cmd_export(args: argparse.Namespace) -> int:
                                   pipeline_parallel=args.pipeline_parallel, expert_parallel=args.expert_parallel,
                                   dtype=args.dtype, iteration=iteration, tokenizer_spec=tokenizer,
                                   expert_tensor_parallel=args.expert_tensor_parallel, chat_template=template,
-                                  null_eod=eod, pipeline_layout=args.pipeline_layout)
+                                  null_eod=eod)
             fmt = "megatron, legacy torch format"
         else:
             if (args.tensor_parallel, args.pipeline_parallel, args.expert_parallel) != (1, 1, 1) or \
-                    args.expert_tensor_parallel is not None or args.pipeline_layout is not None:
-                raise UserError("--tensor-parallel, --pipeline-parallel, --pipeline-layout, --expert-parallel and "
+                    args.expert_tensor_parallel is not None:
+                raise UserError("--tensor-parallel, --pipeline-parallel, --expert-parallel and "
                                 "--expert-tensor-parallel split "
                                 "a legacy (--ckpt-format torch) checkpoint; a torch_dist one holds global tensors "
                                 "that megatron-core loads at any TP/PP/EP, so it takes none of them.")
@@ -833,9 +831,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, metavar="DIR")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="megatron: split for this TP size")
     p.add_argument("--pipeline-parallel", type=int, default=1, metavar="N", help="megatron: split into N stages")
-    p.add_argument("--pipeline-layout", default=None, metavar="LAYOUT",
-                   help="megatron, legacy torch format: the stages' layers as Megatron's layout string "
-                        "(--pipeline-model-parallel-layout, one chunk per stage), e.g. 'Ettt|ttttL'")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="megatron, legacy torch format: split the experts over N expert ranks (mp_rank_TT_EEE)")
     p.add_argument("--expert-tensor-parallel", type=int, default=None, metavar="N",

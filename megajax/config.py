@@ -28,7 +28,6 @@ import yaml
 
 from megajax.errors import ConfigError
 from megajax.megatron_args import hint as megatron_hint
-from megajax.pipeline_layout import parse_layout
 
 # Repository's configs/ directory (editable installs and source checkouts).
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -455,18 +454,6 @@ class ParallelConfig:
     context_impl: Literal["ring", "allgather"] = "ring"  # attention across mesh.context
     pipeline_schedule: Literal["1f1b", "gpipe", "interleaved"] = "1f1b"  # with mesh.pipeline > 1
     virtual_stages: int = 1  # model chunks per pipeline stage (interleaved schedule)
-    # Which decoder layers each pipeline chunk holds (megajax/pipeline_layout.py; none of these: the even
-    # split): Megatron's layout string (--pipeline-model-parallel-layout: E embedding, L loss, t decoder
-    # layer, m MTP depth, '|' between chunks in virtual-stage-major order, (...)*n repeats) ...
-    pipeline_layout: str | None = None
-    # ... or the first / last stage's decoder layers, the rest split evenly (Megatron's
-    # --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers) ...
-    first_pipeline_stage_layers: int | None = None
-    last_pipeline_stage_layers: int | None = None
-    # ... or the embedding / the loss counted as one layer of the first / last chunk in an even split
-    # (--account-for-embedding-in-pipeline-split / --account-for-loss-in-pipeline-split).
-    account_for_embedding_in_pipeline_split: bool = False
-    account_for_loss_in_pipeline_split: bool = False
     # A vision-language model's encoder and projector split over this many of mesh.tensor's devices
     # (Megatron's --encoder-tensor-model-parallel-size): 0 the language model's (mesh.tensor), 1 whole
     # on every tensor rank.
@@ -1002,11 +989,6 @@ def validate(cfg: Config) -> None:
     _positive("mesh.cpu_devices", cfg.mesh.cpu_devices, allow_zero=True)
     _positive("parallel.virtual_stages", cfg.parallel.virtual_stages)
     _positive("parallel.encoder_tensor_parallel", cfg.parallel.encoder_tensor_parallel, allow_zero=True)
-    if cfg.parallel.pipeline_layout is not None:
-        parse_layout(cfg.parallel.pipeline_layout)
-    for key in ("first_pipeline_stage_layers", "last_pipeline_stage_layers"):
-        if getattr(cfg.parallel, key) is not None:
-            _positive(f"parallel.{key}", getattr(cfg.parallel, key))
     if cfg.parallel.virtual_stages != 1 and cfg.parallel.pipeline_schedule != "interleaved":
         raise ConfigError(f"parallel.virtual_stages = {cfg.parallel.virtual_stages} needs "
                           f"parallel.pipeline_schedule=interleaved (this config has "

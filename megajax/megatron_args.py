@@ -25,8 +25,6 @@ from typing import Any
 import yaml
 
 from megajax.megatron_rules import FLOAT, INT, LIST, STR, SWITCH, conflicts, placeholder, refusal
-from megajax.errors import ConfigError
-from megajax.pipeline_layout import parse_layout
 
 _UNSET = object()
 
@@ -166,14 +164,6 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--use-distributed-optimizer", "parallel.distributed_optimizer", SWITCH, True),
     Flag("--use-torch-fsdp2", "mesh.fsdp", SWITCH, -1, note="with mesh.data=1: parameters, gradients and "
                                                             "optimizer state sharded over the data-parallel devices"),
-    Flag("--pipeline-model-parallel-layout", "parallel.pipeline_layout", STR,
-         note="Megatron's layout string (E, L, t, m, '|', (...)*n), read as megatron-core reads it; without "
-              "--virtual-pipeline-model-parallel-size its chunks / pipeline size give parallel.virtual_stages"),
-    Flag("--decoder-first-pipeline-num-layers", "parallel.first_pipeline_stage_layers"),
-    Flag("--decoder-last-pipeline-num-layers", "parallel.last_pipeline_stage_layers"),
-    Flag("--account-for-embedding-in-pipeline-split", "parallel.account_for_embedding_in_pipeline_split", SWITCH,
-         True),
-    Flag("--account-for-loss-in-pipeline-split", "parallel.account_for_loss_in_pipeline_split", SWITCH, True),
     Flag("--virtual-pipeline-model-parallel-size", "parallel.virtual_stages",
          note="also sets parallel.pipeline_schedule=interleaved"),
     Flag("--num-layers-per-virtual-pipeline-stage", "parallel.virtual_stages",
@@ -611,17 +601,6 @@ def _derive_layout(g: _Given) -> None:
         g.derive(name, "parallel.virtual_stages", n, why)
         if not why:
             g.put("parallel.pipeline_schedule", "interleaved", g.origin(name))
-    if "pipeline_model_parallel_layout" in g and "virtual_pipeline_model_parallel_size" not in g:
-        # Megatron-Core's virtual stages from the layout: its chunks / the pipeline size.
-        values, stages = g.given["pipeline_model_parallel_layout"], g.number("pipeline_model_parallel_size") or 1
-        text = values[0] if values else ""
-        try:
-            chunks = len(parse_layout(text, "--pipeline-model-parallel-layout"))
-        except ConfigError:
-            chunks = 0  # the layout's own error comes from the config
-        if chunks and chunks % stages == 0 and chunks // stages > 1:
-            g.put("parallel.virtual_stages", chunks // stages, g.origin("pipeline_model_parallel_layout"))
-            g.put("parallel.pipeline_schedule", "interleaved", g.origin("pipeline_model_parallel_layout"))
     _derive_expert_layout(g)
     # Fully sharded data parallelism: every data-parallel device on the fsdp axis.
     if "use_torch_fsdp2" in g:

@@ -31,7 +31,6 @@ from megajax.data.no_tokenizer import is_no_tokenizer, no_tokenizer_error
 from megajax.data.tokenizer import load_tokenizer
 from megajax.errors import ConfigError, MeshError
 from megajax.mesh import ShardingRules, axis_sizes, data_parallel_size, make_rules, mesh_text, validate_for_model
-from megajax.pipeline_layout import StageLayout, check_without_pipeline, layout_given, layout_keys_hint, resolve_layout
 
 
 @dataclass(frozen=True)
@@ -85,10 +84,6 @@ class PipelineChoice:
     stages: int  # the pipeline axis's total size (inter-node factor included)
     virtual_stages: int  # parallel.virtual_stages: model chunks per stage
     microbatches: int  # a step's microbatches (the batch layout's accumulation)
-    chunks: tuple[int, ...] = ()  # decoder layers per chunk (chunk v x stages + s), megajax/pipeline_layout.py
-
-    def layout(self) -> StageLayout:
-        return StageLayout(self.stages, self.virtual_stages, self.chunks, "")
 
 
 @dataclass(frozen=True)
@@ -127,8 +122,7 @@ class RunPlan:
             return None
         p = self.cfg.parallel
         return PipelineChoice(schedule=p.pipeline_schedule, stages=stages, virtual_stages=p.virtual_stages,
-                              microbatches=self.batch.accumulation,
-                              chunks=resolve_layout(self.cfg, stages, p.virtual_stages).chunks)
+                              microbatches=self.batch.accumulation)
 
     def mesh_text(self) -> str:
         return mesh_text(self.sizes)
@@ -249,17 +243,29 @@ def plan_layout(cfg: Config, tokenizer, ici: dict[str, int], dcn: dict[str, int]
 
 
 def validate_hybrid_stages(m, p: int, v: int) -> None:
-    """Without a '|' in the pattern (or a layout key), a hybrid's pipeline chunks hold equal numbers of
-    whole repeats of its pattern's group (model.hybrid_group())."""
+    """A hybrid's pipeline stages hold whole repeats of its pattern's group (model.hybrid_group()), every
+    stage the same layers; a '|' in the pattern fixes the stage count, and its stages must be equal
+    (mesh.pipeline=1 ignores the '|': any placement is accepted there)."""
     pattern, group = m.hybrid_layer_pattern, m.hybrid_group()
     groups = m.num_layers // len(group)
+    stages = pattern.split("|")
+    if len(set(stages)) > 1:
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} marks pipeline stages {stages} that differ, and "
+                        f"mesh.pipeline={p} x parallel.virtual_stages={v}: the pipeline is one program that every "
+                        f"stage runs over its share of the stacked layer groups ({group!r}), so every stage must "
+                        f"hold the same layers (e.g. 'M*-E|M*-E'); leave the '|' out to split the pattern's "
+                        f"repeats evenly, or run without pipeline parallelism (mesh.pipeline=1 reads any '|' and "
+                        f"ignores it).")
+    if "|" in pattern and pattern.count("|") + 1 != p * v:
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} marks {pattern.count('|') + 1} pipeline stages "
+                        f"('|') but this run has mesh.pipeline={p} x parallel.virtual_stages={v} = {p * v}; make them "
+                        f"agree, or leave the '|' out.")
     if groups % (p * v):
         ok = [d for d in range(1, groups + 1) if groups % (d * v) == 0]
-        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} is {groups} repeat(s) of {group!r}, split evenly "
-                        f"over the pipeline chunks: mesh.pipeline={p} x parallel.virtual_stages={v} must divide "
-                        f"{groups}; accepted mesh.pipeline: {', '.join(map(str, ok))} (or a pattern whose group "
-                        f"repeats a multiple of {p * v} times); or mark the chunks with '|' in the pattern (any "
-                        f"split), or give {layout_keys_hint()}")
+        raise MeshError(f"model.hybrid_layer_pattern = {pattern!r} is {groups} repeat(s) of {group!r}, and every "
+                        f"pipeline stage runs the same layers: mesh.pipeline={p} x parallel.virtual_stages={v} must "
+                        f"divide {groups}; accepted mesh.pipeline: {', '.join(map(str, ok))} (or a pattern whose "
+                        f"group repeats a multiple of {p * v} times).")
 
 
 def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> None:
@@ -270,28 +276,12 @@ def validate_pipeline(cfg: Config, sizes: dict[str, int], batch: BatchLayout) ->
         if v != 1:
             raise ConfigError(f"parallel.virtual_stages = {v} needs pipeline parallelism (mesh.pipeline > 1; "
                               f"this run has mesh.pipeline=1); set parallel.virtual_stages=1.")
-        check_without_pipeline(cfg)
         return
-    problems = []  # each names its fixes: changes that differ from this run and fit its devices
-    if layout_given(cfg) or "|" in (m.hybrid_layer_pattern or ""):  # any split of the layers
-        resolve_layout(cfg, p, v)
-    else:
-        problems += validate_even_split(cfg, sizes, batch)
-    problems += batch_problems(cfg, sizes, batch)
-    if problems:
-        raise MeshError(" Also: ".join(problems))
-
-
-def validate_even_split(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> list[str]:
-    """The even split (no layout keys): equal chunks of whole units of the model (MeshError, or the
-    problem of a plain model's layer count, to be reported with the batch's)."""
-    p, v, name = sizes["pipeline"], cfg.parallel.virtual_stages, cfg.parallel.pipeline_schedule
-    m = cfg.model
     if m.interleaves_dense_layers() and (m.num_layers // m.moe_layer_freq) % (p * v):
         f, groups = m.moe_layer_freq, m.num_layers // m.moe_layer_freq
         raise MeshError(f"model.num_layers={m.num_layers} with model.moe_layer_freq={f} is {groups} groups of one MoE "
-                        f"and {f - 1} dense layers, and the even split gives every chunk whole groups: mesh.pipeline="
-                        f"{p} x parallel.virtual_stages={v} must divide {groups}; or give {layout_keys_hint()}")
+                        f"and {f - 1} dense layers, and a pipeline stage holds whole groups: mesh.pipeline={p} x "
+                        f"parallel.virtual_stages={v} must divide {groups}.")
     if m.hybrid_layer_pattern:
         validate_hybrid_stages(m, p, v)
     k = m.dense_first_layers()
@@ -301,39 +291,30 @@ def validate_even_split(cfg: Config, sizes: dict[str, int], batch: BatchLayout) 
         raise MeshError(f"model.moe_layer_freq={m.moe_layer_freq}: the {k} dense layers run on the first stage with "
                         f"the embedding, and the pipeline splits the {moe} MoE layers: mesh.pipeline={p} x "
                         f"parallel.virtual_stages={v} must divide {moe}; accepted mesh.pipeline: "
-                        f"{', '.join(map(str, ok)) or 'none (use mesh.pipeline=1)'}; or give {layout_keys_hint()}")
-    dp = batch.data_parallel
+                        f"{', '.join(map(str, ok)) or 'none (use mesh.pipeline=1)'}.")
+    problems = []  # each names its fixes: changes that differ from this run and fit its devices
+    micro, dp, acc, G = batch.micro_batch, batch.data_parallel, batch.accumulation, batch.global_batch
+
+    def batch_fits(stages: int, data_parallel: int) -> bool:
+        mb = micro if cfg.train.micro_batch is not None else G // data_parallel  # unset: no accumulation
+        if not mb or G % (mb * data_parallel):
+            return False
+        n = G // (mb * data_parallel)
+        return n >= stages and (name != "interleaved" or n % stages == 0)
+
     if not k and not m.hybrid_layer_pattern and m.num_layers % (p * v):
         fixes = []
         for d in range(2, m.num_layers + 1):  # another pipeline size, the data axis taking the rest
-            if d == p or m.num_layers % (d * v) or (sizes["data"] * p) % d or not batch_fits(cfg, batch, d, dp * p // d):
+            if d == p or m.num_layers % (d * v) or (sizes["data"] * p) % d or not batch_fits(d, dp * p // d):
                 continue
             data = "" if cfg.mesh.data == -1 else f" mesh.data={sizes['data'] * p // d}"
             fixes.append(f"mesh.pipeline={d}{data}")
         below, above = (m.num_layers // (p * v)) * p * v, -(-m.num_layers // (p * v)) * p * v
         fixes = fixes[:4] + [f"model.num_layers={n}" for n in (below, above) if n]
-        return [f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
-                f"parallel.virtual_stages={v} chunks of whole layers ({p * v} must divide it); use "
-                f"{' or '.join(fixes)}; or split it unevenly with {layout_keys_hint()}"]
-    return []
-
-
-def batch_fits(cfg: Config, batch: BatchLayout, stages: int, data_parallel: int) -> bool:
-    """Whether the batch gives a pipeline of `stages` the microbatches its schedule needs."""
-    micro, G = batch.micro_batch, batch.global_batch
-    mb = micro if cfg.train.micro_batch is not None else G // data_parallel  # unset: no accumulation
-    if not mb or G % (mb * data_parallel):
-        return False
-    n = G // (mb * data_parallel)
-    return n >= stages and (cfg.parallel.pipeline_schedule != "interleaved" or n % stages == 0)
-
-
-def batch_problems(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> list[str]:
-    """The schedule's microbatches: at least the stages (interleaved: a multiple of them)."""
-    p, name = sizes["pipeline"], cfg.parallel.pipeline_schedule
-    problems = []
-    micro, dp, acc, G = batch.micro_batch, batch.data_parallel, batch.accumulation, batch.global_batch
-    if not batch_fits(cfg, batch, p, dp):
+        problems.append(f"model.num_layers={m.num_layers} does not split into mesh.pipeline={p} stages x "
+                        f"parallel.virtual_stages={v} chunks of whole layers ({p * v} must divide it); use "
+                        f"{' or '.join(fixes)}.")
+    if not batch_fits(p, dp):
         need = p if acc < p else p * -(-acc // p)
         why = ("at least as many microbatches as stages" if acc < p else
                f"a multiple of mesh.pipeline={p} microbatches (it runs them in groups of {p})")
@@ -345,4 +326,5 @@ def batch_problems(cfg: Config, sizes: dict[str, int], batch: BatchLayout) -> li
         problems.append(f"parallel.pipeline_schedule={name} needs {why}; this run has {acc} (train.global_batch="
                         f"{G} / (train.micro_batch={micro} x data-parallel size {dp})); use "
                         f"{' or '.join(fixes)}.")
-    return problems
+    if problems:
+        raise MeshError(" Also: ".join(problems))

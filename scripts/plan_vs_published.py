@@ -31,12 +31,7 @@ RUNS = ROOT / "tests" / "data" / "published_runs.yaml"
 BAND = (0.75, 1.33)  # the estimate / published ratio the comparison asks of every row
 # Layout keys of a run and the config keys they set (mesh sizes whole; megajax places them per node).
 LAYOUT = {"tensor": "mesh.tensor", "pipeline": "mesh.pipeline", "data": "mesh.data", "fsdp": "mesh.fsdp",
-          "context": "mesh.context", "expert": "mesh.expert", "virtual_stages": "parallel.virtual_stages",
-          # an uneven pipeline split, as the run states it (megajax/pipeline_layout.py)
-          "pipeline_layout": "parallel.pipeline_layout", "first_stage_layers": "parallel.first_pipeline_stage_layers",
-          "last_stage_layers": "parallel.last_pipeline_stage_layers",
-          "account_for_embedding": "parallel.account_for_embedding_in_pipeline_split",
-          "account_for_loss": "parallel.account_for_loss_in_pipeline_split"}
+          "context": "mesh.context", "expert": "mesh.expert", "virtual_stages": "parallel.virtual_stages"}
 
 
 def load_runs(path: Path = RUNS) -> dict:
@@ -68,7 +63,7 @@ def overrides(run: dict) -> list[str]:
         out.append(f"train.micro_batch={run['micro_batch']}")
     layout = {"data": 1, **run["layout"]}
     for key, value in layout.items():
-        out.append(f"{LAYOUT[key]}={str(value).lower() if isinstance(value, bool) else value}")
+        out.append(f"{LAYOUT[key]}={value}")
     if layout.get("virtual_stages", 1) > 1:
         out.append("parallel.pipeline_schedule=interleaved")
     tensor = layout.get("tensor", 1)

@@ -215,10 +215,9 @@ def test_tiny_deepseek_v3_layout_matches_one_device(small_config):
     assert_same_run(got, ref, params=False)
 
 
-# Pipeline stages (the even split): the dense layer runs in the first chunk with the embedding and the
-# first MoE layer, the MTP depth on the last stage with the loss (whole on every stage); the two MoE
-# layers split over 2 stages, each with multi-latent attention's heads over `tensor`; 2 microbatches of
-# 2 sequences per data shard.
+# Pipeline stages: the dense layer runs on the first stage with the embedding, the MTP depth on the last
+# with the loss (both stacks whole on every stage); the two MoE layers split over 2 stages, each with
+# multi-latent attention's heads over `tensor`; 2 microbatches of 2 sequences per data shard.
 DSV3_PIPELINE = ["mesh.pipeline=2", "mesh.data=2", "mesh.tensor=2", "train.micro_batch=2"]
 
 
@@ -231,8 +230,8 @@ def test_tiny_deepseek_v3_pipeline_matches_one_device(small_config):
 
 
 def test_fp8_pipeline_tracks_one_device(small_config):
-    """FP8 through the pipeline stages (DSV3_PIPELINE): the FP8 scales of the MTP depth ride whole on every
-    stage, the dense and MoE layers' with their stage; loss, grad norm and mtp_loss
+    """FP8 through the pipeline stages (DSV3_PIPELINE): the FP8 scales of the dense-first layers and the
+    MTP depth ride whole on every stage, the MoE layers' with their stage; loss, grad norm and mtp_loss
     per step against one device's FP8 run, within test_fp8_training's tolerances (measured: loss 1.1e-4,
     grad norm 1.1e-3)."""
     from layout_parity import reference, run
@@ -246,8 +245,7 @@ def test_fp8_pipeline_tracks_one_device(small_config):
 
 
 def test_pipeline_splits_the_moe_layers_of_a_dense_first_model(small_config):
-    """Without a layout the dense-first layers run in the first chunk and the even split divides the MoE
-    layers alone (a layout string places them anywhere: tests/test_pipeline_layout.py)."""
+    """The dense-first layers run on the first stage: the pipeline splits the MoE layers alone."""
     from megajax.errors import MeshError
     from megajax.plan import make_plan
     make_plan(small_config(*preset_overrides(), "model.num_layers=5", "model.moe_layer_freq=[0,1,1,1,1]",

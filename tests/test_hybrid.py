@@ -138,6 +138,9 @@ def test_a_wrong_hybrid_config_is_one_error_naming_the_key(small_config, overrid
 @pytest.mark.parametrize("overrides,match", [
     (["model.hybrid_layer_pattern=M*-E|M*-E", "mesh.pipeline=4", "mesh.data=2"],
      r"marks 2 pipeline stages \('\|'\) but this run has mesh.pipeline=4"),
+    (["model.hybrid_layer_pattern=M*-EM*|-E", "mesh.pipeline=2", "mesh.data=4"],
+     r"marks pipeline stages \['M\*-EM\*', '-E'\] that differ, and mesh.pipeline=2 .* every stage must hold the "
+     r"same layers"),
     (["mesh.pipeline=4", "mesh.data=2"], r"is 2 repeat\(s\) of 'M\*-E', .* mesh.pipeline=4 x "
                                          r"parallel.virtual_stages=1 must divide 2; accepted mesh.pipeline: 1, 2"),
     (["mesh.context=8", "mesh.data=1", "model.mamba_num_heads=4", "model.mamba_num_groups=1"],

@@ -25,7 +25,6 @@ FLOORS = [
     ("data",),
     ("config",),
     ("megatron_args", "paths"),
-    ("pipeline_layout",),
     ("pallas_kernels", "errors", "host_allocator", "megatron_rules", "xla_env"),
 ]
 LEVEL = {package: i for i, floor in enumerate(FLOORS) for package in floor}

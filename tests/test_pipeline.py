@@ -12,8 +12,7 @@ import pytest
 from layout_parity import MOE, PARITY, assert_same_run, moe_accumulation_reference, reference, run
 from megajax.config import load_config
 from megajax.errors import ConfigError, MeshError
-from megajax.models.layer_plan import LayerPlan, Kind, stage_plan
-from megajax.parallel.pipeline import build_schedule
+from megajax.parallel.pipeline import build_schedule, stage_order
 from megajax.perf.fit import compiled_bytes
 from megajax.train.loop import train
 from megajax.plan import make_plan
@@ -56,9 +55,8 @@ def test_schedule_tables(name, virtual, stages):
 
 def test_interleaved_chunks_are_model_chunks_round_the_stages():
     # 8 layers, 2 stages x 2 chunks of 2: stage 0 holds model chunks 0 and 2, stage 1 chunks 1 and 3.
-    plan = LayerPlan((Kind(("layers",), False),), (0,) * 8)
-    assert stage_plan(plan, (2, 2, 2, 2), 2, 2).kinds[0].rows == (0, 1, 4, 5, 2, 3, 6, 7)
-    assert stage_plan(plan, (4, 4), 2, 1).kinds[0].rows == tuple(range(8))
+    assert stage_order(8, 2, 2).tolist() == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert stage_order(8, 2, 1) is None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -53,9 +53,8 @@ from megajax.checkpoint.torch_dist import (COMMON_FILE, COMMON_KEY, MEGATRON_VER
                                            DistCheckpoint, is_torch_dist, layer_keys, read_common)
 from megajax.config import ModelConfig
 from megajax.data.no_tokenizer import no_tokenizer
-from megajax.errors import CheckpointError, UserError
+from megajax.errors import CheckpointError
 from megajax.models.layout import EXPERT_BIAS, has_expert_bias, tensor_shapes
-from megajax.pipeline_layout import layout_from_string
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_FILE = "model_optim_rng.pt"
@@ -247,21 +246,7 @@ def _layer_rows(rows: list[Row], m: ModelConfig, layer: int):
 # Export
 # ----------------------------------------------------------------------------
 
-def stage_layers(m: ModelConfig, pp: int, layout: str | None) -> list[range]:
-    """The model layers of each pipeline rank of a legacy export: an even split, or as Megatron's layout
-    string `layout` (--pipeline-layout: one chunk per rank) puts them (CheckpointError naming it)."""
-    if layout is None:
-        per = m.num_layers // pp
-        return [range(s * per, (s + 1) * per) for s in range(pp)]
-    try:
-        split = layout_from_string(layout, m, pp, 1, key="--pipeline-layout", where=f"--pipeline-parallel {pp}",
-                                   mtp_last=True)
-    except UserError as e:
-        raise CheckpointError(f"cannot export to a Megatron checkpoint: {e}") from None
-    return [split.layers(s) for s in range(pp)]
-
-
-def _check_exportable(m: ModelConfig, tp: int, pp: int, layout: str | None = None) -> None:
+def _check_exportable(m: ModelConfig, tp: int, pp: int) -> None:
     problems = hybrid.check_exportable(m, tp) if m.hybrid_layer_pattern else []
     ffn = ("moe_ffn_hidden_size", m.moe_ffn_hidden_size) if m.num_experts else ("ffn_hidden_size", m.ffn_hidden_size)
     if m.hybrid_layer_pattern and m.num_experts and "-" in m.hybrid_pattern():  # both kinds of MLP
@@ -278,9 +263,8 @@ def _check_exportable(m: ModelConfig, tp: int, pp: int, layout: str | None = Non
                         *eh_proj):
         if value % tp:
             problems.append(f"model.{name}={value} is not divisible by tensor_parallel={tp}")
-    if m.num_layers % pp and layout is None:
-        problems.append(f"model.num_layers={m.num_layers} is not divisible by pipeline_parallel={pp} (an uneven "
-                        f"split: --pipeline-layout, Megatron's layout string)")
+    if m.num_layers % pp:
+        problems.append(f"model.num_layers={m.num_layers} is not divisible by pipeline_parallel={pp}")
     if m.activation == "gelu_tanh" and not m.use_bias:
         problems.append("model.activation=gelu_tanh with model.use_bias=false: Megatron-Core computes the tanh GELU "
                         "only in its fused bias-GELU (bias_gelu_fusion), which needs the linear biases")
@@ -403,16 +387,14 @@ def _moe_args(m: ModelConfig) -> dict:
 
 def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, t: int, s: int, padded: int,
                      dtype, ep: int = 1, e: int = 0, vision_rows: list[Row] | None = None,
-                     experts_whole: bool = False, layers: range | None = None) -> dict:
+                     experts_whole: bool = False) -> dict:
     """The state dict of tensor rank t, pipeline stage s (and expert rank e of ep: its experts, numbered
     from 0; `experts_whole`: expert tensor size 1, each expert unsplit), reading the source one layer
-    tensor at a time; `vision_rows`: a vision-language model's encoder and projector (megatron_vision.py).
-    `layers`: the stage's model layers (default: an even split)."""
+    tensor at a time; `vision_rows`: a vision-language model's encoder and projector (megatron_vision.py)."""
     torch = _torch()
-    layers = stage_layers(m, pp, None)[s] if layers is None else layers
-    per_stage, first, local = len(layers), layers.start, (m.num_experts or 1) // ep
+    per_stage, local = m.num_layers // pp, (m.num_experts or 1) // ep
     sd: dict = {}
-    for row, names, slot in _on_stage(rows, m, s == 0, s == pp - 1, range(per_stage), first):
+    for row, names, slot in _on_stage(rows, m, s == 0, s == pp - 1, range(per_stage), s * per_stage):
         name = names[0]
         if row.expert is not None and ep > 1:
             if row.expert // local != e:
@@ -428,10 +410,10 @@ def _rank_state_dict(source, rows: list[Row], m: ModelConfig, tp: int, pp: int, 
         sd[name] = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(dtype=to, copy=True)
     if m.hybrid_layer_pattern:
         sd.update({key: None for k in range(per_stage) for key in hybrid.extra_state(
-            m, first + k, k, lambda i: _extra_state(m, True, i, experts=local, attention=False))})
+            m, s * per_stage + k, k, lambda i: _extra_state(m, True, i, experts=local, attention=False))})
     else:
         sd.update({key: None for k in range(per_stage)
-                   for key in _extra_state(m, m.is_moe_layer(first + k), k, experts=local)})
+                   for key in _extra_state(m, m.is_moe_layer(s * per_stage + k), k, experts=local)})
     if s == pp - 1:
         sd[_LAST_EXTRA_STATE] = None
         sd.update({key: None for key in _mtp_extra_state(m, local)})
@@ -453,7 +435,7 @@ def folded_expert_ranks(tp: int, ep: int) -> list[tuple[int, int]]:
 def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1,
                     dtype: str = "bf16", iteration: int | None = None, tokenizer_spec: str | None = None,
                     expert_tensor_parallel: int | None = None, chat_template: str | None = None,
-                    null_eod: int | None = None, pipeline_layout: str | None = None) -> Path:
+                    null_eod: int | None = None) -> Path:
     """Writes `source` (a TensorSource) as a Megatron-Core legacy checkpoint directory `out_dir`.
 
     `iteration` None writes a `release` checkpoint (what Megatron loads for
@@ -466,8 +448,6 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     tensor and pipeline rank). `expert_tensor_parallel` (None: `tensor_parallel`) 1 with
     tensor_parallel > 1 is Megatron's MoE parallel folding: each expert unsplit, and the files are those
     Megatron writes, `mp_rank_{i mod TP}[_PPP]_{i}` for i < expert_parallel (folded_expert_ranks).
-    `pipeline_layout`: Megatron's layout string (one chunk per pipeline rank) for an uneven split, each
-    rank's file holding the layers it puts there (and args naming it: pipeline_model_parallel_layout).
     Returns the directory.
     """
     from megajax.data.tokenizer import save_hf_tokenizer
@@ -492,8 +472,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
     if iteration is not None and iteration < 1:
         raise CheckpointError(f"iteration={iteration}: Megatron's loader needs an iteration >= 1 "
                               f"(or none, for a release checkpoint).")
-    _check_exportable(m, tensor_parallel, pipeline_parallel, pipeline_layout)
-    split = stage_layers(m, pipeline_parallel, pipeline_layout)
+    _check_exportable(m, tensor_parallel, pipeline_parallel)
     shapes = tensor_shapes(m, check_source(source))
     rows = _megatron_rows(shapes, m)
     vrows = vision.vision_rows(shapes, m) if m.vision is not None else None
@@ -506,8 +485,6 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
                          tokenizer_model=tokenizer_model, null_eod=null_eod)
     if m.num_experts:
         args.expert_model_parallel_size, args.expert_tensor_parallel_size = expert_parallel, etp
-    if pipeline_layout is not None:
-        args.pipeline_model_parallel_layout = pipeline_layout
     step_dir = "release" if iteration is None else f"iter_{iteration:07d}"
     ranks = (folded_expert_ranks(tensor_parallel, expert_parallel) if folded else
              [(t, e) for t in range(tensor_parallel) for e in range(expert_parallel)])
@@ -518,7 +495,7 @@ def export_megatron(source, out_dir, *, tensor_parallel: int = 1, pipeline_paral
         for s in range(pipeline_parallel):
             for t, e in ranks:
                 sd = _rank_state_dict(source, rows, m, tensor_parallel, pipeline_parallel, t, s, padded,
-                                      stored, expert_parallel, e, vrows, experts_whole=folded, layers=split[s])
+                                      stored, expert_parallel, e, vrows, experts_whole=folded)
                 path = tmp / step_dir / rank_dir(t, s, pipeline_parallel, e, expert_parallel) / CHECKPOINT_FILE
                 path.parent.mkdir(parents=True)
                 torch.save({"model": sd, "checkpoint_version": CHECKPOINT_VERSION,

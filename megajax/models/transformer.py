@@ -33,7 +33,6 @@ from flax import nnx
 from megajax.config import ModelConfig
 from megajax.mesh import logical_constraint
 from megajax.models.attention import ACT_CACHE, ACT_POOL, Attention, make_attention_core
-from megajax.models.layer_plan import layer_plan, walk
 from megajax.models.layers import (Dense, Embed, LinearOps, dropout, make_norm, normal_init, padded_normal_init,
                                    rope_inv_freq)
 from megajax.models.mamba import Mamba2Mixer, MambaState, empty_state, state_axes, state_numbers
@@ -259,11 +258,10 @@ class Transformer(nnx.Module):
         self.interleaved = cfg.interleaves_dense_layers()
         self.dense_first = cfg.dense_first_layers()
         self.hybrid = bool(cfg.hybrid_layer_pattern)
-        self.plan = layer_plan(cfg)
         if self.hybrid:  # the groups of the layer pattern
             self.layers = make_blocks(cfg.num_layers // len(cfg.hybrid_group()), False)
         elif self.dense_first:  # moe_layer_freq's list form: the dense layers, then the MoE ones
-            self.dense_layers = make_blocks(self.dense_first, False)
+            self.dense_layers = make_blocks(self.dense_first, False, "stack")
             self.layers = make_blocks(cfg.num_layers - self.dense_first, True)
         elif self.interleaved:
             self.layers = make_blocks(cfg.num_moe_layers(), True)
@@ -370,50 +368,90 @@ class Transformer(nnx.Module):
         x = dropout(self.embed_tokens(tokens_BxL, positions_BxL), self.cfg.hidden_dropout, dropout_rng, RESIDUAL)
         return logical_constraint(x, RESIDUAL)
 
-    def stacks(self) -> list[nnx.Module]:
-        """Each kind's stack of layers (the layer plan's kinds, in order)."""
-        out = []
-        for kind in self.plan.kinds:
-            module = self
-            for name in kind.path:
-                module = getattr(module, name)
-            out.append(module)
-        return out
-
     def layer_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array, segment_ids_BxL: jax.Array | None,
                     dropout_rng: jax.Array | None, first_layer: int | jax.Array = 0,
-                    expert_bias: jax.Array | None = None, segments: tuple | None = None, slots=None):
-        """The layers, walked as the layer plan's segments (megajax/models/layer_plan.py): all of them,
-        or `segments` of a run starting at model layer `first_layer` (a pipeline chunk: the stacks then
-        hold its window of rows, which the segments' rows count from). Returns (x, the router layers'
-        stats stacked in model order, or None). Layer n's dropout key is `dropout_rng` (__call__'s
-        second key) folded with n, so a pipeline stage draws the masks the whole model would.
-        `expert_bias` [router rows, E]: these layers' routers' expert bias, or None. `slots`: a pipeline's
-        uniform chunk program (megajax/models/layer_plan.py StagePlan.uniform): (real [positions], model
-        layer [positions]); a position that is not the chunk's runs on its padding row and is dropped
-        (its output, router statistics and so its gradients zero)."""
-        plan, inv_freq = self.plan, self.rope_inv_freq()
-        split = [nnx.split(stack) for stack in self.stacks()]
+                    expert_bias: jax.Array | None = None, dense_first: bool = True):
+        """The blocks held in `self.layers` (all of them, or a pipeline stage's consecutive run of
+        them starting at model layer `first_layer`), scanned: (x, router stats or None). Layer n's
+        dropout key is `dropout_rng` (__call__'s second key) folded with n, so a stage draws the
+        masks the whole model would. `expert_bias` [count, E]: these layers' router expert bias, or None.
+        A dense-first model runs its dense layers first; with `dense_first=False` (a pipeline
+        stage: the first stage runs them with the embedding, dense_first_stack) only `self.layers`,
+        `first_layer` then counting them from 0."""
+        if self.dense_first:
+            if dense_first:
+                x_BxLxD = self.dense_first_stack(x_BxLxD, positions_BxL=positions_BxL,
+                                                 segment_ids_BxL=segment_ids_BxL, dropout_rng=dropout_rng)
+            return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                              dropout_rng=dropout_rng, first_layer=first_layer + self.dense_first,
+                              expert_bias=expert_bias)
+        if self.interleaved:
+            return self._grouped_stack(x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                       dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
+        return self._scan(self.layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                          dropout_rng=dropout_rng, first_layer=first_layer, expert_bias=expert_bias)
 
-        def layer(k, params, x, index, bias, cache):
-            real = None
-            if slots is not None:  # index: the position in the chunk's program
-                real, index = slots[0][index], slots[1][index]
+    def dense_first_stack(self, x_BxLxD: jax.Array, *, positions_BxL: jax.Array,
+                          segment_ids_BxL: jax.Array | None, dropout_rng: jax.Array | None) -> jax.Array:
+        """A dense-first model's dense layers (model layers 0..k-1), scanned."""
+        return self._scan(self.dense_layers, x_BxLxD, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                          dropout_rng=dropout_rng, first_layer=0, expert_bias=None)[0]
+
+    def _scan(self, blocks, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
+        """One stack of blocks, scanned from model layer `first_layer`: (x, router stats or None)."""
+        inv_freq = self.rope_inv_freq()
+        block_def, block_state = nnx.split(blocks)
+        count = jax.tree.leaves(block_state)[0].shape[0]
+
+        def body(x, layer):
+            params, index, bias = layer
+            block = nnx.merge(block_def, params)
             rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
-            y, stats = nnx.merge(split[k][0], params)(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                                                      inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
-            if real is not None:
-                y = jnp.where(real, y, x)
-                if stats is not None:  # the count kept (the losses divide by it), the sums dropped
-                    stats = stats._replace(**{f: jnp.where(real, getattr(stats, f), 0) for f in stats._fields
-                                              if f != "count"})
-            return y, stats, cache
+            return block(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                         inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
 
-        checkpoint = (lambda body: jax.checkpoint(body, prevent_cse=False)) if self.recompute == "full" else None
-        x, stats, _ = walk(plan, plan.segments() if segments is None else segments, [state for _, state in split],
-                           x_BxLxD, layer, first_layer=first_layer, bias=expert_bias,
-                           unroll=1 if self.cfg.scan_layers else True, checkpoint=checkpoint)
+        if self.recompute == "full":
+            body = jax.checkpoint(body, prevent_cse=False)
+        per_group = self.cfg.hybrid_group().count("E") if self.hybrid else 0
+        if per_group and expert_bias is not None:  # a hybrid group's MoE layers: [groups, per group, E]
+            expert_bias = expert_bias.reshape((count, per_group) + expert_bias.shape[1:])
+        x, stats = jax.lax.scan(body, x_BxLxD, (block_state, first_layer + jnp.arange(count), expert_bias),
+                                unroll=1 if self.cfg.scan_layers else True)
+        if per_group and stats is not None:
+            stats = jax.tree.map(lambda a: a.reshape((count * per_group,) + a.shape[2:]), stats)
         return x, stats
+
+    def _grouped_stack(self, x_BxLxD, *, positions_BxL, segment_ids_BxL, dropout_rng, first_layer, expert_bias):
+        """layer_stack of a model whose MoE layers alternate with dense ones (moe_layer_freq F > 1):
+        a scan over the groups [MoE block, F - 1 dense blocks]; the stats of the MoE blocks."""
+        inv_freq, f, unroll = self.rope_inv_freq(), self.cfg.moe_layer_freq, 1 if self.cfg.scan_layers else True
+        moe_def, moe_state = nnx.split(self.layers)
+        dense_def, dense_state = nnx.split(self.dense_layers)
+        groups = jax.tree.leaves(moe_state)[0].shape[0]
+        dense_state = jax.tree.map(lambda p: p.reshape((groups, f - 1) + p.shape[1:]), dense_state)
+
+        def runner(graphdef):
+            def run(params, x, index, bias):
+                rng = None if dropout_rng is None else jax.random.fold_in(dropout_rng, index)
+                return nnx.merge(graphdef, params)(x, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                                   inv_freq=inv_freq, dropout_rng=rng, expert_bias_E=bias)
+            return jax.checkpoint(run, prevent_cse=False) if self.recompute == "full" else run
+
+        moe_block, dense_block = runner(moe_def), runner(dense_def)
+
+        def group(x, xs):
+            moe_params, dense_params, first, bias = xs  # first: the group's model layer (its MoE block's)
+            x, stats = moe_block(moe_params, x, first, bias)
+
+            def dense(x, layer):
+                params, index = layer
+                return dense_block(params, x, index, None)[0], None
+
+            x, _ = jax.lax.scan(dense, x, (dense_params, first + 1 + jnp.arange(f - 1)), unroll=unroll)
+            return x, stats
+
+        return jax.lax.scan(group, x_BxLxD, (moe_state, dense_state, first_layer + f * jnp.arange(groups),
+                                             expert_bias), unroll=unroll)
 
     def embed_tokens(self, tokens_BxL: jax.Array, positions_BxL: jax.Array) -> jax.Array:
         """Token embeddings (+ learned positions) [B, L, D] in the compute dtype."""

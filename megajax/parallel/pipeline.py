@@ -63,7 +63,6 @@ split).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,7 +72,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from megajax.mesh import entry_axes, like, mesh_sizes, spec_axes, spec_entry, spec_without, varying_axes
-from megajax.models.layer_plan import StagePlan
 from megajax.parallel.stash import split_vjp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -206,54 +204,30 @@ def check_schedule(sc: Schedule) -> None:
         assert ((tab >= 0).sum(axis=0) == v * sc.microbatches).all()
 
 
-def _pick(tree: dict, path: tuple[str, ...]):
-    for name in path:
-        tree = tree[name]
-    return tree
+def stage_order(num_layers: int, stages: int, virtual: int) -> np.ndarray | None:
+    """Model layer held at each row of the pipeline's layer array (stage-major: stage s's rows are
+    its chunks 0..V-1 in order), or None when that is the model's own order (V = 1)."""
+    if virtual == 1:
+        return None
+    per = num_layers // (stages * virtual)
+    return np.asarray([(v * stages + s) * per + j for s in range(stages) for v in range(virtual)
+                       for j in range(per)], np.int32)
 
 
-def _without(tree: dict, paths) -> dict:
-    """`tree` without the subtrees at `paths` (and the dicts they leave empty)."""
-    out = {}
-    for key, sub in tree.items():
-        inner = [p[1:] for p in paths if p[0] == key]
-        if any(not p for p in inner):
-            continue
-        sub = _without(sub, inner) if inner and isinstance(sub, dict) else sub
-        if not (isinstance(sub, dict) and not sub and inner):
-            out[key] = sub
-    return out
-
-
-def with_stacks(tree: dict, paths, stacks) -> dict:
-    """`tree` with each of `stacks` at its path (a copy; the inverse of _without and _pick)."""
-    out = dict(tree)
-    for path, stack in zip(paths, stacks):
-        node = out
-        for name in path[:-1]:
-            node[name] = dict(node.get(name, {}))
-            node = node[name]
-        node[path[-1]] = stack
-    return out
-
-
-def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, plan: StagePlan, mesh, params: dict,
-                       batch: dict, rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *,
-                       axis: str, data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
+def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, mesh, params: dict, batch: dict,
+                       rng: jax.Array | None, seed: jax.Array, grad_dtype, param_specs: dict, *, axis: str,
+                       data_axes: tuple[str, ...] = (), router_seed: jax.Array | None = None,
                        maxed: dict | None = None, seq_axes: tuple[str, ...] = (),
                        token_axes: tuple[str, ...] = (), lockstep: bool = True,
-                       scatter: dict | None = None, bias: jax.Array | None = None) -> tuple[dict, dict, dict | None]:
+                       scatter: dict | None = None) -> tuple[dict, dict, dict | None]:
     """(gradients of `seed` x the head's objective [+ `router_seed` x the router losses] w.r.t.
     `params`, the head's sums (its `loss` sum and whatever else it returns, summed over
     microbatches), the router sums or None) of one step's M microbatches through the pipeline.
-    `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacks of layers (the
-    layer plan's kinds) in the stage form of `plan` (megajax/models/layer_plan.py: stage s holds its
-    chunks' layers, split over `axis`, the stage axis of the rules table), `bias` the routers' expert
-    bias in the stage form of the router rows (or None); `rng` the step's dropout key (microbatch i
-    uses fold_in(rng, i), as without a pipeline) or None. `param_specs`: where the parameters live
-    during the step (split over `axis`, `tensor`, `expert`; not over the data-parallel axes, whose
-    copies are gathered before). The stacks' gradients and the router sums' `tokens` come back in the
-    stage form.
+    `batch` arrays are [M, micro x dp, seq]; `params` the model's tree with its stacked `layers`
+    [layers, ...] (split over `axis`, the stage axis of the rules table); `rng` the step's dropout
+    key (microbatch i uses fold_in(rng, i), as without a pipeline) or None. `param_specs`: where the
+    parameters live during the step (split over `axis`, `tensor`, `expert`; not over the
+    data-parallel axes, whose copies are gathered before).
 
     The stage loop is one shard_map, manual over every mesh axis: each device runs its own shard
     of every microbatch with its own shards of the weights, and every collective inside a stage is
@@ -271,26 +245,30 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, plan: Stage
     router losses (balancing + z, this shard's share of the whole microbatch's: the chunk sums its
     token counts over `data_axes` with the `data_sum` it is given), added to the objective with
     weight `router_seed`, and the router sums the metrics need: `aux`, `z`, `dropped` (summed over
-    layers and microbatches) and `tokens` [router rows, experts] (summed over microbatches).
+    layers and microbatches) and `tokens` [layers, experts] (summed over microbatches).
 
     `maxed`: a tree like `params` of bools; where True the "gradient" is combined with max instead
     of summed (over microbatches, stages and data shards): the FP8 scales, whose cotangents are
     the amaxes the products saw (megajax/precision/fp8.py).
 
-    `scatter`: a tree like `params` of ints; a parameter outside the stacks with a dim d >= 0 there
-    (the embedding's and output layer's vocabulary dim: kept split over `axis` between steps,
+    `scatter`: a tree like `params` of ints; a parameter outside the stacked layers with a dim d >= 0
+    there (the embedding's and output layer's vocabulary dim: kept split over `axis` between steps,
     megajax.mesh.vocab_storage_axes) has its gradient reduce-scattered over the stages onto dim d
     (returned split over `axis` there) instead of summed whole on every stage."""
-    paths = [k.path for k in plan.plan.kinds]
+    p, v = sched.stages, sched.virtual
+    layers, other = params["layers"], {k: x for k, x in params.items() if k != "layers"}
     maxed = jax.tree.map(lambda _: False, params) if maxed is None else maxed
+    max_layers, max_other = maxed["layers"], {k: x for k, x in maxed.items() if k != "layers"}
     scatter = jax.tree.map(lambda _: -1, params) if scatter is None else scatter
-    stacks, other = [_pick(params, q) for q in paths], _without(params, paths)
-    max_stacks, max_other = [_pick(maxed, q) for q in paths], _without(maxed, paths)
-    scatter_other = _without(scatter, paths)
+    scatter_other = {k: x for k, x in scatter.items() if k != "layers"}
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    order = stage_order(num_layers, p, v)
+    if order is not None:
+        layers = jax.tree.map(lambda w: jnp.take(w, order, axis=0), layers)
     data_axes = tuple(data_axes)
-    reduced = ((axis,) if sched.stages > 1 else ()) + data_axes
-    loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes), lockstep, plan,
-                      max_stacks, max_other, scatter_other, grad_dtype, rng is not None)
+    reduced = ((axis,) if p > 1 else ()) + data_axes
+    loop = _StageLoop(model_fns, sched, axis, data_axes, reduced, tuple(token_axes), lockstep,
+                      num_layers // (p * v), max_layers, max_other, scatter_other, grad_dtype, rng is not None)
 
     # Gradient sums get a leading dim over the data axes a weight's own spec does not split it over.
     is_spec = lambda x: isinstance(x, P)
@@ -298,53 +276,33 @@ def schedule_gradients(model_fns: "StageFunctions", sched: Schedule, plan: Stage
     # Axes of size 1 left out: a value "split" over one is whole on every device (typed invariant).
     ones = {a for a, n in mesh_sizes(mesh).items() if n == 1}
     param_specs = jax.tree.map(lambda sp: P(*spec_without(sp, ones)), param_specs, is_leaf=is_spec)
-    stack_in = [_pick(param_specs, q) for q in paths]
-    other_in = _without(param_specs, paths)
+    layer_in = param_specs["layers"]
+    other_in = {k: x for k, x in param_specs.items() if k != "layers"}
     # A reduce-scattered gradient leaves split over `axis` on its dim (after the axes splitting it inside).
     def scattered(sp, d):
         entries = tuple(sp) + (None,) * (d + 1 - len(sp))
         return sp if d < 0 else P(*(spec_entry((*entry_axes(e), axis)) if n == d else e for n, e in enumerate(entries)))
     other_split = jax.tree.map(scattered, other_in, scatter_other, is_leaf=is_spec)
-    stack_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (stack_in, other_split))
+    layer_out, other_out = (jax.tree.map(out_spec, t, is_leaf=is_spec) for t in (layer_in, other_split))
     batch_axes = tuple(a for a in data_axes if a not in seq_axes)
     # [M, B, L] split over the sequence axes too; a vision-language model's images [M, B, N, H, W, 3]
     # whole over them (every context shard of a row runs the encoder on the row's images).
     seq = lambda k, x: (spec_entry(seq_axes),) if x.ndim > 2 and k != "images" else ()
     batch_spec = {k: P(None, spec_entry(batch_axes), *seq(k, x)) for k, x in batch.items()}
-    stage = P(axis) if sched.stages > 1 else P()
-    router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": stage}
-    if bias is None:
-        bias = jnp.zeros((plan.stages * plan.router.stage_rows, 1), jnp.float32)
-    fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(stack_in, other_in, stage, batch_spec, P(), P(), P()),
-                       out_specs=(stack_out, other_out, P(), router_out))
+    router_out = {"aux": P(), "z": P(), "dropped": P(), "tokens": P(axis)}
+    fn = jax.shard_map(loop.body, mesh=mesh, in_specs=(layer_in, other_in, batch_spec, P(), P(), P()),
+                       out_specs=(layer_out, other_out, P(), router_out))
     rng = rng if rng is not None else jnp.zeros((2,), jnp.uint32)
     router_seed = jnp.zeros((), jnp.float32) if router_seed is None else router_seed.astype(jnp.float32)
-    g_stacks, g_other, head_sums, router_sums = fn(stacks, other, bias, batch, rng, seed, router_seed)
+    g_layers, g_other, head_sums, router_sums = fn(layers, other, batch, rng, seed, router_seed)
     if data_axes:  # the step's one data-parallel reduction (the caller places the result)
-        g_stacks, g_other = jax.tree.map(lambda m, g: jnp.max(g, axis=0) if m else jnp.sum(g, axis=0),
-                                         (max_stacks, max_other), (g_stacks, g_other))
-    return (with_stacks(g_other, paths, g_stacks), head_sums,
-            router_sums if model_fns.experts > 0 else None)
-
-
-def joined_switch(index, branches: list, *args):
-    """jax.lax.switch(index, branches, *args) with every output typed alike across the branches: each
-    leaf varying over the manual mesh axes it varies over in any branch (a branch without some work
-    returns zeros, typed invariant, where another's vary)."""
-    if len(branches) == 1:
-        return branches[0](*args)
-    thunks = [functools.partial(b, *args) for b in branches]  # the arguments closed over (any Python values)
-    outs = [jax.eval_shape(t) for t in thunks]
-    want = jax.tree.map(lambda *a: tuple(sorted(set().union(*(_aval_axes(x) for x in a)))), *outs)
-
-    def joined(thunk):
-        return lambda: jax.tree.map(lambda x, w: like_axes(x, w), thunk(), want)
-    return jax.lax.switch(index, [joined(t) for t in thunks])
-
-
-def like_axes(x, axes: tuple):
-    missing = tuple(a for a in axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+        g_layers, g_other = jax.tree.map(lambda m, g: jnp.max(g, axis=0) if m else jnp.sum(g, axis=0),
+                                         (max_layers, max_other), (g_layers, g_other))
+    if order is not None:
+        inverse = np.argsort(order)
+        g_layers = jax.tree.map(lambda g: jnp.take(g, inverse, axis=0), g_layers)
+        router_sums["tokens"] = jnp.take(router_sums["tokens"], inverse, axis=0)
+    return {**g_other, "layers": g_layers}, head_sums, router_sums if model_fns.experts > 0 else None
 
 
 def _combine(tree_max, a, b):
@@ -384,8 +342,8 @@ class _StageLoop:
     reduced: tuple[str, ...]  # the stage axis and the data axes: per-device sums, reduced after the loop
     token_axes: tuple[str, ...]  # axes splitting a stage's tokens within the layers (sequence parallelism)
     lockstep: bool  # every device runs every branch some stage runs (collectives inside the chunks)
-    plan: StagePlan  # the stacks' stage form: each chunk's window of rows and branch
-    max_stacks: list
+    per: int  # layers per chunk
+    max_layers: dict
     max_other: dict
     scatter_other: dict  # per parameter outside the layers: the dim its gradient is reduce-scattered onto, or -1
     grad_dtype: object
@@ -412,20 +370,21 @@ class _StageLoop:
             return jax.lax.pcast(x, missing, to="varying") if missing else x
         return jax.tree.map(one, tree)
 
-    def body(self, stacks, other, bias, batch, rng, seed, router_seed):
-        sc = self.sched
-        other, batch, seed, stacks, bias, router_seed = (self.vary(t) for t in (other, batch, seed, stacks, bias,
-                                                                                 router_seed))
+    def body(self, layers, other, batch, rng, seed, router_seed):
+        sc, v, per = self.sched, self.sched.virtual, self.per
+        other, batch, seed, layers, router_seed = (self.vary(t) for t in (other, batch, seed, layers, router_seed))
+        chunks = jax.tree.map(lambda w: w.reshape(v, per, *w.shape[1:]), layers)
         stage = jax.lax.axis_index(self.axis) if sc.stages > 1 else 0
-        dev = _Device(self, stage, stacks, other, bias, batch, rng, seed, router_seed)
+        dev = _Device(self, stage, chunks, other, batch, rng, seed, router_seed)
         dtype = lambda m: jnp.float32 if m else self.grad_dtype  # amaxes (maxed) stay fp32
-        g_stacks0 = jax.tree.map(lambda m, w: like(jnp.zeros(w.shape, dtype(m)), w), self.max_stacks, stacks)
+        g_layers0 = jax.tree.map(lambda m, w: like(jnp.zeros(w.shape, dtype(m)), w), self.max_layers, chunks)
         g_other0 = jax.tree.map(lambda m, o: like(jnp.zeros(o.shape, dtype(m)), o), self.max_other, other)
         zero = self.vary(jnp.zeros((), jnp.float32))
         router0 = self.vary({"aux": zero, "z": zero, "dropped": zero,
-                             "tokens": jnp.zeros((self.plan.router.stage_rows, max(self.fns.experts, 1)), jnp.float32)})
-        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, dev.head_stash0, g_stacks0, g_other0, dev.zero_sums, router0)
-        (*_, g_stacks, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
+                             "tokens": jnp.zeros((v, per, max(self.fns.experts, 1)), jnp.float32)})
+        carry = (dev.zeros_x, dev.zeros_x, dev.stash0, dev.head_stash0, g_layers0, g_other0, dev.zero_sums, router0)
+        (*_, g_layers, g_other, head_sums, router_sums), _ = jax.lax.scan(dev.tick, carry, jnp.arange(sc.ticks))
+        g_layers = jax.tree.map(lambda g: g.reshape(v * per, *g.shape[2:]), g_layers)
         def over_stages(m, d, g):
             if m:
                 return jax.lax.pmax(g, self.axis)
@@ -433,39 +392,29 @@ class _StageLoop:
                                                                                    tiled=True)
         g_other = jax.tree.map(over_stages, self.max_other, self.scatter_other, g_other)
         if self.data_axes:  # each shard's sums, on a leading dim over the data axes
-            g_stacks, g_other = jax.tree.map(lambda g: g[None], (g_stacks, g_other))
-        # (Zeros for a dense model.) Each stage's router rows' token counts, summed over the data shards.
+            g_layers, g_other = jax.tree.map(lambda g: g[None], (g_layers, g_other))
+        # (Zeros for a dense model.) Each stage's layers' token counts, summed over the data shards.
         router_sums = {k: jax.lax.psum(router_sums[k], self.reduced) for k in ("aux", "z", "dropped")} | {
-            "tokens": self.data_sum(router_sums["tokens"])}
-        return g_stacks, g_other, jax.lax.psum(head_sums, self.reduced), router_sums
+            "tokens": self.data_sum(router_sums["tokens"].reshape(v * per, -1))}
+        return g_layers, g_other, jax.lax.psum(head_sums, self.reduced), router_sums
 
 
 class _Device:
-    """One device's view inside the stage loop: its stage index, its stacks of layers (the stage form:
-    each chunk a window of rows), the shared parameters, its batch, the split of a chunk's VJP
-    residuals (megajax/parallel/stash.py), and the two halves of a tick."""
+    """One device's view inside the stage loop: its stage index, its chunks' weights, the shared
+    parameters, its batch, the split of a chunk's VJP residuals (megajax/parallel/stash.py), and the
+    two halves of a tick."""
 
-    def __init__(self, loop: _StageLoop, stage, stacks, other, bias, batch, rng, seed, router_seed):
-        self.loop, self.stage, self.stacks, self.other, self.bias = loop, stage, stacks, other, bias
-        self.batch, self.rng, self.seed, self.router_seed = batch, rng, seed, router_seed
-        p, v, plan = loop.sched.stages, loop.sched.virtual, loop.plan
-        self.paths = [k.path for k in plan.plan.kinds]
+    def __init__(self, loop: _StageLoop, stage, chunks, other, batch, rng, seed, router_seed):
+        self.loop, self.stage, self.chunks, self.other, self.batch = loop, stage, chunks, other, batch
+        self.rng, self.seed, self.router_seed = rng, seed, router_seed
+        p, v = loop.sched.stages, loop.sched.virtual
         self.tables = jnp.asarray(np.stack([loop.sched.fwd_chunk, loop.sched.fwd_micro, loop.sched.fwd_slot,
                                             loop.sched.bwd_chunk, loop.sched.bwd_micro, loop.sched.bwd_slot], -1))
         self.flags = jnp.asarray(branch_flags(loop.sched, loop.lockstep))
-        # Per (stage, chunk): each kind's window offset, the router rows', the branch and the first layer.
-        rows = [*plan.kinds, plan.router]
-        self.offsets = jnp.asarray(np.array([r.offset for r in rows], np.int32))  # [kinds + 1, P, V]
-        self.windows = [r.window for r in rows]
-        self.branch = jnp.asarray(np.array(plan.branch, np.int32))
-        self.first = jnp.asarray(np.array(plan.first_layer, np.int32))
-        # One program for every chunk (StagePlan.uniform): which of its positions are the chunk's layers.
-        self.slots = None if not plan.uniform else (jnp.asarray(np.array(plan.real, bool)),
-                                                     jnp.asarray(np.array(plan.layer_of, np.int32)))
         self.fwd_perm = [(s, s + 1) for s in range(p - 1)] + ([(p - 1, 0)] if v > 1 else [])
         self.bwd_perm = [(s + 1, s) for s in range(p - 1)] + ([(0, p - 1)] if v > 1 else [])
-        # The embedding and head see a tree with some stacks (the model needs a whole tree), unused.
-        self.some_layers = [jax.tree.map(lambda a: a[:1], st) for st in stacks]
+        # The embedding and head see a tree with some `layers` (the model needs a whole tree), unused.
+        self.some_layers = jax.tree.map(lambda a: a[0], chunks)
         x = jax.eval_shape(lambda: self.embed(other, 0))  # typed as the embedding's output is
         self.zeros_x = _zeros(x, axes=loop.reduced)
         self.split = split_vjp(self.chunk, *self.chunk_inputs(self.zeros_x, 0, 0))
@@ -485,51 +434,35 @@ class _Device:
         k = jax.random.split(jax.random.fold_in(jax.random.wrap_key_data(self.rng), i), 2)
         return k[0], k[1]
 
-    def whole(self, o, stacks=None):
-        return with_stacks(o, self.paths, self.some_layers if stacks is None else stacks)
-
     def embed(self, o, i):
-        return self.loop.fns.embed(self.whole(o), _index(self.batch, i), self.keys(i)[0])
+        return self.loop.fns.embed({**o, "layers": self.some_layers}, _index(self.batch, i), *self.keys(i))
 
     def head(self, o, y, i):
-        objective, sums = self.loop.fns.head(self.whole(o), y, _index(self.batch, i), self.loop.data_sum)
+        objective, sums = self.loop.fns.head({**o, "layers": self.some_layers}, y, _index(self.batch, i),
+                                             self.loop.data_sum)
         if "router" in sums:  # a MoE block in the head: its sums over the stage's tokens, as chunk's
             sums = {**sums, "router": self.loop.vary(jax.tree.map(self.loop.stage_sum, sums["router"]))}
         return objective, sums
 
-    def offset(self, k, c):
-        return self.offsets[k, self.stage, c]
-
-    def window(self, tree, k, c):
-        """Rows [offset, offset + window) of kind k's stack (k = kinds: the router rows) for chunk c."""
-        off, n = self.offset(k, c), self.windows[k]
-        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, off, n), tree)
-
     def chunk_inputs(self, x, c, i):
-        """((chunk c's windows of the stacks, the shared parameters, its routers' expert bias, its branch
-        and first model layer), (its input, microbatch i, i's layer dropout key data)): the inputs of
-        `chunk`, the first known to its backward (the same for every microbatch), the others per
-        microbatch."""
-        kinds = len(self.paths)
-        windows = [self.window(st, k, c) for k, st in enumerate(self.stacks)]
-        bias = self.window(self.bias, kinds, c)
+        """((the chunk's weights, the shared parameters), (its input, microbatch i, i's layer dropout
+        key data, the chunk's first model layer)): the inputs of `chunk`, the first known to its
+        backward (the same for every microbatch), the others per microbatch."""
         key = self.keys(i)[1]
         key = None if key is None else jax.random.key_data(key)
+        first_layer = (c * self.loop.sched.stages + self.stage) * self.loop.per
         # Typed alike whether c and i are the tables' entries or constants (the example inputs).
-        branch, first = self.loop.vary((self.branch[self.stage, c], self.first[self.stage, c]))
-        slots = None if self.slots is None else self.loop.vary(tuple(t[self.stage, c] for t in self.slots))
-        key = self.loop.vary(key)
-        return (windows, self.other, bias, branch, first, slots), (x, _index(self.batch, i), key)
+        key, first_layer = self.loop.vary((key, jnp.asarray(first_layer, jnp.int32)))
+        return (_index(self.chunks, c), self.other), (x, _index(self.batch, i), key, first_layer)
 
     def chunk(self, known, unknown):
         """(outputs, VJP, router sums or {}) of a chunk of layers: the outputs are its activation y, or
         for a mixture-of-experts model (y, its layers' router losses: part of the objective)."""
-        (w, other, bias, branch, first, slots), (x, micro, key) = known, unknown
+        (w, other), (x, micro, key, first_layer) = known, unknown
         key = None if key is None else jax.random.wrap_key_data(key)
 
         def run(w, x):
-            y, router = self.loop.fns.layers(self.whole(other, w), x, micro, key, first, self.loop.data_sum,
-                                             branch, bias, slots)
+            y, router = self.loop.fns.layers({**other, "layers": w}, x, micro, key, first_layer, self.loop.data_sum)
             if router is None:
                 return y, {}
             router = jax.tree.map(self.loop.stage_sum, router)
@@ -564,7 +497,7 @@ class _Device:
         Run by every device as `forward` is, the results of a stage without a backward of its own
         dropped."""
         loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
-        g_stacks, g_other = acc
+        g_layers, g_other = acc
         c, i, slot = jnp.maximum(bc, 0), jnp.maximum(bm, 0), jnp.maximum(bs, 0)
         zero_other = jax.tree.map(jnp.zeros_like, g_other)
         y = _index(head_stash, jnp.minimum(slot, loop.sched.head_stash - 1))
@@ -583,8 +516,7 @@ class _Device:
         at_head = (self.stage == p - 1) & (bc == v - 1)
         g_out = jnp.where(at_head, g_y, recv_g)
         with jax.named_scope(BRANCH_SCOPES["backward"]):
-            known, _ = self.chunk_inputs(self.zeros_x, c, i)
-            vjp = self.split.backward(known, [_index(s, slot) for s in stash])
+            vjp = self.split.backward((_index(self.chunks, c), self.other), [_index(s, slot) for s in stash])
             g_w, g_x = vjp(g_out if loop.fns.experts == 0 else (g_out, self.router_seed))
 
         def into_embedding():
@@ -596,23 +528,15 @@ class _Device:
         keep = lambda on, g: jax.tree.map(lambda x: jnp.where(on, x, jnp.zeros_like(x)), g)
         g_other = _combine(loop.max_other, g_other, keep(at_head, g_head))
         g_other = _combine(loop.max_other, g_other, keep((self.stage == 0) & (bc == 0), g_embed))
-        g_w = keep(busy, g_w)
-        g_stacks = [self.add_window(k, c, m, acc_k, g) for k, (m, acc_k, g) in enumerate(zip(loop.max_stacks, g_stacks, g_w))]
+        g_layers = jax.tree.map(
+            lambda m, acc, g: jax.lax.dynamic_update_index_in_dim(acc, _combine(m, _index(acc, c), g), c, 0),
+            loop.max_layers, g_layers, keep(busy, g_w))
         head_sums = jax.tree.map(lambda s: jnp.where(at_head, s, 0.0), sums_i)
-        return jnp.where(busy, g_x, self.zeros_x), (g_stacks, g_other), head_sums
-
-    def add_window(self, k, c, maxed, acc, g):
-        """`acc` (a stage's stack) with chunk c's window combined with `g` (sum, or max where `maxed`)."""
-        off = self.offset(k, c)
-
-        def one(m, a, x):
-            part = jax.lax.dynamic_slice_in_dim(a, off, x.shape[0])
-            return jax.lax.dynamic_update_slice_in_dim(a, _combine(m, part, x), off, 0)
-        return jax.tree.map(one, maxed, acc, g)
+        return jnp.where(busy, g_x, self.zeros_x), (g_layers, g_other), head_sums
 
     def tick(self, carry, t):
         loop, (p, v) = self.loop, (self.loop.sched.stages, self.loop.sched.virtual)
-        recv_x, recv_g, stash, head_stash, g_stacks, g_other, head_sums, router_sums = carry
+        recv_x, recv_g, stash, head_stash, g_layers, g_other, head_sums, router_sums = carry
         fc, fm, fs, bc, bm, bs = (self.tables[t, self.stage][k] for k in range(6))
         y, sums, kept = jax.lax.cond(self.flags[t, self.stage, 0], lambda: self.forward(t, fc, fm, recv_x),
                                      self.idle_forward)
@@ -625,18 +549,19 @@ class _Device:
         head_stash = write(head_stash, y, busy & last)
         send_x = jnp.where(busy & ~last, y, self.zeros_x)
         if sums:
+            tokens = router_sums["tokens"]
             sums = jax.tree.map(lambda s: jnp.where(busy, s, jnp.zeros_like(s)), sums)
-            c = jnp.maximum(fc, 0)
-            tokens = self.add_window(len(self.paths), c, False, router_sums["tokens"], sums["tokens"])
-            router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {"tokens": tokens}
-        send_g, (g_stacks, g_other), sums_i = jax.lax.cond(
+            router_sums = {k: router_sums[k] + sums[k] for k in ("aux", "z", "dropped")} | {
+                "tokens": jax.lax.dynamic_update_index_in_dim(tokens, _index(tokens, jnp.maximum(fc, 0)) + sums["tokens"],
+                                                              jnp.maximum(fc, 0), 0)}
+        send_g, (g_layers, g_other), sums_i = jax.lax.cond(
             self.flags[t, self.stage, 2], lambda acc: self.backward(t, bc, bm, bs, recv_g, stash, head_stash, acc),
-            lambda acc: (self.zeros_x, acc, self.zero_sums), (g_stacks, g_other))
+            lambda acc: (self.zeros_x, acc, self.zero_sums), (g_layers, g_other))
         head_sums = jax.tree.map(lambda a, s: a + s, head_sums, sums_i)
         if loop.sched.stages > 1:
             recv_x = jax.lax.ppermute(send_x, loop.axis, self.fwd_perm)
             recv_g = jax.lax.ppermute(send_g, loop.axis, self.bwd_perm)
-        return (recv_x, recv_g, stash, head_stash, g_stacks, g_other, head_sums, router_sums), None
+        return (recv_x, recv_g, stash, head_stash, g_layers, g_other, head_sums, router_sums), None
 
 
 # The named scope of each branch's work (branch_flags' order): what the compiled program's
@@ -652,37 +577,6 @@ def scoped(branch: str, fn: Callable) -> Callable:
         with jax.named_scope(BRANCH_SCOPES[branch]):
             return fn(*args)
     return run
-
-
-# The named scope of a chunk's program (one branch per distinct chunk of the layout, StagePlan.branches):
-# what tells each stage's layers' products apart in the compiled program (`chunk_branch_runs`).
-CHUNK_SCOPE = "stage_chunk"
-
-
-def chunk_scoped(b: int, fn: Callable) -> Callable:
-    """`fn` (chunk branch b's program) traced in its named scope."""
-    def run(*args):
-        with jax.named_scope(f"{CHUNK_SCOPE}{b}"):
-            return fn(*args)
-    return run
-
-
-def chunk_branch_runs(sc: Schedule, branch: np.ndarray, lockstep: bool) -> dict[tuple[str, int], np.ndarray]:
-    """How many ticks each stage runs chunk branch b in its forward and its backward half:
-    {("forward" | "backward", b): [stages] ints}. `branch` [P, V]: each stage's chunks' branches
-    (StagePlan.branch). With `lockstep` what the devices execute (a stage without work of its own in a
-    half runs its first chunk's branch on zeros), else each stage's own work."""
-    flags = branch_flags(sc, lockstep)
-    branch = np.asarray(branch)
-    out: dict[tuple[str, int], np.ndarray] = {}
-    for half, chunk, k in (("forward", sc.fwd_chunk, 0), ("backward", sc.bwd_chunk, 2)):
-        for b in range(int(branch.max()) + 1):
-            runs = np.zeros(sc.stages, np.int64)
-            for s in range(sc.stages):
-                c = np.maximum(chunk[:, s], 0)
-                runs[s] = int(np.sum(flags[:, s, k] & (branch[s, c] == b)))
-            out[half, b] = runs
-    return out
 
 
 def branch_runs(sc: Schedule, lockstep: bool) -> dict[str, np.ndarray]:
@@ -710,15 +604,13 @@ def branch_flags(sc: Schedule, lockstep: bool) -> np.ndarray:
 
 @dataclass(frozen=True)
 class StageFunctions:
-    """The model in the three pieces a pipeline runs, each on a whole parameter tree whose stacks of
-    layers are one chunk's window of rows: embed(params, micro, key) -> x (a vision-language model's
-    encoder run besides); layers(params, x, micro, key, first layer, data_sum, branch, bias, slots) ->
-    (x, router): the chunk's branch of the StagePlan (its index; `slots`: with a uniform plan the
-    chunk's (real, model layer) per position, else None) from its first model layer, `bias` its
-    routers' expert bias rows; router is None for a dense model, else a dict of the chunk's router
-    loss to differentiate (`loss`, [], this shard's share: token counts summed over the microbatch's
-    shards with `data_sum`) and this shard's sums `aux`, `z`, `dropped` ([]) and `tokens` ([router
-    window, experts]); head(params, x, micro, data_sum)
+    """The model in the three pieces a pipeline runs, each on a whole parameter tree whose `layers`
+    are one chunk's: embed(params, micro, key, layer key) -> x (the embedding's dropout key, and the
+    layers' for what the first stage runs besides: a dense-first model's dense layers);
+    layers(params, x, micro, key, first layer, data_sum) -> (x, router) where router is None for a
+    dense model, else a dict of the chunk's router loss to differentiate (`loss`, [], this shard's
+    share: token counts summed over the microbatch's shards with `data_sum`) and this shard's sums
+    `aux`, `z`, `dropped` ([]) and `tokens` ([chunk layers, experts]); head(params, x, micro, data_sum)
     -> (objective to differentiate, {"loss": the cross entropy sum, ...: other sums to log}); a head
     with routers of its own (a mixture-of-experts MTP block) returns the pair (objective, its router
     loss, weighed as the chunks' are) and its sums under `router` as a chunk's.

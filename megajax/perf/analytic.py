@@ -68,8 +68,7 @@ megajax/train/step.py) reduces its gradients once per microbatch, except
 through pipeline stages (once per step, after the stage loop).
 
 Pipeline parallelism over P stages (V chunks each): a device runs its stage's
-chunk of layers/(P V) layers (a layout's: the longest chunk; as the compiled
-program holds them, every distinct chunk's program) in each tick's forward half and its backward
+chunk of layers/(P V) layers in each tick's forward half and its backward
 (from the residuals the forward stashed; the forward again only with
 recompute=full) in the backward half; the compiled loop counts both halves in
 every tick (the HLO does not say which ticks take a half's branch), and the
@@ -78,8 +77,8 @@ figures count them the same way. Each tick sends an activation and a cotangent
 between steps (the embedding and output layer, a vision-language model's
 encoder) is all-gathered over `pipeline` before the loop; the embedding's and
 output layer's gradients are reduce-scattered back over `pipeline`, the other
-shared parameters' (final norm, encoder) all-reduced; the layers stay on their
-stages between steps (the train state's stage form), whatever the schedule.
+shared parameters' (final norm, encoder) all-reduced; the interleaved schedule
+moves the layers into its chunk order and their gradients back once per step.
 Layer activations: a device holds in its stash the residuals of each in-flight
 microbatch's chunk (layers/(P V) layers' activations, as above for the
 recompute policy; the schedule's stash slots: M for GPipe, at most 2 V P - 1 for
@@ -102,8 +101,6 @@ from megajax.models.trainable import frozen_in_state
 from megajax.parallel.pipeline import build_schedule
 from megajax.plan import RunPlan
 from megajax.precision.policy import precision_policy
-from megajax.train.pipeline_step import run_stage_plan
-from megajax.train.stage_form import staged_structs
 
 
 def shard_factor(names: tuple, rules: Rules, sizes: dict[str, int]) -> int:
@@ -279,26 +276,7 @@ def pipeline_stash_bytes(plan: RunPlan) -> int:
     sc = schedule_of(c.schedule, c.stages, c.microbatches, c.virtual_stages)
     s, b, h = cfg.train.seq_len / sizes["context"], plan.batch.micro_batch, cfg.model.hidden_size
     output = s * b * h / (t if sp else 1) * precision_policy(cfg).activation_bytes
-    return int(sc.stash * per_layer * chunk_layers(plan) + sc.head_stash * output)
-
-
-def chunk_layers(plan: RunPlan) -> float:
-    """The decoder layers of a pipeline's longest chunk (its stash slots and stage form are sized by it;
-    the even split's layers / (P V) where the plan has no layout)."""
-    c = plan.pipeline
-    return max(c.chunks) if c.chunks else plan.cfg.model.num_layers / (c.stages * c.virtual_stages)
-
-
-def stage_work(plan: RunPlan, layer_flops: float, head_flops: float) -> list[float]:
-    """Each pipeline stage's FLOPs per token of a step in its chunks (a layout's uneven split; the even
-    split's equal chunks): `layer_flops` per decoder layer (every kind alike), and the last stage's output
-    layer and loss, with each multi-token prediction depth's layer and output layer (`head_flops` each),
-    the embedding's lookup none."""
-    c, m = plan.pipeline, plan.cfg.model
-    chunks = c.chunks or (m.num_layers / (c.stages * c.virtual_stages),) * (c.stages * c.virtual_stages)
-    work = [layer_flops * sum(chunks[v * c.stages + s] for v in range(c.virtual_stages)) for s in range(c.stages)]
-    work[-1] += head_flops + m.mtp_num_layers * (layer_flops + head_flops)
-    return work
+    return int(sc.stash * per_layer * cfg.model.num_layers / (c.stages * c.virtual_stages) + sc.head_stash * output)
 
 
 def logits_bytes(plan: RunPlan) -> int:
@@ -309,16 +287,13 @@ def logits_bytes(plan: RunPlan) -> int:
     return int(2 * depths * tokens * plan.padded_vocab / sizes["tensor"] * 4)
 
 
-def _passes(plan: RunPlan, program: bool = False) -> dict[str, float]:
+def _passes(plan: RunPlan) -> dict[str, float]:
     """How often per step a device runs each kind of pass: `fwd` / `bwd` layer passes (layers x
     microbatches; in a pipeline, its stage's chunk per tick in each half), `extra` the forward passes
     full recompute adds in the backward, `moe_*` the same for
     the MoE layers, `micro` the embedding / output layer / loss passes, `ticks` the stage loop's
     ticks (0 without a pipeline). A pipeline counts both halves in every tick, as the compiled
-    program's loop does (the HLO does not say which ticks take a half's branch). Chunks of uneven
-    layers (a layout): the longest chunk per tick (the one that paces it), or with `program` every
-    distinct chunk's program, as the compiled loop holds (and megajax/perf/hlo.py counts) one branch
-    per distinct chunk each tick."""
+    program's loop does (the HLO does not say which ticks take a half's branch)."""
     m, pipe = plan.cfg.model, plan.pipeline
     full = plan.cfg.parallel.recompute == "full"
     head_moe = m.num_router_layers() - m.num_moe_layers()  # a MoE multi-token prediction block's, with the loss
@@ -330,14 +305,6 @@ def _passes(plan: RunPlan, program: bool = False) -> dict[str, float]:
     ticks = schedule_of(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).ticks
     chunks = pipe.stages * pipe.virtual_stages
     c, c_moe = m.num_layers / chunks, m.num_moe_layers() / chunks
-    if pipe.chunks and len(set(pipe.chunks)) > 1:
-        sp = run_stage_plan(plan.cfg, pipe, plan.sizes)
-        if program:
-            segments = [seg for branch in sp.branches for seg in branch]
-            c = sum(seg.layers for seg in segments)
-            c_moe = sum(seg.repeats * sum(sp.plan.kinds[k].router for k in seg.unit) for seg in segments)
-        else:
-            c_moe, c = c_moe * max(pipe.chunks) / c, max(pipe.chunks)
     return {"fwd": ticks * c, "bwd": ticks * c, "extra": ticks * c if full else 0,
             "moe_fwd": ticks * (c_moe + head_moe), "moe_bwd": ticks * (c_moe + head_moe),
             "moe_extra": ticks * c_moe if full else 0, "micro": ticks, "ticks": ticks}
@@ -349,10 +316,8 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_bytes: int = 0,
                         stage_shared_param_bytes: int = 0, platform: str = "gpu",
                         lora_tensor_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
-                        stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0,
-                        program: bool = False) -> dict[str, int]:
-    """The bytes per device per step of the layout's collectives, by kind (`program`: as the compiled
-    program's HLO counts them, every distinct pipeline chunk's program each tick: _passes) (`stage_shared_param_bytes`:
+                        stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0) -> dict[str, int]:
+    """The bytes per device per step of the layout's collectives, by kind (`stage_shared_param_bytes`:
     the tensor shard of the parameters every pipeline stage holds, reduced over `pipeline`;
     `lora_tensor_reduced_bytes`: lora_tensor_reduced_bytes's; `stage_gathered_param_bytes`: the part
     of the shared ones gathered over `pipeline` for the step, stage_gathered_param_bytes's;
@@ -363,7 +328,7 @@ def communication_bytes(plan: RunPlan, local_param_bytes: int, expert_param_byte
     for (kind, _axis), v in _communication(plan, local_param_bytes, expert_param_bytes,
                                            stage_shared_param_bytes, platform, lora_tensor_reduced_bytes,
                                            stage_gathered_param_bytes, stage_scattered_param_bytes,
-                                           stage_tensor_reduced_bytes, program).items():
+                                           stage_tensor_reduced_bytes).items():
         out[kind] += v
     return {k: int(v) for k, v in out.items()}
 
@@ -447,7 +412,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
                    stage_shared_param_bytes: int, platform: str,
                    lora_reduced_bytes: int = 0, stage_gathered_param_bytes: int = 0,
                    stage_scattered_param_bytes: int = 0, stage_tensor_reduced_bytes: int = 0,
-                   program: bool = False) -> dict[tuple[str, str], float]:
+                   ) -> dict[tuple[str, str], float]:
     cfg, sizes = plan.cfg, plan.sizes
     m = cfg.model
     t, cp = sizes["tensor"], sizes["context"]
@@ -455,7 +420,7 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
     tokens = plan.batch.micro_batch * plan.batch.seq_len / cp  # a device's tokens of a microbatch
     bsh = tokens * m.hidden_size * act
     sp = cfg.parallel.sequence_parallel and t > 1
-    n = _passes(plan, program)
+    n = _passes(plan)
     out: dict[tuple[str, str], float] = defaultdict(float)  # (kind, axis) -> bytes
     pipe = plan.pipeline
     if pipe is not None:  # each tick sends an activation forward and a cotangent back
@@ -465,8 +430,10 @@ def _communication(plan: RunPlan, local_param_bytes: int, expert_param_bytes: in
         out["all-reduce", "pipeline"] += stage_shared_param_bytes - stage_scattered_param_bytes
         out["reduce-scatter", "pipeline"] += stage_scattered_param_bytes
         out["all-gather", "pipeline"] += stage_gathered_param_bytes
-        # (The layers stay in the stage form between steps, megajax/train/stage_form.py: no schedule moves
-        # them between stages.)
+        if pipe.virtual_stages > 1:  # the layers into the stages' chunk order (in their own dtype) and
+            # their gradients (fp32) back
+            moved = 1.0 if platform == "cpu" else precision_policy(cfg).param_dtype.itemsize / 4
+            out["collective-permute", "pipeline"] += (1 + moved) * (local_param_bytes - stage_shared_param_bytes)
     if t > 1:
         # Per layer 2 products reduce forward and 2 backward (Megatron's f/g); full recompute reruns
         # those of a layer's forward the backward needs (not the one after the MLP: 1 all-reduce, or
@@ -657,21 +624,11 @@ def expert_shard_param_bytes(axes: dict, abstract_params: dict, rules_params: Ru
                // shard_factor(names, rules_params, no_data) for k, names in experts.items())
 
 
-def held_params(plan: RunPlan, spec):
-    """The abstract parameters as the train state holds them: with a pipeline, every stack of layers in
-    the layout's stage form (every stage the longest stage's rows: megajax/train/stage_form.py), whose
-    gradients the step also reduces."""
-    if plan.pipeline is None:
-        return spec.abstract_params
-    return staged_structs(spec.abstract_params, run_stage_plan(plan.cfg, plan.pipeline, plan.sizes))
-
-
 def memory_estimate(plan: RunPlan, spec) -> dict[str, int]:
     """Per-device bytes of `plan`'s run: parameters, gradients, Adam state, layer activations, logits,
     total (`spec`: the model spec, megajax.train.state.build_model_spec)."""
     rules = plan.rules
-    params = held_params(plan, spec)
-    est = {**state_bytes(spec.axes, params, rules.params, rules.opt_state, plan.sizes,
+    est = {**state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, plan.sizes,
                          frozen_in_state(plan.cfg.model), precision_policy(plan.cfg)),
            "activations": activation_bytes(plan) + vision_activation_bytes(plan),
            "logits": logits_bytes(plan)}

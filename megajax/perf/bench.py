@@ -43,13 +43,12 @@ import numpy as np
 from megajax import host_allocator
 from megajax.config import Config, load_config
 from megajax.errors import ConfigError
-from megajax.parallel.pipeline import BRANCH_SCOPES, CHUNK_SCOPE, branch_runs, build_schedule, chunk_branch_runs
+from megajax.parallel.pipeline import BRANCH_SCOPES, branch_runs, build_schedule
 from megajax.mesh import mesh_text
 from megajax.perf import analytic, hlo
 from megajax.perf.fit import GIB, advice, compiled_bytes, device_capacity_bytes
 from megajax.plan import RunPlan, make_plan
 from megajax.precision.policy import precision_policy
-from megajax.train.pipeline_step import run_stage_plan
 from megajax.train.metrics import readable_bytes, readable_percent, readable_rate
 
 KINDS = hlo.KINDS
@@ -69,9 +68,8 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     """Per collective kind: measured count/bytes per step (per device) from the HLO, analytic bytes, ratio."""
     measured = hlo.parse(compiled.as_text())
     rules, sizes = plan.rules, plan.sizes
-    held = analytic.held_params(plan, spec)  # (the stage form's padding rows are reduced too)
-    local = analytic.tensor_shard_param_bytes(spec.axes, held, rules.params, sizes)
-    experts = analytic.expert_shard_param_bytes(spec.axes, held, rules.params, sizes)
+    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -87,7 +85,7 @@ def communication_table(plan: RunPlan, compiled, spec) -> dict[str, dict[str, An
     lora = (analytic.lora_tensor_reduced_bytes(spec.axes, spec.abstract_params, rules.params, sizes, sp)
             if plan.cfg.model.lora else 0)
     expected = analytic.communication_bytes(plan, local, experts, shared, jax.default_backend(), lora, gathered,
-                                            scattered, replicated, program=True)
+                                            scattered, replicated)
     out = {}
     for kind in KINDS:
         count, nbytes = measured.total(kind)
@@ -111,19 +109,12 @@ def matmul_table(plan: RunPlan, compiled, model_flops: float) -> dict[str, Any]:
     stage has no work of its own), `own_flops` each stage's own work."""
     ops = hlo.matmuls(compiled.as_text())
     flops = own = 0.0
-    stage_flops = None
     if plan.pipeline is None:
         flops = own = float(sum(m.flops * m.count for m in ops))
     else:
         c = plan.pipeline
         sc = build_schedule(c.schedule, c.stages, c.microbatches, c.virtual_stages)
-        lockstep = analytic.pipeline_lockstep(plan)
-        runs, own_runs = branch_runs(sc, lockstep), branch_runs(sc, False)
-        # A chunk's layers run in one branch per distinct chunk of the layout: counted as often as
-        # each stage runs that branch (its own work for `stage_flops`).
-        table = np.asarray(run_stage_plan(plan.cfg, c, plan.sizes).branch)
-        chunk_runs, chunk_own = chunk_branch_runs(sc, table, lockstep), chunk_branch_runs(sc, table, False)
-        stage_flops = np.zeros(c.stages)
+        runs, own_runs = branch_runs(sc, analytic.pipeline_lockstep(plan)), branch_runs(sc, False)
         for m in ops:
             branch = next((b for b, scope in BRANCH_SCOPES.items()
                            if re.search(rf"(?<!\w){scope}(?!\w)", m.op_name)), None)
@@ -131,20 +122,10 @@ def matmul_table(plan: RunPlan, compiled, model_flops: float) -> dict[str, Any]:
                 flops, own = flops + m.flops * m.count, own + m.flops * m.count
                 continue
             per_run = m.flops * m.count / sc.ticks  # the branch is counted once per tick of the loop
-            chunk = re.search(rf"(?<!\w){CHUNK_SCOPE}(\d+)(?!\w)", m.op_name)
-            if chunk is not None and branch in ("forward", "backward"):
-                key = (branch, int(chunk.group(1)))
-                flops += per_run * float(np.mean(chunk_runs[key]))
-                own += per_run * float(np.mean(chunk_own[key]))
-                stage_flops += per_run * chunk_own[key]
-                continue
             flops += per_run * float(np.mean(runs[branch]))
             own += per_run * float(np.mean(own_runs[branch]))
-    out = {"flops": flops, "own_flops": own, "model_flops": model_flops,
-           "ratio": own / model_flops if model_flops else None}
-    if stage_flops is not None:  # each stage's own products in its chunks' layers (forward and backward)
-        out["stage_layer_flops"] = [float(f) for f in stage_flops]
-    return out
+    return {"flops": flops, "own_flops": own, "model_flops": model_flops,
+            "ratio": own / model_flops if model_flops else None}
 
 
 def memory_table(plan: RunPlan, compiled, spec, device) -> dict[str, Any]:

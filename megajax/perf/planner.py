@@ -4,12 +4,7 @@
 
 Every layout of the cluster's devices is enumerated: tensor parallelism inside a
 node (with sequence parallelism), context, expert (MoE models), pipeline (1F1B,
-or interleaved with 2 or 4 chunks per stage; where the layers do not divide into
-the chunks, Megatron's balanced split with the embedding and the loss counted as
-a layer each, up to 8 chunks per stage; for a dense-first model, the embedding and
-the dense layers alone in the first chunk, the loss alone in the last, as
-DeepSeek-V3's published layout; a config's own layout keys kept), and
-the rest of the devices as
+or interleaved with 2 or 4 chunks per stage), and the rest of the devices as
 data parallelism (plain, with the distributed optimizer, FSDP, or FSDP inside
 data parallelism); for each, every recompute policy and micro batch (those a
 command line sets, KEEPABLE, are kept). Each is planned exactly as `megajax
@@ -30,9 +25,7 @@ offered) and estimated:
   the element-wise ops read and write (analytic.elementwise_bytes: norms,
   residual adds, rotary embedding, softmax, the MLP's activation, the loss,
   FP8's casts) over the kind's memory bandwidth (`memory_gbps` x
-  `memory_efficiency`), plus what the slowest pipeline stage adds to the even
-  share (`slowest stage`: its layers in the layout, the last stage's output
-  layer and loss; analytic.stage_work), all stretched by the pipeline bubble of the plan's own
+  `memory_efficiency`), all stretched by the pipeline bubble of the plan's own
   schedule (a vision-language model's encoder runs on the first stage, which
   then sets the pace; devices sharing a host lose no time to it unless the
   stages run in lockstep, when idle stages compute on zeros); plus the
@@ -90,7 +83,6 @@ from megajax.mesh import data_parallel_size
 from megajax.models.trainable import frozen_in_state
 from megajax.perf import analytic, gemm
 from megajax.perf.device_kinds import DEVICE_KINDS, DeviceKind, load_device_kinds, parse_cluster  # noqa: F401
-from megajax.pipeline_layout import StageLayout, parse_layout
 from megajax.plan import RunPlan, make_plan, plan_layout
 from megajax.train.flops import train_flops_per_token, vision_flops_per_token
 
@@ -114,7 +106,6 @@ class Candidate:
     parts: dict[str, float] = field(default_factory=dict)
     mfu: float = 0.0
     bubble: float = 0.0
-    layout: str = ""  # the pipeline's chunks as Megatron's layout string, where they are not the even split
 
     def label(self) -> str:
         axes = [f"{a} {self.sizes[a]}" for a in ("tensor", "context", "expert", "pipeline", "fsdp", "data")
@@ -122,10 +113,6 @@ class Candidate:
         extra = []
         if self.parallel.get("virtual_stages", 1) > 1:
             extra.append(f"{self.parallel['virtual_stages']} chunks/stage")
-        if self.parallel.get("account_for_embedding_in_pipeline_split"):
-            extra.append("embedding and loss counted as layers")
-        if self.layout:
-            extra.append(f"layout {self.layout}")
         if self.parallel.get("distributed_optimizer"):
             extra.append("distributed optimizer")
         extra.append(f"recompute {self.parallel['recompute']}")
@@ -190,8 +177,12 @@ def _layouts(cfg: Config, devices: int, node: int, keep: tuple[str, ...] = (), r
             experts = [e for e in _divisors(devices // (t * c)) if m.num_experts and m.num_experts % e == 0] or [1]
             for e in experts:
                 stages = _divisors(devices // (t * c * e))
-                for p in stages:
-                    for v, split in _stage_splits(cfg, p, keep, pins.get("pipeline") == p):
+                for p in (d for d in stages if m.num_layers % d == 0 or pins.get("pipeline") == d):
+                    if "parallel.virtual_stages" in keep:
+                        chunks = [par.virtual_stages]
+                    else:
+                        chunks = [1] + [v for v in (2, 4) if p > 1 and m.num_layers % (p * v) == 0]
+                    for v in chunks:
                         rest = devices // (t * c * e * p)
                         # plain data parallelism, with the distributed optimizer, FSDP, and FSDP inside
                         # data parallelism (hybrid sharding), with and without the distributed optimizer
@@ -208,64 +199,7 @@ def _layouts(cfg: Config, devices: int, node: int, keep: tuple[str, ...] = (), r
                                 schedule = par.pipeline_schedule
                             sp = par.sequence_parallel if "parallel.sequence_parallel" in keep else t > 1
                             yield sizes, {"sequence_parallel": sp, "distributed_optimizer": dist_opt,
-                                          "pipeline_schedule": schedule, "virtual_stages": v, **split, **exchange}
-
-
-# The keys that lay the layers out on the pipeline's chunks (megajax/pipeline_layout.py), beside the even split.
-LAYOUT_KEYS = ("pipeline_layout", "first_pipeline_stage_layers", "last_pipeline_stage_layers",
-               "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-# Megatron's balance of a split the layers alone do not divide: the embedding and the loss counted as a
-# layer each (the first and last chunk one decoder layer fewer; Llama 3.1 405B's 126 layers in 8 x 8 chunks).
-BALANCED = {"account_for_embedding_in_pipeline_split": True, "account_for_loss_in_pipeline_split": True}
-
-
-def _stage_splits(cfg: Config, p: int, keep: tuple[str, ...], pinned: bool) -> list[tuple[int, dict[str, Any]]]:
-    """(virtual stages, layout keys) to estimate on `p` pipeline stages. A config's own layout keys are
-    kept (a layout string's chunks give its virtual stages); otherwise the even split where the layers
-    divide (or the stage count is pinned: the run's check says why it is refused), and Megatron's
-    balanced split (BALANCED) where the layers with the embedding and the loss divide instead."""
-    m, par = cfg.model, cfg.parallel
-    given = {k: getattr(par, k) for k in LAYOUT_KEYS if getattr(par, k) not in (None, False)}
-    if "parallel.virtual_stages" in keep:
-        chunks = [par.virtual_stages]
-    elif par.pipeline_layout is not None:
-        n = len(parse_layout(par.pipeline_layout))
-        chunks = [n // p] if n % p == 0 else [1]
-    else:
-        chunks = [1, 2, 4, 8] if p > 1 else [1]
-    if p == 1:  # (a kept chunk count without a pipeline: the run's check says why it is refused)
-        return [(chunks[0] if "parallel.virtual_stages" in keep else 1, {})]
-    if given:
-        return [(v, {}) for v in chunks]
-    out = []
-    for v in chunks:
-        if m.num_layers % (p * v) == 0:
-            if v <= 4 or len(chunks) == 1:
-                out.append((v, {}))
-        elif (m.num_layers + 2) % (p * v) == 0 and (m.num_layers + 2) // (p * v) >= 2:
-            out.append((v, dict(BALANCED)))
-        elif pinned and v == chunks[0] or len(chunks) == 1:
-            out.append((v, {}))  # refused by the run's own check, which says why
-        dense_first = _dense_first_layout(m, p, v)
-        if dense_first:
-            out.append((v, {"pipeline_layout": dense_first}))
-    return out
-
-
-def _dense_first_layout(m, p: int, v: int) -> str | None:
-    """A dense-first model's (DeepSeek-V3's) published kind of layout on P x V chunks: the embedding and
-    the dense layers alone in the first chunk, the loss (and the MTP depths) alone in the last, the MoE
-    layers in the chunks between, as many to a chunk as they need, the rest of them empty (Megatron's
-    'Et*3|(tt|)*29|L' at 8 x 4); None for other models or where it does not fit."""
-    k = m.dense_first_layers() if not m.hybrid_layer_pattern else 0
-    middle = p * v - 2
-    if not k or p < 2 or middle < 1:
-        return None
-    per = -(-(m.num_layers - k) // middle)
-    full, rest = divmod(m.num_layers - k, per)
-    chunks = [k] + [per] * full + ([rest] if rest else [])
-    chunks += [0] * (p * v - len(chunks))
-    return StageLayout(p, v, tuple(chunks), "").megatron(m.mtp_num_layers)
+                                          "pipeline_schedule": schedule, "virtual_stages": v, **exchange}
 
 
 def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, micro: int) -> Config:
@@ -281,16 +215,6 @@ def _candidate_config(base: Config, ici, dcn, parallel: dict, recompute: str, mi
 
 
 _ENCODER = "encoder on stage 0"  # the part of a pipelined vision-language step its first stage adds
-_SLOWEST = "slowest stage"  # what the heaviest pipeline stage (layers, output layer and loss) adds to the even share
-
-
-def _layer_and_head_flops(plan: RunPlan, per_token: float, vision: float) -> tuple[float, float]:
-    """(FLOPs per token of one decoder layer, of the output layer and loss) in a step (forward and
-    backward): the output layer's 6 h V, the layers' the rest, every kind alike."""
-    m, c = plan.cfg.model, plan.pipeline
-    head = 6.0 * m.hidden_size * plan.padded_vocab
-    layers = (sum(c.chunks) if c is not None and c.chunks else m.num_layers) + m.mtp_num_layers
-    return max(0.0, per_token - vision - (1 + m.mtp_num_layers) * head) / max(layers, 1), head
 
 
 def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[float, dict[str, float], float, float]:
@@ -325,7 +249,7 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
     bandwidth = kind.memory_gbps * 1e9 * kind.memory_efficiency
     memory = analytic.elementwise_bytes(plan, platform) / bandwidth
     compute += memory
-    bubble, encoder, stage_pace = 0.0, 0.0, 0.0
+    bubble, encoder = 0.0, 0.0
     if plan.pipeline is not None:
         c = plan.pipeline
         bubble = _bubble(c.schedule, c.stages, c.microbatches, c.virtual_stages)
@@ -334,36 +258,24 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         # slowest stage sets the pace of every microbatch.
         vision = vision_flops_per_token(m, plan.batch.seq_len)
         encoder = tokens * vision * (c.stages - 1) / devices / (peak * 1e12 * kind.efficiency)
-        # Every stage waits for the slowest (a tick lasts as long as its busiest stage): the stages' work
-        # from the layout (megajax/pipeline_layout.py; uneven chunks, the last stage's output layer and
-        # loss, the first's encoder) against the even share `compute` holds.
-        work = analytic.stage_work(plan, *_layer_and_head_flops(plan, per_token, vision))
-        work[0] += vision
-        slowest = compute * (max(work) * len(work) / sum(work) - 1)
-        if slowest > encoder:
-            stage_pace = slowest - encoder
     # Devices that share a host's cores (simulated CPU devices) lend an idle device's cores to the others,
     # unless the stages run in lockstep (collectives inside the chunks): then every device computes every
     # tick's halves, an idle stage on zeros.
     lost = bubble if not kind.shared_host or analytic.pipeline_lockstep(plan) else 0.0
-    busy = (compute + encoder + stage_pace) / (1 - lost)
-    # The optimizer's update of the device's shard of the Adam state, after the step's gradients (the
-    # stacks as the state holds them: the stage form's padding rows are updated and reduced too).
-    held = analytic.held_params(plan, spec)
-    opt_state = analytic.state_bytes(spec.axes, held, rules.params, rules.opt_state, sizes,
+    busy = (compute + encoder) / (1 - lost)
+    # The optimizer's update of the device's shard of the Adam state, after the step's gradients.
+    opt_state = analytic.state_bytes(spec.axes, spec.abstract_params, rules.params, rules.opt_state, sizes,
                                      frozen_in_state(m))["optimizer"]
     # (it streams the parameters, gradients and moments through main memory: at `optimizer_gbps` where measured)
     optimizer = analytic.optimizer_bytes(opt_state) / (kind.optimizer_gbps * 1e9 or bandwidth)
-    local = analytic.tensor_shard_param_bytes(spec.axes, held, rules.params, sizes)
-    experts = analytic.expert_shard_param_bytes(spec.axes, held, rules.params, sizes)
+    local = analytic.tensor_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
+    experts = analytic.expert_shard_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
     shared = (analytic.stage_shared_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
               if plan.pipeline is not None else 0)
-    parts = {"compute": compute - memory, "memory-bound": memory, "bubble": busy - compute - encoder - stage_pace,
+    parts = {"compute": compute - memory, "memory-bound": memory, "bubble": busy - compute - encoder,
              "optimizer": optimizer}
     if encoder:
         parts[_ENCODER] = encoder
-    if stage_pace:
-        parts[_SLOWEST] = stage_pace
     overlapped = ringed = 0.0
     hides_reductions = not kind.shared_host and _reductions_overlap_backward(plan)
     gathered = analytic.stage_gathered_param_bytes(spec.axes, spec.abstract_params, rules.params, sizes)
@@ -408,7 +320,7 @@ def _step_time(plan: RunPlan, spec, kind: DeviceKind, devices: int) -> tuple[flo
         parts["pipeline"] = parts.get("pipeline", 0.0) + ticks * kind.tick_overhead_us * 1e-6
     exposed = max(0.0, overlapped - compute * 2 / 3)
     critical = sum(v for k, v in parts.items()
-                   if k not in ("compute", "memory-bound", "bubble", _ENCODER, _SLOWEST) and "overlapped" not in k)
+                   if k not in ("compute", "memory-bound", "bubble", _ENCODER) and "overlapped" not in k)
     step = busy + critical + exposed
     return step, parts, flops / (step * peak * 1e12), bubble
 
@@ -477,7 +389,6 @@ def estimate(cfg: Config, cluster: str, device_kinds: str | None = None) -> Cand
                   micro_batch=plan.batch.micro_batch, memory=mem,
                   fits=mem["total"] <= int(kind.memory_gib * GIB * HEADROOM))
     c.step_seconds, c.parts, c.mfu, c.bubble = _step_time(plan, spec, kind, devices)
-    c.layout = _layout_text(plan)
     return c
 
 
@@ -495,10 +406,7 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
     # The resolved config, tokenizer and vocabulary, planned on one device: the candidates bring the batch
     # checks (a global batch that does not split over every device is no error here).
     ones = {a: 1 for a in MESH_AXES}
-    # (a kept chunk count and a layout need a pipeline)
-    one_stage = {"virtual_stages": 1, "pipeline_schedule": "1f1b", "pipeline_layout": None,
-                 "first_pipeline_stage_layers": None, "last_pipeline_stage_layers": None,
-                 "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False}
+    one_stage = {"virtual_stages": 1, "pipeline_schedule": "1f1b"}  # (a kept chunk count needs a pipeline)
     base = make_plan(_candidate_config(cfg, ones, ones, one_stage, cfg.parallel.recompute, 1), 1)
     spec, _ = build_model_spec(base.cfg, base.padded_vocab)
     capacity = int(kind.memory_gib * GIB * HEADROOM)
@@ -528,7 +436,6 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
                 cand = Candidate(sizes=dict(plan.sizes), ici=ici, dcn=dcn, parallel=dict(parallel, recompute=recompute),
                                  micro_batch=plan.batch.micro_batch, memory=mem, fits=mem["total"] <= capacity)
                 cand.step_seconds, cand.parts, cand.mfu, cand.bubble = _step_time(plan, spec, kind, devices)
-                cand.layout = _layout_text(plan)
                 candidates.append(cand)
     if not candidates:
         raise _all_refused(cluster, devices, kind_name, node, pins, refusals)
@@ -550,14 +457,6 @@ def plan_cluster(cfg: Config, cluster: str, device_kinds: str | None = None, top
             "ranked": fitting, "smallest": smallest if not fitting else [], "pinned": pins,
             "kept": {k: _value(cfg, k) for k in keep},
             "alternatives": alternatives}
-
-
-def _layout_text(plan: RunPlan) -> str:
-    """The plan's pipeline chunks as Megatron's layout string where they differ ('' for equal chunks)."""
-    c = plan.pipeline
-    if c is None or not c.chunks or len(set(c.chunks)) == 1:
-        return ""
-    return c.layout().megatron(plan.cfg.model.mtp_num_layers)
 
 
 def _value(cfg: Config, key: str):
@@ -625,16 +524,7 @@ def format_plan(report: dict[str, Any], top: int = 5) -> str:
             lines.append(f"    {axis:<9} {c.step_seconds / best.step_seconds - 1:+6.1%}  {c.step_seconds:8.3f} s/step "
                          f"(#{rank})  {c.label()}")
             lines.append(f"              {reasons(c)}" + (f"; bubble {c.bubble:.1%}" if c.bubble else ""))
-            lines.append(f"              behind #1 by {behind(c, best)}")
     return "\n".join(lines)
-
-
-def behind(c: Candidate, best: Candidate, terms: int = 3) -> str:
-    """The parts of `c`'s estimate that exceed `best`'s most (what ranks it below): 'pipeline +120 ms, ...'."""
-    diff = {k: c.parts.get(k, 0.0) - best.parts.get(k, 0.0) for k in set(c.parts) | set(best.parts)
-            if "overlapped" not in k}
-    top = sorted(((k, v) for k, v in diff.items() if v > 0), key=lambda kv: -kv[1])[:terms]
-    return ", ".join(f"{k} +{v * 1e3:.0f} ms" for k, v in top) or "nothing (a tie)"
 
 
 def mesh_yaml(c: Candidate, header: str) -> str:

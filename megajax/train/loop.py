@@ -203,8 +203,7 @@ class Saves:
         if state.frozen is not None:  # model.lora: the adapters and their optimizer state, and where the base is
             meta["lora_base"] = self.tr.lora_base
             state = state.replace(frozen=None)
-        # The stacks in model order (a pipeline's stage form undone): a checkpoint does not know the layout.
-        self.checkpointer.save(step, self.tr.setup.checkpoint_form(state), meta, wait=wait)
+        self.checkpointer.save(step, state, meta, wait=wait)
         self.saved_step = step
 
     def close(self) -> None:

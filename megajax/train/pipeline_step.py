@@ -26,12 +26,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megajax.config import Config
 from megajax.mesh import ShardingRules, activation_sharding, mesh_sizes, spec_without, tree_specs
-from megajax.models.layer_plan import StagePlan, StageRows, layer_plan, stage_plan
-from megajax.models.layout import MTP_EXPERT_BIAS, STACK_NAMES, has_expert_bias
+from megajax.models.layout import EXPERT_BIAS, MTP_EXPERT_BIAS, STACK_NAMES
 from megajax.models.moe import router_losses
 from megajax.models.trainable import frozen_in_state, join
-from megajax.parallel.pipeline import (StageFunctions, build_schedule, chunk_scoped, joined_switch,
-                                      schedule_gradients)
+from megajax.parallel.pipeline import StageFunctions, build_schedule, schedule_gradients
 from megajax.parallel.tensor import vocab_parallel_cross_entropy
 from megajax.plan import PipelineChoice
 from megajax.precision.fp8 import HISTORY, scales_of
@@ -39,19 +37,16 @@ from megajax.precision.policy import precision_policy
 from megajax.train.loss import Gradients, StepInputs, moe_sums, mtp_targets
 from megajax.train.state import ModelSpec, TrainState
 
-# Where a mixture-of-experts MTP block's expert bias rides in the tree the stages run on: with the
-# block (whole on every stage). The layers' routers' bias enters the stage loop beside the tree, in
-# the stage form of the router rows.
+# Where the MoE routers' expert bias rides in the tree the stages run on: the MoE layers' rows with
+# their layers, a mixture-of-experts MTP block's with it (whole on every stage).
+EXPERT_BIAS_PATH = tuple(EXPERT_BIAS.split("/"))
 MTP_EXPERT_BIAS_PATH = tuple(MTP_EXPERT_BIAS.split("/"))
 
 
 def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: ShardingRules,
                        choice: PipelineChoice) -> Callable:
     """gradients(state, batch, inputs) -> Gradients through the pipeline stages, on the schedule
-    the plan chose (RunPlan.pipeline). The state's stacks of layers are in the stage form of the
-    plan's layout (megajax/models/layer_plan.py StagePlan: what the train state holds between steps
-    with pipeline parallelism), and so are their gradients; the FP8 scales and the routers' expert
-    bias (small, replicated) are put into it here, and their amaxes and token counts taken back out.
+    the plan chose (RunPlan.pipeline).
 
     FSDP parameters are gathered once per step, before the stages (experts stay split over
     `expert`: each device holds its own). The stage loop runs manual over every mesh axis; the
@@ -82,8 +77,8 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         encoder = gathered | set(rules.params["vision_heads"]) | set(rules.params["vision_mlp"])
         stage_specs |= {k: jax.tree.map(lambda s: P(*spec_without(s, encoder)), param_specs[k])
                         for k in ("vision", "projector")}
-    plan = run_stage_plan(cfg, choice, sizes)
-    fns, grad_dtype = stage_functions(spec, cfg, mesh, rules, plan), precision_policy(cfg).grad_dtype
+    fns, grad_dtype = stage_functions(spec, cfg, mesh, rules), precision_policy(cfg).grad_dtype
+    grouped = m.interleaves_dense_layers()
 
     def constrain(x, s):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s))
@@ -93,23 +88,21 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     def gradients(state: TrainState, batch: dict, inputs: StepInputs) -> Gradients:
         assert inputs.accum == choice.microbatches, (inputs.accum, choice)
         params = jax.tree.map(constrain, join(state.frozen, state.params), stage_specs)
-        tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis, plan)
+        tree, maxed, specs, scales = stage_tree(state, params, stage_specs, stage_axis,
+                                                ("layers",) if m.dense_first_layers() else STACK_NAMES,
+                                                m.num_moe_layers())
+        if grouped:  # the stages split the groups [MoE layer, dense layers]
+            tree, maxed, specs = (group_stacks(t, m.moe_layer_freq) for t in (tree, maxed, specs))
         scatter = unflatten_dict({k: vocab_dims.get(k, -1) for k in flatten_dict(tree)})
-        bias = None
-        if state.moe_expert_bias is not None:
-            bias = to_stage_form(state.moe_expert_bias[:m.num_moe_layers()], plan.router)
         with activation_sharding(mesh, rules.activations):
             grads, head_sums, router = schedule_gradients(
-                fns, sched, plan, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
+                fns, sched, mesh, tree, batch, None if inputs.rng is None else jax.random.key_data(inputs.rng),
                 inputs.scale / inputs.num_tokens, grad_dtype, specs, axis=stage_axis, data_axes=data_axes,
                 router_seed=inputs.scale / inputs.accum, maxed=maxed, seq_axes=seq_axes,
-                token_axes=token_axes, lockstep=lockstep, scatter=scatter, bias=bias)
-        flat = flatten_dict(grads)
-        amaxes = {}
-        for k in scales:  # the amaxes of the stacks' scales back in model order
-            g, kind = flat.pop(k), plan.kind_at(k)
-            amaxes[k] = g if kind is None else from_stage_form(g, plan.kinds[kind])
-        amaxes = unflatten_dict(amaxes) if scales else {}
+                token_axes=token_axes, lockstep=lockstep, scatter=scatter)
+        flat = flatten_dict(ungroup_stacks(grads) if grouped else grads)
+        amaxes = unflatten_dict({k: flat.pop(k) for k in scales}) if scales else {}
+        flat.pop(EXPERT_BIAS_PATH, None)
         flat.pop(MTP_EXPERT_BIAS_PATH, None)
         for path in frozen_paths:  # zeros (stop_gradient in the stages' model)
             flat.pop(path)
@@ -117,8 +110,6 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
         sums = {"loss_sum": head_sums["loss"]}
         if "mtp_loss" in head_sums:  # multi-token prediction's cross entropy (in the objective, not in `loss`)
             sums["mtp_loss_sum"] = head_sums["mtp_loss"]
-        if router is not None:  # the routers' token counts in model order
-            router = {**router, "tokens": from_stage_form(router["tokens"], plan.router)}
         if "router" in head_sums:  # a mixture-of-experts MTP block's routers, after the layers'
             mtp = head_sums["router"]
             router = {k: router[k] + mtp[k] for k in ("aux", "z", "dropped")} | {
@@ -131,51 +122,51 @@ def pipeline_gradients(cfg: Config, spec: ModelSpec, mesh: Mesh, rules: Sharding
     return gradients
 
 
-def run_stage_plan(cfg: Config, choice: PipelineChoice, sizes: dict[str, int]) -> StagePlan:
-    """The stage form of a run: one program for every chunk (StagePlan.uniform) where the chunks hold a
-    ring's permutes (context parallelism's ring with mesh.context > 1), else a branch per distinct chunk."""
-    uniform = sizes.get("context", 1) > 1 and cfg.parallel.context_impl == "ring"
-    return stage_plan(layer_plan(cfg.model), choice.chunks, choice.stages, choice.virtual_stages, uniform)
-
-
-def to_stage_form(x, rows: StageRows, fill: float = 0.0):
-    """A small array [logical rows, ...] (replicated: no data moves) in a row space's stage form,
-    padding rows `fill`."""
-    pad = jnp.full((1,) + x.shape[1:], fill, x.dtype)
-    return jnp.take(jnp.concatenate([x, pad]), jnp.asarray(rows.to_stage_index()), axis=0)
-
-
-def from_stage_form(x, rows: StageRows):
-    """to_stage_form undone: the logical rows of a stage-form array, in model order."""
-    return jnp.take(x, jnp.asarray(rows.to_logical_index()), axis=0)
-
-
 def stage_tree(state: TrainState, params: dict, specs: dict, stage_axis: str,
-               plan: StagePlan) -> tuple[dict, dict, dict, dict]:
-    """(tree, maxed, specs, scales): the parameters (their stacks in the stage form) with the FP8 scales
-    beside them (those of the stacks put in the stage form too, padding rows 1), and a MoE MTP block's
-    expert bias (the state's rows after the layers'); which of the tree's "gradients" are
-    max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
+               split: tuple[str, ...] = STACK_NAMES, moe_layers: int = 0) -> tuple[dict, dict, dict, dict]:
+    """(tree, maxed, specs, scales): the parameters with the FP8 scales and the expert bias beside
+    them (those of the stacks in `split` over the stages like their layers; the bias's first
+    `moe_layers` rows are the layers', the rest a MoE multi-token prediction block's), which of the
+    tree's "gradients" are max-combined (the scales': amaxes), the tree's specs, and the flat scales."""
     scales = {} if state.fp8 is None else flatten_dict(scales_of(state.fp8))
-    extra = {}
-    for k, x in scales.items():
-        kind = plan.kind_at(k)
-        extra[k] = x if kind is None else to_stage_form(x, plan.kinds[kind], 1.0)
-    layers = plan.plan.routers(range(plan.plan.num_layers))
-    if state.moe_expert_bias is not None and state.moe_expert_bias.shape[0] > layers:
-        extra[MTP_EXPERT_BIAS_PATH] = state.moe_expert_bias[layers:]
+    bias = {}
+    if state.moe_expert_bias is not None:
+        bias[EXPERT_BIAS_PATH] = state.moe_expert_bias[:moe_layers]
+        if state.moe_expert_bias.shape[0] > moe_layers:
+            bias[MTP_EXPERT_BIAS_PATH] = state.moe_expert_bias[moe_layers:]
     flat = flatten_dict(params)
+    extra = {**scales, **bias}
     tree = unflatten_dict({**flat, **extra})
     maxed = unflatten_dict({**{k: False for k in flat}, **{k: k in scales for k in extra}})
-    specs = unflatten_dict({**flatten_dict(specs), **{k: P(stage_axis) if plan.kind_at(k) is not None else P()
-                                                      for k in extra}})
+    specs = unflatten_dict({**flatten_dict(specs), **{k: P(stage_axis) if k[0] in split else P() for k in extra}})
     return tree, maxed, specs, scales
 
 
-def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRules, plan: StagePlan) -> StageFunctions:
-    """The model's embedding, a chunk's layers (with a MoE model's router losses, as `micro_loss` adds
-    them; the chunk's branch of `plan` chosen by its index) and output layer + loss as a pipeline runs
-    them (on each device's shards: the loss is the vocab-parallel cross entropy)."""
+def group_stacks(tree: dict, f: int) -> dict:
+    """A tree of a model with dense layers between its MoE layers (moe_layer_freq f > 1) as the
+    pipeline takes it: one stack over the groups [MoE layer, f - 1 dense layers], `layers` =
+    {"moe": the MoE layers [G, ...], "dense": the dense ones [G, f - 1, ...]} (arrays, bools, or
+    PartitionSpecs given the extra dim)."""
+    def dense(x):
+        if isinstance(x, P):
+            return P(x[0] if len(x) else None, None, *x[1:])
+        return x.reshape((-1, f - 1) + x.shape[1:]) if hasattr(x, "reshape") else x
+    rest = {k: v for k, v in tree.items() if k not in STACK_NAMES}
+    return {**rest, "layers": {"moe": tree["layers"], "dense": jax.tree.map(
+        dense, tree["dense_layers"], is_leaf=lambda x: isinstance(x, P))}}
+
+
+def ungroup_stacks(tree: dict) -> dict:
+    """group_stacks undone (arrays): `layers` and `dense_layers` in model form again."""
+    rest = {k: v for k, v in tree.items() if k != "layers"}
+    return {**rest, "layers": tree["layers"]["moe"],
+            "dense_layers": jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree["layers"]["dense"])}
+
+
+def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRules) -> StageFunctions:
+    """The model's embedding, layer stack (with a MoE model's router losses, as `micro_loss` adds
+    them) and output layer + loss as a pipeline runs them (on each device's shards: the loss is
+    the vocab-parallel cross entropy)."""
     ce = vocab_parallel_cross_entropy(mesh, rules.activations, cfg.model.vocab_size)
     fp8_paths = set() if spec.abstract_fp8 is None else set(flatten_dict(scales_of(spec.abstract_fp8)))
     frozen_paths = set() if spec.frozen_axes is None else set(flatten_dict(spec.frozen_axes))
@@ -187,8 +178,9 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
     def model(tree):
         """The model on a parameter tree; under FP8 the tree also holds the products' scales (the
         amax histories, which the forward pass does not read, are zeros of their shape), and with
-        a MoE MTP block its expert bias (which `head` hands to it)."""
+        an expert bias the bias (which `layers` hands to the layer stack)."""
         flat = flatten_dict(tree)
+        flat.pop(EXPERT_BIAS_PATH, None)
         flat.pop(MTP_EXPERT_BIAS_PATH, None)
         for path in frozen_paths:  # model.lora's frozen base: no gradient is computed for it
             flat[path] = jax.lax.stop_gradient(flat[path])
@@ -208,40 +200,35 @@ def stage_functions(spec: ModelSpec, cfg: Config, mesh: Mesh, rules: ShardingRul
         b, l = m["tokens"].shape
         return jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
 
-    def embed(params, m, key):
+    def embed(params, m, key, layer_key):
+        net = model(ungroup_stacks(params) if grouped else params)
         # A vision-language model's encoder and projector run here, on the first stage only.
-        return model(params).embed_input(m["tokens"], positions(m), key,
-                                         **({"images_BxNxHxWxC": m["images"]} if "images" in m else {}))
+        x = net.embed_input(m["tokens"], positions(m), key, **({"images_BxNxHxWxC": m["images"]} if "images" in m else {}))
+        if dense_first:  # the first stage runs the dense layers (every stage holds them)
+            x = net.dense_first_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                      dropout_rng=layer_key)
+        return x
 
-    depths, experts, window = cfg.model.mtp_num_layers, cfg.model.num_experts, plan.router.window
-    has_bias = has_expert_bias(cfg.model)
+    grouped = cfg.model.interleaves_dense_layers()
+    f = cfg.model.moe_layer_freq if grouped else 1
+    dense_first, depths = cfg.model.dense_first_layers(), cfg.model.mtp_num_layers
 
-    def branch_of(segments):
-        def run(params, x, m, key, first_layer, data_sum, bias, slots):
-            x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
-                                                 dropout_rng=key, first_layer=first_layer, segments=segments,
-                                                 expert_bias=bias if has_bias else None, slots=slots)
-            if not experts:
-                return x, None
-            if stats is None:  # a chunk without routers: zeros, typed as the others' (joined_switch)
-                zero = jnp.zeros((), jnp.float32)
-                return x, {"loss": zero, "aux": zero, "z": zero, "dropped": zero,
-                           "tokens": jnp.zeros((window, experts), jnp.float32)}
-            # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
-            aux, z = router_losses(stats, data_sum(stats.balance_tokens), data_sum(stats.count), cfg.model)
-            tokens = stats.tokens.astype(jnp.float32)
-            tokens = jnp.pad(tokens, ((0, window - tokens.shape[0]), (0, 0)))
-            return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
-                       "dropped": jnp.sum(stats.dropped).astype(jnp.float32), "tokens": tokens}
-        return run
-
-    branches = [chunk_scoped(b, branch_of(segments)) for b, segments in enumerate(plan.branches)]
-
-    def layers(params, x, m, key, first_layer, data_sum, branch, bias, slots):
-        return joined_switch(branch, branches, params, x, m, key, first_layer, data_sum, bias, slots)
+    def layers(params, x, m, key, first_layer, data_sum):
+        if grouped:  # a chunk of groups (group_stacks); first_layer counts groups
+            params, first_layer = ungroup_stacks(params), first_layer * f
+        bias = flatten_dict(params).get(EXPERT_BIAS_PATH)  # [chunk layers, E] or None
+        x, stats = model(params).layer_stack(x, positions_BxL=positions(m), segment_ids_BxL=m.get("segment_ids"),
+                                             dropout_rng=key, first_layer=first_layer, expert_bias=bias,
+                                             dense_first=False)
+        if stats is None:
+            return x, None
+        # This shard's share of the whole microbatch's losses (its probabilities, all shards' counts).
+        aux, z = router_losses(stats, data_sum(stats.balance_tokens), data_sum(stats.count), cfg.model)
+        return x, {"loss": jnp.sum(aux) + jnp.sum(z), "aux": jnp.sum(aux), "z": jnp.sum(z),
+                   "dropped": jnp.sum(stats.dropped), "tokens": stats.tokens}
 
     def head(params, x, m, data_sum):
-        net = model(params)
+        net = model(ungroup_stacks(params) if grouped else params)
         loss = jnp.sum(ce(net.output_logits(x), m["labels"]) * m["loss_mask"])
         if not depths:
             return loss, {"loss": loss}

@@ -32,7 +32,6 @@ from megajax.errors import CheckpointError, ConfigError
 from megajax.mesh import ShardingRules, even_sharding, load_balanced_order, mesh_from_sizes, padded_struct
 from megajax.precision.loss_scale import DynamicLossScale
 from megajax.precision.policy import precision_policy
-from megajax.models.layer_plan import StagePlan
 from megajax.models.trainable import frozen_in_state
 from megajax.train.flops import train_flops_per_token
 from megajax.train.master import load_target, restore_resume, with_params
@@ -41,8 +40,6 @@ from megajax.train.resume_changes import refuse_lora_changes
 from megajax.plan import BatchLayout, RunPlan, make_plan
 from megajax.train.state import (ModelSpec, TrainState, build_model_spec, initial_expert_bias, loss_scaler,
                                  make_init_fn, pad_state, place, state_shardings, unpad_state)
-from megajax.train.pipeline_step import run_stage_plan
-from megajax.train.stage_form import from_stages, staged_structs, to_stages
 from megajax.train.step import batch_shardings, make_eval_step, make_train_step, metric_keys
 
 
@@ -60,9 +57,6 @@ class Setup:
     abstract_state: TrainState
     state_shardings: TrainState
     batch_shardings: dict[str, NamedSharding]
-    # With pipeline parallelism: the stacks' stage form (the train state holds them so between steps,
-    # megajax/train/stage_form.py); None without.
-    staging: StagePlan | None = None
 
     @property
     def cfg(self) -> Config:
@@ -87,78 +81,37 @@ class Setup:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
                             self.abstract_state, self.state_shardings)
 
-    def step_target(self) -> TrainState:
-        """The state as the train step sees it: logical_target with its stacks of layers in the pipeline's
-        stage form (megajax/train/stage_form.py; the same without pipeline parallelism)."""
-        return staged_structs(self.logical_target(), self.staging)
-
     def target(self) -> TrainState:
-        """The state as stored between steps (what the train step takes): step_target with the dims
+        """The state as stored between steps (what the train step takes): logical_target with the dims
         split over the data-parallel axes padded where their split does not divide them
         (megajax/mesh.py PADDED_AXES)."""
-        return jax.tree.map(padded_struct, self.step_target())
+        return jax.tree.map(padded_struct, self.logical_target())
 
     def padded(self) -> bool:
-        """Whether any array of the state is stored otherwise than at its logical shape (padded, or in
-        the stage form)."""
+        """Whether any array of the state is stored padded."""
         return any(a.shape != b.shape for a, b in zip(jax.tree.leaves(self.logical_target()),
                                                       jax.tree.leaves(self.target())))
 
     def padding_record(self) -> dict[str, list[int]]:
-        """{Orbax storage name: logical shape} of the arrays a checkpoint stores padded (its metadata,
-        `logical_shapes`: readers crop them; the frozen base of adapters is not saved). A checkpoint
-        holds the stacks in model order (checkpoint_form)."""
-        logical = self.logical_target().replace(frozen=None)
-        stored = jax.tree.map(padded_struct, logical)
+        """{Orbax storage name: logical shape} of the stored state's padded arrays (a checkpoint's
+        metadata, `logical_shapes`: readers crop them; the frozen base of adapters is not saved)."""
+        logical, stored = self.logical_target().replace(frozen=None), self.target().replace(frozen=None)
         return {name: list(a.shape) for name, a, b in zip(leaf_names(logical), jax.tree.leaves(logical),
                                                            jax.tree.leaves(stored)) if a.shape != b.shape}
 
     def fresh_state(self) -> TrainState:
-        """A freshly initialised state, as the train step takes it."""
-        step = self.step_target()
-        return jax.jit(lambda: pad_state(to_stages(self.init(), self.staging), step),
-                       out_shardings=self.state_shardings)()
-
-    def fresh_logical_state(self) -> TrainState:
-        """A freshly initialised state in the checkpoints' form (model order; padded where stored so)."""
         logical = self.logical_target()
         return jax.jit(lambda: pad_state(self.init(), logical), out_shardings=self.state_shardings)()
 
-    def staged(self, state: TrainState) -> TrainState:
-        """A state in the checkpoints' form (a restore's, a load's) as the train step takes it (donated)."""
-        if self.staging is None:
-            return state
-        logical, step = self.logical_target(), self.step_target()
-        frozen = state.frozen is not None
-        shardings = self.state_shardings if frozen else self.state_shardings.replace(frozen=None)
-        if not frozen:
-            logical, step = logical.replace(frozen=None), step.replace(frozen=None)
-        return jax.jit(lambda s: pad_state(to_stages(unpad_state(s, logical), self.staging), step),
-                       out_shardings=shardings, donate_argnums=0)(state)
-
-    def checkpoint_form(self, state: TrainState) -> TrainState:
-        """A state as the train step holds it, in the checkpoints' form (staged undone; a new copy)."""
-        if self.staging is None:
-            return state
-        logical, step = self.logical_target(), self.step_target()
-        frozen = state.frozen is not None
-        shardings = self.state_shardings if frozen else self.state_shardings.replace(frozen=None)
-        if not frozen:
-            logical, step = logical.replace(frozen=None), step.replace(frozen=None)
-        return jax.jit(lambda s: pad_state(from_stages(unpad_state(s, step), self.staging), logical),
-                       out_shardings=shardings)(state)
-
     def model_params(self, state: TrainState) -> dict:
-        """The parameters of a stored state at their logical shapes (model order), for generation on the
-        run's mesh: as they are where nothing is padded or staged, else resharded whole over the axes
-        that do not divide them (megajax/mesh.py even_sharding)."""
+        """The parameters of a stored state at their logical shapes, for generation on the run's mesh:
+        as they are where nothing is padded, else the padded ones resharded whole over the axes that
+        do not divide them (megajax/mesh.py even_sharding)."""
         logical = self.logical_target().params
         if not self.padded():
             return state.params
-        step = self.step_target().params
         even = jax.tree.map(lambda t: even_sharding(t.sharding, t.shape), logical)
-        return jax.jit(lambda p: from_stages(unpad_state(p, step), self.staging),
-                       out_shardings=even)(state.params)
+        return jax.jit(lambda p: unpad_state(p, logical), out_shardings=even)(state.params)
 
     def image_batch_shardings(self) -> dict[str, NamedSharding]:
         """The shardings of a vision-language model's image-text batch: the text's and `images`
@@ -180,7 +133,7 @@ class Setup:
         step = make_train_step(cfg, self.spec, self.tx, self.scaler, self.schedule, self.mesh, self.rules,
                                self.plan.pipeline)
         halt = not (cfg.train.skip_nonfinite or precision_policy(cfg).dynamic_loss_scale)
-        logical = self.step_target()
+        logical = self.logical_target()
 
         def guarded(stored, batch, ok):
             state = unpad_state(stored, logical)  # the step sees logical shapes (padded between steps)
@@ -204,12 +157,11 @@ class Setup:
         """jit of (params, batch, fp8 scaling state or None, expert bias or None, frozen parameters or
         None) -> (sum of token losses, tokens); `images` as train_step's."""
         batch_sh = self.image_batch_shardings() if images else self.batch_shardings
-        evaluate, logical = make_eval_step(self.spec, self.mesh, self.rules, self.cfg), self.step_target()
+        evaluate, logical = make_eval_step(self.spec, self.mesh, self.rules, self.cfg), self.logical_target()
 
-        def stored_eval(params, batch, fp8, expert_bias, frozen):  # the stored parameters (padded, staged)
-            frozen = None if frozen is None else from_stages(unpad_state(frozen, logical.frozen), self.staging)
-            params = from_stages(unpad_state(params, logical.params), self.staging)
-            return evaluate(params, batch, fp8, expert_bias, frozen)
+        def stored_eval(params, batch, fp8, expert_bias, frozen):  # the stored parameters (padded)
+            frozen = None if frozen is None else unpad_state(frozen, logical.frozen)
+            return evaluate(unpad_state(params, logical.params), batch, fp8, expert_bias, frozen)
 
         return jax.jit(stored_eval,
                        in_shardings=(self.state_shardings.params, batch_sh, self.state_shardings.fp8,
@@ -244,9 +196,7 @@ def build_setup(plan: RunPlan, devices: list | None = None) -> Setup:
     init = make_init_fn(init_params, tx, scaler, cfg.train.seed, spec.init_fp8,
                         lambda: initial_expert_bias(cfg.model), spec.split, policy.param_dtype)
     abstract = jax.eval_shape(init)
-    choice = plan.pipeline
-    staging = None if choice is None else run_stage_plan(cfg, choice, plan.sizes)
-    return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps), staging=staging,
+    return Setup(plan=plan, mesh=mesh, spec=spec, tx=tx, schedule=lr_schedule(cfg.optim, cfg.train.steps),
                  scaler=scaler, init=init, abstract_state=abstract,
                  state_shardings=state_shardings(mesh, plan.rules, spec, tx, abstract),
                  batch_shardings=batch_shardings(mesh, plan.rules, batch_keys(cfg, plan.sizes["context"])))
@@ -303,14 +253,7 @@ class Trainer:
 
 
 def initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
-    """_initial_state's state as the train step takes it (with pipeline parallelism its stacks in the
-    stage form: Setup.staged)."""
-    state, consumed, origin, step = _initial_state(setup)
-    return setup.staged(state), consumed, origin, step
-
-
-def _initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
-    """(state, consumed samples, description, resumed step), in the checkpoints' form: the run directory's latest checkpoint (or
+    """(state, consumed samples, description, resumed step): the run directory's latest checkpoint (or
     checkpoint.step) if it has one (resume), else a fresh state, with checkpoint.load's parameters if
     given (fine-tuning). Resuming from a step older than the run's newest moves the newer steps aside
     (set_aside_newer), so the run saves its own steps in their place."""
@@ -340,7 +283,7 @@ def _initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
                               f"model.lora, checkpoint.load names the base model's step directory itself.")
     if cfg.checkpoint.load and setup.spec.frozen_axes is not None:
         frozen, ref = frozen_base(setup, target, base_reference(cfg), "checkpoint.load")
-        state = setup.fresh_logical_state().replace(frozen=frozen)
+        state = setup.fresh_state().replace(frozen=frozen)
         bias = (restore_expert_bias(Path(ref["path"]), cfg) if ref.get("format") == "megajax" else
                 _hf_expert_bias(ref["path"]) if ref.get("format") == "hf" else None)
         if bias is not None:
@@ -366,7 +309,7 @@ def _initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     if cfg.checkpoint.load:
         source = require_step_dir(cfg.checkpoint.load, "checkpoint.load", step)
         params, note = restore_params(source, load_target(target), cfg)
-        state = with_params(setup.fresh_logical_state(), params, target, setup.state_shardings)
+        state = with_params(setup.fresh_state(), params, target, setup.state_shardings)
         bias = restore_expert_bias(source, cfg)  # routing depends on it as on the router's weights
         if bias is not None:
             state = state.replace(moe_expert_bias=jax.device_put(bias, setup.state_shardings.moe_expert_bias))
@@ -374,7 +317,7 @@ def _initial_state(setup: Setup) -> tuple[TrainState, int, str, int | None]:
     if step is not None:
         raise CheckpointError(f"checkpoint.step={step}: train.run_dir={cfg.train.run_dir} has no checkpoints and "
                               f"checkpoint.load is not set; drop checkpoint.step to start afresh.")
-    return setup.fresh_logical_state(), 0, "fresh initialisation", None
+    return setup.fresh_state(), 0, "fresh initialisation", None
 
 
 def _same_base(cfg, recorded: dict, resume: Path) -> None:
@@ -434,7 +377,7 @@ def _hf_state(setup: Setup, target: TrainState, load: str) -> TrainState:
     from megajax.checkpoint.hf_stream import hf_expert_bias, stream_hf
     like = traverse_util.flatten_dict(load_target(target), sep="/")
     with open_hf(load) as hf:
-        state = setup.fresh_logical_state().replace(params=None)  # its initial parameters freed before the reads
+        state = setup.fresh_state().replace(params=None)  # its initial parameters freed before the reads
         state = with_params(state, traverse_util.unflatten_dict(stream_hf(hf, like), sep="/"), target,
                             setup.state_shardings)
         bias = hf_expert_bias(hf)
@@ -476,7 +419,7 @@ def _megatron_state(setup: Setup, target: TrainState, load: str) -> tuple[TrainS
                                   f"run's model ({listed or 'another set of tensors'}).")
         return jax.tree.map(place, tree, like)
 
-    state = with_params(setup.fresh_logical_state(), placed(params, load_target(target), "tensors"), target,
+    state = with_params(setup.fresh_state(), placed(params, load_target(target), "tensors"), target,
                         setup.state_shardings)
     if bias is not None:
         state = state.replace(moe_expert_bias=jax.device_put(np.asarray(bias, np.float32),
