@@ -1030,6 +1030,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.argv = argv
     previous = _stop_on_sigterm()
+    hook = sys.unraisablehook
+    sys.unraisablehook = _stops_sent_again(hook)
     try:
         return args.func(args)
     except UserError as e:
@@ -1047,8 +1049,25 @@ def main(argv: list[str] | None = None) -> int:
               f"finished; nothing it was writing was left behind.", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     finally:
+        sys.unraisablehook = hook
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _stops_sent_again(hook):
+    """sys.unraisablehook while a verb runs: a Ctrl-C or SIGTERM whose exception Python ignored (raised while a
+    garbage-collection callback or a destructor ran, where exceptions are printed and dropped) is not printed,
+    and its signal is sent again 50 ms later, so the stop is never lost; anything else goes to `hook`."""
+    import threading
+
+    def resend(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            return hook(unraisable)
+        sig = signal.SIGTERM if isinstance(unraisable.exc_value, Terminated) else signal.SIGINT
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), sig))
+        timer.daemon = True
+        timer.start()
+    return resend
 
 
 def _out_of_memory(error: Exception) -> str | None:
