@@ -203,8 +203,12 @@ def test_block_pool_counts_references_and_evicts_the_least_recently_used():
 
 
 def test_serve_flag_turns_prefix_caching_on_and_off():
-    from megajax.cli import parse_args
-    assert parse_args(["serve", "--checkpoint", "x"]).enable_prefix_caching is True  # the default: on
+    """Not given, the option is None (so that --batching static refuses it only when given) and serve takes
+    it as on (cmd_serve: `is not False`); its help says so."""
+    import inspect
+    from megajax.cli import cmd_serve, parse_args
+    assert parse_args(["serve", "--checkpoint", "x"]).enable_prefix_caching is None  # not given: on
+    assert "args.enable_prefix_caching = args.enable_prefix_caching is not False" in inspect.getsource(cmd_serve)
     assert parse_args(["serve", "--checkpoint", "x", "--no-enable-prefix-caching"]).enable_prefix_caching is False
     assert parse_args(["serve", "--checkpoint", "x", "--enable-prefix-caching"]).enable_prefix_caching is True
 
