@@ -70,6 +70,17 @@ MAX_REQUEST_ID = 128
 ID_PREFIXES = {"/v1/completions": "cmpl", "/v1/chat/completions": "chatcmpl"}
 
 
+_SAY = threading.Lock()
+
+
+def _say(line: str) -> None:
+    """One log line on stderr in one write (print writes the text and its newline apart, so the request
+    threads' lines ran together)."""
+    with _SAY:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{secrets.token_hex(12)}"
 
@@ -526,7 +537,7 @@ class _Handler(BaseHTTPRequestHandler):
         if request.logged and not request.ops:
             line = request_line(request.id, self.command, path, self._status, request.tally if request.jobs else None,
                                 seconds) + (f" {request.note}" if request.note else "")
-            print(line, file=sys.stderr, flush=True)
+            _say(line)
 
     def _route(self, path: str) -> None:
         methods = self.ROUTES.get(path)
@@ -684,10 +695,10 @@ class CompletionServer:
         KeyboardInterrupt ends the wait); says on stderr what it waits for and how it went. Returns the
         requests still in progress (cut): their jobs are marked cancelled."""
         running = self.service.start_draining()
-        print(f"megajax serve: {why + ': ' if why else ''}draining: {len(running)} request"
+        _say(f"megajax serve: {why + ': ' if why else ''}draining: {len(running)} request"
               f"{'s' * (len(running) != 1)} in progress{''.join(' ' + r.id for r in running[:8])}"
               f"{' ...' * (len(running) > 8)}; new ones get 503; waiting up to {timeout:g} s (--drain-timeout; a "
-              f"second SIGTERM or Ctrl-C stops at once)", file=sys.stderr, flush=True)
+              f"second SIGTERM or Ctrl-C stops at once)")
         started = time.monotonic()
         left, how = running, "drained"
         try:
@@ -702,9 +713,8 @@ class CompletionServer:
             for request in left:
                 for job in request.jobs:
                     job.cancelled = True
-            print(f"megajax serve: {how} after {time.monotonic() - started:.1f} s: {len(running) - len(left)} "
-                  f"finished, {len(left)} cut{''.join(' ' + r.id for r in left[:8])}{' ...' * (len(left) > 8)}",
-                  file=sys.stderr, flush=True)
+            _say(f"megajax serve: {how} after {time.monotonic() - started:.1f} s: {len(running) - len(left)} "
+                  f"finished, {len(left)} cut{''.join(' ' + r.id for r in left[:8])}{' ...' * (len(left) > 8)}")
         return left
 
 
@@ -724,10 +734,10 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
     previous = _stop_on_signals(server.service, stopping)
     cut: list = []
     try:
-        print(f"megajax serve: {loaded.path} on {loaded.mesh_text}, context {loaded.generator.context} tokens, "
+        _say(f"megajax serve: {loaded.path} on {loaded.mesh_text}, context {loaded.generator.context} tokens, "
               f"up to {max_batch} sequences per batch; listening on {server.url} (POST /v1/completions, "
               f"POST /v1/chat/completions{'' if server.service.chat_template else ' (no chat template)'}, PUT /api, "
-              f"GET /health, GET /health/live, GET /metrics)", file=sys.stderr, flush=True)
+              f"GET /health, GET /health/live, GET /metrics)")
         if not previous:  # not the main thread: no signals here, serve until interrupted
             server.serve_forever()
         else:
@@ -741,8 +751,7 @@ def serve(loaded, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
     except KeyboardInterrupt:  # the second signal (drain() said so), or an interrupt without our handlers
         cut = server.service.in_progress()
         if cut and not stopping.is_set():
-            print(f"megajax serve: stopping at once: {len(cut)} request{'s' * (len(cut) != 1)} cut",
-                  file=sys.stderr, flush=True)
+            _say(f"megajax serve: stopping at once: {len(cut)} request{'s' * (len(cut) != 1)} cut")
     finally:
         server.close(wait=not cut)
         for sig, handler in previous.items():
