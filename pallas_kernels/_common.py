@@ -55,6 +55,17 @@ def shared_memory_per_block() -> int | None:
     return 163 * 1024 if cc == (8, 0) else 99 * 1024
 
 
+SHARED_MEMORY_USE = 0.9  # of the per-block shared memory, for a GEMM kernel's operand pipeline
+
+
+def stages_that_fit(num_stages: int, stage_bytes: int, shared_memory: int | None) -> int:
+    """A GEMM's software-pipeline depth `num_stages`, lowered to what SHARED_MEMORY_USE of the block's
+    `shared_memory` holds at `stage_bytes` a stage (at least 1; unchanged when the size is unknown)."""
+    if shared_memory is None:
+        return num_stages
+    return max(1, min(num_stages, int(SHARED_MEMORY_USE * shared_memory) // stage_bytes))
+
+
 def default_interpret(interpret: bool | None) -> bool:
     """Pallas interpret mode: as given, else exactly when the default backend is CPU."""
     return jax.default_backend() == "cpu" if interpret is None else bool(interpret)

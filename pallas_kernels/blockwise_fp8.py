@@ -39,7 +39,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    both, cdiv, default_interpret, masked_load, next_pow2, on_rocm, shared_memory_per_block, tile_ids, valid)
+    both, cdiv, default_interpret, masked_load, next_pow2, on_rocm, shared_memory_per_block, stages_that_fit,
+    tile_ids, valid)
 
 BLOCK_K = 128   # the scaling block along K: one K step of the kernel
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e4m3fnuz))
@@ -51,7 +52,6 @@ _SMALL_M = dict(block_m=64, block_n=128, num_warps=4, num_stages=4)   # M <= 64
 _DEFAULT = dict(block_m=128, block_n=128, num_warps=8, num_stages=4)
 _MIN_BLOCK = 16
 _GROUP_M = 8
-_SHARED_MEMORY_USE = 0.9
 
 
 def default_block_sizes(m: int, n: int, shared_memory: int | None = None) -> dict:
@@ -61,9 +61,7 @@ def default_block_sizes(m: int, n: int, shared_memory: int | None = None) -> dic
     row = dict(_SMALL_M if m <= 64 else _DEFAULT)
     row["block_m"] = min(row["block_m"], max(_MIN_BLOCK, next_pow2(m)))
     row["block_n"] = min(row["block_n"], max(_MIN_BLOCK, next_pow2(n)))
-    if shared_memory is not None:
-        stage = (row["block_m"] + row["block_n"]) * BLOCK_K
-        row["num_stages"] = max(1, min(row["num_stages"], int(_SHARED_MEMORY_USE * shared_memory) // stage))
+    row["num_stages"] = stages_that_fit(row["num_stages"], (row["block_m"] + row["block_n"]) * BLOCK_K, shared_memory)
     row["group_m"] = _GROUP_M
     return row
 

@@ -44,7 +44,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
     both as _and, cdiv as _cdiv, masked_load as _load, next_pow2 as _next_pow2, on_rocm as _on_rocm,
-    shared_memory_per_block as _shared_memory_per_block, tile_ids, valid as _valid)
+    shared_memory_per_block as _shared_memory_per_block, stages_that_fit, tile_ids, valid as _valid)
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -122,7 +122,6 @@ _MIXED_BLOCK_K = 64     # mixed float8 types: tiles widened to float16 in regist
 _MIN_BLOCK = 16         # Triton's dot: every dimension >= 16 ...
 _MIN_BLOCK_K = 32       # ... and K >= 32 for 8-bit operands
 _GROUP_M = 8
-_SHARED_MEMORY_USE = 0.9  # of the per-block shared memory, for the operand pipeline
 
 
 def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3,
@@ -145,10 +144,8 @@ def default_block_sizes(m: int, n: int, k: int, a_dtype=E4M3, b_dtype=E4M3,
     row["block_m"] = min(row["block_m"], max(_MIN_BLOCK, _next_pow2(m)))
     row["block_n"] = min(row["block_n"], max(_MIN_BLOCK, _next_pow2(n)))
     row["block_k"] = min(row["block_k"], max(_MIN_BLOCK_K, _next_pow2(k)))
-    if shared_memory is not None:
-        stage = (row["block_m"] + row["block_n"]) * row["block_k"]   # bytes of float8
-        fit = int(_SHARED_MEMORY_USE * shared_memory) // stage
-        row["num_stages"] = max(1, min(row["num_stages"], fit))
+    row["num_stages"] = stages_that_fit(row["num_stages"], (row["block_m"] + row["block_n"]) * row["block_k"],
+                                        shared_memory)  # a stage's bytes of float8
     row["group_m"] = _GROUP_M
     return row
 
